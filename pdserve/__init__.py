@@ -1,0 +1,1 @@
+"""pdserve: LLM serving with Prefill/Decode disaggregation."""
