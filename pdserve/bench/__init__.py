@@ -1,0 +1,1 @@
+"""Load generation and reporting for OpenAI-compatible servers (`pdserve bench`)."""
