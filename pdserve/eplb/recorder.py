@@ -1,0 +1,100 @@
+"""Expert activation heatmap: per-layer counts over a sliding window of steps.
+
+The engine calls `record(layer, topk_ids)` from each MoE layer and `advance()` once per forward
+step. The window is a ring of per-step buckets plus a running sum, so reading the heatmap costs
+one copy, not a sum over the window. A lock keeps a scrape from seeing a half-advanced ring.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class ExpertLoadRecorder:
+    def __init__(self, num_layers: int, num_experts: int, window: int = 64):
+        if num_layers < 1 or num_experts < 1 or window < 1:
+            raise ValueError("num_layers, num_experts and window must be >= 1")
+        self.num_layers, self.num_experts, self.window = num_layers, num_experts, window
+        self._ring = torch.zeros(window, num_layers, num_experts, dtype=torch.long)
+        self._sum = torch.zeros(num_layers, num_experts, dtype=torch.long)
+        self._pos = 0  # bucket being filled
+        self._steps = 0  # steps completed, saturating at window for reporting
+        self._lock = threading.Lock()
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Count one layer's routed choices (logical expert ids, any shape) in this step."""
+        ids = torch.as_tensor(topk_ids).reshape(-1).to(torch.long).cpu()
+        if ids.numel() == 0:
+            return
+        counts = torch.bincount(ids, minlength=self.num_experts)
+        if counts.numel() > self.num_experts:
+            raise ValueError("expert id out of range")
+        with self._lock:
+            self._ring[self._pos, layer] += counts
+            self._sum[layer] += counts
+
+    def record_counts(self, counts: torch.Tensor) -> None:
+        """Add a whole `[layers, experts]` count matrix to this step (e.g. from another rank)."""
+        c = torch.as_tensor(counts, dtype=torch.long).cpu()
+        if tuple(c.shape) != (self.num_layers, self.num_experts):
+            raise ValueError(f"counts must be [{self.num_layers}, {self.num_experts}]")
+        with self._lock:
+            self._ring[self._pos] += c
+            self._sum += c
+
+    def advance(self) -> None:
+        """Close this step; the oldest step leaves the window."""
+        with self._lock:
+            self._pos = (self._pos + 1) % self.window
+            self._sum -= self._ring[self._pos]
+            self._ring[self._pos].zero_()
+            self._steps = min(self._steps + 1, self.window)
+
+    def heatmap(self) -> torch.Tensor:
+        """`[layers, experts]` activation counts over the window (float, for the policy)."""
+        with self._lock:
+            return self._sum.to(torch.float64)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._ring.zero_()
+            self._sum.zero_()
+            self._pos = self._steps = 0
+
+    def to_dict(self) -> dict:
+        """JSON-ready snapshot for an HTTP endpoint."""
+        with self._lock:
+            counts = self._sum.tolist()
+            steps = self._steps
+        return {
+            "num_layers": self.num_layers,
+            "num_experts": self.num_experts,
+            "window_steps": self.window,
+            "steps_in_window": steps,
+            "counts": counts,  # counts[layer][expert]
+            "total": [sum(row) for row in counts],
+        }
+
+    def register_metrics(self, registry, prefix: str = "pdserve_eplb") -> None:
+        """Expose the heatmap as a gauge family read at scrape time (no copies kept up to date)."""
+        registry.register(_HeatmapCollector(self, prefix))
+
+
+class _HeatmapCollector:
+    def __init__(self, recorder: ExpertLoadRecorder, prefix: str):
+        self._rec, self._name = recorder, f"{prefix}_expert_activations"
+
+    def describe(self):
+        return []  # registering must not trigger a collect; names come from collect()
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        fam = GaugeMetricFamily(self._name, "Expert activations in the sliding window",
+                                labels=["layer", "expert"])
+        for layer, row in enumerate(self._rec.heatmap().tolist()):
+            for expert, v in enumerate(row):
+                fam.add_metric([str(layer), str(expert)], v)
+        yield fam
