@@ -91,69 +91,72 @@ def rebalance_experts(
 
 def _plan_layer(w, caps, N, cur_ranks, num_groups, slack):
     E, R = len(w), len(caps)
-    flat_ref, flat_cands = _plan_scope(w, list(range(E)), list(range(R)), caps, cur_ranks, slack)
-    flat = _pick(flat_cands, flat_ref, w, cur_ranks, slack)
+    flat_ref, flat = _plan_scopes(w, caps, [(list(range(E)), list(range(R)))], cur_ranks, slack)
     parts = _node_partitions(w, caps, N, cur_ranks, num_groups) if N > 1 else []
     if not parts:
         return flat
-    hier_ref = None
-    hier_cands = []
-    for i, node_of_unit_experts in enumerate(parts):
-        ref, plan = _plan_nodes(w, caps, N, node_of_unit_experts, cur_ranks, slack)
-        if i == 0:  # the fresh partition with fresh packings: depends on load only
-            hier_ref = ref
-        hier_cands.append(plan)
-    # Decide flat vs hierarchical on load-only quantities, so the choice is stable.
-    if _max_load(hier_ref, w) <= _max_load(flat_ref, w) * (1 + _NODE_SLACK) * (1 + _EPS) + _EPS:
-        return _pick(hier_cands + [hier_ref], hier_ref, w, cur_ranks, slack)
-    return flat
+    node_ranks = [list(range(n * R // N, (n + 1) * R // N)) for n in range(N)]
+    # The fresh partition with fresh packings depends on load only: it is the reference, and
+    # flat vs hierarchical is decided on it, so repeated calls make the same choice.
+    hier_ref, first = _plan_scopes(w, caps, list(zip(parts[0], node_ranks)), cur_ranks, slack)
+    if _max_load(hier_ref, w) > _max_load(flat_ref, w) * (1 + _NODE_SLACK) * (1 + _EPS) + _EPS:
+        return flat
+    limit = _max_load(hier_ref, w) * (1 + slack)
+    cands = [hier_ref, first]
+    for part in parts[1:]:
+        cands.append(_plan_scopes(w, caps, list(zip(part, node_ranks)), cur_ranks, slack, limit)[1])
+    return _pick(cands, limit, w, cur_ranks)
 
 
-def _plan_nodes(w, caps, N, experts_of_node, cur_ranks, slack):
-    """Plan each node on its own; return (fresh reference plan, chosen plan), both merged."""
-    R = len(caps)
-    ref_ranks, ref_cnt, ranks, cnt = {}, {}, {}, {}
-    for n in range(N):
-        node_ranks = list(range(n * R // N, (n + 1) * R // N))
-        ref, cands = _plan_scope(w, experts_of_node[n], node_ranks, caps, cur_ranks, slack)
-        best = _pick(cands, ref, w, cur_ranks, slack)
-        ref_ranks.update(ref[0]), ref_cnt.update(ref[1])
-        ranks.update(best[0]), cnt.update(best[1])
-    return (ref_ranks, ref_cnt), (ranks, cnt)
+def _plan_scopes(w, caps, scopes, cur_ranks, slack, limit=None):
+    """Plan each (experts, ranks) scope on its own; return (fresh reference, chosen), merged.
 
-
-def _plan_scope(w, experts, ranks, caps, cur_ranks, slack):
-    """Candidates for placing `experts` on `ranks`: (fresh reference, all candidates)."""
-    budget = sum(caps[r] for r in ranks)
-    live = sum(1 for r in ranks if caps[r] > 0)
-    counts = _replica_counts(w, experts, budget, live)
-    fresh = _pack(w, counts, ranks, caps, keep=None)
-    _improve(w, fresh, target=None)
-    target = _max_load(fresh, w) * (1 + slack)
-    cands = [fresh]
-    if cur_ranks is not None:
-        cands.append(_relabel(fresh, ranks, caps, cur_ranks))
-        cands.append(_sticky(w, counts, ranks, caps, cur_ranks, target))
+    Every scope is held to the same `limit` on its most-loaded rank (default: the reference's,
+    plus slack), so a lightly loaded node may keep more of its current placement.
+    """
+    fresh = []
+    for experts, ranks in scopes:
+        budget = sum(caps[r] for r in ranks)
+        live = sum(1 for r in ranks if caps[r] > 0)
+        counts = _replica_counts(w, experts, budget, live)
+        plan = _pack(w, counts, ranks, caps, keep=None)
+        _improve(w, plan, target=None)
+        fresh.append((plan, budget, live))
+    ref = _merge([f[0] for f in fresh])
+    if limit is None:
+        limit = _max_load(ref, w) * (1 + slack)
+    if cur_ranks is None:
+        return ref, ref
+    chosen = []
+    for (experts, ranks), (plan, budget, live) in zip(scopes, fresh):
+        counts = plan[1]
+        cands = [plan, _relabel(plan, ranks, caps, cur_ranks),
+                 _sticky(w, counts, ranks, caps, cur_ranks, limit)]
         in_place = Counter(e for r in ranks for e in cur_ranks[r])
         cur_counts = {e: in_place.get(e, 0) for e in experts}
         # The counts in force are a candidate too: changing a count always costs a move.
         if cur_counts != counts and _valid_counts(cur_counts, budget, live):
-            cands.append(_sticky(w, cur_counts, ranks, caps, cur_ranks, target))
-    return fresh, cands
+            cands.append(_sticky(w, cur_counts, ranks, caps, cur_ranks, limit))
+        chosen.append(_pick(cands, limit, w, cur_ranks))
+    return ref, _merge(chosen)
 
 
-def _pick(cands, ref, w, cur_ranks, slack):
-    """Fewest moves among plans within `slack` of the reference's most-loaded rank."""
-    limit = _max_load(ref, w) * (1 + slack) * (1 + _EPS) + _EPS
-    best, best_key = ref, None
+def _merge(plans):
+    lists, cnt = {}, {}
+    for pl, c in plans:
+        lists.update(pl)
+        cnt.update(c)
+    return lists, cnt
+
+
+def _pick(cands, limit, w, cur_ranks):
+    """Fewest moves among plans whose most-loaded rank is within `limit`; else the best one."""
+    limit = limit * (1 + _EPS) + _EPS
+    keyed = []
     for plan in cands:
         m = _max_load(plan, w)
-        if m > limit:
-            continue
-        key = (_moves(plan[0], cur_ranks), m)
-        if best_key is None or key < best_key:
-            best, best_key = plan, key
-    return best
+        keyed.append(((0, _moves(plan[0], cur_ranks), m) if m <= limit else (1, m, 0), plan))
+    return min(keyed, key=lambda kp: kp[0])[1]
 
 
 # ---------------------------------------------------------------- replica counts
@@ -201,7 +204,35 @@ def _pack(w, counts, ranks, caps, keep):
         r = min(room, key=lambda r: (e in lists[r], load[r], r))
         lists[r].append(e)
         load[r] += w[e] / counts[e]
+    _split_duplicates(w, counts, lists)
     return lists, dict(counts)
+
+
+def _split_duplicates(w, counts, lists):
+    """Greedy packing can end with only a rank that already holds the expert left with room;
+    swap such a replica with one of similar weight elsewhere so replicas sit on distinct ranks."""
+    wt = {e: w[e] / counts[e] for e in counts}
+    for a in lists:
+        i = 0
+        while i < len(lists[a]):
+            x = lists[a][i]
+            if lists[a].count(x) < 2:
+                i += 1
+                continue
+            best = None
+            for b in lists:
+                if b == a or x in lists[b]:
+                    continue
+                for j, y in enumerate(lists[b]):
+                    if y not in lists[a]:
+                        d = abs(wt[x] - wt[y])
+                        if best is None or d < best[0]:
+                            best = (d, b, j)
+            if best is None:  # unavoidable: more slots on this rank than distinct experts left
+                i += 1
+                continue
+            _, b, j = best
+            lists[a][i], lists[b][j] = lists[b][j], x
 
 
 def _sticky(w, counts, ranks, caps, cur_ranks, target):

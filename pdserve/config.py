@@ -1,0 +1,87 @@
+"""Typed configuration: the one source of defaults, loaded from YAML and overridden by flags."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"          # a built-in name, a GGUF file or a Hugging Face directory
+    dtype: str = "float32"              # float32 (CPU default) or bfloat16
+    device: str = "cpu"                 # cpu or cuda
+    max_model_len: int | None = None    # defaults to the model's context length
+    seed: int = 0                       # weights of the tiny random models
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    device_memory_gb: float = 1.0       # KV pool budget; ignored when device_blocks is set
+    device_blocks: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64              # cap on running requests (the decode batch cap)
+    max_num_batched_tokens: int = 512   # per-step token budget; prompts longer than it are chunked
+    enable_chunked_prefill: bool = True
+    watermark_blocks: int = 1           # free blocks kept back at admission so decodes rarely preempt
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    threads: int | None = None          # torch compute threads; None leaves torch's default
+    shutdown_timeout_s: float = 30.0    # SIGTERM: how long running requests may take to finish
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _apply(obj: Any, values: dict[str, Any], path: str) -> None:
+    known = {f.name: f for f in fields(obj)}
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(f"unknown config key {path}{key!r}; known: {sorted(known)}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {path}{key} must be a mapping")
+            _apply(current, value, f"{path}{key}.")
+        else:
+            setattr(obj, key, value)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults, then the YAML file, then overrides given as dotted keys ("cache.block_size": 32)."""
+    cfg = Config()
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+        _apply(cfg, data, "")
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        *parents, leaf = dotted.split(".")
+        nested: dict[str, Any] = {leaf: value}
+        for p in reversed(parents):
+            nested = {p: nested}
+        _apply(cfg, nested, "")
+    return cfg

@@ -1,0 +1,139 @@
+"""Runs an LLMEngine on its own thread and streams each request's outputs to an asyncio consumer.
+
+Torch releases the GIL inside its kernels, so the HTTP event loop stays responsive while the
+engine thread computes. All engine calls happen on the engine thread; other threads only post
+commands to it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine,
+                 on_output: Callable[[RequestOutput, float], None] | None = None) -> None:
+        self.engine = engine
+        self.on_output = on_output          # metrics hook, called on the engine thread
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.dead: BaseException | None = None
+        self.accepting = True
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yields deltas until the request finishes. Cancelling the consumer aborts the request."""
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
+        self.engine.check_request(prompt_token_ids, params)   # pure check, raises InvalidParam
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._post(("add", request_id, prompt_token_ids, params, time.monotonic()))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._post(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def _post(self, cmd: tuple) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:        # the consumer's loop is closed
+                pass
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, ids, params, arrival = cmd
+                if rid not in self._streams:        # cancelled before it reached the engine
+                    continue
+                try:
+                    self.engine.add_request(rid, ids, params, arrival_time=arrival)
+                except Exception as e:  # noqa: BLE001 - delivered to the request's consumer
+                    self._deliver(rid, e)
+            elif cmd[0] == "abort":
+                out = self.engine.abort_request(cmd[1])
+                if out is not None:
+                    self._deliver(cmd[1], out)
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._drain_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a bug must fail requests, not hang them
+                log.exception("engine step failed")
+                self.dead = e
+                for rid in list(self.engine.requests):
+                    self.engine.abort_request(rid)
+                    self._deliver(rid, EngineDeadError(f"engine failed: {e}"))
+                return
+            now = time.monotonic()
+            for out in outputs:
+                if self.on_output is not None:
+                    self.on_output(out, now)
+                self._deliver(out.request_id, out)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop admitting, let running requests finish until the timeout, abort the rest, stop."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline and self.dead is None:
+            time.sleep(0.05)
+        for rid in list(self._streams):
+            self.abort(rid)
+        time.sleep(0.1)
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

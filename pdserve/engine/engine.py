@@ -1,0 +1,163 @@
+"""The engine: scheduler + model runner + KV pool, stepped by its owner (offline API or server loop)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.cache.block_pool import BlockPool
+from pdserve.cache.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from pdserve.config import Config
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.request import Request, RequestStatus, TokenLogprob
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampling_params import InvalidParam, SamplingParams
+from pdserve.engine.scheduler import Scheduler, blocks_needed
+from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: a delta, plus the totals so far."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: Config, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        mc, cc = config.model, config.cache
+        if config.server.threads:
+            torch.set_num_threads(config.server.threads)
+        loaded = loaded or load_model_files(mc.name, mc.seed)
+        self.model_name = mc.name
+        self.arch = loaded.arch
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(mc.max_model_len or loaded.arch.max_position_embeddings,
+                                 loaded.arch.max_position_embeddings)
+        self.model = build_model(loaded, mc.dtype, mc.device, self.max_model_len)
+        dtype = torch_dtype(mc.dtype)
+        num_blocks = cc.device_blocks or num_blocks_for_budget(self.arch, cc.block_size, dtype, cc.device_memory_gb)
+        self.block_size = cc.block_size
+        self.pool = BlockPool(num_blocks)
+        self.kv_cache = allocate_kv_cache(self.arch, num_blocks, cc.block_size, dtype, mc.device)
+        self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, cc.block_size)
+        self.requests: dict[str, Request] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.preemptions_total = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidParam for a request that cannot run; nothing is allocated."""
+        params.validate(self.arch.vocab_size)
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidParam("the prompt is empty", "prompt")
+        if any(not 0 <= t < self.arch.vocab_size for t in prompt_token_ids):
+            raise InvalidParam("the prompt holds token ids outside the vocabulary", "prompt")
+        max_tokens = params.max_tokens or 1
+        if n + max_tokens > self.max_model_len:
+            raise InvalidParam(f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                               f"asks for {n + max_tokens} ({n} in the prompt, {max_tokens} to generate)",
+                               "max_tokens" if n < self.max_model_len else "messages")
+        if blocks_needed(n + max_tokens, self.block_size) > self.pool.num_blocks:
+            raise InvalidParam(f"the request needs more KV blocks than the pool holds ({self.pool.num_blocks})",
+                               "max_tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id}")
+        self.check_request(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self.requests[request_id] = req
+        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
+                                                         params.include_stop_str_in_output)
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        return self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        self.preemptions_total += len(step.preempted)
+        if not step.scheduled:
+            return []
+        sampled = self.runner.execute(step.scheduled)
+        self.num_steps += 1
+        outputs = []
+        for req, n in step.scheduled:
+            if req.num_computed_tokens == 0 and req.num_preemptions == 0:
+                self.prompt_tokens_total += req.num_prompt_tokens
+            req.num_computed_tokens += n
+            if req.request_id in sampled:
+                token, logprob = sampled[req.request_id]
+                outputs.append(self._on_token(req, token, logprob))
+        return outputs
+
+    def _on_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        req.append_token(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        self.generation_tokens_total += 1
+        p = req.params
+        reason = None
+        detok = self.detoks[req.request_id]
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.arch.eos_token_ids):
+            reason = "stop"
+        elif detok.add(token) is not None:
+            reason = "stop"
+        elif p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens:
+            reason = "length"
+        elif req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            return self._finish(req, reason, [token], [logprob] if logprob else [])
+        return RequestOutput(req.request_id, [token], detok.take(False), False, None, req.num_prompt_tokens,
+                             len(req.output_token_ids), [logprob] if logprob else [])
+
+    def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None,
+                new_logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        self.scheduler.finish(req, reason)
+        detok = self.detoks.pop(req.request_id)
+        del self.requests[req.request_id]
+        return RequestOutput(req.request_id, new_tokens or [], detok.take(True), True, reason,
+                             req.num_prompt_tokens, len(req.output_token_ids), new_logprobs or [])
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_usage": self.pool.usage(),
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_free": self.pool.num_free,
+            "preemptions_total": self.preemptions_total,
+        }
+
+    def request_status(self, request_id: str) -> RequestStatus | None:
+        req = self.requests.get(request_id)
+        return req.status if req else None

@@ -1,0 +1,81 @@
+"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))` and `.chat(...)`."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from pdserve.config import Config, load_config
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerationOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class LLM:
+    """Runs requests to completion in one process, with the same engine the server uses.
+
+    Keyword overrides use dotted config keys with dots as double underscores, or the short
+    names below: LLM(model="smollm2-135m", dtype="float32", block_size=16, max_num_seqs=64).
+    """
+
+    _SHORT = {"model": "model.name", "dtype": "model.dtype", "device": "model.device",
+              "max_model_len": "model.max_model_len", "seed": "model.seed", "block_size": "cache.block_size",
+              "device_memory_gb": "cache.device_memory_gb", "device_blocks": "cache.device_blocks",
+              "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+              "enable_chunked_prefill": "scheduler.enable_chunked_prefill", "threads": "server.threads"}
+
+    def __init__(self, model: str | None = None, config: Config | None = None, **overrides: Any) -> None:
+        if model is not None:
+            overrides["model"] = model
+        dotted = {self._SHORT.get(k, k.replace("__", ".")): v for k, v in overrides.items()}
+        self.config = config or load_config(None, dotted)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(token_lists, params)
+
+    def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        return self._run([self.tokenizer.encode_chat(c) for c in conversations], params)  # type: ignore[arg-type]
+
+    def _run(self, token_lists: list[list[int]],
+             params: SamplingParams | Sequence[SamplingParams] | None) -> list[GenerationOutput]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(token_lists)
+        if len(params) != len(token_lists):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        for ids, p in zip(token_lists, params):
+            self.engine.check_request(ids, p)   # reject the batch before anything runs
+        results: dict[str, GenerationOutput] = {}
+        order = []
+        for ids, p in zip(token_lists, params):
+            rid = f"offline-{next(self._ids)}"
+            order.append(rid)
+            results[rid] = GenerationOutput(prompt_token_ids=ids)
+            self.engine.add_request(rid, ids, p)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                r = results[out.request_id]
+                r.token_ids.extend(out.new_token_ids)
+                r.text += out.new_text
+                r.logprobs.extend(out.new_logprobs)
+                if out.finished:
+                    r.finish_reason = out.finish_reason
+        return [results[rid] for rid in order]

@@ -1,0 +1,44 @@
+"""Model runner: turns a scheduled step into tensors, runs the model, samples."""
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.request import Request, TokenLogprob
+from pdserve.engine.sampler import sample
+from pdserve.model.attention import build_metadata
+from pdserve.model.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = model.device
+
+    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, tuple[int, TokenLogprob | None]]:
+        """Compute the scheduled tokens; returns a sampled token for each request whose chunk
+        reaches the end of its known tokens."""
+        # Decodes first: the attention batches them together (see model/attention.py).
+        ordered = sorted(scheduled, key=lambda rn: not (rn[1] == 1 and rn[0].num_computed_tokens > 0))
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs = []
+        logits_rows: list[int] = []
+        samplers: list[Request] = []
+        for req, n in ordered:
+            start = req.num_computed_tokens
+            ids.extend(req.all_token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            seqs.append((req.block_ids, start, n))
+            if start + n == req.num_tokens:
+                logits_rows.append(len(ids) - 1)
+                samplers.append(req)
+        meta = build_metadata(seqs, self.block_size, self.model.arch.sliding_window, self.device)
+        dev = self.device
+        logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
+                                    self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=dev))
+        if not samplers:
+            return {}
+        tokens, logprobs = sample(logits.cpu(), samplers)
+        return {r.request_id: (t, lp) for r, t, lp in zip(samplers, tokens, logprobs)}

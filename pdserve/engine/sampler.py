@@ -1,0 +1,80 @@
+"""Turn logits into tokens: penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
+
+Each row is processed on its own (one generator per request), so a request samples the same
+tokens whatever else shares its batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.request import Request, TokenLogprob
+
+
+def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """Repetition penalty over prompt and output (HF semantics); frequency/presence over output (OpenAI)."""
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and req.output_token_ids:
+        ids, counts = torch.tensor(req.output_token_ids, dtype=torch.long).unique(return_counts=True)
+        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """logits: [V], already divided by the temperature. Filtered entries become -inf."""
+    if top_k > 0 and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = cum - sorted_logits.softmax(-1) >= top_p
+        logits = logits.index_fill(0, order[drop], float("-inf"))
+    return logits
+
+
+def _logprob_entry(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    lp = float(logprobs[token])
+    rank = int((logprobs > logprobs[token]).sum()) + 1
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        vals, ids = torch.topk(logprobs, k)
+        top = [(int(i), float(v)) for i, v in zip(ids, vals)]
+    return TokenLogprob(token, lp, rank, top)
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: float32 [n, V], one row per request in `reqs`."""
+    tokens: list[int] = [0] * len(reqs)
+    greedy_rows = [i for i, r in enumerate(reqs) if r.params.greedy and not r.params.has_penalties]
+    if greedy_rows:
+        picked = logits[greedy_rows].argmax(-1).tolist()
+        for i, t in zip(greedy_rows, picked):
+            tokens[i] = t
+    greedy_set = set(greedy_rows)
+    for i, req in enumerate(reqs):
+        if i in greedy_set:
+            continue
+        p = req.params
+        row = logits[i].clone()
+        if p.has_penalties:
+            row = apply_penalties(row, req)
+        if p.greedy:
+            tokens[i] = int(row.argmax())
+            continue
+        row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
+        probs = row.softmax(-1)
+        tokens[i] = int(torch.multinomial(probs, 1, generator=req.generator))
+    out_logprobs: list[TokenLogprob | None] = [None] * len(reqs)
+    for i, req in enumerate(reqs):
+        if req.params.logprobs is not None:
+            # Logprobs of the model's own distribution, before penalties and filters.
+            out_logprobs[i] = _logprob_entry(logits[i].log_softmax(-1), tokens[i], req.params.logprobs)
+    return tokens, out_logprobs

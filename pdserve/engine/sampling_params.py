@@ -1,0 +1,65 @@
+"""Per-request sampling parameters (the vLLM/OpenAI set), validated with the offending param named."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidParam(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16         # None: up to the context length
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int | None = None         # top-k logprobs per sampled token (0 = the sampled token only)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def bad(cond: bool, param: str, msg: str) -> None:
+            if cond:
+                raise InvalidParam(msg, param)
+
+        bad(self.temperature < 0, "temperature", f"temperature must be >= 0, got {self.temperature}")
+        bad(not 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        bad(self.top_k < -1, "top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        bad(not 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        bad(self.max_tokens is not None and self.max_tokens < 1, "max_tokens",
+            f"max_tokens must be at least 1, got {self.max_tokens}")
+        bad(self.repetition_penalty <= 0, "repetition_penalty",
+            f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        bad(not -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        bad(not -2 <= self.presence_penalty <= 2, "presence_penalty",
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        bad(self.logprobs is not None and not 0 <= self.logprobs <= 20, "logprobs",
+            f"logprobs must be in [0, 20], got {self.logprobs}")
+        if vocab_size is not None:
+            bad(any(not 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
+                "stop_token_ids must be valid token ids")

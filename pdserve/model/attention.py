@@ -1,0 +1,105 @@
+"""Attention over a paged KV cache.
+
+The cache of one layer is a flat tensor of slots [num_blocks * block_size, kv_heads, head_dim];
+slot = block_id * block_size + offset. A step's tokens are flattened: decode tokens (one query
+each) come first and are attended in one padded batch; prefill chunks follow, one call each.
+Gather indices and masks are built once per step (`build_metadata`) and shared by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int                      # offset of the chunk in the flattened batch
+    q_len: int
+    ctx_len: int                      # tokens attended, this chunk included
+    gather_idx: torch.Tensor | None   # [ctx_len] slots; None when the chunk is the whole context
+    mask: torch.Tensor | None         # [q_len, ctx_len] bool (True = attend), None means plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                 # [T] slot written by each token
+    num_decode: int = 0
+    decode_gather_idx: torch.Tensor | None = None   # [Bd, Lmax]
+    decode_mask: torch.Tensor | None = None         # [Bd, 1, 1, Lmax]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(start, end)
+    blocks = torch.tensor(block_table, dtype=torch.long)[pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
+                   sliding_window: int | None, device: torch.device | str) -> AttentionMetadata:
+    """seqs: (block_table, num_computed, num_new) per sequence, decodes (num_new == 1) first."""
+    slot_parts, decodes, prefills = [], [], []
+    q_start = 0
+    for block_table, computed, new in seqs:
+        ctx = computed + new
+        slot_parts.append(_slots(block_table, computed, ctx, block_size))
+        if new == 1 and computed > 0:
+            decodes.append((block_table, ctx))
+        else:
+            if computed == 0 and sliding_window is None:
+                prefills.append(PrefillChunk(q_start, new, ctx, None, None))
+            else:
+                q_pos = torch.arange(computed, ctx).unsqueeze(1)
+                k_pos = torch.arange(ctx).unsqueeze(0)
+                mask = k_pos <= q_pos
+                if sliding_window is not None:
+                    mask &= k_pos > q_pos - sliding_window
+                prefills.append(PrefillChunk(q_start, new, ctx, _slots(block_table, 0, ctx, block_size).to(device),
+                                             mask.to(device)))
+        q_start += new
+    meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(device), num_decode=len(decodes),
+                             prefills=prefills)
+    if decodes:
+        lmax = max(ctx for _, ctx in decodes)
+        idx = torch.zeros(len(decodes), lmax, dtype=torch.long)
+        mask = torch.zeros(len(decodes), lmax, dtype=torch.bool)
+        for i, (table, ctx) in enumerate(decodes):
+            lo = max(0, ctx - sliding_window) if sliding_window is not None else 0
+            idx[i, :ctx] = _slots(table, 0, ctx, block_size)
+            mask[i, lo:ctx] = True
+        meta.decode_gather_idx = idx.to(device)
+        meta.decode_mask = mask.view(len(decodes), 1, 1, lmax).to(device)
+    return meta
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Writes k, v into the cache first."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    nd = meta.num_decode
+    if nd:
+        idx = meta.decode_gather_idx
+        kd = k_cache[idx].transpose(1, 2)          # [Bd, KVH, L, D]
+        vd = v_cache[idx].transpose(1, 2)
+        qd = q[:nd].unsqueeze(2)                   # [Bd, H, 1, D]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+                                           enable_gqa=True)
+        out[:nd] = o.squeeze(2)
+    for p in meta.prefills:
+        qp = q[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)   # [1, H, q, D]
+        if p.gather_idx is None:
+            kp = k[p.q_start:p.q_start + p.q_len]
+            vp = v[p.q_start:p.q_start + p.q_len]
+        else:
+            kp = k_cache[p.gather_idx]
+            vp = v_cache[p.gather_idx]
+        kp = kp.transpose(0, 1).unsqueeze(0)
+        vp = vp.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
+                                           scale=scale, enable_gqa=True)
+        out[p.q_start:p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,101 @@
+"""Llama-family decoder (SmolLM2, Llama, Qwen2, Mistral) in plain PyTorch over a paged KV cache.
+
+Weights are stored fused (qkv, gate+up) and pre-transposed ([in, out]) because `x @ W_t` is
+markedly faster than `F.linear` for small batches on CPU (see MEASURED.md).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.model.arch import ModelArch
+from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.rotary import RotaryEmbedding, apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLayer:
+    def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor]) -> None:
+        self.arch = arch
+        self.input_norm = w["input_layernorm"]
+        self.post_norm = w["post_attention_layernorm"]
+        self.qkv_t = torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]], 0).t().contiguous()
+        self.qkv_bias = (torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if "q_bias" in w else None)
+        self.o_t = w["o_proj"].t().contiguous()
+        self.gate_up_t = torch.cat([w["gate_proj"], w["up_proj"]], 0).t().contiguous()
+        self.down_t = w["down_proj"].t().contiguous()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        a = self.arch
+        h = rms_norm(x, self.input_norm, a.rms_norm_eps)
+        qkv = h @ self.qkv_t
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        t = x.shape[0]
+        q = apply_rotary(q.view(t, a.num_heads, a.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, a.num_kv_heads, a.head_dim), cos, sin)
+        v = v.reshape(t, a.num_kv_heads, a.head_dim)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, a.head_dim ** -0.5)
+        x = x + o.reshape(t, a.q_size) @ self.o_t
+        h = rms_norm(x, self.post_norm, a.rms_norm_eps)
+        gate, up = (h @ self.gate_up_t).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ self.down_t
+
+
+class LlamaModel:
+    """Holds the weights; `forward` runs one engine step over flattened tokens."""
+
+    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu", max_model_len: int | None = None) -> None:
+        self.arch = arch
+        self.dtype = dtype
+        self.device = torch.device(device)
+        w = {k: v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        head = w.get("lm_head.weight", self.embed) if not arch.tie_word_embeddings else self.embed
+        self.lm_head_t = head.t().contiguous()
+        self.norm = w["model.norm.weight"]
+        self.layers = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
+            lw = {
+                "input_layernorm": w[p + "input_layernorm.weight"],
+                "post_attention_layernorm": w[p + "post_attention_layernorm.weight"],
+                "o_proj": w[p + "self_attn.o_proj.weight"],
+                "gate_proj": w[p + "mlp.gate_proj.weight"],
+                "up_proj": w[p + "mlp.up_proj.weight"],
+                "down_proj": w[p + "mlp.down_proj.weight"],
+            }
+            for n in ("q", "k", "v"):
+                lw[f"{n}_proj"] = w[p + f"self_attn.{n}_proj.weight"]
+                if p + f"self_attn.{n}_proj.bias" in w:
+                    lw[f"{n}_bias"] = w[p + f"self_attn.{n}_proj.bias"]
+            self.layers.append(DecoderLayer(arch, lw))
+        self.max_model_len = max_model_len or arch.max_position_embeddings
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, self.max_model_len, arch.rope_scaling,
+                                      dtype, self.device)
+
+    def weight_bytes(self) -> int:
+        """Bytes read by one decode step (the embedding lookup reads only a few rows)."""
+        tensors = [self.lm_head_t, self.norm]
+        for layer in self.layers:
+            tensors += [layer.qkv_t, layer.o_t, layer.gate_up_t, layer.down_t, layer.input_norm, layer.post_norm]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """kv_cache: [layers, 2, slots, kv_heads, head_dim]. Returns float32 logits [len(logits_indices), V]."""
+        x = self.embed[input_ids]
+        cos, sin = self.rotary.tables(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+        x = rms_norm(x[logits_indices], self.norm, self.arch.rms_norm_eps)
+        return (x @ self.lm_head_t).float()

