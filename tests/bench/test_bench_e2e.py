@@ -99,12 +99,11 @@ def test_bench_json_consistent_with_server(server, tmp_path):
     assert r["ttft_ms"]["count"] == n
     assert r["output_throughput_tok_s"] > 0 and r["duration_s"] > 0
     assert r["e2e_ms"]["p99"] >= r["e2e_ms"]["p50"] >= r["ttft_ms"]["p50"] > 0
-    # The server's own counters moved by what the client counted, if it exports them.
+    # The server's own token counters moved by exactly what the client counted.
     after = token_counters(server.url)
-    if before[1] is not None and after[1] is not None:
-        assert after[1] - before[1] == r["output_tokens"]
-    if before[0] is not None and after[0] is not None:
-        assert after[0] - before[0] == r["input_tokens"]
+    assert None not in before + after, "the server exports no prompt/generation token counters"
+    assert after[1] - before[1] == r["output_tokens"]
+    assert after[0] - before[0] == r["input_tokens"]
 
 
 def test_streamed_text_and_usage_match_openai_client(server):
