@@ -181,3 +181,21 @@ def test_server_killed_mid_run_counts_errors(tmp_path):
         assert s["errors"].get("connect_error", 0) >= 1
     finally:
         srv.stop()
+
+
+def test_poisson_rate_and_rejected_requests_counted(server, tmp_path):
+    """Open-loop arrivals from a JSONL workload in which one prompt exceeds the tiny model's
+    2048-token context: the server refuses it with a 4xx, counted under its status."""
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(json.dumps({"prompt": "hello " * 3000, "max_tokens": 4, "tag": "huge"}) + "\n"
+                  + json.dumps({"prompt": "Say something.", "max_tokens": 4, "tag": "small"})
+                  + "\n")
+    out = tmp_path / "r.json"
+    bench_main(["--base-url", server.url, "--workload", str(wl), "-n", "6", "-r", "20",
+                "--output-json", str(out), "--no-progress"])
+    r = json.loads(out.read_text())
+    assert r["completed"] == 3 and r["failed"] == 3
+    assert len(r["errors"]) == 1
+    (kind, count), = r["errors"].items()
+    assert kind.startswith("http_4") and count == 3
+    assert r["by_tag"]["huge"]["failed"] == 3 and r["by_tag"]["small"]["completed"] == 3
