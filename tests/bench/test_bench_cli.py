@@ -1,17 +1,10 @@
 """The CLI without a server: argument errors, and a dead address reported rather than raised."""
 import json
-import socket
 
 import pytest
 
 from pdserve.bench.cli import main
-
-
-def closed_port() -> int:
-    # Bind then close: nothing listens there for the test's short life.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pdserve.bench.procs import free_port as closed_port  # bound then closed: nobody listens
 
 
 @pytest.mark.parametrize("argv", [
