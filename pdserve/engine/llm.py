@@ -9,6 +9,7 @@ from pdserve.config import Config, load_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.loader import LoadedModel
 
 
 @dataclass
@@ -33,12 +34,14 @@ class LLM:
               "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
               "enable_chunked_prefill": "scheduler.enable_chunked_prefill", "threads": "server.threads"}
 
-    def __init__(self, model: str | None = None, config: Config | None = None, **overrides: Any) -> None:
+    def __init__(self, model: str | None = None, config: Config | None = None,
+                 loaded: LoadedModel | None = None, **overrides: Any) -> None:
+        """`loaded` reuses weights already in memory (tests build several engines on one model)."""
         if model is not None:
             overrides["model"] = model
         dotted = {self._SHORT.get(k, k.replace("__", ".")): v for k, v in overrides.items()}
         self.config = config or load_config(None, dotted)
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

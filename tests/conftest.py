@@ -1,0 +1,37 @@
+"""Shared fixtures. The real default model and the HF reference load once per session."""
+from __future__ import annotations
+
+import os
+
+# Before torch loads: spinning OpenMP threads collapse on 2 shared cores (see MEASURED.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm_files():
+    from pdserve.model.loader import load_model_files
+    return load_model_files("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm_llm(smollm_files):
+    """The offline engine on the real default model (float32)."""
+    from pdserve import LLM
+    return LLM(model="smollm2-135m", loaded=smollm_files)
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """HF transformers' own GGUF loader: an independent check of our dequantize + un-permute."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.model.loader import default_gguf_path
+
+    path = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    return model
