@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -73,17 +74,30 @@ def run_once(cfg: ClientConfig, workload: str, n: int, *, concurrency: int | Non
                   TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn(),
                   console=console, disable=not show_progress, transient=True) as prog:
         task = prog.add_task(label, total=total, failed=0)
+        finished: list[RequestRecord] = []
         failed = 0
 
         def on_done(r: RequestRecord) -> None:
             nonlocal failed
+            finished.append(r)
             failed += not r.ok
             prog.update(task, advance=1, failed=failed)
 
-        records, duration = asyncio.run(run_load(cfg, sessions, concurrency=concurrency,
-                                                 request_rate=request_rate, seed=seed,
-                                                 on_done=on_done))
+        t0 = time.perf_counter()
+        interrupted = False
+        try:
+            records, duration = asyncio.run(run_load(cfg, sessions, concurrency=concurrency,
+                                                     request_rate=request_rate, seed=seed,
+                                                     on_done=on_done))
+        except KeyboardInterrupt:
+            # Ctrl-C: report what finished so far rather than lose a long run; the requests
+            # in flight are left out, and `interrupted` says the counts fall short of N.
+            interrupted = True
+            records = finished
+            ends = [r.end for r in finished if r.end is not None]
+            duration = max(ends) - t0 if ends else 0.0
     s = summarize(records, duration, slo_ttft_ms, slo_tpot_ms)
+    s["interrupted"] = interrupted
     s["num_requests"] = total
     s["concurrency"] = concurrency
     s["request_rate"] = request_rate
@@ -92,7 +106,8 @@ def run_once(cfg: ClientConfig, workload: str, n: int, *, concurrency: int | Non
 
 def main(argv: list[str] | None = None) -> int:
     """Returns 0 when the run finished and at least one request completed, 1 when none did
-    (the report still prints: errors are counted, never raised), 2 on bad arguments."""
+    (the report still prints: errors are counted, never raised), 2 on bad arguments, 130 when
+    Ctrl-C cut the run short (the report covers what finished)."""
     p = build_parser()
     a = p.parse_args(argv)
     console = Console(stderr=False)
@@ -127,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"concurrency {c}: {s['output_throughput_tok_s']:.1f} out tok/s, "
                           f"{s['per_user_tok_s']['p50']:.1f} tok/s per user, "
                           f"{s['completed']} done, {s['failed']} failed")
+            if s["interrupted"]:
+                break
         console.print(report.sweep_table(points))
         out: dict = {"config": config, "sweep": points}
         if a.plot:
@@ -135,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                           title=f"{a.workload}: throughput vs per-user speed")
             console.print(f"plot written to {a.plot}")
         ok = any(pt["completed"] for pt in points)
+        interrupted = points[-1]["interrupted"]
     else:
         conc = a.concurrency if a.request_rate is None else a.max_concurrency
         if a.request_rate is None and conc is None:
@@ -151,9 +169,13 @@ def main(argv: list[str] | None = None) -> int:
             plot_run(records, a.plot, title=f"{a.workload}, {s['completed']} requests")
             console.print(f"plot written to {a.plot}")
         ok = s["completed"] > 0
+        interrupted = s["interrupted"]
     if a.output_json:
         Path(a.output_json).write_text(json.dumps(out, indent=2) + "\n")
         console.print(f"JSON written to {a.output_json}")
+    if interrupted:
+        console.print("[yellow]interrupted: the figures cover the requests finished before it")
+        return 130  # the shell's code for SIGINT
     return 0 if ok else 1
 
 
