@@ -44,7 +44,7 @@ def imbalance(rank_loads) -> float:
     if rl.dim() == 1:
         rl = rl.unsqueeze(0)
     mean = rl.mean(dim=1).sum().item()
-    return rl.max(dim=1).values.sum().item() / mean if mean > 0 else 1.0
+    return rl.amax(dim=1).sum().item() / mean if mean > 0 else 1.0
 
 
 def experts_moved(old, new, num_ranks: int) -> int:

@@ -343,7 +343,11 @@ def _node_partitions(w, caps, N, cur_ranks, num_groups):
             if len(home[n]) < per_node:
                 home[n].append(u)
         placed = {u for h in home for u in h}
-        parts.append(lpt([u for u in by_load if u not in placed], home))
+        sticky = lpt([u for u in by_load if u not in placed], home)
+        # Swap units between nodes until node loads are as even as the fresh partition's.
+        plan = ({n: sticky[n] for n in range(N)}, {u: 1 for u in range(G)})
+        _improve(uload, plan, target=max(sum(uload[u] for u in p) for p in parts[0]))
+        parts.append([plan[0][n] for n in range(N)])
     return [[[e for u in part[n] for e in unit[u]] for n in range(N)] for part in parts]
 
 
