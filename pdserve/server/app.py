@@ -11,7 +11,7 @@ from pdserve.config import Config
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_card
-from pdserve.server.errors import error_response, install_error_handlers
+from pdserve.server.errors import BodySizeLimit, error_response, install_error_handlers
 from pdserve.server.metrics import RequestTimer, ServerMetrics
 from pdserve.server.openai_api import OpenAIHandlers
 
@@ -36,15 +36,9 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
     app.state.engine = async_engine
     install_error_handlers(app, on_error=lambda status: metrics.errors.labels(str(status)).inc())
-    max_body = config.server.max_body_bytes
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body:
-            metrics.errors.labels("413").inc()
-            return error_response(413, f"the request body exceeds {max_body} bytes", code="body_too_large")
-        return await call_next(request)
+    app.add_middleware(BodySizeLimit, max_bytes=config.server.max_body_bytes,
+                       on_reject=lambda: metrics.errors.labels("413").inc())
 
     @app.get("/health")
     async def health():
@@ -74,9 +68,19 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
 
 
 def serve(config: Config) -> None:
+    import signal
+
     import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # SIGTERM is the normal way to stop a worker: drain, then exit 0 rather than re-raise it.
+            if sig == signal.SIGTERM and not self.should_exit:
+                self.should_exit = True
+                return
+            super().handle_exit(sig, frame)
 
     app = create_app(config)
     log.info("serving %s on http://%s:%d", config.model.name, config.server.host, config.server.port)
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info",
-                timeout_graceful_shutdown=int(config.server.shutdown_timeout_s))
+    GracefulServer(uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
+                                  timeout_graceful_shutdown=int(config.server.shutdown_timeout_s))).run()
