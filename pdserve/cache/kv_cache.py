@@ -20,5 +20,7 @@ def num_blocks_for_budget(arch: ModelArch, block_size: int, dtype: torch.dtype, 
 
 def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device | str = "cpu") -> torch.Tensor:
-    return torch.zeros(arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim,
-                       dtype=dtype, device=device)
+    kv = torch.empty(arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim,
+                     dtype=dtype, device=device)
+    # Write every page now: calloc'd zero pages would fault on first use, in the middle of serving.
+    return kv.zero_()

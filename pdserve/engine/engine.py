@@ -15,6 +15,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import InvalidParam, SamplingParams
 from pdserve.engine.scheduler import Scheduler, blocks_needed
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
+from pdserve.utils.runtime import tune_malloc
 
 
 @dataclass
@@ -34,6 +35,7 @@ class LLMEngine:
     def __init__(self, config: Config, loaded: LoadedModel | None = None) -> None:
         self.config = config
         mc, cc = config.model, config.cache
+        tune_malloc()
         if config.server.threads:
             torch.set_num_threads(config.server.threads)
         loaded = loaded or load_model_files(mc.name, mc.seed)

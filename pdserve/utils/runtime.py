@@ -1,0 +1,34 @@
+"""Process-level tuning for CPU inference."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_tuned = False
+
+
+def tune_malloc() -> None:
+    """Keep freed activation buffers in the heap instead of returning them to the OS.
+
+    glibc serves allocations above its mmap threshold (a few MB, like a batch's gathered KV) with
+    fresh mmap'd pages, and each step then pays a page fault per 4 KiB: measured here, that made
+    the KV gather ~5x slower and a batch-32 decode step ~1.7x slower.
+    """
+    global _tuned
+    if _tuned:
+        return
+    _tuned = True
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)   # glibc's maximum
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):   # not glibc (musl, macOS): nothing to tune
+        log.debug("mallopt unavailable; leaving malloc defaults")
