@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -164,6 +166,42 @@ def run_hf(sessions, levels, args, out_dir: Path) -> list[dict]:
     return points
 
 
+class CpuWatch:
+    """How much CPU processes outside this run used while a system was measured.
+
+    The machine's busy time (/proc/stat) minus this process's and its waited-for children's
+    (the servers, the HF child): a fraction of all cores. Two threads on two cores collapse
+    under any competing load, so a figure taken beside someone else's work is flagged rather
+    than trusted. None where /proc/stat is missing (not Linux).
+    """
+
+    def __init__(self):
+        self.t0, self.busy0, self.ours0 = time.perf_counter(), self._busy(), self._ours()
+
+    @staticmethod
+    def _busy() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        # user nice system idle iowait irq softirq steal: all but idle and iowait are busy.
+        return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _ours() -> float:
+        a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+    def foreign_fraction(self) -> float | None:
+        busy = self._busy()
+        wall = time.perf_counter() - self.t0
+        if busy is None or self.busy0 is None or wall <= 0:
+            return None
+        other = (busy - self.busy0) - (self._ours() - self.ours0)
+        return max(0.0, other / (wall * (os.cpu_count() or 1)))
+
+
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "n/a"
 
@@ -174,25 +212,30 @@ def write_report(results: dict, args, out_dir: Path) -> str:
     base = {p["concurrency"]: p["output_throughput_tok_s"]
             for p in (results.get(BASELINE) or {}).get("points", [])}
     header = ["system", "threads", "concurrency", "done/failed", "out tok/s", "total tok/s",
-              "TTFT p50 ms", "TPOT p50 ms", "per-user tok/s p50", f"vs {BASELINE}"]
+              "TTFT p50 ms", "TPOT p50 ms", "per-user tok/s p50", f"vs {BASELINE}",
+              "other load"]
     rows = []
     for name, r in results.items():
         if "skipped" in r:
             rows.append([name, args.threads, "-", "-", f"skipped: {r['skipped']}",
-                         "", "", "", "", ""])
+                         "", "", "", "", "", ""])
             continue
+        load = "?" if r.get("foreign_cpu") is None else f"{r['foreign_cpu']:.0%}"
         for p in r["points"]:
             c = p["concurrency"]
             rows.append([name, args.threads, c, f"{p['completed']}/{p['failed']}",
                          f"{p['output_throughput_tok_s']:.1f}",
                          f"{p['total_throughput_tok_s']:.1f}", f"{p['ttft_ms']['p50']:.0f}",
                          f"{p['tpot_ms']['p50']:.1f}", f"{p['per_user_tok_s']['p50']:.1f}",
-                         ratio(p["output_throughput_tok_s"], base[c]) if c in base else "n/a"])
+                         ratio(p["output_throughput_tok_s"], base[c]) if c in base else "n/a",
+                         load])
     md = (f"# pdserve compare: {args.num_requests} requests, {args.input_len} in / "
           f"{args.output_len} out, {args.threads} threads per system\n\n"
           + markdown_table(header, rows)
           + "\nout tok/s: generated tokens of completed requests / wall time. TPOT and "
-            "per-user tok/s (1000/TPOT) are per request. hf: static batches, no server.\n")
+            "per-user tok/s (1000/TPOT) are per request. hf: static batches, no server. "
+            "other load: CPU used by processes outside the run while the system was measured, "
+            "as a share of all cores; above a few percent the figures are disturbed.\n")
     (out_dir / "compare.md").write_text(md)
     return md
 
@@ -254,13 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     results: dict = {}
     for name in systems:
-        t0 = time.perf_counter()
+        watch = CpuWatch()
         try:
             results[name] = {"points": runners[name]()}
         except Skip as e:
             log(f"{name}: skipped: {e}")
             results[name] = {"skipped": str(e)}
-        results[name]["wall_s"] = round(time.perf_counter() - t0, 1)
+        results[name]["wall_s"] = round(time.perf_counter() - watch.t0, 1)
+        results[name]["foreign_cpu"] = watch.foreign_fraction()
+        if (results[name]["foreign_cpu"] or 0) > 0.05:
+            log(f"{name}: other processes used {results[name]['foreign_cpu']:.0%} of the CPU "
+                "meanwhile; its figures are disturbed")
     config = {k: v for k, v in vars(a).items()}
     (out_dir / "compare.json").write_text(json.dumps({"config": config, "results": results},
                                                      indent=2) + "\n")
