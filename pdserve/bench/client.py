@@ -118,8 +118,8 @@ async def stream_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str,
                     done = True
                     break
                 chunk = json.loads(payload)
-                if "error" in chunk:
-                    err = chunk["error"]
+                err = chunk.get("error")
+                if err:
                     rec.error = "server_error"
                     rec.error_detail = str(err.get("message", err) if isinstance(err, dict) else err)
                     return rec
