@@ -1,0 +1,89 @@
+"""Batch-1 decode step time of the default model against the memory roofline, measured in one run.
+
+A batch-1 decode step must stream every weight once, so its floor is weight bytes / bandwidth.
+Two bandwidths are measured here, in this process, with the same thread count:
+  - copy: `torch.Tensor.copy_` of 1 GiB (bytes of the buffer per second), the issue's definition;
+  - read: a float32 matrix-vector product over a 1 GiB matrix, which is what a decode step does and
+    the stricter floor.
+Prints one JSON line with the fraction of each roofline reached (goal: >= 0.6).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def bandwidths(gib: float = 1.0, repeats: int = 5) -> tuple[float, float]:
+    import torch
+
+    n = int(gib * (1 << 30)) // 4
+    src, dst = torch.ones(n), torch.empty(n)
+    copy_bw = n * 4 / _best(lambda: dst.copy_(src), repeats)
+    del dst
+    mat = src.view(-1, 4096)
+    vec = torch.ones(4096)
+    read_bw = n * 4 / _best(lambda: torch.mv(mat, vec), repeats)
+    return copy_bw, read_bw
+
+
+def decode_step_seconds(llm, steps: int) -> float:
+    from pdserve import SamplingParams
+
+    eng = llm.engine
+    eng.add_request("roofline", llm.tokenizer.encode("The history of the printing press"),
+                    SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    eng.step()                                       # prefill
+    times = []
+    while eng.has_unfinished():
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args()
+
+    import torch
+
+    from pdserve import LLM
+
+    torch.set_num_threads(args.threads)
+    llm = LLM(model="smollm2-135m", threads=args.threads)
+    decode_step_seconds(llm, 8)                      # warm-up
+    step = decode_step_seconds(llm, args.steps)
+    copy_bw, read_bw = bandwidths()
+    weight_bytes = llm.engine.model.weight_bytes()
+    print(json.dumps({
+        "benchmark": "decode_roofline", "threads": args.threads, "weight_bytes": weight_bytes,
+        "decode_step_ms": round(step * 1e3, 2), "tok_s": round(1 / step, 1),
+        "copy_bw_gb_s": round(copy_bw / 1e9, 2), "read_bw_gb_s": round(read_bw / 1e9, 2),
+        "copy_roofline_ms": round(weight_bytes / copy_bw * 1e3, 2),
+        "read_roofline_ms": round(weight_bytes / read_bw * 1e3, 2),
+        "fraction_of_copy_roofline": round(weight_bytes / copy_bw / step, 3),
+        "fraction_of_read_roofline": round(weight_bytes / read_bw / step, 3), "goal": ">= 0.6",
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

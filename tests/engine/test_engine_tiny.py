@@ -1,0 +1,62 @@
+"""Engine behaviour on a tiny random model: fast paths of the offline API."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.sampling_params import InvalidParam
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model="tiny-llama", device_blocks=64, max_num_batched_tokens=64)
+
+
+def test_generate_accepts_text_and_token_ids(llm):
+    a = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=5))[0]
+    b = llm.generate([llm.tokenizer.encode("hello world")], SamplingParams(temperature=0, max_tokens=5))[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 5 and a.finish_reason == "length"
+    assert a.text == llm.tokenizer.decode(a.token_ids)
+
+
+def test_stop_token_ids_and_eos(llm):
+    first = llm.generate("abc", SamplingParams(temperature=0, max_tokens=6))[0].token_ids
+    out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[first[2]]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == first[:first.index(first[2]) + 1]
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(llm):
+    p = SamplingParams(temperature=1.0, top_k=50, seed=11, max_tokens=8)
+    alone = llm.generate("seeded", p)[0].token_ids
+    batch = llm.generate(["other prompt", "seeded", "third"], [SamplingParams(temperature=0.8, max_tokens=8), p,
+                                                               SamplingParams(temperature=0, max_tokens=8)])
+    assert batch[1].token_ids == alone
+
+
+def test_rejects_impossible_requests_without_allocating(llm):
+    free = llm.engine.pool.num_free
+    with pytest.raises(InvalidParam):
+        llm.generate("x", SamplingParams(max_tokens=10_000))
+    with pytest.raises(InvalidParam):     # more KV than the whole pool (64 blocks x 16 tokens)
+        llm.generate("x", SamplingParams(max_tokens=1500))
+    with pytest.raises(InvalidParam):
+        llm.generate([[999_999]], SamplingParams(max_tokens=1))
+    assert llm.engine.pool.num_free == free
+
+
+def test_abort_frees_blocks(llm):
+    eng = llm.engine
+    free = eng.pool.num_free
+    eng.add_request("a", llm.tokenizer.encode("to be aborted " * 10), SamplingParams(max_tokens=50))
+    eng.step()
+    assert eng.pool.num_free < free
+    out = eng.abort_request("a")
+    assert out.finished and out.finish_reason == "abort" and eng.pool.num_free == free
+    assert eng.abort_request("a") is None
+
+
+def test_bfloat16_runs_and_mostly_agrees():
+    a = LLM(model="tiny-llama", dtype="bfloat16", device_blocks=16)
+    out = a.generate("bf16 works", SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.token_ids) == 4 and a.engine.kv_cache.dtype.is_floating_point
+    assert str(a.engine.kv_cache.dtype) == "torch.bfloat16"
