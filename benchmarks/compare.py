@@ -48,6 +48,7 @@ from pdserve.bench.workloads import make_workload  # noqa: E402
 
 ALL = ("pdserve-pd", "pdserve-mixed", "llama-server", "hf")
 BASELINE = "llama-server"
+DISTURBED = 0.05  # share of all cores used by other processes above which figures are flagged
 
 
 class Skip(Exception):
@@ -240,21 +241,26 @@ def write_report(results: dict, args, out_dir: Path) -> str:
     return md
 
 
-def write_plot(results: dict, out_dir: Path) -> None:
-    try:
-        from pdserve.bench.plot import plot_bars, plot_tradeoff
-    except ImportError:
-        return
-    ok = {n: r["points"] for n, r in results.items() if "points" in r}
+def write_plot(results: dict, args, out_dir: Path) -> None:
+    """Bars of output tok/s for one concurrency level, trade-off curves for several. Systems
+    measured beside other load are marked with a `*` so the picture cannot mislead alone."""
+    from pdserve.bench.plot import plot_bars, plot_tradeoff
+
+    ok = {n + ("*" if (r.get("foreign_cpu") or 0) > DISTURBED else ""): r["points"]
+          for n, r in results.items() if "points" in r}
     if not ok:
         return
+    what = (f"{args.num_requests} requests, {args.input_len} in / {args.output_len} out, "
+            f"{args.threads} threads each")
+    if any(n.endswith("*") for n in ok):
+        what += f"\n* other processes used over {DISTURBED:.0%} of the CPU meanwhile"
     try:
         if any(len(p) > 1 for p in ok.values()):
-            plot_tradeoff(ok, out_dir / "compare.png", title="output tok/s vs per-user tok/s")
+            plot_tradeoff(ok, out_dir / "compare.png", title=what)
         else:
+            c = next(iter(ok.values()))[0]["concurrency"]
             plot_bars(list(ok), [p[0]["output_throughput_tok_s"] for p in ok.values()],
-                      out_dir / "compare.png", "output tok/s",
-                      f"concurrency {next(iter(ok.values()))[0]['concurrency']}")
+                      out_dir / "compare.png", "output tok/s", f"concurrency {c}, {what}")
     except RuntimeError as e:  # matplotlib missing: the table is the result that matters
         log(f"no plot: {e}")
 
@@ -305,14 +311,14 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"skipped": str(e)}
         results[name]["wall_s"] = round(time.perf_counter() - watch.t0, 1)
         results[name]["foreign_cpu"] = watch.foreign_fraction()
-        if (results[name]["foreign_cpu"] or 0) > 0.05:
+        if (results[name]["foreign_cpu"] or 0) > DISTURBED:
             log(f"{name}: other processes used {results[name]['foreign_cpu']:.0%} of the CPU "
                 "meanwhile; its figures are disturbed")
     config = {k: v for k, v in vars(a).items()}
     (out_dir / "compare.json").write_text(json.dumps({"config": config, "results": results},
                                                      indent=2) + "\n")
     md = write_report(results, a, out_dir)
-    write_plot(results, out_dir)
+    write_plot(results, a, out_dir)
     print(md)
     for name in ("pdserve-mixed", "pdserve-pd"):
         mine, base = results.get(name, {}), results.get(BASELINE, {})

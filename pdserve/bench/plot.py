@@ -33,7 +33,7 @@ def plot_tradeoff(series: dict[str, list[dict]], path: str | Path,
                         xytext=(4, 4), fontsize=8)
     ax.set_xlabel("per-user tok/s (p50 of 1000/TPOT)")
     ax.set_ylabel("aggregate output tok/s")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     if len(series) > 1:
         ax.legend()
@@ -67,13 +67,13 @@ def plot_bars(names: list[str], values: list[float], path: str | Path, ylabel: s
               title: str) -> None:
     """Side-by-side bars, one per system (benchmarks/compare.py)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(names)), 4))
+    fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(names)), 4.5))
     bars = ax.bar(names, values)
     for b, v in zip(bars, values):
         ax.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center",
                     va="bottom", fontsize=9)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
