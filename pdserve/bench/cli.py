@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from . import report
 from .client import ClientConfig, run_load
 from .metrics import RequestRecord, summarize
-from .workloads import SYNTHETIC, count_requests, make_workload
+from .workloads import SYNTHETIC, Session, count_requests, make_workload
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,14 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_once(cfg: ClientConfig, workload: str, n: int, *, concurrency: int | None,
-             request_rate: float | None, max_tokens: int | None, seed: int,
-             input_len: int = 128, slo_ttft_ms: float | None = None,
+def run_once(cfg: ClientConfig, sessions: list[Session], *, concurrency: int | None,
+             request_rate: float | None, seed: int, slo_ttft_ms: float | None = None,
              slo_tpot_ms: float | None = None, show_progress: bool = False,
              console: Console | None = None, label: str = "requests"
              ) -> tuple[dict, list[RequestRecord]]:
-    """One benchmark run; returns (summary, records). Importable for benchmarks/compare.py."""
-    sessions = make_workload(workload, n, seed=seed, max_tokens=max_tokens, input_len=input_len)
+    """One benchmark run with a progress bar; returns (summary, records)."""
     total = count_requests(sessions)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn(),
@@ -123,8 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ClientConfig(base_url=a.base_url, model=a.model, api_key=a.api_key, api=a.api,
                        ignore_eos=a.ignore_eos, temperature=a.temperature,
                        request_timeout_s=a.request_timeout)
-    common = dict(max_tokens=a.max_tokens, seed=a.seed, input_len=a.input_len,
-                  slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
+    try:
+        # Built once: every level of a sweep sends the same requests.
+        sessions = make_workload(a.workload, a.num_requests, seed=a.seed,
+                                 max_tokens=a.max_tokens, input_len=a.input_len)
+    except (ValueError, OSError) as e:  # a malformed JSONL file is a usage error
+        p.error(f"--workload: {e}")
+    common = dict(seed=a.seed, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
                   show_progress=not a.no_progress and console.is_terminal, console=console)
     config = {k: v for k, v in vars(a).items() if k not in ("api_key", "no_progress")}
     if a.sweep_concurrency:
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--sweep-concurrency takes positive integers")
         points = []
         for c in levels:
-            s, _ = run_once(cfg, a.workload, a.num_requests, concurrency=c, request_rate=None,
+            s, _ = run_once(cfg, sessions, concurrency=c, request_rate=None,
                             label=f"concurrency {c}", **common)
             points.append(s)
             console.print(f"concurrency {c}: {s['output_throughput_tok_s']:.1f} out tok/s, "
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         conc = a.concurrency if a.request_rate is None else a.max_concurrency
         if a.request_rate is None and conc is None:
             conc = 8
-        s, records = run_once(cfg, a.workload, a.num_requests, concurrency=conc,
+        s, records = run_once(cfg, sessions, concurrency=conc,
                               request_rate=a.request_rate, **common)
         report.print_run(s, console, title=f"pdserve bench: {a.workload}")
         out = dict(s)

@@ -14,6 +14,7 @@ from pdserve.bench.procs import free_port as closed_port  # bound then closed: n
     ["--concurrency", "2", "--request-rate", "1"],
     ["--workload", "nope"],
     ["--sweep-concurrency", "1,x"],
+    ["--workload", __file__],  # a file, but not JSONL
 ])
 def test_bad_arguments_exit_2(argv):
     with pytest.raises(SystemExit) as e:
