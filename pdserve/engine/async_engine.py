@@ -65,6 +65,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
+                log.info("request %s aborted: its consumer went away", request_id)
                 self._post(("abort", request_id))
 
     def abort(self, request_id: str) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -20,6 +21,7 @@ from pdserve.server.errors import APIError, error_body
 from pdserve.server.metrics import RequestTimer
 
 _DISCONNECT_POLL_S = 0.5
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -124,6 +126,7 @@ class OpenAIHandlers:
         while not task.done():
             done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
             if not done and await http.is_disconnected():
+                log.info("client of %s disconnected", base_id)
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 raise APIError(499, "client disconnected")

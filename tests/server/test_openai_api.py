@@ -135,9 +135,11 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     before = _wait_idle(server)
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-        for i, _ in enumerate(r.iter_lines()):
-            if i >= 6:
-                break
+        # Keep the line iterator alive: abandoning it makes httpcore close the connection at once.
+        stream = r.iter_lines()
+        chunks = 0
+        while chunks < 3:
+            chunks += next(stream).startswith("data: ")
         assert _health(server)["running"] == 1
     after = _wait_idle(server)
     assert after["kv_blocks_free"] == before["kv_blocks_free"]
