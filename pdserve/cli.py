@@ -21,6 +21,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int)
     p.add_argument("--device-memory-gb", type=float, help="KV cache budget")
     p.add_argument("--device-blocks", type=int, help="KV blocks (overrides --device-memory-gb)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                   help="turn off reuse of cached prompt prefixes")
     p.add_argument("--max-num-seqs", type=int, help="cap on running requests (the decode batch cap)")
     p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget")
     p.add_argument("--threads", type=int, help="torch compute threads")
@@ -32,7 +34,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "model.name": args.model, "model.dtype": args.dtype, "model.device": args.device,
         "model.max_model_len": args.max_model_len, "model.seed": args.seed,
         "cache.block_size": args.block_size, "cache.device_memory_gb": args.device_memory_gb,
-        "cache.device_blocks": args.device_blocks, "scheduler.max_num_seqs": args.max_num_seqs,
+        "cache.device_blocks": args.device_blocks, "cache.prefix_cache": args.prefix_cache, "scheduler.max_num_seqs": args.max_num_seqs,
         "scheduler.max_num_batched_tokens": args.max_num_batched_tokens, "server.threads": args.threads,
         "server.served_model_name": args.served_model_name,
         "server.host": getattr(args, "host", None), "server.port": getattr(args, "port", None),

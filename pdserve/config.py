@@ -23,6 +23,7 @@ class CacheConfig:
     block_size: int = 16
     device_memory_gb: float = 1.0       # KV pool budget; ignored when device_blocks is set
     device_blocks: int | None = None
+    prefix_cache: bool = True           # reuse the KV of cached prompt prefixes (radix tree)
 
 
 @dataclass

@@ -8,6 +8,7 @@ import torch
 
 from pdserve.cache.block_pool import BlockPool
 from pdserve.cache.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from pdserve.cache.prefix_cache import PrefixCache
 from pdserve.config import Config
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob
@@ -48,14 +49,15 @@ class LLMEngine:
         dtype = torch_dtype(mc.dtype)
         num_blocks = cc.device_blocks or num_blocks_for_budget(self.arch, cc.block_size, dtype, cc.device_memory_gb)
         self.block_size = cc.block_size
-        self.pool = BlockPool(num_blocks)
+        self.prefix_cache = PrefixCache(cc.block_size) if cc.prefix_cache else None
+        self.pool = BlockPool(num_blocks, self.prefix_cache)
         self.kv_cache = allocate_kv_cache(self.arch, num_blocks, cc.block_size, dtype, mc.device)
         self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size)
         self.runner = ModelRunner(self.model, self.kv_cache, cc.block_size)
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
-        self.prompt_tokens_total = 0
+        self.computed_tokens_total = 0      # tokens run through the model (prefix hits excluded)
         self.generation_tokens_total = 0
         self.preemptions_total = 0
 
@@ -79,11 +81,11 @@ class LLMEngine:
                                "max_tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         self.check_request(prompt_token_ids, params)
-        req = Request(request_id, list(prompt_token_ids), params)
+        req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         self.requests[request_id] = req
@@ -111,9 +113,9 @@ class LLMEngine:
         self.num_steps += 1
         outputs = []
         for req, n in step.scheduled:
-            if req.num_computed_tokens == 0 and req.num_preemptions == 0:
-                self.prompt_tokens_total += req.num_prompt_tokens
             req.num_computed_tokens += n
+            self.computed_tokens_total += n
+            self.scheduler.cache_computed_blocks(req)
             if req.request_id in sampled:
                 token, logprob = sampled[req.request_id]
                 outputs.append(self._on_token(req, token, logprob))
@@ -158,6 +160,9 @@ class LLMEngine:
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,
             "preemptions_total": self.preemptions_total,
+            "prefix_cache_queried_tokens": self.prefix_cache.queried_tokens if self.prefix_cache else 0,
+            "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens if self.prefix_cache else 0,
+            "prefix_cache_blocks": len(self.prefix_cache) if self.prefix_cache else 0,
         }
 
     def request_status(self, request_id: str) -> RequestStatus | None:

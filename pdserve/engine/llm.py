@@ -31,6 +31,7 @@ class LLM:
     _SHORT = {"model": "model.name", "dtype": "model.dtype", "device": "model.device",
               "max_model_len": "model.max_model_len", "seed": "model.seed", "block_size": "cache.block_size",
               "device_memory_gb": "cache.device_memory_gb", "device_blocks": "cache.device_blocks",
+              "prefix_cache": "cache.prefix_cache",
               "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
               "enable_chunked_prefill": "scheduler.enable_chunked_prefill", "threads": "server.threads"}
 

@@ -42,6 +42,9 @@ class Request:
     first_token_time: float | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     generator: torch.Generator | None = None
+    cache_salt: str | None = None       # tenants with different salts never share cached blocks
+    block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks so far
+    num_cached_blocks: int = 0          # leading blocks already registered in the prefix cache
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

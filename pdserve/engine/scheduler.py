@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.cache.block_pool import BlockPool
+from pdserve.cache.prefix_cache import block_hash
 from pdserve.config import SchedulerConfig
 from pdserve.engine.request import Request, RequestStatus
 
@@ -64,6 +65,41 @@ class Scheduler:
         if req.block_ids:
             self.pool.free(req.block_ids)
             req.block_ids = []
+        req.num_cached_blocks = 0
+
+    def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
+        """The request's chained block hashes, extended (and kept) up to `num_blocks` full blocks."""
+        bs = self.block_size
+        while len(req.block_hashes) < num_blocks:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if i else None
+            req.block_hashes.append(block_hash(parent, req.all_token_ids[i * bs:(i + 1) * bs], req.cache_salt))
+        return req.block_hashes[:num_blocks]
+
+    def _match_prefix(self, req: Request) -> list[int]:
+        cache = self.pool.prefix_cache
+        if cache is None:
+            return []
+        # At least one token is always computed: its logits give the next token.
+        return cache.match(self._hashes(req, (req.num_tokens - 1) // self.block_size))
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register the request's newly computed full blocks in the prefix cache."""
+        cache = self.pool.prefix_cache
+        if cache is None:
+            return
+        full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        hashes = self._hashes(req, full)
+        for i in range(req.num_cached_blocks, full):
+            node = cache.nodes.get(hashes[i])
+            if node is not None and node.block_id != req.block_ids[i]:
+                # Another block holds this prefix: the chain diverged physically, stop here so
+                # every cached block's ancestors stay referenced whenever it is.
+                req.num_cached_blocks = full
+                return
+            if node is None:
+                cache.insert(hashes[i], hashes[i - 1] if i else None, req.block_ids[i])
+        req.num_cached_blocks = full
 
     def _preempt(self, req: Request, step: ScheduledStep) -> None:
         self.running.remove(req)
@@ -98,14 +134,24 @@ class Scheduler:
             return step
         while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
             req = self.waiting[0]
+            hit = self._match_prefix(req)
+            req.num_computed_tokens = len(hit) * self.block_size
             num_new = self._chunk(req, budget, not step.scheduled)
-            if num_new <= 0:
+            # Cached blocks nobody holds count as free until this request takes them.
+            available = self.pool.num_free - sum(1 for b in hit if self.pool.refcount(b) == 0)
+            need = blocks_needed(req.num_computed_tokens + num_new, self.block_size) - len(hit)
+            if num_new <= 0 or need > available or (need + self.cfg.watermark_blocks > available and self.running):
+                req.num_computed_tokens = 0
                 break
-            need = blocks_needed(num_new, self.block_size) - len(req.block_ids)
-            if need + self.cfg.watermark_blocks > self.pool.num_free and self.running:
-                break
+            self.pool.incref(hit)
+            req.block_ids = list(hit)
+            req.num_cached_blocks = len(hit)
             if not self._grow(req, num_new):
+                self._release(req)
+                req.num_computed_tokens = 0
                 break
+            if self.pool.prefix_cache is not None:
+                self.pool.prefix_cache.record_query(req.num_tokens, len(hit) * self.block_size)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

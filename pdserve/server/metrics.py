@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     30.0, 60.0, 120.0)
@@ -22,12 +22,19 @@ class _EngineCollector:
                                ("waiting", "Requests waiting for admission"),
                                ("kv_usage", "Fraction of KV blocks in use"),
                                ("kv_blocks_total", "KV blocks in the pool"),
-                               ("kv_blocks_free", "Free KV blocks")):
+                               ("kv_blocks_free", "Free KV blocks (unreferenced cached blocks included)"),
+                               ("prefix_cache_blocks", "Blocks held by the prefix cache")):
             name = {"running": "num_requests_running", "waiting": "num_requests_waiting",
                     "kv_usage": "kv_cache_usage_ratio"}.get(key, key)
             g = GaugeMetricFamily(f"pdserve_{name}", help_text)
             g.add_metric([], float(s[key]))
             yield g
+        # Counters: the prefix hit rate is hit_tokens / queried_tokens.
+        for key, help_text in (("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"),
+                               ("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")):
+            c = CounterMetricFamily(f"pdserve_{key}", help_text)
+            c.add_metric([], float(s[key]))
+            yield c
 
 
 class ServerMetrics:
