@@ -108,7 +108,8 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     loaded = load_model_files("smollm2-135m")
-    llm = LLM(model="smollm2-135m", loaded=loaded, threads=args.threads)
+    # No prefix cache: HF has none, and the warm-up requests would otherwise be cache hits.
+    llm = LLM(model="smollm2-135m", loaded=loaded, threads=args.threads, prefix_cache=False)
     requests = make_workload(llm.tokenizer, args.requests, args.seed)
     run_ours(llm, requests[:2])                      # warm-up
     ours_s, ours_tokens = run_ours(llm, requests)
