@@ -19,8 +19,13 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, tuple[int, TokenLogprob | None]]:
         """Compute the scheduled tokens; returns a sampled token for each request whose chunk
         reaches the end of its known tokens."""
-        # Decodes first: the attention batches them together (see model/attention.py).
-        ordered = sorted(scheduled, key=lambda rn: not (rn[1] == 1 and rn[0].num_computed_tokens > 0))
+        # Decodes first, shortest context first: the attention batches them in groups of
+        # similar length (see model/attention.py).
+        def order(rn: tuple[Request, int]) -> tuple[bool, int]:
+            is_decode = rn[1] == 1 and rn[0].num_computed_tokens > 0
+            return (not is_decode, rn[0].num_computed_tokens if is_decode else 0)
+
+        ordered = sorted(scheduled, key=order)
         ids: list[int] = []
         positions: list[int] = []
         seqs = []

@@ -4,6 +4,8 @@ The cache of one layer is a flat tensor of slots [num_blocks * block_size, kv_he
 slot = block_id * block_size + offset. A step's tokens are flattened: decode tokens (one query
 each) come first and are attended in one padded batch; prefill chunks follow, one call each.
 Gather indices and masks are built once per step (`build_metadata`) and shared by every layer.
+Decodes of very different lengths are split into a few groups so that short contexts are not
+padded to the longest one.
 """
 from __future__ import annotations
 
@@ -23,12 +25,40 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    start: int                        # first decode of the group in the flattened batch
+    gather_idx: torch.Tensor          # [n, Lmax] slots, padded
+    mask: torch.Tensor                # [n, 1, 1, Lmax] bool (True = attend)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                 # [T] slot written by each token
-    num_decode: int = 0
-    decode_gather_idx: torch.Tensor | None = None   # [Bd, Lmax]
-    decode_mask: torch.Tensor | None = None         # [Bd, 1, 1, Lmax]
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def padded_decode_slots(self) -> int:
+        return sum(g.gather_idx.numel() for g in self.decode_groups)
+
+
+MAX_DECODE_GROUPS = 4
+GROUP_PADDING = 1.25      # start a new group when padding would exceed 25% of the real context
+
+
+def group_by_length(ctx_lens: list[int]) -> list[tuple[int, int]]:
+    """Split decodes, sorted by ascending context, into [start, end) groups of similar length."""
+    groups: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, ctx in enumerate(ctx_lens):
+        n = i - start + 1
+        if i > start and ctx * n > GROUP_PADDING * (total + ctx) and len(groups) < MAX_DECODE_GROUPS - 1:
+            groups.append((start, i))
+            start, total = i, 0
+        total += ctx
+    if ctx_lens:
+        groups.append((start, len(ctx_lens)))
+    return groups
 
 
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
@@ -39,7 +69,8 @@ def _slots(block_table: list[int], start: int, end: int, block_size: int) -> tor
 
 def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
                    sliding_window: int | None, device: torch.device | str) -> AttentionMetadata:
-    """seqs: (block_table, num_computed, num_new) per sequence, decodes (num_new == 1) first."""
+    """seqs: (block_table, num_computed, num_new) per sequence, decodes (num_new == 1) first,
+    sorted by ascending context length."""
     slot_parts, decodes, prefills = [], [], []
     q_start = 0
     for block_table, computed, new in seqs:
@@ -59,18 +90,16 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
                 prefills.append(PrefillChunk(q_start, new, ctx, _slots(block_table, 0, ctx, block_size).to(device),
                                              mask.to(device)))
         q_start += new
-    meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(device), num_decode=len(decodes),
-                             prefills=prefills)
-    if decodes:
-        lmax = max(ctx for _, ctx in decodes)
-        idx = torch.zeros(len(decodes), lmax, dtype=torch.long)
-        mask = torch.zeros(len(decodes), lmax, dtype=torch.bool)
-        for i, (table, ctx) in enumerate(decodes):
-            lo = max(0, ctx - sliding_window) if sliding_window is not None else 0
+    meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(device), prefills=prefills)
+    for lo, hi in group_by_length([ctx for _, ctx in decodes]):
+        lmax = max(ctx for _, ctx in decodes[lo:hi])
+        idx = torch.zeros(hi - lo, lmax, dtype=torch.long)
+        mask = torch.zeros(hi - lo, lmax, dtype=torch.bool)
+        for i, (table, ctx) in enumerate(decodes[lo:hi]):
+            first = max(0, ctx - sliding_window) if sliding_window is not None else 0
             idx[i, :ctx] = _slots(table, 0, ctx, block_size)
-            mask[i, lo:ctx] = True
-        meta.decode_gather_idx = idx.to(device)
-        meta.decode_mask = mask.view(len(decodes), 1, 1, lmax).to(device)
+            mask[i, first:ctx] = True
+        meta.decode_groups.append(DecodeGroup(lo, idx.to(device), mask.view(hi - lo, 1, 1, lmax).to(device)))
     return meta
 
 
@@ -80,17 +109,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    nd = meta.num_decode
-    if nd:
-        idx = meta.decode_gather_idx
-        shape = (*idx.shape, *k_cache.shape[1:])
+    for g in meta.decode_groups:
+        n = g.gather_idx.shape[0]
+        shape = (*g.gather_idx.shape, *k_cache.shape[1:])
         # index_select is several times faster than advanced indexing for this gather on CPU.
-        kd = k_cache.index_select(0, idx.view(-1)).view(shape).transpose(1, 2)   # [Bd, KVH, L, D]
-        vd = v_cache.index_select(0, idx.view(-1)).view(shape).transpose(1, 2)
-        qd = q[:nd].unsqueeze(2)                   # [Bd, H, 1, D]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=True)
-        out[:nd] = o.squeeze(2)
+        kd = k_cache.index_select(0, g.gather_idx.view(-1)).view(shape).transpose(1, 2)   # [n, KVH, L, D]
+        vd = v_cache.index_select(0, g.gather_idx.view(-1)).view(shape).transpose(1, 2)
+        qd = q[g.start:g.start + n].unsqueeze(2)                                         # [n, H, 1, D]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        out[g.start:g.start + n] = o.squeeze(2)
     for p in meta.prefills:
         qp = q[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)   # [1, H, q, D]
         if p.gather_idx is None:
