@@ -35,7 +35,6 @@ def bandwidths(gib: float = 1.0, repeats: int = 5) -> tuple[float, float]:
     n = int(gib * (1 << 30)) // 4
     src, dst = torch.ones(n), torch.empty(n)
     copy_bw = n * 4 / _best(lambda: dst.copy_(src), repeats)
-    del dst
     mat = src.view(-1, 4096)
     vec = torch.ones(4096)
     read_bw = n * 4 / _best(lambda: torch.mv(mat, vec), repeats)
