@@ -35,6 +35,7 @@ class _SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = None   # requests with different salts never share cached prefixes
 
 
 class CompletionRequest(_SamplingFields):

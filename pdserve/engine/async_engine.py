@@ -43,15 +43,15 @@ class AsyncEngine:
     def num_active(self) -> int:
         return len(self._streams)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes. Cancelling the consumer aborts the request."""
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
         self.engine.check_request(prompt_token_ids, params)   # pure check, raises InvalidParam
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._post(("add", request_id, prompt_token_ids, params, time.monotonic()))
+        self._post(("add", request_id, prompt_token_ids, params, time.monotonic(), cache_salt))
         finished = False
         try:
             while True:
@@ -91,11 +91,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, arrival = cmd
+                _, rid, ids, params, arrival, salt = cmd
                 if rid not in self._streams:        # cancelled before it reached the engine
                     continue
                 try:
-                    self.engine.add_request(rid, ids, params, arrival_time=arrival)
+                    self.engine.add_request(rid, ids, params, arrival_time=arrival, cache_salt=salt)
                 except Exception as e:  # noqa: BLE001 - delivered to the request's consumer
                     self._deliver(rid, e)
             elif cmd[0] == "abort":

@@ -33,6 +33,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    cache_salt: str | None = None
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
@@ -63,14 +64,15 @@ class OpenAIHandlers:
             raise APIError(400, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
-    def _choices(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Choice]:
+    def _choices(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 cache_salt: str | None = None) -> list[Choice]:
         choices = []
         for pi, ids in enumerate(prompts):
             for j in range(n):
                 p = params
                 if n > 1 and params.seed is not None:   # distinct but reproducible samples per choice
                     p = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
-                choices.append(Choice(pi * n + j, ids, p))
+                choices.append(Choice(pi * n + j, ids, p, cache_salt=cache_salt))
         for c in choices:
             try:
                 self.engine.engine.check_request(c.prompt_ids, c.params)
@@ -88,7 +90,7 @@ class OpenAIHandlers:
             rid = f"{base_id}-{c.index}"
             self.timer.start(rid, time.monotonic())
             try:
-                async for out in self.engine.generate(rid, c.prompt_ids, c.params):
+                async for out in self.engine.generate(rid, c.prompt_ids, c.params, c.cache_salt):
                     await queue.put((c, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 await queue.put((c, e))
@@ -170,7 +172,7 @@ class OpenAIHandlers:
             raise APIError(400, str(e), e.param, "invalid_value") from e
         if req.stream and req.echo:
             raise APIError(400, "echo is not supported with stream", "echo", "invalid_value")
-        choices = self._choices(prompts, params, req.n)
+        choices = self._choices(prompts, params, req.n, req.cache_salt)
         base_id = new_id("cmpl")
         tok = self.tokenizer
 
@@ -211,7 +213,7 @@ class OpenAIHandlers:
             params = sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
         except InvalidParam as e:
             raise APIError(400, str(e), e.param, "invalid_value") from e
-        choices = self._choices([prompt], params, req.n)
+        choices = self._choices([prompt], params, req.n, req.cache_salt)
         base_id = new_id("chatcmpl")
         tok = self.tokenizer
 

@@ -105,3 +105,21 @@ def test_concurrent_shared_prefix_with_aborts_keeps_pool_consistent():
     assert eng.prefix_cache.hit_tokens > 0
     assert eng.pool.num_free == eng.pool.num_blocks
     assert all(eng.pool.refcount(b) == 0 for b in range(eng.pool.num_blocks))
+
+
+def test_cache_salt_separates_tenants():
+    llm = LLM(model="tiny-llama", device_blocks=64, block_size=4)
+    eng, ids = llm.engine, llm.tokenizer.encode("a prompt long enough to fill a few blocks " * 2)
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def run(rid: str, salt: str | None) -> int:
+        before = eng.prefix_cache.hit_tokens
+        eng.add_request(rid, ids, params, cache_salt=salt)
+        while eng.has_unfinished():
+            eng.step()
+        return eng.prefix_cache.hit_tokens - before
+
+    assert run("a", "tenant-a") == 0
+    assert run("b", "tenant-b") == 0          # same tokens, other tenant: no hit
+    assert run("c", "tenant-a") > 0           # same tenant: hit
+    eng.pool.check_integrity()
