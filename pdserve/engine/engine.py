@@ -58,6 +58,7 @@ class LLMEngine:
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.computed_tokens_total = 0      # tokens run through the model (prefix hits excluded)
+        self.prefill_tokens_total = 0       # of those, tokens at prompt positions
         self.generation_tokens_total = 0
         self.preemptions_total = 0
 
@@ -113,6 +114,9 @@ class LLMEngine:
         self.num_steps += 1
         outputs = []
         for req, n in step.scheduled:
+            # Prompt positions computed (prefill or recompute); prefix-cache hits never get here.
+            self.prefill_tokens_total += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
+                                             - req.num_computed_tokens)
             req.num_computed_tokens += n
             self.computed_tokens_total += n
             self.scheduler.cache_computed_blocks(req)
@@ -160,6 +164,7 @@ class LLMEngine:
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,
             "preemptions_total": self.preemptions_total,
+            "prefill_tokens_computed": self.prefill_tokens_total,
             "prefix_cache_queried_tokens": self.prefix_cache.queried_tokens if self.prefix_cache else 0,
             "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens if self.prefix_cache else 0,
             "prefix_cache_blocks": len(self.prefix_cache) if self.prefix_cache else 0,

@@ -30,7 +30,8 @@ class _EngineCollector:
             g.add_metric([], float(s[key]))
             yield g
         # Counters: the prefix hit rate is hit_tokens / queried_tokens.
-        for key, help_text in (("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"),
+        for key, help_text in (("prefill_tokens_computed", "Prompt tokens run through the model (cache hits excluded)"),
+                               ("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"),
                                ("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")):
             c = CounterMetricFamily(f"pdserve_{key}", help_text)
             c.add_metric([], float(s[key]))

@@ -1,0 +1,147 @@
+"""Prefix cache through the server: a multi-turn chat trace with and without the cache, in one run.
+
+Trace (fixed seed): 16 conversations x 4 turns sharing a ~400-token system prompt; each user turn
+10-40 words; every reply is 32 greedy tokens and goes back into the conversation. The 16
+conversations run concurrently, turns in order. The same trace is sent to a server with the
+prefix cache and to one without (`--no-prefix-cache`), one after the other.
+
+Prints one JSON line:
+  - prefill tokens computed / unique prompt tokens (the distinct prefixes of all 64 prompts),
+    with the cache (goal <= 1.05) and without;
+  - TTFT p50 cached / uncached (goal <= 0.25);
+  - whether every reply was identical in both runs (greedy decoding must not see the cache).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
+from pdserve.bench.workloads import words
+
+MODEL = "smollm2-135m"
+
+
+def make_trace(seed: int, conversations: int, turns: int) -> tuple[str, list[list[str]]]:
+    rng = random.Random(seed)
+    system = "You are a helpful assistant. " + words(rng, 360)
+    return system, [[words(rng, rng.randint(10, 40)) for _ in range(turns)] for _ in range(conversations)]
+
+
+async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    ttft, text = None, []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            if delta and ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(delta)
+    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(text)
+
+
+async def run_trace(url: str, system: str, convs: list[list[str]], max_tokens: int):
+    prompts: list[list[dict]] = []
+    ttfts: list[float] = []
+    replies: list[str] = []
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def conversation(user_turns: list[str]) -> None:
+            messages = [{"role": "system", "content": system}]
+            for text in user_turns:
+                messages.append({"role": "user", "content": text})
+                ttft, reply = await _turn(client, url, messages, max_tokens)
+                prompts.append(list(messages))      # recorded together: conversations interleave
+                ttfts.append(ttft)
+                replies.append(reply)
+                messages.append({"role": "assistant", "content": reply})
+
+        await asyncio.gather(*(conversation(c) for c in convs))
+    return prompts, ttfts, replies
+
+
+def unique_prompt_tokens(token_lists: list[list[int]]) -> int:
+    """Nodes of the token trie of all prompts: what a perfect prefix cache would compute."""
+    root: dict = {}
+    count = 0
+    for ids in token_lists:
+        node = root
+        for t in ids:
+            if t not in node:
+                node[t] = {}
+                count += 1
+            node = node[t]
+    return count
+
+
+def serve_and_run(args, extra: list[str], system: str, convs, out_dir: Path):
+    port = free_port()
+    cmd = pdserve_cmd() + ["serve", "--model", MODEL, "--port", str(port), "--threads", str(args.threads)] + extra
+    with ServerProcess(cmd, port, out_dir / f"server{'-'.join(extra) or '-cached'}.log") as srv:
+        srv.wait_ready(timeout=300)
+        prompts, ttfts, replies = asyncio.run(run_trace(srv.url, system, convs, args.max_tokens))
+        stats = httpx.get(srv.url + "/health").json()
+    return prompts, ttfts, replies, stats
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default="bench-out/prefix_cache")
+    args = ap.parse_args()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    system, convs = make_trace(args.seed, args.conversations, args.turns)
+
+    cached = serve_and_run(args, [], system, convs, out_dir)
+    uncached = serve_and_run(args, ["--no-prefix-cache"], system, convs, out_dir)
+
+    from pdserve.model.loader import default_gguf_path, load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(str(default_gguf_path()))
+    token_lists = [tok.encode_chat(p) for p in cached[0]]
+    unique = unique_prompt_tokens(token_lists)
+
+    def by_prompt(run) -> dict[str, str]:
+        return {json.dumps(p): r for p, r in zip(run[0], run[2])}
+
+    first_turn_same = sum(by_prompt(cached).get(json.dumps(p)) == r for p, r in zip(uncached[0], uncached[2])
+                          if len(p) == 2)
+    ttft_ratio = statistics.median(cached[1]) / statistics.median(uncached[1])
+    print(json.dumps({
+        "benchmark": "prefix_cache", "requests": len(cached[1]), "threads": args.threads,
+        "unique_prompt_tokens": unique, "prompt_tokens_sent": sum(map(len, token_lists)),
+        "prefill_tokens_cached": cached[3]["prefill_tokens_computed"],
+        "prefill_tokens_uncached": uncached[3]["prefill_tokens_computed"],
+        "computed_over_unique_cached": round(cached[3]["prefill_tokens_computed"] / unique, 3),
+        "computed_over_unique_uncached": round(uncached[3]["prefill_tokens_computed"] / unique, 3),
+        "prefix_hit_rate": round(cached[3]["prefix_cache_hit_tokens"]
+                                 / max(1, cached[3]["prefix_cache_queried_tokens"]), 3),
+        "ttft_p50_ms_cached": round(statistics.median(cached[1]) * 1e3, 1),
+        "ttft_p50_ms_uncached": round(statistics.median(uncached[1]) * 1e3, 1),
+        "ttft_p50_ratio": round(ttft_ratio, 3),
+        "replies_identical": by_prompt(cached) == by_prompt(uncached),
+        "first_turn_replies_identical": f"{first_turn_same}/{len(convs)}",
+        "goals": {"computed_over_unique_cached": "<= 1.05", "ttft_p50_ratio": "<= 0.25"},
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
