@@ -39,10 +39,6 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
-    @property
-    def num_active(self) -> int:
-        return len(self._streams)
-
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes. Cancelling the consumer aborts the request."""

@@ -11,7 +11,7 @@ from pdserve.cache.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from pdserve.cache.prefix_cache import PrefixCache
 from pdserve.config import Config
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.request import Request, RequestStatus, TokenLogprob
+from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import InvalidParam, SamplingParams
 from pdserve.engine.scheduler import Scheduler, blocks_needed
@@ -57,8 +57,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
-        self.computed_tokens_total = 0      # tokens run through the model (prefix hits excluded)
-        self.prefill_tokens_total = 0       # of those, tokens at prompt positions
+        self.prefill_tokens_total = 0       # prompt tokens run through the model (prefix hits excluded)
         self.generation_tokens_total = 0
         self.preemptions_total = 0
 
@@ -118,7 +117,6 @@ class LLMEngine:
             self.prefill_tokens_total += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
                                              - req.num_computed_tokens)
             req.num_computed_tokens += n
-            self.computed_tokens_total += n
             self.scheduler.cache_computed_blocks(req)
             if req.request_id in sampled:
                 token, logprob = sampled[req.request_id]
@@ -169,7 +167,3 @@ class LLMEngine:
             "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens if self.prefix_cache else 0,
             "prefix_cache_blocks": len(self.prefix_cache) if self.prefix_cache else 0,
         }
-
-    def request_status(self, request_id: str) -> RequestStatus | None:
-        req = self.requests.get(request_id)
-        return req.status if req else None

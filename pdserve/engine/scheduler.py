@@ -23,10 +23,6 @@ class ScheduledStep:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)   # (request, tokens to compute)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)

@@ -59,6 +59,10 @@ class OpenAIHandlers:
         self.model_name = model_name
         self.timer = timer
 
+    def _envelope(self, base_id: str, obj: str, **fields: Any) -> dict[str, Any]:
+        """The fields every OpenAI response and chunk starts with."""
+        return {"id": base_id, "object": obj, "created": now(), "model": self.model_name, **fields}
+
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(400, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
@@ -151,8 +155,7 @@ class OpenAIHandlers:
                             chunk["usage"] = None
                         yield f"data: {json.dumps(chunk)}\n\n"
                 if include_usage:
-                    final = {"id": base_id, "object": object_name, "created": now(), "model": self.model_name,
-                             "choices": [], "usage": _usage(choices)}
+                    final = self._envelope(base_id, object_name, choices=[], usage=_usage(choices))
                     yield f"data: {json.dumps(final)}\n\n"
             except APIError as e:
                 yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
@@ -180,21 +183,18 @@ class OpenAIHandlers:
             if not out.new_text and not out.finished:
                 return None
             lp = _completion_logprobs(out.new_logprobs, tok) if c.params.logprobs is not None else None
-            return {"id": base_id, "object": "text_completion", "created": now(), "model": self.model_name,
-                    "choices": [{"index": c.index, "text": out.new_text, "logprobs": lp,
-                                 "finish_reason": out.finish_reason if out.finished else None}]}
+            return self._envelope(base_id, "text_completion", choices=[{
+                "index": c.index, "text": out.new_text, "logprobs": lp,
+                "finish_reason": out.finish_reason if out.finished else None}])
 
         if req.stream:
             return self._stream(base_id, choices, completion_chunk,
                                 bool(req.stream_options and req.stream_options.include_usage), "text_completion")
         await self._collect(http, base_id, choices)
-        return JSONResponse({
-            "id": base_id, "object": "text_completion", "created": now(), "model": self.model_name,
-            "choices": [{"index": c.index,
-                         "text": (tok.decode(c.prompt_ids) if req.echo else "") + c.text,
-                         "logprobs": _completion_logprobs(c.logprobs, tok) if c.params.logprobs is not None else None,
-                         "finish_reason": c.finish_reason} for c in choices],
-            "usage": _usage(choices)})
+        return JSONResponse(self._envelope(base_id, "text_completion", choices=[
+            {"index": c.index, "text": (tok.decode(c.prompt_ids) if req.echo else "") + c.text,
+             "logprobs": _completion_logprobs(c.logprobs, tok) if c.params.logprobs is not None else None,
+             "finish_reason": c.finish_reason} for c in choices], usage=_usage(choices)))
 
     # ------------------------------------------------------------------ /v1/chat/completions
 
@@ -223,20 +223,18 @@ class OpenAIHandlers:
             delta: dict[str, Any] = {"role": "assistant", "content": out.new_text} if first else \
                 {"content": out.new_text}
             lp = {"content": _chat_logprobs(out.new_logprobs, tok)} if req.logprobs else None
-            return {"id": base_id, "object": "chat.completion.chunk", "created": now(), "model": self.model_name,
-                    "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                 "finish_reason": out.finish_reason if out.finished else None}]}
+            return self._envelope(base_id, "chat.completion.chunk", choices=[{
+                "index": c.index, "delta": delta, "logprobs": lp,
+                "finish_reason": out.finish_reason if out.finished else None}])
 
         if req.stream:
             return self._stream(base_id, choices, chat_chunk,
                                 bool(req.stream_options and req.stream_options.include_usage), "chat.completion.chunk")
         await self._collect(http, base_id, choices)
-        return JSONResponse({
-            "id": base_id, "object": "chat.completion", "created": now(), "model": self.model_name,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": {"content": _chat_logprobs(c.logprobs, tok)} if req.logprobs else None,
-                         "finish_reason": c.finish_reason} for c in choices],
-            "usage": _usage(choices)})
+        return JSONResponse(self._envelope(base_id, "chat.completion", choices=[
+            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": {"content": _chat_logprobs(c.logprobs, tok)} if req.logprobs else None,
+             "finish_reason": c.finish_reason} for c in choices], usage=_usage(choices)))
 
 
 def _prompt_lists(prompt: Any, tok: TokenizerWrapper) -> list[list[int]]:
