@@ -24,6 +24,12 @@ class CacheConfig:
     device_memory_gb: float = 1.0       # KV pool budget; ignored when device_blocks is set
     device_blocks: int | None = None
     prefix_cache: bool = True           # reuse the KV of cached prompt prefixes (radix tree)
+    host_cache_gb: float = 0.0          # RAM tier for blocks evicted from the device pool; 0 = off
+    disk_cache_dir: str | None = None   # disk tier directory (one file per block); None = off
+    disk_cache_gb: float = 0.0          # disk tier budget; 0 = off
+    remote: str | None = None           # shared remote tier, e.g. redis://127.0.0.1:6379/0; None = off
+    remote_ttl_s: int | None = None     # expiry of remote blocks; None keeps them until Redis evicts
+    load_timeout_s: float = 5.0         # deadline for a prefetch from lower tiers before recomputing
 
 
 @dataclass
@@ -45,11 +51,62 @@ class ServerConfig:
 
 
 @dataclass
+class DisaggConfig:
+    # The decode worker prefills itself when the uncached part of the prompt is shorter than this.
+    local_prefill_max_tokens: int = 64
+    prefill_endpoints: list[str] = field(default_factory=list)   # bootstrap endpoints of prefill workers
+    bootstrap_timeout_s: float = 5.0     # a prefill worker must accept a job within this
+    queue_timeout_s: float = 60.0        # an accepted job must start transferring within this
+    transfer_timeout_s: float = 10.0     # longest silence allowed while transferring
+    quarantine_timeout_s: float = 30.0   # blocks of a failed shm transfer wait this long for a cancel ack
+    peer_retry_s: float = 10.0           # a prefill worker that failed is skipped this long
+
+
+@dataclass
+class TransferConfig:
+    backend: str = "auto"                # auto (shm on one host, else tcp) | shm | tcp
+    bandwidth_limit: str | float | None = None   # bytes/s, or "50%" of the memcpy speed measured at start
+
+
+@dataclass
+class RoleConfig:
+    instances: int = 1
+    threads: int = 1                     # torch threads of each worker of this role
+    cpu_affinity: list[int] | None = None   # cores the role's workers are pinned to (None: no pinning)
+
+
+@dataclass
+class DeploymentConfig:
+    mode: str = "pd"                     # pd (router + prefill + decode workers) | mixed (one process)
+    pd_ratio: str | None = None          # "P:D", e.g. "1:2"; sets the instance counts when given
+    prefill: RoleConfig = field(default_factory=RoleConfig)
+    decode: RoleConfig = field(default_factory=RoleConfig)
+
+
+@dataclass
+class LoadBalancerConfig:
+    prefill: str = "round_robin"         # how the router picks a prefill worker
+    decode: str = "least_load"           # how the router picks a decode worker
+
+
+@dataclass
+class WorkerConfig:
+    role: str = "mixed"                  # mixed | prefill | decode
+    kv_port: int | None = None           # prefill: bootstrap port; decode: KV/control port (None: free port)
+    worker_id: str | None = None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
+    load_balancer: LoadBalancerConfig = field(default_factory=LoadBalancerConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

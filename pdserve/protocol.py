@@ -1,10 +1,12 @@
-"""The only types that cross a process boundary: the OpenAI-compatible HTTP API."""
+"""The only types that cross a process boundary: the OpenAI-compatible HTTP API and worker-to-worker messages."""
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
 
+import msgpack
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -25,7 +27,7 @@ class _SamplingFields(OpenAIModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -39,7 +41,7 @@ class _SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
 
@@ -51,7 +53,7 @@ class ContentPart(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[ContentPart], None] = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -96,3 +98,86 @@ def now() -> int:
 
 def model_card(name: str, max_model_len: int) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": now(), "owned_by": "pdserve", "max_model_len": max_model_len}
+
+
+# ---------------------------------------------------------------------- PD disaggregation (worker to worker)
+# Control messages are msgpack maps with a "type"; KV bytes travel as raw frames (tcp) or are written
+# straight into the decode worker's shared-memory pool (shm). Nothing is pickled.
+
+PD_PREFILL = "prefill"          # decode -> prefill: fill these blocks of mine (a PrefillJob)
+PD_CANCEL = "cancel"            # decode -> prefill: stop writing into my blocks
+PD_ACCEPTED = "accepted"        # prefill -> decode: the job is queued
+PD_STARTED = "started"          # prefill -> decode: the first chunk is computing
+PD_LAYER = "layer"              # prefill -> decode: a layer's blocks are written (shm) or attached (tcp)
+PD_DONE = "done"                # prefill -> decode: every layer is written; carries the first token
+PD_FAILED = "failed"            # prefill -> decode: the job cannot complete
+PD_CANCEL_ACK = "cancel_ack"    # prefill -> decode: nothing more will be written for this request
+
+
+@dataclass
+class PrefillJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]        # SamplingParams fields
+    cache_salt: str | None
+    dst_block_ids: list[int]        # the decode worker's blocks for the whole prompt
+    dst_start_block: int            # blocks before this one the decode worker has cached already
+    reply_endpoint: str             # the decode worker's control/KV socket
+    decode_pid: int
+    decode_host: str
+    shm_path: str | None            # the decode worker's shared pool, if it has one
+    kv_shape: list[int]             # [layers, 2, slots, kv_heads, head_dim] of the decode pool
+    elem_size: int
+    block_size: int
+    model: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": PD_PREFILL, **asdict(self)}
+
+    @classmethod
+    def from_wire(cls, msg: dict[str, Any]) -> PrefillJob:
+        names = {f.name for f in fields(cls)}
+        missing = names - msg.keys()
+        if missing:
+            raise ValueError(f"prefill job lacks {sorted(missing)}")
+        return cls(**{k: msg[k] for k in names})
+
+
+def pack(msg: dict[str, Any]) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(data: bytes) -> dict[str, Any]:
+    msg = msgpack.unpackb(data, raw=False)
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise ValueError("a control message must be a map with a type")  # noqa: TRY004
+    return msg
+
+
+# ---------------------------------------------------------------- KV events (worker -> router)
+# Msgpack on the wire: a PUB message is [b"kv", packb(KVEventBatch.model_dump())]; a snapshot reply
+# is packb(KVSnapshot.model_dump()). Block hashes travel as hex strings.
+
+KVTier = Literal["device", "host", "disk", "remote"]
+KV_TIERS: tuple[str, ...] = ("device", "host", "disk", "remote")    # fastest first
+
+
+class KVEvent(BaseModel):
+    type: Literal["stored", "removed"]
+    block_hashes: list[str]
+    parent_hash: str | None = None     # of the first block, for "stored" chains; None when unknown
+    tier: KVTier = "device"
+    worker_id: str
+    seq: int                           # +1 per event; starts at the worker's start time in µs, so it
+    ts: float                          # keeps growing across restarts and a gap means lost events
+
+
+class KVEventBatch(BaseModel):
+    worker_id: str
+    events: list[KVEvent]
+
+
+class KVSnapshot(BaseModel):
+    worker_id: str
+    seq: int                           # the last event whose effect `blocks` includes
+    blocks: dict[str, list[KVTier]]    # block hash -> the tiers that hold it

@@ -1,12 +1,23 @@
 """The KV tensors: one contiguous buffer [layers, 2 (k, v), num_blocks * block_size, kv_heads, head_dim].
 
-One buffer so that a layer's blocks are contiguous and can later be mapped into another process.
+One buffer so that a layer's blocks are contiguous runs of memory that another process can map
+(a decode worker's pool lives in a /dev/shm file that prefill workers write into directly).
 """
 from __future__ import annotations
 
+import atexit
+import mmap
+import os
+import re
+from pathlib import Path
+
+import numpy as np
 import torch
 
 from pdserve.model.arch import ModelArch
+
+SHM_DIR = Path("/dev/shm")
+_SHM_NAME = re.compile(r"pdserve-kv-(\d+)-[0-9a-f]+$")
 
 
 def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -18,9 +29,81 @@ def num_blocks_for_budget(arch: ModelArch, block_size: int, dtype: torch.dtype, 
     return max(1, int(memory_gb * (1 << 30)) // bytes_per_block(arch, block_size, dtype))
 
 
+def kv_shape(arch: ModelArch, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    return (arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim)
+
+
 def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device | str = "cpu") -> torch.Tensor:
-    kv = torch.empty(arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim,
-                     dtype=dtype, device=device)
+                      device: torch.device | str = "cpu", shm_path: str | Path | None = None) -> torch.Tensor:
+    shape = kv_shape(arch, num_blocks, block_size)
+    if shm_path is not None:
+        if torch.device(device).type != "cpu":
+            raise ValueError("a shared-memory KV pool lives in host memory (device cpu)")
+        kv = _shared_tensor(Path(shm_path), shape, dtype)
+    else:
+        kv = torch.empty(shape, dtype=dtype, device=device)
     # Write every page now: calloc'd zero pages would fault on first use, in the middle of serving.
     return kv.zero_()
+
+
+def _shared_tensor(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    sweep_stale_shm()
+    size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        buf = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    atexit.register(_unlink, path)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def new_shm_path() -> Path:
+    return SHM_DIR / f"pdserve-kv-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def sweep_stale_shm() -> None:
+    """Remove pools left by killed workers (their pid no longer runs): kill -9 skips atexit."""
+    if not SHM_DIR.is_dir():
+        return
+    for p in SHM_DIR.glob("pdserve-kv-*"):
+        m = _SHM_NAME.match(p.name)
+        if m and not pid_alive(int(m.group(1))):
+            _unlink(p)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def attach_shared_kv(path: str | Path, shape: tuple[int, ...], elem_size: int) -> np.ndarray:
+    """Map another process's pool as raw bytes [layers, 2, slots, kv_heads, head_dim * elem_size]."""
+    size = int(np.prod(shape)) * elem_size
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ValueError(f"{path}: expected {size} bytes, found {os.fstat(fd).st_size}")
+        buf = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return np.frombuffer(buf, dtype=np.uint8).reshape(*shape[:-1], shape[-1] * elem_size)
+
+
+def raw_bytes_view(kv: torch.Tensor) -> np.ndarray:
+    """The same memory as uint8 [layers, 2, slots, kv_heads, head_dim * elem_size] (bfloat16 has no numpy dtype)."""
+    es = kv.element_size()
+    return kv.view(torch.uint8).numpy().reshape(*kv.shape[:-1], kv.shape[-1] * es)

@@ -35,19 +35,21 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.dead: BaseException | None = None
         self.accepting = True
+        engine.connector.wake = self._wake.set      # a peer's message wakes an idle loop
 
     def start(self) -> None:
         self._thread.start()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, prefill_peer: str | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes. Cancelling the consumer aborts the request."""
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
         self.engine.check_request(prompt_token_ids, params)   # pure check, raises InvalidParam
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._post(("add", request_id, prompt_token_ids, params, time.monotonic(), cache_salt))
+        self._post(("add", request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prefill_peer))
         finished = False
         try:
             while True:
@@ -87,11 +89,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, arrival, salt = cmd
+                _, rid, ids, params, arrival, salt, peer = cmd
                 if rid not in self._streams:        # cancelled before it reached the engine
                     continue
                 try:
-                    self.engine.add_request(rid, ids, params, arrival_time=arrival, cache_salt=salt)
+                    self.engine.add_request(rid, ids, params, arrival_time=arrival, cache_salt=salt,
+                                            prefill_peer=peer)
                 except Exception as e:  # noqa: BLE001 - delivered to the request's consumer
                     self._deliver(rid, e)
             elif cmd[0] == "abort":

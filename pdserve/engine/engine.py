@@ -11,7 +11,8 @@ from pdserve.cache.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from pdserve.cache.prefix_cache import PrefixCache
 from pdserve.config import Config
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.request import Request, TokenLogprob
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import InvalidParam, SamplingParams
 from pdserve.engine.scheduler import Scheduler, blocks_needed
@@ -33,7 +34,7 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: Config, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: Config, loaded: LoadedModel | None = None, shm_path: str | None = None) -> None:
         self.config = config
         mc, cc = config.model, config.cache
         tune_malloc()
@@ -51,8 +52,10 @@ class LLMEngine:
         self.block_size = cc.block_size
         self.prefix_cache = PrefixCache(cc.block_size) if cc.prefix_cache else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
-        self.kv_cache = allocate_kv_cache(self.arch, num_blocks, cc.block_size, dtype, mc.device)
-        self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size)
+        # A decode worker's pool lives in shared memory (shm_path) so that prefill workers write into it.
+        self.kv_cache = allocate_kv_cache(self.arch, num_blocks, cc.block_size, dtype, mc.device, shm_path)
+        self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size, config.disagg.local_prefill_max_tokens)
+        self.connector = KVConnector()          # a role's hooks: disagg.sender / disagg.receiver
         self.runner = ModelRunner(self.model, self.kv_cache, cc.block_size)
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, IncrementalDetokenizer] = {}
@@ -81,13 +84,16 @@ class LLMEngine:
                                "max_tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    prefill_peer: str | None = None, kv_sink: object | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         self.check_request(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        req.prefill_peers = self.connector.order_peers(prefill_peer)
+        req.kv_sink = kv_sink
         self.requests[request_id] = req
         self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
                                                          params.include_stop_str_in_output)
@@ -97,21 +103,44 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
-        return self._finish(req, "abort")
+        held = self.connector.cancel_load(req) if req.status == RequestStatus.LOADING else None
+        return self._finish(req, "abort", held=held)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.connector.has_work()
+
+    # ------------------------------------------------------------------ KV from peers (decode role)
+
+    def complete_load(self, req: Request, token: int, logprob: TokenLogprob | None,
+                      generator_state: bytes | None) -> RequestOutput:
+        """A prefill worker filled every prompt block and sampled the first token."""
+        self.scheduler.finish_loading(req)
+        self.scheduler.cache_computed_blocks(req)
+        if req.generator is not None and generator_state:
+            req.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+        return self._on_token(req, token, logprob)
+
+    def retry_load(self, req: Request, held: list[int]) -> None:
+        """The transfer failed: requeue the request (next prefill peer, or a local prefill)."""
+        self.scheduler.abandon_loading(req, held)
 
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
+        c = self.connector
+        outputs = c.poll(self)
         step = self.scheduler.schedule()
         self.preemptions_total += len(step.preempted)
+        for req in step.to_load:
+            c.start_load(req)
         if not step.scheduled:
-            return []
-        sampled = self.runner.execute(step.scheduled)
+            if not outputs:
+                c.wait(0.005)               # only peers can make progress now
+            return outputs
+        planned = c.begin_step(step.scheduled)
+        sampled = self.runner.execute(step.scheduled, (lambda i: c.on_layer(planned, i)) if planned else None)
+        c.end_step(planned)
         self.num_steps += 1
-        outputs = []
         for req, n in step.scheduled:
             # Prompt positions computed (prefill or recompute); prefix-cache hits never get here.
             self.prefill_tokens_total += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
@@ -120,7 +149,11 @@ class LLMEngine:
             self.scheduler.cache_computed_blocks(req)
             if req.request_id in sampled:
                 token, logprob = sampled[req.request_id]
-                outputs.append(self._on_token(req, token, logprob))
+                out = self._on_token(req, token, logprob)
+                if req.kv_sink is None:         # a prefill job's token goes to its decode worker instead
+                    outputs.append(out)
+        for rid in c.failed_requests():
+            self.abort_request(rid)
         return outputs
 
     def _on_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
@@ -147,12 +180,15 @@ class LLMEngine:
                              len(req.output_token_ids), [logprob] if logprob else [])
 
     def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None,
-                new_logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        self.scheduler.finish(req, reason)
+                new_logprobs: list[TokenLogprob] | None = None, held: list[int] | None = None) -> RequestOutput:
+        self.scheduler.finish(req, reason, held)
         detok = self.detoks.pop(req.request_id)
         del self.requests[req.request_id]
-        return RequestOutput(req.request_id, new_tokens or [], detok.take(True), True, reason,
-                             req.num_prompt_tokens, len(req.output_token_ids), new_logprobs or [])
+        out = RequestOutput(req.request_id, new_tokens or [], detok.take(True), True, reason,
+                            req.num_prompt_tokens, len(req.output_token_ids), new_logprobs or [])
+        if req.kv_sink is not None:
+            self.connector.on_finished(req, out)
+        return out
 
     def stats(self) -> dict[str, float]:
         return {
@@ -166,4 +202,6 @@ class LLMEngine:
             "prefix_cache_queried_tokens": self.prefix_cache.queried_tokens if self.prefix_cache else 0,
             "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens if self.prefix_cache else 0,
             "prefix_cache_blocks": len(self.prefix_cache) if self.prefix_cache else 0,
+            "loading": len(self.scheduler.loading),
+            **self.connector.stats(),
         }

@@ -5,6 +5,7 @@ import enum
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -14,6 +15,7 @@ from pdserve.engine.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"                 # holds blocks whose KV a peer (prefill worker, lower tier) is filling
     FINISHED = "finished"
 
 
@@ -45,6 +47,8 @@ class Request:
     cache_salt: str | None = None       # tenants with different salts never share cached blocks
     block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks so far
     num_cached_blocks: int = 0          # leading blocks already registered in the prefix cache
+    prefill_peers: list[str] = field(default_factory=list)   # decode role: prefill workers to try, in order
+    kv_sink: Any = None                 # prefill role: where this request's KV is written (disagg.sender.KVSink)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -1,6 +1,8 @@
 """Model runner: turns a scheduled step into tensors, runs the model, samples."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from pdserve.engine.request import Request, TokenLogprob
@@ -16,7 +18,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
 
-    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, tuple[int, TokenLogprob | None]]:
+    def execute(self, scheduled: list[tuple[Request, int]], layer_done: Callable[[int], None] | None = None,
+                ) -> dict[str, tuple[int, TokenLogprob | None]]:
         """Compute the scheduled tokens; returns a sampled token for each request whose chunk
         reaches the end of its known tokens."""
         # Decodes first, shortest context first: the attention batches them in groups of
@@ -42,7 +45,8 @@ class ModelRunner:
         meta = build_metadata(seqs, self.block_size, self.model.arch.sliding_window, self.device)
         dev = self.device
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
-                                    self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=dev))
+                                    self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=dev),
+                                    layer_done)
         if not samplers:
             return {}
         tokens, logprobs = sample(logits.cpu(), samplers)

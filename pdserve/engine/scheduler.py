@@ -6,6 +6,11 @@ token budget. Blocks are allocated for exactly the tokens scheduled. When the po
 most recently admitted running request is preempted: its blocks are freed and it goes back to
 the head of the queue to be recomputed. Waiting requests are admitted strictly in order while
 the cap on running requests, the budget and the free blocks (minus a watermark) allow.
+
+A decode worker with prefill peers admits a request whose uncached prompt is long enough as
+`loading` instead: it gets blocks for the whole prompt, takes no compute budget, and joins the
+running batch when a prefill worker has filled them (`finish_loading`), or goes back to the head
+of the queue when that fails (`abandon_loading`).
 """
 from __future__ import annotations
 
@@ -22,25 +27,34 @@ from pdserve.engine.request import Request, RequestStatus
 class ScheduledStep:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)   # (request, tokens to compute)
     preempted: list[Request] = field(default_factory=list)
+    to_load: list[Request] = field(default_factory=list)   # admitted as loading: their KV comes from a peer
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def wants_remote_prefill(num_uncached: int, local_prefill_max_tokens: int | None, has_peer: bool) -> bool:
+    """Conditional disaggregation: short uncached remainders are cheaper to prefill locally than to ship."""
+    return has_peer and local_prefill_max_tokens is not None and num_uncached >= local_prefill_max_tokens
+
+
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int,
+                 local_prefill_max_tokens: int | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.block_size = block_size
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def _chunk(self, req: Request, budget: int, nothing_scheduled: bool) -> int:
         remaining = req.num_tokens - req.num_computed_tokens
@@ -57,9 +71,10 @@ class Scheduler:
             req.block_ids.extend(self.pool.allocate(need))
         return True
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, held: list[int] | None = None) -> None:
         if req.block_ids:
-            self.pool.free(req.block_ids)
+            keep = set(held or ())
+            self.pool.free([b for b in req.block_ids if b not in keep])
             req.block_ids = []
         req.num_cached_blocks = 0
 
@@ -128,10 +143,18 @@ class Scheduler:
             budget -= num_new
         if step.preempted:
             return step
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs and budget > 0:
+        while self.waiting and len(self.running) + len(self.loading) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             hit = self._match_prefix(req)
             req.num_computed_tokens = len(hit) * self.block_size
+            if wants_remote_prefill(req.num_tokens - req.num_computed_tokens, self.local_prefill_max_tokens,
+                                    bool(req.prefill_peers)) and not req.output_token_ids:
+                if not self._admit_loading(req, hit, step):
+                    break
+                continue
+            if budget <= 0:
+                req.num_computed_tokens = 0
+                break
             num_new = self._chunk(req, budget, not step.scheduled)
             # Cached blocks nobody holds count as free until this request takes them.
             available = self.pool.num_free - sum(1 for b in hit if self.pool.refcount(b) == 0)
@@ -155,12 +178,46 @@ class Scheduler:
             budget -= num_new
         return step
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Free a request's blocks on every path: stop, length, abort."""
+    def _admit_loading(self, req: Request, hit: list[int], step: ScheduledStep) -> bool:
+        available = self.pool.num_free - sum(1 for b in hit if self.pool.refcount(b) == 0)
+        need = blocks_needed(req.num_tokens, self.block_size) - len(hit)
+        if need > available or (need + self.cfg.watermark_blocks > available and (self.running or self.loading)):
+            req.num_computed_tokens = 0
+            return False
+        self.pool.incref(hit)
+        req.block_ids = list(hit) + self.pool.allocate(need)
+        req.num_cached_blocks = len(hit)
+        if self.pool.prefix_cache is not None:
+            self.pool.prefix_cache.record_query(req.num_tokens, len(hit) * self.block_size)
+        self.waiting.popleft()
+        req.status = RequestStatus.LOADING
+        self.loading[req.request_id] = req
+        step.to_load.append(req)
+        return True
+
+    def finish_loading(self, req: Request) -> None:
+        """Every prompt block is filled: the request decodes from here."""
+        del self.loading[req.request_id]
+        req.num_computed_tokens = req.num_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def abandon_loading(self, req: Request, held: list[int]) -> None:
+        """The peer failed: free the blocks (except `held`, which the caller frees later) and requeue."""
+        del self.loading[req.request_id]
+        self._release(req, held)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str, held: list[int] | None = None) -> None:
+        """Free a request's blocks on every path: stop, length, abort. `held` blocks stay allocated
+        for the caller to free once no peer can write into them."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
+        self.loading.pop(req.request_id, None)
+        self._release(req, held)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -5,6 +5,8 @@ see `linear` for why.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -104,11 +106,15 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """kv_cache: [layers, 2, slots, kv_heads, head_dim]. Returns float32 logits [len(logits_indices), V]."""
+                kv_cache: torch.Tensor, logits_indices: torch.Tensor,
+                layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """kv_cache: [layers, 2, slots, kv_heads, head_dim]. Returns float32 logits [len(logits_indices), V].
+        `layer_done(i)` runs once layer i's KV is written (a prefill worker ships it while i+1 computes)."""
         x = self.embed[input_ids]
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+            if layer_done is not None:
+                layer_done(i)
         x = rms_norm(x[logits_indices], self.norm, self.arch.rms_norm_eps)
         return (x @ self.lm_head_t).float()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -10,6 +11,7 @@ from fastapi.responses import Response
 from pdserve.config import Config
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
+from pdserve.server.roles import build_engine
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_card
 from pdserve.server.errors import BodySizeLimit, error_response, install_error_handlers
 from pdserve.server.metrics import RequestTimer, ServerMetrics
@@ -19,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
-    engine = engine or LLMEngine(config)
+    engine = engine or build_engine(config)
     model_name = config.server.served_model_name or config.model.name
     metrics = ServerMetrics(engine.stats)
     timer = RequestTimer(metrics)
@@ -32,6 +34,7 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
         yield
         # uvicorn has already let open connections finish (or cancelled them at its timeout).
         async_engine.shutdown(timeout=config.server.shutdown_timeout_s)
+        engine.connector.close()
 
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
     app.state.engine = async_engine
@@ -46,7 +49,8 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
             return error_response(503, f"engine failed: {async_engine.dead}", code="engine_dead")
         if not async_engine.accepting:
             return error_response(503, "shutting down", code="shutting_down")
-        return {"status": "ok", **engine.stats()}
+        return {"status": "ok", "role": config.worker.role, "pid": os.getpid(),
+                "kv_endpoint": getattr(engine.connector, "endpoint", None), **engine.stats()}
 
     @app.get("/metrics")
     async def prometheus():

@@ -21,6 +21,7 @@ from pdserve.server.errors import APIError, error_body
 from pdserve.server.metrics import RequestTimer
 
 _DISCONNECT_POLL_S = 0.5
+PREFILL_HEADER = "x-pdserve-prefill"    # set by the router: the prefill worker's bootstrap endpoint
 log = logging.getLogger(__name__)
 
 
@@ -34,6 +35,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     cache_salt: str | None = None
+    prefill_peer: str | None = None     # the prefill worker the router chose (PD deployments)
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
@@ -69,14 +71,14 @@ class OpenAIHandlers:
                            "model", "model_not_found")
 
     def _choices(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                 cache_salt: str | None = None) -> list[Choice]:
+                 cache_salt: str | None = None, prefill_peer: str | None = None) -> list[Choice]:
         choices = []
         for pi, ids in enumerate(prompts):
             for j in range(n):
                 p = params
                 if n > 1 and params.seed is not None:   # distinct but reproducible samples per choice
                     p = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
-                choices.append(Choice(pi * n + j, ids, p, cache_salt=cache_salt))
+                choices.append(Choice(pi * n + j, ids, p, cache_salt=cache_salt, prefill_peer=prefill_peer))
         for c in choices:
             try:
                 self.engine.engine.check_request(c.prompt_ids, c.params)
@@ -94,7 +96,7 @@ class OpenAIHandlers:
             rid = f"{base_id}-{c.index}"
             self.timer.start(rid, time.monotonic())
             try:
-                async for out in self.engine.generate(rid, c.prompt_ids, c.params, c.cache_salt):
+                async for out in self.engine.generate(rid, c.prompt_ids, c.params, c.cache_salt, c.prefill_peer):
                     await queue.put((c, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 await queue.put((c, e))
@@ -175,7 +177,7 @@ class OpenAIHandlers:
             raise APIError(400, str(e), e.param, "invalid_value") from e
         if req.stream and req.echo:
             raise APIError(400, "echo is not supported with stream", "echo", "invalid_value")
-        choices = self._choices(prompts, params, req.n, req.cache_salt)
+        choices = self._choices(prompts, params, req.n, req.cache_salt, http.headers.get(PREFILL_HEADER))
         base_id = new_id("cmpl")
         tok = self.tokenizer
 
@@ -213,7 +215,7 @@ class OpenAIHandlers:
             params = sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
         except InvalidParam as e:
             raise APIError(400, str(e), e.param, "invalid_value") from e
-        choices = self._choices([prompt], params, req.n, req.cache_salt)
+        choices = self._choices([prompt], params, req.n, req.cache_salt, http.headers.get(PREFILL_HEADER))
         base_id = new_id("chatcmpl")
         tok = self.tokenizer
 

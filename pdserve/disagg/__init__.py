@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: the transfer state machine, KV transports, and both workers' connectors."""

@@ -1,0 +1,326 @@
+"""The prefill worker's side: accept jobs, compute them, write each layer into the decode pool as it lands.
+
+Three threads, each owning its sockets: the bootstrap thread receives jobs and cancels; the engine
+thread computes (and calls the hooks here); the sender thread does every write and every outbound
+message in one FIFO order, so `done` can never overtake a layer. The engine waits at the end of
+each step until that step's writes are out (`end_step`): the overlap is within a step, layer i's
+copy running while layer i+1 computes, and a block is never reused while still being read.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from pdserve.cache.kv_cache import pid_alive, raw_bytes_view
+from pdserve.config import Config
+from pdserve.disagg.state import Deadlines, Transfer, TransferState
+from pdserve.disagg.transport import (
+    KVWriter,
+    Run,
+    ShmWriter,
+    TcpWriter,
+    Throttle,
+    coalesce,
+    measure_memcpy_bytes_per_s,
+    parse_bandwidth_limit,
+)
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.protocol import (
+    PD_ACCEPTED,
+    PD_CANCEL,
+    PD_CANCEL_ACK,
+    PD_DONE,
+    PD_FAILED,
+    PD_LAYER,
+    PD_PREFILL,
+    PD_STARTED,
+    PrefillJob,
+    pack,
+    unpack,
+)
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine import LLMEngine, RequestOutput
+    from pdserve.engine.request import Request
+
+log = logging.getLogger(__name__)
+HOST = socket.gethostname()
+_LIVENESS_PERIOD_S = 0.2
+
+
+@dataclass
+class KVSink:
+    """Where one prefill request's KV goes: the decode worker's blocks."""
+    job: PrefillJob
+    transfer: Transfer
+    next_block: int                          # first block not yet written in full
+    writer: KVWriter | None = None           # created and used on the sender thread only
+    error: str | None = None                 # set by the sender thread when a write fails
+    cancelled: bool = False
+    bytes_sent: int = 0
+    plan: list[Run] = field(default_factory=list)   # this step's runs
+    plan_end: int = 0                        # block index the plan reaches (exclusive, full blocks)
+
+
+class PrefillConnector(KVConnector):
+    def __init__(self, config: Config, kv_cache, bootstrap_endpoint: str) -> None:
+        self.config = config
+        self.block_size = config.cache.block_size
+        self.model = config.server.served_model_name or config.model.name
+        self.src = raw_bytes_view(kv_cache)
+        d = config.disagg
+        self.deadlines = Deadlines(d.bootstrap_timeout_s, d.queue_timeout_s, d.transfer_timeout_s)
+        self.backend = config.transfer.backend
+        self.throttle = Throttle(parse_bandwidth_limit(config.transfer.bandwidth_limit, measure_memcpy_bytes_per_s())
+                                 if config.transfer.bandwidth_limit else None)
+        self.sinks: dict[str, KVSink] = {}       # engine thread only
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ctx = zmq.Context.instance()
+        self._stop = threading.Event()
+        self._last_liveness = 0.0
+        self.stats_lock = threading.Lock()
+        self.counters = {"kv_send_bytes_total": 0, "kv_send_seconds_total": 0.0, "kv_send_layers_total": 0,
+                         "kv_send_layer_lag_seconds_total": 0.0, "kv_send_layer_lag_seconds_max": 0.0,
+                         "kv_prefill_jobs_total": 0, "kv_prefill_jobs_failed_total": 0}
+        self._bootstrap = self._ctx.socket(zmq.PULL)
+        self._bootstrap.setsockopt(zmq.LINGER, 0)
+        self._bootstrap.bind(bootstrap_endpoint)
+        self.endpoint = self._bootstrap.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._threads = [threading.Thread(target=self._bootstrap_loop, name="pd-bootstrap", daemon=True),
+                         threading.Thread(target=self._sender_loop, name="pd-sender", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ bootstrap thread
+
+    def _bootstrap_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._bootstrap.poll(100):
+                continue
+            try:
+                msg = unpack(self._bootstrap.recv())
+            except (ValueError, Exception) as e:  # noqa: BLE001 - a bad peer message must not kill the thread
+                log.warning("dropping a malformed control message: %s", e)
+                continue
+            if msg["type"] in (PD_PREFILL, PD_CANCEL):
+                self._inbox.put(msg)
+                self.wake()
+
+    # ------------------------------------------------------------------ sender thread
+
+    def _sender_loop(self) -> None:
+        socks: dict[str, zmq.Socket] = {}
+        dirty: set[str] = set()             # sinks whose writer needs a flush at the next barrier
+
+        def sock_for(endpoint: str) -> zmq.Socket:
+            s = socks.get(endpoint)
+            if s is None:
+                s = socks[endpoint] = self._ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, 100_000)
+                s.connect(endpoint)
+            return s
+
+        while True:
+            item = self._outbox.get()
+            kind = item[0]
+            if kind == "stop":
+                break
+            try:
+                if kind == "send":
+                    sock_for(item[1]).send(pack(item[2]), zmq.NOBLOCK)
+                elif kind == "write":
+                    _, sink, layer, runs, computed_at = item
+                    if sink.cancelled or sink.error:
+                        continue
+                    if sink.writer is None:
+                        sink.writer = self._make_writer(sink.job, sock_for)
+                    t0 = time.monotonic()
+                    n = sink.writer.write_layer(sink.job.request_id, layer, runs)
+                    self.throttle.consume(n)
+                    t1 = time.monotonic()
+                    sink.bytes_sent += n
+                    dirty.add(sink.job.request_id)
+                    with self.stats_lock:
+                        c = self.counters
+                        c["kv_send_bytes_total"] += n
+                        c["kv_send_seconds_total"] += t1 - t0
+                        c["kv_send_layers_total"] += 1
+                        c["kv_send_layer_lag_seconds_total"] += t1 - computed_at
+                        c["kv_send_layer_lag_seconds_max"] = max(c["kv_send_layer_lag_seconds_max"], t1 - computed_at)
+                elif kind == "barrier":
+                    for sink in item[2]:
+                        if sink.writer is not None and sink.job.request_id in dirty and not sink.error:
+                            sink.writer.flush()
+                    dirty.clear()
+                    item[1].set()
+                elif kind == "close" and item[1].writer is not None:
+                    item[1].writer.close()
+                    item[1].writer = None
+            except Exception as e:  # noqa: BLE001 - a failed write fails its request, not the worker
+                log.warning("KV transfer %s failed: %s", kind, e)
+                if kind == "write":
+                    item[1].error = f"{type(e).__name__}: {e}"
+                elif kind == "barrier":
+                    for sink in item[2]:
+                        sink.error = sink.error or f"flush failed: {e}"
+                    item[1].set()
+        for s in socks.values():
+            s.close(0)
+
+    def _make_writer(self, job: PrefillJob, sock_for) -> KVWriter:
+        same_host = job.decode_host == HOST and job.shm_path and os.path.exists(job.shm_path)
+        if self.backend == "shm" or (self.backend == "auto" and same_host):
+            if not job.shm_path:
+                raise ValueError("transfer.backend is shm but the decode worker has no shared pool")
+            return ShmWriter(self.src, self.block_size, job.shm_path, job.kv_shape, job.elem_size)
+        return TcpWriter(self.src, self.block_size, sock_for(job.reply_endpoint))
+
+    def _send(self, job: PrefillJob, msg: dict[str, Any]) -> None:
+        self._outbox.put(("send", job.reply_endpoint, {"request_id": job.request_id, **msg}))
+
+    # ------------------------------------------------------------------ engine thread hooks
+
+    def has_work(self) -> bool:
+        return not self._inbox.empty()
+
+    def poll(self, engine: LLMEngine) -> list[RequestOutput]:
+        """Admit new jobs, apply cancels, fail jobs whose decode worker died or whose deadline passed."""
+        from pdserve.engine.sampling_params import InvalidParam, SamplingParams
+        now = time.monotonic()
+        while not self._inbox.empty():
+            msg = self._inbox.get_nowait()
+            if msg["type"] == PD_CANCEL:
+                rid = msg.get("request_id")
+                sink = self.sinks.get(rid)
+                if sink is not None:
+                    sink.cancelled = True
+                    engine.abort_request(rid)       # on_finished sends the ack
+                else:
+                    self._outbox.put(("send", msg.get("reply_endpoint", ""), {"type": PD_CANCEL_ACK,
+                                                                               "request_id": rid}))
+                continue
+            try:
+                job = PrefillJob.from_wire(msg)
+                if job.block_size != self.block_size:
+                    raise InvalidParam(f"block size {job.block_size} != this worker's {self.block_size}")
+                if job.model != self.model:
+                    raise InvalidParam(f"model {job.model!r} != this worker's {self.model!r}")
+                params = SamplingParams(**{**job.sampling, "max_tokens": 1, "stop": [], "stop_token_ids": [],
+                                           "ignore_eos": True})
+                sink = KVSink(job, Transfer(job.request_id, self.deadlines, now), job.dst_start_block)
+                sink.transfer.on("accepted", now)
+                engine.add_request(job.request_id, job.prompt_token_ids, params, cache_salt=job.cache_salt,
+                                   kv_sink=sink)
+            except Exception as e:  # noqa: BLE001 - answered to the decode worker
+                log.warning("rejecting prefill job %s: %s", msg.get("request_id"), e)
+                self._outbox.put(("send", msg.get("reply_endpoint", ""), {
+                    "type": PD_FAILED, "request_id": msg.get("request_id"), "reason": str(e)}))
+                continue
+            self.sinks[job.request_id] = sink
+            with self.stats_lock:
+                self.counters["kv_prefill_jobs_total"] += 1
+            self._send(job, {"type": PD_ACCEPTED, "pid": os.getpid(), "host": HOST})
+        check_pids = now - self._last_liveness > _LIVENESS_PERIOD_S
+        if check_pids:
+            self._last_liveness = now
+        for rid, sink in list(self.sinks.items()):
+            job = sink.job
+            dead = check_pids and job.decode_host == HOST and not pid_alive(job.decode_pid)
+            if dead or sink.transfer.expired(now):
+                sink.transfer.fail("decode worker died" if dead else f"deadline in {sink.transfer.state.value}", now)
+                engine.abort_request(rid)
+        return []
+
+    def begin_step(self, scheduled: list[tuple[Request, int]]) -> list[Request]:
+        """Plan this step's writes; returns the requests that have a sink."""
+        bs = self.block_size
+        planned = []
+        now = time.monotonic()
+        for req, n in scheduled:
+            sink: KVSink | None = req.kv_sink
+            if sink is None:
+                continue
+            start = req.num_computed_tokens
+            if sink.transfer.state == TransferState.WAITING:
+                sink.transfer.on("started", now)
+                self._send(sink.job, {"type": PD_STARTED})
+            first = max(min(sink.next_block, start // bs), sink.job.dst_start_block)
+            last = min((start + n - 1) // bs, len(sink.job.dst_block_ids) - 1)
+            sink.plan = coalesce(req.block_ids[first:last + 1], sink.job.dst_block_ids[first:last + 1])
+            sink.plan_end = (start + n) // bs
+            planned.append(req)
+        return planned
+
+    def on_layer(self, planned: list[Request], layer: int) -> None:
+        now = time.monotonic()
+        for req in planned:
+            if req.kv_sink.plan:
+                self._outbox.put(("write", req.kv_sink, layer, req.kv_sink.plan, now))
+
+    def end_step(self, planned: list[Request]) -> None:
+        if not planned:
+            return
+        done = threading.Event()
+        sinks = [r.kv_sink for r in planned]
+        self._outbox.put(("barrier", done, sinks))
+        if not done.wait(self.deadlines.transfer_s):
+            for s in sinks:
+                s.error = s.error or "writes did not finish before the transfer deadline"
+        now = time.monotonic()
+        for req in planned:
+            sink = req.kv_sink
+            sink.next_block = max(sink.next_block, sink.plan_end)
+            if sink.error is None:
+                sink.transfer.on("progress", now)
+                self._send(sink.job, {"type": PD_LAYER, "upto_block": sink.next_block, "data": False})
+
+    def failed_requests(self) -> list[str]:
+        return [rid for rid, s in self.sinks.items() if s.error is not None]
+
+    def on_finished(self, req: Request, out: RequestOutput) -> None:
+        """The request left the prefill engine: report the first token, or the failure."""
+        sink = self.sinks.pop(req.request_id, None)
+        if sink is None:
+            return
+        self._outbox.put(("close", sink))
+        now = time.monotonic()
+        if sink.cancelled:
+            self._send(sink.job, {"type": PD_CANCEL_ACK})
+        elif out.finish_reason in ("length", "stop") and sink.error is None and out.new_token_ids:
+            sink.transfer.on("done", now)
+            lp = out.new_logprobs[0] if out.new_logprobs else None
+            gen = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
+            self._send(sink.job, {"type": PD_DONE, "token": out.new_token_ids[0],
+                                  "logprob": None if lp is None else [lp.token_id, lp.logprob, lp.rank,
+                                                                      [list(t) for t in lp.top]],
+                                  "generator_state": gen, "bytes": sink.bytes_sent,
+                                  "seconds": now - sink.transfer.started_at})
+        else:
+            reason = sink.error or sink.transfer.reason or f"prefill ended: {out.finish_reason}"
+            sink.transfer.fail(reason, now)
+            with self.stats_lock:
+                self.counters["kv_prefill_jobs_failed_total"] += 1
+            self._send(sink.job, {"type": PD_FAILED, "reason": reason})
+
+    def stats(self) -> dict[str, float]:
+        with self.stats_lock:
+            out = dict(self.counters)
+        out["kv_prefill_jobs_active"] = len(self.sinks)
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._outbox.put(("stop",))
+        for t in self._threads:
+            t.join(timeout=2)
+        self._bootstrap.close(0)
