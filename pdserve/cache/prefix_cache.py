@@ -10,7 +10,13 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+
+# listener(kind, block_hash, parent): kind is "stored" (after an insert) or "removed" (after an eviction).
+CacheListener = Callable[[str, bytes, bytes | None], None]
+# on_evict(block_id, block_hash): the block's KV is still intact; the id is reused right after.
+EvictHook = Callable[[int, bytes], None]
 
 
 def block_hash(parent: bytes | None, token_ids: list[int], salt: str | None = None) -> bytes:
@@ -41,8 +47,11 @@ class _Node:
 
 
 class PrefixCache:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, listener: CacheListener | None = None,
+                 on_evict: EvictHook | None = None) -> None:
         self.block_size = block_size
+        self.listener = listener      # feeds KV events (the router's global index)
+        self.on_evict = on_evict      # lets the engine offload an evicted block's KV to a lower tier
         self.nodes: dict[bytes, _Node] = {}
         self.hash_of: dict[int, bytes] = {}                  # block id -> its hash, for cached blocks
         self.evictable: OrderedDict[int, None] = OrderedDict()   # unreferenced leaves, LRU first
@@ -83,6 +92,8 @@ class PrefixCache:
             parent_node = self.nodes[parent]
             parent_node.children += 1
             self.evictable.pop(parent_node.block_id, None)    # no longer a leaf
+        if self.listener is not None:
+            self.listener("stored", h, parent)
         return True
 
     # ------------------------------------------------------------------ reference tracking (from the pool)
@@ -108,7 +119,11 @@ class PrefixCache:
         """Drop the least recently used unreferenced leaf; returns its block id (now free)."""
         if not self.evictable:
             return None
-        block_id, _ = self.evictable.popitem(last=False)
+        block_id = next(iter(self.evictable))
+        if self.on_evict is not None:
+            # Before any change: the KV is intact, and a hook that raises leaves the cache consistent.
+            self.on_evict(block_id, self.hash_of[block_id])
+        del self.evictable[block_id]
         h = self.hash_of.pop(block_id)
         node = self.nodes.pop(h)
         self.unreferenced.discard(block_id)
@@ -119,6 +134,8 @@ class PrefixCache:
                 # A leaf now, and used no later than its evicted child, the oldest leaf: next in line.
                 self.evictable[parent.block_id] = None
                 self.evictable.move_to_end(parent.block_id, last=False)
+        if self.listener is not None:
+            self.listener("removed", h, node.parent)
         return block_id
 
     def check_integrity(self, refcount: list[int]) -> None:

@@ -1,0 +1,195 @@
+"""KV events over real ZMQ sockets: publisher -> subscriber -> index, snapshots, gaps, matching."""
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from pdserve.cache.block_pool import BlockPool
+from pdserve.cache.kv_events import KVEventPublisher, KVEventSubscriber, KVIndex
+from pdserve.cache.prefix_cache import PrefixCache, prompt_hashes
+from pdserve.protocol import KVEvent, KVSnapshot
+
+WAIT = 10.0
+
+
+def _ev(worker: str, seq: int, kind: str, hashes: list[str], tier: str = "device") -> KVEvent:
+    return KVEvent(type=kind, block_hashes=hashes, tier=tier, worker_id=worker, seq=seq, ts=0.0)
+
+
+def _pump(sub: KVEventSubscriber, index: KVIndex, until, what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not until():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        for ev in sub.poll(0.05):
+            index.apply(ev)
+
+
+def _connected(pub: KVEventPublisher, sub: KVEventSubscriber) -> None:
+    """PUB drops what it sends before the subscription reaches it: probe until one arrives."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        pub.stored(["probe"], None, "host")
+        if sub.poll(0.05):
+            break
+        assert time.monotonic() < deadline, "the subscription never arrived"
+    pub.removed(["probe"], "host")
+    while not any(e.type == "removed" and e.block_hashes == ["probe"] for e in sub.poll(0.05)):
+        assert time.monotonic() < deadline, "the probe's removal never arrived"
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+def endpoints(request, tmp_path):
+    if request.param == "tcp":
+        return "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"
+    return f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/snapshot"
+
+
+@pytest.fixture
+def pubsub(endpoints):
+    pub = KVEventPublisher(endpoints[0], "worker-1", endpoints[1])
+    sub = KVEventSubscriber(pub.endpoint, pub.snapshot_endpoint)
+    yield pub, sub
+    sub.close()
+    pub.close()
+
+
+def test_incremental_index_equals_snapshot_rebuild(pubsub):
+    pub, sub = pubsub
+    cache = PrefixCache(4, listener=pub.on_prefix_cache)
+    pool = BlockPool(6, cache)
+    _connected(pub, sub)
+    incremental = KVIndex()
+    incremental.apply_snapshot(sub.snapshot())
+    assert "worker-1" not in incremental.needs_snapshot
+
+    a = prompt_hashes(list(range(12)), 4)
+    blocks = pool.allocate(3)
+    for i, (h, b) in enumerate(zip(a, blocks)):
+        cache.insert(h, a[i - 1] if i else None, b)
+    pub.on_tier("stored", a[:2], "host")
+    pub.on_tier("stored", [a[0]], "disk")
+    pool.free(blocks)
+    pool.allocate(4)                       # 3 free blocks, then the LRU leaf a[2] is evicted
+    pub.on_tier("removed", [a[1]], "host")
+    _pump(sub, incremental, lambda: incremental.last_seq.get("worker-1") == pub.seq, "the events")
+    assert not incremental.needs_snapshot
+
+    rebuilt = KVIndex()
+    rebuilt.apply_snapshot(sub.snapshot())
+    expected = {a[0].hex(): {"device", "host", "disk"}, a[1].hex(): {"device"}}
+    assert incremental.worker_blocks("worker-1") == rebuilt.worker_blocks("worker-1") == expected
+    assert incremental.match(a) == rebuilt.match(a) == {"worker-1": (2, "device")}
+    assert pub.stats()["kv_events_dropped"] == 0 and pub.stats()["kv_snapshots_served"] == 2
+
+
+def test_a_chain_of_inserts_is_one_event_in_order(pubsub):
+    pub, sub = pubsub
+    _connected(pub, sub)
+    hs = [bytes([i]) * 16 for i in range(4)]
+    pub.stored(hs[:1], None)
+    pub.stored(hs[1:2], hs[0])
+    pub.stored(hs[2:3], hs[1])
+    pub.removed(hs[2:3])
+    pub.stored(hs[3:4], hs[1])             # parent is not the last one sent: a new event
+    got: list[KVEvent] = []
+    deadline = time.monotonic() + WAIT
+    while sum(len(e.block_hashes) for e in got) < 5:
+        assert time.monotonic() < deadline
+        got += sub.poll(0.05)
+    # Coalescing depends on how fast the socket thread drains; the sequence of effects does not.
+    flat = [(e.type, h) for e in got for h in e.block_hashes]
+    assert flat == [("stored", hs[0].hex()), ("stored", hs[1].hex()), ("stored", hs[2].hex()),
+                    ("removed", hs[2].hex()), ("stored", hs[3].hex())]
+    assert [e.seq for e in got] == list(range(got[0].seq, got[0].seq + len(got)))
+    assert got[0].parent_hash is None and got[-1].parent_hash == hs[1].hex()
+
+
+def test_subscriber_update_resyncs_after_lost_events(endpoints):
+    # max_pending=0: every event is dropped before the socket, as on a full queue.
+    pub = KVEventPublisher(endpoints[0], "w", endpoints[1], max_pending=0)
+    sub = KVEventSubscriber(pub.endpoint, pub.snapshot_endpoint)
+    try:
+        index = KVIndex()
+        pub.stored(["aa", "bb"], None, "device")
+        pub.removed(["aa"], "device")
+        assert pub.stats()["kv_events_dropped"] == 2
+        sub.update(index)                          # no state yet: takes a snapshot
+        assert index.worker_blocks("w") == {"bb": {"device"}} and index.last_seq["w"] == pub.seq
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_index_ignores_stale_events_and_flags_gaps():
+    index = KVIndex()
+    index.apply_snapshot(KVSnapshot(worker_id="w", seq=10, blocks={"aa": ["device"]}))
+    assert not index.apply(_ev("w", 9, "removed", ["aa"]))     # already in the snapshot
+    assert index.apply(_ev("w", 11, "stored", ["bb"], "disk"))
+    assert not index.needs_snapshot
+    assert index.apply(_ev("w", 14, "stored", ["cc"]))
+    assert index.needs_snapshot == {"w"}
+    assert index.apply(_ev("x", 5, "stored", ["aa"]))          # never snapshotted
+    assert index.needs_snapshot == {"w", "x"}
+    index.remove_worker("x")
+    assert index.worker_blocks("x") == {} and index.needs_snapshot == {"w"}
+    assert index.worker_blocks("w") == {"aa": {"device"}, "bb": {"disk"}, "cc": {"device"}}
+
+
+def test_match_counts_leading_blocks_per_worker_and_the_bounding_tier():
+    index = KVIndex()
+    index.apply_snapshot(KVSnapshot(worker_id="a", seq=1, blocks={
+        "h0": ["device"], "h1": ["device", "disk"], "h2": ["host"]}))
+    index.apply_snapshot(KVSnapshot(worker_id="b", seq=1, blocks={"h0": ["disk"], "h1": ["device"]}))
+    index.apply_snapshot(KVSnapshot(worker_id="c", seq=1, blocks={"h1": ["device"], "h2": ["device"]}))
+    assert index.match(["h0", "h1", "h2", "h3"]) == {"a": (3, "host"), "b": (2, "disk")}
+    assert index.match(["h0", "h1"]) == {"a": (2, "device"), "b": (2, "disk")}
+    assert index.match([b"\x01" * 16]) == {} and index.match([]) == {}
+    index.apply(_ev("a", 2, "removed", ["h1"], "device"))
+    assert index.match(["h0", "h1"])["a"] == (2, "disk")
+
+
+def test_seq_keeps_growing_across_a_restart_and_tiers_are_checked(endpoints):
+    first = KVEventPublisher(endpoints[0], "w")
+    first.stored(["aa"])
+    with pytest.raises(ValueError):
+        first.stored(["bb"], None, "ssd")
+    last = first.seq
+    first.close()
+    second = KVEventPublisher(endpoints[0], "w")
+    try:
+        assert second.seq > last
+    finally:
+        second.close()
+
+
+def test_snapshot_timeout_and_malformed_batches(tmp_path):
+    ctx = zmq.Context.instance()
+    rogue = ctx.socket(zmq.PUB)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.bind(f"ipc://{tmp_path}/rogue")
+    silent = ctx.socket(zmq.ROUTER)         # accepts requests, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind(f"ipc://{tmp_path}/silent")
+    sub = KVEventSubscriber(f"ipc://{tmp_path}/rogue", f"ipc://{tmp_path}/silent")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            sub.snapshot(timeout=0.2)
+        assert time.monotonic() - t0 < 5
+        good = msgpack.packb({"worker_id": "w", "events": [_ev("w", 1, "stored", ["aa"]).model_dump()]})
+        deadline = time.monotonic() + WAIT
+        events: list[KVEvent] = []
+        while not events:
+            assert time.monotonic() < deadline
+            rogue.send_multipart([b"kv", b"\xc1 not msgpack"])
+            rogue.send_multipart([b"kv", msgpack.packb({"worker_id": "w", "events": [{"type": "bogus"}]})])
+            rogue.send_multipart([b"kv", good])
+            events = sub.poll(0.05)
+        assert events[0].block_hashes == ["aa"] and sub.malformed >= 2
+    finally:
+        sub.close()
+        rogue.close()
+        silent.close()
