@@ -27,6 +27,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget")
     p.add_argument("--threads", type=int, help="torch compute threads")
     p.add_argument("--seed", type=int, help="seed of tiny random model weights")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--transfer-backend", choices=["auto", "shm", "tcp"], help="how KV moves from prefill to decode")
+    p.add_argument("--local-prefill-max-tokens", type=int,
+                   help="decode workers prefill locally when fewer prompt tokens than this are uncached")
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -38,7 +43,14 @@ def _overrides(args: argparse.Namespace) -> dict:
         "scheduler.max_num_seqs": args.max_num_seqs,
         "scheduler.max_num_batched_tokens": args.max_num_batched_tokens, "server.threads": args.threads,
         "server.served_model_name": args.served_model_name,
-        "server.host": getattr(args, "host", None), "server.port": getattr(args, "port", None),
+        "server.host": args.host, "server.port": args.port,
+        "transfer.backend": args.transfer_backend, "disagg.local_prefill_max_tokens": args.local_prefill_max_tokens,
+        "deployment.mode": getattr(args, "mode", None),
+        "deployment.prefill.instances": getattr(args, "prefill", None),
+        "deployment.decode.instances": getattr(args, "decode", None),
+        "worker.role": getattr(args, "role", None), "worker.kv_port": getattr(args, "kv_port", None),
+        "disagg.prefill_endpoints": (args.prefill_endpoints.split(",") if getattr(args, "prefill_endpoints", None)
+                                     else None),
     }
 
 
@@ -50,11 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with PD disaggregation")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start a deployment serving the OpenAI API")
-    serve.add_argument("--mode", choices=["mixed"], default="mixed",
-                       help="mixed: one process prefills and decodes")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
+    serve.add_argument("--mode", choices=["pd", "mixed"],
+                       help="pd (default): a router, prefill and decode workers; mixed: one process does both")
+    serve.add_argument("--prefill", type=int, help="prefill workers (overrides the config file)")
+    serve.add_argument("--decode", type=int, help="decode workers (overrides the config file)")
     _add_engine_flags(serve)
+    worker = sub.add_parser("worker", help="one worker process (pdserve serve starts these)")
+    worker.add_argument("--role", choices=["mixed", "prefill", "decode"], required=True)
+    worker.add_argument("--kv-port", type=int, help="prefill: bootstrap port; decode: KV/control port")
+    worker.add_argument("--prefill-endpoints", help="decode: comma-separated bootstrap endpoints of prefill workers")
+    _add_engine_flags(worker)
     sub.add_parser("bench", help="load generator and report (pdserve bench --help)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -62,7 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.config import load_config
 
     config = load_config(args.config, _overrides(args))
-    if args.command == "serve":
+    if args.command == "serve" and config.deployment.mode == "pd":
+        from pdserve.launch import serve_pd
+        serve_pd(config)
+    elif args.command == "serve":
+        config.worker.role = "mixed"
+        from pdserve.server.app import serve as run_server
+        run_server(config)
+    elif args.command == "worker":
+        role_cfg = getattr(config.deployment, args.role, None)
+        if config.server.threads is None and role_cfg is not None:
+            config.server.threads = role_cfg.threads
         from pdserve.server.app import serve as run_server
         run_server(config)
     return 0

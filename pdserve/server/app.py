@@ -71,7 +71,8 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
     return app
 
 
-def serve(config: Config) -> None:
+def run_uvicorn(app, config: Config) -> None:
+    """Serve `app` until SIGTERM or SIGINT; SIGTERM drains and exits 0."""
     import signal
 
     import uvicorn
@@ -84,7 +85,12 @@ def serve(config: Config) -> None:
                 return
             super().handle_exit(sig, frame)
 
-    app = create_app(config)
-    log.info("serving %s on http://%s:%d", config.model.name, config.server.host, config.server.port)
     GracefulServer(uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
                                   timeout_graceful_shutdown=int(config.server.shutdown_timeout_s))).run()
+
+
+def serve(config: Config) -> None:
+    app = create_app(config)
+    log.info("serving %s (%s) on http://%s:%d", config.model.name, config.worker.role, config.server.host,
+             config.server.port)
+    run_uvicorn(app, config)

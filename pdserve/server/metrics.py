@@ -36,6 +36,20 @@ class _EngineCollector:
             c = CounterMetricFamily(f"pdserve_{key}", help_text)
             c.add_metric([], float(s[key]))
             yield c
+        # Everything else the engine reports (KV transfer, tiers, ...): `_total` keys are counters.
+        known = {"running", "waiting", "kv_usage", "kv_blocks_total", "kv_blocks_free", "prefix_cache_blocks",
+                 "prefill_tokens_computed", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens"}
+        for key, value in s.items():
+            if key in known or not isinstance(value, (int, float)):
+                continue
+            if key.endswith("_total"):
+                c = CounterMetricFamily(f"pdserve_{key[:-6]}", key.replace("_", " "))
+                c.add_metric([], float(value))
+                yield c
+            else:
+                g = GaugeMetricFamily(f"pdserve_{key}", key.replace("_", " "))
+                g.add_metric([], float(value))
+                yield g
 
 
 class ServerMetrics:

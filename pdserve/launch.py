@@ -1,0 +1,138 @@
+"""`pdserve serve` in PD mode: one router (this process) and prefill and decode worker processes.
+
+Each worker gets the deployment's config as a file, its role, its ports, its thread count and its
+CPU affinity. The router waits for the workers, serves, and on exit stops them (SIGTERM, then
+SIGKILL after the shutdown timeout).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+from pdserve.config import Config, RoleConfig
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def instance_counts(config: Config) -> tuple[int, int]:
+    d = config.deployment
+    if d.pd_ratio:
+        try:
+            p, q = (int(x) for x in str(d.pd_ratio).split(":"))
+        except ValueError as e:
+            raise ValueError(f"deployment.pd_ratio must look like '1:2', not {d.pd_ratio!r}") from e
+        return p, q
+    return d.prefill.instances, d.decode.instances
+
+
+def _pin(cores: list[int] | None):
+    if not cores:
+        return None
+    return lambda: os.sched_setaffinity(0, cores)
+
+
+class WorkerProcess:
+    def __init__(self, role: str, index: int, config_file: Path, host: str, role_cfg: RoleConfig,
+                 log_dir: Path, extra: list[str]) -> None:
+        self.role = role
+        self.port = free_port(host)
+        self.kv_port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.kv_endpoint = f"tcp://{host}:{self.kv_port}"
+        cmd = [sys.executable, "-m", "pdserve.cli", "worker", "--role", role, "--config", str(config_file),
+               "--host", host, "--port", str(self.port), "--kv-port", str(self.kv_port), *extra]
+        env = dict(os.environ)
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[k] = str(role_cfg.threads)
+        self.log_path = log_dir / f"{role}-{index}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=_pin(role_cfg.cpu_affinity))
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def start_workers(config: Config, log_dir: Path) -> list[WorkerProcess]:
+    n_prefill, n_decode = instance_counts(config)
+    if n_decode < 1:
+        raise ValueError("a PD deployment needs at least one decode worker")
+    host = config.server.host
+    cfg = config.to_dict()
+    cfg["deployment"]["mode"] = "pd"
+    config_file = log_dir / "deployment.yaml"
+    config_file.write_text(yaml.safe_dump(cfg))
+    workers = [WorkerProcess("prefill", i, config_file, host, config.deployment.prefill, log_dir, [])
+               for i in range(n_prefill)]
+    endpoints = ",".join(w.kv_endpoint for w in workers)
+    decode_extra = ["--prefill-endpoints", endpoints] if endpoints else []
+    workers += [WorkerProcess("decode", i, config_file, host, config.deployment.decode, log_dir, decode_extra)
+                for i in range(n_decode)]
+    return workers
+
+
+def wait_healthy(workers: list[WorkerProcess], timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(workers)
+    while pending:
+        for w in list(pending):
+            if w.proc.poll() is not None:
+                raise RuntimeError(f"{w.role} worker exited with {w.proc.returncode}; log: {w.log_path}\n"
+                                   + w.log_path.read_text(errors="replace")[-2000:])
+            if w.healthy():
+                pending.remove(w)
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"workers not healthy after {timeout:.0f}s: {[w.log_path for w in pending]}")
+        time.sleep(0.3)
+
+
+def serve_pd(config: Config) -> None:
+    from pdserve.router.proxy import create_router_app
+    from pdserve.server.app import run_uvicorn
+
+    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
+    workers = start_workers(config, log_dir)
+    log.info("worker logs in %s", log_dir)
+    try:
+        wait_healthy(workers)
+        app = create_router_app([w.url for w in workers if w.role == "decode"],
+                                [w.url for w in workers if w.role == "prefill"])
+        log.info("serving %s on http://%s:%d (%d prefill, %d decode workers)", config.model.name,
+                 config.server.host, config.server.port, *instance_counts(config))
+        run_uvicorn(app, config)
+    finally:
+        for w in workers:
+            w.stop()
+        for w in workers:
+            w.wait(config.server.shutdown_timeout_s)

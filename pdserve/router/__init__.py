@@ -1,0 +1,1 @@
+"""The router: the HTTP front of a PD deployment."""
