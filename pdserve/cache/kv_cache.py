@@ -81,6 +81,15 @@ def sweep_stale_shm() -> None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process on this host still runs. A killed child its parent has not reaped yet is
+    a zombie: signal 0 still reaches it, so /proc is asked first."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] not in "ZX"
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

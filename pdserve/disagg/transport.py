@@ -92,7 +92,7 @@ class ShmWriter(KVWriter):
     def __init__(self, src: np.ndarray, block_size: int, path: str, shape: list[int], elem_size: int) -> None:
         super().__init__(src, block_size)
         self.dst = attach_shared_kv(path, tuple(shape), elem_size)
-        if self.dst.shape[2:] != src.shape[2:] or self.dst.shape[:2] != src.shape[:2]:
+        if self.dst.shape[:2] != src.shape[:2] or self.dst.shape[3:] != src.shape[3:]:   # slots may differ
             raise ValueError(f"decode pool {self.dst.shape} does not match this pool {src.shape}")
 
     def write_layer(self, request_id: str, layer: int, runs: list[Run]) -> int:

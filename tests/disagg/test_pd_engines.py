@@ -59,9 +59,17 @@ class Loop:
                 time.sleep(0.001)
                 continue
             for out in self.engine.step():
-                self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-                if out.finished:
-                    self.finished[out.request_id] = out.finish_reason
+                self._record(out)
+
+    def _record(self, out) -> None:
+        if out is None:
+            return
+        self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finished:
+            self.finished[out.request_id] = out.finish_reason
+
+    def abort(self, rid: str) -> None:
+        self.submit(lambda e: self._record(e.abort_request(rid)))
 
     def wait(self, rids, timeout=60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -143,3 +151,60 @@ def test_silent_prefill_peer_falls_back_to_local(loaded):
     finally:
         decode.stop()
         silent.close(0)
+
+
+def test_failed_peer_retries_on_next_prefill_worker(loaded):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    mixed = LLMEngine(_config("mixed"), loaded)
+    prompt = _prompts(4)[3]
+    mixed.add_request("a", prompt, params)
+    want = []
+    while mixed.has_unfinished():
+        for out in mixed.step():
+            want.extend(out.new_token_ids)
+    silent = zmq.Context.instance().socket(zmq.PULL)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    prefill = Loop(build_engine(_config("prefill")))
+    decode = Loop(build_engine(_config("decode", prefill_endpoints=[f"tcp://127.0.0.1:{port}",
+                                                                   prefill.engine.connector.endpoint],
+                                       bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5)))
+    try:
+        decode.submit(lambda e: e.add_request("a", prompt, params))
+        decode.wait(["a"])
+        assert decode.outputs["a"] == want
+        s = decode.engine.stats()
+        assert (s["kv_transfers_failed_total"], s["kv_transfers_completed_total"]) == (1, 1)
+        assert s["kv_local_prefill_fallbacks_total"] == 0
+        decode.wait_idle()
+        prefill.wait_idle()
+    finally:
+        decode.stop()
+        prefill.stop()
+        silent.close(0)
+
+
+def test_abort_while_loading_frees_every_block(loaded):
+    """A client that goes away while its KV is in flight: the prefill side stops, the decode side
+    holds the blocks until the cancel is acknowledged, then both pools are whole again."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prefill = Loop(build_engine(load_config(None, {
+        "model.name": MODEL, "cache.device_blocks": 256, "cache.block_size": 4, "worker.role": "prefill",
+        "scheduler.max_num_batched_tokens": 64, "transfer.bandwidth_limit": 20000})))
+    decode = Loop(build_engine(_config("decode", prefill_endpoints=[prefill.engine.connector.endpoint])))
+    prompt = [(5 * j) % 250 + 1 for j in range(200)]       # 200 tokens x 512 B at 20 kB/s: ~5 s in flight
+    try:
+        decode.submit(lambda e: e.add_request("a", prompt, params))
+        deadline = time.monotonic() + 10
+        while decode.engine.stats()["kv_transfers_transferring"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        decode.abort("a")
+        decode.wait(["a"])
+        assert decode.finished["a"] == "abort"
+        decode.wait_idle()
+        prefill.wait_idle()
+        assert decode.engine.stats()["kv_blocks_quarantined"] == 0
+        assert prefill.engine.stats()["kv_prefill_jobs_active"] == 0
+    finally:
+        decode.stop()
+        prefill.stop()
