@@ -30,6 +30,10 @@ class CacheConfig:
     remote: str | None = None           # shared remote tier, e.g. redis://127.0.0.1:6379/0; None = off
     remote_ttl_s: int | None = None     # expiry of remote blocks; None keeps them until Redis evicts
     load_timeout_s: float = 5.0         # deadline for a prefetch from lower tiers before recomputing
+    # KV events (ZMQ PUB) for a router's global KV index, e.g. tcp://127.0.0.1:5557 (:* = a free port);
+    # None = off. Snapshots are served on kv_events_snapshot_endpoint (None: same host, a free port).
+    kv_events_endpoint: str | None = None
+    kv_events_snapshot_endpoint: str | None = None
 
 
 @dataclass
@@ -66,6 +70,7 @@ class DisaggConfig:
 class TransferConfig:
     backend: str = "auto"                # auto (shm on one host, else tcp) | shm | tcp
     bandwidth_limit: str | float | None = None   # bytes/s, or "50%" of the memcpy speed measured at start
+    layerwise: bool = True               # write each layer as soon as it is computed (False: after the forward)
 
 
 @dataclass

@@ -194,9 +194,20 @@ class DecodeConnector(KVConnector):
                          req.num_cached_blocks, self.endpoint, _pid(), HOST, self.shm_path, self.kv_shape,
                          self.elem_size, self.block_size, self.model)
         self.pending[req.request_id] = Pending(req, peer, Transfer(req.request_id, self.deadlines, now))
-        with self._live_lock:
-            self._live[req.request_id] = list(req.block_ids)
+        self.accept_writes(req.request_id, req.block_ids)
         self._post_out(peer, job.to_wire())
+
+    def accept_writes(self, request_id: str, block_ids: list[int]) -> None:
+        """From now on, tcp KV frames for this request land in these blocks."""
+        with self._live_lock:
+            self._live[request_id] = list(block_ids)
+
+    def next_message(self, timeout: float) -> dict | None:
+        """The next message from a peer, as the engine would see it (benchmarks drive this directly)."""
+        try:
+            return self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def _stop_writes(self, pend: Pending, reason: str, now: float) -> list[int]:
         """Stop the peer writing; returns the blocks to hold back (shm) until it provably can't."""

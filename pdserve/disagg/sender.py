@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -78,7 +79,14 @@ class PrefillConnector(KVConnector):
         self.src = raw_bytes_view(kv_cache)
         d = config.disagg
         self.deadlines = Deadlines(d.bootstrap_timeout_s, d.queue_timeout_s, d.transfer_timeout_s)
+        # The sender thread must get the GIL soon after a layer lands; the default 5 ms switch
+        # interval would leave each layer's copy waiting behind the engine's Python code.
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self.backend = config.transfer.backend
+        self.layerwise = config.transfer.layerwise
+        self._computed_layers: list[int] = []
+        self._last_layer_at = 0.0
+        self._writes_done_at = 0.0              # set by the sender thread when a step's writes are all out
         self.throttle = Throttle(parse_bandwidth_limit(config.transfer.bandwidth_limit, measure_memcpy_bytes_per_s())
                                  if config.transfer.bandwidth_limit else None)
         self.sinks: dict[str, KVSink] = {}       # engine thread only
@@ -90,6 +98,9 @@ class PrefillConnector(KVConnector):
         self.stats_lock = threading.Lock()
         self.counters = {"kv_send_bytes_total": 0, "kv_send_seconds_total": 0.0, "kv_send_layers_total": 0,
                          "kv_send_layer_lag_seconds_total": 0.0, "kv_send_layer_lag_seconds_max": 0.0,
+                         # From the last layer's compute to every write of the step done: what layer-wise
+                         # transfer leaves exposed (the whole transfer when it is not layer-wise).
+                         "kv_send_tail_lag_seconds_total": 0.0, "kv_send_steps_total": 0,
                          "kv_prefill_jobs_total": 0, "kv_prefill_jobs_failed_total": 0}
         self._bootstrap = self._ctx.socket(zmq.PULL)
         self._bootstrap.setsockopt(zmq.LINGER, 0)
@@ -120,6 +131,7 @@ class PrefillConnector(KVConnector):
     def _sender_loop(self) -> None:
         socks: dict[str, zmq.Socket] = {}
         dirty: set[str] = set()             # sinks whose writer needs a flush at the next barrier
+        last_write_at = 0.0
 
         def sock_for(endpoint: str) -> zmq.Socket:
             s = socks.get(endpoint)
@@ -147,7 +159,7 @@ class PrefillConnector(KVConnector):
                     t0 = time.monotonic()
                     n = sink.writer.write_layer(sink.job.request_id, layer, runs)
                     self.throttle.consume(n)
-                    t1 = time.monotonic()
+                    t1 = last_write_at = time.monotonic()
                     sink.bytes_sent += n
                     dirty.add(sink.job.request_id)
                     with self.stats_lock:
@@ -158,10 +170,14 @@ class PrefillConnector(KVConnector):
                         c["kv_send_layer_lag_seconds_total"] += t1 - computed_at
                         c["kv_send_layer_lag_seconds_max"] = max(c["kv_send_layer_lag_seconds_max"], t1 - computed_at)
                 elif kind == "barrier":
+                    # Writes that complete asynchronously (tcp) are only known done after the flush.
+                    done_at = last_write_at
                     for sink in item[2]:
                         if sink.writer is not None and sink.job.request_id in dirty and not sink.error:
-                            sink.writer.flush()
+                            if sink.writer.flush():
+                                done_at = time.monotonic()
                     dirty.clear()
+                    self._writes_done_at = done_at
                     item[1].set()
                 elif kind == "close" and item[1].writer is not None:
                     item[1].writer.close()
@@ -263,6 +279,10 @@ class PrefillConnector(KVConnector):
 
     def on_layer(self, planned: list[Request], layer: int) -> None:
         now = time.monotonic()
+        self._last_layer_at = now
+        if not self.layerwise:
+            self._computed_layers.append(layer)
+            return
         for req in planned:
             if req.kv_sink.plan:
                 self._outbox.put(("write", req.kv_sink, layer, req.kv_sink.plan, now))
@@ -270,6 +290,11 @@ class PrefillConnector(KVConnector):
     def end_step(self, planned: list[Request]) -> None:
         if not planned:
             return
+        for layer in self._computed_layers:     # not layer-wise: every layer goes now
+            for req in planned:
+                if req.kv_sink.plan:
+                    self._outbox.put(("write", req.kv_sink, layer, req.kv_sink.plan, self._last_layer_at))
+        self._computed_layers.clear()
         done = threading.Event()
         sinks = [r.kv_sink for r in planned]
         self._outbox.put(("barrier", done, sinks))
@@ -277,6 +302,9 @@ class PrefillConnector(KVConnector):
             for s in sinks:
                 s.error = s.error or "writes did not finish before the transfer deadline"
         now = time.monotonic()
+        with self.stats_lock:
+            self.counters["kv_send_tail_lag_seconds_total"] += max(0.0, self._writes_done_at - self._last_layer_at)
+            self.counters["kv_send_steps_total"] += 1
         for req in planned:
             sink = req.kv_sink
             sink.next_block = max(sink.next_block, sink.plan_end)

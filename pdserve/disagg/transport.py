@@ -79,8 +79,10 @@ class KVWriter(ABC):
     def write_layer(self, request_id: str, layer: int, runs: list[Run]) -> int:
         """Returns the bytes written (or handed to the network)."""
 
-    def flush(self) -> None:
-        """Returns once the source memory of every write so far may be reused."""
+    def flush(self) -> bool:
+        """Returns once the source memory of every write so far may be reused; True if it had to wait
+        (writes that complete asynchronously)."""
+        return False
 
     def close(self) -> None:
         pass
@@ -130,7 +132,9 @@ class TcpWriter(KVWriter):
         self._trackers.append(tracker)
         return n
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
+        waited = bool(self._trackers)
         for t in self._trackers:
             t.wait(timeout=30)
         self._trackers.clear()
+        return waited
