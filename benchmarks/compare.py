@@ -107,7 +107,9 @@ def serve_has_flag(flag: str) -> bool:
 def run_pdserve(mode: str, sessions, levels, args, out_dir: Path) -> list[dict]:
     port = free_port()
     cmd = pdserve_cmd() + ["serve", "--mode", mode, "--model", args.model, "--port", str(port)]
-    if serve_has_flag("--threads"):
+    # PD splits the cores between its workers (deployment.<role>.threads, 1 each by default);
+    # giving each worker --threads would oversubscribe them.
+    if mode == "mixed" and serve_has_flag("--threads"):
         cmd += ["--threads", str(args.threads)]
     cmd += args.pdserve_arg
     srv = ServerProcess(cmd, port, out_dir / f"pdserve-{mode}.log", env=thread_env(args.threads))

@@ -28,9 +28,10 @@ BLOCK = 16
 
 
 def _geometry(mib: int):
+    import torch
+
     from pdserve.cache.kv_cache import bytes_per_block
     from pdserve.model.arch import ModelArch
-    import torch
     arch = ModelArch()          # the default model's shape
     num_blocks = (mib << 20) // bytes_per_block(arch, BLOCK, torch.float32)
     return arch, num_blocks

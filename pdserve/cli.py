@@ -23,6 +23,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-blocks", type=int, help="KV blocks (overrides --device-memory-gb)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                    help="turn off reuse of cached prompt prefixes")
+    p.add_argument("--host-cache-gb", type=float, help="host RAM tier for KV blocks evicted from the device")
+    p.add_argument("--disk-cache-dir", help="disk tier directory for KV blocks (with --disk-cache-gb)")
+    p.add_argument("--disk-cache-gb", type=float, help="disk tier budget")
+    p.add_argument("--kv-remote", help="shared remote KV tier, e.g. redis://127.0.0.1:6379/0")
+    p.add_argument("--kv-events-endpoint", help="publish KV events here (ZMQ PUB), e.g. tcp://127.0.0.1:5557")
     p.add_argument("--max-num-seqs", type=int, help="cap on running requests (the decode batch cap)")
     p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget")
     p.add_argument("--threads", type=int, help="torch compute threads")
@@ -40,6 +45,9 @@ def _overrides(args: argparse.Namespace) -> dict:
         "model.max_model_len": args.max_model_len, "model.seed": args.seed,
         "cache.block_size": args.block_size, "cache.device_memory_gb": args.device_memory_gb,
         "cache.device_blocks": args.device_blocks, "cache.prefix_cache": args.prefix_cache,
+        "cache.host_cache_gb": args.host_cache_gb, "cache.disk_cache_dir": args.disk_cache_dir,
+        "cache.disk_cache_gb": args.disk_cache_gb, "cache.remote": args.kv_remote,
+        "cache.kv_events_endpoint": args.kv_events_endpoint,
         "scheduler.max_num_seqs": args.max_num_seqs,
         "scheduler.max_num_batched_tokens": args.max_num_batched_tokens, "server.threads": args.threads,
         "server.served_model_name": args.served_model_name,
@@ -79,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.config import load_config
 
     config = load_config(args.config, _overrides(args))
+    if getattr(args, "prefill", None) is not None or getattr(args, "decode", None) is not None:
+        config.deployment.pd_ratio = None       # explicit counts win over the file's ratio
     if args.command == "serve" and config.deployment.mode == "pd":
         from pdserve.launch import serve_pd
         serve_pd(config)
