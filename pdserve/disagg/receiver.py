@@ -307,6 +307,8 @@ class DecodeConnector(KVConnector):
                 out[f"kv_transfers_{state.value}"] = sum(1 for p in self.pending.values()
                                                          if p.transfer.state == state)
         out["kv_blocks_quarantined"] = sum(len(b) for b, _, _ in self.quarantine.values())
+        secs = out["kv_transfer_seconds_total"]
+        out["kv_transfer_gbps"] = out["kv_transfer_bytes_total"] / secs / 1e9 if secs else 0.0
         return out
 
     def close(self) -> None:

@@ -344,6 +344,10 @@ class PrefillConnector(KVConnector):
         with self.stats_lock:
             out = dict(self.counters)
         out["kv_prefill_jobs_active"] = len(self.sinks)
+        # Derived gauges (Prometheus can also take rates of the counters).
+        secs, layers = out["kv_send_seconds_total"], out["kv_send_layers_total"]
+        out["kv_send_gbps"] = out["kv_send_bytes_total"] / secs / 1e9 if secs else 0.0
+        out["kv_send_layer_lag_seconds_mean"] = out["kv_send_layer_lag_seconds_total"] / layers if layers else 0.0
         return out
 
     def close(self) -> None:
