@@ -260,6 +260,7 @@ class DecodeConnector(KVConnector):
                         self._live.pop(rid, None)
                     self.counters["kv_transfers_completed_total"] += 1
                     self.counters["kv_transfer_bytes_total"] += msg.get("bytes", 0)
+                    # Job lifetime (queue + compute + writes); the prefill side reports link GB/s.
                     self.counters["kv_transfer_seconds_total"] += now - pend.transfer.started_at
                     outputs.append(engine.complete_load(pend.req, msg["token"], _logprob(msg.get("logprob")),
                                                         msg.get("generator_state")))
@@ -307,8 +308,6 @@ class DecodeConnector(KVConnector):
                 out[f"kv_transfers_{state.value}"] = sum(1 for p in self.pending.values()
                                                          if p.transfer.state == state)
         out["kv_blocks_quarantined"] = sum(len(b) for b, _, _ in self.quarantine.values())
-        secs = out["kv_transfer_seconds_total"]
-        out["kv_transfer_gbps"] = out["kv_transfer_bytes_total"] / secs / 1e9 if secs else 0.0
         return out
 
     def close(self) -> None:
