@@ -1,14 +1,19 @@
 """The engine: scheduler + model runner + KV pool, stepped by its owner (offline API or server loop)."""
 from __future__ import annotations
 
+import hashlib
+import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.cache.block_pool import BlockPool
 from pdserve.cache.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from pdserve.cache.prefix_cache import PrefixCache
+from pdserve.cache.tiers.manager import TieredKVStore
 from pdserve.config import Config
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_connector import KVConnector
@@ -16,8 +21,12 @@ from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import InvalidParam, SamplingParams
 from pdserve.engine.scheduler import Scheduler, blocks_needed
+from pdserve.engine.tier_fetch import TierFetcher
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
 from pdserve.utils.runtime import tune_malloc
+
+if TYPE_CHECKING:
+    from pdserve.cache.kv_events import KVEventPublisher
 
 
 @dataclass
@@ -33,8 +42,19 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+def tier_namespace(config: Config, max_model_len: int) -> str:
+    """Names this model's blocks on a shared disk or Redis: block hashes cover token ids only, so
+    everything else that shapes the KV (weights, dtype, RoPE fixed at the served length) goes here."""
+    mc = config.model
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", Path(mc.name).name) or "model"
+    key = f"{Path(mc.name).name}|{mc.seed}|{mc.dtype}|{max_model_len}"
+    return f"{base}-{hashlib.blake2b(key.encode(), digest_size=4).hexdigest()}"
+
+
 class LLMEngine:
-    def __init__(self, config: Config, loaded: LoadedModel | None = None, shm_path: str | None = None) -> None:
+    def __init__(self, config: Config, loaded: LoadedModel | None = None, shm_path: str | None = None,
+                 kv_events: KVEventPublisher | None = None) -> None:
+        """`kv_events` publishes the blocks this engine holds, per tier (the router's KV index)."""
         self.config = config
         mc, cc = config.model, config.cache
         tune_malloc()
@@ -50,11 +70,21 @@ class LLMEngine:
         dtype = torch_dtype(mc.dtype)
         num_blocks = cc.device_blocks or num_blocks_for_budget(self.arch, cc.block_size, dtype, cc.device_memory_gb)
         self.block_size = cc.block_size
-        self.prefix_cache = PrefixCache(cc.block_size) if cc.prefix_cache else None
+        self.kv_events = kv_events
+        self.prefix_cache = PrefixCache(cc.block_size, kv_events.on_prefix_cache if kv_events else None) \
+            if cc.prefix_cache else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         # A decode worker's pool lives in shared memory (shm_path) so that prefill workers write into it.
         self.kv_cache = allocate_kv_cache(self.arch, num_blocks, cc.block_size, dtype, mc.device, shm_path)
-        self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size, config.disagg.local_prefill_max_tokens)
+        # Lower tiers hold what the prefix cache evicts, named by the same hashes: no use without it.
+        store = TieredKVStore.from_config(cc, namespace=tier_namespace(config, self.max_model_len),
+                                          listener=kv_events.on_tier if kv_events else None) \
+            if cc.prefix_cache else None
+        self.tiers = TierFetcher(store, self.kv_cache, cc.block_size, cc.load_timeout_s) if store else None
+        if self.tiers is not None:
+            self.prefix_cache.on_evict = self.tiers.offload
+        self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size, config.disagg.local_prefill_max_tokens,
+                                   self.tiers.lookup if self.tiers else None)
         self.connector = KVConnector()          # a role's hooks: disagg.sender / disagg.receiver
         self.runner = ModelRunner(self.model, self.kv_cache, cc.block_size)
         self.requests: dict[str, Request] = {}
@@ -103,11 +133,20 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
-        held = self.connector.cancel_load(req) if req.status == RequestStatus.LOADING else None
+        held = None
+        if req.status == RequestStatus.LOADING and not (self.tiers and self.tiers.cancel(req)):
+            held = self.connector.cancel_load(req)
         return self._finish(req, "abort", held=held)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.connector.has_work()
+
+    def close(self) -> None:
+        """Stop the tier threads (queued writes finish first) and the KV event publisher."""
+        if self.tiers is not None:
+            self.tiers.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # ------------------------------------------------------------------ KV from peers (decode role)
 
@@ -127,14 +166,21 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
-        c = self.connector
+        c, tiers = self.connector, self.tiers
         outputs = c.poll(self)
+        if tiers is not None:
+            for req, n in tiers.poll():
+                self.scheduler.finish_fetch(req, n)
         step = self.scheduler.schedule()
         self.preemptions_total += len(step.preempted)
         for req in step.to_load:
             c.start_load(req)
+        for req in step.to_fetch:
+            tiers.start(req)
         if not step.scheduled:
-            if not outputs:
+            if not outputs and tiers is not None and tiers.has_loads() and not c.has_work():
+                tiers.wait(0.005)           # only tier loads can make progress now
+            elif not outputs:
                 c.wait(0.005)               # only peers can make progress now
             return outputs
         planned = c.begin_step(step.scheduled)
@@ -190,7 +236,7 @@ class LLMEngine:
             self.connector.on_finished(req, out)
         return out
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str | None]:
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -204,4 +250,11 @@ class LLMEngine:
             "prefix_cache_blocks": len(self.prefix_cache) if self.prefix_cache else 0,
             "loading": len(self.scheduler.loading),
             **self.connector.stats(),
+            **(self.tiers.stats() if self.tiers else {}),
+            **(self._kv_event_stats() if self.kv_events else {}),
         }
+
+    def _kv_event_stats(self) -> dict:
+        # The endpoints (strings) are for /health, where a router finds them; /metrics skips them.
+        return {**self.kv_events.stats(), "kv_events_endpoint": self.kv_events.endpoint,
+                "kv_events_snapshot_endpoint": self.kv_events.snapshot_endpoint}

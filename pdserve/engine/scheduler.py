@@ -11,10 +11,16 @@ A decode worker with prefill peers admits a request whose uncached prompt is lon
 `loading` instead: it gets blocks for the whole prompt, takes no compute budget, and joins the
 running batch when a prefill worker has filled them (`finish_loading`), or goes back to the head
 of the queue when that fails (`abandon_loading`).
+
+With lower KV tiers (host RAM, disk, Redis), the blocks that follow a request's device prefix hit
+are looked up there (`tier_lookup`); a request with such blocks is admitted as `loading` too, with
+blocks for that stretch only, and once they are filled (`finish_fetch(req, n)`: the first n
+arrived) it joins the running batch and prefills the rest like any other request.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.cache.block_pool import BlockPool
@@ -28,6 +34,7 @@ class ScheduledStep:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)   # (request, tokens to compute)
     preempted: list[Request] = field(default_factory=list)
     to_load: list[Request] = field(default_factory=list)   # admitted as loading: their KV comes from a peer
+    to_fetch: list[Request] = field(default_factory=list)  # admitted as loading: blocks come from lower tiers
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -41,11 +48,13 @@ def wants_remote_prefill(num_uncached: int, local_prefill_max_tokens: int | None
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int,
-                 local_prefill_max_tokens: int | None = None) -> None:
+                 local_prefill_max_tokens: int | None = None,
+                 tier_lookup: Callable[[list[bytes]], int] | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.block_size = block_size
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.tier_lookup = tier_lookup      # how many leading block hashes lower tiers hold
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
@@ -147,10 +156,16 @@ class Scheduler:
             req = self.waiting[0]
             hit = self._match_prefix(req)
             req.num_computed_tokens = len(hit) * self.block_size
-            if wants_remote_prefill(req.num_tokens - req.num_computed_tokens, self.local_prefill_max_tokens,
+            fetch = self._tier_hit(req, len(hit))
+            # A tier hit counts as cached when choosing a remote prefill; if one is still chosen, the
+            # prefill worker uses its own caches and nothing is fetched here.
+            uncached = req.num_tokens - req.num_computed_tokens - fetch * self.block_size
+            if wants_remote_prefill(uncached, self.local_prefill_max_tokens,
                                     bool(req.prefill_peers)) and not req.output_token_ids:
                 if not self._admit_loading(req, hit, step):
                     break
+                continue
+            if fetch and self._admit_fetch(req, hit, fetch, step):
                 continue
             if budget <= 0:
                 req.num_computed_tokens = 0
@@ -178,9 +193,16 @@ class Scheduler:
             budget -= num_new
         return step
 
-    def _admit_loading(self, req: Request, hit: list[int], step: ScheduledStep) -> bool:
+    def _tier_hit(self, req: Request, num_hit: int) -> int:
+        """How many blocks after the device hit lower tiers hold (0 without tiers)."""
+        if self.tier_lookup is None:
+            return 0
+        rest = self._hashes(req, (req.num_tokens - 1) // self.block_size)[num_hit:]
+        return self.tier_lookup(rest) if rest else 0
+
+    def _take_blocks(self, req: Request, hit: list[int], need: int) -> bool:
+        """Share the hit blocks and allocate `need` more, if they fit (minus the watermark)."""
         available = self.pool.num_free - sum(1 for b in hit if self.pool.refcount(b) == 0)
-        need = blocks_needed(req.num_tokens, self.block_size) - len(hit)
         if need > available or (need + self.cfg.watermark_blocks > available and (self.running or self.loading)):
             req.num_computed_tokens = 0
             return False
@@ -192,8 +214,35 @@ class Scheduler:
         self.waiting.popleft()
         req.status = RequestStatus.LOADING
         self.loading[req.request_id] = req
+        return True
+
+    def _admit_loading(self, req: Request, hit: list[int], step: ScheduledStep) -> bool:
+        if not self._take_blocks(req, hit, blocks_needed(req.num_tokens, self.block_size) - len(hit)):
+            return False
         step.to_load.append(req)
         return True
+
+    def _admit_fetch(self, req: Request, hit: list[int], fetch: int, step: ScheduledStep) -> bool:
+        """Admit as loading with blocks for the fetched stretch only (the rest is allocated as it is
+        computed), as much of it as fits now: a long stretch must not wait for the running batch to drain.
+        False, with nothing changed, when no block is free."""
+        available = self.pool.num_free - sum(1 for b in hit if self.pool.refcount(b) == 0)
+        if self.running or self.loading:
+            available -= self.cfg.watermark_blocks
+        fetch = min(fetch, available)
+        if fetch <= 0 or not self._take_blocks(req, hit, fetch):
+            return False
+        step.to_fetch.append(req)
+        return True
+
+    def finish_fetch(self, req: Request, num_loaded: int) -> None:
+        """The first `num_loaded` fetched blocks hold verified KV; the rest (a miss, a corrupt
+        block, the deadline) are kept and recomputed. The request prefills on from there."""
+        del self.loading[req.request_id]
+        req.num_computed_tokens = (req.num_cached_blocks + num_loaded) * self.block_size
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.cache_computed_blocks(req)
 
     def finish_loading(self, req: Request) -> None:
         """Every prompt block is filled: the request decodes from here."""

@@ -35,6 +35,7 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
         # uvicorn has already let open connections finish (or cancelled them at its timeout).
         async_engine.shutdown(timeout=config.server.shutdown_timeout_s)
         engine.connector.close()
+        engine.close()
 
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
     app.state.engine = async_engine

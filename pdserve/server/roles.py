@@ -6,6 +6,7 @@ import logging
 from pdserve.cache.kv_cache import new_shm_path
 from pdserve.config import Config
 from pdserve.engine.engine import LLMEngine
+from pdserve.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 ROLES = ("mixed", "prefill", "decode")
@@ -16,24 +17,41 @@ def kv_bind_endpoint(config: Config) -> str:
     return f"tcp://{config.server.host}:{port if port else '*'}"
 
 
-def build_engine(config: Config) -> LLMEngine:
+def kv_event_publisher(config: Config):
+    """The worker's KV event publisher, or None when cache.kv_events_endpoint is unset."""
+    cc = config.cache
+    if not cc.kv_events_endpoint:
+        return None
+    from pdserve.cache.kv_events import KVEventPublisher
+    snapshot = cc.kv_events_snapshot_endpoint
+    if snapshot is None:
+        ep = cc.kv_events_endpoint
+        snapshot = ep.rsplit(":", 1)[0] + ":*" if ep.startswith("tcp://") else ep + "-snapshot"
+    worker_id = config.worker.worker_id or f"{config.worker.role}@{config.server.host}:{config.server.port}"
+    pub = KVEventPublisher(cc.kv_events_endpoint, worker_id, snapshot)
+    log.info("KV events on %s, snapshots on %s", pub.endpoint, pub.snapshot_endpoint)
+    return pub
+
+
+def build_engine(config: Config, loaded: LoadedModel | None = None) -> LLMEngine:
     """The engine of this worker's role, its connector attached; the connector's endpoint is
     `engine.connector.endpoint` for prefill and decode workers."""
     role = config.worker.role
     if role not in ROLES:
         raise ValueError(f"worker.role must be one of {ROLES}, not {role!r}")
+    events = kv_event_publisher(config)
     if role == "decode":
         from pdserve.disagg.receiver import DecodeConnector
         # Prefill workers on this host write straight into a pool in shared memory.
         shm = str(new_shm_path()) if config.transfer.backend in ("auto", "shm") else None
-        engine = LLMEngine(config, shm_path=shm)
+        engine = LLMEngine(config, loaded, shm_path=shm, kv_events=events)
         engine.connector = DecodeConnector(config, engine.kv_cache, shm, kv_bind_endpoint(config))
     elif role == "prefill":
         from pdserve.disagg.sender import PrefillConnector
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, loaded, kv_events=events)
         engine.connector = PrefillConnector(config, engine.kv_cache, kv_bind_endpoint(config))
     else:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, loaded, kv_events=events)
     endpoint = getattr(engine.connector, "endpoint", None)
     if endpoint:
         log.info("%s worker: KV endpoint %s", role, endpoint)
