@@ -6,6 +6,9 @@
    - shm: the real ShmWriter maps the decode process's /dev/shm pool and copies layer by layer;
    - tcp: the real TcpWriter sends zero-copy ZeroMQ frames that the decode process's real
      DecodeConnector receives straight into its blocks; timed until the receiver holds every byte.
+   - mooncake (when the optional extra is installed, else null): the decode process registers its
+     pool with a Mooncake engine; the real MooncakeWriter writes layer by layer, one batched
+     synchronous write each (returning only once the bytes are in the pool).
 2. Overlap: a real prefill engine (SmolLM2, one torch thread) runs a 1024-token prompt for a real
    decode engine over shm. The exposed lag is the time from the last layer's compute to every
    write done; divided by one layer's transfer time (goal <= 1.5). The same prompt with
@@ -41,14 +44,18 @@ def _decode_process(mib: int, conn) -> None:
     """Owns the destination pool (in shared memory) and a real DecodeConnector for tcp frames."""
     import torch
 
-    from pdserve.cache.kv_cache import allocate_kv_cache, new_shm_path
+    from pdserve.cache.kv_cache import allocate_kv_cache, new_shm_path, raw_bytes_view
     from pdserve.config import load_config
     from pdserve.disagg.receiver import DecodeConnector
     arch, nb = _geometry(mib)
     shm = new_shm_path()
     kv = allocate_kv_cache(arch, nb, BLOCK, torch.float32, "cpu", shm)
     dc = DecodeConnector(load_config(), kv, str(shm), "tcp://127.0.0.1:*")
-    conn.send({"shm": str(shm), "shape": list(kv.shape), "endpoint": dc.endpoint})
+    info = {"shm": str(shm), "shape": list(kv.shape), "endpoint": dc.endpoint}
+    mc = _mooncake_endpoint(raw_bytes_view(kv))
+    if mc is not None:
+        info.update(mooncake_session=mc.session_id, mooncake_base=mc.base)
+    conn.send(info)
     while True:
         cmd = conn.recv()
         if cmd == "stop":
@@ -63,6 +70,17 @@ def _decode_process(mib: int, conn) -> None:
             got += msg.get("bytes", 0)
         conn.send(got)
     dc.close()
+    if mc is not None:
+        mc.close()
+
+
+def _mooncake_endpoint(buf):
+    """A Mooncake endpoint over `buf`, or None when the optional extra is not installed."""
+    from pdserve.disagg.transport import MooncakeEndpoint
+    try:
+        return MooncakeEndpoint("127.0.0.1", buf)
+    except ImportError:
+        return None
 
 
 def bandwidth(mib: int, repeats: int) -> dict:
@@ -71,7 +89,7 @@ def bandwidth(mib: int, repeats: int) -> dict:
     import zmq
 
     from pdserve.cache.kv_cache import allocate_kv_cache, raw_bytes_view
-    from pdserve.disagg.transport import ShmWriter, TcpWriter
+    from pdserve.disagg.transport import MooncakeWriter, ShmWriter, TcpWriter
     arch, nb = _geometry(mib)
     src_t = allocate_kv_cache(arch, nb, BLOCK, torch.float32)
     src_t.normal_()
@@ -111,11 +129,27 @@ def bandwidth(mib: int, repeats: int) -> dict:
 
     tcp_once()          # connect and warm up
     tcp = total / best(tcp_once)
+    mooncake = None
+    local = _mooncake_endpoint(src) if "mooncake_session" in info else None
+    if local is not None:
+        mc_w = MooncakeWriter(src, BLOCK, local, info["mooncake_session"], info["mooncake_base"], info["shape"], 4)
+
+        def mooncake_once() -> None:
+            for layer in range(arch.num_layers):
+                mc_w.write_layer("bench", layer, runs)
+
+        shm_w.dst.fill(0)   # the same pool, mapped: check that Mooncake put every byte in place
+        mooncake_once()     # handshake and warm up
+        assert np.array_equal(shm_w.dst, src), "the Mooncake writes did not land in the decode pool"
+        mooncake = total / best(mooncake_once)
+        local.close()
     parent.send("stop")
     proc.join(timeout=10)
     sock.close(0)
     return {"bytes": total, "memcpy_gbps": round(memcpy / 1e9, 2), "shm_gbps": round(shm / 1e9, 2),
-            "shm_ratio": round(shm / memcpy, 3), "tcp_gbps": round(tcp / 1e9, 2), "tcp_ratio": round(tcp / memcpy, 3)}
+            "shm_ratio": round(shm / memcpy, 3), "tcp_gbps": round(tcp / 1e9, 2), "tcp_ratio": round(tcp / memcpy, 3),
+            "mooncake_gbps": None if mooncake is None else round(mooncake / 1e9, 2),
+            "mooncake_ratio": None if mooncake is None else round(mooncake / memcpy, 3)}
 
 
 class _Loop:

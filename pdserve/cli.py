@@ -34,7 +34,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="seed of tiny random model weights")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
-    p.add_argument("--transfer-backend", choices=["auto", "shm", "tcp"], help="how KV moves from prefill to decode")
+    p.add_argument("--transfer-backend", choices=["auto", "shm", "tcp", "mooncake"],
+                   help="how KV moves from prefill to decode (mooncake: the optional extra)")
     p.add_argument("--local-prefill-max-tokens", type=int,
                    help="decode workers prefill locally when fewer prompt tokens than this are uncached")
 

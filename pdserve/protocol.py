@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Literal
 
 import msgpack
@@ -130,6 +130,10 @@ class PrefillJob:
     elem_size: int
     block_size: int
     model: str
+    # transfer.backend mooncake: the decode engine's session ("host:rpc_port") and the address of
+    # its registered pool, so the prefill worker can write into it one-sidedly.
+    mooncake_session: str | None = None
+    mooncake_base: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": PD_PREFILL, **asdict(self)}
@@ -137,10 +141,11 @@ class PrefillJob:
     @classmethod
     def from_wire(cls, msg: dict[str, Any]) -> PrefillJob:
         names = {f.name for f in fields(cls)}
-        missing = names - msg.keys()
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing = required - msg.keys()
         if missing:
             raise ValueError(f"prefill job lacks {sorted(missing)}")
-        return cls(**{k: msg[k] for k in names})
+        return cls(**{k: msg[k] for k in names if k in msg})
 
 
 def pack(msg: dict[str, Any]) -> bytes:

@@ -25,11 +25,14 @@ from pdserve.config import Config
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
 from pdserve.disagg.transport import (
     KVWriter,
+    MooncakeEndpoint,
+    MooncakeWriter,
     Run,
     ShmWriter,
     TcpWriter,
     Throttle,
     coalesce,
+    endpoint_host,
     measure_memcpy_bytes_per_s,
     parse_bandwidth_limit,
 )
@@ -106,6 +109,10 @@ class PrefillConnector(KVConnector):
         self._bootstrap.setsockopt(zmq.LINGER, 0)
         self._bootstrap.bind(bootstrap_endpoint)
         self.endpoint = self._bootstrap.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Started here so a missing package fails the worker at start, not each job; used by the
+        # sender thread only from then on.
+        self._mooncake = (MooncakeEndpoint(endpoint_host(self.endpoint), self.src)
+                          if self.backend == "mooncake" else None)
         self._threads = [threading.Thread(target=self._bootstrap_loop, name="pd-bootstrap", daemon=True),
                          threading.Thread(target=self._sender_loop, name="pd-sender", daemon=True)]
         for t in self._threads:
@@ -194,6 +201,12 @@ class PrefillConnector(KVConnector):
             s.close(0)
 
     def _make_writer(self, job: PrefillJob, sock_for) -> KVWriter:
+        if self._mooncake is not None:
+            if not job.mooncake_session:
+                raise ValueError("transfer.backend is mooncake but the decode worker registered no pool "
+                                 "with Mooncake (set transfer.backend: mooncake there too)")
+            return MooncakeWriter(self.src, self.block_size, self._mooncake, job.mooncake_session,
+                                  job.mooncake_base, job.kv_shape, job.elem_size)
         same_host = job.decode_host == HOST and job.shm_path and os.path.exists(job.shm_path)
         if self.backend == "shm" or (self.backend == "auto" and same_host):
             if not job.shm_path:
@@ -356,3 +369,5 @@ class PrefillConnector(KVConnector):
         for t in self._threads:
             t.join(timeout=2)
         self._bootstrap.close(0)
+        if self._mooncake is not None and not self._threads[1].is_alive():   # no write in flight
+            self._mooncake.close()

@@ -4,9 +4,14 @@
   with one numpy.copyto (memcpy speed, no serialization).
 - tcp: each run goes as two raw ZeroMQ frames (K, V) sent zero-copy; the decode worker receives
   them straight into its blocks (see receiver.py).
+- mooncake (optional extra): the decode worker registers its pool with a Mooncake transfer engine;
+  the prefill worker writes each layer's runs into it with one batched one-sided write (Mooncake's
+  TCP transport, P2P handshake: no etcd), nothing running on the receive path.
 """
 from __future__ import annotations
 
+import os
+import socket
 import time
 from abc import ABC, abstractmethod
 
@@ -138,3 +143,90 @@ class TcpWriter(KVWriter):
             t.wait(timeout=30)
         self._trackers.clear()
         return waited
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host part of "tcp://host:port"; a wildcard bind becomes this machine's name."""
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return socket.gethostname() if host in ("", "*", "0.0.0.0", "::") else host
+
+
+def _mooncake_engine_class():
+    # Imported only when transfer.backend is mooncake: the base install never needs the package.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")    # its INFO lines would drown the worker's log
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:
+        raise ImportError(
+            "transfer.backend: mooncake needs the Mooncake transfer engine: pip install 'pdserve[mooncake]' "
+            "(mooncake-transfer-engine-non-cuda; on CUDA hosts mooncake-transfer-engine) and the system "
+            f"library libibverbs1 (apt-get install libibverbs1). Import failed: {e}") from e
+    return TransferEngine
+
+
+class MooncakeEndpoint:
+    """A Mooncake transfer engine in P2P-handshake mode (no etcd or metadata server) over its TCP
+    transport, with one buffer registered: the decode pool that peers write into, or the prefill
+    pool that writes come from."""
+
+    def __init__(self, host: str, buf: np.ndarray) -> None:
+        if not buf.flags.c_contiguous:
+            raise ValueError("a Mooncake-registered pool must be one contiguous buffer")
+        self.engine = _mooncake_engine_class()()
+        rc = self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
+        if rc != 0:
+            raise RuntimeError(f"Mooncake transfer engine failed to start on {host} (rc {rc})")
+        self.session_id = f"{host}:{self.engine.get_rpc_port()}"
+        self._buf = buf                     # registered memory must outlive the registration
+        self.base = buf.ctypes.data
+        self.length = buf.nbytes
+        rc = self.engine.register_memory(self.base, self.length)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake could not register {self.length} bytes (rc {rc})")
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.unregister_memory(self.base)
+            self.engine = None
+            self._buf = None
+
+
+class MooncakeWriter(KVWriter):
+    """One batched synchronous write per layer (K and V of every run): when write_layer returns, the
+    bytes are in the decode pool, so PD_DONE sent after it can never overtake them, and a cancel
+    acknowledged after it means no write of this job is still in flight."""
+
+    name = "mooncake"
+
+    def __init__(self, src: np.ndarray, block_size: int, local: MooncakeEndpoint, session_id: str,
+                 remote_base: int, shape: list[int], elem_size: int) -> None:
+        super().__init__(src, block_size)
+        if local.base != src.ctypes.data or local.length != src.nbytes:
+            raise ValueError("the local Mooncake endpoint must have this pool registered")
+        layers, two, slots, heads, head_dim = shape
+        if (layers, two) != src.shape[:2] or heads != src.shape[3] or head_dim * elem_size != src.shape[4]:
+            raise ValueError(f"decode pool {shape} x {elem_size} B does not match this pool {src.shape}")
+        self.local = local
+        self.session_id = session_id
+        self.remote_base = remote_base
+        self.remote_slots = slots
+        self.src_slots = src.shape[2]
+        self.row = src.shape[3] * src.shape[4]      # bytes of one slot (token) of one layer's K or V
+
+    def write_layer(self, request_id: str, layer: int, runs: list[Run]) -> int:
+        bs, row = self.bs, self.row
+        local, remote, lengths = [], [], []
+        for s, d, k in runs:
+            if (d + k) * bs > self.remote_slots or (s + k) * bs > self.src_slots:
+                raise ValueError(f"run {(s, d, k)} lies outside a pool")
+            for kv in (0, 1):
+                local.append(self.local.base + ((layer * 2 + kv) * self.src_slots + s * bs) * row)
+                remote.append(self.remote_base + ((layer * 2 + kv) * self.remote_slots + d * bs) * row)
+                lengths.append(k * bs * row)
+        engine = self.local.engine
+        if engine is None:
+            raise RuntimeError("the Mooncake endpoint is closed")
+        rc = engine.batch_transfer_sync_write(self.session_id, local, remote, lengths)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake write of layer {layer} to {self.session_id} failed (rc {rc})")
+        return sum(lengths)
