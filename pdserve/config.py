@@ -16,6 +16,12 @@ class ModelConfig:
     device: str = "cpu"                 # cpu or cuda
     max_model_len: int | None = None    # defaults to the model's context length
     seed: int = 0                       # weights of the tiny random models
+    # MoE models: ranks (processes) sharing the experts; attention is replicated on every rank.
+    expert_parallel: int = 1
+    num_redundant_experts: int = 0      # extra physical expert slots per MoE layer, for replicas of hot experts
+    eplb_interval: int = 32             # steps between imbalance checks of the expert balancer; 0 = off
+    eplb_window: int = 256              # steps in the expert-load heatmap
+    eplb_threshold: float = 1.2         # rebalance when max/mean rank load stays above this
 
 
 @dataclass
@@ -52,6 +58,10 @@ class ServerConfig:
     threads: int | None = None          # torch compute threads; None leaves torch's default
     shutdown_timeout_s: float = 30.0    # SIGTERM: how long running requests may take to finish
     max_body_bytes: int = 4 * 1024 * 1024
+    # Shared secret between router and workers: a worker with one rejects every route but /health
+    # without it. Also read from PDSERVE_INTERNAL_TOKEN.
+    internal_token: str | None = None
+    router_url: str | None = None       # a worker registers itself there and sends heartbeats
 
 
 @dataclass
@@ -92,8 +102,35 @@ class DeploymentConfig:
 
 @dataclass
 class LoadBalancerConfig:
-    prefill: str = "round_robin"         # how the router picks a prefill worker
-    decode: str = "least_load"           # how the router picks a decode worker
+    # round_robin | least_load | power_of_two | cache_aware | cost (see docs/routing.md)
+    prefill: str = "cost"                # how the router picks a prefill worker
+    decode: str = "cost"                 # how the router picks a decode worker
+
+
+@dataclass
+class RouterConfig:
+    workers: list[dict] = field(default_factory=list)   # static workers: [{url: ..., role: prefill|decode|mixed}]
+    api_keys: list[str] = field(default_factory=list)   # also PDSERVE_API_KEYS (comma-separated); none: open
+    ip_allowlist: list[str] = field(default_factory=list)   # CIDRs; empty: everyone
+    requests_per_minute: int | None = None   # per API key (per client IP without keys)
+    tokens_per_minute: int | None = None     # prompt + completion tokens, per API key
+    max_prompt_tokens: int | None = None     # longer prompts get a 400 (the context limit applies anyway)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_concurrent: int = 256                # requests in flight to workers; more wait in the admission queue
+    max_queue: int = 512                     # beyond this many waiting: 503 with Retry-After
+    queue_timeout_s: float = 30.0            # a request waiting longer gets a 503 with Retry-After
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0         # longest silence from a worker mid-request
+    max_retries: int = 2                     # before any token: connect errors, 5xx, 429
+    retry_backoff_s: float = 0.1             # doubled each retry, with jitter
+    breaker_failures: int = 5                # consecutive failures that open a worker's circuit breaker
+    breaker_cooldown_s: float = 5.0          # open this long, then one probe request (half-open)
+    migration: bool = True                   # a decode worker dying mid-stream: continue on another one
+    max_migrations: int = 2                  # per request
+    encoder_workers: int = 1                 # processes that apply chat templates and tokenize
+    health_period_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0         # a self-registered worker silent this long is unhealthy
 
 
 @dataclass
@@ -113,6 +150,7 @@ class Config:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     load_balancer: LoadBalancerConfig = field(default_factory=LoadBalancerConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def to_dict(self) -> dict[str, Any]:

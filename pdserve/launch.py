@@ -91,6 +91,8 @@ def start_workers(config: Config, log_dir: Path) -> list[WorkerProcess]:
     host = config.server.host
     cfg = config.to_dict()
     cfg["deployment"]["mode"] = "pd"
+    # Workers publish KV events on free ports (shown in their /health) for the router's index.
+    cfg["cache"]["kv_events_endpoint"] = cfg["cache"]["kv_events_endpoint"] or f"tcp://{host}:*"
     config_file = log_dir / "deployment.yaml"
     config_file.write_text(yaml.safe_dump(cfg))
     workers = [WorkerProcess("prefill", i, config_file, host, config.deployment.prefill, log_dir, [])
@@ -118,7 +120,7 @@ def wait_healthy(workers: list[WorkerProcess], timeout: float = 600.0) -> None:
 
 
 def serve_pd(config: Config) -> None:
-    from pdserve.router.proxy import create_router_app
+    from pdserve.router.gateway import create_router_app
     from pdserve.server.app import run_uvicorn
 
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
@@ -126,8 +128,8 @@ def serve_pd(config: Config) -> None:
     log.info("worker logs in %s", log_dir)
     try:
         wait_healthy(workers)
-        app = create_router_app([w.url for w in workers if w.role == "decode"],
-                                [w.url for w in workers if w.role == "prefill"])
+        config.router.workers = [*config.router.workers, *({"url": w.url, "role": w.role} for w in workers)]
+        app = create_router_app(config)
         log.info("serving %s on http://%s:%d (%d prefill, %d decode workers)", config.model.name,
                  config.server.host, config.server.port, *instance_counts(config))
         run_uvicorn(app, config)

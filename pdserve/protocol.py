@@ -186,3 +186,30 @@ class KVSnapshot(BaseModel):
     worker_id: str
     seq: int                           # the last event whose effect `blocks` includes
     blocks: dict[str, list[KVTier]]    # block hash -> the tiers that hold it
+
+
+# ---------------------------------------------------------------------- router to worker (HTTP, JSON)
+
+INTERNAL_TOKEN_HEADER = "x-pdserve-internal-token"
+
+
+class InternalGenerateRequest(BaseModel):
+    """The router's request to a decode (or mixed) worker: token ids in, token ids out (NDJSON lines of
+    `{"token_ids", "logprobs", "finished", "finish_reason"}`); text, stop strings and the OpenAI
+    format are the router's business."""
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    cache_salt: str | None = None
+
+
+class WorkerRegistration(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    worker_id: str
+    role: Literal["prefill", "decode", "mixed"]
+    url: str
+    model: str
+    pid: int | None = None
+    kv_endpoint: str | None = None
+    capacity: int = 64

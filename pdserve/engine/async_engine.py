@@ -66,6 +66,10 @@ class AsyncEngine:
                 log.info("request %s aborted: its consumer went away", request_id)
                 self._post(("abort", request_id))
 
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidParam for a request that cannot run (a pure check, safe from any thread)."""
+        self.engine.check_request(prompt_token_ids, params)
+
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 

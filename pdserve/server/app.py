@@ -1,6 +1,7 @@
 """The serving process of the mixed role: one engine behind the OpenAI-compatible API."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -11,11 +12,18 @@ from fastapi.responses import Response
 from pdserve.config import Config
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
-from pdserve.server.roles import build_engine
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_card
+from pdserve.protocol import (
+    INTERNAL_TOKEN_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    WorkerRegistration,
+    model_card,
+)
 from pdserve.server.errors import BodySizeLimit, error_response, install_error_handlers
+from pdserve.server.internal_api import RequireInternalToken, install_internal_routes, internal_token
 from pdserve.server.metrics import RequestTimer, ServerMetrics
 from pdserve.server.openai_api import OpenAIHandlers
+from pdserve.server.roles import build_engine, worker_name
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +39,11 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         async_engine.start()
+        registration = asyncio.create_task(register_with_router(config, model_name)) \
+            if config.server.router_url else None
         yield
+        if registration is not None:
+            registration.cancel()
         # uvicorn has already let open connections finish (or cancelled them at its timeout).
         async_engine.shutdown(timeout=config.server.shutdown_timeout_s)
         engine.connector.close()
@@ -43,6 +55,10 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
 
     app.add_middleware(BodySizeLimit, max_bytes=config.server.max_body_bytes,
                        on_reject=lambda: metrics.errors.labels("413").inc())
+    token = internal_token(config.server.internal_token)
+    if token:
+        app.add_middleware(RequireInternalToken, token=token)
+    install_internal_routes(app, async_engine, timer)
 
     @app.get("/health")
     async def health():
@@ -50,7 +66,9 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
             return error_response(503, f"engine failed: {async_engine.dead}", code="engine_dead")
         if not async_engine.accepting:
             return error_response(503, "shutting down", code="shutting_down")
-        return {"status": "ok", "role": config.worker.role, "pid": os.getpid(),
+        return {"status": "ok", "role": config.worker.role, "pid": os.getpid(), "worker_id": worker_name(config),
+                "model": model_name, "max_num_seqs": config.scheduler.max_num_seqs,
+                "max_model_len": engine.max_model_len,
                 "kv_endpoint": getattr(engine.connector, "endpoint", None), **engine.stats()}
 
     @app.get("/metrics")
@@ -70,6 +88,32 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
         return await handlers.chat(req, http)
 
     return app
+
+
+async def register_with_router(config: Config, model_name: str) -> None:
+    """Register at the router, then send heartbeats; re-register whenever the router forgot us."""
+    import httpx
+    s = config.server
+    reg = WorkerRegistration(worker_id=worker_name(config), role=config.worker.role, model=model_name,
+                             url=f"http://{s.host}:{s.port}", pid=os.getpid(),
+                             capacity=config.scheduler.max_num_seqs)
+    token = internal_token(s.internal_token)
+    headers = {INTERNAL_TOKEN_HEADER: token} if token else {}
+    base = s.router_url.rstrip("/")
+    registered = False
+    async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
+        while True:
+            try:
+                if not registered:
+                    r = await client.post(base + "/admin/workers/register", json=reg.model_dump())
+                    registered = r.status_code == 200
+                else:
+                    r = await client.post(f"{base}/admin/workers/{reg.worker_id}/heartbeat")
+                    registered = r.status_code == 200
+            except httpx.HTTPError as e:
+                log.warning("router %s unreachable: %s", base, e)
+                registered = False
+            await asyncio.sleep(config.router.health_period_s)
 
 
 def run_uvicorn(app, config: Config) -> None:

@@ -53,13 +53,30 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     return p
 
 
+class InlineEncoder:
+    """Tokenizes on the calling thread (a worker); the router uses a process pool instead."""
+
+    def __init__(self, tokenizer: TokenizerWrapper) -> None:
+        self.tokenizer = tokenizer
+
+    async def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.tokenizer.encode_chat(messages)
+
+
 class OpenAIHandlers:
+    """The OpenAI API over a generation backend: the worker's AsyncEngine, or the router's
+    RemoteBackend (same `generate`, `check_request`, `accepting`)."""
+
     def __init__(self, engine: AsyncEngine, tokenizer: TokenizerWrapper, model_name: str,
-                 timer: RequestTimer) -> None:
+                 timer: RequestTimer, encoder: Any = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.timer = timer
+        self.encoder = encoder or InlineEncoder(tokenizer)
 
     def _envelope(self, base_id: str, obj: str, **fields: Any) -> dict[str, Any]:
         """The fields every OpenAI response and chunk starts with."""
@@ -81,7 +98,7 @@ class OpenAIHandlers:
                 choices.append(Choice(pi * n + j, ids, p, cache_salt=cache_salt, prefill_peer=prefill_peer))
         for c in choices:
             try:
-                self.engine.engine.check_request(c.prompt_ids, c.params)
+                self.engine.check_request(c.prompt_ids, c.params)
             except InvalidParam as e:
                 raise APIError(400, str(e), e.param, "invalid_value") from e
         return choices
@@ -170,7 +187,7 @@ class OpenAIHandlers:
 
     async def completions(self, req: CompletionRequest, http: Request):
         self._check_model(req.model)
-        prompts = _prompt_lists(req.prompt, self.tokenizer)
+        prompts = await _prompt_lists(req.prompt, self.encoder)
         try:
             params = sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
         except InvalidParam as e:
@@ -204,7 +221,7 @@ class OpenAIHandlers:
         self._check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            prompt = self.tokenizer.encode_chat(messages)
+            prompt = await self.encoder.encode_chat(messages)
         except ValueError as e:
             raise APIError(400, str(e), "messages", "invalid_value") from e
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -239,15 +256,15 @@ class OpenAIHandlers:
              "finish_reason": c.finish_reason} for c in choices], usage=_usage(choices)))
 
 
-def _prompt_lists(prompt: Any, tok: TokenizerWrapper) -> list[list[int]]:
+async def _prompt_lists(prompt: Any, encoder: InlineEncoder) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [tok.encode(prompt)]
+        return [await encoder.encode(prompt)]
     if not prompt:
         raise APIError(400, "the prompt is empty", "prompt", "invalid_value")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     if all(isinstance(p, str) for p in prompt):
-        return [tok.encode(p) for p in prompt]
+        return [await encoder.encode(p) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         return [list(p) for p in prompt]
     raise APIError(400, "prompt must be a string, a list of strings or a list of token ids", "prompt",

@@ -17,6 +17,11 @@ def kv_bind_endpoint(config: Config) -> str:
     return f"tcp://{config.server.host}:{port if port else '*'}"
 
 
+def worker_name(config: Config) -> str:
+    """This worker's id in KV events and at the router."""
+    return config.worker.worker_id or f"{config.worker.role}@{config.server.host}:{config.server.port}"
+
+
 def kv_event_publisher(config: Config):
     """The worker's KV event publisher, or None when cache.kv_events_endpoint is unset."""
     cc = config.cache
@@ -27,7 +32,7 @@ def kv_event_publisher(config: Config):
     if snapshot is None:
         ep = cc.kv_events_endpoint
         snapshot = ep.rsplit(":", 1)[0] + ":*" if ep.startswith("tcp://") else ep + "-snapshot"
-    worker_id = config.worker.worker_id or f"{config.worker.role}@{config.server.host}:{config.server.port}"
+    worker_id = worker_name(config)
     pub = KVEventPublisher(cc.kv_events_endpoint, worker_id, snapshot)
     log.info("KV events on %s, snapshots on %s", pub.endpoint, pub.snapshot_endpoint)
     return pub

@@ -153,9 +153,17 @@ def test_disconnect_non_streaming_aborts(server):
     _wait_idle(server)
 
 
-def test_sigterm_finishes_running_requests_and_exits_0(tmp_path):
+def _busy(srv, mode: str) -> bool:
+    h = _health(srv)
+    if mode == "mixed":
+        return h["running"] > 0
+    return any(w["load"]["in_flight"] for w in h["workers"] if w["role"] == "decode")
+
+
+@pytest.mark.parametrize("mode", ["mixed", "pd"])
+def test_sigterm_finishes_running_requests_and_exits_0(tmp_path, mode):
     port = free_port()
-    srv = ServerProcess(pdserve_cmd() + ["serve", "--model", "tiny-llama", "--port", str(port)], port,
+    srv = ServerProcess(pdserve_cmd() + ["serve", "--mode", mode, "--model", "tiny-llama", "--port", str(port)], port,
                         tmp_path / "server.log")
     srv.wait_ready(timeout=120)
     result: dict = {}
@@ -167,7 +175,7 @@ def test_sigterm_finishes_running_requests_and_exits_0(tmp_path):
     t = threading.Thread(target=run)
     t.start()
     deadline = time.monotonic() + 30
-    while _health(srv)["running"] == 0:
+    while not _busy(srv, mode):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     srv.proc.send_signal(signal.SIGTERM)

@@ -1,0 +1,269 @@
+"""The router's generation backend: pick workers, stream token ids from a decode worker, detokenize.
+
+Same interface as the worker's AsyncEngine (`generate`, `check_request`, `accepting`), so the
+OpenAI handlers run unchanged on top. Per request:
+- the policies (router/policies.py) pick a decode worker and a prefill worker from the registry's
+  states and the global KV index;
+- before any token, connect errors, 5xx and 429 are retried with exponential backoff and jitter
+  on another worker;
+- once tokens have streamed, a dying decode worker is not retried but *migrated*: the prompt plus
+  the tokens generated so far go to another decode worker (through a prefill) and the same
+  stream continues; greedy output equals a fault-free run's.
+Stop strings are matched here, on the text; workers see only token-level stops.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import replace
+
+import httpx
+
+from pdserve.cache.prefix_cache import prompt_hashes
+from pdserve.config import Config
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.engine import RequestOutput
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampling_params import InvalidParam, SamplingParams
+from pdserve.model.tokenizer import TokenizerWrapper
+from pdserve.router import policies
+from pdserve.router.admission import Admission
+from pdserve.router.kv_index_feed import IndexFeed
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.registry import Registry, Worker
+from pdserve.router.security import arrived_at, current_key
+from pdserve.server.errors import APIError
+from pdserve.server.openai_api import PREFILL_HEADER
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFailed(Exception):
+    """The worker failed this request in a way another worker may not (retry or migrate)."""
+
+
+class RemoteBackend:
+    def __init__(self, config: Config, registry: Registry, tokenizer: TokenizerWrapper, client: httpx.AsyncClient,
+                 metrics: RouterMetrics, index: IndexFeed, admission: Admission, charge_tokens: Callable,
+                 on_output: Callable[[RequestOutput, float], None] | None = None) -> None:
+        self.config, self.rc = config, config.router
+        self.registry, self.tokenizer, self.client = registry, tokenizer, client
+        self.metrics, self.index, self.admission = metrics, index, admission
+        self.charge_tokens = charge_tokens
+        self.on_output = on_output or (lambda out, t: None)
+        self.accepting = True
+        self.max_model_len = config.model.max_model_len or 0     # learnt from the workers when unset
+        self._rr = {"prefill": 0, "decode": 0}
+        self._rng = random.Random(0)
+
+    # ------------------------------------------------------------------ validation (before any work)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate(self.tokenizer.vocab_size)
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidParam("the prompt is empty", "prompt")
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_token_ids):
+            raise InvalidParam("the prompt holds token ids outside the vocabulary", "prompt")
+        if self.rc.max_prompt_tokens and n > self.rc.max_prompt_tokens:
+            raise InvalidParam(f"the prompt has {n} tokens; this deployment accepts at most "
+                               f"{self.rc.max_prompt_tokens}", "messages")
+        limit = self.max_model_len
+        need = n + (params.max_tokens or 1)
+        if limit and need > limit:
+            raise InvalidParam(f"this model's maximum context length is {limit} tokens; the request asks for "
+                               f"{need} ({n} in the prompt, {params.max_tokens or 1} to generate)",
+                               "max_tokens" if n < limit else "messages")
+
+    # ------------------------------------------------------------------ routing
+
+    def _states(self, role: str, exclude: set[str], now: float) -> list[policies.WorkerState]:
+        out = []
+        for w in self.registry.pool(role):
+            if w.worker_id in exclude:
+                continue
+            h = w.health
+            out.append(policies.WorkerState(
+                worker_id=w.worker_id, role=w.role, healthy=w.healthy, draining=w.draining,
+                breaker_open=not w.breaker.allows(now), in_flight=w.in_flight,
+                queued_prefill_tokens=w.queued_prefill_tokens, decode_tokens=w.decode_tokens,
+                kv_usage=float(h.get("kv_usage", 0.0)), kv_free_blocks=int(h.get("kv_blocks_free", 0)),
+                kv_total_blocks=int(h.get("kv_blocks_total", 0)), capacity=w.capacity))
+        return out
+
+    def pick(self, role: str, prompt: list[int], max_tokens: int, salt: str | None,
+             exclude: set[str]) -> tuple[Worker | None, str]:
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        block_size = self.config.cache.block_size
+        hits = self.index.match(prompt_hashes(prompt, block_size, salt), self.registry) if self.index else {}
+        req = policies.RouteRequest(num_prompt_tokens=len(prompt), max_tokens=max_tokens, block_size=block_size,
+                                    cache_hits=hits)
+        name = getattr(self.config.load_balancer, role)
+        d = policies.choose(name, req, self._states(role, exclude, now), counter=self._rr[role], rng=self._rng)
+        self._rr[role] += 1
+        self.metrics.decisions.labels(role, d.reason).inc()
+        self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        return (self.registry.workers.get(d.worker_id) if d.worker_id else None), d.reason
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       cache_salt: str | None = None, prefill_peer: str | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yields deltas until the request finishes; closing the iterator aborts it upstream."""
+        key = current_key.get()
+        async with self.admission.slot():
+            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
+                                           params.include_stop_str_in_output)
+            wire = replace(params, stop=[], include_stop_str_in_output=False)
+            generated: list[int] = []
+            attempts = migrations = 0
+            failed: set[str] = set()
+            n_prompt = len(prompt_token_ids)
+            try:
+                while True:
+                    remaining = None if params.max_tokens is None else params.max_tokens - len(generated)
+                    prompt = prompt_token_ids + generated
+                    decode, reason = self.pick("decode", prompt, remaining or 16, cache_salt, failed)
+                    if decode is None:
+                        raise APIError(503, f"no decode worker can take this request ({reason})",
+                                       code="no_workers", headers={"Retry-After": "1"})
+                    prefill, _ = self.pick("prefill", prompt, 1, cache_salt, set()) \
+                        if self.registry.pool("prefill") else (None, "")
+                    sampling = {**wire.__dict__, "max_tokens": remaining}
+                    try:
+                        stream = self._stream(decode, prefill, f"{request_id}-{attempts}", prompt, sampling,
+                                              cache_salt)
+                        async with aclosing(stream):
+                            async for tokens, lps, finished, reason in stream:
+                                out_tokens: list[int] = []
+                                stop_hit = False
+                                for t in tokens:
+                                    generated.append(t)
+                                    out_tokens.append(t)
+                                    if detok.add(t) is not None:
+                                        stop_hit = True
+                                        break
+                                done = finished or stop_hit
+                                out = RequestOutput(request_id, out_tokens, detok.take(done), done,
+                                                    "stop" if stop_hit else reason, n_prompt, len(generated),
+                                                    (lps or [])[:len(out_tokens)])
+                                self.on_output(out, time.monotonic())
+                                yield out
+                                if done:
+                                    return          # closing the stream aborts a request stopped by a stop string
+                        raise WorkerFailed("the stream ended without finishing")
+                    except WorkerFailed as e:
+                        failed.add(decode.worker_id)
+                        attempts += 1
+                        if not generated:
+                            if attempts > self.rc.max_retries:
+                                raise APIError(503, f"workers failed this request: {e}", code="worker_failed",
+                                               headers={"Retry-After": "1"}) from e
+                            decode.retries += 1
+                            self.metrics.retries.labels(decode.worker_id).inc()
+                            delay = self.rc.retry_backoff_s * (2 ** (attempts - 1)) * random.uniform(0.5, 1.5)
+                            log.warning("request %s: retrying in %.2fs after %s: %s", request_id, delay,
+                                        decode.worker_id, e)
+                            await asyncio.sleep(delay)
+                        elif self.rc.migration and migrations < self.rc.max_migrations:
+                            migrations += 1
+                            decode.migrations += 1
+                            self.metrics.migrations.labels(decode.worker_id).inc()
+                            log.warning("request %s: migrating after %d tokens from %s: %s", request_id,
+                                        len(generated), decode.worker_id, e)
+                        else:
+                            raise APIError(503, f"the decode worker failed mid-stream: {e}", code="worker_failed") \
+                                from e
+            finally:
+                if key is not None:
+                    self.charge_tokens(key, n_prompt + len(generated))
+
+    async def _stream(self, w: Worker, prefill: Worker | None, rid: str, prompt: list[int], sampling: dict,
+                      salt: str | None) -> AsyncIterator[tuple[list[int], list[TokenLogprob] | None, bool, str | None]]:
+        headers = dict(self.registry.headers)
+        if prefill is not None and prefill.kv_endpoint:
+            headers[PREFILL_HEADER] = prefill.kv_endpoint
+        body = {"request_id": rid, "prompt_token_ids": prompt, "sampling": sampling, "cache_salt": salt}
+        now = time.monotonic()
+        w.breaker.on_attempt()
+        w.in_flight += 1
+        w.requests += 1
+        w.queued_prefill_tokens += len(prompt)
+        w.decode_tokens += sampling.get("max_tokens") or 0
+        self.metrics.requests.labels(w.worker_id).inc()
+        prefilled = False
+        budget, taken = sampling.get("max_tokens") or 0, 0
+        try:
+            try:
+                req = self.client.build_request("POST", w.url + "/internal/generate", json=body, headers=headers)
+                started = arrived_at.get()
+                if started is not None and rid.endswith("-0"):
+                    self.metrics.overhead_seconds.observe(time.perf_counter() - started)
+                resp = await self.client.send(req, stream=True)
+            except httpx.HTTPError as e:
+                self._failure(w, now)
+                raise WorkerFailed(f"{type(e).__name__}: {e}") from e
+            try:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    if resp.status_code == 429 or resp.status_code >= 500:
+                        self._failure(w, now)
+                        raise WorkerFailed(f"HTTP {resp.status_code}")
+                    err = _error_of(resp)
+                    raise APIError(resp.status_code, err.get("message", resp.text), err.get("param"), err.get("code"))
+                async for line in resp.aiter_lines():
+                    if not line:
+                        continue
+                    msg = json.loads(line)
+                    if "error" in msg:
+                        err = msg["error"]
+                        if err.get("code") == "invalid_value":
+                            raise APIError(400, err.get("message", ""), err.get("param"), err.get("code"))
+                        self._failure(w, now)
+                        raise WorkerFailed(err.get("message", "worker error"))
+                    if not prefilled:
+                        prefilled = True
+                        w.queued_prefill_tokens -= len(prompt)
+                    d = min(len(msg["token_ids"]), budget - taken)
+                    taken += d
+                    w.decode_tokens -= d
+                    yield msg["token_ids"], _logprobs(msg.get("logprobs")), msg["finished"], msg["finish_reason"]
+                    if msg["finished"]:
+                        w.breaker.on_success()
+                        return
+            except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+                self._failure(w, time.monotonic())
+                raise WorkerFailed(f"{type(e).__name__}: {e}") from e
+            finally:
+                await resp.aclose()
+        finally:
+            w.in_flight -= 1
+            if not prefilled:
+                w.queued_prefill_tokens -= len(prompt)
+            w.decode_tokens -= budget - taken
+
+    def _failure(self, w: Worker, now: float) -> None:
+        w.errors += 1
+        self.metrics.errors.labels(w.worker_id).inc()
+        w.breaker.on_failure(now)
+
+
+def _error_of(resp: httpx.Response) -> dict:
+    try:
+        return resp.json().get("error") or {}
+    except ValueError:
+        return {}
+
+
+def _logprobs(entries: list | None) -> list[TokenLogprob] | None:
+    if not entries:
+        return None
+    return [TokenLogprob(int(t), float(lp), int(rank), [(int(a), float(b)) for a, b in top])
+            for t, lp, rank, top in entries]

@@ -1,0 +1,71 @@
+"""The encoder pool: chat templating and tokenization in worker processes ("Encoder" balancer of seed 003).
+
+Templating and tokenizing a long prompt takes milliseconds of CPU that would otherwise stall the
+router's event loop. Each pool process loads the tokenizer once. The router keeps a tokenizer of
+its own too, for incremental detokenization of the streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from pdserve.model.tokenizer import TokenizerWrapper
+
+_tokenizer: TokenizerWrapper | None = None       # one per pool process
+
+
+def load_tokenizer(model: str) -> TokenizerWrapper:
+    """The tokenizer of a model, without its weights."""
+    from pdserve.model.arch import TINY_CONFIGS
+    from pdserve.model.loader import DEFAULT_MODEL, default_gguf_path, load_gguf_tokenizer
+    if model == DEFAULT_MODEL or model in TINY_CONFIGS:
+        return load_gguf_tokenizer(str(default_gguf_path()))
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf_tokenizer(str(path))
+    if path.is_dir():
+        from pdserve.model.arch import ModelArch
+        from pdserve.model.tokenizer import tokenizer_from_hf_dir
+        arch = ModelArch.from_hf_config(json.loads((path / "config.json").read_text()))
+        return tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id)
+    raise ValueError(f"unknown model {model!r}")
+
+
+def _init(model: str) -> None:
+    global _tokenizer
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _tokenizer = load_tokenizer(model)
+
+
+def _encode(text: str) -> list[int]:
+    return _tokenizer.encode(text)
+
+
+def _encode_chat(messages: list[dict[str, Any]]) -> list[int]:
+    return _tokenizer.encode_chat(messages)
+
+
+class EncoderPool:
+    def __init__(self, model: str, processes: int) -> None:
+        self.processes = processes
+        self.pool = ProcessPoolExecutor(processes, initializer=_init, initargs=(model,)) if processes > 0 else None
+        self.local = load_tokenizer(model) if processes <= 0 else None
+
+    async def encode(self, text: str) -> list[int]:
+        if self.pool is None:
+            return self.local.encode(text)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, _encode, text)
+
+    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Raises ValueError for messages the chat template rejects."""
+        if self.pool is None:
+            return self.local.encode_chat(messages)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, _encode_chat, messages)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)

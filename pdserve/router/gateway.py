@@ -1,0 +1,162 @@
+"""The router's HTTP front: the OpenAI API over the workers, admin routes, health and metrics.
+
+Requests are tokenized by the encoder pool, routed by the policies over the registry and the
+global KV index, streamed from a decode worker as token ids, and detokenized here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from pdserve.config import Config
+from pdserve.protocol import (
+    INTERNAL_TOKEN_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    WorkerRegistration,
+    model_card,
+)
+from pdserve.router.admission import Admission
+from pdserve.router.backend import RemoteBackend
+from pdserve.router.encoder import EncoderPool, load_tokenizer
+from pdserve.router.kv_index_feed import IndexFeed
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.registry import Registry
+from pdserve.router.security import Allowlist, KeyStore, RateLimiter, SecurityMiddleware
+from pdserve.server.errors import BodySizeLimit, error_response, install_error_handlers
+from pdserve.server.internal_api import internal_token
+from pdserve.server.metrics import RequestTimer, ServerMetrics
+from pdserve.server.openai_api import OpenAIHandlers
+
+log = logging.getLogger(__name__)
+_SUMMED = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_blocks",
+           "prefill_tokens_computed", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
+
+
+def create_router_app(config: Config) -> FastAPI:
+    rc = config.router
+    token = internal_token(config.server.internal_token)
+    registry = Registry(rc.breaker_failures, rc.breaker_cooldown_s, rc.heartbeat_timeout_s,
+                        {INTERNAL_TOKEN_HEADER: token} if token else {})
+    for spec in rc.workers:
+        registry.add_static(spec["url"], spec.get("role", "mixed"))
+    model_name = config.server.served_model_name or config.model.name
+
+    def fleet_stats() -> dict[str, float]:
+        """Engine gauges summed over healthy workers (the worker-level figures are on each worker)."""
+        healthy = [w.health for w in registry.workers.values() if w.healthy]
+        out = {k: float(sum(h.get(k, 0) for h in healthy)) for k in _SUMMED}
+        total = out["kv_blocks_total"]
+        out["kv_usage"] = 1.0 - out["kv_blocks_free"] / total if total else 0.0
+        return out
+
+    server_metrics = ServerMetrics(fleet_stats)
+    metrics = RouterMetrics(server_metrics.registry, registry)
+    timer = RequestTimer(server_metrics)
+    limiter = RateLimiter(rc.requests_per_minute, rc.tokens_per_minute)
+    encoder = EncoderPool(config.model.name, rc.encoder_workers)
+    tokenizer = encoder.local or load_tokenizer(config.model.name)     # for detokenizing the streams
+    feed = IndexFeed()
+    client = httpx.AsyncClient(timeout=httpx.Timeout(rc.request_timeout_s, connect=rc.connect_timeout_s),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+    admission = Admission(rc.max_concurrent, rc.max_queue, rc.queue_timeout_s)
+    backend = RemoteBackend(config, registry, tokenizer, client, metrics, feed, admission,
+                            lambda who, n: limiter.charge_tokens(who, n, time.monotonic()), timer.on_output)
+    handlers = OpenAIHandlers(backend, tokenizer, model_name, timer, encoder=encoder)
+
+    async def health_loop() -> None:
+        while True:
+            await registry.check_all(client)
+            for w in registry.workers.values():
+                if w.healthy:
+                    feed.watch(w.health.get("kv_events_endpoint"), w.health.get("kv_events_snapshot_endpoint"))
+                    if not backend.max_model_len and w.health.get("max_model_len"):
+                        backend.max_model_len = int(w.health["max_model_len"])
+            await asyncio.sleep(rc.health_period_s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(health_loop())
+        yield
+        backend.accepting = False
+        task.cancel()
+        await client.aclose()
+        feed.close()
+        encoder.close()
+
+    app = FastAPI(title="pdserve router", version="0.1.0", lifespan=lifespan)
+    app.state.registry = registry
+    install_error_handlers(app, on_error=lambda status: server_metrics.errors.labels(str(status)).inc())
+    app.add_middleware(BodySizeLimit, max_bytes=config.server.max_body_bytes,
+                       on_reject=lambda: server_metrics.errors.labels("413").inc())
+    app.add_middleware(SecurityMiddleware, keys=KeyStore(rc.api_keys), allowlist=Allowlist(rc.ip_allowlist),
+                       limiter=limiter, on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
+
+    @app.get("/health")
+    async def health():
+        decode = [w for w in registry.pool("decode") if w.healthy and not w.draining]
+        if not decode:
+            return error_response(503, "no healthy decode worker", code="no_workers")
+        return {"status": "ok", "workers": [w.describe() for w in registry.workers.values()]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(server_metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(model_name, backend.max_model_len)]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, http: Request):
+        return await handlers.completions(req, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, http: Request):
+        return await handlers.chat(req, http)
+
+    # ------------------------------------------------------------------ admin
+
+    @app.get("/admin/workers")
+    async def list_workers():
+        return {"workers": [w.describe() for w in registry.workers.values()]}
+
+    @app.post("/admin/workers/register")
+    async def register(reg: WorkerRegistration):
+        w = registry.register(reg, time.monotonic())
+        await registry.check(client, w, time.monotonic())
+        return w.describe()
+
+    @app.post("/admin/workers/{worker_id}/heartbeat")
+    async def heartbeat(worker_id: str):
+        if not registry.heartbeat(worker_id, time.monotonic()):
+            return error_response(404, f"no worker {worker_id!r}; register first", code="unknown_worker")
+        return {"ok": True}
+
+    @app.post("/admin/workers/{worker_id}/drain")
+    async def drain(worker_id: str):
+        w = registry.workers.get(worker_id)
+        if w is None:
+            return error_response(404, f"no worker {worker_id!r}", code="unknown_worker")
+        w.draining = True
+        log.info("worker %s draining (%d in flight)", worker_id, w.in_flight)
+        return w.describe()
+
+    @app.delete("/admin/workers/{worker_id}")
+    async def deregister(worker_id: str):
+        w = registry.workers.get(worker_id)
+        if w is None:
+            return error_response(404, f"no worker {worker_id!r}", code="unknown_worker")
+        if w.in_flight:
+            return error_response(409, f"worker {worker_id!r} has {w.in_flight} requests in flight; drain it first",
+                                  code="worker_busy")
+        registry.deregister(worker_id)
+        return {"deleted": worker_id}
+
+    return app

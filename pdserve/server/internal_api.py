@@ -1,0 +1,80 @@
+"""Worker endpoints for the router: token-level generation, and the internal token on every route.
+
+`POST /internal/generate` streams NDJSON deltas of token ids (with logprobs when asked). The router
+detokenizes, applies stop strings and speaks the OpenAI API; a router that closes the stream
+aborts the request here, as any client disconnect does.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.request import TokenLogprob
+from pdserve.engine.sampling_params import InvalidParam, SamplingParams
+from pdserve.protocol import INTERNAL_TOKEN_HEADER, InternalGenerateRequest
+from pdserve.server.errors import APIError, error_body, error_response
+from pdserve.server.metrics import RequestTimer
+from pdserve.server.openai_api import PREFILL_HEADER
+
+
+def internal_token(configured: str | None) -> str | None:
+    return configured or os.environ.get("PDSERVE_INTERNAL_TOKEN") or None
+
+
+class RequireInternalToken:
+    """Pure-ASGI gate: with a token configured, every route but /health needs it."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope.get("headers") or []).get(INTERNAL_TOKEN_HEADER.encode(), b"")
+            if not hmac.compare_digest(given, self.token):
+                await error_response(401, "this worker accepts requests from its router only",
+                                     code="internal_token")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def logprob_wire(lp: TokenLogprob) -> list[Any]:
+    return [lp.token_id, lp.logprob, lp.rank, [list(t) for t in lp.top]]
+
+
+def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTimer) -> None:
+    @app.post("/internal/generate")
+    async def generate(req: InternalGenerateRequest, http: Request):
+        if not engine.accepting:
+            raise APIError(503, "the worker is shutting down", code="shutting_down", headers={"Retry-After": "1"})
+        try:
+            params = SamplingParams(**req.sampling)
+            engine.engine.check_request(req.prompt_token_ids, params)
+        except TypeError as e:
+            raise APIError(400, f"bad sampling parameters: {e}", "sampling", "invalid_value") from e
+        except InvalidParam as e:
+            raise APIError(400, str(e), e.param, "invalid_value") from e
+        peer = http.headers.get(PREFILL_HEADER)
+        timer.start(req.request_id, time.monotonic())
+
+        async def lines():
+            try:
+                async for out in engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt, peer):
+                    yield json.dumps({"token_ids": out.new_token_ids,
+                                      "logprobs": [logprob_wire(lp) for lp in out.new_logprobs] or None,
+                                      "finished": out.finished, "finish_reason": out.finish_reason,
+                                      "num_prompt_tokens": out.num_prompt_tokens}) + "\n"
+            except InvalidParam as e:
+                yield json.dumps(error_body(400, str(e), e.param, "invalid_value")) + "\n"
+            except EngineDeadError as e:
+                yield json.dumps(error_body(503, str(e), code="engine_dead")) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
