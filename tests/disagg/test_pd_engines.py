@@ -17,7 +17,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.model.loader import load_model_files
 from pdserve.server.roles import build_engine
 
-MODEL = "tiny-llama"
+MODEL = "tiny-qwen2"   # tiny-llama's greedy output ignores its KV (it repeats the last token)
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +205,31 @@ def test_abort_while_loading_frees_every_block(loaded):
         prefill.wait_idle()
         assert decode.engine.stats()["kv_blocks_quarantined"] == 0
         assert prefill.engine.stats()["kv_prefill_jobs_active"] == 0
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_parity_depends_on_the_transferred_kv(loaded, monkeypatch):
+    """The control for the parity tests: with the layer writes dropped, outputs differ."""
+    from pdserve.disagg import transport
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = _prompts(4)[1:]
+    mixed = LLMEngine(_config("mixed"), loaded)
+    for i, p in enumerate(prompts):
+        mixed.add_request(f"r{i}", p, params)
+    want: dict[str, list[int]] = {}
+    while mixed.has_unfinished():
+        for out in mixed.step():
+            want.setdefault(out.request_id, []).extend(out.new_token_ids)
+    monkeypatch.setattr(transport.ShmWriter, "write_layer", lambda self, rid, layer, runs: 0)
+    prefill = Loop(build_engine(_config("prefill", "shm")))
+    decode = Loop(build_engine(_config("decode", "shm", prefill_endpoints=[prefill.engine.connector.endpoint])))
+    try:
+        for i, p in enumerate(prompts):
+            decode.submit(lambda e, i=i, p=p: e.add_request(f"r{i}", p, params))
+        decode.wait(want)
+        assert decode.outputs != want
     finally:
         decode.stop()
         prefill.stop()
