@@ -58,6 +58,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "deployment.prefill.instances": getattr(args, "prefill", None),
         "deployment.decode.instances": getattr(args, "decode", None),
         "worker.role": getattr(args, "role", None), "worker.kv_port": getattr(args, "kv_port", None),
+        "server.router_url": getattr(args, "router_url", None),
         "disagg.prefill_endpoints": (args.prefill_endpoints.split(",") if getattr(args, "prefill_endpoints", None)
                                      else None),
     }
@@ -76,10 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--prefill", type=int, help="prefill workers (overrides the config file)")
     serve.add_argument("--decode", type=int, help="decode workers (overrides the config file)")
     _add_engine_flags(serve)
+    router = sub.add_parser("router", help="the router alone, for workers started elsewhere")
+    router.add_argument("--worker", action="append", default=[], metavar="ROLE=URL",
+                        help="a static worker, e.g. decode=http://10.0.0.2:8001 (repeatable); workers can "
+                             "also register themselves with --router-url")
+    _add_engine_flags(router)
     worker = sub.add_parser("worker", help="one worker process (pdserve serve starts these)")
     worker.add_argument("--role", choices=["mixed", "prefill", "decode"], required=True)
     worker.add_argument("--kv-port", type=int, help="prefill: bootstrap port; decode: KV/control port")
     worker.add_argument("--prefill-endpoints", help="decode: comma-separated bootstrap endpoints of prefill workers")
+    worker.add_argument("--router-url", help="register with this router and send it heartbeats")
     _add_engine_flags(worker)
     sub.add_parser("bench", help="load generator and report (pdserve bench --help)")
     args = parser.parse_args(argv)
@@ -97,6 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         config.worker.role = "mixed"
         from pdserve.server.app import serve as run_server
         run_server(config)
+    elif args.command == "router":
+        for spec in args.worker:
+            role, _, url = spec.partition("=")
+            if not url or role not in ("prefill", "decode", "mixed"):
+                parser.error(f"--worker wants ROLE=URL with ROLE prefill|decode|mixed, not {spec!r}")
+            config.router.workers.append({"role": role, "url": url})
+        from pdserve.router.gateway import create_router_app
+        from pdserve.server.app import run_uvicorn
+        run_uvicorn(create_router_app(config), config)
     elif args.command == "worker":
         role_cfg = getattr(config.deployment, args.role, None)
         if config.server.threads is None and role_cfg is not None:

@@ -125,7 +125,12 @@ def create_router_app(config: Config) -> FastAPI:
 
     @app.get("/admin/workers")
     async def list_workers():
-        return {"workers": [w.describe() for w in registry.workers.values()]}
+        out = []
+        for w in registry.workers.values():
+            d = w.describe()
+            d["kv_index_blocks"] = feed.blocks_of(w.health.get("worker_id"))
+            out.append(d)
+        return {"workers": out}
 
     @app.post("/admin/workers/register")
     async def register(reg: WorkerRegistration):

@@ -55,6 +55,13 @@ class IndexFeed:
         by_name = {w.health.get("worker_id"): w.worker_id for w in registry.workers.values()}
         return {by_name[name]: hit for name, hit in found.items() if name in by_name}
 
+    def blocks_of(self, name: str | None) -> int:
+        """How many blocks the index holds for a worker (by its own name)."""
+        if not name:
+            return 0
+        with self.lock:
+            return len(self.index.worker_blocks(name))
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
