@@ -32,6 +32,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget")
     p.add_argument("--threads", type=int, help="torch compute threads")
     p.add_argument("--seed", type=int, help="seed of tiny random model weights")
+    p.add_argument("--expert-parallel", type=int, help="MoE models: processes sharing the experts (EP ranks)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--transfer-backend", choices=["auto", "shm", "tcp", "mooncake"],
@@ -44,6 +45,7 @@ def _overrides(args: argparse.Namespace) -> dict:
     return {
         "model.name": args.model, "model.dtype": args.dtype, "model.device": args.device,
         "model.max_model_len": args.max_model_len, "model.seed": args.seed,
+        "model.expert_parallel": args.expert_parallel,
         "cache.block_size": args.block_size, "cache.device_memory_gb": args.device_memory_gb,
         "cache.device_blocks": args.device_blocks, "cache.prefix_cache": args.prefix_cache,
         "cache.host_cache_gb": args.host_cache_gb, "cache.disk_cache_dir": args.disk_cache_dir,
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             config.router.workers.append({"role": role, "url": url})
         from pdserve.router.gateway import create_router_app
         from pdserve.server.app import run_uvicorn
-        run_uvicorn(create_router_app(config), config)
+        run_uvicorn(create_router_app(config), config, tls=True)
     elif args.command == "worker":
         role_cfg = getattr(config.deployment, args.role, None)
         if config.server.threads is None and role_cfg is not None:

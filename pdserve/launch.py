@@ -132,7 +132,7 @@ def serve_pd(config: Config) -> None:
         app = create_router_app(config)
         log.info("serving %s on http://%s:%d (%d prefill, %d decode workers)", config.model.name,
                  config.server.host, config.server.port, *instance_counts(config))
-        run_uvicorn(app, config)
+        run_uvicorn(app, config, tls=True)
     finally:
         for w in workers:
             w.stop()

@@ -71,6 +71,17 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
                 "max_model_len": engine.max_model_len,
                 "kv_endpoint": getattr(engine.connector, "endpoint", None), **engine.stats()}
 
+    # MoE models: the expert-load heatmap and placement (EPLB), and the balancer's gauges in /metrics.
+    eplb = getattr(engine.model, "eplb", None)
+    if eplb is not None:
+        eplb.register_metrics(metrics.registry)
+
+    @app.get("/eplb")
+    async def eplb_heatmap():
+        if eplb is None:
+            return error_response(404, "the model has no MoE layers", code="not_moe")
+        return eplb.to_dict()
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
@@ -116,8 +127,9 @@ async def register_with_router(config: Config, model_name: str) -> None:
             await asyncio.sleep(config.router.health_period_s)
 
 
-def run_uvicorn(app, config: Config) -> None:
-    """Serve `app` until SIGTERM or SIGINT; SIGTERM drains and exits 0."""
+def run_uvicorn(app, config: Config, tls: bool = False) -> None:
+    """Serve `app` until SIGTERM or SIGINT; SIGTERM drains and exits 0. With `tls`, HTTPS with the
+    router's certificate (workers speak plain HTTP on the internal network)."""
     import signal
 
     import uvicorn
@@ -130,8 +142,12 @@ def run_uvicorn(app, config: Config) -> None:
                 return
             super().handle_exit(sig, frame)
 
+    rc = config.router
+    if tls and bool(rc.tls_cert) != bool(rc.tls_key):
+        raise ValueError("router.tls_cert and router.tls_key go together")
+    ssl = {"ssl_certfile": rc.tls_cert, "ssl_keyfile": rc.tls_key} if tls and rc.tls_cert else {}
     GracefulServer(uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
-                                  timeout_graceful_shutdown=int(config.server.shutdown_timeout_s))).run()
+                                  timeout_graceful_shutdown=int(config.server.shutdown_timeout_s), **ssl)).run()
 
 
 def serve(config: Config) -> None:

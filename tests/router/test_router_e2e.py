@@ -174,3 +174,28 @@ def test_fuzzed_requests_never_get_a_5xx(router, path, body):
     assert r.status_code < 500, (body, r.text)
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_tls(tmp_path):
+    import shutil
+    import ssl
+    import subprocess
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    srv = _start(tmp_path, "tls", ["router"], {"router": {"tls_cert": str(cert), "tls_key": str(key)}})
+    with srv:
+        deadline = time.monotonic() + 60
+        while True:
+            assert srv.proc.poll() is None, srv.log_tail()
+            try:
+                r = httpx.get(f"https://127.0.0.1:{srv.port}/health", verify=ssl.create_default_context(cafile=str(cert)), timeout=2)
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"   # HTTPS works; no workers
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=2)
