@@ -147,9 +147,9 @@ def test_ten_times_capacity_sheds_load_and_stays_flat(router):
     assert _rss_kb(router.proc.pid) - before < 60_000      # KiB: no growth with load
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers(-10, 10**6) | st.floats(allow_nan=True) | st.text(max_size=20),
-                     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children,
-                                                                                        max_size=4), max_leaves=8)
+_scalars = st.none() | st.booleans() | st.integers(-10, 10**6) | st.floats(allow_nan=True) | st.text(max_size=20)
+_json = st.recursive(_scalars, lambda children: st.lists(children, max_size=4)
+                     | st.dictionaries(st.text(max_size=8), children, max_size=4), max_leaves=8)
 _fields = {"model": st.sampled_from([MODEL, "other"]) | _json, "prompt": st.text(max_size=30) | _json,
            "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bad"]),
                                                        "content": st.text(max_size=30) | _json}), max_size=3) | _json,
@@ -183,7 +183,8 @@ def test_tls(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
     srv = _start(tmp_path, "tls", ["router"], {"router": {"tls_cert": str(cert), "tls_key": str(key)}})
     with srv:
@@ -191,7 +192,8 @@ def test_tls(tmp_path):
         while True:
             assert srv.proc.poll() is None, srv.log_tail()
             try:
-                r = httpx.get(f"https://127.0.0.1:{srv.port}/health", verify=ssl.create_default_context(cafile=str(cert)), timeout=2)
+                r = httpx.get(f"https://127.0.0.1:{srv.port}/health", timeout=2,
+                              verify=ssl.create_default_context(cafile=str(cert)))
                 break
             except httpx.ConnectError:
                 assert time.monotonic() < deadline
