@@ -201,3 +201,27 @@ def test_tls(tmp_path):
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"   # HTTPS works; no workers
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=2)
+
+
+def test_self_registration_heartbeats_and_expiry(tmp_path):
+    router = _start(tmp_path, "reg-router", ["router"], {"router": {"heartbeat_timeout_s": 1.5,
+                                                                    "health_period_s": 0.3}})
+    with router:
+        _wait_listening(router)
+        assert httpx.get(router.url + "/admin/workers").json()["workers"] == []
+        w = _start(tmp_path, "reg-worker", ["worker", "--role", "mixed", "--router-url", router.url],
+                   {"router": {"health_period_s": 0.3}})
+        with w:
+            w.wait_ready(timeout=120)
+            deadline = time.monotonic() + 30
+            while not [x for x in httpx.get(router.url + "/admin/workers").json()["workers"] if x["healthy"]]:
+                assert time.monotonic() < deadline, router.log_tail()
+                time.sleep(0.2)
+            r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            w.kill()
+            deadline = time.monotonic() + 30
+            while [x for x in httpx.get(router.url + "/admin/workers").json()["workers"] if x["healthy"]]:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert httpx.get(router.url + "/health").status_code == 503

@@ -51,6 +51,15 @@ def test_follow_up_goes_to_the_decode_worker_holding_its_prefix(tmp_path):
                                                                  "max_tokens": 2})
             assert r.status_code == 200, r.text
             assert _served_by(srv.url, before, "decode") == [placed[i]], (i, placed)
+        # A drained worker gets no new requests, even the ones its cache would attract.
+        drained = placed[0]
+        assert httpx.post(f"{srv.url}/admin/workers/{drained}/drain").json()["draining"] is True
+        before = _requests_by_worker(srv.url)
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny-qwen2", "prompt": prefixes[0] + [11, 12],
+                                                             "max_tokens": 2})
+        assert r.status_code == 200
+        [other] = _served_by(srv.url, before, "decode")
+        assert other != drained
 
 
 def test_killed_decode_worker_mid_stream_is_migrated(tmp_path, smollm_llm):
