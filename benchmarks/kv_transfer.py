@@ -9,6 +9,8 @@
    - mooncake (when the optional extra is installed, else null): the decode process registers its
      pool with a Mooncake engine; the real MooncakeWriter writes layer by layer, one batched
      synchronous write each (returning only once the bytes are in the pool).
+   - nixl (likewise): the decode process registers its pool with a NIXL agent; the real NixlWriter
+     posts one WRITE per layer, timed until flush() has seen every one complete.
 2. Overlap: a real prefill engine (SmolLM2, one torch thread) runs a 1024-token prompt for a real
    decode engine over shm. The exposed lag is the time from the last layer's compute to every
    write done; divided by one layer's transfer time (goal <= 1.5). The same prompt with
@@ -52,9 +54,12 @@ def _decode_process(mib: int, conn) -> None:
     kv = allocate_kv_cache(arch, nb, BLOCK, torch.float32, "cpu", shm)
     dc = DecodeConnector(load_config(), kv, str(shm), "tcp://127.0.0.1:*")
     info = {"shm": str(shm), "shape": list(kv.shape), "endpoint": dc.endpoint}
-    mc = _mooncake_endpoint(raw_bytes_view(kv))
+    mc = _optional_endpoint("mooncake", raw_bytes_view(kv))
     if mc is not None:
         info.update(mooncake_session=mc.session_id, mooncake_base=mc.base)
+    nx = _optional_endpoint("nixl", raw_bytes_view(kv))
+    if nx is not None:
+        info.update(nixl_metadata=nx.metadata, nixl_base=nx.base)
     conn.send(info)
     while True:
         cmd = conn.recv()
@@ -70,15 +75,18 @@ def _decode_process(mib: int, conn) -> None:
             got += msg.get("bytes", 0)
         conn.send(got)
     dc.close()
-    if mc is not None:
-        mc.close()
+    for ep in (mc, nx):
+        if ep is not None:
+            ep.close()
 
 
-def _mooncake_endpoint(buf):
-    """A Mooncake endpoint over `buf`, or None when the optional extra is not installed."""
-    from pdserve.disagg.transport import MooncakeEndpoint
+def _optional_endpoint(backend: str, buf):
+    """A Mooncake or NIXL endpoint over `buf`, or None when that optional extra is not installed."""
+    from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint
     try:
-        return MooncakeEndpoint("127.0.0.1", buf)
+        if backend == "mooncake":
+            return MooncakeEndpoint("127.0.0.1", buf)
+        return NixlEndpoint(f"bench-{os.getpid()}", buf)
     except ImportError:
         return None
 
@@ -89,7 +97,7 @@ def bandwidth(mib: int, repeats: int) -> dict:
     import zmq
 
     from pdserve.cache.kv_cache import allocate_kv_cache, raw_bytes_view
-    from pdserve.disagg.transport import MooncakeWriter, ShmWriter, TcpWriter
+    from pdserve.disagg.transport import MooncakeWriter, NixlWriter, ShmWriter, TcpWriter
     arch, nb = _geometry(mib)
     src_t = allocate_kv_cache(arch, nb, BLOCK, torch.float32)
     src_t.normal_()
@@ -129,27 +137,33 @@ def bandwidth(mib: int, repeats: int) -> dict:
 
     tcp_once()          # connect and warm up
     tcp = total / best(tcp_once)
-    mooncake = None
-    local = _mooncake_endpoint(src) if "mooncake_session" in info else None
-    if local is not None:
-        mc_w = MooncakeWriter(src, BLOCK, local, info["mooncake_session"], info["mooncake_base"], info["shape"], 4)
+    one_sided: dict[str, float | None] = {"mooncake": None, "nixl": None}
+    for backend in one_sided:
+        local = _optional_endpoint(backend, src) if f"{backend}_base" in info else None
+        if local is None:
+            continue
+        if backend == "mooncake":
+            w = MooncakeWriter(src, BLOCK, local, info["mooncake_session"], info["mooncake_base"], info["shape"], 4)
+        else:
+            w = NixlWriter(src, BLOCK, local, info["nixl_metadata"], info["nixl_base"], info["shape"], 4)
 
-        def mooncake_once() -> None:
+        def once(w=w) -> None:
             for layer in range(arch.num_layers):
-                mc_w.write_layer("bench", layer, runs)
+                w.write_layer("bench", layer, runs)
+            w.flush()
 
-        shm_w.dst.fill(0)   # the same pool, mapped: check that Mooncake put every byte in place
-        mooncake_once()     # handshake and warm up
-        assert np.array_equal(shm_w.dst, src), "the Mooncake writes did not land in the decode pool"
-        mooncake = total / best(mooncake_once)
+        shm_w.dst.fill(0)   # the same pool, mapped: check that every byte landed in place
+        once()              # handshake and warm up
+        assert np.array_equal(shm_w.dst, src), f"the {backend} writes did not land in the decode pool"
+        one_sided[backend] = total / best(once)
         local.close()
     parent.send("stop")
     proc.join(timeout=10)
     sock.close(0)
     return {"bytes": total, "memcpy_gbps": round(memcpy / 1e9, 2), "shm_gbps": round(shm / 1e9, 2),
             "shm_ratio": round(shm / memcpy, 3), "tcp_gbps": round(tcp / 1e9, 2), "tcp_ratio": round(tcp / memcpy, 3),
-            "mooncake_gbps": None if mooncake is None else round(mooncake / 1e9, 2),
-            "mooncake_ratio": None if mooncake is None else round(mooncake / memcpy, 3)}
+            **{f"{k}_{unit}": None if v is None else round(v / div, nd) for k, v in one_sided.items()
+               for unit, div, nd in (("gbps", 1e9, 2), ("ratio", memcpy, 3))}}
 
 
 class _Loop:

@@ -35,8 +35,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel", type=int, help="MoE models: processes sharing the experts (EP ranks)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
-    p.add_argument("--transfer-backend", choices=["auto", "shm", "tcp", "mooncake"],
-                   help="how KV moves from prefill to decode (mooncake: the optional extra)")
+    p.add_argument("--transfer-backend", choices=["auto", "shm", "tcp", "mooncake", "nixl"],
+                   help="how KV moves from prefill to decode (mooncake, nixl: optional extras)")
     p.add_argument("--local-prefill-max-tokens", type=int,
                    help="decode workers prefill locally when fewer prompt tokens than this are uncached")
 

@@ -78,9 +78,9 @@ class DisaggConfig:
 
 @dataclass
 class TransferConfig:
-    backend: str = "auto"                # auto (shm on one host, else tcp) | shm | tcp | mooncake
-    # mooncake: optional extra (pip install 'pdserve[mooncake]'), one-sided writes through Mooncake's
-    # transfer engine; set it on the prefill and the decode workers alike.
+    backend: str = "auto"                # auto (shm on one host, else tcp) | shm | tcp | mooncake | nixl
+    # mooncake, nixl: optional extras (pip install 'pdserve[mooncake]' / 'pdserve[nixl]'), one-sided
+    # writes through Mooncake's transfer engine or NIXL; set on the prefill and decode workers alike.
     bandwidth_limit: str | float | None = None   # bytes/s, or "50%" of the memcpy speed measured at start
     layerwise: bool = True               # write each layer as soon as it is computed (False: after the forward)
 

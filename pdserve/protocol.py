@@ -130,10 +130,11 @@ class PrefillJob:
     elem_size: int
     block_size: int
     model: str
-    # transfer.backend mooncake: the decode engine's session ("host:rpc_port") and the address of
-    # its registered pool, so the prefill worker can write into it one-sidedly.
+    # transfer.backend mooncake / nixl: the decode side's Mooncake session ("host:rpc_port") or NIXL
+    # agent metadata, and the address of its registered pool, which the prefill worker writes into.
     mooncake_session: str | None = None
-    mooncake_base: int = 0
+    nixl_metadata: bytes | None = None
+    pool_base: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": PD_PREFILL, **asdict(self)}

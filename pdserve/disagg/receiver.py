@@ -5,7 +5,7 @@ writes straight into the blocks of live transfers) and sends jobs and cancels th
 hands it over an inproc socket. The engine thread owns every transfer's state machine and every
 block: it polls, applies deadlines, and frees blocks.
 
-Blocks of a failed shm or mooncake transfer (one-sided writes) are quarantined: a prefill worker
+Blocks of a failed shm, mooncake or nixl transfer (one-sided writes) are quarantined: a prefill worker
 that is slow rather than dead could still write into them, so they stay allocated until it
 acknowledges the cancel, its process is gone, or the quarantine deadline passes.
 """
@@ -26,7 +26,7 @@ import zmq
 from pdserve.cache.kv_cache import pid_alive, raw_bytes_view
 from pdserve.config import Config
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
-from pdserve.disagg.transport import MooncakeEndpoint, endpoint_host
+from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint, endpoint_host
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.request import TokenLogprob
 from pdserve.protocol import (
@@ -90,10 +90,14 @@ class DecodeConnector(KVConnector):
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(bind_endpoint)
         self.endpoint = advertise_endpoint or self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        # mooncake: prefill workers write into the registered pool one-sidedly; nothing here
+        # mooncake, nixl: prefill workers write into the registered pool one-sidedly; nothing here
         # receives those bytes, PD_DONE still says when they are all in.
-        self.mooncake = (MooncakeEndpoint(endpoint_host(self.endpoint), self.raw)
-                         if config.transfer.backend == "mooncake" else None)
+        backend = config.transfer.backend
+        self.pool_endpoint: MooncakeEndpoint | NixlEndpoint | None = None
+        if backend == "mooncake":
+            self.pool_endpoint = MooncakeEndpoint(endpoint_host(self.endpoint), self.raw)
+        elif backend == "nixl":
+            self.pool_endpoint = NixlEndpoint(f"pdserve-decode-{HOST}-{_pid()}-{id(self):x}", self.raw)
         self._out_addr = f"inproc://pd-decode-out-{id(self)}"
         self._out_in = self._ctx.socket(zmq.PULL)
         self._out_in.bind(self._out_addr)
@@ -198,11 +202,18 @@ class DecodeConnector(KVConnector):
         job = PrefillJob(req.request_id, list(req.prompt_token_ids), sampling, req.cache_salt, list(req.block_ids),
                          req.num_cached_blocks, self.endpoint, _pid(), HOST, self.shm_path, self.kv_shape,
                          self.elem_size, self.block_size, self.model,
-                         mooncake_session=self.mooncake.session_id if self.mooncake else None,
-                         mooncake_base=self.mooncake.base if self.mooncake else 0)
+                         **self._pool_fields())
         self.pending[req.request_id] = Pending(req, peer, Transfer(req.request_id, self.deadlines, now))
         self.accept_writes(req.request_id, req.block_ids)
         self._post_out(peer, job.to_wire())
+
+    def _pool_fields(self) -> dict:
+        ep = self.pool_endpoint
+        if isinstance(ep, MooncakeEndpoint):
+            return {"mooncake_session": ep.session_id, "pool_base": ep.base}
+        if isinstance(ep, NixlEndpoint):
+            return {"nixl_metadata": ep.metadata, "pool_base": ep.base}
+        return {}
 
     def accept_writes(self, request_id: str, block_ids: list[int]) -> None:
         """From now on, tcp KV frames for this request land in these blocks."""
@@ -226,7 +237,7 @@ class DecodeConnector(KVConnector):
         dead = pend.peer_pid is not None and pend.peer_host == HOST and not pid_alive(pend.peer_pid)
         if not dead:
             self._post_out(pend.peer, {"type": PD_CANCEL, "request_id": rid, "reply_endpoint": self.endpoint})
-        if dead or not (self.shm_path or self.mooncake):
+        if dead or not (self.shm_path or self.pool_endpoint):
             return []       # over tcp nothing lands once the rid leaves _live; a dead peer writes nothing
         return pend.req.block_ids[pend.req.num_cached_blocks:]
 
@@ -324,8 +335,8 @@ class DecodeConnector(KVConnector):
             self._out.close(0)
         self._pull.close(0)
         self._out_in.close(0)
-        if self.mooncake is not None:
-            self.mooncake.close()
+        if self.pool_endpoint is not None:
+            self.pool_endpoint.close()
 
 
 def _pid() -> int:

@@ -27,6 +27,8 @@ from pdserve.disagg.transport import (
     KVWriter,
     MooncakeEndpoint,
     MooncakeWriter,
+    NixlEndpoint,
+    NixlWriter,
     Run,
     ShmWriter,
     TcpWriter,
@@ -113,6 +115,8 @@ class PrefillConnector(KVConnector):
         # sender thread only from then on.
         self._mooncake = (MooncakeEndpoint(endpoint_host(self.endpoint), self.src)
                           if self.backend == "mooncake" else None)
+        self._nixl = (NixlEndpoint(f"pdserve-prefill-{HOST}-{os.getpid()}-{id(self):x}", self.src)
+                      if self.backend == "nixl" else None)
         self._threads = [threading.Thread(target=self._bootstrap_loop, name="pd-bootstrap", daemon=True),
                          threading.Thread(target=self._sender_loop, name="pd-sender", daemon=True)]
         for t in self._threads:
@@ -206,7 +210,13 @@ class PrefillConnector(KVConnector):
                 raise ValueError("transfer.backend is mooncake but the decode worker registered no pool "
                                  "with Mooncake (set transfer.backend: mooncake there too)")
             return MooncakeWriter(self.src, self.block_size, self._mooncake, job.mooncake_session,
-                                  job.mooncake_base, job.kv_shape, job.elem_size)
+                                  job.pool_base, job.kv_shape, job.elem_size)
+        if self._nixl is not None:
+            if not job.nixl_metadata:
+                raise ValueError("transfer.backend is nixl but the decode worker registered no pool "
+                                 "with NIXL (set transfer.backend: nixl there too)")
+            return NixlWriter(self.src, self.block_size, self._nixl, job.nixl_metadata, job.pool_base,
+                              job.kv_shape, job.elem_size, self.deadlines.transfer_s)
         same_host = job.decode_host == HOST and job.shm_path and os.path.exists(job.shm_path)
         if self.backend == "shm" or (self.backend == "auto" and same_host):
             if not job.shm_path:
@@ -369,5 +379,7 @@ class PrefillConnector(KVConnector):
         for t in self._threads:
             t.join(timeout=2)
         self._bootstrap.close(0)
-        if self._mooncake is not None and not self._threads[1].is_alive():   # no write in flight
-            self._mooncake.close()
+        if not self._threads[1].is_alive():      # no write in flight
+            for ep in (self._mooncake, self._nixl):
+                if ep is not None:
+                    ep.close()
