@@ -17,6 +17,9 @@ class KVIndex:
     def __init__(self) -> None:
         self._blocks: dict[str, dict[str, set[str]]] = {}     # hash -> worker -> tiers
         self._by_worker: dict[str, set[str]] = {}             # worker -> hashes
+        # hash -> {worker: fastest tier rank} for holders WITHOUT a device copy: match() intersects
+        # holder sets (C speed) for lengths and consults only this small map for tiers.
+        self._slow: dict[str, dict[str, int]] = {}
         self.last_seq: dict[str, int] = {}
         self.needs_snapshot: set[str] = set()   # workers whose events had a gap (or no snapshot yet)
 
@@ -30,6 +33,18 @@ class KVIndex:
     def _add(self, worker: str, h: str, tier: str) -> None:
         self._blocks.setdefault(h, {}).setdefault(worker, set()).add(tier)
         self._by_worker.setdefault(worker, set()).add(h)
+        self._resync_slow(worker, h)
+
+    def _resync_slow(self, worker: str, h: str) -> None:
+        tiers = self._blocks.get(h, {}).get(worker)
+        if tiers and "device" not in tiers:
+            self._slow.setdefault(h, {})[worker] = min(TIER_RANK[t] for t in tiers)
+            return
+        slow = self._slow.get(h)
+        if slow is not None:
+            slow.pop(worker, None)
+            if not slow:
+                del self._slow[h]
 
     def _discard(self, worker: str, h: str, tier: str) -> None:
         holders = self._blocks.get(h)
@@ -42,6 +57,7 @@ class KVIndex:
             self._by_worker[worker].discard(h)
             if not holders:
                 del self._blocks[h]
+        self._resync_slow(worker, h)
 
     def apply(self, event: KVEvent) -> bool:
         """False for an event the index already includes (seq at or below the last seen)."""
@@ -75,6 +91,7 @@ class KVIndex:
                 holders.pop(worker_id, None)
                 if not holders:
                     del self._blocks[h]
+            self._resync_slow(worker_id, h)
         self.last_seq.pop(worker_id, None)
         self.needs_snapshot.discard(worker_id)
 
@@ -90,22 +107,33 @@ class KVIndex:
         holding none of the leading blocks are left out. A "remote" block lives in the shared
         store, so any worker could load it; the caller decides whether to count it for others.
         """
-        out: dict[str, tuple[int, str]] = {}
-        alive: dict[str, int] = {}     # worker -> worst rank so far, for workers still matching
-        for i, h in enumerate(hash_hex(x) for x in hashes):
-            holders = self._blocks.get(h, {})
-            nxt: dict[str, int] = {}
-            candidates = holders.keys() if i == 0 else alive.keys()
-            for w in candidates:
-                tiers = holders.get(w)
-                if tiers:
-                    nxt[w] = max(alive.get(w, 0), min(TIER_RANK[t] for t in tiers))
-                else:
-                    out[w] = (i, KV_TIERS[alive[w]])
-            alive = nxt
-            if not alive:
-                return out
-            n = i + 1
-        for w, rank in alive.items():
-            out[w] = (n, KV_TIERS[rank])
-        return out
+        hexes = [hash_hex(x) for x in hashes]
+        blocks = self._blocks
+        if not hexes or hexes[0] not in blocks:
+            return {}
+        # Lengths: shrink the set of workers still matching, one set intersection per block.
+        alive = set(blocks[hexes[0]])
+        length: dict[str, int] = {}
+        end = len(hexes)
+        for i in range(1, len(hexes)):
+            holders = blocks.get(hexes[i])
+            nxt = alive.intersection(holders) if holders else set()
+            if len(nxt) != len(alive):
+                for w in alive - nxt:
+                    length[w] = i
+                alive = nxt
+                if not alive:
+                    end = i
+                    break
+        for w in alive:
+            length[w] = len(hexes)
+        # Tiers: only blocks some holder lacks on device can make a worker's prefix slower.
+        rank: dict[str, int] = {}
+        if self._slow:
+            for j in range(min(end + 1, len(hexes))):
+                slow = self._slow.get(hexes[j])
+                if slow:
+                    for w, r in slow.items():
+                        if length.get(w, 0) > j and r > rank.get(w, 0):
+                            rank[w] = r
+        return {w: (n, KV_TIERS[rank.get(w, 0)]) for w, n in length.items()}

@@ -193,3 +193,43 @@ def test_snapshot_timeout_and_malformed_batches(tmp_path):
         sub.close()
         rogue.close()
         silent.close()
+
+
+def _reference_match(index, hashes):
+    """The definition, block by block: leading blocks held in any tier; the slowest fastest tier."""
+    from pdserve.cache.kv_index import TIER_RANK, hash_hex
+    from pdserve.protocol import KV_TIERS
+    out = {}
+    for w in index.workers:
+        n, worst = 0, 0
+        for h in map(hash_hex, hashes):
+            tiers = index._blocks.get(h, {}).get(w)
+            if not tiers:
+                break
+            n += 1
+            worst = max(worst, min(TIER_RANK[t] for t in tiers))
+        if n:
+            out[w] = (n, KV_TIERS[worst])
+    return out
+
+
+def test_index_match_equals_its_definition_under_random_events():
+    import random
+
+    from pdserve.cache.kv_index import KVIndex
+    from pdserve.protocol import KVEvent
+    rng = random.Random(0)
+    hs = [f"{i:032x}" for i in range(12)]
+    for _ in range(300):
+        index, seq = KVIndex(), {}
+        for _ in range(rng.randint(1, 40)):
+            w = f"w{rng.randint(0, 4)}"
+            seq[w] = seq.get(w, 0) + 1
+            s = rng.randint(0, 11)
+            ev = KVEvent(type=rng.choice(["stored", "stored", "removed"]), block_hashes=hs[s:rng.randint(s, 12)],
+                         worker_id=w, seq=seq[w], ts=0, tier=rng.choice(["device", "host", "disk", "remote"]))
+            index.apply(ev)
+            if rng.random() < 0.05:
+                index.remove_worker(w)
+        q = hs[:rng.randint(0, 12)]
+        assert index.match(q) == _reference_match(index, q)
