@@ -41,10 +41,22 @@ def instance_counts(config: Config) -> tuple[int, int]:
     return d.prefill.instances, d.decode.instances
 
 
-def _pin(cores: list[int] | None):
-    if not cores:
-        return None
-    return lambda: os.sched_setaffinity(0, cores)
+def die_with_parent() -> None:
+    """In a child before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux), so no
+    worker outlives its deployment."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _preexec(cores: list[int] | None):
+    def run() -> None:
+        die_with_parent()
+        if cores:
+            os.sched_setaffinity(0, cores)
+    return run
 
 
 class WorkerProcess:
@@ -63,7 +75,7 @@ class WorkerProcess:
         self.log_path = log_dir / f"{role}-{index}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=_pin(role_cfg.cpu_affinity))
+                                     preexec_fn=_preexec(role_cfg.cpu_affinity))
 
     def healthy(self) -> bool:
         try:
