@@ -162,28 +162,32 @@ class RemoteBackend:
                     except WorkerFailed as e:
                         failed.add(decode.worker_id)
                         attempts += 1
-                        if not generated:
-                            if attempts > self.rc.max_retries:
-                                raise APIError(503, f"workers failed this request: {e}", code="worker_failed",
-                                               headers={"Retry-After": "1"}) from e
-                            decode.retries += 1
-                            self.metrics.retries.labels(decode.worker_id).inc()
-                            delay = self.rc.retry_backoff_s * (2 ** (attempts - 1)) * random.uniform(0.5, 1.5)
-                            log.warning("request %s: retrying in %.2fs after %s: %s", request_id, delay,
-                                        decode.worker_id, e)
-                            await asyncio.sleep(delay)
-                        elif self.rc.migration and migrations < self.rc.max_migrations:
-                            migrations += 1
-                            decode.migrations += 1
-                            self.metrics.migrations.labels(decode.worker_id).inc()
-                            log.warning("request %s: migrating after %d tokens from %s: %s", request_id,
-                                        len(generated), decode.worker_id, e)
-                        else:
-                            raise APIError(503, f"the decode worker failed mid-stream: {e}", code="worker_failed") \
-                                from e
+                        migrations += await self._recover(request_id, decode, e, attempts, migrations, len(generated))
             finally:
                 if key is not None:
                     self.charge_tokens(key, n_prompt + len(generated))
+
+    async def _recover(self, request_id: str, decode: Worker, e: Exception, attempts: int, migrations: int,
+                       num_generated: int) -> int:
+        """After a worker failed the request: back off for a retry (nothing streamed yet), allow a
+        migration (tokens streamed: returns 1), or raise the 503 the client gets."""
+        if not num_generated:
+            if attempts > self.rc.max_retries:
+                raise APIError(503, f"workers failed this request: {e}", code="worker_failed",
+                               headers={"Retry-After": "1"}) from e
+            decode.retries += 1
+            self.metrics.retries.labels(decode.worker_id).inc()
+            delay = self.rc.retry_backoff_s * (2 ** (attempts - 1)) * random.uniform(0.5, 1.5)
+            log.warning("request %s: retrying in %.2fs after %s: %s", request_id, delay, decode.worker_id, e)
+            await asyncio.sleep(delay)
+            return 0
+        if not self.rc.migration or migrations >= self.rc.max_migrations:
+            raise APIError(503, f"the decode worker failed mid-stream: {e}", code="worker_failed") from e
+        decode.migrations += 1
+        self.metrics.migrations.labels(decode.worker_id).inc()
+        log.warning("request %s: migrating after %d tokens from %s: %s", request_id, num_generated,
+                    decode.worker_id, e)
+        return 1
 
     async def _stream(self, w: Worker, prefill: Worker | None, rid: str, prompt: list[int], sampling: dict,
                       salt: str | None) -> AsyncIterator[tuple[list[int], list[TokenLogprob] | None, bool, str | None]]:
