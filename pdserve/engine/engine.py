@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.cache.block_pool import BlockPool
-from pdserve.cache.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from pdserve.cache.kv_cache import allocate_kv_cache, new_shm_path, num_blocks_for_budget
 from pdserve.cache.prefix_cache import PrefixCache
 from pdserve.cache.tiers.manager import TieredKVStore
 from pdserve.config import Config
@@ -66,7 +66,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(mc.max_model_len or loaded.arch.max_position_embeddings,
                                  loaded.arch.max_position_embeddings)
-        self.model = build_model(loaded, mc.dtype, mc.device, self.max_model_len)
+        self.model = build_model(loaded, mc.dtype, mc.device, self.max_model_len, mc)
         dtype = torch_dtype(mc.dtype)
         num_blocks = cc.device_blocks or num_blocks_for_budget(self.arch, cc.block_size, dtype, cc.device_memory_gb)
         self.block_size = cc.block_size
@@ -74,8 +74,14 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(cc.block_size, kv_events.on_prefix_cache if kv_events else None) \
             if cc.prefix_cache else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
-        # A decode worker's pool lives in shared memory (shm_path) so that prefill workers write into it.
+        # A decode worker's pool lives in shared memory (shm_path) so that prefill workers write into it,
+        # and so does an expert-parallel worker's on CPU: every rank maps it (model/expert_parallel.py).
+        ep = mc.expert_parallel > 1
+        if ep and shm_path is None and torch.device(mc.device).type == "cpu":
+            shm_path = str(new_shm_path())
         self.kv_cache = allocate_kv_cache(self.arch, num_blocks, cc.block_size, dtype, mc.device, shm_path)
+        if ep:
+            self.model.share_kv_cache(self.kv_cache, shm_path)
         # Lower tiers hold what the prefix cache evicts, named by the same hashes: no use without it.
         store = TieredKVStore.from_config(cc, namespace=tier_namespace(config, self.max_model_len),
                                           listener=kv_events.on_tier if kv_events else None) \
@@ -83,6 +89,12 @@ class LLMEngine:
         self.tiers = TierFetcher(store, self.kv_cache, cc.block_size, cc.load_timeout_s) if store else None
         if self.tiers is not None:
             self.prefix_cache.on_evict = self.tiers.offload
+        if ep and shm_path is None and (self.tiers is not None or config.worker.role == "decode"):
+            self.model.close()
+            if self.tiers is not None:
+                self.tiers.close()
+            raise ValueError("expert parallelism on a device keeps a KV cache per rank: KV written from outside "
+                             "the model (a decode worker's transfers, the KV tiers) would reach rank 0's only")
         self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size, config.disagg.local_prefill_max_tokens,
                                    self.tiers.lookup if self.tiers else None)
         self.connector = KVConnector()          # a role's hooks: disagg.sender / disagg.receiver
@@ -147,6 +159,8 @@ class LLMEngine:
             self.tiers.close()
         if self.kv_events is not None:
             self.kv_events.close()
+        if hasattr(self.model, "close"):
+            self.model.close()          # expert-parallel ranks
 
     # ------------------------------------------------------------------ KV from peers (decode role)
 

@@ -1,4 +1,5 @@
-"""The shape of a Llama-family decoder, read from a HF config.json, GGUF metadata or a built-in name."""
+"""The shape of a Llama-family decoder (dense or MoE), read from a HF config.json, GGUF metadata or a
+built-in name."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,6 +9,14 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    # Mixture-of-experts models (see moe.py). DeepSeek-V2/V3 only with standard attention: a real
+    # DeepSeek checkpoint uses MLA, which is not implemented, and is refused by from_hf_config.
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Dots1ForCausalLM": "dots1",        # Qwen3 attention + DeepSeek-V3 MoE: the HF reference for the latter
 }
 
 
@@ -30,6 +39,29 @@ class ModelArch:
     sliding_window: int | None = None   # Mistral v0.1; None means full attention
     bos_token_id: int | None = 1
     eos_token_ids: list[int] = field(default_factory=lambda: [2])
+    qk_norm: bool = False               # Qwen3-MoE, dots1: RMSNorm of each q and k head before RoPE
+    # Mixture of experts; num_experts == 0 means a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    moe_layers: list[int] | None = None         # layers with a MoE block; None: all of them
+    scoring_func: str = "softmax"               # softmax | sigmoid
+    topk_method: str = "greedy"                 # greedy | group_limited_greedy (V2) | noaux_tc (V3)
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0    # 0: no shared expert
+    shared_expert_gate: bool = False            # Qwen2-MoE gates its shared expert with a sigmoid
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_layer_ids(self) -> list[int]:
+        if not self.is_moe:
+            return []
+        return list(range(self.num_layers)) if self.moe_layers is None else list(self.moe_layers)
 
     @property
     def q_size(self) -> int:
@@ -49,7 +81,7 @@ class ModelArch:
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id", 2)
         eos_list = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch in ("mistral", "mixtral")) else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -64,11 +96,50 @@ class ModelArch:
             rope_scaling=_rope_scaling(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "qwen2"),
-            sliding_window=window,
+            attention_bias=cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("qwen2", "qwen2_moe"))),
+            sliding_window=window or None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_list,
+            qk_norm=arch in ("qwen3_moe", "dots1"),
+            **_moe_fields(cfg, arch),
         )
+
+
+def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The MoE part of a HF config, in each family's own keys."""
+    if arch in ("llama", "mistral", "qwen2"):
+        return {}
+    n = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
+    layers = cfg["num_hidden_layers"]
+    out: dict[str, Any] = dict(num_experts=n, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                               moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    if arch == "mixtral":
+        return out
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+        out["moe_layers"] = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+        out["norm_topk_prob"] = cfg.get("norm_topk_prob", arch == "qwen3_moe")
+        if arch == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = cfg.get("shared_expert_intermediate_size", 0)
+            out["shared_expert_gate"] = out["shared_expert_intermediate_size"] > 0
+        return out
+    # DeepSeek-V2/V3 and dots1: the first k layers dense, then a MoE every moe_layer_freq layers.
+    if arch in ("deepseek_v2", "deepseek_v3") and cfg.get("kv_lora_rank") is not None:
+        raise ValueError(f"{arch} with multi-head latent attention (kv_lora_rank set) is not supported: only "
+                         "the MoE part of DeepSeek is, with standard attention (q/k/v_proj weights)")
+    first, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
+    v2 = arch == "deepseek_v2"
+    out.update(
+        moe_layers=[i for i in range(layers) if i >= first and i % freq == 0],
+        scoring_func=cfg.get("scoring_func", "softmax" if v2 else "sigmoid"),
+        topk_method=cfg.get("topk_method", "greedy" if v2 else "noaux_tc"),
+        n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
+        # HF's DeepseekV2 never renormalises the top-k weights; V3 and dots1 read the flag.
+        norm_topk_prob=False if v2 else cfg.get("norm_topk_prob", False),
+        routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+        shared_expert_intermediate_size=(cfg.get("n_shared_experts") or 0) * out["moe_intermediate_size"],
+    )
+    return out
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -98,4 +169,24 @@ TINY_CONFIGS: dict[str, ModelArch] = {
     "tiny-mistral": ModelArch(architecture="mistral", hidden_size=64, intermediate_size=128, num_layers=2,
                               num_heads=4, num_kv_heads=1, head_dim=16, tie_word_embeddings=False,
                               max_position_embeddings=2048),
+    # MoE: 16 experts, top-2, one shared expert where the family has them.
+    "tiny-mixtral": ModelArch(architecture="mixtral", hidden_size=64, intermediate_size=128, num_layers=2,
+                              num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, tie_word_embeddings=False,
+                              max_position_embeddings=2048, num_experts=16, moe_intermediate_size=64),
+    "tiny-qwen2-moe": ModelArch(architecture="qwen2_moe", hidden_size=64, intermediate_size=128, num_layers=2,
+                                num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, attention_bias=True,
+                                tie_word_embeddings=False, max_position_embeddings=2048, num_experts=16,
+                                moe_intermediate_size=64, norm_topk_prob=False,
+                                shared_expert_intermediate_size=128, shared_expert_gate=True),
+    "tiny-qwen3-moe": ModelArch(architecture="qwen3_moe", hidden_size=64, intermediate_size=128, num_layers=2,
+                                num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, qk_norm=True,
+                                tie_word_embeddings=False, max_position_embeddings=2048, num_experts=16,
+                                moe_intermediate_size=64),
+    # DeepSeek-V3 routing (sigmoid, 4 groups of which 2 are kept, correction bias) on standard attention.
+    "tiny-deepseek-moe": ModelArch(architecture="deepseek_v3", hidden_size=64, intermediate_size=128, num_layers=3,
+                                   num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False,
+                                   max_position_embeddings=2048, num_experts=16, moe_intermediate_size=64,
+                                   moe_layers=[1, 2], scoring_func="sigmoid", topk_method="noaux_tc", n_group=4,
+                                   topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                   shared_expert_intermediate_size=64),
 }

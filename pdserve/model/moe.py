@@ -1,0 +1,186 @@
+"""Mixture-of-experts block: a top-k gate, routed SwiGLU experts held in physical slots, shared experts.
+
+Routing follows each family's reference: softmax (Mixtral, Qwen-MoE, DeepSeek-V2) or sigmoid scoring
+(DeepSeek-V3), optional group-limited choice (V2 keeps the groups with the best expert, V3 the groups
+with the best two after adding a correction bias), optional renormalisation and a scaling factor.
+
+Experts live in physical slots (`LayerPlacement`): slot s holds logical expert `phy2log[s]`, hot experts
+may have several slots (replicas), and an expert-parallel rank holds only the slots `lo..hi` of its
+slice. A block computes the choices that land in its slots and returns that partial sum; `combine`
+(an all-reduce under expert parallelism) adds up the ranks' parts. With one rank and no replicas the
+slots are the logical experts and nothing is dispatched.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.eplb.dispatch import dispatch, log2phy
+from pdserve.model.arch import ModelArch
+
+
+def select_experts(logits: torch.Tensor, arch: ModelArch, bias: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (float32) -> (weights [T, k] float32, logical expert ids [T, k])."""
+    k, e = arch.num_experts_per_tok, arch.num_experts
+    scores = logits.softmax(-1) if arch.scoring_func == "softmax" else logits.sigmoid()
+    # The correction bias steers the choice only; the weights come from the unbiased scores.
+    choice = scores + bias if bias is not None and arch.topk_method == "noaux_tc" else scores
+    if arch.topk_method in ("group_limited_greedy", "noaux_tc") and arch.n_group > 1:
+        grouped = choice.view(-1, arch.n_group, e // arch.n_group)
+        if arch.topk_method == "group_limited_greedy":
+            group_score = grouped.amax(-1)
+        else:
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = group_score.topk(arch.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(e // arch.n_group, dim=1), float("-inf"))
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if arch.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * arch.routed_scaling_factor, ids
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """What one rank holds of one MoE layer: a snapshot, swapped whole between steps (see eplb/mover.py)."""
+    phy2log: torch.Tensor                           # [P] logical expert of each physical slot
+    table: tuple[torch.Tensor, torch.Tensor]        # log2phy(phy2log): replicas of each expert, counts
+    lo: int                                         # this rank's slots are lo..hi
+    hi: int
+    gate_up: torch.Tensor                           # [hi - lo, 2I, H]
+    down: torch.Tensor                              # [hi - lo, H, I]
+    identity: bool                                  # slot == logical expert: no dispatch needed
+
+    @classmethod
+    def build(cls, phy2log: torch.Tensor, num_experts: int, lo: int, hi: int, gate_up: torch.Tensor,
+              down: torch.Tensor) -> "LayerPlacement":
+        phy2log = torch.as_tensor(phy2log, dtype=torch.long).cpu()
+        ident = phy2log.numel() == num_experts and bool((phy2log == torch.arange(num_experts)).all())
+        return cls(phy2log, log2phy(phy2log, num_experts), lo, hi, gate_up, down, ident)
+
+
+def slot_range(num_physical: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank r owns slots r*P//R .. (r+1)*P//R, as the placement policy assumes."""
+    return rank * num_physical // world, (rank + 1) * num_physical // world
+
+
+def routed_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pl: LayerPlacement
+                   ) -> torch.Tensor:
+    """Sum over the choices that land in this rank's slots of weight * expert(x): [T, H].
+
+    Tokens are grouped by slot (one sort), each active slot runs one pair of matmuls over its
+    tokens, and the results go back with one index_add."""
+    out = torch.zeros_like(x)
+    k = slots.shape[1]
+    flat = slots.reshape(-1)
+    if pl.lo > 0 or pl.hi < pl.phy2log.numel():
+        pos = ((flat >= pl.lo) & (flat < pl.hi)).nonzero().squeeze(1)
+        pos = pos[torch.argsort(flat[pos], stable=True)]
+    else:
+        pos = torch.argsort(flat, stable=True)
+    if pos.numel() == 0:
+        return out
+    tok = pos // k
+    counts = torch.bincount(flat[pos] - pl.lo, minlength=pl.hi - pl.lo).tolist()
+    xs = x.index_select(0, tok)
+    ys = torch.empty_like(xs)
+    start = 0
+    for s, n in enumerate(counts):
+        if n == 0:
+            continue
+        gate, up = F.linear(xs[start:start + n], pl.gate_up[s]).chunk(2, dim=-1)
+        ys[start:start + n] = F.linear(F.silu(gate) * up, pl.down[s])
+        start += n
+    ys *= weights.reshape(-1)[pos].unsqueeze(1)
+    return out.index_add_(0, tok, ys)
+
+
+class MoEBlock:
+    """The MLP of a MoE layer: callable on the post-attention normed hidden states [T, H]."""
+
+    def __init__(self, arch: ModelArch, layer: int, gate: torch.Tensor, bias: torch.Tensor | None,
+                 placement: LayerPlacement, shared: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 shared_gate: torch.Tensor | None = None, rank: int = 0, world: int = 1,
+                 combine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.arch, self.layer = arch, layer
+        self.gate = gate.float()            # routing in float32 whatever the model dtype, as the references do
+        self.bias = bias.float() if bias is not None else None
+        self.placement = placement
+        self.shared, self.shared_gate = shared, shared_gate
+        self.rank, self.world, self.combine = rank, world, combine
+        # Called with (layer, logical topk ids) every forward: the EPLB recorder's feed.
+        self.expert_load_hook: Callable[[int, torch.Tensor], None] | None = None
+        self.step_offset = 0                # rotates the replica that takes an expert's first token
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(F.linear(h.float(), self.gate), self.arch, self.bias)
+        if self.expert_load_hook is not None:
+            self.expert_load_hook(self.layer, ids)
+        pl = self.placement                 # read once: a swap can only happen between steps
+        slots = ids if pl.identity else dispatch(ids, table=pl.table, offset=self.step_offset)
+        out = routed_experts(h, slots, weights.to(h.dtype), pl)
+        if self.shared is not None:
+            # Each rank runs the shared expert on its own slice of the tokens; the combine sums them.
+            t = h.shape[0]
+            lo, hi = t * self.rank // self.world, t * (self.rank + 1) // self.world
+            if hi > lo:
+                s = self.shared(h[lo:hi])
+                if self.shared_gate is not None:
+                    s = torch.sigmoid(F.linear(h[lo:hi], self.shared_gate)) * s
+                out[lo:hi] += s
+        return self.combine(out) if self.combine is not None else out
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        extra = self.shared.weight_tensors() if self.shared is not None else []
+        return [self.gate, self.placement.gate_up, self.placement.down, *extra]
+
+
+# ---------------------------------------------------------------- checkpoint names
+
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_MIXTRAL = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def expert_keys(layer: int) -> tuple[str, str]:
+    """Our names of a layer's stacked expert weights: gate_up [E, 2I, H] and down [E, H, I]."""
+    p = f"model.layers.{layer}.mlp.experts."
+    return p + "gate_up", p + "down"
+
+
+def canonical_moe_weights(weights: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
+    """Rename a MoE checkpoint to our names and stack each layer's experts.
+
+    Accepts Mixtral's `block_sparse_moe.experts.N.w1/w2/w3`, the `mlp.experts.N.gate_proj/up_proj/
+    down_proj` of Mixtral, Qwen-MoE and DeepSeek, and transformers 5's fused 3-D
+    `mlp.experts.gate_up_proj/down_proj`; `shared_experts` (DeepSeek) becomes `shared_expert` (Qwen)."""
+    out: dict[str, torch.Tensor] = {}
+    per: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    for name, t in weights.items():
+        n = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+        m = _EXPERT.match(n)
+        if m:
+            per.setdefault((int(m[1]), int(m[2])), {})[_MIXTRAL.get(m[3], m[3])] = t
+            continue
+        m = _FUSED.match(n)
+        if m:
+            out[expert_keys(int(m[1]))[0 if m[2] == "gate_up_proj" else 1]] = t
+            continue
+        out[n] = t
+    for layer in arch.moe_layer_ids():
+        gu_key, down_key = expert_keys(layer)
+        if gu_key in out:
+            continue
+        try:
+            experts = [per.pop((layer, e)) for e in range(arch.num_experts)]
+            out[gu_key] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in experts])
+            out[down_key] = torch.stack([x["down_proj"] for x in experts])
+        except KeyError as exc:
+            raise ValueError(f"layer {layer}: missing weights of expert {exc} in the checkpoint") from None
+    return out

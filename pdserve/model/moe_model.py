@@ -1,0 +1,110 @@
+"""MoE decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 with standard attention, dots1).
+
+The same decoder as llama.py with a MoE block as the MLP of the MoE layers. The full expert weights
+stay where the loader put them (host memory, shared between expert-parallel ranks on one host): they
+are the source the weight mover copies from. A rank's device holds only its physical slots.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from pdserve.model.arch import ModelArch
+from pdserve.model.llama import DenseMLP, LlamaModel
+from pdserve.model.moe import LayerPlacement, MoEBlock, expert_keys, slot_range
+
+
+def initial_placement(arch: ModelArch, num_physical: int, num_ranks: int) -> torch.Tensor:
+    """[moe layers, P]: every expert once, the redundant slots to the first experts, as the policy
+    places uniform load (replicas of one expert on different ranks)."""
+    from pdserve.eplb.policy import rebalance_experts
+
+    layers = len(arch.moe_layer_ids())
+    if num_physical == arch.num_experts:
+        return torch.arange(arch.num_experts).repeat(layers, 1)
+    return rebalance_experts(torch.ones(layers, arch.num_experts), num_physical, num_ranks)
+
+
+class MoEModel(LlamaModel):
+    """`phy2log` [moe layers, P] is the placement in force; this rank holds slots `slot_range(P, rank, world)`.
+    `combine` adds up the ranks' partial MoE outputs (None with one rank)."""
+
+    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str = "cpu", max_model_len: int | None = None, *,
+                 phy2log: torch.Tensor | None = None, rank: int = 0, world: int = 1,
+                 combine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.moe_ids = arch.moe_layer_ids()
+        keys = {k for i in self.moe_ids for k in expert_keys(i)}
+        # Host copies in the model dtype: the mover's source (a no-op view when the dtype matches).
+        self.expert_store = [tuple(weights[k].to(dtype) for k in expert_keys(i)) for i in self.moe_ids]
+        self.phy2log = (phy2log if phy2log is not None else initial_placement(arch, arch.num_experts, world)).long()
+        self.rank, self.world, self._combine = rank, world, combine
+        self._raw = weights
+        self.blocks: list[MoEBlock] = []
+        super().__init__(arch, {k: v for k, v in weights.items() if k not in keys}, dtype, device, max_model_len)
+        del self._raw
+
+    @property
+    def num_physical(self) -> int:
+        return self.phy2log.shape[1]
+
+    def local_placement(self, j: int, phy2log: torch.Tensor) -> LayerPlacement:
+        """The placement of MoE layer j for this rank, its slots copied from the host store, or on the
+        host a view of it when the slots hold a run of consecutive experts (the initial placement):
+        then the experts are in memory once, whatever the number of ranks."""
+        lo, hi = slot_range(phy2log.numel(), self.rank, self.world)
+        gate_up, down = self.expert_store[j]
+        ids = phy2log[lo:hi]
+        first = int(ids[0]) if ids.numel() else 0
+        if gate_up.device == self.device and torch.equal(ids, torch.arange(first, first + ids.numel())):
+            local = gate_up[first:first + ids.numel()], down[first:first + ids.numel()]
+        else:
+            local = gate_up[ids].to(self.device), down[ids].to(self.device)
+        return LayerPlacement.build(phy2log, self.arch.num_experts, lo, hi, *local)
+
+    def _build_mlp(self, i: int, w: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        if i not in self.moe_ids:
+            return super()._build_mlp(i, w)
+        j, p, a = len(self.blocks), f"model.layers.{i}.mlp.", self.arch
+        shared = None
+        if a.shared_expert_intermediate_size:
+            s = p + "shared_expert."
+            shared = DenseMLP(w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"])
+        raw = self._raw
+        bias = raw.get(p + "gate.e_score_correction_bias")
+        block = MoEBlock(a, i, raw[p + "gate.weight"].to(self.device, torch.float32),
+                         bias.to(self.device) if bias is not None else None,
+                         self.local_placement(j, self.phy2log[j]), shared, w.get(p + "shared_expert_gate.weight"),
+                         self.rank, self.world, self._combine)
+        self.blocks.append(block)
+        return block
+
+    def set_step(self, step: int) -> None:
+        for b in self.blocks:
+            b.step_offset = step
+
+    def set_load_hook(self, hook: Callable[[int, torch.Tensor], None] | None) -> None:
+        for b in self.blocks:
+            b.expert_load_hook = hook
+
+
+def tiny_moe_weights(arch: ModelArch, layer: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random weights of one MoE layer in our names (loader.tiny_random_weights does the rest)."""
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / (shape[-1] ** 0.5)
+
+    h, e, i = arch.hidden_size, arch.num_experts, arch.moe_intermediate_size
+    p = f"model.layers.{layer}.mlp."
+    gate_up, down = expert_keys(layer)
+    # A router scaled up a little so that choices are clear-cut rather than near ties.
+    w = {p + "gate.weight": rand(e, h) * 4, gate_up: rand(e, 2 * i, h), down: rand(e, h, i)}
+    if arch.topk_method == "noaux_tc":
+        w[p + "gate.e_score_correction_bias"] = torch.randn(e, generator=g) * 0.1
+    if arch.shared_expert_intermediate_size:
+        si = arch.shared_expert_intermediate_size
+        w.update({p + "shared_expert.gate_proj.weight": rand(si, h), p + "shared_expert.up_proj.weight": rand(si, h),
+                  p + "shared_expert.down_proj.weight": rand(h, si)})
+        if arch.shared_expert_gate:
+            w[p + "shared_expert_gate.weight"] = rand(1, h)
+    return w
