@@ -171,3 +171,26 @@ def test_served_ep_model_exposes_eplb_and_stops_cleanly(tmp_path):
         os.kill(srv.proc.pid, signal.SIGTERM)          # the server only: it must stop its ranks itself
         assert srv.proc.wait(30) == 0, srv.log_tail()
         assert _wait_gone(workers, 15) == [], srv.log_tail()
+
+
+def test_pd_decode_worker_with_ep_reads_transferred_kv(tmp_path):
+    """In the PD deployment the prefill worker writes the prompt's KV into the decode worker's pool;
+    the decode worker's other rank maps that pool, so EP=2 decodes EP=1's tokens."""
+    port = free_port()
+    prompt = "The capital of France is a city with a long history and many famous buildings, such as"
+    cmd = pdserve_cmd() + ["serve", "--model", "tiny-mixtral", "--expert-parallel", "2", "--threads", "1",
+                           "--port", str(port), "--device-blocks", "64", "--local-prefill-max-tokens", "1"]
+    with ServerProcess(cmd, port, tmp_path / "pd.log") as srv:
+        srv.wait_ready(timeout=120)
+        deadline = time.monotonic() + 60
+        while not all(w["healthy"] for w in httpx.get(srv.url + "/health").json()["workers"]):
+            assert time.monotonic() < deadline, srv.log_tail()
+            time.sleep(0.5)
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny-mixtral", "prompt": prompt, "max_tokens": 12,
+                                                          "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        want = LLM(model="tiny-mixtral", threads=1).generate([prompt], SamplingParams(temperature=0, max_tokens=12))
+        assert r.json()["choices"][0]["text"] == want[0].text
+        decode = next(w for w in httpx.get(srv.url + "/health").json()["workers"] if w["role"] == "decode")
+        stats = httpx.get(decode["url"] + "/health").json()
+        assert stats["prefill_tokens_computed"] == 0 and stats["kv_transfers_completed_total"] >= 1, stats
