@@ -259,12 +259,14 @@ class _Ranks:
         if self._closed.is_set():
             return
         self._closed.set()
-        if self.comm is not None and self.error is None:
-            with self.lock:
-                try:
-                    self.comm.broadcast(Header(OP_STOP).to_tensor(), timeout=timedelta(seconds=5))
-                except BaseException:
-                    pass
+        # A step stuck on a dead rank holds the lock until its deadline: do not wait for it, kill instead.
+        if self.comm is not None and self.error is None and self.lock.acquire(timeout=10):
+            try:
+                self.comm.broadcast(Header(OP_STOP).to_tensor(), timeout=timedelta(seconds=5))
+            except BaseException:
+                pass
+            finally:
+                self.lock.release()
         for p in self.procs:
             p.join(10)
             if p.is_alive():

@@ -231,6 +231,9 @@ def build_model(loaded: LoadedModel, dtype: str = "float32", device: str = "cpu"
     """A LlamaModel, or for a MoE architecture an ExpertParallelModel (the same `forward`) that runs
     `model_config.expert_parallel` ranks and balances expert load."""
     if not loaded.arch.is_moe:
+        if model_config is not None and model_config.expert_parallel > 1:
+            raise ValueError(f"model.expert_parallel needs a MoE model; {loaded.name} ({loaded.arch.architecture}) "
+                             "is dense")
         return LlamaModel(loaded.arch, loaded.weights, torch_dtype(dtype), device, max_model_len)
     from pdserve.model.expert_parallel import ExpertParallelModel
     return ExpertParallelModel(loaded, torch_dtype(dtype), device, max_model_len, model_config or ModelConfig())

@@ -121,6 +121,13 @@ def test_mixtral_other_weight_naming(tmp_path):
     _check(tmp_path, hf, "mixtral")
 
 
+def test_expert_parallel_needs_a_moe_model():
+    from pdserve import LLM
+
+    with pytest.raises(ValueError, match="needs a MoE model"):
+        LLM(model="tiny-llama", model__expert_parallel=2)
+
+
 def test_mla_checkpoint_is_refused():
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
            "num_hidden_layers": 1, "num_attention_heads": 2, "n_routed_experts": 4, "kv_lora_rank": 512}
