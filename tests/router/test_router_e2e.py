@@ -225,3 +225,65 @@ def test_self_registration_heartbeats_and_expiry(tmp_path):
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
         assert httpx.get(router.url + "/health").status_code == 503
+
+
+class _FailingWorker:
+    """A real HTTP server that passes health checks but answers every generation with a 503:
+    a worker whose engine is broken."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import uvicorn
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse
+        app = FastAPI()
+        self.calls = 0
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "worker_id": "broken", "max_model_len": 2048}
+
+        @app.post("/internal/generate")
+        async def generate():
+            self.calls += 1
+            return JSONResponse({"error": {"message": "engine failed", "type": "service_unavailable",
+                                           "param": None, "code": "engine_dead"}}, status_code=503)
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+def test_retries_on_another_worker_and_the_breaker_opens(tmp_path, worker):
+    broken = _FailingWorker()
+    try:
+        srv = _start(tmp_path, "retry-router", ["router", "--worker", f"mixed=http://127.0.0.1:{broken.port}",
+                                                "--worker", f"mixed={worker.url}"],
+                     {"server": {"internal_token": TOKEN},
+                      "router": {"breaker_failures": 3, "breaker_cooldown_s": 60, "retry_backoff_s": 0.01},
+                      "load_balancer": {"decode": "round_robin", "prefill": "round_robin"}})
+        with srv:
+            srv.wait_ready(timeout=60)
+            deadline = time.monotonic() + 20
+            while len([w for w in httpx.get(srv.url + "/admin/workers").json()["workers"] if w["healthy"]]) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            for _ in range(8):       # every request succeeds: the broken worker's 503s are retried elsewhere
+                r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+                assert r.status_code == 200, r.text
+            workers = {w["url"]: w for w in httpx.get(srv.url + "/admin/workers").json()["workers"]}
+            bad = workers[f"http://127.0.0.1:{broken.port}"]
+            assert bad["breaker"] == "open" and bad["retries"] == 3 and broken.calls == 3   # open: no more tries
+            assert workers[worker.url]["breaker"] == "closed"
+            metrics = httpx.get(srv.url + "/metrics").text
+            assert "pdserve_router_worker_retries_total" in metrics and "pdserve_router_decisions_total" in metrics
+    finally:
+        broken.stop()
