@@ -146,7 +146,10 @@ def serve_pd(config: Config) -> None:
                  config.server.host, config.server.port, *instance_counts(config))
         run_uvicorn(app, config, tls=True)
     finally:
-        for w in workers:
-            w.stop()
-        for w in workers:
-            w.wait(config.server.shutdown_timeout_s)
+        # Decode workers drain first: their requests still loading need the prefill workers.
+        for role in ("decode", "prefill"):
+            group = [w for w in workers if w.role == role]
+            for w in group:
+                w.stop()
+            for w in group:
+                w.wait(config.server.shutdown_timeout_s)
