@@ -152,10 +152,17 @@ class Scheduler:
             budget -= num_new
         if step.preempted:
             return step
-        while self.waiting and len(self.running) + len(self.loading) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
+        inflight = self._inflight_hashes()
+        for req in list(self.waiting):
+            if len(self.running) + len(self.loading) >= self.cfg.max_num_seqs:
+                break
             hit = self._match_prefix(req)
             req.num_computed_tokens = len(hit) * self.block_size
+            if inflight and self._next_block_inflight(req, len(hit), inflight):
+                # A running request is computing this request's next block right now: wait a step
+                # or two and hit the cache instead of computing the same prefix again.
+                req.num_computed_tokens = 0
+                continue
             fetch = self._tier_hit(req, len(hit))
             # A tier hit counts as cached when choosing a remote prefill; if one is still chosen, the
             # prefill worker uses its own caches and nothing is fetched here.
@@ -186,12 +193,30 @@ class Scheduler:
                 break
             if self.pool.prefix_cache is not None:
                 self.pool.prefix_cache.record_query(req.num_tokens, len(hit) * self.block_size)
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if self.pool.prefix_cache is not None:      # later arrivals in this step may share its blocks
+                inflight.update(self._hashes(req, req.num_prompt_tokens // self.block_size)[len(hit):])
             step.scheduled.append((req, num_new))
             budget -= num_new
         return step
+
+    def _inflight_hashes(self) -> set[bytes]:
+        """Hashes of the prompt blocks running requests are computing and have not cached yet."""
+        if self.pool.prefix_cache is None:
+            return set()
+        out: set[bytes] = set()
+        for r in self.running:
+            full = r.num_prompt_tokens // self.block_size
+            if r.num_cached_blocks < full:
+                out.update(self._hashes(r, full)[r.num_cached_blocks:])
+        return out
+
+    def _next_block_inflight(self, req: Request, num_hit: int, inflight: set[bytes]) -> bool:
+        if req.output_token_ids or num_hit >= (req.num_tokens - 1) // self.block_size:
+            return False
+        return self._hashes(req, num_hit + 1)[num_hit] in inflight
 
     def _tier_hit(self, req: Request, num_hit: int) -> int:
         """How many blocks after the device hit lower tiers hold (0 without tiers)."""
@@ -211,7 +236,7 @@ class Scheduler:
         req.num_cached_blocks = len(hit)
         if self.pool.prefix_cache is not None:
             self.pool.prefix_cache.record_query(req.num_tokens, len(hit) * self.block_size)
-        self.waiting.popleft()
+        self.waiting.remove(req)
         req.status = RequestStatus.LOADING
         self.loading[req.request_id] = req
         return True
