@@ -76,5 +76,7 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
                 yield json.dumps(error_body(400, str(e), e.param, "invalid_value")) + "\n"
             except EngineDeadError as e:
                 yield json.dumps(error_body(503, str(e), code="engine_dead")) + "\n"
+            finally:
+                timer.forget(req.request_id)
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")

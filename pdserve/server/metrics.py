@@ -88,6 +88,10 @@ class RequestTimer:
     def start(self, request_id: str, t: float) -> None:
         self.arrival[request_id] = t
 
+    def forget(self, request_id: str) -> None:
+        for table in (self.arrival, self.first, self.last):
+            table.pop(request_id, None)
+
     def on_output(self, out, t: float) -> None:
         rid = out.request_id
         arrival = self.arrival.get(rid)

@@ -117,6 +117,8 @@ class OpenAIHandlers:
                     await queue.put((c, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 await queue.put((c, e))
+            finally:
+                self.timer.forget(rid)      # a request that failed or was cancelled leaves nothing behind
 
         tasks = [asyncio.create_task(pump(c)) for c in choices]
         try:
