@@ -144,6 +144,7 @@ class Registry:
             if ok:
                 w.health = r.json()
                 w.pid = w.health.get("pid", w.pid)
+                w.model = w.health.get("model", w.model)
                 w.kv_endpoint = w.health.get("kv_endpoint") or w.kv_endpoint
                 w.kv_events_endpoint = w.health.get("kv_events_endpoint") or w.kv_events_endpoint
                 w.capacity = int(w.health.get("max_num_seqs", w.capacity))
