@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,9 @@ def load_tokenizer(model: str) -> TokenizerWrapper:
 
 def _init(model: str) -> None:
     global _tokenizer
+    from pdserve.launch import die_with_parent
+    die_with_parent()                               # never outlive the router
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the router's to handle
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _tokenizer = load_tokenizer(model)
 
@@ -52,7 +57,9 @@ def _encode_chat(messages: list[dict[str, Any]]) -> list[int]:
 class EncoderPool:
     def __init__(self, model: str, processes: int) -> None:
         self.processes = processes
-        self.pool = ProcessPoolExecutor(processes, initializer=_init, initargs=(model,)) if processes > 0 else None
+        # Spawned, not forked: a fork of the router would inherit its threads and signal handlers.
+        self.pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"), initializer=_init,
+                                        initargs=(model,)) if processes > 0 else None
         self.local = load_tokenizer(model) if processes <= 0 else None
 
     async def encode(self, text: str) -> list[int]:
@@ -68,4 +75,4 @@ class EncoderPool:
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool.shutdown(wait=True, cancel_futures=True)
