@@ -73,6 +73,10 @@ class EncoderPool:
             return self.local.encode_chat(messages)
         return await asyncio.get_running_loop().run_in_executor(self.pool, _encode_chat, messages)
 
+    async def warm_up(self) -> None:
+        """Start the pool's processes and load their tokenizers now, not on the first request."""
+        await self.encode("warm up")
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)

@@ -83,6 +83,7 @@ def create_router_app(config: Config) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         task = asyncio.create_task(health_loop())
+        await encoder.warm_up()
         yield
         backend.accepting = False
         task.cancel()
