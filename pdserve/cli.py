@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--kv-port", type=int, help="prefill: bootstrap port; decode: KV/control port")
     worker.add_argument("--prefill-endpoints", help="decode: comma-separated bootstrap endpoints of prefill workers")
     worker.add_argument("--router-url", help="register with this router and send it heartbeats")
+    worker.add_argument("--port-file", help="write the bound HTTP port here once listening (with --port 0)")
     _add_engine_flags(worker)
     sub.add_parser("bench", help="load generator and report (pdserve bench --help)")
     args = parser.parse_args(argv)
@@ -99,13 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, _overrides(args))
     if getattr(args, "prefill", None) is not None or getattr(args, "decode", None) is not None:
         config.deployment.pd_ratio = None       # explicit counts win over the file's ratio
+    from pdserve.server.app import bind_socket
+    # Bind first: the port is ours before the seconds of model loading (see bind_socket).
+    sock = bind_socket(config.server.host, config.server.port)
+    config.server.port = sock.getsockname()[1]
     if args.command == "serve" and config.deployment.mode == "pd":
         from pdserve.launch import serve_pd
-        serve_pd(config)
+        serve_pd(config, sock)
     elif args.command == "serve":
         config.worker.role = "mixed"
         from pdserve.server.app import serve as run_server
-        run_server(config)
+        run_server(config, sock)
     elif args.command == "router":
         for spec in args.worker:
             role, _, url = spec.partition("=")
@@ -114,13 +119,18 @@ def main(argv: list[str] | None = None) -> int:
             config.router.workers.append({"role": role, "url": url})
         from pdserve.router.gateway import create_router_app
         from pdserve.server.app import run_uvicorn
-        run_uvicorn(create_router_app(config), config, tls=True)
+        run_uvicorn(create_router_app(config), config, tls=True, sock=sock)
     elif args.command == "worker":
         role_cfg = getattr(config.deployment, args.role, None)
         if config.server.threads is None and role_cfg is not None:
             config.server.threads = role_cfg.threads
+        if args.port_file:
+            tmp = args.port_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(str(config.server.port))
+            os.replace(tmp, args.port_file)
         from pdserve.server.app import serve as run_server
-        run_server(config)
+        run_server(config, sock)
     return 0
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,12 +21,6 @@ import yaml
 from pdserve.config import Config, RoleConfig
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def instance_counts(config: Config) -> tuple[int, int]:
@@ -63,12 +56,13 @@ class WorkerProcess:
     def __init__(self, role: str, index: int, config_file: Path, host: str, role_cfg: RoleConfig,
                  log_dir: Path, extra: list[str]) -> None:
         self.role = role
-        self.port = free_port(host)
-        self.kv_port = free_port(host)
-        self.url = f"http://{host}:{self.port}"
-        self.kv_endpoint = f"tcp://{host}:{self.kv_port}"
+        self.host = host
+        # Each worker binds free ports itself (HTTP, KV, events) and reports the HTTP one through
+        # a file: ports picked here could be taken by someone else before a worker binds them.
+        self.port_file = log_dir / f"{role}-{index}.port"
+        self.port: int | None = None
         cmd = [sys.executable, "-m", "pdserve.cli", "worker", "--role", role, "--config", str(config_file),
-               "--host", host, "--port", str(self.port), "--kv-port", str(self.kv_port), *extra]
+               "--host", host, "--port", "0", "--port-file", str(self.port_file), *extra]
         env = dict(os.environ)
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env[k] = str(role_cfg.threads)
@@ -77,7 +71,15 @@ class WorkerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=_preexec(role_cfg.cpu_affinity))
 
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
     def healthy(self) -> bool:
+        if self.port is None:
+            if not self.port_file.exists():
+                return False
+            self.port = int(self.port_file.read_text())
         try:
             return httpx.get(self.url + "/health", timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -107,13 +109,9 @@ def start_workers(config: Config, log_dir: Path) -> list[WorkerProcess]:
     cfg["cache"]["kv_events_endpoint"] = cfg["cache"]["kv_events_endpoint"] or f"tcp://{host}:*"
     config_file = log_dir / "deployment.yaml"
     config_file.write_text(yaml.safe_dump(cfg))
-    workers = [WorkerProcess("prefill", i, config_file, host, config.deployment.prefill, log_dir, [])
-               for i in range(n_prefill)]
-    endpoints = ",".join(w.kv_endpoint for w in workers)
-    decode_extra = ["--prefill-endpoints", endpoints] if endpoints else []
-    workers += [WorkerProcess("decode", i, config_file, host, config.deployment.decode, log_dir, decode_extra)
-                for i in range(n_decode)]
-    return workers
+    # Decode workers learn prefill workers from the router (which names one per request).
+    return [WorkerProcess(role, i, config_file, host, getattr(config.deployment, role), log_dir, [])
+            for role, n in (("prefill", n_prefill), ("decode", n_decode)) for i in range(n)]
 
 
 def wait_healthy(workers: list[WorkerProcess], timeout: float = 600.0) -> None:
@@ -131,7 +129,7 @@ def wait_healthy(workers: list[WorkerProcess], timeout: float = 600.0) -> None:
         time.sleep(0.3)
 
 
-def serve_pd(config: Config) -> None:
+def serve_pd(config: Config, sock=None) -> None:
     from pdserve.router.gateway import create_router_app
     from pdserve.server.app import run_uvicorn
 
@@ -144,7 +142,7 @@ def serve_pd(config: Config) -> None:
         app = create_router_app(config)
         log.info("serving %s on http://%s:%d (%d prefill, %d decode workers)", config.model.name,
                  config.server.host, config.server.port, *instance_counts(config))
-        run_uvicorn(app, config, tls=True)
+        run_uvicorn(app, config, tls=True, sock=sock)
     finally:
         # Decode workers drain first: their requests still loading need the prefill workers.
         for role in ("decode", "prefill"):

@@ -127,7 +127,19 @@ async def register_with_router(config: Config, model_name: str) -> None:
             await asyncio.sleep(config.router.health_period_s)
 
 
-def run_uvicorn(app, config: Config, tls: bool = False) -> None:
+def bind_socket(host: str, port: int):
+    """The listening socket, bound now (port 0: any free port). Binding before the slow start-up
+    (model loading) means no other process can take the port in between."""
+    import socket
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_uvicorn(app, config: Config, tls: bool = False, sock=None) -> None:
     """Serve `app` until SIGTERM or SIGINT; SIGTERM drains and exits 0. With `tls`, HTTPS with the
     router's certificate (workers speak plain HTTP on the internal network)."""
     import signal
@@ -146,12 +158,13 @@ def run_uvicorn(app, config: Config, tls: bool = False) -> None:
     if tls and bool(rc.tls_cert) != bool(rc.tls_key):
         raise ValueError("router.tls_cert and router.tls_key go together")
     ssl = {"ssl_certfile": rc.tls_cert, "ssl_keyfile": rc.tls_key} if tls and rc.tls_cert else {}
-    GracefulServer(uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
-                                  timeout_graceful_shutdown=int(config.server.shutdown_timeout_s), **ssl)).run()
+    server = GracefulServer(uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
+                                           timeout_graceful_shutdown=int(config.server.shutdown_timeout_s), **ssl))
+    server.run(sockets=[sock] if sock is not None else None)
 
 
-def serve(config: Config) -> None:
+def serve(config: Config, sock=None) -> None:
     app = create_app(config)
     log.info("serving %s (%s) on http://%s:%d", config.model.name, config.worker.role, config.server.host,
              config.server.port)
-    run_uvicorn(app, config)
+    run_uvicorn(app, config, sock=sock)
