@@ -117,7 +117,9 @@ def decision_part(args) -> dict:
         policy_t.append(t3 - t2)
         total_t.append(t3 - t1)
         hits.append(len(m))
-    ms = lambda xs, q: round(pct(xs, q) * 1e3, 3)
+    def ms(xs, q):
+        return round(pct(xs, q) * 1e3, 3)
+
     return {"workers": n_workers, "gc_freeze": args.gc_freeze, "indexed_blocks": len(index), "max_holders": max_holders,
             "build_s": round(build_s, 1), "decisions": len(total_t), "mean_holders": round(sum(hits) / len(hits), 1),
             "decision_p50_ms": ms(total_t, 0.5), "decision_p99_ms": ms(total_t, 0.99),

@@ -142,7 +142,9 @@ def power_of_two(req: RouteRequest, workers: Sequence[WorkerState], rng: random.
     if len(cands) == 1:
         return Decision(cands[0].worker_id, "power_of_two", {cands[0].worker_id: float(_outstanding(cands[0]))})
     a, b = rng.sample(cands, 2)
-    key = lambda w: (_outstanding(w), w.kv_usage, w.in_flight)
+    def key(w: WorkerState) -> tuple:
+        return (_outstanding(w), w.kv_usage, w.in_flight)
+
     best = b if key(b) < key(a) else a
     return Decision(best.worker_id, "power_of_two", {a.worker_id: float(_outstanding(a)),
                                                      b.worker_id: float(_outstanding(b))})

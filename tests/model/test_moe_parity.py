@@ -7,8 +7,6 @@ blocks are compared on their own. A few greedy engine runs close the loop.
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
