@@ -12,19 +12,19 @@ acknowledges the cancel, its process is gone, or the quarantine deadline passes.
 from __future__ import annotations
 
 import logging
+import os
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import zmq
 
-from pdserve.cache.kv_cache import pid_alive, raw_bytes_view
+from pdserve.cache.kv_cache import raw_bytes_view
 from pdserve.config import Config
+from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
 from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint, endpoint_host
 from pdserve.engine.kv_connector import KVConnector
@@ -47,8 +47,6 @@ if TYPE_CHECKING:
     from pdserve.engine.request import Request
 
 log = logging.getLogger(__name__)
-HOST = socket.gethostname()
-_LIVENESS_PERIOD_S = 0.2
 _EVENT_FOR = {PD_ACCEPTED: "accepted", PD_STARTED: "started", PD_LAYER: "progress"}
 
 
@@ -59,7 +57,6 @@ class Pending:
     transfer: Transfer
     peer_pid: int | None = None
     peer_host: str | None = None
-    bytes_received: int = 0
 
 
 class DecodeConnector(KVConnector):
@@ -76,7 +73,7 @@ class DecodeConnector(KVConnector):
         self.deadlines = Deadlines(d.bootstrap_timeout_s, d.queue_timeout_s, d.transfer_timeout_s)
         self.peers = list(d.prefill_endpoints)
         self.pending: dict[str, Pending] = {}            # engine thread only
-        self.quarantine: dict[str, tuple[list[int], float, int | None]] = {}   # rid -> (blocks, deadline, pid)
+        self.quarantine: dict[str, tuple[list[int], float, Pending]] = {}   # rid -> (blocks, deadline, transfer)
         self.peer_down_until: dict[str, float] = {}
         self.counters = {"kv_transfers_completed_total": 0, "kv_transfers_failed_total": 0,
                          "kv_transfer_bytes_total": 0, "kv_transfer_seconds_total": 0.0,
@@ -97,13 +94,13 @@ class DecodeConnector(KVConnector):
         if backend == "mooncake":
             self.pool_endpoint = MooncakeEndpoint(endpoint_host(self.endpoint), self.raw)
         elif backend == "nixl":
-            self.pool_endpoint = NixlEndpoint(f"pdserve-decode-{HOST}-{_pid()}-{id(self):x}", self.raw)
+            self.pool_endpoint = NixlEndpoint(f"pdserve-decode-{HOST}-{os.getpid()}-{id(self):x}", self.raw)
         self._out_addr = f"inproc://pd-decode-out-{id(self)}"
         self._out_in = self._ctx.socket(zmq.PULL)
         self._out_in.bind(self._out_addr)
         self._out: zmq.Socket | None = None              # created on the engine thread at first use
         self._stop = threading.Event()
-        self._last_liveness = 0.0
+        self._liveness = LivenessClock()
         self._thread = threading.Thread(target=self._io_loop, name="pd-decode-io", daemon=True)
         self._thread.start()
 
@@ -200,7 +197,7 @@ class DecodeConnector(KVConnector):
         p = req.params
         sampling = {k: (list(v) if isinstance(v, list) else v) for k, v in p.__dict__.items()}
         job = PrefillJob(req.request_id, list(req.prompt_token_ids), sampling, req.cache_salt, list(req.block_ids),
-                         req.num_cached_blocks, self.endpoint, _pid(), HOST, self.shm_path, self.kv_shape,
+                         req.num_cached_blocks, self.endpoint, os.getpid(), HOST, self.shm_path, self.kv_shape,
                          self.elem_size, self.block_size, self.model,
                          **self._pool_fields())
         self.pending[req.request_id] = Pending(req, peer, Transfer(req.request_id, self.deadlines, now))
@@ -228,28 +225,27 @@ class DecodeConnector(KVConnector):
             return None
 
     def _stop_writes(self, pend: Pending, reason: str, now: float) -> list[int]:
-        """Stop the peer writing; returns the blocks to hold back (shm) until it provably can't."""
+        """Stop the peer writing; returns the blocks held back (quarantined) until it provably can't."""
         rid = pend.req.request_id
         with self._live_lock:
             self._live.pop(rid, None)
         pend.transfer.fail(reason, now)
         self.counters["kv_transfers_failed_total"] += 1
-        dead = pend.peer_pid is not None and pend.peer_host == HOST and not pid_alive(pend.peer_pid)
+        dead = process_gone(pend.peer_pid, pend.peer_host)
         if not dead:
             self._post_out(pend.peer, {"type": PD_CANCEL, "request_id": rid, "reply_endpoint": self.endpoint})
         if dead or not (self.shm_path or self.pool_endpoint):
             return []       # over tcp nothing lands once the rid leaves _live; a dead peer writes nothing
-        return pend.req.block_ids[pend.req.num_cached_blocks:]
+        held = pend.req.block_ids[pend.req.num_cached_blocks:]
+        if held:
+            self.quarantine[rid] = (held, now + self.config.disagg.quarantine_timeout_s, pend)
+        return held
 
     def cancel_load(self, req: Request) -> list[int]:
         pend = self.pending.pop(req.request_id, None)
         if pend is None:
             return []
-        held = self._stop_writes(pend, "cancelled", time.monotonic())
-        if held:
-            self.quarantine[req.request_id] = (held, time.monotonic() + self.config.disagg.quarantine_timeout_s,
-                                               pend.peer_pid)
-        return held
+        return self._stop_writes(pend, "cancelled", time.monotonic())
 
     def poll(self, engine: LLMEngine) -> list[RequestOutput]:
         now = time.monotonic()
@@ -269,7 +265,6 @@ class DecodeConnector(KVConnector):
                     pend.peer_pid, pend.peer_host = msg.get("pid"), msg.get("host")
                 if t in _EVENT_FOR:
                     pend.transfer.on(_EVENT_FOR[t], now)
-                    pend.bytes_received += msg.get("bytes", 0)
                     self.counters["kv_recv_tcp_bytes_total"] += msg.get("bytes", 0)
                 elif t == PD_DONE:
                     pend.transfer.on("done", now)
@@ -280,24 +275,21 @@ class DecodeConnector(KVConnector):
                     self.counters["kv_transfer_bytes_total"] += msg.get("bytes", 0)
                     # Job lifetime (queue + compute + writes); the prefill side reports link GB/s.
                     self.counters["kv_transfer_seconds_total"] += now - pend.transfer.started_at
-                    outputs.append(engine.complete_load(pend.req, msg["token"], _logprob(msg.get("logprob")),
+                    outputs.append(engine.complete_load(pend.req, msg["token"], _logprob_or_none(msg.get("logprob")),
                                                         msg.get("generator_state")))
                 elif t == PD_FAILED:
                     self._fail(engine, pend, f"prefill worker failed: {msg.get('reason')}", now)
             except Exception as e:  # noqa: BLE001 - an out-of-order peer fails its transfer
                 self._fail(engine, pend, str(e), now)
-        check_pids = now - self._last_liveness > _LIVENESS_PERIOD_S
-        if check_pids:
-            self._last_liveness = now
+        check_pids = self._liveness.due(now)
         for pend in list(self.pending.values()):
-            dead = (check_pids and pend.peer_pid is not None and pend.peer_host == HOST
-                    and not pid_alive(pend.peer_pid))
+            dead = check_pids and process_gone(pend.peer_pid, pend.peer_host)
             if dead:
                 self._fail(engine, pend, "prefill worker died", now)
             elif pend.transfer.expired(now):
                 self._fail(engine, pend, f"no answer in state {pend.transfer.state.value}", now)
-        for rid, (blocks, deadline, pid) in list(self.quarantine.items()):
-            if now > deadline or (check_pids and pid is not None and not pid_alive(pid)):
+        for rid, (_, deadline, pend) in list(self.quarantine.items()):
+            if now > deadline or (check_pids and process_gone(pend.peer_pid, pend.peer_host)):
                 self._release(engine, rid)
         return outputs
 
@@ -307,8 +299,6 @@ class DecodeConnector(KVConnector):
         self.pending.pop(rid, None)
         self.peer_down_until[pend.peer] = now + self.config.disagg.peer_retry_s
         held = self._stop_writes(pend, reason, now)
-        if held:
-            self.quarantine[rid] = (held, now + self.config.disagg.quarantine_timeout_s, pend.peer_pid)
         pend.req.prefill_peers = [p for p in self.healthy_peers(now) if p != pend.peer]
         if not pend.req.prefill_peers:
             self.counters["kv_local_prefill_fallbacks_total"] += 1
@@ -339,18 +329,5 @@ class DecodeConnector(KVConnector):
             self.pool_endpoint.close()
 
 
-def _pid() -> int:
-    import os
-    return os.getpid()
-
-
-def _logprob(entry: list | None) -> TokenLogprob | None:
-    if entry is None:
-        return None
-    token_id, logprob, rank, top = entry
-    return TokenLogprob(int(token_id), float(logprob), int(rank), [(int(t), float(lp)) for t, lp in top])
-
-
-def set_generator_state(gen: torch.Generator | None, state: bytes | None) -> None:
-    if gen is not None and state:
-        gen.set_state(torch.from_numpy(np.frombuffer(state, dtype=np.uint8).copy()))
+def _logprob_or_none(entry: list | None) -> TokenLogprob | None:
+    return None if entry is None else TokenLogprob.from_wire(entry)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -20,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from pdserve.cache.kv_cache import pid_alive, raw_bytes_view
+from pdserve.cache.kv_cache import raw_bytes_view
 from pdserve.config import Config
+from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
 from pdserve.disagg.transport import (
     KVWriter,
@@ -39,6 +39,7 @@ from pdserve.disagg.transport import (
     parse_bandwidth_limit,
 )
 from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.sampling_params import InvalidParam, SamplingParams
 from pdserve.protocol import (
     PD_ACCEPTED,
     PD_CANCEL,
@@ -58,8 +59,6 @@ if TYPE_CHECKING:
     from pdserve.engine.request import Request
 
 log = logging.getLogger(__name__)
-HOST = socket.gethostname()
-_LIVENESS_PERIOD_S = 0.2
 
 
 @dataclass
@@ -99,7 +98,7 @@ class PrefillConnector(KVConnector):
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()
-        self._last_liveness = 0.0
+        self._liveness = LivenessClock()
         self.stats_lock = threading.Lock()
         self.counters = {"kv_send_bytes_total": 0, "kv_send_seconds_total": 0.0, "kv_send_layers_total": 0,
                          "kv_send_layer_lag_seconds_total": 0.0, "kv_send_layer_lag_seconds_max": 0.0,
@@ -234,7 +233,6 @@ class PrefillConnector(KVConnector):
 
     def poll(self, engine: LLMEngine) -> list[RequestOutput]:
         """Admit new jobs, apply cancels, fail jobs whose decode worker died or whose deadline passed."""
-        from pdserve.engine.sampling_params import InvalidParam, SamplingParams
         now = time.monotonic()
         while not self._inbox.empty():
             msg = self._inbox.get_nowait()
@@ -269,12 +267,9 @@ class PrefillConnector(KVConnector):
             with self.stats_lock:
                 self.counters["kv_prefill_jobs_total"] += 1
             self._send(job, {"type": PD_ACCEPTED, "pid": os.getpid(), "host": HOST})
-        check_pids = now - self._last_liveness > _LIVENESS_PERIOD_S
-        if check_pids:
-            self._last_liveness = now
+        check_pids = self._liveness.due(now)
         for rid, sink in list(self.sinks.items()):
-            job = sink.job
-            dead = check_pids and job.decode_host == HOST and not pid_alive(job.decode_pid)
+            dead = check_pids and process_gone(sink.job.decode_pid, sink.job.decode_host)
             if dead or sink.transfer.expired(now):
                 sink.transfer.fail("decode worker died" if dead else f"deadline in {sink.transfer.state.value}", now)
                 engine.abort_request(rid)
@@ -352,8 +347,7 @@ class PrefillConnector(KVConnector):
             lp = out.new_logprobs[0] if out.new_logprobs else None
             gen = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
             self._send(sink.job, {"type": PD_DONE, "token": out.new_token_ids[0],
-                                  "logprob": None if lp is None else [lp.token_id, lp.logprob, lp.rank,
-                                                                      [list(t) for t in lp.top]],
+                                  "logprob": None if lp is None else lp.to_wire(),
                                   "generator_state": gen, "bytes": sink.bytes_sent,
                                   "seconds": now - sink.transfer.started_at})
         else:

@@ -26,6 +26,15 @@ class TokenLogprob:
     rank: int
     top: list[tuple[int, float]]        # the top-k alternatives, best first
 
+    def to_wire(self) -> list[Any]:
+        """A msgpack/JSON-friendly list, for worker-to-worker and worker-to-router messages."""
+        return [self.token_id, self.logprob, self.rank, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_wire(cls, entry: list[Any]) -> TokenLogprob:
+        token_id, logprob, rank, top = entry
+        return cls(int(token_id), float(logprob), int(rank), [(int(t), float(lp)) for t, lp in top])
+
 
 @dataclass
 class Request:

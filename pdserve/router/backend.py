@@ -238,7 +238,8 @@ class RemoteBackend:
                     d = min(len(msg["token_ids"]), budget - taken)
                     taken += d
                     w.decode_tokens -= d
-                    yield msg["token_ids"], _logprobs(msg.get("logprobs")), msg["finished"], msg["finish_reason"]
+                    lps = [TokenLogprob.from_wire(e) for e in msg.get("logprobs") or []] or None
+                    yield msg["token_ids"], lps, msg["finished"], msg["finish_reason"]
                     if msg["finished"]:
                         w.breaker.on_success()
                         return
@@ -266,8 +267,3 @@ def _error_of(resp: httpx.Response) -> dict:
         return {}
 
 
-def _logprobs(entries: list | None) -> list[TokenLogprob] | None:
-    if not entries:
-        return None
-    return [TokenLogprob(int(t), float(lp), int(rank), [(int(a), float(b)) for a, b in top])
-            for t, lp, rank, top in entries]

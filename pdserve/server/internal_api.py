@@ -10,14 +10,12 @@ import hmac
 import json
 import os
 import time
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
-from pdserve.engine.request import TokenLogprob
 from pdserve.engine.sampling_params import InvalidParam, SamplingParams
 from pdserve.protocol import INTERNAL_TOKEN_HEADER, InternalGenerateRequest
 from pdserve.server.errors import APIError, error_body, error_response
@@ -46,10 +44,6 @@ class RequireInternalToken:
         await self.app(scope, receive, send)
 
 
-def logprob_wire(lp: TokenLogprob) -> list[Any]:
-    return [lp.token_id, lp.logprob, lp.rank, [list(t) for t in lp.top]]
-
-
 def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTimer) -> None:
     @app.post("/internal/generate")
     async def generate(req: InternalGenerateRequest, http: Request):
@@ -69,7 +63,7 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
             try:
                 async for out in engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt, peer):
                     yield json.dumps({"token_ids": out.new_token_ids,
-                                      "logprobs": [logprob_wire(lp) for lp in out.new_logprobs] or None,
+                                      "logprobs": [lp.to_wire() for lp in out.new_logprobs] or None,
                                       "finished": out.finished, "finish_reason": out.finish_reason,
                                       "num_prompt_tokens": out.num_prompt_tokens}) + "\n"
             except InvalidParam as e:
