@@ -153,6 +153,36 @@ def endpoint_host(endpoint: str) -> str:
     return socket.gethostname() if host in ("", "*", "0.0.0.0", "::") else host
 
 
+class RemoteWriter(KVWriter):
+    """One-sided writes into a registered remote pool (Mooncake, NIXL): checks the two pools agree
+    and turns a layer's runs into (local address, remote address, bytes) segments, K and V apart."""
+
+    def __init__(self, src: np.ndarray, block_size: int, local_base: int, local_length: int, remote_base: int,
+                 shape: list[int], elem_size: int) -> None:
+        super().__init__(src, block_size)
+        if local_base != src.ctypes.data or local_length != src.nbytes:
+            raise ValueError(f"the local {self.name} endpoint must have this pool registered")
+        layers, two, slots, heads, head_dim = shape
+        if (layers, two) != src.shape[:2] or heads != src.shape[3] or head_dim * elem_size != src.shape[4]:
+            raise ValueError(f"decode pool {shape} x {elem_size} B does not match this pool {src.shape}")
+        self.local_base = local_base
+        self.remote_base = remote_base
+        self.remote_slots = slots
+        self.src_slots = src.shape[2]
+        self.row = src.shape[3] * src.shape[4]      # bytes of one slot (token) of one layer's K or V
+
+    def segments(self, layer: int, runs: list[Run]) -> list[tuple[int, int, int]]:
+        bs, row, out = self.bs, self.row, []
+        for s, d, k in runs:
+            if (d + k) * bs > self.remote_slots or (s + k) * bs > self.src_slots:
+                raise ValueError(f"run {(s, d, k)} lies outside a pool")
+            for kv in (0, 1):
+                out.append((self.local_base + ((layer * 2 + kv) * self.src_slots + s * bs) * row,
+                            self.remote_base + ((layer * 2 + kv) * self.remote_slots + d * bs) * row,
+                            k * bs * row))
+        return out
+
+
 def _mooncake_engine_class():
     # Imported only when transfer.backend is mooncake: the base install never needs the package.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")    # its INFO lines would drown the worker's log
@@ -193,7 +223,7 @@ class MooncakeEndpoint:
             self._buf = None
 
 
-class MooncakeWriter(KVWriter):
+class MooncakeWriter(RemoteWriter):
     """One batched synchronous write per layer (K and V of every run): when write_layer returns, the
     bytes are in the decode pool, so PD_DONE sent after it can never overtake them, and a cancel
     acknowledged after it means no write of this job is still in flight."""
@@ -202,29 +232,13 @@ class MooncakeWriter(KVWriter):
 
     def __init__(self, src: np.ndarray, block_size: int, local: MooncakeEndpoint, session_id: str,
                  remote_base: int, shape: list[int], elem_size: int) -> None:
-        super().__init__(src, block_size)
-        if local.base != src.ctypes.data or local.length != src.nbytes:
-            raise ValueError("the local Mooncake endpoint must have this pool registered")
-        layers, two, slots, heads, head_dim = shape
-        if (layers, two) != src.shape[:2] or heads != src.shape[3] or head_dim * elem_size != src.shape[4]:
-            raise ValueError(f"decode pool {shape} x {elem_size} B does not match this pool {src.shape}")
+        super().__init__(src, block_size, local.base, local.length, remote_base, shape, elem_size)
         self.local = local
         self.session_id = session_id
-        self.remote_base = remote_base
-        self.remote_slots = slots
-        self.src_slots = src.shape[2]
-        self.row = src.shape[3] * src.shape[4]      # bytes of one slot (token) of one layer's K or V
 
     def write_layer(self, request_id: str, layer: int, runs: list[Run]) -> int:
-        bs, row = self.bs, self.row
-        local, remote, lengths = [], [], []
-        for s, d, k in runs:
-            if (d + k) * bs > self.remote_slots or (s + k) * bs > self.src_slots:
-                raise ValueError(f"run {(s, d, k)} lies outside a pool")
-            for kv in (0, 1):
-                local.append(self.local.base + ((layer * 2 + kv) * self.src_slots + s * bs) * row)
-                remote.append(self.remote_base + ((layer * 2 + kv) * self.remote_slots + d * bs) * row)
-                lengths.append(k * bs * row)
+        segments = self.segments(layer, runs)
+        local, remote, lengths = [a for a, _, _ in segments], [b for _, b, _ in segments], [n for _, _, n in segments]
         engine = self.local.engine
         if engine is None:
             raise RuntimeError("the Mooncake endpoint is closed")
@@ -281,7 +295,7 @@ def _text(name: str | bytes) -> str:
     return name.decode() if isinstance(name, bytes) else name
 
 
-class NixlWriter(KVWriter):
+class NixlWriter(RemoteWriter):
     """One NIXL WRITE per layer (K and V of every run) posted without waiting; flush() waits for all
     of them, and so does close(), so neither PD_DONE nor a cancel's acknowledgement can precede a
     write still in flight."""
@@ -290,39 +304,23 @@ class NixlWriter(KVWriter):
 
     def __init__(self, src: np.ndarray, block_size: int, local: NixlEndpoint, peer_metadata: bytes,
                  remote_base: int, shape: list[int], elem_size: int, timeout_s: float = 30.0) -> None:
-        super().__init__(src, block_size)
-        if local.base != src.ctypes.data or local.length != src.nbytes:
-            raise ValueError("the local NIXL agent must have this pool registered")
-        layers, two, slots, heads, head_dim = shape
-        if (layers, two) != src.shape[:2] or heads != src.shape[3] or head_dim * elem_size != src.shape[4]:
-            raise ValueError(f"decode pool {shape} x {elem_size} B does not match this pool {src.shape}")
+        super().__init__(src, block_size, local.base, local.length, remote_base, shape, elem_size)
         self.local = local
         self.peer = local.peer(peer_metadata)
-        self.remote_base = remote_base
-        self.remote_slots = slots
-        self.src_slots = src.shape[2]
-        self.row = src.shape[3] * src.shape[4]
         self.timeout_s = timeout_s
         self._handles: list = []
 
     def write_layer(self, request_id: str, layer: int, runs: list[Run]) -> int:
-        bs, row = self.bs, self.row
-        local, remote, n = [], [], 0
-        for s, d, k in runs:
-            if (d + k) * bs > self.remote_slots or (s + k) * bs > self.src_slots:
-                raise ValueError(f"run {(s, d, k)} lies outside a pool")
-            for kv in (0, 1):
-                local.append((self.local.base + ((layer * 2 + kv) * self.src_slots + s * bs) * row, k * bs * row, 0))
-                remote.append((self.remote_base + ((layer * 2 + kv) * self.remote_slots + d * bs) * row,
-                               k * bs * row, 0))
-                n += k * bs * row
+        segments = self.segments(layer, runs)
+        local = [(a, n, 0) for a, _, n in segments]
+        remote = [(b, n, 0) for _, b, n in segments]
         agent = self.local.agent
         handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
                                        agent.get_xfer_descs(remote, "DRAM"), self.peer)
         self._handles.append(handle)
         if agent.transfer(handle) == "ERR":
             raise RuntimeError(f"NIXL write of layer {layer} to {self.peer} failed")
-        return n
+        return sum(n for _, _, n in segments)
 
     def flush(self) -> bool:
         waited = bool(self._handles)
