@@ -19,7 +19,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampling_params import InvalidParam, SamplingParams
+from pdserve.engine.sampling_params import InvalidParam, SamplingParams, check_prompt
 from pdserve.engine.scheduler import Scheduler, blocks_needed
 from pdserve.engine.tier_fetch import TierFetcher
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
@@ -110,18 +110,8 @@ class LLMEngine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidParam for a request that cannot run; nothing is allocated."""
-        params.validate(self.arch.vocab_size)
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidParam("the prompt is empty", "prompt")
-        if any(not 0 <= t < self.arch.vocab_size for t in prompt_token_ids):
-            raise InvalidParam("the prompt holds token ids outside the vocabulary", "prompt")
-        max_tokens = params.max_tokens or 1
-        if n + max_tokens > self.max_model_len:
-            raise InvalidParam(f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                               f"asks for {n + max_tokens} ({n} in the prompt, {max_tokens} to generate)",
-                               "max_tokens" if n < self.max_model_len else "messages")
-        if blocks_needed(n + max_tokens, self.block_size) > self.pool.num_blocks:
+        check_prompt(prompt_token_ids, params, self.arch.vocab_size, self.max_model_len)
+        if blocks_needed(len(prompt_token_ids) + (params.max_tokens or 1), self.block_size) > self.pool.num_blocks:
             raise InvalidParam(f"the request needs more KV blocks than the pool holds ({self.pool.num_blocks})",
                                "max_tokens")
 

@@ -63,3 +63,20 @@ class SamplingParams:
         if vocab_size is not None:
             bad(any(not 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
                 "stop_token_ids must be valid token ids")
+
+
+def check_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
+                 max_model_len: int | None) -> None:
+    """Raise InvalidParam for a request no engine of this model could run: the checks a worker and
+    the router share (max_model_len None: not known yet, not checked)."""
+    params.validate(vocab_size)
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidParam("the prompt is empty", "prompt")
+    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidParam("the prompt holds token ids outside the vocabulary", "prompt")
+    max_tokens = params.max_tokens or 1
+    if max_model_len and n + max_tokens > max_model_len:
+        raise InvalidParam(f"this model's maximum context length is {max_model_len} tokens; the request "
+                           f"asks for {n + max_tokens} ({n} in the prompt, {max_tokens} to generate)",
+                           "max_tokens" if n < max_model_len else "messages")

@@ -29,7 +29,7 @@ from pdserve.config import Config
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import TokenLogprob
-from pdserve.engine.sampling_params import InvalidParam, SamplingParams
+from pdserve.engine.sampling_params import InvalidParam, SamplingParams, check_prompt
 from pdserve.model.tokenizer import TokenizerWrapper
 from pdserve.router import policies
 from pdserve.router.admission import Admission
@@ -64,21 +64,11 @@ class RemoteBackend:
     # ------------------------------------------------------------------ validation (before any work)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        params.validate(self.tokenizer.vocab_size)
         n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidParam("the prompt is empty", "prompt")
-        if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_token_ids):
-            raise InvalidParam("the prompt holds token ids outside the vocabulary", "prompt")
         if self.rc.max_prompt_tokens and n > self.rc.max_prompt_tokens:
             raise InvalidParam(f"the prompt has {n} tokens; this deployment accepts at most "
                                f"{self.rc.max_prompt_tokens}", "messages")
-        limit = self.max_model_len
-        need = n + (params.max_tokens or 1)
-        if limit and need > limit:
-            raise InvalidParam(f"this model's maximum context length is {limit} tokens; the request asks for "
-                               f"{need} ({n} in the prompt, {params.max_tokens or 1} to generate)",
-                               "max_tokens" if n < limit else "messages")
+        check_prompt(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len)
 
     # ------------------------------------------------------------------ routing
 

@@ -11,16 +11,12 @@ import time
 from contextlib import asynccontextmanager
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 
 from pdserve.config import Config
 from pdserve.protocol import (
     INTERNAL_TOKEN_HEADER,
-    ChatCompletionRequest,
-    CompletionRequest,
     WorkerRegistration,
-    model_card,
 )
 from pdserve.router.admission import Admission
 from pdserve.router.backend import RemoteBackend
@@ -29,10 +25,10 @@ from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Registry
 from pdserve.router.security import Allowlist, KeyStore, RateLimiter, SecurityMiddleware
-from pdserve.server.errors import BodySizeLimit, error_response, install_error_handlers
+from pdserve.server.errors import error_response
 from pdserve.server.internal_api import internal_token
 from pdserve.server.metrics import RequestTimer, ServerMetrics
-from pdserve.server.openai_api import OpenAIHandlers
+from pdserve.server.openai_api import OpenAIHandlers, install_openai_api
 
 log = logging.getLogger(__name__)
 _SUMMED = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_blocks",
@@ -93,9 +89,7 @@ def create_router_app(config: Config) -> FastAPI:
 
     app = FastAPI(title="pdserve router", version="0.1.0", lifespan=lifespan)
     app.state.registry = registry
-    install_error_handlers(app, on_error=lambda status: server_metrics.errors.labels(str(status)).inc())
-    app.add_middleware(BodySizeLimit, max_bytes=config.server.max_body_bytes,
-                       on_reject=lambda: server_metrics.errors.labels("413").inc())
+    install_openai_api(app, handlers, server_metrics, lambda: backend.max_model_len, config.server.max_body_bytes)
     app.add_middleware(SecurityMiddleware, keys=KeyStore(rc.api_keys), allowlist=Allowlist(rc.ip_allowlist),
                        limiter=limiter, on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
 
@@ -105,22 +99,6 @@ def create_router_app(config: Config) -> FastAPI:
         if not decode:
             return error_response(503, "no healthy decode worker", code="no_workers")
         return {"status": "ok", "workers": [w.describe() for w in registry.workers.values()]}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(server_metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card(model_name, backend.max_model_len)]}
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, http: Request):
-        return await handlers.completions(req, http)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, http: Request):
-        return await handlers.chat(req, http)
 
     # ------------------------------------------------------------------ admin
 

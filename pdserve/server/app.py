@@ -6,23 +6,19 @@ import logging
 import os
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 
 from pdserve.config import Config
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol import (
     INTERNAL_TOKEN_HEADER,
-    ChatCompletionRequest,
-    CompletionRequest,
     WorkerRegistration,
-    model_card,
 )
-from pdserve.server.errors import BodySizeLimit, error_response, install_error_handlers
+from pdserve.server.errors import error_response
 from pdserve.server.internal_api import RequireInternalToken, install_internal_routes, internal_token
 from pdserve.server.metrics import RequestTimer, ServerMetrics
-from pdserve.server.openai_api import OpenAIHandlers
+from pdserve.server.openai_api import OpenAIHandlers, install_openai_api
 from pdserve.server.roles import build_engine, worker_name
 
 log = logging.getLogger(__name__)
@@ -51,10 +47,7 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
 
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
     app.state.engine = async_engine
-    install_error_handlers(app, on_error=lambda status: metrics.errors.labels(str(status)).inc())
-
-    app.add_middleware(BodySizeLimit, max_bytes=config.server.max_body_bytes,
-                       on_reject=lambda: metrics.errors.labels("413").inc())
+    install_openai_api(app, handlers, metrics, lambda: engine.max_model_len, config.server.max_body_bytes)
     token = internal_token(config.server.internal_token)
     if token:
         app.add_middleware(RequireInternalToken, token=token)
@@ -82,21 +75,6 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
             return error_response(404, "the model has no MoE layers", code="not_moe")
         return eplb.to_dict()
 
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card(model_name, engine.max_model_len)]}
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, http: Request):
-        return await handlers.completions(req, http)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, http: Request):
-        return await handlers.chat(req, http)
 
     return app
 

@@ -6,19 +6,19 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import TokenLogprob
 from pdserve.engine.sampling_params import InvalidParam, SamplingParams
 from pdserve.model.tokenizer import TokenizerWrapper
-from pdserve.protocol import ChatCompletionRequest, CompletionRequest, new_id, now
-from pdserve.server.errors import APIError, error_body
-from pdserve.server.metrics import RequestTimer
+from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_card, new_id, now
+from pdserve.server.errors import APIError, BodySizeLimit, error_body, install_error_handlers
+from pdserve.server.metrics import RequestTimer, ServerMetrics
 
 _DISCONNECT_POLL_S = 0.5
 PREFILL_HEADER = "x-pdserve-prefill"    # set by the router: the prefill worker's bootstrap endpoint
@@ -292,3 +292,27 @@ def _chat_logprobs(entries: list[TokenLogprob], tok: TokenizerWrapper) -> list[d
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
     return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+
+
+def install_openai_api(app: FastAPI, handlers: OpenAIHandlers, metrics: ServerMetrics,
+                       max_model_len: Callable[[], int], max_body_bytes: int) -> None:
+    """The OpenAI routes with their error bodies, the body-size limit and /metrics: the same on a
+    worker and on the router (middleware added after this wraps outside the size limit)."""
+    install_error_handlers(app, on_error=lambda status: metrics.errors.labels(str(status)).inc())
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, on_reject=lambda: metrics.errors.labels("413").inc())
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(handlers.model_name, max_model_len())]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, http: Request):
+        return await handlers.completions(req, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, http: Request):
+        return await handlers.chat(req, http)
