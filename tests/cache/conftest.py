@@ -1,28 +1,27 @@
-"""Fixtures of the cache tests: a real redis-server (from tests/redis_server.py)."""
+"""Fixtures of the cache tests: a real redis-server (tests/redis_server.py), and tier stores that
+are closed after each test."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from redis_server import RedisServer
 
-
-def _load_helper():
-    # tests/ is not a package (pytest runs with --import-mode=importlib): load the helper by path.
-    name = "pdserve_tests_redis_server"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "redis_server.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-redis_helper = _load_helper()
+from pdserve.cache.tiers.manager import TieredKVStore
 
 
 @pytest.fixture
 def redis_server():
-    with redis_helper.RedisServer() as server:
+    with RedisServer() as server:
         yield server
+
+
+@pytest.fixture
+def stores(request):
+    """Makes TieredKVStores with the test module's block size (`BS`); closes them all afterwards."""
+    made: list[TieredKVStore] = []
+
+    def make(**kw) -> TieredKVStore:
+        made.append(TieredKVStore(request.module.BS, **kw))
+        return made[-1]
+    yield make
+    for s in made:
+        s.close()

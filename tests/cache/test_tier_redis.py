@@ -5,7 +5,6 @@ import socket
 import threading
 import time
 
-import pytest
 import redis
 import torch
 
@@ -39,18 +38,6 @@ def _load(store: TieredKVStore, hashes: list[bytes], block_ids: list[int], kv: t
     store.load_async(hashes, block_ids, kv, lambda n: (got.append(n), done.set()))
     assert done.wait(WAIT), "load did not finish"
     return got[0]
-
-
-@pytest.fixture
-def stores():
-    made: list[TieredKVStore] = []
-
-    def make(**kw) -> TieredKVStore:
-        made.append(TieredKVStore(BS, **kw))
-        return made[-1]
-    yield make
-    for s in made:
-        s.close()
 
 
 def test_two_workers_share_blocks_through_redis(redis_server, stores):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
 
 from pdserve.cache.tiers.manager import TieredKVStore
@@ -49,18 +48,6 @@ class Done:
     def wait(self) -> int:
         assert self.event.wait(WAIT), "load did not finish"
         return self.calls[-1]
-
-
-@pytest.fixture
-def stores():
-    made: list[TieredKVStore] = []
-
-    def make(**kw) -> TieredKVStore:
-        made.append(TieredKVStore(BS, **kw))
-        return made[-1]
-    yield make
-    for s in made:
-        s.close()
 
 
 def test_host_overflow_cascades_to_disk_and_everything_loads_back(tmp_path, stores):

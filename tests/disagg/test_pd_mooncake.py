@@ -7,8 +7,6 @@ prefills locally), and both pools must return to their starting state.
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,44 +16,13 @@ pytest.importorskip("mooncake.engine", reason="the mooncake extra is not install
                     exc_type=ImportError)
 
 from pdserve import SamplingParams  # noqa: E402
-from pdserve.config import load_config  # noqa: E402
 from pdserve.disagg.transport import MooncakeEndpoint, MooncakeWriter  # noqa: E402
-from pdserve.engine.engine import LLMEngine  # noqa: E402
 from pdserve.server.roles import build_engine  # noqa: E402
-
-# Not tiny-llama: its greedy output repeats the first token whatever the KV holds, so parity
-# there would not notice misplaced KV; tiny-qwen2's outputs depend on every transferred byte.
-MODEL = "tiny-qwen2"
-
-
-def _sibling(name: str):
-    # The in-process engine loop of test_pd_engines.py, loaded without making tests/ a package.
-    spec = importlib.util.spec_from_file_location(f"pdserve_tests_{name}", Path(__file__).with_name(f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_pd = _sibling("test_pd_engines")
-Loop, _prompts = _pd.Loop, _pd._prompts
+from pd_harness import Loop, mixed_outputs, pd_config, prompts  # noqa: E402
 
 
 def _config(role: str, **disagg):
-    return load_config(None, {"model.name": MODEL, "cache.device_blocks": 256, "cache.block_size": 4,
-                              "scheduler.max_num_batched_tokens": 16, "worker.role": role,
-                              "transfer.backend": "mooncake", "disagg.local_prefill_max_tokens": 8,
-                              **{f"disagg.{k}": v for k, v in disagg.items()}})
-
-
-def _mixed_outputs(prompts, params) -> dict[str, list[int]]:
-    mixed = LLMEngine(_config("mixed"))
-    for i, p in enumerate(prompts):
-        mixed.add_request(f"r{i}", p, params)
-    want: dict[str, list[int]] = {}
-    while mixed.has_unfinished():
-        for out in mixed.step():
-            want.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return want
+    return pd_config(role, "mooncake", device_blocks=256, **disagg)
 
 
 def test_writer_places_runs_in_the_remote_pool_and_fails_loudly():
@@ -86,12 +53,12 @@ def test_writer_places_runs_in_the_remote_pool_and_fails_loudly():
 
 def test_pd_mooncake_equals_mixed():
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = _prompts(10) + [_prompts(6)[5][:6]]          # the last one is short: prefilled locally
-    want = _mixed_outputs(prompts, params)
+    prompt_list = prompts(10) + [prompts(6)[5][:6]]          # the last one is short: prefilled locally
+    want = mixed_outputs(prompt_list, params)
     prefill = Loop(build_engine(_config("prefill")))
     decode = Loop(build_engine(_config("decode", prefill_endpoints=[prefill.engine.connector.endpoint])))
     try:
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(prompt_list):
             decode.submit(lambda e, i=i, p=p: e.add_request(f"r{i}", p, params))
         decode.wait(want)
         assert decode.outputs == want
@@ -112,8 +79,8 @@ def test_rejected_write_fails_the_job_and_decode_prefills_locally():
     fails, the blocks are quarantined until the cancel is acknowledged, and the request completes
     by local prefill with the same tokens."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    prompt = _prompts(4)[3]
-    want = _mixed_outputs([prompt], params)["r0"]
+    prompt = prompts(4)[3]
+    want = mixed_outputs([prompt], params)["r0"]
     prefill = Loop(build_engine(_config("prefill")))
     decode = Loop(build_engine(_config("decode", prefill_endpoints=[prefill.engine.connector.endpoint],
                                        quarantine_timeout_s=120)))

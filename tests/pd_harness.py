@@ -1,0 +1,96 @@
+"""Shared by the in-process PD tests: configs, a thread that steps an engine, prompts, and the
+mixed engine's greedy outputs to compare against. (pytest puts tests/ on the path.)"""
+from __future__ import annotations
+
+import threading
+import time
+
+from pdserve import SamplingParams
+from pdserve.config import Config, load_config
+from pdserve.engine.engine import LLMEngine
+from pdserve.model.loader import LoadedModel
+
+MODEL = "tiny-qwen2"   # tiny-llama's greedy output ignores its KV (it repeats the last token)
+
+
+def pd_config(role: str, backend: str = "auto", device_blocks: int = 64, **disagg) -> Config:
+    return load_config(None, {"model.name": MODEL, "cache.device_blocks": device_blocks, "cache.block_size": 4,
+                              "scheduler.max_num_batched_tokens": 16, "worker.role": role,
+                              "transfer.backend": backend, "disagg.local_prefill_max_tokens": 8,
+                              **{f"disagg.{k}": v for k, v in disagg.items()}})
+
+
+class Loop:
+    """Steps an engine on its own thread until stopped."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.commands: list = []
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn) -> None:
+        with self.lock:
+            self.commands.append(fn)
+
+    def _run(self) -> None:
+        while not self._stop:
+            with self.lock:
+                cmds, self.commands = self.commands, []
+            for fn in cmds:
+                fn(self.engine)
+            if not self.engine.has_unfinished():
+                time.sleep(0.001)
+                continue
+            for out in self.engine.step():
+                self._record(out)
+
+    def _record(self, out) -> None:
+        if out is None:
+            return
+        self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finished:
+            self.finished[out.request_id] = out.finish_reason
+
+    def abort(self, rid: str) -> None:
+        self.submit(lambda e: self._record(e.abort_request(rid)))
+
+    def wait(self, rids, timeout=60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(r in self.finished for r in rids):
+            assert time.monotonic() < deadline, f"unfinished: {set(rids) - set(self.finished)}"
+            time.sleep(0.01)
+
+    def wait_idle(self, timeout=30.0) -> None:
+        deadline = time.monotonic() + timeout
+        e = self.engine
+        while e.has_unfinished() or e.pool.num_free != e.pool.num_blocks:
+            assert time.monotonic() < deadline, f"not idle: {e.stats()}"
+            time.sleep(0.01)
+        e.pool.check_integrity()
+
+    def stop(self) -> None:
+        self._stop = True
+        self.thread.join(timeout=5)
+        self.engine.connector.close()
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 250 + 1 for j in range(10 + 5 * i)] for i in range(n)]
+
+
+def mixed_outputs(prompt_list: list[list[int]], params: SamplingParams,
+                  loaded: LoadedModel | None = None) -> dict[str, list[int]]:
+    """Greedy tokens of the colocated engine, request ids r0, r1, ..."""
+    mixed = LLMEngine(pd_config("mixed"), loaded)
+    for i, p in enumerate(prompt_list):
+        mixed.add_request(f"r{i}", p, params)
+    want: dict[str, list[int]] = {}
+    while mixed.has_unfinished():
+        for out in mixed.step():
+            want.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return want
