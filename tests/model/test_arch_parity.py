@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_logits import paged_logits
 
-from pdserve.model.attention import build_metadata
 from pdserve.model.loader import build_model, default_gguf_path, load_gguf_tokenizer, load_hf_dir
 
 BLOCK = 4
@@ -28,21 +28,6 @@ def _hf_model(kind: str, **extra):
         for p in model.parameters():
             p.mul_(20.0 if p.dim() > 1 else 1.0)
     return model.eval().float()
-
-
-def _paged_logits(model, ids: list[int], chunk: int, decode: int) -> torch.Tensor:
-    a = model.arch
-    blocks = list(range((len(ids) + BLOCK - 1) // BLOCK + 1))
-    kv = torch.zeros(a.num_layers, 2, len(blocks) * BLOCK, a.num_kv_heads, a.head_dim)
-    out, done = [], 0
-    prompt_len = len(ids) - decode
-    while done < len(ids):
-        n = min(chunk, prompt_len - done) if done < prompt_len else 1
-        meta = build_metadata([(blocks, done, n)], BLOCK, a.sliding_window, "cpu")
-        out.append(model.forward(torch.tensor(ids[done:done + n]), torch.arange(done, done + n), meta, kv,
-                                 torch.arange(n)))
-        done += n
-    return torch.cat(out)
 
 
 CASES = [
@@ -71,6 +56,6 @@ def test_logits_match_hf(tmp_path, kind, extra):
     ids = torch.randint(0, 512, (40,), generator=g).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    got = _paged_logits(ours, ids, chunk=16, decode=5)
+    got = paged_logits(ours, ids, chunk=16, decode=5, block=BLOCK)
     assert ref.abs().max() > 1.0                      # the check is not vacuous
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
