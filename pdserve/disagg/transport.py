@@ -40,20 +40,21 @@ def coalesce(src_blocks: list[int], dst_blocks: list[int]) -> list[Run]:
 class Throttle:
     """Caps the average rate at `bytes_per_s` by sleeping after each write (None: no cap)."""
 
-    def __init__(self, bytes_per_s: float | None) -> None:
+    def __init__(self, bytes_per_s: float | None, clock=time.monotonic, sleep=time.sleep) -> None:
         self.rate = bytes_per_s
-        self._start = time.monotonic()
+        self.clock, self.sleep = clock, sleep
+        self._start = clock()
         self._sent = 0
 
     def consume(self, nbytes: int) -> None:
         if not self.rate:
             return
         self._sent += nbytes
-        ahead = self._sent / self.rate - (time.monotonic() - self._start)
+        ahead = self._sent / self.rate - (self.clock() - self._start)
         if ahead > 0:
-            time.sleep(ahead)
+            self.sleep(ahead)
         elif ahead < -1.0:          # idle for a while: don't let a burst through afterwards
-            self._start, self._sent = time.monotonic(), 0
+            self._start, self._sent = self.clock(), 0
 
 
 def parse_bandwidth_limit(value: str | float | None, measured_bytes_per_s: float) -> float | None:

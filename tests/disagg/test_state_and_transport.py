@@ -1,7 +1,6 @@
 """The pure parts of disaggregation: the transfer state machine, run coalescing, throttling, deploy config."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -53,11 +52,23 @@ def test_bandwidth_limit_parsing_and_throttle():
     assert parse_bandwidth_limit(None, 1e10) is None
     assert parse_bandwidth_limit("25%", 8e9) == 2e9
     assert parse_bandwidth_limit(1e6, 8e9) == 1e6
-    th = Throttle(1e6)
-    start = time.monotonic()
+    now = [0.0]                             # a clock that moves only when the throttle sleeps
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    th = Throttle(1e6, clock=lambda: now[0], sleep=sleep)
     for _ in range(5):
-        th.consume(50_000)                  # 250 kB at 1 MB/s: at least 0.25 s
-    assert time.monotonic() - start >= 0.24
+        th.consume(50_000)                  # 250 kB at 1 MB/s: 0.25 s
+    assert sum(slept) == pytest.approx(0.25) and len(slept) == 5
+    now[0] += 10.0                          # idle: the next burst is not owed to the past
+    th.consume(50_000)
+    assert len(slept) == 5
+    th.consume(50_000)
+    assert slept[-1] == pytest.approx(0.05)
+    assert Throttle(None, sleep=sleep).consume(10**9) is None and len(slept) == 6
 
 
 def test_shm_writer_copies_runs_between_pools_of_different_sizes():
