@@ -10,8 +10,8 @@ Rank 0 runs the engine. Before every model step it broadcasts, from rank 0 to ev
    means each rank keeps a private cache (a device pool, or a cache a test passes in);
 3. with FLAG_PREPARE, the new placement phy2log int64[moe layers, physical slots];
 4. with OP_STEP, the step's integers as one int64 tensor: input ids, positions, slot mapping, the
-   (start, rows, width) of each decode group and the (q_start, q_len, ctx_len, has_gather,
-   has_mask) of each prefill chunk, then their gather indices;
+   block size, the (start, rows, blocks per row) of each decode group and the (q_start, q_len,
+   ctx_len, blocks gathered (0: none), has_mask) of each prefill chunk, then their block indices;
 5. with OP_STEP and masks present, every attention mask flattened into one uint8 tensor.
 
 Each length a receiver needs is in something it has already received, so every broadcast has a
@@ -83,15 +83,16 @@ class Comm:
 def encode_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
                 ) -> tuple[Header, torch.Tensor, torch.Tensor]:
     """The step's header (op, counts and lengths filled in), int payload and mask payload."""
-    desc, data, masks = [], [], []
+    desc, data, masks = [meta.block_size], [], []
     for g in meta.decode_groups:
-        desc += [g.start, *g.gather_idx.shape]
-        data.append(g.gather_idx.reshape(-1))
+        desc += [g.start, *g.block_idx.shape]
+        data.append(g.block_idx.reshape(-1))
         masks.append(g.mask.reshape(-1))
     for p in meta.prefills:
-        desc += [p.q_start, p.q_len, p.ctx_len, p.gather_idx is not None, p.mask is not None]
-        if p.gather_idx is not None:
-            data.append(p.gather_idx.reshape(-1))
+        desc += [p.q_start, p.q_len, p.ctx_len, 0 if p.block_idx is None else p.block_idx.numel(),
+                 p.mask is not None]
+        if p.block_idx is not None:
+            data.append(p.block_idx.reshape(-1))
         if p.mask is not None:
             masks.append(p.mask.reshape(-1))
     ints = torch.cat([t.cpu().long() for t in (input_ids, positions, meta.slot_mapping,
@@ -108,23 +109,25 @@ def decode_step(h: Header, ints: torch.Tensor, mask: torch.Tensor, device: torch
     ints, mask = ints.to(device), mask.to(device).bool()
     t = h.tokens
     ids, positions, slots = ints[:t], ints[t:2 * t], ints[2 * t:3 * t]
-    off = 3 * t
+    bs = int(ints[3 * t])
+    off = 3 * t + 1
     group_desc = ints[off:off + 3 * h.groups].view(-1, 3).tolist()
     off += 3 * h.groups
     chunk_desc = ints[off:off + 5 * h.chunks].view(-1, 5).tolist()
     off += 5 * h.chunks
     moff = 0
-    meta = AttentionMetadata(slot_mapping=slots)
+    meta = AttentionMetadata(slot_mapping=slots, block_size=bs)
     for start, n, width in group_desc:
         idx = ints[off:off + n * width].view(n, width)
-        m = mask[moff:moff + n * width].view(n, 1, 1, width)
-        off, moff = off + n * width, moff + n * width
+        m = mask[moff:moff + n * width * bs].view(n, 1, 1, width * bs)
+        off, moff = off + n * width, moff + n * width * bs
         meta.decode_groups.append(DecodeGroup(start, idx, m))
-    for q_start, q_len, ctx, has_gather, has_mask in chunk_desc:
-        gather = m = None
-        if has_gather:
-            gather, off = ints[off:off + ctx], off + ctx
+    for q_start, q_len, ctx, nblk, has_mask in chunk_desc:
+        blocks = m = None
+        if nblk:
+            blocks, off = ints[off:off + nblk], off + nblk
         if has_mask:
-            m, moff = mask[moff:moff + q_len * ctx].view(q_len, ctx), moff + q_len * ctx
-        meta.prefills.append(PrefillChunk(q_start, q_len, ctx, gather, m))
+            keys = nblk * bs if nblk else ctx
+            m, moff = mask[moff:moff + q_len * keys].view(q_len, keys), moff + q_len * keys
+        meta.prefills.append(PrefillChunk(q_start, q_len, ctx, blocks, m))
     return ids, positions, meta

@@ -27,10 +27,10 @@ def test_step_encoding_round_trips():
     assert torch.equal(meta2.slot_mapping, meta.slot_mapping)
     assert len(meta2.decode_groups) == len(meta.decode_groups) >= 2
     for a, b in zip(meta.decode_groups, meta2.decode_groups):
-        assert a.start == b.start and torch.equal(a.gather_idx, b.gather_idx) and torch.equal(a.mask, b.mask)
+        assert a.start == b.start and torch.equal(a.block_idx, b.block_idx) and torch.equal(a.mask, b.mask)
     for a, b in zip(meta.prefills, meta2.prefills):
         assert (a.q_start, a.q_len, a.ctx_len) == (b.q_start, b.q_len, b.ctx_len)
-        for x, y in ((a.gather_idx, b.gather_idx), (a.mask, b.mask)):
+        for x, y in ((a.block_idx, b.block_idx), (a.mask, b.mask)):
             assert (x is None and y is None) or torch.equal(x, y)
 
 
