@@ -159,8 +159,8 @@ class Scheduler:
             hit = self._match_prefix(req)
             req.num_computed_tokens = len(hit) * self.block_size
             if inflight and self._next_block_inflight(req, len(hit), inflight):
-                # A running request is computing this request's next block right now: wait a step
-                # or two and hit the cache instead of computing the same prefix again.
+                # Another request is computing or loading this request's next block right now: wait
+                # a step or two and hit the cache instead of computing or fetching it again.
                 req.num_computed_tokens = 0
                 continue
             fetch = self._tier_hit(req, len(hit))
@@ -171,8 +171,10 @@ class Scheduler:
                                     bool(req.prefill_peers)) and not req.output_token_ids:
                 if not self._admit_loading(req, hit, step):
                     break
+                self._mark_inflight(req, inflight)
                 continue
             if fetch and self._admit_fetch(req, hit, fetch, step):
+                self._mark_inflight(req, inflight)
                 continue
             if budget <= 0:
                 req.num_computed_tokens = 0
@@ -196,22 +198,30 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if self.pool.prefix_cache is not None:      # later arrivals in this step may share its blocks
-                inflight.update(self._hashes(req, req.num_prompt_tokens // self.block_size)[len(hit):])
+            self._mark_inflight(req, inflight)
             step.scheduled.append((req, num_new))
             budget -= num_new
         return step
 
     def _inflight_hashes(self) -> set[bytes]:
-        """Hashes of the prompt blocks running requests are computing and have not cached yet."""
-        if self.pool.prefix_cache is None:
-            return set()
+        """Hashes of the prompt blocks that running requests are computing, and loading requests
+        are receiving (from a tier or a prefill peer), and that are not cached yet: a request
+        that needs them next waits for them instead of computing or fetching them a second time."""
         out: set[bytes] = set()
-        for r in self.running:
-            full = r.num_prompt_tokens // self.block_size
-            if r.num_cached_blocks < full:
-                out.update(self._hashes(r, full)[r.num_cached_blocks:])
+        for r in (*self.running, *self.loading.values()):
+            self._mark_inflight(r, out)
         return out
+
+    def _mark_inflight(self, req: Request, inflight: set[bytes]) -> None:
+        """Add the prompt blocks `req` will fill and has not cached yet: all of them when it computes
+        its prompt, the stretch it holds blocks for when it is loading."""
+        if self.pool.prefix_cache is None:
+            return
+        full = req.num_prompt_tokens // self.block_size
+        if req.status == RequestStatus.LOADING:
+            full = min(full, len(req.block_ids))
+        if req.num_cached_blocks < full:
+            inflight.update(self._hashes(req, full)[req.num_cached_blocks:])
 
     def _next_block_inflight(self, req: Request, num_hit: int, inflight: set[bytes]) -> bool:
         if req.output_token_ids or num_hit >= (req.num_tokens - 1) // self.block_size:

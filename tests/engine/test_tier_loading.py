@@ -270,3 +270,25 @@ def test_cache_tier_flags_reach_the_config():
     assert (cc.host_cache_gb, cc.disk_cache_dir, cc.disk_cache_gb, cc.remote, cc.kv_events_endpoint) == \
         (2.0, "/tmp/kv", 8.0, "redis://127.0.0.1:6379/0", "tcp://*:5557")
     assert load_config(None, _overrides(p.parse_args([]))).cache.host_cache_gb == 0.0    # off by default
+
+
+def test_requests_sharing_a_prefix_in_a_tier_fetch_it_once(engines, loaded):
+    e = engines()
+    prefix = _tokens(e, "one prefix that two users send at the same moment", 40)     # 10 blocks
+    _warm(e, prefix)
+    prompts = {"a": prefix + [7, 8, 9], "b": prefix + [9, 8, 7, 6, 5]}
+    gate = Gate(e.tiers.store)
+    for r, ids in prompts.items():
+        e.add_request(r, ids, _params())
+    out: dict[str, list[int]] = {}
+    _step(e, out)
+    # "a" fetches the prefix; "b" needs the same next block and waits for it instead of a second fetch.
+    assert e.requests["a"].status == RequestStatus.LOADING
+    assert e.requests["b"].status == RequestStatus.WAITING
+    gate.open.set()
+    _drain(e, out)
+    s = e.stats()
+    assert s["tier_fetch_requests_total"] == 1 and s["tier_fetched_tokens_total"] == len(prefix)
+    assert s["prefill_tokens_computed"] == len(prefix) + 3 + 5        # the warm-up, then each tail once
+    assert out == _reference(loaded, prompts, {"a": 6, "b": 6})
+    _assert_idle(e)
