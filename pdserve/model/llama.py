@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.linear import linear
 from pdserve.model.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -18,23 +19,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-SMALL_BATCH_ROWS = 11
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T. On CPU, up to SMALL_BATCH_ROWS rows (every decode step of a small batch) run as
-    w @ x.T: MKL streams the weight through a faster kernel that way. Measured here over the 30
-    layers' GEMMs: 2 rows 14 vs 60 ms as F.linear, 4 rows 21 vs 47, 8 rows 34 vs 41 (from 12 rows
-    on, F.linear is as fast or faster). One row takes a slower matrix-vector path either way, so
-    it is padded to two: 14 vs 26 ms."""
-    m = x.shape[0]
-    if x.device.type != "cpu" or m > SMALL_BATCH_ROWS or m == 0:
-        return F.linear(x, w)
-    if m == 1:
-        return torch.mm(w, torch.cat([x, x]).t())[:, :1].t().contiguous()
-    return torch.mm(w, x.t()).t().contiguous()
 
 
 class DenseMLP:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from pdserve.eplb.dispatch import dispatch, log2phy
 from pdserve.model.arch import ModelArch
+from pdserve.model.linear import linear
 
 
 def select_experts(logits: torch.Tensor, arch: ModelArch, bias: torch.Tensor | None = None
@@ -94,8 +95,8 @@ def routed_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
     for s, n in enumerate(counts):
         if n == 0:
             continue
-        gate, up = F.linear(xs[start:start + n], pl.gate_up[s]).chunk(2, dim=-1)
-        ys[start:start + n] = F.linear(F.silu(gate) * up, pl.down[s])
+        gate, up = linear(xs[start:start + n], pl.gate_up[s]).chunk(2, dim=-1)
+        ys[start:start + n] = linear(F.silu(gate) * up, pl.down[s])
         start += n
     ys *= weights.reshape(-1)[pos].unsqueeze(1)
     return out.index_add_(0, tok, ys)
