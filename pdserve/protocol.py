@@ -201,6 +201,9 @@ class InternalGenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_id: str
     prompt_token_ids: list[int] = Field(min_length=1)
+    # Tokens the request already generated on a worker that died (a migrated stream): the worker
+    # recomputes them with the prompt and continues as output token len(output_token_ids).
+    output_token_ids: list[int] = Field(default_factory=list)
     sampling: dict[str, Any] = Field(default_factory=dict)
     cache_salt: str | None = None
 

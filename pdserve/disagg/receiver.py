@@ -275,8 +275,7 @@ class DecodeConnector(KVConnector):
                     self.counters["kv_transfer_bytes_total"] += msg.get("bytes", 0)
                     # Job lifetime (queue + compute + writes); the prefill side reports link GB/s.
                     self.counters["kv_transfer_seconds_total"] += now - pend.transfer.started_at
-                    outputs.append(engine.complete_load(pend.req, msg["token"], _logprob_or_none(msg.get("logprob")),
-                                                        msg.get("generator_state")))
+                    outputs.append(engine.complete_load(pend.req, msg["token"], _logprob_or_none(msg.get("logprob"))))
                 elif t == PD_FAILED:
                     self._fail(engine, pend, f"prefill worker failed: {msg.get('reason')}", now)
             except Exception as e:  # noqa: BLE001 - an out-of-order peer fails its transfer

@@ -345,10 +345,9 @@ class PrefillConnector(KVConnector):
         elif out.finish_reason in ("length", "stop") and sink.error is None and out.new_token_ids:
             sink.transfer.on("done", now)
             lp = out.new_logprobs[0] if out.new_logprobs else None
-            gen = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
             self._send(sink.job, {"type": PD_DONE, "token": out.new_token_ids[0],
                                   "logprob": None if lp is None else lp.to_wire(),
-                                  "generator_state": gen, "bytes": sink.bytes_sent,
+                                  "bytes": sink.bytes_sent,
                                   "seconds": now - sink.transfer.started_at})
         else:
             reason = sink.error or sink.transfer.reason or f"prefill ended: {out.finish_reason}"

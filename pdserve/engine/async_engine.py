@@ -42,14 +42,16 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None, prefill_peer: str | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
-        """Yields deltas until the request finishes. Cancelling the consumer aborts the request."""
+                       output_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields deltas until the request finishes. Cancelling the consumer aborts the request.
+        `output_token_ids`: see LLMEngine.add_request."""
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
-        self.engine.check_request(prompt_token_ids, params)   # pure check, raises InvalidParam
+        self.engine.check_request(prompt_token_ids, params, output_token_ids)   # pure check, raises InvalidParam
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._post(("add", request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prefill_peer))
+        self._post(("add", request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prefill_peer,
+                    output_token_ids))
         finished = False
         try:
             while True:
@@ -93,12 +95,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, arrival, salt, peer = cmd
+                _, rid, ids, params, arrival, salt, peer, outputs = cmd
                 if rid not in self._streams:        # cancelled before it reached the engine
                     continue
                 try:
                     self.engine.add_request(rid, ids, params, arrival_time=arrival, cache_salt=salt,
-                                            prefill_peer=peer)
+                                            prefill_peer=peer, output_token_ids=outputs)
                 except Exception as e:  # noqa: BLE001 - delivered to the request's consumer
                     self._deliver(rid, e)
             elif cmd[0] == "abort":

@@ -108,20 +108,26 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      output_token_ids: list[int] | None = None) -> None:
         """Raise InvalidParam for a request that cannot run; nothing is allocated."""
-        check_prompt(prompt_token_ids, params, self.arch.vocab_size, self.max_model_len)
+        check_prompt(prompt_token_ids, params, self.arch.vocab_size, self.max_model_len, output_token_ids)
         if blocks_needed(len(prompt_token_ids) + (params.max_tokens or 1), self.block_size) > self.pool.num_blocks:
             raise InvalidParam(f"the request needs more KV blocks than the pool holds ({self.pool.num_blocks})",
                                "max_tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    prefill_peer: str | None = None, kv_sink: object | None = None) -> None:
+                    prefill_peer: str | None = None, kv_sink: object | None = None,
+                    output_token_ids: list[int] | None = None) -> None:
+        """`output_token_ids`: tokens this request already generated elsewhere (a migrated stream):
+        they are recomputed with the prompt and count as output for max_tokens, penalties and
+        seeded draws, so the request goes on exactly as it would have where it started."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
-        self.check_request(prompt_token_ids, params)
-        req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
+        self.check_request(prompt_token_ids, params, output_token_ids)
+        req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
+                      output_token_ids=list(output_token_ids or ()))
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.prefill_peers = self.connector.order_peers(prefill_peer)
@@ -154,13 +160,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ KV from peers (decode role)
 
-    def complete_load(self, req: Request, token: int, logprob: TokenLogprob | None,
-                      generator_state: bytes | None) -> RequestOutput:
+    def complete_load(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         """A prefill worker filled every prompt block and sampled the first token."""
         self.scheduler.finish_loading(req)
         self.scheduler.cache_computed_blocks(req)
-        if req.generator is not None and generator_state:
-            req.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
         return self._on_token(req, token, logprob)
 
     def retry_load(self, req: Request, held: list[int]) -> None:

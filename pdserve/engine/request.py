@@ -36,6 +36,18 @@ class TokenLogprob:
         return cls(int(token_id), float(logprob), int(rank), [(int(t), float(lp)) for t, lp in top])
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """A well-mixed 63-bit seed for draw `index` of a request seeded with `seed` (splitmix64's
+    finalizer: neighbouring indices give unrelated streams)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
 @dataclass
 class Request:
     request_id: str
@@ -52,7 +64,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    sample_seed: int | None = None      # None when greedy; see `draw_generator`
     cache_salt: str | None = None       # tenants with different salts never share cached blocks
     block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks so far
     num_cached_blocks: int = 0          # leading blocks already registered in the prefix cache
@@ -62,8 +74,7 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
         if not self.params.greedy:
-            seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
-            self.generator = torch.Generator().manual_seed(seed)
+            self.sample_seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,6 +87,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    def draw_generator(self) -> torch.Generator:
+        """The generator for drawing output token number len(output_token_ids): a function of the
+        seed and that index only, so a request that continues elsewhere (the decode worker after the
+        prefill worker drew the first token, a stream migrated after its worker died) draws exactly
+        what it would have drawn where it started, with no generator state to carry."""
+        return torch.Generator().manual_seed(draw_seed(self.sample_seed or 0, len(self.output_token_ids)))
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,7 +1,8 @@
 """Turn logits into tokens: penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
 
-Each row is processed on its own (one generator per request), so a request samples the same
-tokens whatever else shares its batch.
+Each row is processed on its own, and each draw uses a generator seeded from the request's seed
+and the draw's index (`Request.draw_generator`), so a request samples the same tokens whatever
+else shares its batch and wherever it runs.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[T
             continue
         row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = row.softmax(-1)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=req.generator))
+        tokens[i] = int(torch.multinomial(probs, 1, generator=req.draw_generator()))
     out_logprobs: list[TokenLogprob | None] = [None] * len(reqs)
     for i, req in enumerate(reqs):
         if req.params.logprobs is not None:

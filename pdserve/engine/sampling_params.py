@@ -66,15 +66,24 @@ class SamplingParams:
 
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                 max_model_len: int | None) -> None:
+                 max_model_len: int | None, output_token_ids: list[int] | None = None) -> None:
     """Raise InvalidParam for a request no engine of this model could run: the checks a worker and
-    the router share (max_model_len None: not known yet, not checked)."""
+    the router share (max_model_len None: not known yet, not checked). `output_token_ids`: tokens
+    already generated (a migrated stream); they must leave room for at least one more."""
     params.validate(vocab_size)
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidParam("the prompt is empty", "prompt")
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         raise InvalidParam("the prompt holds token ids outside the vocabulary", "prompt")
+    if output_token_ids:
+        if any(not 0 <= t < vocab_size for t in output_token_ids):
+            raise InvalidParam("output_token_ids holds token ids outside the vocabulary", "output_token_ids")
+        if params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
+            raise InvalidParam("output_token_ids already holds max_tokens tokens", "output_token_ids")
+        if max_model_len and n + len(output_token_ids) >= max_model_len:
+            raise InvalidParam(f"prompt and output_token_ids fill the maximum context length ({max_model_len})",
+                               "output_token_ids")
     max_tokens = params.max_tokens or 1
     if max_model_len and n + max_tokens > max_model_len:
         raise InvalidParam(f"this model's maximum context length is {max_model_len} tokens; the request "

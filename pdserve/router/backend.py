@@ -119,17 +119,18 @@ class RemoteBackend:
             try:
                 while True:
                     remaining = None if params.max_tokens is None else params.max_tokens - len(generated)
-                    prompt = prompt_token_ids + generated
-                    decode, reason = self.pick("decode", prompt, remaining or 16, cache_salt, failed)
+                    context = prompt_token_ids + generated      # what the chosen worker will hold
+                    decode, reason = self.pick("decode", context, remaining or 16, cache_salt, failed)
                     if decode is None:
                         raise APIError(503, f"no decode worker can take this request ({reason})",
                                        code="no_workers", headers={"Retry-After": "1"})
-                    prefill, _ = self.pick("prefill", prompt, 1, cache_salt, set()) \
+                    prefill, _ = self.pick("prefill", context, 1, cache_salt, set()) \
                         if self.registry.pool("prefill") else (None, "")
-                    sampling = {**wire.__dict__, "max_tokens": remaining}
                     try:
-                        stream = self._stream(decode, prefill, f"{request_id}-{attempts}", prompt, sampling,
-                                              cache_salt)
+                        # A migrated stream hands over what it generated as output, not as prompt: the
+                        # new worker counts it for max_tokens, penalties and seeded draws.
+                        stream = self._stream(decode, prefill, f"{request_id}-{attempts}", prompt_token_ids,
+                                              list(generated), wire.__dict__, cache_salt)
                         async with aclosing(stream):
                             async for tokens, lps, finished, reason in stream:
                                 out_tokens: list[int] = []
@@ -179,21 +180,24 @@ class RemoteBackend:
                     decode.worker_id, e)
         return 1
 
-    async def _stream(self, w: Worker, prefill: Worker | None, rid: str, prompt: list[int], sampling: dict,
-                      salt: str | None) -> AsyncIterator[tuple[list[int], list[TokenLogprob] | None, bool, str | None]]:
+    async def _stream(self, w: Worker, prefill: Worker | None, rid: str, prompt: list[int], generated: list[int],
+                      sampling: dict, salt: str | None
+                      ) -> AsyncIterator[tuple[list[int], list[TokenLogprob] | None, bool, str | None]]:
         headers = dict(self.registry.headers)
-        if prefill is not None and prefill.kv_endpoint:
+        if prefill is not None and prefill.kv_endpoint and not generated:
             headers[PREFILL_HEADER] = prefill.kv_endpoint
-        body = {"request_id": rid, "prompt_token_ids": prompt, "sampling": sampling, "cache_salt": salt}
+        body = {"request_id": rid, "prompt_token_ids": prompt, "output_token_ids": generated, "sampling": sampling,
+                "cache_salt": salt}
         now = time.monotonic()
+        context = len(prompt) + len(generated)      # what the worker computes before its first token
+        budget, taken = max(0, (sampling.get("max_tokens") or 0) - len(generated)), 0
         w.breaker.on_attempt()
         w.in_flight += 1
         w.requests += 1
-        w.queued_prefill_tokens += len(prompt)
-        w.decode_tokens += sampling.get("max_tokens") or 0
+        w.queued_prefill_tokens += context
+        w.decode_tokens += budget
         self.metrics.requests.labels(w.worker_id).inc()
         prefilled = False
-        budget, taken = sampling.get("max_tokens") or 0, 0
         try:
             try:
                 req = self.client.build_request("POST", w.url + "/internal/generate", json=body, headers=headers)
@@ -224,7 +228,7 @@ class RemoteBackend:
                         raise WorkerFailed(err.get("message", "worker error"))
                     if not prefilled:
                         prefilled = True
-                        w.queued_prefill_tokens -= len(prompt)
+                        w.queued_prefill_tokens -= context
                     d = min(len(msg["token_ids"]), budget - taken)
                     taken += d
                     w.decode_tokens -= d
@@ -241,7 +245,7 @@ class RemoteBackend:
         finally:
             w.in_flight -= 1
             if not prefilled:
-                w.queued_prefill_tokens -= len(prompt)
+                w.queued_prefill_tokens -= context
             w.decode_tokens -= budget - taken
 
     def _failure(self, w: Worker, now: float) -> None:

@@ -51,7 +51,7 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
             raise APIError(503, "the worker is shutting down", code="shutting_down", headers={"Retry-After": "1"})
         try:
             params = SamplingParams(**req.sampling)
-            engine.engine.check_request(req.prompt_token_ids, params)
+            engine.engine.check_request(req.prompt_token_ids, params, req.output_token_ids)
         except TypeError as e:
             raise APIError(400, f"bad sampling parameters: {e}", "sampling", "invalid_value") from e
         except InvalidParam as e:
@@ -61,7 +61,8 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
 
         async def lines():
             try:
-                async for out in engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt, peer):
+                async for out in engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt, peer,
+                                                 req.output_token_ids):
                     yield json.dumps({"token_ids": out.new_token_ids,
                                       "logprobs": [lp.to_wire() for lp in out.new_logprobs] or None,
                                       "finished": out.finished, "finish_reason": out.finish_reason,

@@ -33,6 +33,29 @@ def test_seeded_sampling_reproducible_and_batch_independent(llm):
     assert batch[1].token_ids == alone
 
 
+def test_a_request_resumed_from_its_outputs_continues_exactly(llm):
+    # What a migrated stream does: the new worker gets the prompt plus the tokens generated so far
+    # as output; seeded draws, penalties and max_tokens carry on as if nothing had happened.
+    eng = llm.engine
+    prompt = llm.tokenizer.encode("resume me somewhere else")
+    for p in (SamplingParams(temperature=0.9, top_p=0.95, seed=5, presence_penalty=0.5, frequency_penalty=0.3,
+                             max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True)):
+        full = llm.generate([prompt], p)[0].token_ids
+        assert len(full) == 12
+        free = eng.pool.num_free
+        eng.add_request("resumed", prompt, p, output_token_ids=full[:5])
+        rest: list[int] = []
+        while eng.has_unfinished():
+            for out in eng.step():
+                rest.extend(out.new_token_ids)
+                if out.finished:
+                    assert out.finish_reason == "length" and out.num_output_tokens == 12
+        assert rest == full[5:] and eng.pool.num_free == free
+    with pytest.raises(InvalidParam):       # nothing left to generate
+        eng.add_request("over", prompt, SamplingParams(max_tokens=3), output_token_ids=[5, 6, 7])
+
+
 def test_rejects_impossible_requests_without_allocating(llm):
     free = llm.engine.pool.num_free
     with pytest.raises(InvalidParam):

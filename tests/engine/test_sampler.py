@@ -43,16 +43,25 @@ def test_greedy_and_seeded_sampling_are_reproducible_and_batch_independent():
     logits = torch.randn(3, 50)
     greedy, _ = sample(logits, [_req(f"g{i}", temperature=0) for i in range(3)])
     assert greedy == logits.argmax(-1).tolist()
-    draws = []
-    for _ in range(2):
-        reqs = [_req("s", temperature=1.0, seed=42), _req("t", temperature=1.0, seed=7)]
-        seq = [sample(logits[:2], reqs)[0] for _ in range(20)]
-        draws.append(seq)
+
+    def run(logits: torch.Tensor, reqs: list, steps: int = 20) -> list[list[int]]:
+        seq = []
+        for _ in range(steps):
+            tokens, _ = sample(logits, reqs)
+            for r, t in zip(reqs, tokens):
+                r.append_token(t)           # the next draw is the request's next output index
+            seq.append(tokens)
+        return seq
+
+    draws = [run(logits[:2], [_req("s", temperature=1.0, seed=42), _req("t", temperature=1.0, seed=7)])
+             for _ in range(2)]
     assert draws[0] == draws[1]
     # The same seeded request alone gives the same draws as inside the batch.
-    alone = _req("s", temperature=1.0, seed=42)
-    assert [sample(logits[:1], [alone])[0][0] for _ in range(20)] == [d[0] for d in draws[0]]
+    assert [d[0] for d in run(logits[:1], [_req("s", temperature=1.0, seed=42)])] == [d[0] for d in draws[0]]
     assert len({d[0] for d in draws[0]}) > 1        # it really samples
+    # A draw depends on the seed and its index only: a copy that starts at output 10 draws the same.
+    later = _req("s", temperature=1.0, seed=42, out=tuple(d[0] for d in draws[0][:10]))
+    assert [d[0] for d in run(logits[:1], [later], 10)] == [d[0] for d in draws[0][10:]]
 
 
 def test_sampling_follows_the_distribution():
@@ -60,7 +69,9 @@ def test_sampling_follows_the_distribution():
     req = _req(temperature=1.0, seed=3)
     counts = [0, 0, 0]
     for _ in range(2000):
-        counts[sample(logits, [req])[0][0]] += 1
+        t = sample(logits, [req])[0][0]
+        req.append_token(t)
+        counts[t] += 1
     assert abs(counts[0] / 2000 - 0.7) < 0.05 and abs(counts[2] / 2000 - 0.1) < 0.03
 
 

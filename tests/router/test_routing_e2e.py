@@ -62,26 +62,37 @@ def test_follow_up_goes_to_the_decode_worker_holding_its_prefix(tmp_path):
         assert other != drained
 
 
+def _stream_and_kill(url: str, prompt: str, params: dict, kill_at: int) -> tuple[str, str]:
+    """Stream a completion; after `kill_at` chunks, SIGKILL the decode worker serving it."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(model="smollm2-135m", prompt=prompt, stream=True,
+                                       extra_body={"ignore_eos": True}, **params)
+    text, chunks, killed = [], 0, None
+    for chunk in stream:
+        text.append(chunk.choices[0].text)
+        chunks += 1
+        if chunks == kill_at:
+            [victim] = [w for w in _workers(url) if w["role"] == "decode" and w["load"]["in_flight"]]
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed = victim["id"]
+    assert killed is not None
+    return "".join(text), killed
+
+
 def test_killed_decode_worker_mid_stream_is_migrated(tmp_path, smollm_llm):
     prompt = "Write a long story about a lighthouse keeper and a storm. Chapter one:"
-    want = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))[0]
+    greedy = {"temperature": 0, "max_tokens": 200}
+    # Seeded sampling with penalties: the new worker must go on with the same draws and counts.
+    seeded = {"temperature": 0.8, "top_p": 0.95, "seed": 7, "presence_penalty": 0.4, "max_tokens": 120}
+    want = {name: smollm_llm.generate(prompt, SamplingParams(ignore_eos=True, **p))[0].text
+            for name, p in (("greedy", greedy), ("seeded", seeded))}
     port = free_port()
-    cmd = pdserve_cmd() + ["serve", "--model", "smollm2-135m", "--prefill", "1", "--decode", "2",
+    cmd = pdserve_cmd() + ["serve", "--model", "smollm2-135m", "--prefill", "1", "--decode", "3",
                            "--port", str(port), "--max-model-len", "1024"]
     with ServerProcess(cmd, port, tmp_path / "pd.log") as srv:
         srv.wait_ready(timeout=300)
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        stream = client.completions.create(model="smollm2-135m", prompt=prompt, temperature=0, max_tokens=200,
-                                           stream=True, extra_body={"ignore_eos": True})
-        text, chunks, killed = [], 0, None
-        for chunk in stream:
-            text.append(chunk.choices[0].text)
-            chunks += 1
-            if chunks == 30:
-                [victim] = [w for w in _workers(srv.url) if w["role"] == "decode" and w["load"]["in_flight"]]
-                os.kill(victim["pid"], signal.SIGKILL)
-                killed = victim["id"]
-        assert killed is not None
-        assert "".join(text) == want.text
-        migrated = {w["id"]: w["migrations"] for w in _workers(srv.url)}
-        assert migrated[killed] == 1
+        for name, params in (("greedy", greedy), ("seeded", seeded)):
+            text, killed = _stream_and_kill(srv.url, prompt, params, kill_at=30)
+            assert text == want[name], name
+            migrated = {w["id"]: w["migrations"] for w in _workers(srv.url)}
+            assert migrated[killed] == 1
