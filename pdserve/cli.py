@@ -33,8 +33,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch compute threads")
     p.add_argument("--seed", type=int, help="seed of tiny random model weights")
     p.add_argument("--expert-parallel", type=int, help="MoE models: processes sharing the experts (EP ranks)")
-    p.add_argument("--host")
+    p.add_argument("--host", help="address to bind (0.0.0.0: every interface)")
     p.add_argument("--port", type=int)
+    p.add_argument("--advertise-host", help="address the router and peers reach this worker at, when --host binds "
+                                            "every interface (default: PDSERVE_ADVERTISE_HOST, else this machine's)")
     p.add_argument("--transfer-backend", choices=["auto", "shm", "tcp", "mooncake", "nixl"],
                    help="how KV moves from prefill to decode (mooncake, nixl: optional extras)")
     p.add_argument("--local-prefill-max-tokens", type=int,
@@ -54,7 +56,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "scheduler.max_num_seqs": args.max_num_seqs,
         "scheduler.max_num_batched_tokens": args.max_num_batched_tokens, "server.threads": args.threads,
         "server.served_model_name": args.served_model_name,
-        "server.host": args.host, "server.port": args.port,
+        "server.host": args.host, "server.port": args.port, "server.advertise_host": args.advertise_host,
         "transfer.backend": args.transfer_backend, "disagg.local_prefill_max_tokens": args.local_prefill_max_tokens,
         "deployment.mode": getattr(args, "mode", None),
         "deployment.prefill.instances": getattr(args, "prefill", None),
@@ -66,11 +68,8 @@ def _overrides(args: argparse.Namespace) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from pdserve.bench.cli import main as bench_main
-        return bench_main(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """The `pdserve` command line (`bench` has its own, see bench/cli.py)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with PD disaggregation")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start a deployment serving the OpenAI API")
@@ -92,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--port-file", help="write the bound HTTP port here once listening (with --port 0)")
     _add_engine_flags(worker)
     sub.add_parser("bench", help="load generator and report (pdserve bench --help)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from pdserve.bench.cli import main as bench_main
+        return bench_main(argv[1:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -54,6 +54,9 @@ class SchedulerConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    # The address the router and peers use to reach this worker when `host` binds every interface
+    # (None: PDSERVE_ADVERTISE_HOST, else this machine's address; see utils/net.py).
+    advertise_host: str | None = None
     served_model_name: str | None = None
     threads: int | None = None          # torch compute threads; None leaves torch's default
     shutdown_timeout_s: float = 30.0    # SIGTERM: how long running requests may take to finish

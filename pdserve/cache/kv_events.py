@@ -22,6 +22,7 @@ import zmq
 
 from pdserve.cache.kv_index import TIER_RANK, KVIndex, hash_hex
 from pdserve.protocol import KV_TIERS, KVEvent, KVEventBatch, KVSnapshot
+from pdserve.utils.net import with_host
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,9 @@ def _check_tier(tier: str) -> None:
 class KVEventPublisher:
     def __init__(self, endpoint: str, worker_id: str, snapshot_endpoint: str | None = None, *,
                  max_pending: int = 100_000, sndhwm: int = 10_000, max_batch: int = 1000,
-                 context: zmq.Context | None = None) -> None:
-        """Binds both sockets now (errors surface here); tcp://host:* picks a free port, see .endpoint."""
+                 context: zmq.Context | None = None, advertise_host: str | None = None) -> None:
+        """Binds both sockets now (errors surface here); tcp://host:* picks a free port, see .endpoint
+        (named with `advertise_host` when given: what subscribers on other machines connect to)."""
         self.worker_id = worker_id
         self.max_pending = max_pending
         self.max_batch = max_batch
@@ -58,6 +60,10 @@ class KVEventPublisher:
                 self._snap.setsockopt(zmq.LINGER, 0)
                 self._snap.bind(snapshot_endpoint)
                 self.snapshot_endpoint = self._snap.getsockopt_string(zmq.LAST_ENDPOINT)
+            if advertise_host:
+                self.endpoint = with_host(self.endpoint, advertise_host)
+                if self.snapshot_endpoint:
+                    self.snapshot_endpoint = with_host(self.snapshot_endpoint, advertise_host)
         except zmq.ZMQError:
             self._pub.close()
             if self._snap is not None:

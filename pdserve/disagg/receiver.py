@@ -41,6 +41,7 @@ from pdserve.protocol import (
     pack,
     unpack,
 )
+from pdserve.utils.net import with_host
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine, RequestOutput
@@ -61,7 +62,8 @@ class Pending:
 
 class DecodeConnector(KVConnector):
     def __init__(self, config: Config, kv_cache: torch.Tensor, shm_path: str | None, bind_endpoint: str,
-                 advertise_endpoint: str | None = None) -> None:
+                 advertise_host: str | None = None) -> None:
+        """`advertise_host`: the host prefill workers reach this one at (see utils/net.py)."""
         self.config = config
         self.model = config.server.served_model_name or config.model.name
         self.block_size = config.cache.block_size
@@ -86,7 +88,9 @@ class DecodeConnector(KVConnector):
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(bind_endpoint)
-        self.endpoint = advertise_endpoint or self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        if advertise_host:
+            self.endpoint = with_host(self.endpoint, advertise_host)
         # mooncake, nixl: prefill workers write into the registered pool one-sidedly; nothing here
         # receives those bytes, PD_DONE still says when they are all in.
         backend = config.transfer.backend

@@ -53,6 +53,7 @@ from pdserve.protocol import (
     pack,
     unpack,
 )
+from pdserve.utils.net import with_host
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine, RequestOutput
@@ -76,7 +77,8 @@ class KVSink:
 
 
 class PrefillConnector(KVConnector):
-    def __init__(self, config: Config, kv_cache, bootstrap_endpoint: str) -> None:
+    def __init__(self, config: Config, kv_cache, bootstrap_endpoint: str, advertise_host: str | None = None) -> None:
+        """`advertise_host`: the host decode workers reach this one at (see utils/net.py)."""
         self.config = config
         self.block_size = config.cache.block_size
         self.model = config.server.served_model_name or config.model.name
@@ -110,6 +112,8 @@ class PrefillConnector(KVConnector):
         self._bootstrap.setsockopt(zmq.LINGER, 0)
         self._bootstrap.bind(bootstrap_endpoint)
         self.endpoint = self._bootstrap.getsockopt_string(zmq.LAST_ENDPOINT)
+        if advertise_host:
+            self.endpoint = with_host(self.endpoint, advertise_host)
         # Started here so a missing package fails the worker at start, not each job; used by the
         # sender thread only from then on.
         self._mooncake = (MooncakeEndpoint(endpoint_host(self.endpoint), self.src)

@@ -16,10 +16,15 @@ from pdserve.protocol import (
     WorkerRegistration,
 )
 from pdserve.server.errors import error_response
-from pdserve.server.internal_api import RequireInternalToken, install_internal_routes, internal_token
+from pdserve.server.internal_api import (
+    RequireInternalToken,
+    install_internal_routes,
+    internal_token,
+)
 from pdserve.server.metrics import RequestTimer, ServerMetrics
 from pdserve.server.openai_api import OpenAIHandlers, install_openai_api
-from pdserve.server.roles import build_engine, worker_name
+from pdserve.server.roles import build_engine, public_host, worker_name
+from pdserve.utils.net import with_host
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +89,7 @@ async def register_with_router(config: Config, model_name: str) -> None:
     import httpx
     s = config.server
     reg = WorkerRegistration(worker_id=worker_name(config), role=config.worker.role, model=model_name,
-                             url=f"http://{s.host}:{s.port}", pid=os.getpid(),
+                             url=with_host(f"http://{s.host}:{s.port}", public_host(config)), pid=os.getpid(),
                              capacity=config.scheduler.max_num_seqs)
     token = internal_token(s.internal_token)
     headers = {INTERNAL_TOKEN_HEADER: token} if token else {}

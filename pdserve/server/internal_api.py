@@ -27,15 +27,19 @@ def internal_token(configured: str | None) -> str | None:
     return configured or os.environ.get("PDSERVE_INTERNAL_TOKEN") or None
 
 
+# Probes and Prometheus scrape these without the secret; they only read state.
+OPEN_PATHS = ("/health", "/metrics")
+
+
 class RequireInternalToken:
-    """Pure-ASGI gate: with a token configured, every route but /health needs it."""
+    """Pure-ASGI gate: with a token configured, every route but OPEN_PATHS needs it."""
 
     def __init__(self, app: ASGIApp, token: str) -> None:
         self.app = app
         self.token = token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope.get("headers") or []).get(INTERNAL_TOKEN_HEADER.encode(), b"")
             if not hmac.compare_digest(given, self.token):
                 await error_response(401, "this worker accepts requests from its router only",

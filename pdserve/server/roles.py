@@ -7,6 +7,7 @@ from pdserve.cache.kv_cache import new_shm_path
 from pdserve.config import Config
 from pdserve.engine.engine import LLMEngine
 from pdserve.model.loader import LoadedModel
+from pdserve.utils.net import advertise_host
 
 log = logging.getLogger(__name__)
 ROLES = ("mixed", "prefill", "decode")
@@ -17,9 +18,14 @@ def kv_bind_endpoint(config: Config) -> str:
     return f"tcp://{config.server.host}:{port if port else '*'}"
 
 
+def public_host(config: Config) -> str:
+    """The host this worker's URL and endpoints name for other processes."""
+    return advertise_host(config.server.host, config.server.advertise_host)
+
+
 def worker_name(config: Config) -> str:
     """This worker's id in KV events and at the router."""
-    return config.worker.worker_id or f"{config.worker.role}@{config.server.host}:{config.server.port}"
+    return config.worker.worker_id or f"{config.worker.role}@{public_host(config)}:{config.server.port}"
 
 
 def kv_event_publisher(config: Config):
@@ -33,7 +39,7 @@ def kv_event_publisher(config: Config):
         ep = cc.kv_events_endpoint
         snapshot = ep.rsplit(":", 1)[0] + ":*" if ep.startswith("tcp://") else ep + "-snapshot"
     worker_id = worker_name(config)
-    pub = KVEventPublisher(cc.kv_events_endpoint, worker_id, snapshot)
+    pub = KVEventPublisher(cc.kv_events_endpoint, worker_id, snapshot, advertise_host=public_host(config))
     log.info("KV events on %s, snapshots on %s", pub.endpoint, pub.snapshot_endpoint)
     return pub
 
@@ -50,11 +56,11 @@ def build_engine(config: Config, loaded: LoadedModel | None = None) -> LLMEngine
         # Prefill workers on this host write straight into a pool in shared memory.
         shm = str(new_shm_path()) if config.transfer.backend in ("auto", "shm") else None
         engine = LLMEngine(config, loaded, shm_path=shm, kv_events=events)
-        engine.connector = DecodeConnector(config, engine.kv_cache, shm, kv_bind_endpoint(config))
+        engine.connector = DecodeConnector(config, engine.kv_cache, shm, kv_bind_endpoint(config), public_host(config))
     elif role == "prefill":
         from pdserve.disagg.sender import PrefillConnector
         engine = LLMEngine(config, loaded, kv_events=events)
-        engine.connector = PrefillConnector(config, engine.kv_cache, kv_bind_endpoint(config))
+        engine.connector = PrefillConnector(config, engine.kv_cache, kv_bind_endpoint(config), public_host(config))
     else:
         engine = LLMEngine(config, loaded, kv_events=events)
     endpoint = getattr(engine.connector, "endpoint", None)

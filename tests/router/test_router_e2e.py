@@ -77,6 +77,7 @@ def _auth(key: str = KEY) -> dict:
 
 def test_worker_requires_the_internal_token(worker):
     assert httpx.get(worker.url + "/health").status_code == 200
+    assert httpx.get(worker.url + "/metrics").status_code == 200       # Prometheus needs no secret
     r = httpx.post(worker.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 401 and r.json()["error"]["code"] == "internal_token"
     r = httpx.post(worker.url + "/internal/generate", headers={"x-pdserve-internal-token": "wrong"},
@@ -209,14 +210,18 @@ def test_self_registration_heartbeats_and_expiry(tmp_path):
     with router:
         _wait_listening(router)
         assert httpx.get(router.url + "/admin/workers").json()["workers"] == []
-        w = _start(tmp_path, "reg-worker", ["worker", "--role", "mixed", "--router-url", router.url],
+        # Bound to every interface, as in a container: it must advertise a reachable address.
+        w = _start(tmp_path, "reg-worker", ["worker", "--role", "mixed", "--router-url", router.url,
+                                            "--host", "0.0.0.0", "--advertise-host", "127.0.0.1"],
                    {"router": {"health_period_s": 0.3}})
         with w:
             w.wait_ready(timeout=120)
             deadline = time.monotonic() + 30
-            while not [x for x in httpx.get(router.url + "/admin/workers").json()["workers"] if x["healthy"]]:
+            while not (healthy := [x for x in httpx.get(router.url + "/admin/workers").json()["workers"]
+                                   if x["healthy"]]):
                 assert time.monotonic() < deadline, router.log_tail()
                 time.sleep(0.2)
+            assert healthy[0]["url"] == w.url and healthy[0]["id"].endswith(f"@127.0.0.1:{w.port}")
             r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
             w.kill()
