@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+from deploy_assets import exported_metrics, referenced_metrics
 
 from pdserve import SamplingParams
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
@@ -63,7 +64,11 @@ def test_pd_server_equals_offline_engine(tmp_path, smollm_llm, backend):
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         decode = _worker(srv.url, "decode")["url"]
         h = _wait_pool_idle(decode)
-        prefill = httpx.get(_worker(srv.url, "prefill")["url"] + "/health").json()
+        prefill_url = _worker(srv.url, "prefill")["url"]
+        prefill = httpx.get(prefill_url + "/health").json()
+        # Every series deploy/'s alert rules and dashboard query is served by this deployment.
+        served = set().union(*(exported_metrics(httpx.get(u + "/metrics").text) for u in (srv.url, decode, prefill_url)))
+    assert referenced_metrics() <= served, sorted(referenced_metrics() - served)
     assert got == want
     assert streamed == want[0]
     assert h["kv_transfers_completed_total"] == len(CONVERSATIONS) + 1      # + the stream; SHORT stayed local
