@@ -7,8 +7,10 @@ import os
 import sys
 
 # Set before torch loads OpenMP: on a 2-core machine shared with a router and other workers,
-# spinning OpenMP threads collapse throughput (a 10x slowdown was measured under load).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# spinning OpenMP threads collapse throughput (a 10x slowdown was measured under load). Whoever
+# sets a spin count (GOMP_SPINCOUNT) or a policy of their own keeps it; see README.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:

@@ -102,9 +102,12 @@ def start_workers(config: Config, log_dir: Path) -> list[WorkerProcess]:
     n_prefill, n_decode = instance_counts(config)
     if n_decode < 1:
         raise ValueError("a PD deployment needs at least one decode worker")
-    host = config.server.host
+    # Workers of a one-machine deployment talk to the router and each other over loopback only;
+    # the router alone listens on server.host (0.0.0.0 in a container must not expose workers).
+    host = "127.0.0.1"
     cfg = config.to_dict()
     cfg["deployment"]["mode"] = "pd"
+    cfg["server"]["advertise_host"] = None      # reached over loopback, see above
     # Workers publish KV events on free ports (shown in their /health) for the router's index.
     cfg["cache"]["kv_events_endpoint"] = cfg["cache"]["kv_events_endpoint"] or f"tcp://{host}:*"
     config_file = log_dir / "deployment.yaml"
