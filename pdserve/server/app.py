@@ -11,20 +11,12 @@ from fastapi import FastAPI
 from pdserve.config import Config
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
-from pdserve.protocol import (
-    INTERNAL_TOKEN_HEADER,
-    WorkerRegistration,
-)
 from pdserve.server.errors import error_response
-from pdserve.server.internal_api import (
-    RequireInternalToken,
-    install_internal_routes,
-    internal_token,
-)
+from pdserve.server.internal_api import RequireInternalToken, install_internal_routes, internal_token
 from pdserve.server.metrics import RequestTimer, ServerMetrics
 from pdserve.server.openai_api import OpenAIHandlers, install_openai_api
-from pdserve.server.roles import build_engine, public_host, worker_name
-from pdserve.utils.net import with_host
+from pdserve.server.registration import register_with_routers
+from pdserve.server.roles import build_engine, worker_name
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +32,7 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         async_engine.start()
-        registration = asyncio.create_task(register_with_router(config, model_name)) \
+        registration = asyncio.create_task(register_with_routers(config, model_name)) \
             if config.server.router_url else None
         yield
         if registration is not None:
@@ -82,32 +74,6 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
 
 
     return app
-
-
-async def register_with_router(config: Config, model_name: str) -> None:
-    """Register at the router, then send heartbeats; re-register whenever the router forgot us."""
-    import httpx
-    s = config.server
-    reg = WorkerRegistration(worker_id=worker_name(config), role=config.worker.role, model=model_name,
-                             url=with_host(f"http://{s.host}:{s.port}", public_host(config)), pid=os.getpid(),
-                             capacity=config.scheduler.max_num_seqs)
-    token = internal_token(s.internal_token)
-    headers = {INTERNAL_TOKEN_HEADER: token} if token else {}
-    base = s.router_url.rstrip("/")
-    registered = False
-    async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
-        while True:
-            try:
-                if not registered:
-                    r = await client.post(base + "/admin/workers/register", json=reg.model_dump())
-                    registered = r.status_code == 200
-                else:
-                    r = await client.post(f"{base}/admin/workers/{reg.worker_id}/heartbeat")
-                    registered = r.status_code == 200
-            except httpx.HTTPError as e:
-                log.warning("router %s unreachable: %s", base, e)
-                registered = False
-            await asyncio.sleep(config.router.health_period_s)
 
 
 def bind_socket(host: str, port: int):

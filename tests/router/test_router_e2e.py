@@ -205,31 +205,38 @@ def test_tls(tmp_path):
 
 
 def test_self_registration_heartbeats_and_expiry(tmp_path):
-    router = _start(tmp_path, "reg-router", ["router"], {"router": {"heartbeat_timeout_s": 1.5,
-                                                                    "health_period_s": 0.3}})
-    with router:
-        _wait_listening(router)
-        assert httpx.get(router.url + "/admin/workers").json()["workers"] == []
+    # Two router replicas: the worker registers with both (--router-url takes a list).
+    routers = [_start(tmp_path, f"reg-router-{i}", ["router"], {"router": {"heartbeat_timeout_s": 1.5,
+                                                                          "health_period_s": 0.3}})
+               for i in range(2)]
+    with routers[0], routers[1]:
+        for router in routers:
+            _wait_listening(router)
+            assert httpx.get(router.url + "/admin/workers").json()["workers"] == []
         # Bound to every interface, as in a container: it must advertise a reachable address.
-        w = _start(tmp_path, "reg-worker", ["worker", "--role", "mixed", "--router-url", router.url,
+        w = _start(tmp_path, "reg-worker", ["worker", "--role", "mixed",
+                                            "--router-url", ",".join(r.url for r in routers),
                                             "--host", "0.0.0.0", "--advertise-host", "127.0.0.1"],
                    {"router": {"health_period_s": 0.3}})
         with w:
             w.wait_ready(timeout=120)
-            deadline = time.monotonic() + 30
-            while not (healthy := [x for x in httpx.get(router.url + "/admin/workers").json()["workers"]
-                                   if x["healthy"]]):
-                assert time.monotonic() < deadline, router.log_tail()
-                time.sleep(0.2)
-            assert healthy[0]["url"] == w.url and healthy[0]["id"].endswith(f"@127.0.0.1:{w.port}")
-            r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            for router in routers:
+                deadline = time.monotonic() + 30
+                while not (healthy := [x for x in httpx.get(router.url + "/admin/workers").json()["workers"]
+                                       if x["healthy"]]):
+                    assert time.monotonic() < deadline, router.log_tail()
+                    time.sleep(0.2)
+                assert healthy[0]["url"] == w.url and healthy[0]["id"].endswith(f"@127.0.0.1:{w.port}")
+                r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
             w.kill()
-            deadline = time.monotonic() + 30
-            while [x for x in httpx.get(router.url + "/admin/workers").json()["workers"] if x["healthy"]]:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
-        assert httpx.get(router.url + "/health").status_code == 503
+            for router in routers:
+                deadline = time.monotonic() + 30
+                while [x for x in httpx.get(router.url + "/admin/workers").json()["workers"] if x["healthy"]]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+        for router in routers:
+            assert httpx.get(router.url + "/health").status_code == 503
 
 
 class _FailingWorker:

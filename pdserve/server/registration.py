@@ -1,0 +1,79 @@
+"""A worker's self-registration: it registers with every router replica and sends heartbeats.
+
+`server.router_url` (`--router-url`) is one URL or several, comma-separated. An http URL whose
+host name resolves to several addresses (a Kubernetes headless Service over N router pods) is
+registered at each address, resolved again every period, so a router that starts later learns
+the worker within one period and a router that goes away is dropped. https URLs are used as
+given (a certificate names the host, not its addresses).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from urllib.parse import urlsplit
+
+from pdserve.config import Config
+from pdserve.protocol import INTERNAL_TOKEN_HEADER, WorkerRegistration
+from pdserve.server.internal_api import internal_token
+from pdserve.server.roles import public_host, worker_name
+from pdserve.utils.net import with_host
+
+log = logging.getLogger(__name__)
+
+
+def router_targets(router_urls: str) -> list[str]:
+    """The base URLs to register at: each http URL once per address of its host (IPv4 addresses
+    when there are any: a name with both families is one machine), https URLs as they are."""
+    out: list[str] = []
+    for url in (u.strip().rstrip("/") for u in router_urls.split(",")):
+        if not url:
+            continue
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            out.append(url)
+            continue
+        port = parts.port or 80
+        try:
+            infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            log.warning("cannot resolve router %s: %s", url, e)
+            continue
+        v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+        addrs = v4 or [i[4][0] for i in infos if i[0] == socket.AF_INET6]
+        for addr in dict.fromkeys(addrs):
+            out.append(with_host(f"http://{parts.hostname}:{port}", addr) + parts.path)
+    return list(dict.fromkeys(out))
+
+
+async def register_with_routers(config: Config, model_name: str) -> None:
+    """Register at every router, then send heartbeats; re-register wherever a router forgot us."""
+    import httpx
+    s = config.server
+    reg = WorkerRegistration(worker_id=worker_name(config), role=config.worker.role, model=model_name,
+                             url=with_host(f"http://{s.host}:{s.port}", public_host(config)), pid=os.getpid(),
+                             capacity=config.scheduler.max_num_seqs)
+    token = internal_token(s.internal_token)
+    headers = {INTERNAL_TOKEN_HEADER: token} if token else {}
+    registered: dict[str, bool] = {}
+
+    async def beat(client: httpx.AsyncClient, base: str) -> None:
+        try:
+            if not registered.get(base):
+                r = await client.post(base + "/admin/workers/register", json=reg.model_dump())
+            else:
+                r = await client.post(f"{base}/admin/workers/{reg.worker_id}/heartbeat")
+            registered[base] = r.status_code == 200
+        except httpx.HTTPError as e:
+            if registered.get(base, True):
+                log.warning("router %s unreachable: %s", base, e)
+            registered[base] = False
+
+    async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
+        while True:
+            targets = await asyncio.to_thread(router_targets, s.router_url or "")
+            for gone in set(registered) - set(targets):
+                del registered[gone]
+            await asyncio.gather(*(beat(client, base) for base in targets))
+            await asyncio.sleep(config.router.health_period_s)
