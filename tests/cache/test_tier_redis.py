@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 import redis
 import torch
@@ -111,16 +110,16 @@ def test_redis_never_there_means_misses_not_crashes(stores):
         s.bind(("127.0.0.1", 0))
         url = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
     store = stores(host_bytes=2 * BLOCK_BYTES, remote=url)
+    store.remote.retry_after_s = 3600                 # one failure, then quiet for the whole test
     src = _kv(5)
     store.offload(_h(0), _blk(src, 0))
     assert store.flush(WAIT)
-    t0 = time.monotonic()
     assert store.lookup([_h(0), _h(1)]) == 1          # the host copy still counts
     assert _load(store, [_h(1)], [1], _kv(None)) == 0
     dst = _kv(None)
     assert _load(store, [_h(0)], [0], dst) == 1 and torch.equal(_blk(dst, 0), _blk(src, 0))
-    assert time.monotonic() - t0 < 5                  # backs off instead of retrying each block
-    assert store.stats()["tier_remote_errors"] >= 1
+    # It backed off after the first failure instead of trying (and timing out on) every block.
+    assert store.stats()["tier_remote_errors"] == 1
 
 
 def test_redis_dying_mid_run_means_misses_not_crashes(redis_server, stores):
