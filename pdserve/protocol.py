@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal
 
 import msgpack
@@ -135,6 +135,9 @@ class PrefillJob:
     mooncake_session: str | None = None
     nixl_metadata: bytes | None = None
     pool_base: int = 0
+    # Tokens the request generated before (a migrated stream, a preempted request): computed with
+    # the prompt, and the token sampled is output number len(output_token_ids).
+    output_token_ids: list[int] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": PD_PREFILL, **asdict(self)}

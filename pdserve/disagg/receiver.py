@@ -203,7 +203,7 @@ class DecodeConnector(KVConnector):
         job = PrefillJob(req.request_id, list(req.prompt_token_ids), sampling, req.cache_salt, list(req.block_ids),
                          req.num_cached_blocks, self.endpoint, os.getpid(), HOST, self.shm_path, self.kv_shape,
                          self.elem_size, self.block_size, self.model,
-                         **self._pool_fields())
+                         **self._pool_fields(), output_token_ids=list(req.output_token_ids))
         self.pending[req.request_id] = Pending(req, peer, Transfer(req.request_id, self.deadlines, now))
         self.accept_writes(req.request_id, req.block_ids)
         self._post_out(peer, job.to_wire())

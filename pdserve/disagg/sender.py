@@ -256,12 +256,13 @@ class PrefillConnector(KVConnector):
                     raise InvalidParam(f"block size {job.block_size} != this worker's {self.block_size}")
                 if job.model != self.model:
                     raise InvalidParam(f"model {job.model!r} != this worker's {self.model!r}")
-                params = SamplingParams(**{**job.sampling, "max_tokens": 1, "stop": [], "stop_token_ids": [],
-                                           "ignore_eos": True})
+                # One new token: output number len(job.output_token_ids), after the ones given.
+                params = SamplingParams(**{**job.sampling, "max_tokens": len(job.output_token_ids) + 1, "stop": [],
+                                           "stop_token_ids": [], "ignore_eos": True})
                 sink = KVSink(job, Transfer(job.request_id, self.deadlines, now), job.dst_start_block)
                 sink.transfer.on("accepted", now)
                 engine.add_request(job.request_id, job.prompt_token_ids, params, cache_salt=job.cache_salt,
-                                   kv_sink=sink)
+                                   kv_sink=sink, output_token_ids=job.output_token_ids)
             except Exception as e:  # noqa: BLE001 - answered to the decode worker
                 log.warning("rejecting prefill job %s: %s", msg.get("request_id"), e)
                 self._outbox.put(("send", msg.get("reply_endpoint", ""), {

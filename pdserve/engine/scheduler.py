@@ -167,8 +167,9 @@ class Scheduler:
             # A tier hit counts as cached when choosing a remote prefill; if one is still chosen, the
             # prefill worker uses its own caches and nothing is fetched here.
             uncached = req.num_tokens - req.num_computed_tokens - fetch * self.block_size
-            if wants_remote_prefill(uncached, self.local_prefill_max_tokens,
-                                    bool(req.prefill_peers)) and not req.output_token_ids:
+            # A request with outputs (migrated here, or preempted) goes too: the prefill worker
+            # computes them with the prompt and samples the next output in sequence.
+            if wants_remote_prefill(uncached, self.local_prefill_max_tokens, bool(req.prefill_peers)):
                 if not self._admit_loading(req, hit, step):
                     break
                 self._mark_inflight(req, inflight)

@@ -184,7 +184,7 @@ class RemoteBackend:
                       sampling: dict, salt: str | None
                       ) -> AsyncIterator[tuple[list[int], list[TokenLogprob] | None, bool, str | None]]:
         headers = dict(self.registry.headers)
-        if prefill is not None and prefill.kv_endpoint and not generated:
+        if prefill is not None and prefill.kv_endpoint:
             headers[PREFILL_HEADER] = prefill.kv_endpoint
         body = {"request_id": rid, "prompt_token_ids": prompt, "output_token_ids": generated, "sampling": sampling,
                 "cache_salt": salt}

@@ -45,6 +45,29 @@ def test_pd_equals_mixed(loaded, backend):
         prefill.stop()
 
 
+def test_a_resumed_request_is_prefilled_by_the_prefill_worker_and_continues_exactly(loaded):
+    # A stream migrated to this decode worker arrives with the tokens it already generated: the
+    # prefill worker computes prompt + those tokens and samples the next one in sequence (seeded
+    # draw by index, penalties over the outputs), so the decode worker never runs the long prefill.
+    params = SamplingParams(temperature=0.9, seed=3, presence_penalty=0.5, max_tokens=14, ignore_eos=True)
+    prompt = prompts(6)[5]
+    full = mixed_outputs([prompt], params, loaded)["r0"]
+    prefill = Loop(build_engine(pd_config("prefill")))
+    decode = Loop(build_engine(pd_config("decode", prefill_endpoints=[prefill.engine.connector.endpoint])))
+    try:
+        decode.submit(lambda e: e.add_request("m", prompt, params, output_token_ids=full[:6]))
+        decode.wait(["m"])
+        assert decode.outputs["m"] == full[6:]
+        s = decode.engine.stats()
+        assert s["kv_transfers_completed_total"] == 1 and s["prefill_tokens_computed"] == 0
+        assert prefill.engine.stats()["kv_prefill_jobs_total"] == 1
+        decode.wait_idle()
+        prefill.wait_idle()
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
 def test_silent_prefill_peer_falls_back_to_local(loaded):
     """A peer that accepts connections but never answers: the deadline fires, the request is
     prefilled locally, the quarantined blocks come back."""
