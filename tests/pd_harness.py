@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from pdserve import SamplingParams
 from pdserve.config import Config, load_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.model.loader import LoadedModel
+from pdserve.server.roles import build_engine
 
 MODEL = "tiny-qwen2"   # tiny-llama's greedy output ignores its KV (it repeats the last token)
 
@@ -56,6 +59,12 @@ class Loop:
         if out.finished:
             self.finished[out.request_id] = out.finish_reason
 
+    def run(self, prompt_list: list[list[int]], params: SamplingParams) -> None:
+        """Submit the prompts as r0, r1, ... and wait until all are finished."""
+        for i, p in enumerate(prompt_list):
+            self.submit(lambda e, i=i, p=p: e.add_request(f"r{i}", p, params))
+        self.wait([f"r{i}" for i in range(len(prompt_list))])
+
     def abort(self, rid: str) -> None:
         self.submit(lambda e: self._record(e.abort_request(rid)))
 
@@ -94,3 +103,37 @@ def mixed_outputs(prompt_list: list[list[int]], params: SamplingParams,
         for out in mixed.step():
             want.setdefault(out.request_id, []).extend(out.new_token_ids)
     return want
+
+
+@contextmanager
+def pd_pair(backend: str = "auto", device_blocks: int = 64, prefill_config: Config | None = None,
+            **decode_disagg) -> Iterator[tuple[Loop, Loop]]:
+    """A prefill and a decode engine stepping on their own threads, the decode one pointed at the
+    prefill one (`decode_disagg`: more of its disagg config); both stopped afterwards."""
+    prefill = Loop(build_engine(prefill_config or pd_config("prefill", backend, device_blocks)))
+    try:
+        decode = Loop(build_engine(pd_config("decode", backend, device_blocks,
+                                             prefill_endpoints=[prefill.engine.connector.endpoint],
+                                             **decode_disagg)))
+        try:
+            yield prefill, decode
+        finally:
+            decode.stop()
+    finally:
+        prefill.stop()
+
+
+def check_failed_job_falls_back_to_local(prefill: Loop, decode: Loop, prompt: list[int],
+                                         params: SamplingParams, want: list[int]) -> None:
+    """With the decode pool made unwritable for the transport: the job fails, the request completes
+    by local prefill with the same tokens, and the quarantined blocks come back on the cancel ack."""
+    decode.submit(lambda e: e.add_request("a", prompt, params))
+    decode.wait(["a"])
+    assert decode.outputs["a"] == want
+    s = decode.engine.stats()
+    assert (s["kv_transfers_failed_total"], s["kv_transfers_completed_total"]) == (1, 0)
+    assert s["kv_local_prefill_fallbacks_total"] == 1
+    assert prefill.engine.stats()["kv_prefill_jobs_failed_total"] == 1
+    decode.wait_idle()                  # released by the cancel ack, well before a long quarantine
+    prefill.wait_idle()
+    assert decode.engine.stats()["kv_blocks_quarantined"] == 0

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import zmq
-from pd_harness import MODEL, Loop, mixed_outputs, pd_config, prompts
+from pd_harness import MODEL, Loop, mixed_outputs, pd_config, pd_pair, prompts
 
 from pdserve import SamplingParams
 from pdserve.config import load_config
@@ -28,21 +28,14 @@ def test_pd_equals_mixed(loaded, backend):
     prompt_list = prompts(6) + [prompts(6)[5][:6]]      # the last one is short: prefilled locally
     want = mixed_outputs(prompt_list, params, loaded)
 
-    prefill = Loop(build_engine(pd_config("prefill", backend)))
-    decode = Loop(build_engine(pd_config("decode", backend, prefill_endpoints=[prefill.engine.connector.endpoint])))
-    try:
-        for i, p in enumerate(prompt_list):
-            decode.submit(lambda e, i=i, p=p: e.add_request(f"r{i}", p, params))
-        decode.wait(want)
+    with pd_pair(backend) as (prefill, decode):
+        decode.run(prompt_list, params)
         assert decode.outputs == want
         s = decode.engine.stats()
         assert s["kv_transfers_completed_total"] == 6 and s["kv_transfers_failed_total"] == 0
         assert prefill.engine.stats()["kv_send_bytes_total"] > 0
         decode.wait_idle()
         prefill.wait_idle()
-    finally:
-        decode.stop()
-        prefill.stop()
 
 
 def test_a_resumed_request_is_prefilled_by_the_prefill_worker_and_continues_exactly(loaded):
@@ -52,9 +45,7 @@ def test_a_resumed_request_is_prefilled_by_the_prefill_worker_and_continues_exac
     params = SamplingParams(temperature=0.9, seed=3, presence_penalty=0.5, max_tokens=14, ignore_eos=True)
     prompt = prompts(6)[5]
     full = mixed_outputs([prompt], params, loaded)["r0"]
-    prefill = Loop(build_engine(pd_config("prefill")))
-    decode = Loop(build_engine(pd_config("decode", prefill_endpoints=[prefill.engine.connector.endpoint])))
-    try:
+    with pd_pair() as (prefill, decode):
         decode.submit(lambda e: e.add_request("m", prompt, params, output_token_ids=full[:6]))
         decode.wait(["m"])
         assert decode.outputs["m"] == full[6:]
@@ -63,9 +54,6 @@ def test_a_resumed_request_is_prefilled_by_the_prefill_worker_and_continues_exac
         assert prefill.engine.stats()["kv_prefill_jobs_total"] == 1
         decode.wait_idle()
         prefill.wait_idle()
-    finally:
-        decode.stop()
-        prefill.stop()
 
 
 def test_silent_prefill_peer_falls_back_to_local(loaded):
@@ -121,12 +109,11 @@ def test_abort_while_loading_frees_every_block(loaded):
     """A client that goes away while its KV is in flight: the prefill side stops, the decode side
     holds the blocks until the cancel is acknowledged, then both pools are whole again."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    prefill = Loop(build_engine(load_config(None, {
+    slow_prefill = load_config(None, {
         "model.name": MODEL, "cache.device_blocks": 256, "cache.block_size": 4, "worker.role": "prefill",
-        "scheduler.max_num_batched_tokens": 64, "transfer.bandwidth_limit": 20000})))
-    decode = Loop(build_engine(pd_config("decode", prefill_endpoints=[prefill.engine.connector.endpoint])))
+        "scheduler.max_num_batched_tokens": 64, "transfer.bandwidth_limit": 20000})
     prompt = [(5 * j) % 250 + 1 for j in range(200)]       # 200 tokens x 512 B at 20 kB/s: ~5 s in flight
-    try:
+    with pd_pair(prefill_config=slow_prefill) as (prefill, decode):
         decode.submit(lambda e: e.add_request("a", prompt, params))
         deadline = time.monotonic() + 10
         while decode.engine.stats()["kv_transfers_transferring"] == 0:
@@ -139,9 +126,6 @@ def test_abort_while_loading_frees_every_block(loaded):
         prefill.wait_idle()
         assert decode.engine.stats()["kv_blocks_quarantined"] == 0
         assert prefill.engine.stats()["kv_prefill_jobs_active"] == 0
-    finally:
-        decode.stop()
-        prefill.stop()
 
 
 def test_parity_depends_on_the_transferred_kv(loaded, monkeypatch):
@@ -151,13 +135,6 @@ def test_parity_depends_on_the_transferred_kv(loaded, monkeypatch):
     prompt_list = prompts(4)[1:]
     want = mixed_outputs(prompt_list, params, loaded)
     monkeypatch.setattr(transport.ShmWriter, "write_layer", lambda self, rid, layer, runs: 0)
-    prefill = Loop(build_engine(pd_config("prefill", "shm")))
-    decode = Loop(build_engine(pd_config("decode", "shm", prefill_endpoints=[prefill.engine.connector.endpoint])))
-    try:
-        for i, p in enumerate(prompt_list):
-            decode.submit(lambda e, i=i, p=p: e.add_request(f"r{i}", p, params))
-        decode.wait(want)
+    with pd_pair("shm") as (_, decode):
+        decode.run(prompt_list, params)
         assert decode.outputs != want
-    finally:
-        decode.stop()
-        prefill.stop()

@@ -17,12 +17,7 @@ pytest.importorskip("mooncake.engine", reason="the mooncake extra is not install
 
 from pdserve import SamplingParams  # noqa: E402
 from pdserve.disagg.transport import MooncakeEndpoint, MooncakeWriter  # noqa: E402
-from pdserve.server.roles import build_engine  # noqa: E402
-from pd_harness import Loop, mixed_outputs, pd_config, prompts  # noqa: E402
-
-
-def _config(role: str, **disagg):
-    return pd_config(role, "mooncake", device_blocks=256, **disagg)
+from pd_harness import check_failed_job_falls_back_to_local, mixed_outputs, pd_pair, prompts  # noqa: E402
 
 
 def test_writer_places_runs_in_the_remote_pool_and_fails_loudly():
@@ -55,12 +50,8 @@ def test_pd_mooncake_equals_mixed():
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompt_list = prompts(10) + [prompts(6)[5][:6]]          # the last one is short: prefilled locally
     want = mixed_outputs(prompt_list, params)
-    prefill = Loop(build_engine(_config("prefill")))
-    decode = Loop(build_engine(_config("decode", prefill_endpoints=[prefill.engine.connector.endpoint])))
-    try:
-        for i, p in enumerate(prompt_list):
-            decode.submit(lambda e, i=i, p=p: e.add_request(f"r{i}", p, params))
-        decode.wait(want)
+    with pd_pair("mooncake", 256) as (prefill, decode):
+        decode.run(prompt_list, params)
         assert decode.outputs == want
         s = decode.engine.stats()
         assert s["kv_transfers_completed_total"] == 10 and s["kv_transfers_failed_total"] == 0
@@ -69,9 +60,6 @@ def test_pd_mooncake_equals_mixed():
         assert sent > 0 and sent == s["kv_transfer_bytes_total"]
         decode.wait_idle()
         prefill.wait_idle()
-    finally:
-        decode.stop()
-        prefill.stop()
 
 
 def test_rejected_write_fails_the_job_and_decode_prefills_locally():
@@ -81,22 +69,7 @@ def test_rejected_write_fails_the_job_and_decode_prefills_locally():
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt = prompts(4)[3]
     want = mixed_outputs([prompt], params)["r0"]
-    prefill = Loop(build_engine(_config("prefill")))
-    decode = Loop(build_engine(_config("decode", prefill_endpoints=[prefill.engine.connector.endpoint],
-                                       quarantine_timeout_s=120)))
-    try:
+    with pd_pair("mooncake", 256, quarantine_timeout_s=120) as (prefill, decode):
         mc = decode.engine.connector.pool_endpoint
         assert mc.engine.unregister_memory(mc.base) == 0
-        decode.submit(lambda e: e.add_request("a", prompt, params))
-        decode.wait(["a"])
-        assert decode.outputs["a"] == want
-        s = decode.engine.stats()
-        assert (s["kv_transfers_failed_total"], s["kv_transfers_completed_total"]) == (1, 0)
-        assert s["kv_local_prefill_fallbacks_total"] == 1
-        assert prefill.engine.stats()["kv_prefill_jobs_failed_total"] == 1
-        decode.wait_idle()                  # released by the cancel ack, well before the 120 s quarantine
-        prefill.wait_idle()
-        assert decode.engine.stats()["kv_blocks_quarantined"] == 0
-    finally:
-        decode.stop()
-        prefill.stop()
+        check_failed_job_falls_back_to_local(prefill, decode, prompt, params, want)
