@@ -56,6 +56,7 @@ class TierFetcher:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.timeout_s = timeout_s
+        self.clock = time.monotonic                    # the engine's deadlines run on this (tests pass their own)
         self.loads: dict[str, _Fetch] = {}             # engine thread only
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._event = threading.Event()
@@ -77,7 +78,7 @@ class TierFetcher:
         """`req` holds its device hit, then blocks for the stretch lower tiers hold: fill those."""
         first = req.num_cached_blocks
         blocks = req.block_ids[first:]
-        now = time.monotonic()
+        now = self.clock()
         rec = _Fetch(req, len(blocks), now, now + self.timeout_s)
         self.loads[req.request_id] = rec
         self.counters["tier_fetch_requests_total"] += 1
@@ -88,7 +89,7 @@ class TierFetcher:
     def poll(self) -> list[tuple[Request, int]]:
         """Finished loads as (request, blocks loaded), timed-out ones with 0."""
         out = []
-        now = time.monotonic()
+        now = self.clock()
         while True:
             try:
                 rec, n = self._results.get_nowait()
