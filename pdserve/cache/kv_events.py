@@ -54,16 +54,12 @@ class KVEventPublisher:
         self._snap = ctx.socket(zmq.ROUTER) if snapshot_endpoint is not None else None
         try:
             self._pub.bind(endpoint)
-            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.endpoint = with_host(self._pub.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
             self.snapshot_endpoint = None
             if self._snap is not None:
                 self._snap.setsockopt(zmq.LINGER, 0)
                 self._snap.bind(snapshot_endpoint)
-                self.snapshot_endpoint = self._snap.getsockopt_string(zmq.LAST_ENDPOINT)
-            if advertise_host:
-                self.endpoint = with_host(self.endpoint, advertise_host)
-                if self.snapshot_endpoint:
-                    self.snapshot_endpoint = with_host(self.snapshot_endpoint, advertise_host)
+                self.snapshot_endpoint = with_host(self._snap.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         except zmq.ZMQError:
             self._pub.close()
             if self._snap is not None:

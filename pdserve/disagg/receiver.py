@@ -88,9 +88,7 @@ class DecodeConnector(KVConnector):
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(bind_endpoint)
-        self.endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        if advertise_host:
-            self.endpoint = with_host(self.endpoint, advertise_host)
+        self.endpoint = with_host(self._pull.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         # mooncake, nixl: prefill workers write into the registered pool one-sidedly; nothing here
         # receives those bytes, PD_DONE still says when they are all in.
         backend = config.transfer.backend

@@ -111,9 +111,7 @@ class PrefillConnector(KVConnector):
         self._bootstrap = self._ctx.socket(zmq.PULL)
         self._bootstrap.setsockopt(zmq.LINGER, 0)
         self._bootstrap.bind(bootstrap_endpoint)
-        self.endpoint = self._bootstrap.getsockopt_string(zmq.LAST_ENDPOINT)
-        if advertise_host:
-            self.endpoint = with_host(self.endpoint, advertise_host)
+        self.endpoint = with_host(self._bootstrap.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         # Started here so a missing package fails the worker at start, not each job; used by the
         # sender thread only from then on.
         self._mooncake = (MooncakeEndpoint(endpoint_host(self.endpoint), self.src)

@@ -26,11 +26,11 @@ def advertise_host(bind_host: str, configured: str | None = None) -> str:
     return bind_host
 
 
-def with_host(endpoint: str, host: str) -> str:
+def with_host(endpoint: str, host: str | None) -> str:
     """`scheme://host:port` with its host replaced (IPv6 addresses bracketed); endpoints without a
-    host (ipc://, inproc://) come back unchanged."""
+    host (ipc://, inproc://), or no host given, come back unchanged."""
     scheme, rest = endpoint.split("://", 1)
-    if scheme not in ("tcp", "http", "https"):
+    if not host or scheme not in ("tcp", "http", "https"):
         return endpoint
     port = rest.rsplit(":", 1)[1]
     return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"

@@ -10,6 +10,7 @@ def test_with_host_replaces_the_host_of_tcp_and_http_endpoints_only():
     assert with_host("http://0.0.0.0:8000", "pod-a.svc") == "http://pod-a.svc:8000"
     assert with_host("tcp://[::]:9000", "fd00::7") == "tcp://[fd00::7]:9000"
     assert with_host("ipc:///tmp/kv-events", "10.1.2.3") == "ipc:///tmp/kv-events"
+    assert with_host("tcp://127.0.0.1:5557", None) == "tcp://127.0.0.1:5557"
 
 
 def test_advertise_host_prefers_config_then_environment_then_the_bind_address(monkeypatch):
