@@ -77,13 +77,14 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
 
 
 def bind_socket(host: str, port: int):
-    """The listening socket, bound now (port 0: any free port). Binding before the slow start-up
-    (model loading) means no other process can take the port in between."""
+    """The serving socket, bound now (port 0: any free port) but not yet listening. Binding before
+    the slow start-up (model loading) keeps the port ours; listening only when uvicorn serves
+    (asyncio's create_server calls listen) means a client that connects during start-up is
+    refused at once instead of having its TCP (or TLS) handshake hang until the app is ready."""
     import socket
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 

@@ -193,10 +193,10 @@ def test_tls(tmp_path):
         while True:
             assert srv.proc.poll() is None, srv.log_tail()
             try:
-                r = httpx.get(f"https://127.0.0.1:{srv.port}/health", timeout=2,
+                r = httpx.get(f"https://127.0.0.1:{srv.port}/health", timeout=10,
                               verify=ssl.create_default_context(cafile=str(cert)))
                 break
-            except httpx.ConnectError:
+            except httpx.ConnectError:       # refused: the router binds early but listens only when serving
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"   # HTTPS works; no workers
