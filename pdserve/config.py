@@ -114,6 +114,8 @@ class LoadBalancerConfig:
 class RouterConfig:
     workers: list[dict] = field(default_factory=list)   # static workers: [{url: ..., role: prefill|decode|mixed}]
     api_keys: list[str] = field(default_factory=list)   # also PDSERVE_API_KEYS (comma-separated); none: open
+    # Keys for /admin/* (also PDSERVE_ADMIN_KEYS); once any key is set, /admin/* takes only these.
+    admin_keys: list[str] = field(default_factory=list)
     ip_allowlist: list[str] = field(default_factory=list)   # CIDRs; empty: everyone
     requests_per_minute: int | None = None   # per API key (per client IP without keys)
     tokens_per_minute: int | None = None     # prompt + completion tokens, per API key
