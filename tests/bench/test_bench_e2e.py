@@ -11,9 +11,11 @@ import asyncio
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from pdserve.bench.cli import main as bench_main
@@ -31,20 +33,18 @@ class Server(ServerProcess):
     """`pdserve serve --mode mixed` on a free port, one compute thread (the machine has two
     cores and the load client needs the other)."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, cmd: list[str] | None = None):
         port = free_port()
-        super().__init__(pdserve_cmd() + ["serve", "--mode", "mixed", "--model", MODEL,
-                                          "--port", str(port)],
-                         port, tmp / f"server-{port}.log", env=thread_env(1))
+        cmd = cmd or pdserve_cmd() + ["serve", "--mode", "mixed", "--model", MODEL, "--port", str(port)]
+        super().__init__(cmd, port, tmp / f"server-{port}.log", env=thread_env(1))
 
     def wait_ready(self, timeout: float = 240.0) -> None:
+        # Every start-up failure fails the run: an import regression ("No module named") is a bug
+        # in this checkout, never a reason to skip.
         try:
             super().wait_ready(timeout)
         except ServerStartError as e:
-            if "invalid choice" in str(e) or "No module named" in str(e):
-                # The serve command has not landed in this checkout yet.
-                pytest.skip(f"`pdserve serve` unavailable: {str(e)[-300:]}")
-            pytest.fail(str(e))
+            pytest.fail(f"`pdserve serve` did not start: {e}")
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,18 @@ def server(tmp_path_factory):
         yield s
     finally:
         s.stop()
+
+
+def test_a_server_that_cannot_import_fails_instead_of_skipping(tmp_path):
+    """An import regression in the server ("No module named ...") is a failure, never a skip."""
+    srv = Server(tmp_path, cmd=[sys.executable, "-c", "import pdserve_no_such_module"])
+    try:
+        with pytest.raises(pytest.fail.Exception, match="No module named 'pdserve_no_such_module'"):
+            srv.wait_ready(timeout=120)
+    except pytest.skip.Exception as e:
+        pytest.fail(f"a server that cannot import its modules was turned into a skip: {e}")
+    finally:
+        srv.stop()
 
 
 def scrape_counter(text: str, pattern: str) -> float | None:
@@ -109,7 +121,6 @@ def test_bench_json_consistent_with_server(server, tmp_path):
 def test_streamed_text_and_usage_match_openai_client(server):
     """The same greedy requests through the official openai client, not streamed: the text the
     bench reassembled from SSE chunks and its token counts equal the server's plain answers."""
-    openai = pytest.importorskip("openai")
     cfg = ClientConfig(base_url=server.url)
     sessions = make_workload("chat", 3, seed=5, max_tokens=10)
     # One at a time, as the plain calls below are: a batch of random-weight logits could flip a
@@ -145,7 +156,6 @@ def test_completions_api_and_multiturn(server):
 
 
 def test_sweep_writes_json_and_plot(server, tmp_path):
-    pytest.importorskip("matplotlib")
     out, png = tmp_path / "s.json", tmp_path / "s.png"
     rc = bench_main(["--base-url", server.url, "--workload", "fixed", "--input-len", "16",
                      "-n", "4", "--max-tokens", "8", "--sweep-concurrency", "1,4",
