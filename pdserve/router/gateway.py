@@ -18,13 +18,14 @@ from pdserve.protocol import (
     INTERNAL_TOKEN_HEADER,
     WorkerRegistration,
 )
+from pdserve.router.access import Access, KeyStore, exposure_warnings
 from pdserve.router.admission import Admission
 from pdserve.router.backend import RemoteBackend
 from pdserve.router.encoder import EncoderPool, load_tokenizer
 from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Registry
-from pdserve.router.security import Allowlist, KeyStore, RateLimiter, SecurityMiddleware
+from pdserve.router.security import Allowlist, RateLimiter, SecurityMiddleware
 from pdserve.server.errors import error_response
 from pdserve.server.internal_api import internal_token
 from pdserve.server.metrics import RequestTimer, ServerMetrics
@@ -90,7 +91,11 @@ def create_router_app(config: Config) -> FastAPI:
     app = FastAPI(title="pdserve router", version="0.1.0", lifespan=lifespan)
     app.state.registry = registry
     install_openai_api(app, handlers, server_metrics, lambda: backend.max_model_len, config.server.max_body_bytes)
-    app.add_middleware(SecurityMiddleware, keys=KeyStore(rc.api_keys), allowlist=Allowlist(rc.ip_allowlist),
+    access = Access(KeyStore(rc.api_keys), KeyStore(rc.admin_keys, "PDSERVE_ADMIN_KEYS", "admin-"), token)
+    for line in exposure_warnings(config.server.host, access.clients.enabled, access.admins.enabled, bool(token),
+                                  static_workers=bool(rc.workers)):
+        log.warning(line)
+    app.add_middleware(SecurityMiddleware, access=access, allowlist=Allowlist(rc.ip_allowlist),
                        limiter=limiter, on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
 
     @app.get("/health")

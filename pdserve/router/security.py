@@ -1,57 +1,27 @@
 """Router security: API keys (stored hashed, compared in constant time), per-key token buckets for
 requests and tokens per minute, an IP allowlist, and one audit log line per request.
 
-`/health` stays open. Every other route needs a key once keys are configured.
+Who may call which route (client keys, admin keys, the internal token) is decided in access.py.
 """
 from __future__ import annotations
 
 import contextvars
-import hashlib
-import hmac
 import ipaddress
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.protocol import INTERNAL_TOKEN_HEADER
+from pdserve.router.access import Access, KeyStore, hash_key, key_id, path_kind  # noqa: F401 (re-exported)
 from pdserve.server.errors import error_response
 
 audit = logging.getLogger("pdserve.audit")
-OPEN_PATHS = ("/health",)
 # The key id of the request being served, for charging its tokens when it finishes.
 current_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_key", default=None)
 # When the request reached the router (perf_counter), for the router-overhead histogram.
 arrived_at: contextvars.ContextVar[float | None] = contextvars.ContextVar("pdserve_arrived", default=None)
-
-
-def hash_key(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
-
-
-def key_id(digest: bytes) -> str:
-    """What logs and metrics name a key by: never the key itself."""
-    return "key-" + digest.hex()[:8]
-
-
-class KeyStore:
-    def __init__(self, keys: list[str]) -> None:
-        env = [k.strip() for k in os.environ.get("PDSERVE_API_KEYS", "").split(",") if k.strip()]
-        self.digests = [hash_key(k) for k in [*keys, *env]]
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.digests)
-
-    def identify(self, presented: str) -> str | None:
-        """The key id of a valid key, else None. Every stored digest is compared, in constant time."""
-        d = hash_key(presented)
-        found = None
-        for stored in self.digests:
-            if hmac.compare_digest(d, stored):
-                found = key_id(stored)
-        return found
 
 
 @dataclass
@@ -123,9 +93,9 @@ class Allowlist:
 class SecurityMiddleware:
     """Pure ASGI (streaming bodies pass through untouched): allowlist, key, rate limit, audit line."""
 
-    def __init__(self, app: ASGIApp, keys: KeyStore, allowlist: Allowlist, limiter: RateLimiter,
+    def __init__(self, app: ASGIApp, access: Access, allowlist: Allowlist, limiter: RateLimiter,
                  on_reject=None) -> None:
-        self.app, self.keys, self.allowlist, self.limiter = app, keys, allowlist, limiter
+        self.app, self.access, self.allowlist, self.limiter = app, access, allowlist, limiter
         self.on_reject = on_reject or (lambda status: None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -134,8 +104,9 @@ class SecurityMiddleware:
             return
         start = time.monotonic()
         path = scope["path"]
+        kind = path_kind(path)
         client = (scope.get("client") or (None, None))[0]
-        who = client or "unknown"
+        who, key = client or "unknown", None
         status = {"code": 0}
 
         async def send_status(message: Message) -> None:
@@ -144,19 +115,18 @@ class SecurityMiddleware:
             await send(message)
 
         reject = None
-        if path not in OPEN_PATHS:
+        if kind != "open":
             if not self.allowlist.allows(client):
                 reject = error_response(403, "your address is not allowed here", code="ip_not_allowed")
-            elif self.keys.enabled:
-                auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode(errors="replace")
+            else:
+                headers = dict(scope.get("headers") or [])
+                auth = headers.get(b"authorization", b"").decode(errors="replace")
                 presented = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-                found = self.keys.identify(presented) if presented else None
-                if found is None:
-                    reject = error_response(401, "a valid API key is required (Authorization: Bearer ...)",
-                                            code="invalid_api_key")
-                else:
-                    who = found
-            if reject is None:
+                verdict = self.access.check(path, presented, headers.get(INTERNAL_TOKEN_HEADER.encode(), b""))
+                reject, key = verdict.reject, verdict.key
+                who = key or who
+            # Workers' registrations and heartbeats come every health period: not a client's budget.
+            if reject is None and kind != "registration":
                 wait = self.limiter.admit(who, time.monotonic())
                 if wait > 0:
                     reject = error_response(429, "rate limit exceeded for this key", code="rate_limit_exceeded",
@@ -171,6 +141,6 @@ class SecurityMiddleware:
             finally:
                 current_key.reset(token)
                 arrived_at.reset(t_token)
-        if path not in OPEN_PATHS:
-            audit.info("key=%s client=%s %s %s status=%d ms=%.1f", who if who.startswith("key-") else "-",
+        if kind != "open":
+            audit.info("key=%s client=%s %s %s status=%d ms=%.1f", key or "-",
                        client, scope.get("method"), path, status["code"], (time.monotonic() - start) * 1e3)

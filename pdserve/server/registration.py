@@ -57,6 +57,7 @@ async def register_with_routers(config: Config, model_name: str) -> None:
     token = internal_token(s.internal_token)
     headers = {INTERNAL_TOKEN_HEADER: token} if token else {}
     registered: dict[str, bool] = {}
+    refused: dict[str, bool] = {}
 
     async def beat(client: httpx.AsyncClient, base: str) -> None:
         try:
@@ -64,6 +65,11 @@ async def register_with_routers(config: Config, model_name: str) -> None:
                 r = await client.post(base + "/admin/workers/register", json=reg.model_dump())
             else:
                 r = await client.post(f"{base}/admin/workers/{reg.worker_id}/heartbeat")
+            if r.status_code in (401, 403) and not refused.get(base):
+                # Not transient: the router wants the internal token (or this one); said once per refusal.
+                log.error("router %s refuses this worker's registration (%d: %s); give the worker the "
+                          "router's internal token (PDSERVE_INTERNAL_TOKEN)", base, r.status_code, r.text[:200])
+            refused[base] = r.status_code in (401, 403)
             registered[base] = r.status_code == 200
         except httpx.HTTPError as e:
             if registered.get(base, True):
