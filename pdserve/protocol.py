@@ -199,8 +199,9 @@ INTERNAL_TOKEN_HEADER = "x-pdserve-internal-token"
 
 class InternalGenerateRequest(BaseModel):
     """The router's request to a decode (or mixed) worker: token ids in, token ids out (NDJSON lines of
-    `{"token_ids", "logprobs", "finished", "finish_reason"}`); text, stop strings and the OpenAI
-    format are the router's business."""
+    `{"token_ids", "logprobs", "finished", "finish_reason"}`; the first line also carries
+    `"prefilled_by"` and `"prefill_failed"`, bootstrap endpoints of prefill workers, when any was
+    asked to prefill); text, stop strings and the OpenAI format are the router's business."""
     model_config = ConfigDict(extra="forbid")
     request_id: str
     prompt_token_ids: list[int] = Field(min_length=1)

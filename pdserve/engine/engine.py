@@ -40,6 +40,10 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # First output of a decode-role request only: the prefill worker that filled its KV, and
+    # those that failed to (see Request.prefill_attempts).
+    prefilled_by: str | None = None
+    prefill_failures: list[str] = field(default_factory=list)
 
 
 def tier_namespace(config: Config, max_model_len: int) -> str:
@@ -162,6 +166,7 @@ class LLMEngine:
 
     def complete_load(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         """A prefill worker filled every prompt block and sampled the first token."""
+        req.prefilled_by = req.prefill_attempts[-1] if req.prefill_attempts else None
         self.scheduler.finish_loading(req)
         self.scheduler.cache_computed_blocks(req)
         return self._on_token(req, token, logprob)
@@ -181,6 +186,8 @@ class LLMEngine:
         step = self.scheduler.schedule()
         self.preemptions_total += len(step.preempted)
         for req in step.to_load:
+            if req.prefill_peers:
+                req.prefill_attempts.append(req.prefill_peers[0])      # the peer start_load asks
             c.start_load(req)
         for req in step.to_fetch:
             tiers.start(req)
@@ -210,8 +217,16 @@ class LLMEngine:
         return outputs
 
     def _on_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        if req.first_token_time is None:
+        first = req.first_token_time is None
+        if first:
             req.first_token_time = time.monotonic()
+        out = self._next_output(req, token, logprob)
+        if first and req.prefill_attempts:
+            out.prefilled_by = req.prefilled_by
+            out.prefill_failures = req.prefill_attempts[:-1] if req.prefilled_by else list(req.prefill_attempts)
+        return out
+
+    def _next_output(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         req.append_token(token)
         if logprob is not None:
             req.logprobs.append(logprob)

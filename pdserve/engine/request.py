@@ -69,6 +69,11 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks so far
     num_cached_blocks: int = 0          # leading blocks already registered in the prefix cache
     prefill_peers: list[str] = field(default_factory=list)   # decode role: prefill workers to try, in order
+    # Decode role, reported to the router with the first token (it keeps each prefill worker's
+    # load and circuit breaker): the peers asked to prefill, in order, and the one whose KV this
+    # request holds (None: it was computed here, after every peer failed or none was asked).
+    prefill_attempts: list[str] = field(default_factory=list)
+    prefilled_by: str | None = None
     kv_sink: Any = None                 # prefill role: where this request's KV is written (disagg.sender.KVSink)
 
     def __post_init__(self) -> None:

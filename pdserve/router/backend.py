@@ -2,8 +2,10 @@
 
 Same interface as the worker's AsyncEngine (`generate`, `check_request`, `accepting`), so the
 OpenAI handlers run unchanged on top. Per request:
-- the policies (router/policies.py) pick a decode worker and a prefill worker from the registry's
-  states and the global KV index;
+- the policies (router/policies.py) pick a decode worker and then, as its pair, a prefill worker
+  from the registry's states and the global KV index; the request is counted on both
+  (router/accounting.py), and the decode worker's first line says which prefill worker filled the
+  prompt and which failed to, so each one's circuit breaker hears its own verdict;
 - before any token, connect errors, 5xx and 429 are retried with exponential backoff and jitter
   on another worker;
 - once tokens have streamed, a dying decode worker is not retried but *migrated*: the prompt plus
@@ -32,6 +34,7 @@ from pdserve.engine.request import TokenLogprob
 from pdserve.engine.sampling_params import InvalidParam, SamplingParams, check_prompt
 from pdserve.model.tokenizer import TokenizerWrapper
 from pdserve.router import policies
+from pdserve.router.accounting import Charge, Route, remote_prefill_tokens
 from pdserve.router.admission import Admission
 from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
@@ -86,19 +89,37 @@ class RemoteBackend:
                 kv_total_blocks=int(h.get("kv_blocks_total", 0)), capacity=w.capacity))
         return out
 
-    def pick(self, role: str, prompt: list[int], max_tokens: int, salt: str | None,
-             exclude: set[str]) -> tuple[Worker | None, str]:
+    def route(self, context: list[int], max_tokens: int, salt: str | None,
+              exclude: set[str]) -> tuple[Route | None, str]:
+        """The decode worker, then the prefill worker it will ask (None: no prefill pool), and the
+        prompt tokens that prefill worker is expected to compute: 0 when the decode worker's cache
+        leaves too little to be worth a transfer (it prefills the rest itself)."""
         t0 = time.perf_counter()
         now = time.monotonic()
-        block_size = self.config.cache.block_size
-        hits = self.index.match(prompt_hashes(prompt, block_size, salt), self.registry) if self.index else {}
-        req = policies.RouteRequest(num_prompt_tokens=len(prompt), max_tokens=max_tokens, block_size=block_size,
-                                    cache_hits=hits)
+        bs = self.config.cache.block_size
+        hits = self.index.match(prompt_hashes(context, bs, salt), self.registry) if self.index else {}
+        try:
+            decode, reason = self._pick("decode", len(context), max_tokens, hits, exclude, now)
+            if decode is None:
+                return None, reason
+            prefill, remote = None, 0
+            if self.registry.pool("prefill"):
+                prefill, _ = self._pick("prefill", len(context), 1, hits, exclude | {decode.worker_id}, now)
+                if prefill is not None and prefill.kv_endpoint:
+                    remote = remote_prefill_tokens(len(context), hits.get(decode.worker_id), bs,
+                                                   self.config.disagg.local_prefill_max_tokens)
+            return Route(decode, prefill, remote), reason
+        finally:
+            self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+
+    def _pick(self, role: str, n: int, max_tokens: int, hits: dict, exclude: set[str],
+              now: float) -> tuple[Worker | None, str]:
+        req = policies.RouteRequest(num_prompt_tokens=n, max_tokens=max_tokens,
+                                    block_size=self.config.cache.block_size, cache_hits=hits)
         name = getattr(self.config.load_balancer, role)
         d = policies.choose(name, req, self._states(role, exclude, now), counter=self._rr[role], rng=self._rng)
         self._rr[role] += 1
         self.metrics.decisions.labels(role, d.reason).inc()
-        self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         return (self.registry.workers.get(d.worker_id) if d.worker_id else None), d.reason
 
     # ------------------------------------------------------------------ generation
@@ -120,16 +141,15 @@ class RemoteBackend:
                 while True:
                     remaining = None if params.max_tokens is None else params.max_tokens - len(generated)
                     context = prompt_token_ids + generated      # what the chosen worker will hold
-                    decode, reason = self.pick("decode", context, remaining or 16, cache_salt, failed)
-                    if decode is None:
+                    route, reason = self.route(context, remaining or 16, cache_salt, failed)
+                    if route is None:
                         raise APIError(503, f"no decode worker can take this request ({reason})",
                                        code="no_workers", headers={"Retry-After": "1"})
-                    prefill, _ = self.pick("prefill", context, 1, cache_salt, set()) \
-                        if self.registry.pool("prefill") else (None, "")
+                    decode = route.decode
                     try:
                         # A migrated stream hands over what it generated as output, not as prompt: the
                         # new worker counts it for max_tokens, penalties and seeded draws.
-                        stream = self._stream(decode, prefill, f"{request_id}-{attempts}", prompt_token_ids,
+                        stream = self._stream(route, f"{request_id}-{attempts}", prompt_token_ids,
                                               list(generated), wire.__dict__, cache_salt)
                         async with aclosing(stream):
                             async for tokens, lps, finished, reason in stream:
@@ -180,24 +200,24 @@ class RemoteBackend:
                     decode.worker_id, e)
         return 1
 
-    async def _stream(self, w: Worker, prefill: Worker | None, rid: str, prompt: list[int], generated: list[int],
-                      sampling: dict, salt: str | None
+    async def _stream(self, route: Route, rid: str, prompt: list[int], generated: list[int], sampling: dict,
+                      salt: str | None
                       ) -> AsyncIterator[tuple[list[int], list[TokenLogprob] | None, bool, str | None]]:
+        w, prefill = route.decode, route.prefill
         headers = dict(self.registry.headers)
         if prefill is not None and prefill.kv_endpoint:
             headers[PREFILL_HEADER] = prefill.kv_endpoint
         body = {"request_id": rid, "prompt_token_ids": prompt, "output_token_ids": generated, "sampling": sampling,
                 "cache_salt": salt}
         now = time.monotonic()
-        context = len(prompt) + len(generated)      # what the worker computes before its first token
-        budget, taken = max(0, (sampling.get("max_tokens") or 0) - len(generated)), 0
-        w.breaker.on_attempt()
-        w.in_flight += 1
-        w.requests += 1
-        w.queued_prefill_tokens += context
-        w.decode_tokens += budget
-        self.metrics.requests.labels(w.worker_id).inc()
-        prefilled = False
+        # What the worker computes before its first token is counted until that token arrives.
+        charge = Charge(route, len(prompt) + len(generated),
+                        max(0, (sampling.get("max_tokens") or 0) - len(generated)))
+        judged: set[str] = set()        # workers whose breaker heard a verdict from this attempt
+        for x in (w, charge.prefill):
+            if x is not None:
+                x.breaker.on_attempt()
+                self.metrics.requests.labels(x.worker_id).inc()
         try:
             try:
                 req = self.client.build_request("POST", w.url + "/internal/generate", json=body, headers=headers)
@@ -206,13 +226,13 @@ class RemoteBackend:
                     self.metrics.overhead_seconds.observe(time.perf_counter() - started)
                 resp = await self.client.send(req, stream=True)
             except httpx.HTTPError as e:
-                self._failure(w, now)
+                self._failure(w, now, judged)
                 raise WorkerFailed(f"{type(e).__name__}: {e}") from e
             try:
                 if resp.status_code != 200:
                     await resp.aread()
                     if resp.status_code == 429 or resp.status_code >= 500:
-                        self._failure(w, now)
+                        self._failure(w, now, judged)
                         raise WorkerFailed(f"HTTP {resp.status_code}")
                     err = _error_of(resp)
                     raise APIError(resp.status_code, err.get("message", resp.text), err.get("param"), err.get("code"))
@@ -224,34 +244,45 @@ class RemoteBackend:
                         err = msg["error"]
                         if err.get("code") == "invalid_value":
                             raise APIError(400, err.get("message", ""), err.get("param"), err.get("code"))
-                        self._failure(w, now)
+                        self._failure(w, now, judged)
                         raise WorkerFailed(err.get("message", "worker error"))
-                    if not prefilled:
-                        prefilled = True
-                        w.queued_prefill_tokens -= context
-                    d = min(len(msg["token_ids"]), budget - taken)
-                    taken += d
-                    w.decode_tokens -= d
+                    if not charge.prefilled:
+                        self._judge_prefill(msg, time.monotonic(), judged)
+                        charge.first_token()
+                    charge.generated(len(msg["token_ids"]))
                     lps = [TokenLogprob.from_wire(e) for e in msg.get("logprobs") or []] or None
                     yield msg["token_ids"], lps, msg["finished"], msg["finish_reason"]
                     if msg["finished"]:
                         w.breaker.on_success()
+                        judged.add(w.worker_id)
                         return
             except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
-                self._failure(w, time.monotonic())
+                self._failure(w, time.monotonic(), judged)
                 raise WorkerFailed(f"{type(e).__name__}: {e}") from e
             finally:
                 await resp.aclose()
         finally:
-            w.in_flight -= 1
-            if not prefilled:
-                w.queued_prefill_tokens -= context
-            w.decode_tokens -= budget - taken
+            charge.close()
+            for x in (w, charge.prefill):
+                if x is not None and x.worker_id not in judged:
+                    x.breaker.on_abandon()
 
-    def _failure(self, w: Worker, now: float) -> None:
+    def _judge_prefill(self, msg: dict, now: float, judged: set[str]) -> None:
+        """The decode worker's first line names the prefill worker that filled the prompt and
+        those that failed to (it fell back to the next one, or to a local prefill)."""
+        by_endpoint = {x.kv_endpoint: x for x in self.registry.pool("prefill") if x.kv_endpoint}
+        for ep in msg.get("prefill_failed") or ():
+            if (x := by_endpoint.get(ep)) is not None:
+                self._failure(x, now, judged)
+        if (x := by_endpoint.get(msg.get("prefilled_by"))) is not None:
+            x.breaker.on_success()
+            judged.add(x.worker_id)
+
+    def _failure(self, w: Worker, now: float, judged: set[str]) -> None:
         w.errors += 1
         self.metrics.errors.labels(w.worker_id).inc()
         w.breaker.on_failure(now)
+        judged.add(w.worker_id)
 
 
 def _error_of(resp: httpx.Response) -> dict:

@@ -4,6 +4,10 @@ The gateway owns every piece of state (the round-robin counter, the RNG, the wor
 the global KV index); a policy only reads what it is given, so tests and the simulator
 (`pdserve/router/simulate.py`) call the same functions the gateway does, without a network.
 
+Exact ties (an idle fleet, equal loads, no cache hit) rotate with the gateway's counter instead of
+going to the first worker: requests that each finish before the next arrives still spread over
+the pool, where a fixed tie-break would send every one of them to the same worker.
+
 Units: `cost` scores are prefill-token equivalents, i.e. predicted time expressed as the number
 of prompt tokens a worker could prefill in it. Lower is better everywhere.
 """
@@ -113,6 +117,12 @@ def _outstanding(w: WorkerState) -> int:
     return w.queued_prefill_tokens + w.decode_tokens
 
 
+def _rotated(cands: Sequence[WorkerState], counter: int) -> list[tuple[int, WorkerState]]:
+    """(position after rotating by counter, worker): the last key of every tie-break."""
+    n = len(cands)
+    return [((i - counter) % n, w) for i, w in enumerate(cands)]
+
+
 # ------------------------------------------------------------------ load-only policies
 
 
@@ -124,12 +134,15 @@ def round_robin(req: RouteRequest, workers: Sequence[WorkerState], counter: int)
     return Decision(cands[counter % len(cands)].worker_id, "round_robin")
 
 
-def least_load(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams | None = None) -> Decision:
-    """Fewest outstanding tokens (queued prefill + expected decode); KV usage breaks ties."""
+def least_load(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams | None = None,
+               counter: int = 0) -> Decision:
+    """Fewest outstanding tokens (queued prefill + expected decode); KV usage, then in flight,
+    then the rotation break ties."""
     cands = eligible(workers, params)
     if not cands:
         return _nobody(workers)
-    best = min(cands, key=lambda w: (_outstanding(w), w.kv_usage, w.in_flight))
+    _, best = min(_rotated(cands, counter), key=lambda rw: (_outstanding(rw[1]), rw[1].kv_usage, rw[1].in_flight,
+                                                            rw[0]))
     return Decision(best.worker_id, "least_load", {w.worker_id: float(_outstanding(w)) for w in cands})
 
 
@@ -153,7 +166,8 @@ def power_of_two(req: RouteRequest, workers: Sequence[WorkerState], rng: random.
 # ------------------------------------------------------------------ cache-aware policies
 
 
-def cache_aware(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams | None = None) -> Decision:
+def cache_aware(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams | None = None,
+                counter: int = 0) -> Decision:
     """SGLang's recipe on the global index: while in_flight is balanced, the worker with the most
     cached leading blocks (ties: fewer in flight) if that covers cache_threshold of the prompt,
     else the least loaded; when imbalanced, the least loaded whatever the cache says."""
@@ -161,7 +175,8 @@ def cache_aware(req: RouteRequest, workers: Sequence[WorkerState], params: CostP
     cands = eligible(workers, p)
     if not cands:
         return _nobody(workers)
-    idlest = min(cands, key=lambda w: (w.in_flight, _outstanding(w), w.kv_usage))
+    _, idlest = min(_rotated(cands, counter), key=lambda rw: (rw[1].in_flight, _outstanding(rw[1]), rw[1].kv_usage,
+                                                              rw[0]))
     busiest = max(w.in_flight for w in cands)
     lo = idlest.in_flight
     if busiest - lo > p.balance_abs_threshold and busiest > p.balance_rel_threshold * lo:
@@ -179,13 +194,14 @@ def cache_aware(req: RouteRequest, workers: Sequence[WorkerState], params: CostP
     return Decision(idlest.worker_id, "least_load", scores)
 
 
-def cost(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams | None = None) -> Decision:
+def cost(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams | None = None,
+         counter: int = 0) -> Decision:
     """The worker with the lowest
         queued prefill + (1 + recompute_weight) * uncached + decode_weight * decode tokens
         (+ long_prompt_kv_weight * prompt * kv_usage for long prompts),
     where queued prefill + uncached is the predicted TTFT and a cached token counts as the
     tier_cost fraction of an uncached one. Workers short of free KV for the whole request rank
-    after all others; ties go to fewer in flight, then to the earlier worker.
+    after all others; ties go to fewer in flight, then to the first in the rotation by counter.
 
     One flat loop on purpose: the gateway runs it per request over the whole pool, and 1000
     workers must take well under a millisecond."""
@@ -205,8 +221,10 @@ def cost(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams |
     scores: dict[str, float] = {}
     best = spill = None              # spill: the best among workers short of free KV
     best_c = spill_c = float("inf")
+    best_r = spill_r = 0             # their rotated positions, read only on an exact tie
+    nw = len(workers) or 1
     up = False
-    for w in workers:
+    for i, w in enumerate(workers):
         if not w.healthy or w.draining or w.breaker_open:
             continue
         up = True
@@ -225,11 +243,12 @@ def cost(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams |
         if kv_pen:
             c += kv_pen * w.kv_usage
         scores[wid] = c
+        r = (i - counter) % nw
         if w.kv_total_blocks and w.kv_free_blocks < need:
-            if c < spill_c or (c == spill_c and w.in_flight < spill.in_flight):
-                spill, spill_c = w, c
-        elif c < best_c or (c == best_c and w.in_flight < best.in_flight):
-            best, best_c = w, c
+            if c < spill_c or (c == spill_c and (w.in_flight, r) < (spill.in_flight, spill_r)):
+                spill, spill_c, spill_r = w, c, r
+        elif c < best_c or (c == best_c and (w.in_flight, r) < (best.in_flight, best_r)):
+            best, best_c, best_r = w, c, r
     best = best or spill
     if best is None:
         return Decision(None, "overloaded" if up else "no_workers")
@@ -249,7 +268,8 @@ POLICIES: dict[str, Callable[..., Decision]] = {
 
 def choose(name: str, req: RouteRequest, workers: Sequence[WorkerState], *, counter: int = 0,
            rng: random.Random | None = None, params: CostParams | None = None) -> Decision:
-    """Run the policy called `name`, handing it only the state it reads."""
+    """Run the policy called `name`, handing it only the state it reads (the counter: a
+    round-robin position, and every other policy's tie rotation)."""
     if name == "round_robin":
         return round_robin(req, workers, counter)
     if name == "power_of_two":
@@ -260,4 +280,4 @@ def choose(name: str, req: RouteRequest, workers: Sequence[WorkerState], *, coun
         fn = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}") from None
-    return fn(req, workers, params)
+    return fn(req, workers, params, counter)

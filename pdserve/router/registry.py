@@ -50,6 +50,12 @@ class Breaker:
     def on_success(self) -> None:
         self.state, self.failures, self.probing = BreakerState.CLOSED, 0, False
 
+    def on_abandon(self) -> None:
+        """The attempt ended with no verdict on this worker (the client left, or the work went
+        elsewhere): a half-open breaker lets the next probe through instead of waiting forever."""
+        if self.state == BreakerState.HALF_OPEN:
+            self.probing = False
+
     def on_failure(self, now: float) -> None:
         self.failures += 1
         if self.state == BreakerState.HALF_OPEN or self.failures >= self.failures_to_open:

@@ -67,10 +67,13 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
             try:
                 async for out in engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt, peer,
                                                  req.output_token_ids):
-                    yield json.dumps({"token_ids": out.new_token_ids,
-                                      "logprobs": [lp.to_wire() for lp in out.new_logprobs] or None,
-                                      "finished": out.finished, "finish_reason": out.finish_reason,
-                                      "num_prompt_tokens": out.num_prompt_tokens}) + "\n"
+                    msg = {"token_ids": out.new_token_ids,
+                           "logprobs": [lp.to_wire() for lp in out.new_logprobs] or None,
+                           "finished": out.finished, "finish_reason": out.finish_reason,
+                           "num_prompt_tokens": out.num_prompt_tokens}
+                    if out.prefilled_by or out.prefill_failures:    # the first line of a remote prefill
+                        msg["prefilled_by"], msg["prefill_failed"] = out.prefilled_by, out.prefill_failures
+                    yield json.dumps(msg) + "\n"
             except InvalidParam as e:
                 yield json.dumps(error_body(400, str(e), e.param, "invalid_value")) + "\n"
             except EngineDeadError as e:
