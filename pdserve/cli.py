@@ -12,12 +12,14 @@ import sys
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
+from pdserve.config_rules import DTYPES, MODES, TRANSFER_BACKENDS, WORKER_ROLES  # noqa: E402 - after the OpenMP setting
+
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (see examples/)")
     p.add_argument("--model", help="smollm2-135m (default), tiny-llama, a .gguf file or a HF directory")
     p.add_argument("--served-model-name", help="the model id clients send (default: --model)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", choices=DTYPES)
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--block-size", type=int)
@@ -39,7 +41,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int)
     p.add_argument("--advertise-host", help="address the router and peers reach this worker at, when --host binds "
                                             "every interface (default: PDSERVE_ADVERTISE_HOST, else this machine's)")
-    p.add_argument("--transfer-backend", choices=["auto", "shm", "tcp", "mooncake", "nixl"],
+    p.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS,
                    help="how KV moves from prefill to decode (mooncake, nixl: optional extras)")
     p.add_argument("--local-prefill-max-tokens", type=int,
                    help="decode workers prefill locally when fewer prompt tokens than this are uncached")
@@ -75,10 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with PD disaggregation")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start a deployment serving the OpenAI API")
-    serve.add_argument("--mode", choices=["pd", "mixed"],
+    serve.add_argument("--mode", choices=MODES,
                        help="pd (default): a router, prefill and decode workers; mixed: one process does both")
     serve.add_argument("--prefill", type=int, help="prefill workers (overrides the config file)")
     serve.add_argument("--decode", type=int, help="decode workers (overrides the config file)")
+    serve.add_argument("--dry-run", action="store_true",
+                       help="check the config against the model (read without its weights), print the deployment "
+                            "plan and exit: 0 if it is good, 2 naming each bad key")
     _add_engine_flags(serve)
     router = sub.add_parser("router", help="the router alone, for workers started elsewhere")
     router.add_argument("--worker", action="append", default=[], metavar="ROLE=URL",
@@ -86,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "also register themselves with --router-url")
     _add_engine_flags(router)
     worker = sub.add_parser("worker", help="one worker process (pdserve serve starts these)")
-    worker.add_argument("--role", choices=["mixed", "prefill", "decode"], required=True)
+    worker.add_argument("--role", choices=WORKER_ROLES, required=True)
     worker.add_argument("--kv-port", type=int, help="prefill: bootstrap port; decode: KV/control port")
     worker.add_argument("--prefill-endpoints", help="decode: comma-separated bootstrap endpoints of prefill workers")
     worker.add_argument("--router-url", help="register with this router and send it heartbeats")
@@ -105,11 +110,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from pdserve.config import load_config
+    from pdserve.config import ConfigError, load_config
 
-    config = load_config(args.config, _overrides(args))
-    if getattr(args, "prefill", None) is not None or getattr(args, "decode", None) is not None:
-        config.deployment.pd_ratio = None       # explicit counts win over the file's ratio
+    overrides = _overrides(args)
+    try:
+        # A worker runs with its role's settings (deployment.<role>); its own flags win over them.
+        config = load_config(args.config, overrides, role=args.role if args.command == "worker" else None)
+        if args.command == "serve":
+            from pdserve.plan import format_plan, make_plan
+            plan = make_plan(config)        # the model's architecture against the deployment
+    except ConfigError as e:
+        flags = {k for k, v in overrides.items() if v is not None}
+        for key, problem in e.problems:
+            where = " (a command-line flag)" if key in flags else ""
+            print(f"pdserve: config error: {key}{where}: {problem}", file=sys.stderr)
+        return 2
+    if args.command == "serve" and args.dry_run:
+        print(f"pdserve serve --dry-run: {args.config or 'defaults'} is valid; nothing was started\n"
+              + format_plan(plan))
+        return 0
+    if args.command == "serve":
+        for warning in plan.warnings:
+            logging.getLogger("pdserve").warning("%s", warning)
     from pdserve.server.app import bind_socket
     # Bind first: the port is ours before the seconds of model loading (see bind_socket).
     sock = bind_socket(config.server.host, config.server.port)
@@ -131,9 +153,6 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.server.app import run_uvicorn
         run_uvicorn(create_router_app(config), config, tls=True, sock=sock)
     elif args.command == "worker":
-        role_cfg = getattr(config.deployment, args.role, None)
-        if config.server.threads is None and role_cfg is not None:
-            config.server.threads = role_cfg.threads
         if args.port_file:
             tmp = args.port_file + ".tmp"
             with open(tmp, "w") as f:

@@ -1,6 +1,7 @@
 """Typed configuration: the one source of defaults, loaded from YAML and overridden by flags."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -90,15 +91,27 @@ class TransferConfig:
 
 @dataclass
 class RoleConfig:
-    instances: int = 1
-    threads: int = 1                     # torch threads of each worker of this role
+    # Workers of this role; None: from deployment.pd_ratio, else 1. Each instance with expert_parallel
+    # N is N processes (devices).
+    instances: int | None = None
+    threads: int | None = None           # torch threads per worker (None: server.threads, else ROLE_THREADS)
     cpu_affinity: list[int] | None = None   # cores the role's workers are pinned to (None: no pinning)
+    # Per-role model and engine settings (seed 003: prefill EP 8, decode EP 64); None: the global key
+    # of the same name (ROLE_SETTINGS below names it) applies.
+    expert_parallel: int | None = None
+    quantization: str | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    device_memory_gb: float | None = None   # this role's KV budget (replaces cache.device_memory_gb/device_blocks)
+    device_blocks: int | None = None
 
 
 @dataclass
 class DeploymentConfig:
     mode: str = "pd"                     # pd (router + prefill + decode workers) | mixed (one process)
-    pd_ratio: str | None = None          # "P:D", e.g. "1:2"; sets the instance counts when given
+    # "P:D": prefill to decode devices (instances x expert_parallel), e.g. "1:2"; sets the instance counts
+    # not given; instances that are given win (a ratio they do not match is a warning, see plan.py).
+    pd_ratio: str | None = None
     prefill: RoleConfig = field(default_factory=RoleConfig)
     decode: RoleConfig = field(default_factory=RoleConfig)
 
@@ -162,34 +175,137 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _apply(obj: Any, values: dict[str, Any], path: str) -> None:
-    known = {f.name: f for f in fields(obj)}
-    for key, value in values.items():
-        if key not in known:
-            raise ValueError(f"unknown config key {path}{key!r}; known: {sorted(known)}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ValueError(f"config key {path}{key} must be a mapping")
-            _apply(current, value, f"{path}{key}.")
+# Torch threads of a prefill or decode worker when neither its role nor server.threads sets them:
+# the workers of a one-machine deployment share its cores.
+ROLE_THREADS = 1
+
+# deployment.<role>.<key> -> the global key it replaces for the workers of that role.
+ROLE_SETTINGS = {
+    "expert_parallel": "model.expert_parallel", "quantization": "model.quantization",
+    "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "device_memory_gb": "cache.device_memory_gb", "device_blocks": "cache.device_blocks",
+    "threads": "server.threads",
+}
+
+# Other names of keys, as seed 003's sample writes them (examples/seed_003.yaml); an alias sets every
+# key it names, so the loaded Config has one place for each value.
+ALIASES = {
+    "deployment.cache.prefix_cache": ("cache.prefix_cache",),
+    "deployment.cache.transfer_bandwidth_limit": ("transfer.bandwidth_limit",),
+    "cache.transfer_bandwidth_limit": ("transfer.bandwidth_limit",),
+    "deployment.load_balancer.strategy": ("load_balancer.prefill", "load_balancer.decode"),
+    "load_balancer.strategy": ("load_balancer.prefill", "load_balancer.decode"),
+}
+_ALIAS_PARENTS = {a.rsplit(".", 1)[0] for a in ALIASES}
+
+
+class ConfigError(ValueError):
+    """Bad config: `problems` lists (dotted key, what is wrong with its value)."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(f"{key}: {msg}" for key, msg in self.problems))
+
+
+def _leaves(obj: Any, data: dict, prefix: str, out: list, problems: list) -> None:
+    """(key, value, key as written) for every value in the nested mapping `data`, aliases resolved."""
+    known = {f.name for f in fields(obj)} if obj is not None else set()
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if path in ALIASES:
+            out.extend((target, value, path) for target in ALIASES[path])
+        elif key in known and dataclasses.is_dataclass(getattr(obj, key)):
+            if isinstance(value, dict):
+                _leaves(getattr(obj, key), value, path + ".", out, problems)
+            else:
+                problems.append((path, f"must be a mapping of keys, not {value!r}"))
+        elif key in known:
+            out.append((path, value, path))
+        elif path in _ALIAS_PARENTS and isinstance(value, dict):
+            _leaves(None, value, path + ".", out, problems)
         else:
-            setattr(obj, key, value)
+            here = known | {a[len(prefix):].split(".")[0] for a in ALIASES if a.startswith(prefix)}
+            problems.append((path, f"unknown key; known here: {', '.join(sorted(here))}"))
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Defaults, then the YAML file, then overrides given as dotted keys ("cache.block_size": 32)."""
-    cfg = Config()
-    if path is not None:
+def _set_leaves(cfg: Config, leaves: list, problems: list) -> set[str]:
+    """Sets each leaf; two names of one key that disagree within one source are an error."""
+    seen: dict[str, tuple[Any, str]] = {}
+    for key, value, written in leaves:
+        if key in seen and seen[key][0] != value:
+            problems.append((written, f"{value!r} conflicts with {seen[key][1]}: {seen[key][0]!r} (set one of them)"))
+            continue
+        seen[key] = (value, written)
+        *parents, leaf = key.split(".")
+        obj = cfg
+        for p in parents:
+            obj = getattr(obj, p)
+        setattr(obj, leaf, value)
+    return set(seen)
+
+
+def _read_yaml(path: str | Path) -> dict:
+    try:
         data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: the top level must be a mapping")
-        _apply(cfg, data, "")
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError([(str(path), f"cannot read the config file: {e}")]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([(str(path), "the top level must be a mapping of sections (model:, cache:, ...)")])
+    return data
+
+
+def apply_role(cfg: Config, role: str, keep: set[str] | frozenset[str] = frozenset()) -> Config:
+    """deployment.<role>'s settings (ROLE_SETTINGS) in place of the global keys they name, except those
+    in `keep`; in place, returns cfg. Roles without a deployment entry (mixed) are left alone."""
+    rc = getattr(cfg.deployment, role, None)
+    if not isinstance(rc, RoleConfig):
+        return cfg
+    for key, target in ROLE_SETTINGS.items():
+        section, leaf = target.split(".")
+        value = getattr(rc, key, None)
+        if value is not None and target not in keep and hasattr(getattr(cfg, section), leaf):
+            setattr(getattr(cfg, section), leaf, value)
+    if rc.device_memory_gb is not None and rc.device_blocks is None and "cache.device_blocks" not in keep:
+        cfg.cache.device_blocks = None      # the role's budget replaces the global one, in blocks too
+    if cfg.server.threads is None:
+        cfg.server.threads = ROLE_THREADS
+    return cfg
+
+
+def for_role(cfg: Config, role: str) -> Config:
+    """A copy of cfg as a worker of `role` sees it."""
+    return apply_role(copy.deepcopy(cfg), role)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                role: str | None = None) -> Config:
+    """Defaults, then the YAML file, then overrides given as dotted keys ("cache.block_size": 32; None
+    values are skipped), every value checked (config_rules.py; ConfigError names each bad key). With
+    `role`, deployment.<role>'s settings then replace the global keys they name, except the keys
+    `overrides` set: a worker's own flags win."""
+    from pdserve.config_rules import check
+
+    cfg = Config()
+    problems: list[tuple[str, str]] = []
+    if path is not None:
+        leaves: list = []
+        _leaves(cfg, _read_yaml(path), "", leaves, problems)
+        _set_leaves(cfg, leaves, problems)
+    nested: dict[str, Any] = {}
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
         *parents, leaf = dotted.split(".")
-        nested: dict[str, Any] = {leaf: value}
-        for p in reversed(parents):
-            nested = {p: nested}
-        _apply(cfg, nested, "")
+        node = nested
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    leaves = []
+    _leaves(cfg, nested, "", leaves, problems)
+    given = _set_leaves(cfg, leaves, problems)
+    if problems:
+        raise ConfigError(problems)
+    check(cfg)
+    if role is not None:
+        apply_role(cfg, role, given)
     return cfg

@@ -18,20 +18,16 @@ from pathlib import Path
 import httpx
 import yaml
 
-from pdserve.config import Config, RoleConfig
+from pdserve.config import Config, for_role
+from pdserve.plan import pd_counts
 
 log = logging.getLogger(__name__)
 
 
 def instance_counts(config: Config) -> tuple[int, int]:
-    d = config.deployment
-    if d.pd_ratio:
-        try:
-            p, q = (int(x) for x in str(d.pd_ratio).split(":"))
-        except ValueError as e:
-            raise ValueError(f"deployment.pd_ratio must look like '1:2', not {d.pd_ratio!r}") from e
-        return p, q
-    return d.prefill.instances, d.decode.instances
+    """(prefill, decode) workers: deployment.<role>.instances, else from deployment.pd_ratio (plan.py)."""
+    n_prefill, n_decode, _ = pd_counts(config)
+    return n_prefill, n_decode
 
 
 def die_with_parent() -> None:
@@ -53,8 +49,8 @@ def _preexec(cores: list[int] | None):
 
 
 class WorkerProcess:
-    def __init__(self, role: str, index: int, config_file: Path, host: str, role_cfg: RoleConfig,
-                 log_dir: Path, extra: list[str]) -> None:
+    def __init__(self, role: str, index: int, config_file: Path, host: str, threads: int,
+                 cpu_affinity: list[int] | None, log_dir: Path, extra: list[str]) -> None:
         self.role = role
         self.host = host
         # Each worker binds free ports itself (HTTP, KV, events) and reports the HTTP one through
@@ -65,11 +61,11 @@ class WorkerProcess:
                "--host", host, "--port", "0", "--port-file", str(self.port_file), *extra]
         env = dict(os.environ)
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            env[k] = str(role_cfg.threads)
+            env[k] = str(threads)
         self.log_path = log_dir / f"{role}-{index}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=_preexec(role_cfg.cpu_affinity))
+                                     preexec_fn=_preexec(cpu_affinity))
 
     @property
     def url(self) -> str:
@@ -112,8 +108,11 @@ def start_workers(config: Config, log_dir: Path) -> list[WorkerProcess]:
     cfg["cache"]["kv_events_endpoint"] = cfg["cache"]["kv_events_endpoint"] or f"tcp://{host}:*"
     config_file = log_dir / "deployment.yaml"
     config_file.write_text(yaml.safe_dump(cfg))
+    # Each worker applies its role's settings (deployment.<role>) itself, from the file; the launcher
+    # needs its threads (OpenMP reads them from the environment) and cores.
     # Decode workers learn prefill workers from the router (which names one per request).
-    return [WorkerProcess(role, i, config_file, host, getattr(config.deployment, role), log_dir, [])
+    return [WorkerProcess(role, i, config_file, host, for_role(config, role).server.threads,
+                          getattr(config.deployment, role).cpu_affinity, log_dir, [])
             for role, n in (("prefill", n_prefill), ("decode", n_decode)) for i in range(n)]
 
 

