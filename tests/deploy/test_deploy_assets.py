@@ -52,3 +52,19 @@ def test_rules_and_dashboard_query_pdserve_metrics():
     scrape = yaml.safe_load((DEPLOY / "prometheus" / "scrape.yaml").read_text())
     targets = {c.get("target_label") for c in scrape["scrape_configs"][0]["relabel_configs"]}
     assert {"component", "pod"} <= targets          # the labels the rules and the dashboard group by
+
+
+def test_the_router_has_admin_keys_and_shares_the_internal_token_with_its_workers():
+    """Workers register with the router's internal token; /admin/* takes only admin keys
+    (the processes themselves run in test_manifest_e2e.py)."""
+    def secrets(component: str) -> dict[str, str]:
+        [dep] = [d for d in manifests() if d["kind"] == "Deployment"
+                 and d["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+        [c] = dep["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in c.get("env", [])
+                if "secretKeyRef" in e.get("valueFrom", {})}
+    router = secrets("router")
+    assert {"PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEYS", "PDSERVE_INTERNAL_TOKEN"} <= set(router)
+    assert router["PDSERVE_ADMIN_KEYS"] != router["PDSERVE_API_KEYS"]
+    for role in ("prefill", "decode"):
+        assert secrets(role) == {"PDSERVE_INTERNAL_TOKEN": router["PDSERVE_INTERNAL_TOKEN"]}   # no client keys
