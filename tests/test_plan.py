@@ -110,3 +110,10 @@ def test_serve_logs_the_ratio_warning_at_start_up(moe_dir, tmp_path):
     assert r.returncode != 0 and "safetensors" in r.stderr      # the workers found no weights
     [warning] = [ln for ln in r.stderr.splitlines() if "WARNING" in ln]
     assert "pd_ratio '1:2'" in warning and "1:1" in warning and "instance counts are used" in warning
+
+
+def test_describe_names_the_loaders_default_model():
+    from pdserve.model import describe, loader
+    assert describe.DEFAULT_MODEL == loader.DEFAULT_MODEL
+    assert describe.default_gguf_path() == loader.default_gguf_path()
+    assert describe.describe_model("tiny-qwen2-moe").num_experts == loader.load_model_files("tiny-qwen2-moe").arch.num_experts
