@@ -92,6 +92,13 @@ def _check_model(config: Config, arch: Any, roles: list[RolePlan]) -> None:
             problems[key] = (f"{ep}: {arch.num_experts + config.model.num_redundant_experts} expert slots per "
                              f"layer ({arch.num_experts} experts + model.num_redundant_experts) cannot be spread "
                              f"over {ep} ranks")
+    quant = {rp.role: getattr(rp.config.model, "quantization", "none") for rp in roles}
+    if quant.get("prefill", "none") != quant.get("decode", "none"):
+        key = next(f"deployment.{r}.quantization" for r in PD_ROLES
+                   if getattr(getattr(config.deployment, r), "quantization", None) is not None)
+        problems[key] = (f"prefill workers would quantize {quant['prefill']}, decode workers {quant['decode']}: "
+                         "a decode worker refuses KV from a prefill worker whose quantization differs (the KV "
+                         "plane's compatibility check), so give both roles the same")
     if problems:
         raise ConfigError(list(problems.items()))
 
