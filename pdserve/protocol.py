@@ -49,6 +49,7 @@ class CompletionRequest(_SamplingFields):
 class ContentPart(OpenAIModel):
     type: str
     text: str | None = None
+    refusal: str | None = None      # the text of an assistant's "refusal" part
 
 
 class ChatMessage(OpenAIModel):
@@ -61,7 +62,9 @@ class ChatMessage(OpenAIModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text or "" for p in self.content if p.type == "text")
+        # Only text reaches the template; server/chat_content.py refuses the parts it cannot read.
+        return "".join((p.refusal if p.type == "refusal" else p.text) or "" for p in self.content
+                       if p.type in ("text", "refusal"))
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -17,6 +17,7 @@ from pdserve.engine.request import TokenLogprob
 from pdserve.engine.sampling_params import InvalidParam, SamplingParams
 from pdserve.model.tokenizer import TokenizerWrapper
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_card, new_id, now
+from pdserve.server.chat_content import chat_messages
 from pdserve.server.errors import APIError, BodySizeLimit, error_body, install_error_handlers
 from pdserve.server.metrics import RequestTimer, ServerMetrics
 
@@ -221,7 +222,7 @@ class OpenAIHandlers:
 
     async def chat(self, req: ChatCompletionRequest, http: Request):
         self._check_model(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = chat_messages(req.messages, self.model_name)
         try:
             prompt = await self.encoder.encode_chat(messages)
         except ValueError as e:
