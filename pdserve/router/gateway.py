@@ -105,7 +105,7 @@ def create_router_app(config: Config) -> FastAPI:
             return error_response(503, "no healthy decode worker", code="no_workers")
         return {"status": "ok", "workers": [w.describe() for w in registry.workers.values()]}
 
-    # ------------------------------------------------------------------ admin
+    # ------------------------------------------------------------------ admin (who may call: access.py)
 
     @app.get("/admin/workers")
     async def list_workers():
