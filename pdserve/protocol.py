@@ -115,6 +115,16 @@ PD_LAYER = "layer"              # prefill -> decode: a layer's blocks are writte
 PD_DONE = "done"                # prefill -> decode: every layer is written; carries the first token
 PD_FAILED = "failed"            # prefill -> decode: the job cannot complete
 PD_CANCEL_ACK = "cancel_ack"    # prefill -> decode: nothing more will be written for this request
+# Every PD message names its transfer ("transfer_id", random per job): a message for a transfer the
+# receiver never started or already ended is dropped. With an internal token configured each one
+# also carries AUTH_FIELD, an HMAC of the rest (disagg/trust.py).
+AUTH_FIELD = "auth"
+# PD_FAILED's "code" when the job was refused before it ran: the decode worker fails the request
+# (incompatible, too_long) or tries another peer (the others).
+PD_UNAUTHORIZED = "unauthorized"    # no or a wrong internal token
+PD_INCOMPATIBLE = "incompatible"    # the compatibility digests differ
+PD_TOO_LONG = "too_long"            # the prompt does not fit the decode worker's context
+PD_BAD_JOB = "bad_job"              # a duplicate transfer id, a pool path it did not create, ...
 
 
 @dataclass
@@ -141,6 +151,10 @@ class PrefillJob:
     # Tokens the request generated before (a migrated stream, a preempted request): computed with
     # the prompt, and the token sampled is output number len(output_token_ids).
     output_token_ids: list[int] = field(default_factory=list)
+    transfer_id: str = ""           # random per job; the prefill worker refuses one it has seen
+    issued_at: float = 0.0          # the decode worker's time.time() (a signed job expires)
+    max_model_len: int = 0          # the decode worker's context: a longer prompt is refused
+    compat: dict[str, Any] | None = None    # trust.compat_info of the decode worker
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": PD_PREFILL, **asdict(self)}

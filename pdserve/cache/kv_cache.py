@@ -9,6 +9,7 @@ import atexit
 import mmap
 import os
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,14 @@ def new_shm_path() -> Path:
     return SHM_DIR / f"pdserve-kv-{os.getpid()}-{os.urandom(4).hex()}"
 
 
+def is_pool_path(path: str, pid: int | None) -> bool:
+    """Whether `path` names a pool that process `pid` made with new_shm_path (a prefill worker maps
+    nothing else, whatever a job says)."""
+    d, name = os.path.split(path)
+    m = _SHM_NAME.fullmatch(name)
+    return d == str(SHM_DIR) and m is not None and int(m.group(1)) == pid
+
+
 def sweep_stale_shm() -> None:
     """Remove pools left by killed workers (their pid no longer runs): kill -9 skips atexit."""
     if not SHM_DIR.is_dir():
@@ -102,8 +111,10 @@ def pid_alive(pid: int) -> bool:
 def attach_shared_kv(path: str | Path, shape: tuple[int, ...], elem_size: int) -> np.ndarray:
     """Map another process's pool as raw bytes [layers, 2, slots, kv_heads, head_dim * elem_size]."""
     size = int(np.prod(shape)) * elem_size
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)      # a symlink planted at a pool's name is refused
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
         if os.fstat(fd).st_size != size:
             raise ValueError(f"{path}: expected {size} bytes, found {os.fstat(fd).st_size}")
         buf = mmap.mmap(fd, size)

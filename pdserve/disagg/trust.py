@@ -1,0 +1,182 @@
+"""What the KV plane checks before it acts on a peer's message.
+
+- Authentication: with an internal token configured, every control message (and every tcp layer
+  header) carries an HMAC-SHA256 of its msgpack body keyed with the token; the token itself never
+  crosses the wire. Without a token (the laptop default) nothing is signed or checked.
+- Compatibility: each job carries the decode side's model, dtype, quantization, block size, KV
+  layout and pdserve version; a prefill worker refuses a job whose values differ from its own.
+- Freshness: transfer ids are random per job; a prefill worker refuses one it has seen (a replay),
+  and, when signing, a job issued too long ago.
+- Bounds: a job may name only the decode worker's own shm pool and blocks inside it.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import stat
+import time
+from collections import OrderedDict
+from typing import Any
+
+from pdserve import __version__
+from pdserve.cache.kv_cache import SHM_DIR, is_pool_path
+from pdserve.protocol import (
+    AUTH_FIELD,
+    PD_BAD_JOB,
+    PD_FAILED,
+    PD_INCOMPATIBLE,
+    PD_PREFILL,
+    PD_TOO_LONG,
+    PD_UNAUTHORIZED,
+    PrefillJob,
+    pack,
+)
+
+# A signed job older (or newer) than this by the prefill worker's clock is refused: past it, its
+# transfer id may have left the replay memory. Generous, so clock skew between hosts is no issue.
+REPLAY_WINDOW_S = 600.0
+
+
+BAD_TOKEN = ("no or a wrong internal token; every worker needs the same server.internal_token "
+             "(PDSERVE_INTERNAL_TOKEN)")
+
+
+def _mac(key: bytes, msg: dict[str, Any]) -> str:
+    body = {k: v for k, v in msg.items() if k != AUTH_FIELD}
+    return hmac.new(key, pack(body), "sha256").hexdigest()
+
+
+def sign(msg: dict[str, Any], key: bytes | None) -> dict[str, Any]:
+    """`msg` with its HMAC added (unchanged when no token is configured)."""
+    if key is None:
+        return msg
+    return {**msg, AUTH_FIELD: _mac(key, msg)}
+
+
+def verified(msg: dict[str, Any], key: bytes | None) -> bool:
+    """Whether `msg` (as unpacked) was signed with `key`; always true when no token is configured.
+    msgpack round-trips every value we send exactly, so the body re-packs to the bytes signed."""
+    if key is None:
+        return True
+    given = msg.get(AUTH_FIELD)
+    return isinstance(given, str) and hmac.compare_digest(given, _mac(key, msg))
+
+
+def token_key(token: str | None) -> bytes | None:
+    return token.encode() if token else None
+
+
+def unsigned_refusal(msg: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """(endpoint, PD_FAILED) answering a job that failed `verified`. Unsigned: a peer whose token
+    differs could not check a signature anyway. Only to tcp/ipc endpoints, as the sender is unknown."""
+    ep = msg.get("reply_endpoint")
+    if msg.get("type") != PD_PREFILL or not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://")):
+        return None
+    return ep, {"type": PD_FAILED, "request_id": msg.get("request_id"), "transfer_id": msg.get("transfer_id"),
+                "code": PD_UNAUTHORIZED, "reason": f"the prefill worker refused the job: {BAD_TOKEN}"}
+
+
+def compat_info(model: str, dtype: str, quantization: str, block_size: int, kv_shape: list[int],
+                elem_size: int) -> dict[str, Any]:
+    """What both ends of a transfer must agree on for the bytes to mean the same KV."""
+    layers, _, _, kv_heads, head_dim = kv_shape
+    return {"model": model, "dtype": dtype, "quantization": quantization, "block_size": block_size,
+            "kv_layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "kv_elem_size": elem_size,
+            "pdserve_version": __version__}
+
+
+def compat_mismatch(mine: dict[str, Any], theirs: Any) -> str | None:
+    """A readable list of the differences, or None when the two agree."""
+    if not isinstance(theirs, dict):
+        return "the job carries no compatibility information (a pdserve version without it?)"
+    diffs = [f"{k} {theirs.get(k)!r} (decode) != {v!r} (prefill)" for k, v in mine.items() if theirs.get(k) != v]
+    return "; ".join(diffs) or None
+
+
+class SeenIds:
+    """Transfer ids seen in the last `window_s` seconds (a prefill worker's replay memory)."""
+
+    def __init__(self, window_s: float = REPLAY_WINDOW_S, clock=time.monotonic) -> None:
+        self.window_s, self.clock = window_s, clock
+        self._seen: OrderedDict[str, float] = OrderedDict()
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self._seen
+
+    def add(self, transfer_id: str) -> bool:
+        """Record the id; False if it was seen already."""
+        now = self.clock()
+        while self._seen and next(iter(self._seen.values())) < now - self.window_s:
+            self._seen.popitem(last=False)
+        if transfer_id in self._seen:
+            return False
+        self._seen[transfer_id] = now
+        return True
+
+
+class ThrottledLog:
+    """Logs a peer's bad messages at most once a second (with the count suppressed meanwhile), so a
+    flood of them cannot flood the log."""
+
+    def __init__(self, logger: logging.Logger, period_s: float = 1.0) -> None:
+        self.log, self.period_s = logger, period_s
+        self._last = -period_s
+        self._suppressed = 0
+
+    def __call__(self, level: int, fmt: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < self.period_s:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            fmt += f" ({self._suppressed} similar messages suppressed)"
+        self._last, self._suppressed = now, 0
+        self.log.log(level, fmt, *args)
+
+
+class JobRefused(Exception):
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code            # PD_FAILED's code
+
+
+def check_job(job: PrefillJob, compat: dict[str, Any], signed: bool, seen: SeenIds, now_wall: float) -> None:
+    """Raise JobRefused when a prefill worker must not run `job`; checked before anything is
+    allocated or computed."""
+    refused = _refusal(job, compat, signed, seen, now_wall)
+    if refused:
+        raise JobRefused(*refused)
+
+
+def _refusal(job: PrefillJob, compat: dict[str, Any], signed: bool, seen: SeenIds,
+             now_wall: float) -> tuple[str, str] | None:
+    if not job.transfer_id or not isinstance(job.transfer_id, str):
+        return PD_BAD_JOB, "the job has no transfer id"
+    if signed and abs(now_wall - job.issued_at) > REPLAY_WINDOW_S:
+        return PD_BAD_JOB, (f"the job was issued {now_wall - job.issued_at:.0f} s from now: expired "
+                            "(or the two hosts' clocks are far apart)")
+    diff = compat_mismatch(compat, job.compat)
+    if diff:
+        return PD_INCOMPATIBLE, f"prefill and decode workers are incompatible: {diff}"
+    n = len(job.prompt_token_ids) + len(job.output_token_ids)
+    if job.max_model_len and n >= job.max_model_len:
+        return PD_TOO_LONG, f"the context ({n} tokens) leaves no room in the decode worker's {job.max_model_len}"
+    if job.shm_path and not (is_pool_path(job.shm_path, job.decode_pid) and _plain_or_absent(job.shm_path)):
+        return PD_BAD_JOB, (f"{job.shm_path!r} is not a KV pool the decode worker created "
+                            f"({SHM_DIR}/pdserve-kv-<its pid>-<hex>)")
+    slots = job.kv_shape[2] if len(job.kv_shape) == 5 else 0
+    if any(not 0 <= b < slots // job.block_size for b in job.dst_block_ids):
+        return PD_BAD_JOB, "the job names blocks outside the decode pool"
+    if not seen.add(job.transfer_id):
+        return PD_BAD_JOB, f"transfer id {job.transfer_id} was used before"
+    return None
+
+
+def _plain_or_absent(path: str) -> bool:
+    """A regular file, or nothing (the pool of a decode worker on another host: never opened here).
+    ShmWriter opens it with O_NOFOLLOW too, in case a symlink appears after this check."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return True
