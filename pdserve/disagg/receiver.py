@@ -26,6 +26,7 @@ from pdserve.cache.kv_cache import raw_bytes_view
 from pdserve.config import Config
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
+from pdserve.disagg.trust import BAD_TOKEN, SeenIds, ThrottledLog, compat_info, sign, token_key, verified
 from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint, endpoint_host
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.request import TokenLogprob
@@ -35,8 +36,11 @@ from pdserve.protocol import (
     PD_CANCEL_ACK,
     PD_DONE,
     PD_FAILED,
+    PD_INCOMPATIBLE,
     PD_LAYER,
     PD_STARTED,
+    PD_TOO_LONG,
+    PD_UNAUTHORIZED,
     PrefillJob,
     pack,
     unpack,
@@ -49,6 +53,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _EVENT_FOR = {PD_ACCEPTED: "accepted", PD_STARTED: "started", PD_LAYER: "progress"}
+# A peer that refuses a job for these reasons would refuse it from any decode worker alike: the
+# request fails with the reason instead of being retried or prefilled here behind a config error.
+_FATAL = (PD_INCOMPATIBLE, PD_TOO_LONG)
 
 
 @dataclass
@@ -56,34 +63,46 @@ class Pending:
     req: Request
     peer: str
     transfer: Transfer
+    transfer_id: str
     peer_pid: int | None = None
     peer_host: str | None = None
 
 
 class DecodeConnector(KVConnector):
     def __init__(self, config: Config, kv_cache: torch.Tensor, shm_path: str | None, bind_endpoint: str,
-                 advertise_host: str | None = None) -> None:
-        """`advertise_host`: the host prefill workers reach this one at (see utils/net.py)."""
+                 advertise_host: str | None = None, internal_token: str | None = None,
+                 max_model_len: int = 0) -> None:
+        """`advertise_host`: the host prefill workers reach this one at (see utils/net.py).
+        `internal_token`: jobs are signed with it and peers' messages must be (None: nothing is).
+        `max_model_len`: this engine's context, which a prefill worker checks the prompt against."""
         self.config = config
         self.model = config.server.served_model_name or config.model.name
         self.block_size = config.cache.block_size
         self.kv_shape = list(kv_cache.shape)
         self.elem_size = kv_cache.element_size()
+        self.key = token_key(internal_token)
+        self.max_model_len = max_model_len
+        self.compat = compat_info(self.model, config.model.dtype, getattr(config.model, "quantization", "none"),
+                                  self.block_size, self.kv_shape, self.elem_size)
         self.raw = raw_bytes_view(kv_cache)
         self.shm_path = shm_path
         d = config.disagg
         self.deadlines = Deadlines(d.bootstrap_timeout_s, d.queue_timeout_s, d.transfer_timeout_s)
         self.peers = list(d.prefill_endpoints)
         self.pending: dict[str, Pending] = {}            # engine thread only
-        self.quarantine: dict[str, tuple[list[int], float, Pending]] = {}   # rid -> (blocks, deadline, transfer)
+        self.quarantine: dict[str, tuple[list[int], float, Pending]] = {}   # transfer id -> (blocks, deadline, pend)
         self.peer_down_until: dict[str, float] = {}
         self.counters = {"kv_transfers_completed_total": 0, "kv_transfers_failed_total": 0,
                          "kv_transfer_bytes_total": 0, "kv_transfer_seconds_total": 0.0,
-                         "kv_recv_tcp_bytes_total": 0, "kv_local_prefill_fallbacks_total": 0}
+                         "kv_recv_tcp_bytes_total": 0, "kv_local_prefill_fallbacks_total": 0,
+                         # Unsigned or wrongly signed; for a transfer not live (or blocks not its own).
+                         "kv_messages_rejected_total": 0, "kv_messages_dropped_total": 0}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._event = threading.Event()
-        self._live: dict[str, list[int]] = {}            # rid -> destination blocks the I/O thread may write
+        self._live: dict[str, tuple[str, set[int]]] = {}     # rid -> (transfer id, blocks tcp frames may fill)
+        self._ended = SeenIds()                              # transfer ids that ended (both under the lock)
         self._live_lock = threading.Lock()
+        self._log_io, self._log_engine = ThrottledLog(log), ThrottledLog(log)   # one per thread
         self._ctx = zmq.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -126,13 +145,15 @@ class DecodeConnector(KVConnector):
                 try:
                     s.send(payload, zmq.NOBLOCK)
                 except zmq.Again:
-                    self._inbox.put({"type": PD_FAILED, "request_id": unpack(payload).get("request_id"),
-                                     "reason": f"cannot send to {ep}"})
+                    sent = unpack(payload)
+                    self._inbox.put({"type": PD_FAILED, "request_id": sent.get("request_id"),
+                                     "transfer_id": sent.get("transfer_id"), "reason": f"cannot send to {ep}"})
             if self._pull in ready:
                 try:
                     self._receive()
                 except Exception as e:  # noqa: BLE001 - a bad peer message must not kill the thread
-                    log.warning("dropping a malformed message: %s", e)
+                    self._drain()
+                    self._log_io(logging.WARNING, "dropping a malformed message: %s", e)
                 self._event.set()
                 self.wake()
         for s in socks.values():
@@ -140,36 +161,70 @@ class DecodeConnector(KVConnector):
 
     def _receive(self) -> None:
         msg = unpack(self._pull.recv())
+        # A refusal for a bad token comes unsigned (the peer cannot sign for our token): taken only
+        # as a failure of the named live transfer, which at worst falls back to a local prefill.
+        refusal = msg["type"] == PD_FAILED and msg.get("code") == PD_UNAUTHORIZED
+        if not (verified(msg, self.key) or refusal):
+            self._drain()
+            self._count("kv_messages_rejected_total")
+            self._log_io(logging.ERROR, "dropping a %s message for %s: %s", msg["type"], msg.get("request_id"),
+                         BAD_TOKEN)
+            return
         if msg["type"] == PD_LAYER and msg.get("data"):
             msg["bytes"] = self._receive_frames(msg)
+            if msg["bytes"] is None:
+                return
         self._inbox.put(msg)
 
-    def _receive_frames(self, msg: dict) -> int:
-        """Write the KV frames that follow a tcp layer header straight into the destination blocks."""
+    def _receive_frames(self, msg: dict) -> int | None:
+        """Write the KV frames that follow a tcp layer header straight into the destination blocks:
+        only a live transfer's, only the blocks it was given (None: dropped, nothing written)."""
         bs, n = self.block_size, 0
+        rid, tid, layer, runs = msg.get("request_id"), msg.get("transfer_id"), msg["layer"], msg["runs"]
         with self._live_lock:
-            live = msg["request_id"] in self._live
-            for d, k in msg["runs"]:
+            tid_live, blocks = self._live.get(rid, (None, set()))
+            ok = tid_live == tid and 0 <= layer < self.kv_shape[0] and \
+                all(b in blocks for d, k in runs for b in range(d, d + k))
+            unknown = tid_live == tid or tid not in self._ended
+            for d, k in runs if ok else ():
                 for kv in (0, 1):
                     if not self._pull.getsockopt(zmq.RCVMORE):
                         raise ValueError("a KV frame is missing")
-                    view = self.raw[msg["layer"], kv, d * bs:(d + k) * bs]
-                    if not live:
-                        self._pull.recv()                    # cancelled: drain, write nothing
-                        continue
+                    view = self.raw[layer, kv, d * bs:(d + k) * bs]
                     got = self._pull.recv_into(view.reshape(-1))
                     if got != view.nbytes:
                         raise ValueError(f"KV frame of {got} bytes, expected {view.nbytes}")
                     n += got
-            while self._pull.getsockopt(zmq.RCVMORE):
-                self._pull.recv()
+        self._drain()
+        if not ok:
+            self._drop_log(self._log_io, "tcp KV", rid, tid, unknown)
+            return None
         return n
+
+    def _drain(self) -> None:
+        """Skip the rest of a multipart message (the I/O thread's)."""
+        while self._pull.getsockopt(zmq.RCVMORE):
+            self._pull.recv()
+
+    def _count(self, name: str) -> None:
+        with self._live_lock:           # both threads count these
+            self.counters[name] += 1
+
+    def _drop_log(self, logger: ThrottledLog, kind: str, rid, tid, unknown: bool) -> None:
+        """A message for a transfer that ended (late, after a cancel: normal) or that this worker never
+        started, or naming blocks not its own (a broken or hostile peer) is dropped."""
+        self._count("kv_messages_dropped_total")
+        if unknown:
+            logger(logging.WARNING, "dropping a %s message for request %s: transfer %s is not one this worker "
+                   "started, or the blocks are not its own", kind, rid, tid)
+        else:
+            log.debug("dropping a late %s message for request %s: transfer %s ended", kind, rid, tid)
 
     def _post_out(self, endpoint: str, msg: dict) -> None:
         if self._out is None:
             self._out = self._ctx.socket(zmq.PUSH)
             self._out.connect(self._out_addr)
-        self._out.send_multipart([endpoint.encode(), pack(msg)])
+        self._out.send_multipart([endpoint.encode(), pack(sign(msg, self.key))])
 
     # ------------------------------------------------------------------ engine thread
 
@@ -198,12 +253,14 @@ class DecodeConnector(KVConnector):
         peer = req.prefill_peers[0]
         p = req.params
         sampling = {k: (list(v) if isinstance(v, list) else v) for k, v in p.__dict__.items()}
+        tid = os.urandom(8).hex()
         job = PrefillJob(req.request_id, list(req.prompt_token_ids), sampling, req.cache_salt, list(req.block_ids),
                          req.num_cached_blocks, self.endpoint, os.getpid(), HOST, self.shm_path, self.kv_shape,
                          self.elem_size, self.block_size, self.model,
-                         **self._pool_fields(), output_token_ids=list(req.output_token_ids))
-        self.pending[req.request_id] = Pending(req, peer, Transfer(req.request_id, self.deadlines, now))
-        self.accept_writes(req.request_id, req.block_ids)
+                         **self._pool_fields(), output_token_ids=list(req.output_token_ids), transfer_id=tid,
+                         issued_at=time.time(), max_model_len=self.max_model_len, compat=self.compat)
+        self.pending[req.request_id] = Pending(req, peer, Transfer(req.request_id, self.deadlines, now), tid)
+        self.accept_writes(req.request_id, req.block_ids[req.num_cached_blocks:], tid)   # cached ones are shared
         self._post_out(peer, job.to_wire())
 
     def _pool_fields(self) -> dict:
@@ -214,10 +271,15 @@ class DecodeConnector(KVConnector):
             return {"nixl_metadata": ep.metadata, "pool_base": ep.base}
         return {}
 
-    def accept_writes(self, request_id: str, block_ids: list[int]) -> None:
-        """From now on, tcp KV frames for this request land in these blocks."""
+    def accept_writes(self, request_id: str, block_ids: list[int], transfer_id: str = "") -> None:
+        """From now on, tcp KV frames of this transfer land in these blocks (and in no others)."""
         with self._live_lock:
-            self._live[request_id] = list(block_ids)
+            self._live[request_id] = (transfer_id, set(block_ids))
+
+    def _end_writes(self, pend: Pending) -> None:
+        with self._live_lock:
+            self._live.pop(pend.req.request_id, None)
+            self._ended.add(pend.transfer_id)
 
     def next_message(self, timeout: float) -> dict | None:
         """The next message from a peer, as the engine would see it (benchmarks drive this directly)."""
@@ -229,18 +291,18 @@ class DecodeConnector(KVConnector):
     def _stop_writes(self, pend: Pending, reason: str, now: float) -> list[int]:
         """Stop the peer writing; returns the blocks held back (quarantined) until it provably can't."""
         rid = pend.req.request_id
-        with self._live_lock:
-            self._live.pop(rid, None)
+        self._end_writes(pend)
         pend.transfer.fail(reason, now)
         self.counters["kv_transfers_failed_total"] += 1
         dead = process_gone(pend.peer_pid, pend.peer_host)
         if not dead:
-            self._post_out(pend.peer, {"type": PD_CANCEL, "request_id": rid, "reply_endpoint": self.endpoint})
+            self._post_out(pend.peer, {"type": PD_CANCEL, "request_id": rid, "transfer_id": pend.transfer_id,
+                                       "reply_endpoint": self.endpoint})
         if dead or not (self.shm_path or self.pool_endpoint):
             return []       # over tcp nothing lands once the rid leaves _live; a dead peer writes nothing
         held = pend.req.block_ids[pend.req.num_cached_blocks:]
         if held:
-            self.quarantine[rid] = (held, now + self.config.disagg.quarantine_timeout_s, pend)
+            self.quarantine[pend.transfer_id] = (held, now + self.config.disagg.quarantine_timeout_s, pend)
         return held
 
     def cancel_load(self, req: Request) -> list[int]:
@@ -254,14 +316,17 @@ class DecodeConnector(KVConnector):
         outputs = []
         while not self._inbox.empty():
             msg = self._inbox.get_nowait()
-            rid = msg.get("request_id")
-            if msg["type"] == PD_CANCEL_ACK:
-                self._release(engine, rid)
+            rid, tid, t = msg.get("request_id"), msg.get("transfer_id"), msg["type"]
+            if t == PD_CANCEL_ACK and tid in self.quarantine:
+                self._release(engine, tid)
                 continue
             pend = self.pending.get(rid)
-            if pend is None:
-                continue                            # a late message for a transfer that ended
-            t = msg["type"]
+            if pend is None or pend.transfer_id != tid or t == PD_CANCEL_ACK:
+                with self._live_lock:
+                    ended = tid in self._ended
+                if not (ended and t == PD_CANCEL_ACK):      # an ack of a transfer that held nothing back
+                    self._drop_log(self._log_engine, t, rid, tid, not ended)
+                continue
             try:
                 if t == PD_ACCEPTED:
                     pend.peer_pid, pend.peer_host = msg.get("pid"), msg.get("host")
@@ -271,14 +336,18 @@ class DecodeConnector(KVConnector):
                 elif t == PD_DONE:
                     pend.transfer.on("done", now)
                     del self.pending[rid]
-                    with self._live_lock:
-                        self._live.pop(rid, None)
+                    self._end_writes(pend)
                     self.counters["kv_transfers_completed_total"] += 1
                     self.counters["kv_transfer_bytes_total"] += msg.get("bytes", 0)
                     # Job lifetime (queue + compute + writes); the prefill side reports link GB/s.
                     self.counters["kv_transfer_seconds_total"] += now - pend.transfer.started_at
                     outputs.append(engine.complete_load(pend.req, msg["token"], _logprob_or_none(msg.get("logprob"))))
+                elif t == PD_FAILED and msg.get("code") in _FATAL:
+                    outputs.append(self._fail_request(engine, pend, f"prefill worker {pend.peer} refused the "
+                                                                    f"request: {msg.get('reason')}", now))
                 elif t == PD_FAILED:
+                    if msg.get("code") == PD_UNAUTHORIZED:
+                        log.error("prefill worker %s refused a job: %s", pend.peer, BAD_TOKEN)
                     self._fail(engine, pend, f"prefill worker failed: {msg.get('reason')}", now)
             except Exception as e:  # noqa: BLE001 - an out-of-order peer fails its transfer
                 self._fail(engine, pend, str(e), now)
@@ -289,10 +358,17 @@ class DecodeConnector(KVConnector):
                 self._fail(engine, pend, "prefill worker died", now)
             elif pend.transfer.expired(now):
                 self._fail(engine, pend, f"no answer in state {pend.transfer.state.value}", now)
-        for rid, (_, deadline, pend) in list(self.quarantine.items()):
+        for tid, (_, deadline, pend) in list(self.quarantine.items()):
             if now > deadline or (check_pids and process_gone(pend.peer_pid, pend.peer_host)):
-                self._release(engine, rid)
+                self._release(engine, tid)
         return outputs
+
+    def _fail_request(self, engine: LLMEngine, pend: Pending, reason: str, now: float) -> RequestOutput:
+        """No peer or retry would do better: the request ends with `reason` for its client."""
+        log.error("request %s failed: %s", pend.req.request_id, reason)
+        self.pending.pop(pend.req.request_id, None)
+        held = self._stop_writes(pend, reason, now)
+        return engine.fail_load(pend.req, held, reason)
 
     def _fail(self, engine: LLMEngine, pend: Pending, reason: str, now: float) -> None:
         rid = pend.req.request_id
@@ -305,8 +381,8 @@ class DecodeConnector(KVConnector):
             self.counters["kv_local_prefill_fallbacks_total"] += 1
         engine.retry_load(pend.req, held)
 
-    def _release(self, engine: LLMEngine, rid: str) -> None:
-        entry = self.quarantine.pop(rid, None)
+    def _release(self, engine: LLMEngine, transfer_id: str) -> None:
+        entry = self.quarantine.pop(transfer_id, None)
         if entry is not None:
             engine.pool.free(entry[0])
 

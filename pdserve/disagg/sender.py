@@ -23,6 +23,8 @@ from pdserve.cache.kv_cache import raw_bytes_view
 from pdserve.config import Config
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
+from pdserve.disagg.trust import (BAD_TOKEN, JobRefused, SeenIds, ThrottledLog, check_job, compat_info, sign,
+                                   token_key, unsigned_refusal, verified)
 from pdserve.disagg.transport import (
     KVWriter,
     MooncakeEndpoint,
@@ -39,7 +41,7 @@ from pdserve.disagg.transport import (
     parse_bandwidth_limit,
 )
 from pdserve.engine.kv_connector import KVConnector
-from pdserve.engine.sampling_params import InvalidParam, SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol import (
     PD_ACCEPTED,
     PD_CANCEL,
@@ -77,12 +79,19 @@ class KVSink:
 
 
 class PrefillConnector(KVConnector):
-    def __init__(self, config: Config, kv_cache, bootstrap_endpoint: str, advertise_host: str | None = None) -> None:
-        """`advertise_host`: the host decode workers reach this one at (see utils/net.py)."""
+    def __init__(self, config: Config, kv_cache, bootstrap_endpoint: str, advertise_host: str | None = None,
+                 internal_token: str | None = None) -> None:
+        """`advertise_host`: the host decode workers reach this one at (see utils/net.py).
+        `internal_token`: jobs and cancels must be signed with it (None: nothing is checked)."""
         self.config = config
         self.block_size = config.cache.block_size
         self.model = config.server.served_model_name or config.model.name
         self.src = raw_bytes_view(kv_cache)
+        self.key = token_key(internal_token)
+        self.compat = compat_info(self.model, config.model.dtype, getattr(config.model, "quantization", "none"),
+                                  self.block_size, list(kv_cache.shape), kv_cache.element_size())
+        self._seen = SeenIds()                   # engine thread only
+        self._log_refused = ThrottledLog(log)    # bootstrap thread only
         d = config.disagg
         self.deadlines = Deadlines(d.bootstrap_timeout_s, d.queue_timeout_s, d.transfer_timeout_s)
         # The sender thread must get the GIL soon after a layer lands; the default 5 ms switch
@@ -107,7 +116,8 @@ class PrefillConnector(KVConnector):
                          # From the last layer's compute to every write of the step done: what layer-wise
                          # transfer leaves exposed (the whole transfer when it is not layer-wise).
                          "kv_send_tail_lag_seconds_total": 0.0, "kv_send_steps_total": 0,
-                         "kv_prefill_jobs_total": 0, "kv_prefill_jobs_failed_total": 0}
+                         "kv_prefill_jobs_total": 0, "kv_prefill_jobs_failed_total": 0,
+                         "kv_prefill_jobs_refused_total": 0, "kv_messages_rejected_total": 0}
         self._bootstrap = self._ctx.socket(zmq.PULL)
         self._bootstrap.setsockopt(zmq.LINGER, 0)
         self._bootstrap.bind(bootstrap_endpoint)
@@ -134,9 +144,23 @@ class PrefillConnector(KVConnector):
             except (ValueError, Exception) as e:  # noqa: BLE001 - a bad peer message must not kill the thread
                 log.warning("dropping a malformed control message: %s", e)
                 continue
-            if msg["type"] in (PD_PREFILL, PD_CANCEL):
-                self._inbox.put(msg)
-                self.wake()
+            if msg["type"] not in (PD_PREFILL, PD_CANCEL):
+                continue
+            if not verified(msg, self.key):
+                self._refuse_unsigned(msg)
+                continue
+            self._inbox.put(msg)
+            self.wake()
+
+    def _refuse_unsigned(self, msg: dict[str, Any]) -> None:
+        """Never run, never act on; a job is answered so a misconfigured decode worker learns at once."""
+        with self.stats_lock:
+            self.counters["kv_messages_rejected_total"] += 1
+        self._log_refused(logging.ERROR, "refusing a %s message (request %s): %s", msg["type"],
+                          msg.get("request_id"), BAD_TOKEN)
+        reply = unsigned_refusal(msg)
+        if reply is not None:
+            self._outbox.put(("send", *reply))
 
     # ------------------------------------------------------------------ sender thread
 
@@ -218,15 +242,19 @@ class PrefillConnector(KVConnector):
                                  "with NIXL (set transfer.backend: nixl there too)")
             return NixlWriter(self.src, self.block_size, self._nixl, job.nixl_metadata, job.pool_base,
                               job.kv_shape, job.elem_size, self.deadlines.transfer_s)
+        # job.shm_path passed check_job: a pool the decode worker made, or None.
         same_host = job.decode_host == HOST and job.shm_path and os.path.exists(job.shm_path)
         if self.backend == "shm" or (self.backend == "auto" and same_host):
             if not job.shm_path:
                 raise ValueError("transfer.backend is shm but the decode worker has no shared pool")
             return ShmWriter(self.src, self.block_size, job.shm_path, job.kv_shape, job.elem_size)
-        return TcpWriter(self.src, self.block_size, sock_for(job.reply_endpoint))
+        return TcpWriter(self.src, self.block_size, sock_for(job.reply_endpoint), self.key, job.transfer_id)
 
     def _send(self, job: PrefillJob, msg: dict[str, Any]) -> None:
-        self._outbox.put(("send", job.reply_endpoint, {"request_id": job.request_id, **msg}))
+        self._reply(job.reply_endpoint, {"request_id": job.request_id, "transfer_id": job.transfer_id, **msg})
+
+    def _reply(self, endpoint: str, msg: dict[str, Any]) -> None:
+        self._outbox.put(("send", endpoint, sign(msg, self.key)))
 
     # ------------------------------------------------------------------ engine thread hooks
 
@@ -239,21 +267,18 @@ class PrefillConnector(KVConnector):
         while not self._inbox.empty():
             msg = self._inbox.get_nowait()
             if msg["type"] == PD_CANCEL:
-                rid = msg.get("request_id")
+                rid, tid = msg.get("request_id"), msg.get("transfer_id")
                 sink = self.sinks.get(rid)
-                if sink is not None:
+                if sink is not None and sink.job.transfer_id == tid:
                     sink.cancelled = True
                     engine.abort_request(rid)       # on_finished sends the ack
                 else:
-                    self._outbox.put(("send", msg.get("reply_endpoint", ""), {"type": PD_CANCEL_ACK,
-                                                                               "request_id": rid}))
+                    self._reply(msg.get("reply_endpoint", ""), {"type": PD_CANCEL_ACK, "request_id": rid,
+                                                                "transfer_id": tid})
                 continue
             try:
                 job = PrefillJob.from_wire(msg)
-                if job.block_size != self.block_size:
-                    raise InvalidParam(f"block size {job.block_size} != this worker's {self.block_size}")
-                if job.model != self.model:
-                    raise InvalidParam(f"model {job.model!r} != this worker's {self.model!r}")
+                check_job(job, self.compat, self.key is not None, self._seen, time.time())
                 # One new token: output number len(job.output_token_ids), after the ones given.
                 params = SamplingParams(**{**job.sampling, "max_tokens": len(job.output_token_ids) + 1, "stop": [],
                                            "stop_token_ids": [], "ignore_eos": True})
@@ -262,9 +287,15 @@ class PrefillConnector(KVConnector):
                 engine.add_request(job.request_id, job.prompt_token_ids, params, cache_salt=job.cache_salt,
                                    kv_sink=sink, output_token_ids=job.output_token_ids)
             except Exception as e:  # noqa: BLE001 - answered to the decode worker
-                log.warning("rejecting prefill job %s: %s", msg.get("request_id"), e)
-                self._outbox.put(("send", msg.get("reply_endpoint", ""), {
-                    "type": PD_FAILED, "request_id": msg.get("request_id"), "reason": str(e)}))
+                code = e.code if isinstance(e, JobRefused) else None
+                log.log(logging.ERROR if code else logging.WARNING, "rejecting prefill job %s: %s",
+                        msg.get("request_id"), e)
+                if code:
+                    with self.stats_lock:
+                        self.counters["kv_prefill_jobs_refused_total"] += 1
+                self._reply(msg.get("reply_endpoint", ""), {
+                    "type": PD_FAILED, "request_id": msg.get("request_id"), "transfer_id": msg.get("transfer_id"),
+                    "code": code, "reason": str(e)})
                 continue
             self.sinks[job.request_id] = sink
             with self.stats_lock:

@@ -21,6 +21,7 @@ import numpy as np
 import zmq
 
 from pdserve.cache.kv_cache import attach_shared_kv
+from pdserve.disagg.trust import sign
 from pdserve.protocol import PD_LAYER, pack
 
 Run = tuple[int, int, int]      # (first source block, first destination block, number of blocks)
@@ -122,15 +123,19 @@ class TcpWriter(KVWriter):
 
     name = "tcp"
 
-    def __init__(self, src: np.ndarray, block_size: int, sock: zmq.Socket) -> None:
+    def __init__(self, src: np.ndarray, block_size: int, sock: zmq.Socket, key: bytes | None = None,
+                 transfer_id: str = "") -> None:
+        """`key`: the internal token the header is signed with (the KV bytes are not: the signed
+        header names the transfer and the blocks they may land in)."""
         super().__init__(src, block_size)
         self.sock = sock
+        self.key, self.transfer_id = key, transfer_id
         self._trackers: list[zmq.MessageTracker] = []
 
     def write_layer(self, request_id: str, layer: int, runs: list[Run]) -> int:
         bs, n = self.bs, 0
-        frames = [pack({"type": PD_LAYER, "request_id": request_id, "layer": layer,
-                        "runs": [[d, k] for _, d, k in runs], "data": True})]
+        frames = [pack(sign({"type": PD_LAYER, "request_id": request_id, "transfer_id": self.transfer_id,
+                             "layer": layer, "runs": [[d, k] for _, d, k in runs], "data": True}, self.key))]
         for s, _, k in runs:
             for kv in (0, 1):
                 view = self.src[layer, kv, s * bs:(s + k) * bs]

@@ -23,6 +23,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailed(RuntimeError):
+    """The engine ended one request with an error its client should read (RequestOutput.error)."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine,
                  on_output: Callable[[RequestOutput, float], None] | None = None) -> None:
@@ -128,7 +132,7 @@ class AsyncEngine:
             for out in outputs:
                 if self.on_output is not None:
                     self.on_output(out, now)
-                self._deliver(out.request_id, out)
+                self._deliver(out.request_id, RequestFailed(out.error) if out.error else out)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting, let running requests finish until the timeout, abort the rest, stop."""

@@ -40,6 +40,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None        # finish_reason "error": why, for the client
     # First output of a decode-role request only: the prefill worker that filled its KV, and
     # those that failed to (see Request.prefill_attempts).
     prefilled_by: str | None = None
@@ -170,6 +171,13 @@ class LLMEngine:
         self.scheduler.finish_loading(req)
         self.scheduler.cache_computed_blocks(req)
         return self._on_token(req, token, logprob)
+
+    def fail_load(self, req: Request, held: list[int], error: str) -> RequestOutput:
+        """The transfer failed in a way no retry mends (an incompatible peer): the request ends with
+        `error`; `held` blocks stay allocated for the connector to free."""
+        out = self._finish(req, "error", held=held)
+        out.error = error
+        return out
 
     def retry_load(self, req: Request, held: list[int]) -> None:
         """The transfer failed: requeue the request (next prefill peer, or a local prefill)."""

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from pdserve.engine.sampling_params import InvalidParam, SamplingParams
 from pdserve.protocol import INTERNAL_TOKEN_HEADER, InternalGenerateRequest
 from pdserve.server.errors import APIError, error_body, error_response
@@ -78,6 +78,8 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
                 yield json.dumps(error_body(400, str(e), e.param, "invalid_value")) + "\n"
             except EngineDeadError as e:
                 yield json.dumps(error_body(503, str(e), code="engine_dead")) + "\n"
+            except RequestFailed as e:
+                yield json.dumps(error_body(502, str(e), code="request_failed")) + "\n"
             finally:
                 timer.forget(req.request_id)
 

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
 from pdserve.engine.engine import RequestOutput
 from pdserve.engine.request import TokenLogprob
 from pdserve.engine.sampling_params import InvalidParam, SamplingParams
@@ -131,6 +131,8 @@ class OpenAIHandlers:
                         raise APIError(400, str(item), item.param, "invalid_value")
                     if isinstance(item, EngineDeadError):
                         raise APIError(503, str(item), code="engine_dead")
+                    if isinstance(item, RequestFailed):
+                        raise APIError(502, str(item), code="request_failed")
                     raise item
                 c.token_ids.extend(item.new_token_ids)
                 c.text += item.new_text

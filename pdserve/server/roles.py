@@ -7,6 +7,7 @@ from pdserve.cache.kv_cache import new_shm_path
 from pdserve.config import Config
 from pdserve.engine.engine import LLMEngine
 from pdserve.model.loader import LoadedModel
+from pdserve.server.internal_api import internal_token
 from pdserve.utils.net import advertise_host
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,13 @@ def build_engine(config: Config, loaded: LoadedModel | None = None) -> LLMEngine
         # Prefill workers on this host write straight into a pool in shared memory.
         shm = str(new_shm_path()) if config.transfer.backend in ("auto", "shm") else None
         engine = LLMEngine(config, loaded, shm_path=shm, kv_events=events)
-        engine.connector = DecodeConnector(config, engine.kv_cache, shm, kv_bind_endpoint(config), public_host(config))
+        engine.connector = DecodeConnector(config, engine.kv_cache, shm, kv_bind_endpoint(config), public_host(config),
+                                           internal_token(config.server.internal_token), engine.max_model_len)
     elif role == "prefill":
         from pdserve.disagg.sender import PrefillConnector
         engine = LLMEngine(config, loaded, kv_events=events)
-        engine.connector = PrefillConnector(config, engine.kv_cache, kv_bind_endpoint(config), public_host(config))
+        engine.connector = PrefillConnector(config, engine.kv_cache, kv_bind_endpoint(config), public_host(config),
+                                            internal_token(config.server.internal_token))
     else:
         engine = LLMEngine(config, loaded, kv_events=events)
     endpoint = getattr(engine.connector, "endpoint", None)
