@@ -16,11 +16,13 @@ from pdserve.server.roles import build_engine
 MODEL = "tiny-qwen2"   # tiny-llama's greedy output ignores its KV (it repeats the last token)
 
 
-def pd_config(role: str, backend: str = "auto", device_blocks: int = 64, **disagg) -> Config:
+def pd_config(role: str, backend: str = "auto", device_blocks: int = 64, overrides: dict | None = None,
+              **disagg) -> Config:
+    """`overrides`: more config keys ("server.internal_token": ...)."""
     return load_config(None, {"model.name": MODEL, "cache.device_blocks": device_blocks, "cache.block_size": 4,
                               "scheduler.max_num_batched_tokens": 16, "worker.role": role,
                               "transfer.backend": backend, "disagg.local_prefill_max_tokens": 8,
-                              **{f"disagg.{k}": v for k, v in disagg.items()}})
+                              **{f"disagg.{k}": v for k, v in disagg.items()}, **(overrides or {})})
 
 
 class Loop:
@@ -30,6 +32,7 @@ class Loop:
         self.engine = engine
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
+        self.errors: dict[str, str] = {}        # finish_reason "error": the message for the client
         self.lock = threading.Lock()
         self.commands: list = []
         self._stop = False
@@ -58,6 +61,8 @@ class Loop:
         self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         if out.finished:
             self.finished[out.request_id] = out.finish_reason
+        if out.error:
+            self.errors[out.request_id] = out.error
 
     def run(self, prompt_list: list[list[int]], params: SamplingParams) -> None:
         """Submit the prompts as r0, r1, ... and wait until all are finished."""
@@ -107,12 +112,13 @@ def mixed_outputs(prompt_list: list[list[int]], params: SamplingParams,
 
 @contextmanager
 def pd_pair(backend: str = "auto", device_blocks: int = 64, prefill_config: Config | None = None,
-            **decode_disagg) -> Iterator[tuple[Loop, Loop]]:
+            decode_overrides: dict | None = None, **decode_disagg) -> Iterator[tuple[Loop, Loop]]:
     """A prefill and a decode engine stepping on their own threads, the decode one pointed at the
-    prefill one (`decode_disagg`: more of its disagg config); both stopped afterwards."""
+    prefill one (`decode_disagg`: more of its disagg config, `decode_overrides`: other keys); both
+    stopped afterwards."""
     prefill = Loop(build_engine(prefill_config or pd_config("prefill", backend, device_blocks)))
     try:
-        decode = Loop(build_engine(pd_config("decode", backend, device_blocks,
+        decode = Loop(build_engine(pd_config("decode", backend, device_blocks, decode_overrides,
                                              prefill_endpoints=[prefill.engine.connector.endpoint],
                                              **decode_disagg)))
         try:
