@@ -12,7 +12,7 @@ import sys
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-from pdserve.config_rules import DTYPES, MODES, TRANSFER_BACKENDS, WORKER_ROLES  # noqa: E402 - after the OpenMP setting
+from pdserve.config_rules import DTYPES, MODES, QUANTIZATIONS, TRANSFER_BACKENDS, WORKER_ROLES  # noqa: E402 - after the OpenMP setting
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -20,6 +20,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="smollm2-135m (default), tiny-llama, a .gguf file or a HF directory")
     p.add_argument("--served-model-name", help="the model id clients send (default: --model)")
     p.add_argument("--dtype", choices=DTYPES)
+    p.add_argument("--quantization", choices=QUANTIZATIONS, help="weight-only quantization of the linear layers")
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--block-size", type=int)
@@ -50,6 +51,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 def _overrides(args: argparse.Namespace) -> dict:
     return {
         "model.name": args.model, "model.dtype": args.dtype, "model.device": args.device,
+        "model.quantization": args.quantization,
         "model.max_model_len": args.max_model_len, "model.seed": args.seed,
         "model.expert_parallel": args.expert_parallel,
         "cache.block_size": args.block_size, "cache.device_memory_gb": args.device_memory_gb,

@@ -14,6 +14,9 @@ import yaml
 class ModelConfig:
     name: str = "smollm2-135m"          # a built-in name, a GGUF file or a Hugging Face directory
     dtype: str = "float32"              # float32 (CPU default) or bfloat16
+    # Weight-only quantization of the linear layers: none, int8 (per output channel) or int4
+    # (groups of 32 with scale and offset; the default model's Q4_1 tensors load as they are).
+    quantization: str = "none"
     device: str = "cpu"                 # cpu or cuda
     max_model_len: int | None = None    # defaults to the model's context length
     seed: int = 0                       # weights of the tiny random models

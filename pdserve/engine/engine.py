@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from pdserve.utils.runtime import tune_malloc
 if TYPE_CHECKING:
     from pdserve.cache.kv_events import KVEventPublisher
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class RequestOutput:
@@ -53,6 +56,8 @@ def tier_namespace(config: Config, max_model_len: int) -> str:
     mc = config.model
     base = re.sub(r"[^A-Za-z0-9._-]", "_", Path(mc.name).name) or "model"
     key = f"{Path(mc.name).name}|{mc.seed}|{mc.dtype}|{max_model_len}"
+    if mc.quantization != "none":       # other weights compute other KV: never share blocks with float
+        key += f"|{mc.quantization}"
     return f"{base}-{hashlib.blake2b(key.encode(), digest_size=4).hexdigest()}"
 
 
@@ -65,13 +70,16 @@ class LLMEngine:
         tune_malloc()
         if config.server.threads:
             torch.set_num_threads(config.server.threads)
-        loaded = loaded or load_model_files(mc.name, mc.seed)
+        loaded = loaded or load_model_files(mc.name, mc.seed, mc.quantization)
         self.model_name = mc.name
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(mc.max_model_len or loaded.arch.max_position_embeddings,
                                  loaded.arch.max_position_embeddings)
         self.model = build_model(loaded, mc.dtype, mc.device, self.max_model_len, mc)
+        self.weight_bytes = getattr(self.model, "resident_weight_bytes", self.model.weight_bytes)()
+        log.info("model %s: %s weights, quantization %s, %.1f MB of weights", mc.name, mc.dtype, mc.quantization,
+                 self.weight_bytes / 1e6)
         dtype = torch_dtype(mc.dtype)
         num_blocks = cc.device_blocks or num_blocks_for_budget(self.arch, cc.block_size, dtype, cc.device_memory_gb)
         self.block_size = cc.block_size
@@ -271,6 +279,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_usage": self.pool.usage(),
+            "weight_bytes": self.weight_bytes,
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,
             "preemptions_total": self.preemptions_total,

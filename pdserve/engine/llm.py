@@ -29,6 +29,7 @@ class LLM:
     """
 
     _SHORT = {"model": "model.name", "dtype": "model.dtype", "device": "model.device",
+              "quantization": "model.quantization",
               "max_model_len": "model.max_model_len", "seed": "model.seed", "block_size": "cache.block_size",
               "device_memory_gb": "cache.device_memory_gb", "device_blocks": "cache.device_blocks",
               "prefix_cache": "cache.prefix_cache",

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata, paged_attention
 from pdserve.model.linear import linear
+from pdserve.model.quant import QuantizedWeight, cat_rows, pack, weight_nbytes
 from pdserve.model.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -28,6 +29,13 @@ class DenseMLP:
         self.gate_up = torch.cat([gate, up], 0)
         self.down = down.contiguous()
 
+    @classmethod
+    def packed(cls, gate_up, down) -> DenseMLP:
+        """From weights already fused and packed (float tensors or QuantizedWeight, see quant.py)."""
+        mlp = cls.__new__(cls)
+        mlp.gate_up, mlp.down = gate_up, down
+        return mlp
+
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = linear(h, self.gate_up).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self.down)
@@ -37,15 +45,15 @@ class DenseMLP:
 
 
 class DecoderLayer:
-    def __init__(self, arch: ModelArch, w: dict[str, torch.Tensor], mlp: Callable[[torch.Tensor], torch.Tensor]
-                 ) -> None:
+    def __init__(self, arch: ModelArch, w: dict, mlp: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """`w`: norms and biases as float tensors; `qkv` (fused) and `o_proj` as the model packed them."""
         self.arch = arch
         self.input_norm = w["input_layernorm"]
         self.post_norm = w["post_attention_layernorm"]
-        self.qkv = torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]], 0)
+        self.qkv = w["qkv"]
         self.qkv_bias = (torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if "q_bias" in w else None)
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
-        self.o = w["o_proj"].contiguous()
+        self.o = w["o_proj"]
         self.mlp = mlp
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -75,15 +83,24 @@ class DecoderLayer:
 class LlamaModel:
     """Holds the weights; `forward` runs one engine step over flattened tokens."""
 
-    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu", max_model_len: int | None = None) -> None:
+    def __init__(self, arch: ModelArch, weights: dict, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", max_model_len: int | None = None,
+                 quantization: str = "none") -> None:
+        """`weights`: float tensors in HF naming; with `quantization`, the linear layers' matrices may
+        come already quantized from the file (quant.Staged) and every one is packed for its kernel."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
-        w = {k: v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]
-        head = w.get("lm_head.weight", self.embed) if not arch.tie_word_embeddings else self.embed
-        self.lm_head = head.contiguous()
+        self.quantization = quantization
+        big = {k for k in weights if k.endswith("_proj.weight") or k in ("lm_head.weight", "model.embed_tokens.weight")}
+        w = {k: v if k in big else v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
+        pack = self._pack
+        head_key = "lm_head.weight" if "lm_head.weight" in w and not arch.tie_word_embeddings else None
+        # The (tied) embedding is int8 when quantized: the output head runs the int8 kernel and the
+        # embedding lookup dequantizes the few rows it reads; int4's groups would cost more than they save there.
+        qhead = "none" if quantization == "none" else "int8"
+        self.embed = pack(w["model.embed_tokens.weight"], qhead if head_key is None else "none")
+        self.lm_head = self.embed if head_key is None else pack(w[head_key], qhead)
         self.norm = w["model.norm.weight"]
         self.layers = []
         for i in range(arch.num_layers):
@@ -91,10 +108,10 @@ class LlamaModel:
             lw = {
                 "input_layernorm": w[p + "input_layernorm.weight"],
                 "post_attention_layernorm": w[p + "post_attention_layernorm.weight"],
-                "o_proj": w[p + "self_attn.o_proj.weight"],
+                "o_proj": pack(w[p + "self_attn.o_proj.weight"]),
+                "qkv": pack(cat_rows([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], quantization)),
             }
             for n in ("q", "k", "v"):
-                lw[f"{n}_proj"] = w[p + f"self_attn.{n}_proj.weight"]
                 if p + f"self_attn.{n}_proj.bias" in w:
                     lw[f"{n}_bias"] = w[p + f"self_attn.{n}_proj.bias"]
             if arch.qk_norm:
@@ -104,16 +121,30 @@ class LlamaModel:
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, self.max_model_len, arch.rope_scaling,
                                       dtype, self.device)
 
-    def _build_mlp(self, i: int, w: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _pack(self, w, mode: str | None = None):
+        return pack(w, self.quantization if mode is None else mode, self.dtype, self.device)
+
+    def _build_mlp(self, i: int, w: dict) -> Callable[[torch.Tensor], torch.Tensor]:
         p = f"model.layers.{i}.mlp."
-        return DenseMLP(w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
+        gate_up = cat_rows([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]], self.quantization)
+        return DenseMLP.packed(self._pack(gate_up), self._pack(w[p + "down_proj.weight"]))
 
     def weight_bytes(self) -> int:
         """Bytes read by one decode step: one layout of each weight (the embedding lookup reads a few rows)."""
         tensors = [self.lm_head, self.norm]
         for layer in self.layers:
             tensors += [layer.qkv, layer.o, *layer.mlp.weight_tensors(), layer.input_norm, layer.post_norm]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(weight_nbytes(t) for t in tensors)
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes the weights hold in memory (the embedding too when it is not the output head)."""
+        extra = [] if self.embed is self.lm_head else [self.embed]
+        return self.weight_bytes() + sum(weight_nbytes(t) for t in extra)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.rows(input_ids, self.dtype)
+        return self.embed[input_ids]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -122,7 +153,7 @@ class LlamaModel:
         """kv_cache: [layers, 2, slots, kv_heads, head_dim]. Returns float32 logits [len(logits_indices), V]
         (None without logits_indices: expert-parallel ranks other than 0 need no logits).
         `layer_done(i)` runs once layer i's KV is written (a prefill worker ships it while i+1 computes)."""
-        x = self.embed[input_ids]
+        x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)

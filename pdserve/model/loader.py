@@ -23,6 +23,7 @@ from pdserve.model.arch import TINY_CONFIGS, ModelArch
 from pdserve.model.llama import LlamaModel
 from pdserve.model.moe import canonical_moe_weights
 from pdserve.model.moe_model import tiny_moe_weights
+from pdserve.model.quant import MODES, from_gguf_blocks
 from pdserve.model.tokenizer import TokenizerWrapper, tokenizer_from_gguf_fields, tokenizer_from_hf_dir
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -70,7 +71,9 @@ def _gguf_fields(reader) -> dict:
     return {name: f.contents() for name, f in reader.fields.items()}
 
 
-def load_gguf(path: Path) -> LoadedModel:
+def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
+    """With quantization int4, the Q4_0 / Q4_1 tensors load as they are stored (quant.Staged), with no
+    float copy; everything else is dequantized to float32 (and quantized again, if at all, by the model)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -102,8 +105,9 @@ def load_gguf(path: Path) -> LoadedModel:
     )
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         parts = t.name.split(".")
+        keep_packed = quantization == "int4" and t.tensor_type.name in ("Q4_0", "Q4_1") and parts[0] == "blk"
+        data = None if keep_packed else gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
         elif t.name == "output_norm.weight":
@@ -116,8 +120,16 @@ def load_gguf(path: Path) -> LoadedModel:
             if not base.endswith(".weight"):
                 name += "." + parts[3]
             if arch_name == "llama" and parts[2] in ("attn_q", "attn_k"):
-                data = _unpermute(data, heads if parts[2] == "attn_q" else arch.num_kv_heads)
+                n_head = heads if parts[2] == "attn_q" else arch.num_kv_heads
+                if keep_packed:     # the same row permutation, applied to the packed rows
+                    rows = _unpermute(np.arange(t.data.shape[0]), n_head)
+                    weights[name] = from_gguf_blocks(t.data[rows], t.tensor_type.name)
+                    continue
+                data = _unpermute(data, n_head)
         else:
+            continue
+        if keep_packed:
+            weights[name] = from_gguf_blocks(t.data, t.tensor_type.name)
             continue
         weights[name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
     return LoadedModel(str(path), arch, weights, tokenizer)
@@ -207,9 +219,9 @@ def tiny_random_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
     return w
 
 
-def load_model_files(name: str, seed: int = 0) -> LoadedModel:
+def load_model_files(name: str, seed: int = 0, quantization: str = "none") -> LoadedModel:
     if name == DEFAULT_MODEL:
-        loaded = load_gguf(default_gguf_path())
+        loaded = load_gguf(default_gguf_path(), quantization)
         loaded.name = name
         return loaded
     if name in TINY_CONFIGS:
@@ -219,7 +231,7 @@ def load_model_files(name: str, seed: int = 0) -> LoadedModel:
         return LoadedModel(name, arch, tiny_random_weights(arch, seed), tok)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path)
+        return load_gguf(path, quantization)
     if path.is_dir():
         return load_hf_dir(path)
     raise ValueError(f"unknown model {name!r}: use {DEFAULT_MODEL}, {', '.join(TINY_CONFIGS)}, "
@@ -234,6 +246,12 @@ def build_model(loaded: LoadedModel, dtype: str = "float32", device: str = "cpu"
         if model_config is not None and model_config.expert_parallel > 1:
             raise ValueError(f"model.expert_parallel needs a MoE model; {loaded.name} ({loaded.arch.architecture}) "
                              "is dense")
-        return LlamaModel(loaded.arch, loaded.weights, torch_dtype(dtype), device, max_model_len)
+        quant = model_config.quantization if model_config is not None else "none"
+        if quant not in MODES:
+            raise ValueError(f"model.quantization: {quant!r} is not one of {', '.join(MODES)}")
+        return LlamaModel(loaded.arch, loaded.weights, torch_dtype(dtype), device, max_model_len, quant)
+    if model_config is not None and model_config.quantization != "none":
+        raise ValueError(f"model.quantization {model_config.quantization!r} applies to dense models; "
+                         f"{loaded.name} is MoE (its experts stay float)")
     from pdserve.model.expert_parallel import ExpertParallelModel
     return ExpertParallelModel(loaded, torch_dtype(dtype), device, max_model_len, model_config or ModelConfig())

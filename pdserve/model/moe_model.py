@@ -12,6 +12,7 @@ import torch
 
 from pdserve.model.arch import ModelArch
 from pdserve.model.llama import DenseMLP, LlamaModel
+from pdserve.model.quant import cat_rows
 from pdserve.model.moe import LayerPlacement, MoEBlock, expert_keys, slot_range
 
 
@@ -70,7 +71,8 @@ class MoEModel(LlamaModel):
         shared = None
         if a.shared_expert_intermediate_size:
             s = p + "shared_expert."
-            shared = DenseMLP(w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"])
+            gate_up = cat_rows([w[s + "gate_proj.weight"], w[s + "up_proj.weight"]], self.quantization)
+            shared = DenseMLP.packed(self._pack(gate_up), self._pack(w[s + "down_proj.weight"]))
         raw = self._raw
         bias = raw.get(p + "gate.e_score_correction_bias")
         block = MoEBlock(a, i, raw[p + "gate.weight"].to(self.device, torch.float32),

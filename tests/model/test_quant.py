@@ -1,0 +1,93 @@
+"""Weight-only quantization: the schemes, the GGUF Q4 blocks loaded as stored, the kernels against the
+dequantized product, and the default model quantized against float32 (agreement, KL, weight bytes)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.bench.quality import agreement_and_kl, sequence_logits
+from pdserve.config import ModelConfig
+from pdserve.model.linear import linear
+from pdserve.model.loader import build_model, default_gguf_path
+from pdserve.model.quant import GROUP, QuantizedWeight, Staged, cat_rows, from_gguf_blocks, pack, quantize
+
+
+@pytest.mark.parametrize("mode,tol", [("int8", 1 / 254), ("int4", 1 / 30)])
+def test_quantize_roundtrip_error_is_within_half_a_step(mode, tol):
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    st = quantize(w, mode)
+    err = (st.dequantize() - w).abs()
+    # Half a quantization step: |w|max/127/2 per row (int8), (max-min)/15/2 per group (int4).
+    span = w.abs().amax(1, keepdim=True) * 2 if mode == "int8" else \
+        (w.view(64, -1, GROUP).amax(-1) - w.view(64, -1, GROUP).amin(-1)).repeat_interleave(GROUP, 1)
+    assert (err <= span * tol + 1e-6).all()
+
+
+def test_gguf_q4_blocks_load_exactly():
+    import gguf
+    reader = gguf.GGUFReader(str(default_gguf_path()))
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    assert t.tensor_type.name == "Q4_1"
+    want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+    st = from_gguf_blocks(t.data, "Q4_1")
+    assert st.q.dtype == torch.uint8 and int(st.q.max()) <= 15
+    assert torch.equal(st.dequantize(), want)          # int4 + scale + offset holds Q4_1 exactly
+    # Q4_0 is the case offset = -8 * scale: rebuild the same rows as Q4_0 blocks and read them back.
+    d = st.scale.half()
+    q = st.q.view(st.q.shape[0], -1, GROUP)
+    blocks = torch.cat([d.unsqueeze(-1).view(torch.uint8), q[..., :16] | (q[..., 16:] << 4)], -1)
+    q40 = from_gguf_blocks(blocks.reshape(st.q.shape[0], -1).numpy(), "Q4_0")
+    assert torch.equal(q40.dequantize(), (q.float() - 8).mul(d.float()[..., None]).view_as(want))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3, 16, 100])
+def test_kernel_matches_dequantized_product(mode, rows):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 128, generator=g)
+    st = quantize(w, mode)
+    qw = QuantizedWeight(st)
+    x = torch.randn(rows, 128, generator=g)
+    want = x @ st.dequantize().t()
+    got = linear(x, qw)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    # bfloat16 activations (the kernels' fast path): relative error ~ 2^-8 of the row's scale.
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert qw.nbytes < w.numel() * 4 / (3.5 if mode == "int8" else 6)
+
+
+def test_fused_rows_keep_their_groups_and_odd_shapes_stay_float():
+    g = torch.Generator().manual_seed(2)
+    a, b = quantize(torch.randn(16, 64, generator=g), "int4"), quantize(torch.randn(32, 64, generator=g), "int4")
+    fused = cat_rows([a, b], "int4")
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    odd = torch.randn(12, 48, generator=g)      # int4 packs rows in tiles of 16 and groups of 32
+    assert isinstance(pack(odd, "int4", torch.float32, "cpu"), torch.Tensor)
+    assert isinstance(pack(Staged("int8", *_int8(odd)), "int8", torch.float32, "cpu"), QuantizedWeight)
+
+
+def _int8(w):
+    st = quantize(w, "int8")
+    return st.q, st.scale
+
+
+@pytest.mark.slow
+def test_default_model_int4_and_int8_against_float32(smollm_files):
+    from pdserve.model.loader import load_model_files
+    ref = build_model(smollm_files, "float32")
+    tok = smollm_files.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
+    ids = ids + tok.encode(" The sky looks blue because sunlight is scattered by the air, and blue light"
+                           " scatters much more than red light does.")
+    want = sequence_logits(ref, ids)
+    fbytes = ref.weight_bytes()
+    del ref
+    for mode, min_agree, max_kl in (("int4", 0.9, 0.1), ("int8", 0.9, 0.1)):
+        loaded = load_model_files("smollm2-135m", quantization=mode)
+        if mode == "int4":   # the file's Q4_1 tensors arrive as stored, no float copy
+            assert isinstance(loaded.weights["model.layers.0.mlp.down_proj.weight"], Staged)
+        model = build_model(loaded, "float32", model_config=ModelConfig(quantization=mode))
+        agree, kl = agreement_and_kl(want, sequence_logits(model, ids))
+        assert agree >= min_agree and kl <= max_kl, (mode, agree, kl)
+        assert model.weight_bytes() < fbytes * (0.3 if mode == "int8" else 0.2)
