@@ -136,6 +136,7 @@ class RemoteBackend:
             generated: list[int] = []
             attempts = migrations = 0
             failed: set[str] = set()
+            last_error: WorkerFailed | None = None      # told to the client when no worker is left
             n_prompt = len(prompt_token_ids)
             try:
                 while True:
@@ -143,7 +144,8 @@ class RemoteBackend:
                     context = prompt_token_ids + generated      # what the chosen worker will hold
                     route, reason = self.route(context, remaining or 16, cache_salt, failed)
                     if route is None:
-                        raise APIError(503, f"no decode worker can take this request ({reason})",
+                        cause = f"; the last one failed it: {last_error}" if last_error else ""
+                        raise APIError(503, f"no decode worker can take this request ({reason}){cause}",
                                        code="no_workers", headers={"Retry-After": "1"})
                     decode = route.decode
                     try:
@@ -171,6 +173,7 @@ class RemoteBackend:
                                     return          # closing the stream aborts a request stopped by a stop string
                         raise WorkerFailed("the stream ended without finishing")
                     except WorkerFailed as e:
+                        last_error = e
                         failed.add(decode.worker_id)
                         attempts += 1
                         migrations += await self._recover(request_id, decode, e, attempts, migrations, len(generated))

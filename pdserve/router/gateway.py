@@ -73,7 +73,8 @@ def create_router_app(config: Config) -> FastAPI:
             for w in registry.workers.values():
                 if w.healthy:
                     feed.watch(w.health.get("kv_events_endpoint"), w.health.get("kv_events_snapshot_endpoint"))
-                    if not backend.max_model_len and w.health.get("max_model_len"):
+                    # The context is the decode side's: a prefill worker's may be longer or shorter.
+                    if w.role != "prefill" and not backend.max_model_len and w.health.get("max_model_len"):
                         backend.max_model_len = int(w.health["max_model_len"])
             await asyncio.sleep(rc.health_period_s)
 
