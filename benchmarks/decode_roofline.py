@@ -60,26 +60,30 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                    help="the roofline counts the bytes this format reads")
     args = ap.parse_args()
 
     import torch
 
     from pdserve import LLM
+    from pdserve.utils.cpu import describe
 
     torch.set_num_threads(args.threads)
-    llm = LLM(model="smollm2-135m", threads=args.threads)
+    llm = LLM(model="smollm2-135m", threads=args.threads, quantization=args.quantization)
     decode_step_seconds(llm, 8)                      # warm-up
     step = decode_step_seconds(llm, args.steps)
     copy_bw, read_bw = bandwidths()
     weight_bytes = llm.engine.model.weight_bytes()
     print(json.dumps({
-        "benchmark": "decode_roofline", "threads": args.threads, "weight_bytes": weight_bytes,
+        "benchmark": "decode_roofline", "threads": args.threads, "quantization": args.quantization,
+        "cpu": describe(), "weight_bytes": weight_bytes,
         "decode_step_ms": round(step * 1e3, 2), "tok_s": round(1 / step, 1),
         "copy_bw_gb_s": round(copy_bw / 1e9, 2), "read_bw_gb_s": round(read_bw / 1e9, 2),
         "copy_roofline_ms": round(weight_bytes / copy_bw * 1e3, 2),
         "read_roofline_ms": round(weight_bytes / read_bw * 1e3, 2),
         "fraction_of_copy_roofline": round(weight_bytes / copy_bw / step, 3),
-        "fraction_of_read_roofline": round(weight_bytes / read_bw / step, 3), "goal": ">= 0.6",
+        "fraction_of_read_roofline": round(weight_bytes / read_bw / step, 3), "goal": ">= 0.8",
     }))
     return 0
 

@@ -1,0 +1,48 @@
+"""What this CPU is and which vector instructions it has: benchmarks print it beside every figure,
+and builds (llama.cpp's) are chosen per feature set, never per machine name."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+# The flags that change which kernels run (x86); listed in this order in a feature key.
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                "amx_tile", "amx_bf16", "amx_int8")
+
+
+@lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    name, flags = "unknown", set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return name, frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and name == "unknown":
+            name = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return name, frozenset(flags)
+
+
+def cpu_name() -> str:
+    return _cpuinfo()[0]
+
+
+def cpu_flags() -> frozenset[str]:
+    return _cpuinfo()[1]
+
+
+def feature_key() -> str:
+    """e.g. 'avx2-fma-f16c': the kernel-relevant flags present, for caching builds per feature set."""
+    present = [f for f in KERNEL_FLAGS if f in cpu_flags()]
+    return "-".join(present) or "generic"
+
+
+def describe() -> str:
+    """A benchmark's CPU line: the model name and the widest vector ISA."""
+    f = cpu_flags()
+    isa = "AMX" if "amx_tile" in f else "AVX-512" if "avx512f" in f else "AVX2" if "avx2" in f else "no AVX2"
+    return f"{cpu_name()} ({isa})"
