@@ -4,9 +4,11 @@ Sources come from the `llama-cpp-python` sdist on PyPI (fetched with pip), which
 llama.cpp under vendor/llama.cpp. Everything lands in a cache outside the repository
 (~/.cache/pdserve/llama.cpp, or $PDSERVE_CACHE/llama.cpp), built once and reused.
 
-Build flags: GGML_NATIVE off with AVX/AVX2/FMA/F16C/AVX512 on and every AMX option off. The
-development machine's CPU reports AMX but llama.cpp's AMX path died there with "Illegal
-instruction", and a non-native build also keeps the binary valid if the cache moves machines.
+Build flags: GGML_NATIVE off, and each x86 extension on only when this CPU reports it (AVX2, FMA,
+F16C, BMI2, AVX-512 and its VNNI/BF16 parts), so the binary runs on the CPU it is built on: a build
+with AVX-512 forced on dies with "Illegal instruction" on an AVX2-only EPYC. Every AMX option stays
+off: llama.cpp's AMX path died the same way on a CPU that reports AMX. Builds are cached per
+feature set (build-<features>/), so a cache shared by different CPUs holds one build for each.
 """
 from __future__ import annotations
 
@@ -19,14 +21,14 @@ import tarfile
 from pathlib import Path
 from typing import Callable
 
+from pdserve.utils.cpu import cpu_flags, feature_key
+
 TARGETS = ("llama-server", "llama-quantize")
 
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DGGML_NATIVE=OFF",
-    "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
-    "-DGGML_AVX512=ON",
     "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
     "-DGGML_CCACHE=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -34,6 +36,17 @@ CMAKE_FLAGS = [
     # No HTTPS or downloads: the server only reads a local file.
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
 ]
+
+
+# GGML option -> the /proc/cpuinfo flag that must be present for it.
+_ISA_OPTIONS = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
+                "GGML_BMI2": "bmi2", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
+                "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+
+
+def isa_flags(cpu_flags: frozenset[str]) -> list[str]:
+    """The GGML_* options for a CPU with these flags: on exactly when the CPU has the extension."""
+    return [f"-D{opt}={'ON' if flag in cpu_flags else 'OFF'}" for opt, flag in _ISA_OPTIONS.items()]
 
 
 class BuildError(RuntimeError):
@@ -57,9 +70,14 @@ def default_gguf() -> Path | None:
     return p if p.exists() else None
 
 
+def build_dir(cache: Path) -> Path:
+    """One build per CPU feature set."""
+    return cache / f"build-{feature_key()}"
+
+
 def binaries(cache: Path | None = None) -> dict[str, Path] | None:
-    """Paths of the built tools, or None when any is missing."""
-    b = (cache or cache_dir()) / "build" / "bin"
+    """Paths of the built tools for this CPU, or None when any is missing."""
+    b = build_dir(cache or cache_dir()) / "bin"
     found = {t: b / t for t in TARGETS}
     return found if all(p.exists() for p in found.values()) else None
 
@@ -128,10 +146,10 @@ def build(cache: Path | None = None, jobs: int = 1, nice: int = 19,
         raise BuildError("cmake and a C++ compiler are needed to build llama.cpp")
     cache.mkdir(parents=True, exist_ok=True)
     src = fetch_sources(cache, log)
-    bdir = cache / "build"
+    bdir = build_dir(cache)
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    logfile = cache / "build.log"
-    _run(["cmake", "-S", str(src), "-B", str(bdir), *gen, *CMAKE_FLAGS], log, nice=nice,
+    logfile = cache / f"{bdir.name}.log"
+    _run(["cmake", "-S", str(src), "-B", str(bdir), *gen, *CMAKE_FLAGS, *isa_flags(cpu_flags())], log, nice=nice,
          logfile=logfile)
     _run(["cmake", "--build", str(bdir), "--target", *TARGETS, "-j", str(jobs)], log,
          nice=nice, logfile=logfile)

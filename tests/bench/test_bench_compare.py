@@ -49,6 +49,16 @@ def test_binaries_missing_and_cache_dir_env(tmp_path, monkeypatch):
     assert "-DGGML_NATIVE=OFF" in llamacpp.CMAKE_FLAGS
 
 
+def test_isa_flags_follow_the_cpu_and_builds_are_cached_per_feature_set(tmp_path):
+    # An AVX2-only EPYC must get no AVX-512 (such a binary dies with "Illegal instruction" there).
+    avx2 = llamacpp.isa_flags(frozenset({"avx", "avx2", "fma", "f16c", "bmi2"}))
+    assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_AVX512=OFF" in avx2 and "-DGGML_AVX512_VNNI=OFF" in avx2
+    avx512 = llamacpp.isa_flags(frozenset({"avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni"}))
+    assert "-DGGML_AVX512=ON" in avx512 and "-DGGML_AVX512_VNNI=ON" in avx512 and "-DGGML_AVX512_BF16=OFF" in avx512
+    from pdserve.utils.cpu import feature_key
+    assert llamacpp.build_dir(tmp_path) == tmp_path / f"build-{feature_key()}"
+
+
 @pytest.mark.slow
 def test_compare_runs_pdserve_and_skips_unbuilt_llama_server(tmp_path):
     out = tmp_path / "out"
