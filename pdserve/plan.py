@@ -92,13 +92,15 @@ def _check_model(config: Config, arch: Any, roles: list[RolePlan]) -> None:
             problems[key] = (f"{ep}: {arch.num_experts + config.model.num_redundant_experts} expert slots per "
                              f"layer ({arch.num_experts} experts + model.num_redundant_experts) cannot be spread "
                              f"over {ep} ranks")
-    quant = {rp.role: getattr(rp.config.model, "quantization", "none") for rp in roles}
-    if quant.get("prefill", "none") != quant.get("decode", "none"):
-        key = next(f"deployment.{r}.quantization" for r in PD_ROLES
-                   if getattr(getattr(config.deployment, r), "quantization", None) is not None)
-        problems[key] = (f"prefill workers would quantize {quant['prefill']}, decode workers {quant['decode']}: "
-                         "a decode worker refuses KV from a prefill worker whose quantization differs (the KV "
-                         "plane's compatibility check), so give both roles the same")
+    # Roles may quantize differently (seed 004: prefill in float, decode in int4): the KV they
+    # exchange has the same layout and dtype either way, so the KV plane accepts it.
+    for rp in roles:
+        quant = getattr(rp.config.model, "quantization", "none")
+        if quant != "none" and arch.is_moe:
+            own = getattr(getattr(config.deployment, rp.role, None), "quantization", None) is not None
+            key = f"deployment.{rp.role}.quantization" if own else "model.quantization"
+            problems[key] = (f"{quant}: weight quantization applies to dense models for now; {config.model.name} "
+                             "is MoE (use quantization: none)")
     if problems:
         raise ConfigError(list(problems.items()))
 

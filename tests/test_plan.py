@@ -78,13 +78,12 @@ def test_a_moe_model_with_fewer_experts_than_ranks_is_refused():
     assert [k for k, _ in e.value.problems] == ["deployment.decode.expert_parallel"]
     with pytest.raises(ConfigError, match="model.name"):
         make_plan(load_config(None, {"model.name": "no-such-model"}))
-    # KV from int8 weights is refused by a decode worker without them (the KV plane's compatibility check)
+    # Per-role quantization (seed 004: prefill in float32, decode in int4); MoE experts stay float.
+    plan = make_plan(load_config(None, {"deployment.decode.quantization": "int4"}))
+    assert [rp.config.model.quantization for rp in plan.roles] == ["none", "int4"]
     with pytest.raises(ConfigError) as e:
-        make_plan(load_config(None, {"deployment.decode.quantization": "int8"}))
+        make_plan(load_config(None, {"model.name": "tiny-mixtral", "deployment.decode.quantization": "int8"}))
     assert [k for k, _ in e.value.problems] == ["deployment.decode.quantization"]
-    plan = make_plan(load_config(None, {"deployment.decode.quantization": "int8",
-                                        "deployment.prefill.quantization": "int8"}))
-    assert [rp.config.model.quantization for rp in plan.roles] == ["int8", "int8"]
 
 
 def counts(**overrides):
