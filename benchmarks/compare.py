@@ -12,6 +12,12 @@ Systems:
                   slots; built on demand into ~/.cache/pdserve/llama.cpp (see bench/llamacpp.py)
   hf              HF transformers generate() in static batches of C, fp32 (bench/hf_static.py)
 
+Precision-matched pairs (--precision f32,int8,int4): each precision runs every system at that
+precision and compares against llama-server at the same one: pdserve float32 vs llama-server F32;
+pdserve int8 vs llama-server Q8_0; pdserve int4 vs llama-server on the Q4_1 file itself (the
+weights pdserve's int4 loads as stored). Systems other than f32 are named with the precision
+(pdserve-mixed-int4, llama-server-int4); hf runs at f32 only.
+
 Fairness: every system gets --threads compute threads (default 2): OMP/MKL thread caps plus
 `--threads` for pdserve when its CLI has the flag, `-t/-tb` for llama-server,
 torch.set_num_threads for HF. The load client (asyncio, one thread, mostly idle waiting on
@@ -104,16 +110,26 @@ def serve_has_flag(flag: str) -> bool:
     return flag in out.stdout
 
 
-def run_pdserve(mode: str, sessions, levels, args, out_dir: Path) -> list[dict]:
+PRECISIONS = {"f32": ("none", "F32"), "int8": ("int8", "Q8_0"), "int4": ("int4", None)}
+
+
+def system_name(system: str, precision: str) -> str:
+    return system if precision == "f32" else f"{system}-{precision}"
+
+
+def run_pdserve(mode: str, sessions, levels, args, out_dir: Path, precision: str = "f32") -> list[dict]:
     port = free_port()
     cmd = pdserve_cmd() + ["serve", "--mode", mode, "--model", args.model, "--port", str(port)]
+    if precision != "f32":
+        cmd += ["--quantization", PRECISIONS[precision][0]]
     # PD splits the cores between its workers (deployment.<role>.threads, 1 each by default);
     # giving each worker --threads would oversubscribe them.
     if mode == "mixed" and serve_has_flag("--threads"):
         cmd += ["--threads", str(args.threads)]
     cmd += args.pdserve_arg
-    srv = ServerProcess(cmd, port, out_dir / f"pdserve-{mode}.log", env=thread_env(args.threads))
-    return bench_server(f"pdserve-{mode}", srv, sessions, levels, args.model, args)
+    name = system_name(f"pdserve-{mode}", precision)
+    srv = ServerProcess(cmd, port, out_dir / f"{name}.log", env=thread_env(args.threads))
+    return bench_server(name, srv, sessions, levels, args.model, args)
 
 
 def weights(args) -> Path:
@@ -124,7 +140,7 @@ def weights(args) -> Path:
     return gguf
 
 
-def run_llama_server(sessions, levels, args, out_dir: Path) -> list[dict]:
+def run_llama_server(sessions, levels, args, out_dir: Path, precision: str = "f32") -> list[dict]:
     gguf = weights(args)
     cache = llamacpp.cache_dir()
     if llamacpp.binaries(cache) is None and not args.build_llama_cpp:
@@ -132,8 +148,9 @@ def run_llama_server(sessions, levels, args, out_dir: Path) -> list[dict]:
                    "(about 20 minutes on 2 cores, longer with --build-jobs 1)")
     try:
         tools = llamacpp.build(cache, jobs=args.build_jobs, log=log)
-        f32 = llamacpp.to_f32(tools["llama-quantize"], gguf,
-                              cache / (gguf.stem.replace("Q4_1", "") + "F32.gguf"), log=log)
+        kind = PRECISIONS[precision][1]
+        f32 = gguf if kind is None else llamacpp.convert(
+            tools["llama-quantize"], gguf, cache / (gguf.stem.replace("Q4_1", "") + f"{kind}.gguf"), kind, log=log)
     except llamacpp.BuildError as e:
         raise Skip(f"llama.cpp build failed: {str(e).splitlines()[0]}") from None
     port = free_port()
@@ -142,8 +159,9 @@ def run_llama_server(sessions, levels, args, out_dir: Path) -> list[dict]:
     cmd = [str(tools["llama-server"]), "-m", str(f32), "--host", "127.0.0.1",
            "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads),
            "--parallel", str(slots), "-c", str(slots * per_slot), "--no-webui"]
-    srv = ServerProcess(cmd, port, out_dir / "llama-server.log", env=thread_env(args.threads))
-    return bench_server("llama-server", srv, sessions, levels, "smollm2", args)
+    name = system_name("llama-server", precision)
+    srv = ServerProcess(cmd, port, out_dir / f"{name}.log", env=thread_env(args.threads))
+    return bench_server(name, srv, sessions, levels, "smollm2", args)
 
 
 def run_hf(sessions, levels, args, out_dir: Path) -> list[dict]:
@@ -217,9 +235,10 @@ def ratio(a: float, b: float) -> str:
 
 def write_report(results: dict, args, out_dir: Path) -> str:
     """The markdown table: one row per system and level, throughput ratios against llama-server
-    at the same concurrency (the goal of issue 3: pdserve >= 1.00x)."""
-    base = {p["concurrency"]: p["output_throughput_tok_s"]
-            for p in (results.get(BASELINE) or {}).get("points", [])}
+    at the same precision and concurrency."""
+    def base_of(name: str) -> dict:
+        b = baseline_name(name)
+        return {p["concurrency"]: p["output_throughput_tok_s"] for p in (results.get(b) or {}).get("points", [])}
     header = ["system", "threads", "concurrency", "done/failed", "out tok/s", "total tok/s",
               "TTFT p50 ms", "TPOT p50 ms", "per-user tok/s p50", f"vs {BASELINE}",
               "other load"]
@@ -230,6 +249,7 @@ def write_report(results: dict, args, out_dir: Path) -> str:
                          "", "", "", "", "", ""])
             continue
         load = "?" if r.get("foreign_cpu") is None else f"{r['foreign_cpu']:.0%}"
+        base = base_of(name)
         for p in r["points"]:
             c = p["concurrency"]
             rows.append([name, args.threads, c, f"{p['completed']}/{p['failed']}",
@@ -247,6 +267,12 @@ def write_report(results: dict, args, out_dir: Path) -> str:
             "as a share of all cores; above a few percent the figures are disturbed.\n")
     (out_dir / "compare.md").write_text(md)
     return md
+
+
+def baseline_name(name: str) -> str:
+    """llama-server at the precision of `name` (its suffix, if any)."""
+    suffix = next((f"-{p}" for p in PRECISIONS if p != "f32" and name.endswith(f"-{p}")), "")
+    return BASELINE + suffix
 
 
 def write_plot(results: dict, args, out_dir: Path) -> None:
@@ -289,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--build-llama-cpp", action="store_true",
                    help="build llama-server if it is not in the cache yet")
     p.add_argument("--build-jobs", type=int, default=1)
+    p.add_argument("--precision", default="f32", help="comma list from " + ",".join(PRECISIONS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=900.0)
@@ -303,14 +330,23 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     sessions = make_workload("fixed", a.num_requests, seed=a.seed, max_tokens=a.output_len,
                              input_len=a.input_len)
-    runners = {
-        "pdserve-pd": lambda: run_pdserve("pd", sessions, levels, a, out_dir),
-        "pdserve-mixed": lambda: run_pdserve("mixed", sessions, levels, a, out_dir),
-        "llama-server": lambda: run_llama_server(sessions, levels, a, out_dir),
-        "hf": lambda: run_hf(sessions, levels, a, out_dir),
-    }
+    precisions = [x.strip() for x in a.precision.split(",") if x.strip()]
+    if set(precisions) - set(PRECISIONS):
+        p.error(f"unknown precisions {sorted(set(precisions) - set(PRECISIONS))}; choose from {list(PRECISIONS)}")
+    runners = {}
+    for prec in precisions:
+        runners.update({
+            system_name("pdserve-pd", prec): lambda prec=prec: run_pdserve("pd", sessions, levels, a, out_dir, prec),
+            system_name("pdserve-mixed", prec): lambda prec=prec: run_pdserve("mixed", sessions, levels, a, out_dir,
+                                                                             prec),
+            system_name("llama-server", prec): lambda prec=prec: run_llama_server(sessions, levels, a, out_dir, prec),
+        })
+    runners["hf"] = lambda: run_hf(sessions, levels, a, out_dir)
+    # Each precision's systems in turn, the baseline of that precision first.
+    order = [system_name(s, prec) for prec in precisions for s in sorted(systems, key=lambda s: s != BASELINE)
+             if s != "hf" or prec == "f32"]
     results: dict = {}
-    for name in systems:
+    for name in order:
         watch = CpuWatch()
         try:
             results[name] = {"points": runners[name]()}
@@ -328,10 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     md = write_report(results, a, out_dir)
     write_plot(results, a, out_dir)
     print(md)
-    for name in ("pdserve-mixed", "pdserve-pd"):
-        mine, base = results.get(name, {}), results.get(BASELINE, {})
+    for name in [n for n in results if n.startswith("pdserve-")]:
+        mine, base = results.get(name, {}), results.get(baseline_name(name), {})
         for pm, pb in zip(mine.get("points", []), base.get("points", [])):
-            print(f"{name} / {BASELINE} output tok/s at concurrency {pm['concurrency']}: "
+            print(f"{name} / {baseline_name(name)} output tok/s at concurrency {pm['concurrency']}: "
                   f"{ratio(pm['output_throughput_tok_s'], pb['output_throughput_tok_s'])}")
     log(f"written: {out_dir}/compare.json, compare.md, compare.png")
     return 0

@@ -163,10 +163,16 @@ def to_f32(quantize: Path, src: Path, dst: Path, log: Callable[[str], None] = pr
            nice: int = 19) -> Path:
     """Dequantize a GGUF to F32 with llama-quantize (same weights, llama.cpp's fastest fp path
     on this CPU); cached by name."""
+    return convert(quantize, src, dst, "F32", log, nice)
+
+
+def convert(quantize: Path, src: Path, dst: Path, kind: str, log: Callable[[str], None] = print,
+            nice: int = 19) -> Path:
+    """Re-encode a GGUF's tensors as `kind` (F32, Q8_0, ...) with llama-quantize; cached by name."""
     if dst.exists():
         return dst
     tmp = dst.with_suffix(".partial")
-    _run([str(quantize), "--allow-requantize", str(src), str(tmp), "F32"], log, nice=nice,
+    _run([str(quantize), "--allow-requantize", str(src), str(tmp), kind], log, nice=nice,
          logfile=dst.parent / "quantize.log")
     tmp.rename(dst)
     return dst
