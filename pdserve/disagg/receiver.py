@@ -161,6 +161,8 @@ class DecodeConnector(KVConnector):
 
     def _receive(self) -> None:
         msg = unpack(self._pull.recv())
+        if not (isinstance(msg.get("request_id"), str) and isinstance(msg.get("transfer_id"), str)):
+            raise ValueError("a PD message names its request and transfer by strings")   # the engine keys on them
         # A refusal for a bad token comes unsigned (the peer cannot sign for our token): taken only
         # as a failure of the named live transfer, which at worst falls back to a local prefill.
         refusal = msg["type"] == PD_FAILED and msg.get("code") == PD_UNAUTHORIZED

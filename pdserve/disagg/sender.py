@@ -144,8 +144,8 @@ class PrefillConnector(KVConnector):
             except (ValueError, Exception) as e:  # noqa: BLE001 - a bad peer message must not kill the thread
                 log.warning("dropping a malformed control message: %s", e)
                 continue
-            if msg["type"] not in (PD_PREFILL, PD_CANCEL):
-                continue
+            if msg["type"] not in (PD_PREFILL, PD_CANCEL) or not isinstance(msg.get("request_id"), str):
+                continue                    # the engine thread keys on request_id: it must be a string
             if not verified(msg, self.key):
                 self._refuse_unsigned(msg)
                 continue

@@ -46,11 +46,12 @@ def signed_prefill():
 
 def test_a_job_without_the_token_or_with_a_wrong_one_is_refused(signed_prefill):
     prefill, peer = signed_prefill
+    # A forged cancel is dropped too (it would abort someone's job); the socket keeps order, so the
+    # jobs' replies below come after it was handled.
+    peer.send({"type": "cancel", "request_id": "x", "transfer_id": "y", "reply_endpoint": peer.endpoint})
     for key in (None, b"not-the-token"):
         reply = _refused(peer, peer.job(PROMPT), PD_UNAUTHORIZED, key)
         assert "internal token" in reply["reason"]
-    # A forged cancel is dropped too (it would abort someone's job).
-    peer.send({"type": "cancel", "request_id": "x", "transfer_id": "y", "reply_endpoint": peer.endpoint})
     _never_ran(prefill)
     assert prefill.engine.stats()["kv_messages_rejected_total"] == 3
     # The control: the same job signed with the token runs, and its replies are signed.
@@ -66,6 +67,8 @@ def test_a_replayed_transfer_id_is_refused():
     prefill = _prefill()
     peer = DecodePeer(prefill.engine)
     try:
+        # Malformed ids are dropped (the engine thread keys on them) and the worker goes on.
+        peer.send({"type": "cancel", "request_id": ["x"], "transfer_id": "y", "reply_endpoint": peer.endpoint})
         job = peer.job(PROMPT)
         peer.send(job)
         assert peer.until((PD_DONE, PD_FAILED))[-1]["type"] == PD_DONE
