@@ -86,11 +86,17 @@ def compat_info(model: str, dtype: str, quantization: str, block_size: int, kv_s
             "pdserve_version": __version__}
 
 
+# Carried but allowed to differ: weight quantization changes no KV layout or dtype, and seed 004
+# quantizes the decode role alone (plan.py accepts per-role quantization).
+_MAY_DIFFER = frozenset({"quantization"})
+
+
 def compat_mismatch(mine: dict[str, Any], theirs: Any) -> str | None:
     """A readable list of the differences, or None when the two agree."""
     if not isinstance(theirs, dict):
         return "the job carries no compatibility information (a pdserve version without it?)"
-    diffs = [f"{k} {theirs.get(k)!r} (decode) != {v!r} (prefill)" for k, v in mine.items() if theirs.get(k) != v]
+    diffs = [f"{k} {theirs.get(k)!r} (decode) != {v!r} (prefill)" for k, v in mine.items()
+             if k not in _MAY_DIFFER and theirs.get(k) != v]
     return "; ".join(diffs) or None
 
 

@@ -142,3 +142,14 @@ def test_an_incompatible_prefill_worker_fails_the_request_at_once(prefill_overri
         decode.wait_idle()          # the held blocks come back with the cancel's acknowledgement
         prefill.wait_idle()
         assert decode.engine.stats()["kv_blocks_quarantined"] == 0
+
+
+def test_prefill_and_decode_may_quantize_their_weights_differently():
+    # Seed 004 quantizes the decode role alone: the KV both compute has one layout and dtype.
+    with pd_pair(prefill_config=pd_config("prefill"), decode_overrides={"model.quantization": "int8"}) as (prefill, decode):
+        decode.run([PROMPT], GREEDY)
+        s = decode.engine.stats()
+        assert (s["kv_transfers_completed_total"], s["kv_local_prefill_fallbacks_total"]) == (1, 0)
+        assert prefill.engine.stats()["kv_prefill_jobs_refused_total"] == 0
+        decode.wait_idle()
+        prefill.wait_idle()
