@@ -13,6 +13,6 @@ def __getattr__(name: str) -> Any:
         from pdserve.engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from pdserve.engine.sampling_params import SamplingParams
+        from pdserve.common.sampling import SamplingParams
         return SamplingParams
     raise AttributeError(name)

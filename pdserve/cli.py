@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         for warning in plan.warnings:
             logging.getLogger("pdserve").warning("%s", warning)
-    from pdserve.server.app import bind_socket
+    from pdserve.server.serving import bind_socket
     # Bind first: the port is ours before the seconds of model loading (see bind_socket).
     sock = bind_socket(config.server.host, config.server.port)
     config.server.port = sock.getsockname()[1]
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--worker wants ROLE=URL with ROLE prefill|decode|mixed, not {spec!r}")
             config.router.workers.append({"role": role, "url": url})
         from pdserve.router.gateway import create_router_app
-        from pdserve.server.app import run_uvicorn
+        from pdserve.server.serving import run_uvicorn
         run_uvicorn(create_router_app(config), config, tls=True, sock=sock)
     elif args.command == "worker":
         if args.port_file:

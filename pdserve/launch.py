@@ -20,6 +20,7 @@ import yaml
 
 from pdserve.config import Config, for_role
 from pdserve.plan import pd_counts
+from pdserve.utils.process import die_with_parent  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +29,6 @@ def instance_counts(config: Config) -> tuple[int, int]:
     """(prefill, decode) workers: deployment.<role>.instances, else from deployment.pd_ratio (plan.py)."""
     n_prefill, n_decode, _ = pd_counts(config)
     return n_prefill, n_decode
-
-
-def die_with_parent() -> None:
-    """In a child before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux), so no
-    worker outlives its deployment."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _preexec(cores: list[int] | None):
@@ -133,7 +124,7 @@ def wait_healthy(workers: list[WorkerProcess], timeout: float = 600.0) -> None:
 
 def serve_pd(config: Config, sock=None) -> None:
     from pdserve.router.gateway import create_router_app
-    from pdserve.server.app import run_uvicorn
+    from pdserve.server.serving import run_uvicorn
 
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
     workers = start_workers(config, log_dir)

@@ -54,7 +54,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         full = (["nice", "-n", str(nice)] if nice else []) + cmd
-        from pdserve.launch import die_with_parent
+        from pdserve.utils.process import die_with_parent
         # Its own group (stop() signals the whole deployment), and gone if this process dies.
         self.proc = subprocess.Popen(full, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=die_with_parent)

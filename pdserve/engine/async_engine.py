@@ -13,18 +13,12 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
-from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.errors import EngineDeadError, RequestFailed  # noqa: F401 (re-exported)
+from pdserve.common.outputs import RequestOutput
+from pdserve.common.sampling import SamplingParams
+from pdserve.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class RequestFailed(RuntimeError):
-    """The engine ended one request with an error its client should read (RequestOutput.error)."""
 
 
 class AsyncEngine:

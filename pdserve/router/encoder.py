@@ -7,39 +7,21 @@ its own too, for incremental detokenization of the streams.
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing
 import os
 import signal
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from typing import Any
 
-from pdserve.model.tokenizer import TokenizerWrapper
+# Torch-free: each pool process loads only the tokenizer (tests/test_import_contracts.py).
+from pdserve.common.tokenizer import TokenizerWrapper, load_tokenizer
 
 _tokenizer: TokenizerWrapper | None = None       # one per pool process
 
 
-def load_tokenizer(model: str) -> TokenizerWrapper:
-    """The tokenizer of a model, without its weights."""
-    from pdserve.model.arch import TINY_CONFIGS
-    from pdserve.model.loader import DEFAULT_MODEL, default_gguf_path, load_gguf_tokenizer
-    if model == DEFAULT_MODEL or model in TINY_CONFIGS:
-        return load_gguf_tokenizer(str(default_gguf_path()))
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return load_gguf_tokenizer(str(path))
-    if path.is_dir():
-        from pdserve.model.arch import ModelArch
-        from pdserve.model.tokenizer import tokenizer_from_hf_dir
-        arch = ModelArch.from_hf_config(json.loads((path / "config.json").read_text()))
-        return tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id)
-    raise ValueError(f"unknown model {model!r}")
-
-
 def _init(model: str) -> None:
     global _tokenizer
-    from pdserve.launch import die_with_parent
+    from pdserve.utils.process import die_with_parent
     die_with_parent()                               # never outlive the router
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the router's to handle
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -17,6 +17,7 @@ from pdserve.server.metrics import RequestTimer, ServerMetrics
 from pdserve.server.openai_api import OpenAIHandlers, install_openai_api
 from pdserve.server.registration import register_with_routers
 from pdserve.server.roles import build_engine, worker_name
+from pdserve.server.serving import bind_socket, run_uvicorn  # noqa: F401 (bind_socket re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -74,43 +75,6 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
 
 
     return app
-
-
-def bind_socket(host: str, port: int):
-    """The serving socket, bound now (port 0: any free port) but not yet listening. Binding before
-    the slow start-up (model loading) keeps the port ours; listening only when uvicorn serves
-    (asyncio's create_server calls listen) means a client that connects during start-up is
-    refused at once instead of having its TCP (or TLS) handshake hang until the app is ready."""
-    import socket
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
-
-
-def run_uvicorn(app, config: Config, tls: bool = False, sock=None) -> None:
-    """Serve `app` until SIGTERM or SIGINT; SIGTERM drains and exits 0. With `tls`, HTTPS with the
-    router's certificate (workers speak plain HTTP on the internal network)."""
-    import signal
-
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            # SIGTERM is the normal way to stop a worker: drain, then exit 0 rather than re-raise it.
-            if sig == signal.SIGTERM and not self.should_exit:
-                self.should_exit = True
-                return
-            super().handle_exit(sig, frame)
-
-    rc = config.router
-    if tls and bool(rc.tls_cert) != bool(rc.tls_key):
-        raise ValueError("router.tls_cert and router.tls_key go together")
-    ssl = {"ssl_certfile": rc.tls_cert, "ssl_keyfile": rc.tls_key} if tls and rc.tls_cert else {}
-    server = GracefulServer(uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
-                                           timeout_graceful_shutdown=int(config.server.shutdown_timeout_s), **ssl))
-    server.run(sockets=[sock] if sock is not None else None)
 
 
 def serve(config: Config, sock=None) -> None:

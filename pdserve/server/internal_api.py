@@ -10,17 +10,21 @@ import hmac
 import json
 import os
 import time
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
-from pdserve.engine.sampling_params import InvalidParam, SamplingParams
+from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed
+from pdserve.common.sampling import SamplingParams
 from pdserve.protocol import INTERNAL_TOKEN_HEADER, InternalGenerateRequest
 from pdserve.server.errors import APIError, error_body, error_response
 from pdserve.server.metrics import RequestTimer
 from pdserve.server.openai_api import PREFILL_HEADER
+
+if TYPE_CHECKING:      # the router imports this module (internal_token) and must not load the engine
+    from pdserve.engine.async_engine import AsyncEngine
 
 
 def internal_token(configured: str | None) -> str | None:

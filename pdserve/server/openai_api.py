@@ -6,20 +6,23 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailed
-from pdserve.engine.engine import RequestOutput
-from pdserve.engine.request import TokenLogprob
-from pdserve.engine.sampling_params import InvalidParam, SamplingParams
-from pdserve.model.tokenizer import TokenizerWrapper
+# Torch-free imports only: the router runs these handlers too (tests/test_import_contracts.py).
+from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed
+from pdserve.common.outputs import RequestOutput, TokenLogprob
+from pdserve.common.sampling import SamplingParams
+from pdserve.common.tokenizer import TokenizerWrapper
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_card, new_id, now
 from pdserve.server.chat_content import chat_messages
 from pdserve.server.errors import APIError, BodySizeLimit, error_body, install_error_handlers
 from pdserve.server.metrics import RequestTimer, ServerMetrics
+
+if TYPE_CHECKING:
+    from pdserve.engine.async_engine import AsyncEngine
 
 _DISCONNECT_POLL_S = 0.5
 PREFILL_HEADER = "x-pdserve-prefill"    # set by the router: the prefill worker's bootstrap endpoint

@@ -1,0 +1,18 @@
+"""Errors a generation backend (the worker's AsyncEngine or the router's RemoteBackend) raises to the API."""
+from __future__ import annotations
+
+
+class InvalidParam(ValueError):
+    """A request no engine of this model could run; `param` names the offending field (a 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class RequestFailed(RuntimeError):
+    """The engine ended one request with an error its client should read (RequestOutput.error)."""
