@@ -40,6 +40,9 @@ class CacheConfig:
     remote: str | None = None           # shared remote tier, e.g. redis://127.0.0.1:6379/0; None = off
     remote_ttl_s: int | None = None     # expiry of remote blocks; None keeps them until Redis evicts
     load_timeout_s: float = 5.0         # deadline for a prefetch from lower tiers before recomputing
+    # Host RAM for the KV of preempted requests, so they resume instead of recomputing (taken per
+    # swapped request, given back on resume); 0 = off: always recompute.
+    swap_space_gb: float = 1.0
     # KV events (ZMQ PUB) for a router's global KV index, e.g. tcp://127.0.0.1:5557 (:* = a free port);
     # None = off. Snapshots are served on kv_events_snapshot_endpoint (None: same host, a free port).
     kv_events_endpoint: str | None = None

@@ -13,6 +13,7 @@ import torch
 from pdserve.cache.block_pool import BlockPool
 from pdserve.cache.kv_cache import allocate_kv_cache, new_shm_path, num_blocks_for_budget
 from pdserve.cache.prefix_cache import PrefixCache
+from pdserve.cache.swap import SwapSpace
 from pdserve.cache.tiers.manager import TieredKVStore
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.errors import InvalidParam
@@ -25,7 +26,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, blocks_needed
 from pdserve.engine.tier_fetch import TierFetcher
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
-from pdserve.utils.runtime import tune_malloc
+from pdserve.utils.runtime import trim_heap, tune_malloc
 
 if TYPE_CHECKING:
     from pdserve.cache.kv_events import KVEventPublisher
@@ -61,6 +62,8 @@ class LLMEngine:
                                  loaded.arch.max_position_embeddings)
         self.model = build_model(loaded, mc.dtype, mc.device, self.max_model_len, mc)
         self.weight_bytes = getattr(self.model, "resident_weight_bytes", self.model.weight_bytes)()
+        del loaded
+        trim_heap()
         log.info("model %s: %s weights, quantization %s, %.1f MB of weights", mc.name, mc.dtype, mc.quantization,
                  self.weight_bytes / 1e6)
         dtype = torch_dtype(mc.dtype)
@@ -91,8 +94,11 @@ class LLMEngine:
                 self.tiers.close()
             raise ValueError("expert parallelism on a device keeps a KV cache per rank: KV written from outside "
                              "the model (a decode worker's transfers, the KV tiers) would reach rank 0's only")
+        # Expert parallelism on a device keeps a KV cache per rank: a copy from rank 0's would be partial.
+        self.swap = SwapSpace(self.kv_cache, cc.block_size, int(cc.swap_space_gb * (1 << 30))) \
+            if cc.swap_space_gb > 0 and not (ep and shm_path is None) else None
         self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size, config.disagg.local_prefill_max_tokens,
-                                   self.tiers.lookup if self.tiers else None)
+                                   self.tiers.lookup if self.tiers else None, self.swap)
         self.connector = KVConnector()          # a role's hooks: disagg.sender / disagg.receiver
         self.runner = ModelRunner(self.model, self.kv_cache, cc.block_size)
         self.requests: dict[str, Request] = {}
@@ -101,6 +107,7 @@ class LLMEngine:
         self.prefill_tokens_total = 0       # prompt tokens run through the model (prefix hits excluded)
         self.generation_tokens_total = 0
         self.preemptions_total = 0
+        self.recomputed_tokens_total = 0    # positions computed again after a preemption without swap
 
     # ------------------------------------------------------------------ requests
 
@@ -204,6 +211,8 @@ class LLMEngine:
             # Prompt positions computed (prefill or recompute); prefix-cache hits never get here.
             self.prefill_tokens_total += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
                                              - req.num_computed_tokens)
+            self.recomputed_tokens_total += max(0, min(req.num_computed_tokens + n, req.recompute_until)
+                                                - req.num_computed_tokens)
             req.num_computed_tokens += n
             self.scheduler.cache_computed_blocks(req)
             if req.request_id in sampled:
@@ -266,12 +275,14 @@ class LLMEngine:
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,
             "preemptions_total": self.preemptions_total,
+            "recomputed_tokens_total": self.recomputed_tokens_total,
             "prefill_tokens_computed": self.prefill_tokens_total,
             "prefix_cache_queried_tokens": self.prefix_cache.queried_tokens if self.prefix_cache else 0,
             "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens if self.prefix_cache else 0,
             "prefix_cache_blocks": len(self.prefix_cache) if self.prefix_cache else 0,
             "loading": len(self.scheduler.loading),
             **self.connector.stats(),
+            **(self.swap.stats() if self.swap else {}),
             **(self.tiers.stats() if self.tiers else {}),
             **(self._kv_event_stats() if self.kv_events else {}),
         }

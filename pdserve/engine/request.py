@@ -52,6 +52,8 @@ class Request:
     cache_salt: str | None = None       # tenants with different salts never share cached blocks
     block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks so far
     num_cached_blocks: int = 0          # leading blocks already registered in the prefix cache
+    swapped_tokens: int = 0             # preempted: tokens whose KV waits in host swap space (cache/swap.py)
+    recompute_until: int = 0            # preempted without swap: positions below this are computed again
     prefill_peers: list[str] = field(default_factory=list)   # decode role: prefill workers to try, in order
     # Decode role, reported to the router with the first token (it keeps each prefill worker's
     # load and circuit breaker): the peers asked to prefill, in order, and the one whose KV this

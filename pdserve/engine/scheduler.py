@@ -4,7 +4,9 @@ Each step, running requests are served first in arrival order (FCFS), each takin
 needs to compute (one token when decoding, a chunk of the prompt otherwise) out of a per-step
 token budget. Blocks are allocated for exactly the tokens scheduled. When the pool runs dry the
 most recently admitted running request is preempted: its blocks are freed and it goes back to
-the head of the queue to be recomputed. Waiting requests are admitted strictly in order while
+the head of the queue. With swap space (cache/swap.py) and room in it, its computed KV is copied
+to host RAM first and copied back when it is admitted again, so it resumes where it stopped;
+otherwise it is recomputed (the prefix cache may still hold its leading blocks). Waiting requests are admitted strictly in order while
 the cap on running requests, the budget and the free blocks (minus a watermark) allow.
 
 A decode worker with prefill peers admits a request whose uncached prompt is long enough as
@@ -22,11 +24,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.cache.block_pool import BlockPool
 from pdserve.cache.prefix_cache import block_hash
 from pdserve.config import SchedulerConfig
 from pdserve.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pdserve.cache.swap import SwapSpace
 
 
 @dataclass
@@ -49,12 +55,14 @@ def wants_remote_prefill(num_uncached: int, local_prefill_max_tokens: int | None
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int,
                  local_prefill_max_tokens: int | None = None,
-                 tier_lookup: Callable[[list[bytes]], int] | None = None) -> None:
+                 tier_lookup: Callable[[list[bytes]], int] | None = None,
+                 swap: SwapSpace | None = None) -> None:
         self.cfg = cfg
         self.pool = pool
         self.block_size = block_size
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.tier_lookup = tier_lookup      # how many leading block hashes lower tiers hold
+        self.swap = swap                    # host RAM for preempted requests' KV; None: always recompute
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
@@ -123,7 +131,14 @@ class Scheduler:
 
     def _preempt(self, req: Request, step: ScheduledStep) -> None:
         self.running.remove(req)
+        computed = req.num_computed_tokens
+        # A prefill job's KV streams to its decode worker as it is computed: it recomputes, as before.
+        swapped = self.swap is not None and req.kv_sink is None and 0 < computed < req.num_tokens \
+            and self.swap.swap_out(req, blocks_needed(computed, self.block_size))
         self._release(req)
+        req.swapped_tokens = computed if swapped else 0
+        if not swapped:
+            req.recompute_until = max(req.recompute_until, computed)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -156,6 +171,13 @@ class Scheduler:
         for req in list(self.waiting):
             if len(self.running) + len(self.loading) >= self.cfg.max_num_seqs:
                 break
+            if req.swapped_tokens:
+                num_new = self._resume(req, budget, step)
+                if num_new is None:
+                    break
+                budget -= num_new
+                self._mark_inflight(req, inflight)
+                continue
             hit = self._match_prefix(req)
             req.num_computed_tokens = len(hit) * self.block_size
             if inflight and self._next_block_inflight(req, len(hit), inflight):
@@ -203,6 +225,31 @@ class Scheduler:
             step.scheduled.append((req, num_new))
             budget -= num_new
         return step
+
+    def _resume(self, req: Request, budget: int, step: ScheduledStep) -> int | None:
+        """Admit a swapped-out request: its leading full blocks still cached on the device are shared,
+        fresh blocks take the rest of its swapped KV (copied back now), and it is scheduled from where
+        it stopped. Tokens scheduled, or None, with nothing changed, when it does not fit yet."""
+        bs, swapped = self.block_size, req.swapped_tokens
+        hit = self._match_prefix(req)[:swapped // bs]
+        req.num_computed_tokens = swapped
+        num_new = self._chunk(req, budget, not step.scheduled) if budget > 0 else 0
+        available = self.pool.num_free - sum(1 for b in hit if self.pool.refcount(b) == 0)
+        need = blocks_needed(swapped + num_new, bs) - len(hit)
+        if num_new <= 0 or need > available or (need + self.cfg.watermark_blocks > available and self.running):
+            req.num_computed_tokens = 0
+            return None
+        self.pool.incref(hit)
+        req.block_ids = list(hit) + self.pool.allocate(blocks_needed(swapped, bs) - len(hit))
+        req.num_cached_blocks = len(hit)
+        self.swap.swap_in(req, len(hit))
+        req.swapped_tokens = 0
+        self._grow(req, num_new)            # fits: counted in `need` above
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        step.scheduled.append((req, num_new))
+        return num_new
 
     def _inflight_hashes(self) -> set[bytes]:
         """Hashes of the prompt blocks that running requests are computing, and loading requests
@@ -304,5 +351,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.loading.pop(req.request_id, None)
         self._release(req, held)
+        if req.swapped_tokens:
+            self.swap.discard(req)
+            req.swapped_tokens = 0
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
