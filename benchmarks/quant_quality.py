@@ -6,6 +6,9 @@ compare the next-token distributions: top-1 agreement and mean KL(float32 || mod
 GGUF file's own Q4_1 weights (no further loss), so only activation rounding (bfloat16 in the
 kernels) and the int8 output head separate it from float32 over the same dequantized weights.
 Prints one JSON line per mode. Goal: int4 agreement >= 0.97.
+
+Then memory: the resident set of a fresh process holding the engine (weights and the same KV pool)
+for float32 and each mode. Goal: int4's at least 60% of float32's weight bytes below float32's.
 """
 from __future__ import annotations
 
@@ -23,6 +26,22 @@ TOPICS = ["the water cycle", "how a bicycle works", "photosynthesis", "the Frenc
           "the moon landing", "plate tectonics", "coffee", "the printing press", "electric cars",
           "honey bees", "the Great Wall of China", "rainbows", "DNA", "the Olympic games", "chess",
           "solar panels", "the piano", "earthquakes", "the Amazon rainforest", "recycling", "penguins"]
+
+
+_RSS_CHILD = """
+import gc, json, sys
+from pdserve import LLM
+llm = LLM(model="smollm2-135m", quantization=sys.argv[1], device_blocks=256)
+gc.collect()
+rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+print(json.dumps({"rss_bytes": rss * 1024, "weight_bytes": llm.engine.weight_bytes}))
+"""
+
+
+def resident(mode: str) -> dict:
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, mode], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -62,6 +81,15 @@ def main() -> int:
                           "weight_bytes": model.weight_bytes(), "seconds": round(time.perf_counter() - t0, 1),
                           "goal": ">= 0.97 agreement (int4)" if mode == "int4" else "reported"}), flush=True)
         del model
+    base = resident("none")
+    for mode in args.modes.split(","):
+        r = resident(mode)
+        below = base["rss_bytes"] - r["rss_bytes"]
+        print(json.dumps({"benchmark": "quant_memory", "mode": mode, "cpu": describe(),
+                          "rss_mb": round(r["rss_bytes"] / 1e6), "float32_rss_mb": round(base["rss_bytes"] / 1e6),
+                          "below_float32_mb": round(below / 1e6),
+                          "fraction_of_float32_weight_bytes": round(below / base["weight_bytes"], 3),
+                          "goal": ">= 0.6 (int4)" if mode == "int4" else "reported"}), flush=True)
     return 0
 
 

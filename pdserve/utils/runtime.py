@@ -32,3 +32,16 @@ def tune_malloc() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
     except (OSError, AttributeError):   # not glibc (musl, macOS): nothing to tune
         log.debug("mallopt unavailable; leaving malloc defaults")
+
+
+def trim_heap() -> None:
+    """Hand the heap's free memory back to the OS once, after loading: the float copies that
+    quantization or dequantization went through would otherwise stay resident (tune_malloc keeps
+    freed memory for the steps' buffers)."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc
+        log.debug("malloc_trim unavailable")
