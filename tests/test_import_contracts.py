@@ -1,0 +1,163 @@
+"""Import contracts: the router (and its encoder processes) never load torch, the engine or the model.
+
+The router's footprint is its imports: with torch it took ~300 MB resident, without ~100 MB
+(tests/router/test_router_memory_e2e.py measures the real process). Two checks: a fresh
+interpreter that walks the router's real start-up path, and a static walk over every import in
+the router's modules, including those inside functions, which start-up alone may not reach."""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pdserve
+
+PKG = Path(pdserve.__file__).parent
+FORBIDDEN = ("torch", "pdserve.engine", "pdserve.model")
+
+# What the `pdserve router` process runs: cli.main's router branch (bind_socket, create_router_app,
+# run_uvicorn), a request's path through the handlers, and an encoder process's start.
+_ROUTER_PATH = r"""
+import json, sys
+from pdserve.cli import build_parser
+from pdserve.config import load_config
+from pdserve.router.gateway import create_router_app
+from pdserve.router import encoder
+from pdserve.server.serving import bind_socket, run_uvicorn
+import pdserve.launch, pdserve.protocol, pdserve.server.chat_content, pdserve.server.openai_api
+from pdserve import SamplingParams
+
+build_parser().parse_args(["router", "--model", "tiny-qwen2"])
+config = load_config(None, {"model.name": "tiny-qwen2", "router.encoder_workers": 0})
+app = create_router_app(config)                 # loads the router's own tokenizer
+encoder._init("tiny-qwen2")                     # what each encoder process runs at start
+assert encoder._encode_chat([{"role": "user", "content": "hi"}])
+SamplingParams(max_tokens=3).validate(100)
+bad = sorted(m for m in sys.modules if any(m == f or m.startswith(f + ".") for f in %r))
+print(json.dumps(bad))
+""" % (FORBIDDEN,)
+
+
+def test_the_router_start_up_path_loads_no_torch_engine_or_model():
+    out = subprocess.run([sys.executable, "-c", _ROUTER_PATH], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert loaded == [], f"the router path imported {loaded[:10]}"
+
+
+def test_the_offline_api_still_imports_from_pdserve():
+    """Names that moved to pdserve.common are still where users and engine code import them."""
+    code = ("from pdserve import LLM, SamplingParams\n"
+            "from pdserve.engine.engine import RequestOutput\n"
+            "from pdserve.engine.request import TokenLogprob\n"
+            "from pdserve.engine.sampling_params import InvalidParam, check_prompt\n"
+            "from pdserve.engine.async_engine import EngineDeadError, RequestFailed\n"
+            "from pdserve.model.loader import DEFAULT_MODEL, default_gguf_path, load_gguf_tokenizer\n"
+            "from pdserve.model.tokenizer import TokenizerWrapper\n"
+            "from pdserve.server.app import bind_socket, run_uvicorn\n"
+            "import pdserve.common.sampling as s\n"
+            "assert SamplingParams is s.SamplingParams\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- static import graph
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
+        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
+    """Every module imported anywhere in `tree` (functions included), except under TYPE_CHECKING."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            return      # a package's lazy names (pdserve.LLM): imported only when asked for; see LAZY
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in modules or full in LAZY:
+                    out.add(LAZY.get(full, full))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+# `from pdserve import LLM` runs pdserve.__getattr__, which imports the engine.
+LAZY = {"pdserve.LLM": "pdserve.engine.llm"}
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PKG.rglob("*.py")}
+    return {name: _imports(ast.parse(p.read_text()), set(files)) for name, p in files.items()}
+
+
+def _reach(graph: dict[str, set[str]], roots: list[str]) -> dict[str, str]:
+    """Each module reachable from `roots`, with the module that imports it (to print the chain)."""
+    seen = {r: "" for r in roots}
+    todo = list(roots)
+    while todo:
+        m = todo.pop()
+        for dep in graph.get(m, ()):
+            # `import a.b.c` runs a and a.b too: their __init__ modules count.
+            for i in range(dep.count(".") + 1):
+                name = ".".join(dep.split(".")[:i + 1])
+                if name not in seen:
+                    seen[name] = m
+                    todo.append(name)
+    return seen
+
+
+def _chain(seen: dict[str, str], m: str) -> str:
+    out = [m]
+    while seen.get(out[-1]):
+        out.append(seen[out[-1]])
+    return " <- ".join(out)
+
+
+def test_no_router_module_imports_the_engine_the_model_or_torch_anywhere():
+    graph = _graph()
+    roots = sorted(m for m in graph if m.startswith(("pdserve.router.", "pdserve.common.")))
+    roots += ["pdserve.protocol", "pdserve.server.openai_api", "pdserve.server.internal_api",
+              "pdserve.server.serving", "pdserve.server.chat_content", "pdserve.server.errors",
+              "pdserve.server.metrics"]
+    seen = _reach(graph, roots)
+    bad = [_chain(seen, m) for m in sorted(seen) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_common_layer_imports_nothing_above_it():
+    """pdserve.common is the bottom layer: the engine and the router import it, never the reverse."""
+    graph = _graph()
+    bad = {m: sorted(d for d in deps if d.startswith("pdserve.") and not d.startswith("pdserve.common"))
+           for m, deps in graph.items() if m == "pdserve.common" or m.startswith("pdserve.common.")}
+    assert not any(bad.values()), bad
+
+
+def test_every_tiny_model_uses_the_default_tokenizer_name_rule():
+    """The router resolves a built-in name to its tokenizer without pdserve.model: by the prefix."""
+    from pdserve.common.tokenizer import DEFAULT_MODEL, TINY_PREFIX
+    from pdserve.model.arch import TINY_CONFIGS
+    from pdserve.model.loader import DEFAULT_MODEL as LOADER_DEFAULT
+
+    assert DEFAULT_MODEL == LOADER_DEFAULT
+    assert all(name.startswith(TINY_PREFIX) for name in TINY_CONFIGS)
