@@ -29,6 +29,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                    help="turn off reuse of cached prompt prefixes")
     p.add_argument("--host-cache-gb", type=float, help="host RAM tier for KV blocks evicted from the device")
+    p.add_argument("--swap-space-gb", type=float, help="host RAM for preempted requests' KV (0: recompute them)")
     p.add_argument("--disk-cache-dir", help="disk tier directory for KV blocks (with --disk-cache-gb)")
     p.add_argument("--disk-cache-gb", type=float, help="disk tier budget")
     p.add_argument("--kv-remote", help="shared remote KV tier, e.g. redis://127.0.0.1:6379/0")
@@ -56,7 +57,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         "model.expert_parallel": args.expert_parallel,
         "cache.block_size": args.block_size, "cache.device_memory_gb": args.device_memory_gb,
         "cache.device_blocks": args.device_blocks, "cache.prefix_cache": args.prefix_cache,
-        "cache.host_cache_gb": args.host_cache_gb, "cache.disk_cache_dir": args.disk_cache_dir,
+        "cache.host_cache_gb": args.host_cache_gb, "cache.swap_space_gb": args.swap_space_gb,
+        "cache.disk_cache_dir": args.disk_cache_dir,
         "cache.disk_cache_gb": args.disk_cache_gb, "cache.remote": args.kv_remote,
         "cache.kv_events_endpoint": args.kv_events_endpoint,
         "scheduler.max_num_seqs": args.max_num_seqs,
