@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test install clean
+.PHONY: serve test lint install clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -21,7 +21,10 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/pdserve serve $(ARGS)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pdserve tests benchmarks
+
+test: $(STAMP) lint
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 clean:

@@ -1,6 +1,8 @@
 """Llama-family decoder (SmolLM2, Llama, Qwen2, Mistral) in plain PyTorch over a paged KV cache.
 
-Weights are stored fused (qkv, gate+up), [out, in] as in HF; see `linear` for how they are applied. The MLP of a layer is pluggable: MoE models (moe_model.py) put a MoE block there.
+Weights are stored fused (qkv, gate+up), [out, in] as in HF, as float tensors or packed for a
+quantized kernel (quant.py); see `linear` for how they are applied. The MLP of a layer is
+pluggable: MoE models (moe_model.py) put a MoE block there.
 """
 from __future__ import annotations
 

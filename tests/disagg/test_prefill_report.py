@@ -4,7 +4,7 @@ load and circuit breaker from this). Real engines on their threads, over real so
 from __future__ import annotations
 
 import zmq
-from pd_harness import Loop, pd_config, pd_pair, prompts
+from pd_harness import Loop, pd_config, prompts
 
 from pdserve import SamplingParams
 from pdserve.server.roles import build_engine
