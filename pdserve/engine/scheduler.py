@@ -120,11 +120,14 @@ class Scheduler:
         hashes = self._hashes(req, full)
         for i in range(req.num_cached_blocks, full):
             node = cache.nodes.get(hashes[i])
-            if node is not None and node.block_id != req.block_ids[i]:
-                # Another block holds this prefix: the chain diverged physically, stop here so
-                # every cached block's ancestors stay referenced whenever it is.
-                req.num_cached_blocks = full
-                return
+            parent = cache.nodes.get(hashes[i - 1]) if i else None
+            if (node is not None and node.block_id != req.block_ids[i]) \
+                    or (i and (parent is None or parent.block_id != req.block_ids[i - 1])):
+                # Another block holds this prefix (e.g. an earlier request's identical reply): the
+                # chain diverged physically, and stays so for the blocks this request computes later,
+                # so none is hung under a block it does not hold (every cached block's ancestors
+                # stay referenced whenever it is, or the pool counts a block it cannot evict as free).
+                break
             if node is None:
                 cache.insert(hashes[i], hashes[i - 1] if i else None, req.block_ids[i])
         req.num_cached_blocks = full

@@ -106,3 +106,32 @@ def test_finish_frees_waiting_and_running():
     for r in list(s.running) + list(s.waiting):
         s.finish(r, "abort")
     assert not s.has_unfinished() and pool.num_free == 8
+
+
+def test_blocks_computed_after_a_diverged_chain_are_not_cached_under_another_requests_block():
+    # "a" replies, finishes, and stays cached. "b" has the same prompt: its last prompt block is never
+    # a hit (one token is always computed), so it recomputes it into its own block, and with the same
+    # reply that block's hash is a's. b's later blocks must not hang under a's block, which b does not
+    # hold: that block would count as free while it could not be evicted (NoFreeBlocks mid-step).
+    from pdserve.cache.prefix_cache import PrefixCache
+    pool = BlockPool(8, PrefixCache(4))
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=100, watermark_blocks=0), pool, block_size=4)
+
+    def run(rid: str, replies: list[int]) -> Request:
+        req = _req(rid, 6)
+        s.add(req)
+        for tok in replies:
+            for r, n in s.schedule().scheduled:
+                r.num_computed_tokens += n
+                s.cache_computed_blocks(r)
+                r.append_token(tok)
+        return req
+
+    a = run("a", [7, 7, 7, 7, 7, 7, 7])             # 13 tokens, 12 computed: three cached blocks
+    s.finish(a, "stop")
+    b = run("b", [7, 7, 8, 8, 8, 8, 8, 8, 8, 8])    # same first block of reply, then another
+    assert b.num_computed_tokens == 15
+    pool.check_integrity()
+    pool.free(pool.allocate(pool.num_free))         # every block counted as free can be had
+    s.finish(b, "stop")
+    assert pool.num_free == pool.num_blocks
