@@ -186,10 +186,11 @@ def unpack(data: bytes) -> dict[str, Any]:
 
 KVTier = Literal["device", "host", "disk", "remote"]
 KV_TIERS: tuple[str, ...] = ("device", "host", "disk", "remote")    # fastest first
+KVEventType = Literal["stored", "removed"]
 
 
 class KVEvent(BaseModel):
-    type: Literal["stored", "removed"]
+    type: KVEventType
     block_hashes: list[str]
     parent_hash: str | None = None     # of the first block, for "stored" chains; None when unknown
     tier: KVTier = "device"

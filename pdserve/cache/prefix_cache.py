@@ -13,8 +13,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.protocol import KVEventType
+
 # listener(kind, block_hash, parent): kind is "stored" (after an insert) or "removed" (after an eviction).
-CacheListener = Callable[[str, bytes, bytes | None], None]
+CacheListener = Callable[[KVEventType, bytes, bytes | None], None]
 # on_evict(block_id, block_hash): the block's KV is still intact; the id is reused right after.
 EvictHook = Callable[[int, bytes], None]
 

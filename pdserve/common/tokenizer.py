@@ -123,8 +123,9 @@ def tokenizer_from_hf_dir(path: Path, eos_token_ids: list[int], bos_token_id: in
     eos_tok = cfg.get("eos_token")
     if isinstance(eos_tok, dict):
         eos_tok = eos_tok.get("content")
-    if eos_tok and tok.token_to_id(eos_tok) is not None and tok.token_to_id(eos_tok) not in eos_ids:
-        eos_ids.append(tok.token_to_id(eos_tok))
+    eos_id = tok.token_to_id(eos_tok) if eos_tok else None
+    if eos_id is not None and eos_id not in eos_ids:
+        eos_ids.append(eos_id)
     # tokenizer.json's post-processor adds BOS where the model wants it.
     return TokenizerWrapper(tok, template, bos_token_id, eos_ids, add_bos=False)
 

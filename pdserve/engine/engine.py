@@ -86,7 +86,7 @@ class LLMEngine:
                                           listener=kv_events.on_tier if kv_events else None) \
             if cc.prefix_cache else None
         self.tiers = TierFetcher(store, self.kv_cache, cc.block_size, cc.load_timeout_s) if store else None
-        if self.tiers is not None:
+        if self.tiers is not None and self.prefix_cache is not None:     # tiers exist only with a prefix cache
             self.prefix_cache.on_evict = self.tiers.offload
         if ep and shm_path is None and (self.tiers is not None or config.worker.role == "decode"):
             self.model.close()
@@ -196,6 +196,7 @@ class LLMEngine:
                 req.prefill_attempts.append(req.prefill_peers[0])      # the peer start_load asks
             c.start_load(req)
         for req in step.to_fetch:
+            assert tiers is not None, "the scheduler fetches only through the tiers' lookup"
             tiers.start(req)
         if not step.scheduled:
             if not outputs and tiers is not None and tiers.has_loads() and not c.has_work():
@@ -284,10 +285,11 @@ class LLMEngine:
             **self.connector.stats(),
             **(self.swap.stats() if self.swap else {}),
             **(self.tiers.stats() if self.tiers else {}),
-            **(self._kv_event_stats() if self.kv_events else {}),
+            **(self._kv_event_stats(self.kv_events) if self.kv_events else {}),
         }
 
-    def _kv_event_stats(self) -> dict:
+    @staticmethod
+    def _kv_event_stats(pub: KVEventPublisher) -> dict:
         # The endpoints (strings) are for /health, where a router finds them; /metrics skips them.
-        return {**self.kv_events.stats(), "kv_events_endpoint": self.kv_events.endpoint,
-                "kv_events_snapshot_endpoint": self.kv_events.snapshot_endpoint}
+        return {**pub.stats(), "kv_events_endpoint": pub.endpoint,
+                "kv_events_snapshot_endpoint": pub.snapshot_endpoint}

@@ -2,6 +2,7 @@
 pdserve.disagg; the engine only knows these calls). The base class does nothing: a mixed worker."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -9,9 +10,13 @@ if TYPE_CHECKING:
     from pdserve.engine.request import Request
 
 
+def _no_loop() -> None:
+    """No engine loop to wake yet."""
+
+
 class KVConnector:
-    def wake(self) -> None:
-        """Replaced by the loop's owner (instance attribute): called from any thread when a peer's message arrives."""
+    # Set by the loop's owner (AsyncEngine): called from any thread when a peer's message arrives.
+    wake: Callable[[], None] = staticmethod(_no_loop)
 
     def poll(self, engine: LLMEngine) -> list[RequestOutput]:
         """Start of each step: apply what peers sent. Returns outputs produced by it (first tokens)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from pdserve.config import Config, load_config
 from pdserve.engine.engine import LLMEngine
@@ -47,18 +47,18 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+    def generate(self, prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))    # a batch of one
+        batch = cast("Sequence[str | list[int]]", [prompts] if one else prompts)
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
         return self._run(token_lists, params)
 
     def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        return self._run([self.tokenizer.encode_chat(c) for c in conversations], params)  # type: ignore[arg-type]
+        # One conversation (a list of messages) is a batch of one.
+        batch = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
+        return self._run([self.tokenizer.encode_chat(cast("list[dict[str, Any]]", c)) for c in batch], params)
 
     def _run(self, token_lists: list[list[int]],
              params: SamplingParams | Sequence[SamplingParams] | None) -> list[GenerationOutput]:

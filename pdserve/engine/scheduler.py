@@ -159,7 +159,8 @@ class Scheduler:
             if num_new <= 0:
                 continue
             while not self._grow(req, num_new):
-                victim = next((r for r in reversed(self.running) if r.request_id not in scheduled_ids), None)
+                # req itself is running and not yet scheduled: there is always a victim
+                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)
                 self._preempt(victim, step)
                 if victim is req:
                     break
@@ -175,10 +176,10 @@ class Scheduler:
             if len(self.running) + len(self.loading) >= self.cfg.max_num_seqs:
                 break
             if req.swapped_tokens:
-                num_new = self._resume(req, budget, step)
-                if num_new is None:
+                resumed = self._resume(req, budget, step)
+                if resumed is None:
                     break
-                budget -= num_new
+                budget -= resumed
                 self._mark_inflight(req, inflight)
                 continue
             hit = self._match_prefix(req)
@@ -234,6 +235,7 @@ class Scheduler:
         fresh blocks take the rest of its swapped KV (copied back now), and it is scheduled from where
         it stopped. Tokens scheduled, or None, with nothing changed, when it does not fit yet."""
         bs, swapped = self.block_size, req.swapped_tokens
+        assert self.swap is not None, "only swap_out sets swapped_tokens"
         hit = self._match_prefix(req)[:swapped // bs]
         req.num_computed_tokens = swapped
         num_new = self._chunk(req, budget, not step.scheduled) if budget > 0 else 0
@@ -355,6 +357,7 @@ class Scheduler:
         self.loading.pop(req.request_id, None)
         self._release(req, held)
         if req.swapped_tokens:
+            assert self.swap is not None, "only swap_out sets swapped_tokens"
             self.swap.discard(req)
             req.swapped_tokens = 0
         req.status = RequestStatus.FINISHED

@@ -13,6 +13,7 @@ at once, and a result that still arrives for them is recognised as stale and dro
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -58,7 +59,7 @@ class TierFetcher:
         self.timeout_s = timeout_s
         self.clock = time.monotonic                    # the engine's deadlines run on this (tests pass their own)
         self.loads: dict[str, _Fetch] = {}             # engine thread only
-        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[_Fetch, int]] = queue.SimpleQueue()
         self._event = threading.Event()
         self.counters = {"tier_fetch_requests_total": 0, "tier_fetch_blocks_total": 0,
                          "tier_fetched_tokens_total": 0, "tier_fetch_fallbacks_total": 0,
@@ -84,7 +85,7 @@ class TierFetcher:
         self.counters["tier_fetch_requests_total"] += 1
         self.counters["tier_fetch_blocks_total"] += len(blocks)
         rec.ticket = self.store.load_async(req.block_hashes[first:first + len(blocks)], blocks, self.kv_cache,
-                                           lambda n, rec=rec: self._done(rec, n), self.timeout_s)
+                                           functools.partial(self._done, rec), self.timeout_s)
 
     def poll(self) -> list[tuple[Request, int]]:
         """Finished loads as (request, blocks loaded), timed-out ones with 0."""

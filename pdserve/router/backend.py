@@ -20,7 +20,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -154,7 +154,7 @@ class RemoteBackend:
                         stream = self._stream(route, f"{request_id}-{attempts}", prompt_token_ids,
                                               list(generated), wire.__dict__, cache_salt)
                         async with aclosing(stream):
-                            async for tokens, lps, finished, reason in stream:
+                            async for tokens, lps, finished, finish_reason in stream:
                                 out_tokens: list[int] = []
                                 stop_hit = False
                                 for t in tokens:
@@ -165,7 +165,7 @@ class RemoteBackend:
                                         break
                                 done = finished or stop_hit
                                 out = RequestOutput(request_id, out_tokens, detok.take(done), done,
-                                                    "stop" if stop_hit else reason, n_prompt, len(generated),
+                                                    "stop" if stop_hit else finish_reason, n_prompt, len(generated),
                                                     (lps or [])[:len(out_tokens)])
                                 self.on_output(out, time.monotonic())
                                 yield out
@@ -205,7 +205,7 @@ class RemoteBackend:
 
     async def _stream(self, route: Route, rid: str, prompt: list[int], generated: list[int], sampling: dict,
                       salt: str | None
-                      ) -> AsyncIterator[tuple[list[int], list[TokenLogprob] | None, bool, str | None]]:
+                      ) -> AsyncGenerator[tuple[list[int], list[TokenLogprob] | None, bool, str | None], None]:
         w, prefill = route.decode, route.prefill
         headers = dict(self.registry.headers)
         if prefill is not None and prefill.kv_endpoint:
@@ -277,7 +277,8 @@ class RemoteBackend:
         for ep in msg.get("prefill_failed") or ():
             if (x := by_endpoint.get(ep)) is not None:
                 self._failure(x, now, judged)
-        if (x := by_endpoint.get(msg.get("prefilled_by"))) is not None:
+        prefilled_by = msg.get("prefilled_by")
+        if prefilled_by is not None and (x := by_endpoint.get(prefilled_by)) is not None:
             x.breaker.on_success()
             judged.add(x.worker_id)
 

@@ -28,12 +28,18 @@ def _init(model: str) -> None:
     _tokenizer = load_tokenizer(model)
 
 
+def _pool_tokenizer() -> TokenizerWrapper:
+    if _tokenizer is None:
+        raise RuntimeError("encoder function called outside an initialised pool process")
+    return _tokenizer
+
+
 def _encode(text: str) -> list[int]:
-    return _tokenizer.encode(text)
+    return _pool_tokenizer().encode(text)
 
 
 def _encode_chat(messages: list[dict[str, Any]]) -> list[int]:
-    return _tokenizer.encode_chat(messages)
+    return _pool_tokenizer().encode_chat(messages)
 
 
 class EncoderPool:
@@ -45,13 +51,13 @@ class EncoderPool:
         self.local = load_tokenizer(model) if processes <= 0 else None
 
     async def encode(self, text: str) -> list[int]:
-        if self.pool is None:
+        if self.local is not None:          # processes <= 0: no pool, encode here
             return self.local.encode(text)
         return await asyncio.get_running_loop().run_in_executor(self.pool, _encode, text)
 
     async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Raises ValueError for messages the chat template rejects."""
-        if self.pool is None:
+        if self.local is not None:
             return self.local.encode_chat(messages)
         return await asyncio.get_running_loop().run_in_executor(self.pool, _encode_chat, messages)
 

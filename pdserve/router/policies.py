@@ -219,7 +219,8 @@ def cost(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams |
     max_q = p.max_queued_prefill_tokens
     base = uw * n
     scores: dict[str, float] = {}
-    best = spill = None              # spill: the best among workers short of free KV
+    best: WorkerState | None = None  # spill: the best among workers short of free KV
+    spill: WorkerState | None = None
     best_c = spill_c = float("inf")
     best_r = spill_r = 0             # their rotated positions, read only on an exact tie
     nw = len(workers) or 1
@@ -245,9 +246,12 @@ def cost(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams |
         scores[wid] = c
         r = (i - counter) % nw
         if w.kv_total_blocks and w.kv_free_blocks < need:
-            if c < spill_c or (c == spill_c and (w.in_flight, r) < (spill.in_flight, spill_r)):
+            # an exact tie means the cost is finite, so spill (best below) was set
+            if c < spill_c or (c == spill_c and spill is not None
+                               and (w.in_flight, r) < (spill.in_flight, spill_r)):
                 spill, spill_c, spill_r = w, c, r
-        elif c < best_c or (c == best_c and (w.in_flight, r) < (best.in_flight, best_r)):
+        elif c < best_c or (c == best_c and best is not None
+                            and (w.in_flight, r) < (best.in_flight, best_r)):
             best, best_c, best_r = w, c, r
     best = best or spill
     if best is None:

@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.protocol import INTERNAL_TOKEN_HEADER
@@ -114,7 +115,7 @@ class SecurityMiddleware:
                 status["code"] = message["status"]
             await send(message)
 
-        reject = None
+        reject: Response | None = None
         if kind != "open":
             if not self.allowlist.allows(client):
                 reject = error_response(403, "your address is not allowed here", code="ip_not_allowed")

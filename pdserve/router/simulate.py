@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pdserve.cache.block_pool import BlockPool, NoFreeBlocks
 from pdserve.cache.kv_index import KVIndex
 from pdserve.cache.prefix_cache import PrefixCache, block_hash, prompt_hashes
-from pdserve.protocol import KVEvent
+from pdserve.protocol import KVEvent, KVEventType
 from pdserve.router.policies import CostParams, Decision, RouteRequest, WorkerState, choose, eligible
 
 # A router policy for the simulator: (request hashes, RouteRequest, worker states) -> Decision.
@@ -111,7 +111,7 @@ class SimWorker:
     def __init__(self, worker_id: str, fc: FleetConfig) -> None:
         self.worker_id = worker_id
         self.fc = fc
-        self._log: list[tuple[str, str]] = []
+        self._log: list[tuple[KVEventType, str]] = []
         self.cache = PrefixCache(fc.block_size, listener=self._on_cache)
         self.pool = BlockPool(fc.num_blocks, self.cache)
         self.queue: deque[SimRequest] = deque()
@@ -127,7 +127,7 @@ class SimWorker:
         self.prefilled = 0
         self.decoded = 0.0
 
-    def _on_cache(self, kind: str, h: bytes, parent: bytes | None) -> None:
+    def _on_cache(self, kind: KVEventType, h: bytes, parent: bytes | None) -> None:
         self.evicted += kind == "removed"
         self._log.append((kind, h.hex()))
 
@@ -296,10 +296,10 @@ def simulate(trace: list[SimRequest], make_policy: Callable[[dict[str, SimWorker
             for ev in w.events():
                 index.apply(ev)
         now += 1
-    hit = sum(r.hit_tokens for r in reqs) / sum(r.num_prompt_tokens for r in reqs)
+    hit_rate = sum(r.hit_tokens for r in reqs) / sum(r.num_prompt_tokens for r in reqs)
     busy = [w.busy() for w in workers.values()]
     prompt = [w.prompt_tokens for w in workers.values()]
     ttft = sorted(r.first_token + 1 - r.arrival for r in reqs)
-    return SimResult(hit, max(busy) / (sum(busy) / len(busy)), max(prompt) / (sum(prompt) / len(prompt)),
+    return SimResult(hit_rate, max(busy) / (sum(busy) / len(busy)), max(prompt) / (sum(prompt) / len(prompt)),
                      sum(ttft) / len(ttft), ttft[min(len(ttft) - 1, math.ceil(0.99 * len(ttft)) - 1)],
                      now, reasons, workers, index)

@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,9 +20,6 @@ from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_car
 from pdserve.server.chat_content import chat_messages
 from pdserve.server.errors import APIError, BodySizeLimit, error_body, install_error_handlers
 from pdserve.server.metrics import RequestTimer, ServerMetrics
-
-if TYPE_CHECKING:
-    from pdserve.engine.async_engine import AsyncEngine
 
 _DISCONNECT_POLL_S = 0.5
 PREFILL_HEADER = "x-pdserve-prefill"    # set by the router: the prefill worker's bootstrap endpoint
@@ -70,11 +67,21 @@ class InlineEncoder:
         return self.tokenizer.encode_chat(messages)
 
 
+class GenerationBackend(Protocol):
+    """What the handlers need: the worker's AsyncEngine or the router's RemoteBackend."""
+    accepting: bool
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 cache_salt: str | None = None, prefill_peer: str | None = None) -> AsyncIterator[RequestOutput]: ...
+
+
 class OpenAIHandlers:
     """The OpenAI API over a generation backend: the worker's AsyncEngine, or the router's
     RemoteBackend (same `generate`, `check_request`, `accepting`)."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: TokenizerWrapper, model_name: str,
+    def __init__(self, engine: GenerationBackend, tokenizer: TokenizerWrapper, model_name: str,
                  timer: RequestTimer, encoder: Any = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
