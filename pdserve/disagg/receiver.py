@@ -26,8 +26,9 @@ from pdserve.cache.kv_cache import raw_bytes_view
 from pdserve.config import Config
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
-from pdserve.disagg.trust import BAD_TOKEN, SeenIds, ThrottledLog, compat_info, sign, token_key, verified
 from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint, endpoint_host
+from pdserve.disagg.trust import BAD_TOKEN, ThrottledLog, compat_info, sign, token_key, verified
+from pdserve.disagg.write_gate import WriteGate, drain
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.request import TokenLogprob
 from pdserve.protocol import (
@@ -99,9 +100,7 @@ class DecodeConnector(KVConnector):
                          "kv_messages_rejected_total": 0, "kv_messages_dropped_total": 0}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._event = threading.Event()
-        self._live: dict[str, tuple[str, set[int]]] = {}     # rid -> (transfer id, blocks tcp frames may fill)
-        self._ended = SeenIds()                              # transfer ids that ended (both under the lock)
-        self._live_lock = threading.Lock()
+        self._gate = WriteGate()                             # which blocks tcp frames may fill (both threads)
         self._log_io, self._log_engine = ThrottledLog(log), ThrottledLog(log)   # one per thread
         self._ctx = zmq.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -152,7 +151,7 @@ class DecodeConnector(KVConnector):
                 try:
                     self._receive()
                 except Exception as e:  # noqa: BLE001 - a bad peer message must not kill the thread
-                    self._drain()
+                    drain(self._pull)
                     self._log_io(logging.WARNING, "dropping a malformed message: %s", e)
                 self._event.set()
                 self.wake()
@@ -167,7 +166,7 @@ class DecodeConnector(KVConnector):
         # as a failure of the named live transfer, which at worst falls back to a local prefill.
         refusal = msg["type"] == PD_FAILED and msg.get("code") == PD_UNAUTHORIZED
         if not (verified(msg, self.key) or refusal):
-            self._drain()
+            drain(self._pull)
             self._count("kv_messages_rejected_total")
             self._log_io(logging.ERROR, "dropping a %s message for %s: %s", msg["type"], msg.get("request_id"),
                          BAD_TOKEN)
@@ -181,35 +180,16 @@ class DecodeConnector(KVConnector):
     def _receive_frames(self, msg: dict) -> int | None:
         """Write the KV frames that follow a tcp layer header straight into the destination blocks:
         only a live transfer's, only the blocks it was given (None: dropped, nothing written)."""
-        bs, n = self.block_size, 0
-        rid, tid, layer, runs = msg.get("request_id"), msg.get("transfer_id"), msg["layer"], msg["runs"]
-        with self._live_lock:
-            tid_live, blocks = self._live.get(rid, (None, set()))
-            ok = tid_live == tid and 0 <= layer < self.kv_shape[0] and \
-                all(b in blocks for d, k in runs for b in range(d, d + k))
-            unknown = tid_live == tid or tid not in self._ended
-            for d, k in runs if ok else ():
-                for kv in (0, 1):
-                    if not self._pull.getsockopt(zmq.RCVMORE):
-                        raise ValueError("a KV frame is missing")
-                    view = self.raw[layer, kv, d * bs:(d + k) * bs]
-                    got = self._pull.recv_into(view.reshape(-1))
-                    if got != view.nbytes:
-                        raise ValueError(f"KV frame of {got} bytes, expected {view.nbytes}")
-                    n += got
-        self._drain()
-        if not ok:
+        rid, tid = msg["request_id"], msg["transfer_id"]     # strings: checked by _receive
+        n, unknown = self._gate.fill(self._pull, self.raw, self.block_size, self.kv_shape[0], rid, tid,
+                                     msg["layer"], msg["runs"])
+        drain(self._pull)
+        if n is None:
             self._drop_log(self._log_io, "tcp KV", rid, tid, unknown)
-            return None
         return n
 
-    def _drain(self) -> None:
-        """Skip the rest of a multipart message (the I/O thread's)."""
-        while self._pull.getsockopt(zmq.RCVMORE):
-            self._pull.recv()
-
     def _count(self, name: str) -> None:
-        with self._live_lock:           # both threads count these
+        with self._gate.lock:           # both threads count these
             self.counters[name] += 1
 
     def _drop_log(self, logger: ThrottledLog, kind: str, rid, tid, unknown: bool) -> None:
@@ -275,13 +255,10 @@ class DecodeConnector(KVConnector):
 
     def accept_writes(self, request_id: str, block_ids: list[int], transfer_id: str = "") -> None:
         """From now on, tcp KV frames of this transfer land in these blocks (and in no others)."""
-        with self._live_lock:
-            self._live[request_id] = (transfer_id, set(block_ids))
+        self._gate.open(request_id, transfer_id, block_ids)
 
     def _end_writes(self, pend: Pending) -> None:
-        with self._live_lock:
-            self._live.pop(pend.req.request_id, None)
-            self._ended.add(pend.transfer_id)
+        self._gate.close(pend.req.request_id, pend.transfer_id)
 
     def next_message(self, timeout: float) -> dict | None:
         """The next message from a peer, as the engine would see it (benchmarks drive this directly)."""
@@ -324,8 +301,7 @@ class DecodeConnector(KVConnector):
                 continue
             pend = self.pending.get(rid)
             if pend is None or pend.transfer_id != tid or t == PD_CANCEL_ACK:
-                with self._live_lock:
-                    ended = tid in self._ended
+                ended = self._gate.ended(tid)
                 if not (ended and t == PD_CANCEL_ACK):      # an ack of a transfer that held nothing back
                     self._drop_log(self._log_engine, t, rid, tid, not ended)
                 continue

@@ -14,7 +14,6 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -22,18 +21,13 @@ import zmq
 from pdserve.cache.kv_cache import raw_bytes_view
 from pdserve.config import Config
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
+from pdserve.disagg.sink import KVSink, WriterFactory
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
 from pdserve.disagg.trust import (BAD_TOKEN, JobRefused, SeenIds, ThrottledLog, check_job, compat_info, sign,
                                    token_key, unsigned_refusal, verified)
 from pdserve.disagg.transport import (
-    KVWriter,
     MooncakeEndpoint,
-    MooncakeWriter,
     NixlEndpoint,
-    NixlWriter,
-    Run,
-    ShmWriter,
-    TcpWriter,
     Throttle,
     coalesce,
     endpoint_host,
@@ -62,20 +56,6 @@ if TYPE_CHECKING:
     from pdserve.engine.request import Request
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class KVSink:
-    """Where one prefill request's KV goes: the decode worker's blocks."""
-    job: PrefillJob
-    transfer: Transfer
-    next_block: int                          # first block not yet written in full
-    writer: KVWriter | None = None           # created and used on the sender thread only
-    error: str | None = None                 # set by the sender thread when a write fails
-    cancelled: bool = False
-    bytes_sent: int = 0
-    plan: list[Run] = field(default_factory=list)   # this step's runs
-    plan_end: int = 0                        # block index the plan reaches (exclusive, full blocks)
 
 
 class PrefillConnector(KVConnector):
@@ -124,10 +104,11 @@ class PrefillConnector(KVConnector):
         self.endpoint = with_host(self._bootstrap.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         # Started here so a missing package fails the worker at start, not each job; used by the
         # sender thread only from then on.
-        self._mooncake = (MooncakeEndpoint(endpoint_host(self.endpoint), self.src)
-                          if self.backend == "mooncake" else None)
-        self._nixl = (NixlEndpoint(f"pdserve-prefill-{HOST}-{os.getpid()}-{id(self):x}", self.src)
-                      if self.backend == "nixl" else None)
+        self._writers = WriterFactory(
+            self.src, self.block_size, self.backend, self.key, self.deadlines.transfer_s,
+            MooncakeEndpoint(endpoint_host(self.endpoint), self.src) if self.backend == "mooncake" else None,
+            NixlEndpoint(f"pdserve-prefill-{HOST}-{os.getpid()}-{id(self):x}", self.src)
+            if self.backend == "nixl" else None)
         self._threads = [threading.Thread(target=self._bootstrap_loop, name="pd-bootstrap", daemon=True),
                          threading.Thread(target=self._sender_loop, name="pd-sender", daemon=True)]
         for t in self._threads:
@@ -191,7 +172,7 @@ class PrefillConnector(KVConnector):
                     if sink.cancelled or sink.error:
                         continue
                     if sink.writer is None:
-                        sink.writer = self._make_writer(sink.job, sock_for)
+                        sink.writer = self._writers.make(sink.job, sock_for)
                     t0 = time.monotonic()
                     n = sink.writer.write_layer(sink.job.request_id, layer, runs)
                     self.throttle.consume(n)
@@ -228,27 +209,6 @@ class PrefillConnector(KVConnector):
                     item[1].set()
         for s in socks.values():
             s.close(0)
-
-    def _make_writer(self, job: PrefillJob, sock_for) -> KVWriter:
-        if self._mooncake is not None:
-            if not job.mooncake_session:
-                raise ValueError("transfer.backend is mooncake but the decode worker registered no pool "
-                                 "with Mooncake (set transfer.backend: mooncake there too)")
-            return MooncakeWriter(self.src, self.block_size, self._mooncake, job.mooncake_session,
-                                  job.pool_base, job.kv_shape, job.elem_size)
-        if self._nixl is not None:
-            if not job.nixl_metadata:
-                raise ValueError("transfer.backend is nixl but the decode worker registered no pool "
-                                 "with NIXL (set transfer.backend: nixl there too)")
-            return NixlWriter(self.src, self.block_size, self._nixl, job.nixl_metadata, job.pool_base,
-                              job.kv_shape, job.elem_size, self.deadlines.transfer_s)
-        # job.shm_path passed check_job: a pool the decode worker made, or None.
-        same_host = job.decode_host == HOST and job.shm_path and os.path.exists(job.shm_path)
-        if self.backend == "shm" or (self.backend == "auto" and same_host):
-            if not job.shm_path:
-                raise ValueError("transfer.backend is shm but the decode worker has no shared pool")
-            return ShmWriter(self.src, self.block_size, job.shm_path, job.kv_shape, job.elem_size)
-        return TcpWriter(self.src, self.block_size, sock_for(job.reply_endpoint), self.key, job.transfer_id)
 
     def _send(self, job: PrefillJob, msg: dict[str, Any]) -> None:
         self._reply(job.reply_endpoint, {"request_id": job.request_id, "transfer_id": job.transfer_id, **msg})
@@ -407,6 +367,4 @@ class PrefillConnector(KVConnector):
             t.join(timeout=2)
         self._bootstrap.close(0)
         if not self._threads[1].is_alive():      # no write in flight
-            for ep in (self._mooncake, self._nixl):
-                if ep is not None:
-                    ep.close()
+            self._writers.close()

@@ -60,7 +60,7 @@ class Request:
     # request holds (None: it was computed here, after every peer failed or none was asked).
     prefill_attempts: list[str] = field(default_factory=list)
     prefilled_by: str | None = None
-    kv_sink: Any = None                 # prefill role: where this request's KV is written (disagg.sender.KVSink)
+    kv_sink: Any = None                 # prefill role: where this request's KV is written (disagg.sink.KVSink)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

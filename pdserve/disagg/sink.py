@@ -1,0 +1,83 @@
+"""Where one prefill request's KV goes (KVSink), and the writer that puts it there (WriterFactory).
+
+The prefill worker's sender thread makes each job's writer on its first write, from the job and the
+configured transfer backend: one-sided writes into a pool the decode worker registered (mooncake,
+nixl), a shared-memory pool on the same host (shm), or KV frames over its control socket (tcp).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from pdserve.disagg.peer import HOST
+from pdserve.disagg.state import Transfer
+from pdserve.disagg.transport import (
+    KVWriter,
+    MooncakeEndpoint,
+    MooncakeWriter,
+    NixlEndpoint,
+    NixlWriter,
+    Run,
+    ShmWriter,
+    TcpWriter,
+)
+from pdserve.protocol import PrefillJob
+
+
+@dataclass
+class KVSink:
+    """Where one prefill request's KV goes: the decode worker's blocks."""
+    job: PrefillJob
+    transfer: Transfer
+    next_block: int                          # first block not yet written in full
+    writer: KVWriter | None = None           # created and used on the sender thread only
+    error: str | None = None                 # set by the sender thread when a write fails
+    cancelled: bool = False
+    bytes_sent: int = 0
+    plan: list[Run] = field(default_factory=list)   # this step's runs
+    plan_end: int = 0                        # block index the plan reaches (exclusive, full blocks)
+
+
+class WriterFactory:
+    """Makes jobs' writers for one backend (sender thread); holds the one-sided endpoints, if any."""
+
+    def __init__(self, src: np.ndarray, block_size: int, backend: str, key: bytes | None, transfer_s: float,
+                 mooncake: MooncakeEndpoint | None = None, nixl: NixlEndpoint | None = None) -> None:
+        self.src = src
+        self.block_size = block_size
+        self.backend = backend
+        self.key = key
+        self.transfer_s = transfer_s
+        self.mooncake = mooncake
+        self.nixl = nixl
+
+    def make(self, job: PrefillJob, sock_for: Callable[[str], zmq.Socket]) -> KVWriter:
+        if self.mooncake is not None:
+            if not job.mooncake_session:
+                raise ValueError("transfer.backend is mooncake but the decode worker registered no pool "
+                                 "with Mooncake (set transfer.backend: mooncake there too)")
+            return MooncakeWriter(self.src, self.block_size, self.mooncake, job.mooncake_session,
+                                  job.pool_base, job.kv_shape, job.elem_size)
+        if self.nixl is not None:
+            if not job.nixl_metadata:
+                raise ValueError("transfer.backend is nixl but the decode worker registered no pool "
+                                 "with NIXL (set transfer.backend: nixl there too)")
+            return NixlWriter(self.src, self.block_size, self.nixl, job.nixl_metadata, job.pool_base,
+                              job.kv_shape, job.elem_size, self.transfer_s)
+        # job.shm_path passed check_job: a pool the decode worker made, or None.
+        same_host = job.decode_host == HOST and job.shm_path and os.path.exists(job.shm_path)
+        if self.backend == "shm" or (self.backend == "auto" and same_host):
+            if not job.shm_path:
+                raise ValueError("transfer.backend is shm but the decode worker has no shared pool")
+            return ShmWriter(self.src, self.block_size, job.shm_path, job.kv_shape, job.elem_size)
+        return TcpWriter(self.src, self.block_size, sock_for(job.reply_endpoint), self.key, job.transfer_id)
+
+    def close(self) -> None:
+        """Only once no write is in flight."""
+        for ep in (self.mooncake, self.nixl):
+            if ep is not None:
+                ep.close()
