@@ -131,17 +131,20 @@ class LlamaModel:
         gate_up = cat_rows([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]], self.quantization)
         return DenseMLP.packed(self._pack(gate_up), self._pack(w[p + "down_proj.weight"]))
 
-    def weight_bytes(self) -> int:
-        """Bytes read by one decode step: one layout of each weight (the embedding lookup reads a few rows)."""
+    def _weights(self) -> list:
         tensors = [self.lm_head, self.norm]
         for layer in self.layers:
             tensors += [layer.qkv, layer.o, *layer.mlp.weight_tensors(), layer.input_norm, layer.post_norm]
-        return sum(weight_nbytes(t) for t in tensors)
+        return tensors
+
+    def weight_bytes(self) -> int:
+        """Bytes read by one decode step: one layout of each weight (the embedding lookup reads a few rows)."""
+        return sum(weight_nbytes(t) for t in self._weights())
 
     def resident_weight_bytes(self) -> int:
         """Bytes the weights hold in memory (the embedding too when it is not the output head)."""
         extra = [] if self.embed is self.lm_head else [self.embed]
-        return self.weight_bytes() + sum(weight_nbytes(t) for t in extra)
+        return sum(weight_nbytes(t, resident=True) for t in self._weights() + extra)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedWeight):
