@@ -99,17 +99,24 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=8, help="HF static batch size")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                    help="pdserve's weights (HF runs float32 either way; the line says which)")
     args = ap.parse_args()
 
     import torch
 
     from pdserve import LLM
     from pdserve.model.loader import load_model_files
+    from pdserve.utils.cpu import describe
 
     torch.set_num_threads(args.threads)
     loaded = load_model_files("smollm2-135m")
     # No prefix cache: HF has none, and the warm-up requests would otherwise be cache hits.
-    llm = LLM(model="smollm2-135m", loaded=loaded, threads=args.threads, prefix_cache=False)
+    quantized = load_model_files("smollm2-135m", quantization=args.quantization) if args.quantization != "none" \
+        else loaded
+    llm = LLM(model="smollm2-135m", loaded=quantized, threads=args.threads, prefix_cache=False,
+              quantization=args.quantization)
+    del quantized
     requests = make_workload(llm.tokenizer, args.requests, args.seed)
     run_ours(llm, requests[:2])                      # warm-up
     ours_s, ours_tokens = run_ours(llm, requests)
@@ -118,7 +125,8 @@ def main() -> int:
     hf_s, hf_tokens = run_hf(hf, requests, args.batch_size, loaded.arch.eos_token_ids[0])
     ours_tps, hf_tps = ours_tokens / ours_s, hf_tokens / hf_s
     print(json.dumps({
-        "benchmark": "engine_vs_hf", "requests": len(requests), "threads": args.threads,
+        "benchmark": "engine_vs_hf", "requests": len(requests), "threads": args.threads, "cpu": describe(),
+        "pdserve_quantization": args.quantization, "hf_dtype": "float32",
         "prompt_tokens": sum(len(ids) for ids, _ in requests), "output_tokens": ours_tokens,
         "pdserve_output_tok_s": round(ours_tps, 1), "hf_static_batch_output_tok_s": round(hf_tps, 1),
         "hf_batch_size": args.batch_size, "ratio": round(ours_tps / hf_tps, 2), "goal": ">= 4",
