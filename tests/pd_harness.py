@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+
+import zmq
 
 from pdserve import SamplingParams
 from pdserve.config import Config, load_config
@@ -112,21 +114,32 @@ def mixed_outputs(prompt_list: list[list[int]], params: SamplingParams,
 
 @contextmanager
 def pd_pair(backend: str = "auto", device_blocks: int = 64, prefill_config: Config | None = None,
-            decode_overrides: dict | None = None, **decode_disagg) -> Iterator[tuple[Loop, Loop]]:
+            decode_overrides: dict | None = None, peers_before: Sequence[str] = (),
+            decode_loop: type[Loop] = Loop, **decode_disagg) -> Iterator[tuple[Loop, Loop]]:
     """A prefill and a decode engine stepping on their own threads, the decode one pointed at the
-    prefill one (`decode_disagg`: more of its disagg config, `decode_overrides`: other keys); both
-    stopped afterwards."""
+    prefill one, after any `peers_before` (`decode_disagg`: more of its disagg config,
+    `decode_overrides`: other keys; `decode_loop`: a Loop subclass for it); both stopped afterwards."""
     prefill = Loop(build_engine(prefill_config or pd_config("prefill", backend, device_blocks)))
     try:
-        decode = Loop(build_engine(pd_config("decode", backend, device_blocks, decode_overrides,
-                                             prefill_endpoints=[prefill.engine.connector.endpoint],
-                                             **decode_disagg)))
+        endpoints = [*peers_before, prefill.engine.connector.endpoint]
+        decode = decode_loop(build_engine(pd_config("decode", backend, device_blocks, decode_overrides,
+                                                    prefill_endpoints=endpoints, **decode_disagg)))
         try:
             yield prefill, decode
         finally:
             decode.stop()
     finally:
         prefill.stop()
+
+
+@contextmanager
+def silent_peer() -> Iterator[str]:
+    """The endpoint of a KV peer that accepts connections and never answers."""
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    try:
+        yield f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    finally:
+        sock.close(0)
 
 
 def check_failed_job_falls_back_to_local(prefill: Loop, decode: Loop, prompt: list[int],

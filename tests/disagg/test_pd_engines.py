@@ -8,8 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-import zmq
-from pd_harness import MODEL, Loop, mixed_outputs, pd_config, pd_pair, prompts
+from pd_harness import MODEL, Loop, mixed_outputs, pd_config, pd_pair, prompts, silent_peer
 
 from pdserve import SamplingParams
 from pdserve.config import load_config
@@ -62,35 +61,27 @@ def test_silent_prefill_peer_falls_back_to_local(loaded):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt = prompts(3)[2]
     want = mixed_outputs([prompt], params, loaded)["r0"]
-    ctx = zmq.Context.instance()
-    silent = ctx.socket(zmq.PULL)           # binds, never reads
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    decode = Loop(build_engine(pd_config("decode", prefill_endpoints=[f"tcp://127.0.0.1:{port}"],
-                                       bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5)))
-    try:
-        decode.submit(lambda e: e.add_request("a", prompt, params))
-        decode.wait(["a"])
-        assert decode.outputs["a"] == want
-        s = decode.engine.stats()
-        assert s["kv_transfers_failed_total"] == 1 and s["kv_local_prefill_fallbacks_total"] == 1
-        decode.wait_idle()
-        assert decode.engine.stats()["kv_blocks_quarantined"] == 0
-    finally:
-        decode.stop()
-        silent.close(0)
+    with silent_peer() as dead:
+        decode = Loop(build_engine(pd_config("decode", prefill_endpoints=[dead],
+                                             bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5)))
+        try:
+            decode.submit(lambda e: e.add_request("a", prompt, params))
+            decode.wait(["a"])
+            assert decode.outputs["a"] == want
+            s = decode.engine.stats()
+            assert s["kv_transfers_failed_total"] == 1 and s["kv_local_prefill_fallbacks_total"] == 1
+            decode.wait_idle()
+            assert decode.engine.stats()["kv_blocks_quarantined"] == 0
+        finally:
+            decode.stop()
 
 
 def test_failed_peer_retries_on_next_prefill_worker(loaded):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt = prompts(4)[3]
     want = mixed_outputs([prompt], params, loaded)["r0"]
-    silent = zmq.Context.instance().socket(zmq.PULL)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    prefill = Loop(build_engine(pd_config("prefill")))
-    decode = Loop(build_engine(pd_config("decode", prefill_endpoints=[f"tcp://127.0.0.1:{port}",
-                                                                   prefill.engine.connector.endpoint],
-                                       bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5)))
-    try:
+    with silent_peer() as dead, pd_pair(peers_before=[dead], bootstrap_timeout_s=0.3,
+                                        quarantine_timeout_s=0.5) as (prefill, decode):
         decode.submit(lambda e: e.add_request("a", prompt, params))
         decode.wait(["a"])
         assert decode.outputs["a"] == want
@@ -99,10 +90,6 @@ def test_failed_peer_retries_on_next_prefill_worker(loaded):
         assert s["kv_local_prefill_fallbacks_total"] == 0
         decode.wait_idle()
         prefill.wait_idle()
-    finally:
-        decode.stop()
-        prefill.stop()
-        silent.close(0)
 
 
 def test_abort_while_loading_frees_every_block(loaded):

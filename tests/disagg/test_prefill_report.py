@@ -3,8 +3,7 @@ worker whose KV it holds and the ones that failed the job (the router keeps each
 load and circuit breaker from this). Real engines on their threads, over real sockets."""
 from __future__ import annotations
 
-import zmq
-from pd_harness import Loop, pd_config, prompts
+from pd_harness import Loop, pd_config, pd_pair, prompts, silent_peer
 
 from pdserve import SamplingParams
 from pdserve.server.roles import build_engine
@@ -25,19 +24,10 @@ class FirstOutputs(Loop):
         super()._record(out)
 
 
-def _silent() -> tuple[zmq.Socket, str]:
-    """A peer that accepts connections and never answers."""
-    s = zmq.Context.instance().socket(zmq.PULL)
-    return s, f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}"
-
-
 def test_the_first_output_names_the_prefill_worker_and_those_that_failed():
-    silent, dead = _silent()
-    prefill = Loop(build_engine(pd_config("prefill")))
-    good = prefill.engine.connector.endpoint
-    decode = FirstOutputs(build_engine(pd_config("decode", prefill_endpoints=[dead, good],
-                                                 bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5)))
-    try:
+    with silent_peer() as dead, pd_pair(peers_before=[dead], decode_loop=FirstOutputs, bootstrap_timeout_s=0.3,
+                                        quarantine_timeout_s=0.5) as (prefill, decode):
+        good = prefill.engine.connector.endpoint
         long_prompt, short_prompt = prompts(4)[3], prompts(1)[0][:6]
         decode.submit(lambda e: e.add_request("a", long_prompt, PARAMS))      # dead first, then good
         decode.wait(["a"])
@@ -52,23 +42,18 @@ def test_the_first_output_names_the_prefill_worker_and_those_that_failed():
         assert rest == [PARAMS.max_tokens] * 3
         decode.wait_idle()
         prefill.wait_idle()
-    finally:
-        decode.stop()
-        prefill.stop()
-        silent.close(0)
 
 
 def test_every_prefill_worker_failing_is_reported_with_the_local_fallback():
-    silent, dead = _silent()
-    decode = FirstOutputs(build_engine(pd_config("decode", prefill_endpoints=[dead],
-                                                 bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5)))
-    try:
-        decode.submit(lambda e: e.add_request("a", prompts(3)[2], PARAMS))
-        decode.wait(["a"])
-        a = decode.first["a"]
-        assert (a.prefilled_by, a.prefill_failures) == (None, [dead])
-        assert decode.engine.stats()["kv_local_prefill_fallbacks_total"] == 1
-        decode.wait_idle()
-    finally:
-        decode.stop()
-        silent.close(0)
+    with silent_peer() as dead:
+        decode = FirstOutputs(build_engine(pd_config("decode", prefill_endpoints=[dead],
+                                                     bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5)))
+        try:
+            decode.submit(lambda e: e.add_request("a", prompts(3)[2], PARAMS))
+            decode.wait(["a"])
+            a = decode.first["a"]
+            assert (a.prefilled_by, a.prefill_failures) == (None, [dead])
+            assert decode.engine.stats()["kv_local_prefill_fallbacks_total"] == 1
+            decode.wait_idle()
+        finally:
+            decode.stop()
