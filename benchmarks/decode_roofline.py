@@ -57,10 +57,12 @@ def decode_step_seconds(llm, steps: int) -> float:
 
 
 def main() -> int:
+    from pdserve.config_rules import QUANTIZATIONS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+    ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                     help="the roofline counts the bytes this format reads")
     args = ap.parse_args()
 

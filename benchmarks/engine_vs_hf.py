@@ -94,12 +94,14 @@ def run_ours(llm, requests) -> tuple[float, int]:
 
 
 def main() -> int:
+    from pdserve.config_rules import QUANTIZATIONS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=8, help="HF static batch size")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+    ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                     help="pdserve's weights (HF runs float32 either way; the line says which)")
     args = ap.parse_args()
 

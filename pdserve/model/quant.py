@@ -21,8 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.config_rules import QUANTIZATIONS
+
 GROUP = 32
-MODES = ("none", "int8", "int4")
+MODES = QUANTIZATIONS     # the config's allowed values (config_rules.py)
 # Above this many rows a product dequantizes and runs float32 (see the module docstring): the
 # int4 kernel's time grows linearly with the rows (78 ms per SmolLM2 layer at 512 rows against
 # 34 ms float32 plus ~15 ms to dequantize; at 128 rows 20 ms against 13 + 15).
@@ -47,9 +49,6 @@ class Staged:
         n, k = self.q.shape
         q = self.q.view(n, k // GROUP, GROUP).float()
         return (q * self.scale[..., None] + self.zero[..., None]).view(n, k)
-
-    def take_rows(self, index) -> Staged:
-        return Staged(self.mode, self.q[index], self.scale[index], None if self.zero is None else self.zero[index])
 
 
 def quantize(w: torch.Tensor, mode: str) -> Staged:

@@ -23,25 +23,23 @@ def tune_malloc() -> None:
     if _tuned:
         return
     _tuned = True
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)   # glibc's maximum
-        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
-    except (OSError, AttributeError):   # not glibc (musl, macOS): nothing to tune
-        log.debug("mallopt unavailable; leaving malloc defaults")
+    _libc_call("mallopt", _M_MMAP_THRESHOLD, 32 * 1024 * 1024)   # glibc's maximum
+    _libc_call("mallopt", _M_TRIM_THRESHOLD, 1 << 30)
 
 
 def trim_heap() -> None:
     """Hand the heap's free memory back to the OS once, after loading: the float copies that
     quantization or dequantization went through would otherwise stay resident (tune_malloc keeps
     freed memory for the steps' buffers)."""
+    _libc_call("malloc_trim", 0)
+
+
+def _libc_call(fn: str, *args: int) -> None:
+    """Call a glibc malloc tunable; elsewhere (musl, macOS) there is nothing to tune."""
     name = ctypes.util.find_library("c")
     if not name:
         return
     try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):   # not glibc
-        log.debug("malloc_trim unavailable")
+        getattr(ctypes.CDLL(name), fn)(*args)
+    except (OSError, AttributeError):
+        log.debug("%s unavailable; leaving malloc as it is", fn)
