@@ -158,6 +158,21 @@ class RouterConfig:
 
 
 @dataclass
+class VisionConfig:
+    """Images in chat requests (OpenAI `image_url` parts), for vision-language models."""
+    max_images: int = 4                 # image parts per request; 0 refuses every image
+    max_image_bytes: int = 8 << 20      # one image file (after base64 decoding)
+    max_image_pixels: int = 4096 * 4096     # width x height of one decoded image
+    allow_remote_urls: bool = False     # fetch http(s) image URLs; off: only data: URLs
+    remote_timeout_s: float = 10.0      # deadline of one remote image fetch
+    # Encoder workers running the vision tower and projector: endpoints of `pdserve worker --role
+    # encoder` processes (tcp://host:port), or this many local ones; neither: in the engine process.
+    encoder_endpoints: list[str] = field(default_factory=list)
+    encoder_processes: int = 0
+    encode_timeout_s: float = 60.0      # deadline of one image's embeddings from an encoder worker
+
+
+@dataclass
 class WorkerConfig:
     role: str = "mixed"                  # mixed | prefill | decode
     kv_port: int | None = None           # prefill: bootstrap port; decode: KV/control port (None: free port)
@@ -176,6 +191,7 @@ class Config:
     load_balancer: LoadBalancerConfig = field(default_factory=LoadBalancerConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

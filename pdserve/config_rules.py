@@ -72,6 +72,8 @@ BOUNDS: dict[str, Bound] = {
     "router.request_timeout_s": _POSITIVE, "router.breaker_failures": _ONE, "router.health_period_s": _POSITIVE,
     "router.heartbeat_timeout_s": _POSITIVE,
     "worker.kv_port": _PORT,
+    "vision.max_image_bytes": _ONE, "vision.max_image_pixels": _ONE, "vision.remote_timeout_s": _POSITIVE,
+    "vision.encode_timeout_s": _POSITIVE,
 }
 
 
@@ -161,7 +163,7 @@ FORMATS: dict[str, Callable[[Any], str | None]] = {
     "cache.kv_events_endpoint": _zmq_endpoint, "cache.kv_events_snapshot_endpoint": _zmq_endpoint,
     "server.router_url": _router_url, "disagg.prefill_endpoints": _zmq_endpoints,
     "transfer.bandwidth_limit": _bandwidth, "deployment.pd_ratio": _pd_ratio,
-    "router.workers": _workers, "router.ip_allowlist": _cidrs,
+    "router.workers": _workers, "router.ip_allowlist": _cidrs, "vision.encoder_endpoints": _zmq_endpoints,
     **_per_role({"deployment.<role>.cpu_affinity": _cores}),
 }
 
