@@ -154,11 +154,13 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, logits_indices: torch.Tensor | None,
-                layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
+                layer_done: Callable[[int], None] | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """kv_cache: [layers, 2, slots, kv_heads, head_dim]. Returns float32 logits [len(logits_indices), V]
         (None without logits_indices: expert-parallel ranks other than 0 need no logits).
-        `layer_done(i)` runs once layer i's KV is written (a prefill worker ships it while i+1 computes)."""
-        x = self.embed_tokens(input_ids)
+        `layer_done(i)` runs once layer i's KV is written (a prefill worker ships it while i+1 computes).
+        `inputs_embeds` [tokens, hidden] replaces the embedding lookup (a VLM's image rows, model/vlm.py)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.tables(positions)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
