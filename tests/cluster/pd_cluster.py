@@ -1,0 +1,181 @@
+"""A PD deployment across namespace hosts: a router host, two prefill and two decode hosts, a Redis
+host. Each worker binds its host's address, registers itself with the router (`--router-url`) and
+sends heartbeats; the router learns its KV endpoints and KV-event endpoints from /health and feeds
+its index over the network. `transfer.backend` is left at its default, `auto`."""
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import yaml
+from cluster.cluster_hosts import Cluster, Host, wait_until
+
+from pdserve.bench.procs import ServerProcess, pdserve_cmd, thread_env
+
+MODEL = "tiny-qwen2"     # random weights, fast; greedy output depends on the KV (tiny-llama's does not)
+TOKEN = "cluster-internal-token"
+PORT, KV_PORT, EVENTS_PORT, REDIS_PORT = 8000, 5556, 5557, 6379
+ROLES = {"prefill-a": "prefill", "prefill-b": "prefill", "decode-a": "decode", "decode-b": "decode"}
+
+CONFIG = {
+    "model": {"name": MODEL},
+    "cache": {"device_blocks": 256, "block_size": 16},
+    "server": {"internal_token": TOKEN, "shutdown_timeout_s": 5},
+    # Short deadlines keep the faults quick; generous enough for a loaded 2-core machine.
+    "disagg": {"bootstrap_timeout_s": 4, "transfer_timeout_s": 6, "queue_timeout_s": 30, "peer_retry_s": 5,
+               "local_prefill_max_tokens": 16},
+    "router": {"health_period_s": 0.5, "heartbeat_timeout_s": 3, "connect_timeout_s": 2, "max_retries": 3,
+               "breaker_failures": 3, "breaker_cooldown_s": 2},
+}
+
+
+def prompt(i: int, n: int = 80) -> list[int]:
+    """Token-id prompts (no tokenizer between the test and the workers), each unique."""
+    return [(131 * i + 17 * j) % 5000 + 10 for j in range(n)]
+
+
+@dataclass
+class Outcome:
+    text: str = ""
+    chunks: int = 0
+    error: str | None = None
+    seconds: float = 0.0
+
+
+class PDCluster:
+    def __init__(self, workdir: Path, redis: bool = True) -> None:
+        names = ["router", *ROLES] + (["redis"] if redis and shutil.which("redis-server") else [])
+        self.net = Cluster(names, workdir)
+        self.workdir = workdir
+        self.procs: dict[str, ServerProcess] = {}
+        try:
+            self._start(redis)
+        except BaseException:
+            self.net.close()
+            raise
+
+    def host(self, name: str) -> Host:
+        return self.net.hosts[name]
+
+    @property
+    def router(self) -> ServerProcess:
+        return self.procs["router"]
+
+    def _start(self, redis: bool) -> None:
+        cfg = dict(CONFIG)
+        if "redis" in self.net.hosts:
+            h = self.host("redis")
+            self.redis_url = f"redis://{h.ip}:{REDIS_PORT}/0"
+            cfg["cache"] = {**cfg["cache"], "remote": self.redis_url}
+            srv = self.net.start(h, "redis", ["redis-server", "--bind", h.ip, "--port", str(REDIS_PORT), "--save", "",
+                                              "--appendonly", "no", "--protected-mode", "no", "--dir", str(self.workdir)], REDIS_PORT)
+            self.procs["redis"] = srv
+        self.config_path = self.workdir / "pdserve.yaml"
+        self.config_path.write_text(yaml.safe_dump(cfg))
+        r = self.host("router")
+        self.procs["router"] = self.net.start(
+            r, "router", pdserve_cmd() + ["router", "--config", str(self.config_path), "--host", r.ip,
+                                          "--port", str(PORT)], PORT, env=thread_env(1), health_path="/metrics")
+        for name in ROLES:
+            self.start_worker(name)
+        self.router.wait_ready(timeout=120)
+        for name in ROLES:
+            self.procs[name].wait_ready(timeout=300)
+        self.wait_healthy(set(ROLES))
+
+    def start_worker(self, name: str) -> ServerProcess:
+        h = self.host(name)
+        cmd = pdserve_cmd() + ["worker", "--role", ROLES[name], "--config", str(self.config_path), "--host", h.ip,
+                               "--port", str(PORT), "--kv-port", str(KV_PORT),
+                               "--kv-events-endpoint", f"tcp://{h.ip}:{EVENTS_PORT}",
+                               "--router-url", self.host("router").url(PORT), "--threads", "1"]
+        srv = self.procs[name] = self.net.start(h, name, cmd, PORT, env=thread_env(1))
+        return srv
+
+    # ------------------------------------------------------------------ the router's view
+
+    def workers(self) -> dict[str, dict]:
+        """Router's /admin/workers keyed by host name (a worker's URL names its host's address)."""
+        by_ip = {h.ip: n for n, h in self.net.hosts.items()}
+        out = {}
+        for w in httpx.get(self.router.url + "/admin/workers", timeout=5).json()["workers"]:
+            out[by_ip[httpx.URL(w["url"]).host]] = w
+        return out
+
+    def wait_healthy(self, names: set[str], timeout: float = 60) -> None:
+        wait_until(lambda: all(self.workers().get(n, {}).get("healthy") for n in names), timeout,
+                   f"workers {sorted(names)} healthy at the router")
+
+    def health(self, name: str) -> dict:
+        return httpx.get(self.procs[name].url + "/health", timeout=5).json()
+
+    def idle_pools(self, names=tuple(ROLES), timeout: float = 60) -> None:
+        """Every named worker idle with its whole KV pool free (cached blocks count as free)."""
+        def idle() -> bool:
+            for n in names:
+                h = self.health(n)
+                busy = h["running"] or h["waiting"] or h["loading"] or h.get("kv_blocks_quarantined", 0)
+                if busy or h["kv_blocks_free"] != h["kv_blocks_total"] or h.get("kv_prefill_jobs_active", 0):
+                    return False
+            return True
+        wait_until(idle, timeout, f"idle pools on {list(names)}: "
+                   + "; ".join(f"{n}={self._pool_line(n)}" for n in names))
+
+    def _pool_line(self, name: str) -> str:
+        try:
+            h = self.health(name)
+        except httpx.HTTPError as e:
+            return repr(e)
+        return (f"free {h['kv_blocks_free']}/{h['kv_blocks_total']} running {h['running']} waiting {h['waiting']} "
+                f"loading {h['loading']}")
+
+    # ------------------------------------------------------------------ load
+
+    def client(self, timeout: float = 60) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.router.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+    def stream(self, p: list[int], max_tokens: int, on_token=None, timeout: float = 60) -> Outcome:
+        """One streamed greedy completion through the router (the official client); `on_token(n)`
+        after each chunk with the chunks so far."""
+        out, t0 = Outcome(), time.monotonic()
+        try:
+            chunks = self.client(timeout).completions.create(
+                model=MODEL, prompt=p, max_tokens=max_tokens, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+            parts = []
+            for c in chunks:
+                parts.append(c.choices[0].text if c.choices else "")
+                out.chunks += 1
+                if on_token is not None:
+                    on_token(out.chunks)
+            out.text = "".join(parts)
+        except openai.APIError as e:
+            out.error = f"{type(e).__name__}: {e}"
+        out.seconds = time.monotonic() - t0
+        return out
+
+    def load(self, prompts: list[list[int]], max_tokens: int, fault=None, fault_after: int = 8,
+             timeout: float = 60) -> list[Outcome]:
+        """Stream every prompt at once; `fault()` runs once, when any stream has `fault_after` tokens."""
+        fired = threading.Event()
+
+        def on_token(n: int) -> None:
+            if fault is not None and n >= fault_after and not fired.is_set():
+                fired.set()
+                fault()
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futs = [pool.submit(self.stream, p, max_tokens, on_token, timeout) for p in prompts]
+            outs = [f.result() for f in futs]
+        assert fault is None or fired.is_set(), "the fault never fired: the streams were too short"
+        return outs
+
+    def close(self) -> None:
+        self.net.close()
+

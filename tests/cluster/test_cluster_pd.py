@@ -1,0 +1,83 @@
+"""PD across hosts (network namespaces): the default deployment over real links, then faults under
+streaming load. Each fault asserts that every request completes with the fault-free greedy output
+or fails with a clear error within its deadline, and that every KV pool returns to its start."""
+from __future__ import annotations
+
+import functools
+
+import httpx
+import pytest
+from cluster.cluster_hosts import unavailable, wait_until
+from cluster.pd_cluster import MODEL, ROLES, PDCluster, prompt
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    c = PDCluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@functools.lru_cache(maxsize=None)
+def _offline():
+    from pdserve import LLM
+    return LLM(model=MODEL)
+
+
+@functools.lru_cache(maxsize=None)
+def want(i: int, max_tokens: int = MAX_TOKENS) -> str:
+    """The fault-free greedy text of prompt(i): the offline engine's."""
+    from pdserve import SamplingParams
+    return _offline().generate(prompt(i), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].text
+
+
+def _requests(c: PDCluster) -> dict[str, int]:
+    return {n: w["requests"] for n, w in c.workers().items()}
+
+
+def test_default_deployment_across_hosts(cluster):
+    ws = cluster.workers()
+    assert sorted(ws) == sorted(ROLES), ws
+    for name, w in ws.items():       # each registered itself from its own host, at its own address
+        assert w["role"] == ROLES[name] and w["healthy"]
+        assert w["url"] == cluster.host(name).url(8000)
+    outs = cluster.load([prompt(i) for i in range(6)], MAX_TOKENS)
+    for i, o in enumerate(outs):
+        assert o.error is None and o.text == want(i), (i, o)
+    # transfer.backend auto picked tcp: the KV bytes came in over the decode workers' sockets.
+    dec = [cluster.health(n) for n in ("decode-a", "decode-b")]
+    assert sum(h["kv_recv_tcp_bytes_total"] for h in dec) > 0, dec
+    assert sum(h["kv_transfers_completed_total"] for h in dec) >= 6
+    assert all(h["kv_local_prefill_fallbacks_total"] == 0 for h in dec)
+    # KV events crossed the network into the router's index.
+    wait_until(lambda: all(w["kv_index_blocks"] > 0 for n, w in cluster.workers().items() if n.startswith("decode")),
+               30, "the router's KV index to learn both decode workers' blocks")
+    cluster.idle_pools()
+
+
+def test_follow_up_goes_to_the_decode_worker_holding_its_prefix(cluster):
+    placed = {}
+    for i in range(10, 14):
+        before = _requests(cluster)
+        r = httpx.post(cluster.router.url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": prompt(i, 160), "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        [placed[i]] = [n for n, k in _requests(cluster).items() if n.startswith("decode") and k > before[n]]
+    wait_until(lambda: all(cluster.workers()[n]["kv_index_blocks"] >= 10 for n in placed.values()), 30,
+               "the index to hold the prompts' blocks")
+    for i in range(10, 14):
+        before = _requests(cluster)
+        r = httpx.post(cluster.router.url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": prompt(i, 160) + [7, 8, 9], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        got = [n for n, k in _requests(cluster).items() if n.startswith("decode") and k > before[n]]
+        assert got == [placed[i]], (i, placed, got)
+    cluster.idle_pools()
