@@ -33,6 +33,7 @@ from pdserve.common.errors import InvalidParam
 from pdserve.common.outputs import RequestOutput, TokenLogprob
 from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.common.tokenizer import TokenizerWrapper
+from pdserve.protocol.health import WorkerHealth
 from pdserve.router import policies
 from pdserve.router.accounting import Charge, Route, remote_prefill_tokens
 from pdserve.router.admission import Admission
@@ -80,13 +81,13 @@ class RemoteBackend:
         for w in self.registry.pool(role):
             if w.worker_id in exclude:
                 continue
-            h = w.health
+            h = w.health or WorkerHealth()
             out.append(policies.WorkerState(
                 worker_id=w.worker_id, role=w.role, healthy=w.healthy, draining=w.draining,
                 breaker_open=not w.breaker.allows(now), in_flight=w.in_flight,
                 queued_prefill_tokens=w.queued_prefill_tokens, decode_tokens=w.decode_tokens,
-                kv_usage=float(h.get("kv_usage", 0.0)), kv_free_blocks=int(h.get("kv_blocks_free", 0)),
-                kv_total_blocks=int(h.get("kv_blocks_total", 0)), capacity=w.capacity))
+                kv_usage=h.kv_usage, kv_free_blocks=h.kv_blocks_free, kv_total_blocks=h.kv_blocks_total,
+                capacity=w.capacity))
         return out
 
     def route(self, context: list[int], max_tokens: int, salt: str | None,

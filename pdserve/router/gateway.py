@@ -47,8 +47,8 @@ def create_router_app(config: Config) -> FastAPI:
 
     def fleet_stats() -> dict[str, float]:
         """Engine gauges summed over healthy workers (the worker-level figures are on each worker)."""
-        healthy = [w.health for w in registry.workers.values() if w.healthy]
-        out = {k: float(sum(h.get(k, 0) for h in healthy)) for k in _SUMMED}
+        healthy = [w.health for w in registry.workers.values() if w.healthy and w.health]
+        out = {k: sum(h.stat(k) for h in healthy) for k in _SUMMED}
         total = out["kv_blocks_total"]
         out["kv_usage"] = 1.0 - out["kv_blocks_free"] / total if total else 0.0
         return out
@@ -71,11 +71,11 @@ def create_router_app(config: Config) -> FastAPI:
         while True:
             await registry.check_all(client)
             for w in registry.workers.values():
-                if w.healthy:
-                    feed.watch(w.health.get("kv_events_endpoint"), w.health.get("kv_events_snapshot_endpoint"))
+                if w.healthy and (h := w.health) is not None:
+                    feed.watch(h.kv_events_endpoint, h.kv_events_snapshot_endpoint)
                     # The context is the decode side's: a prefill worker's may be longer or shorter.
-                    if w.role != "prefill" and not backend.max_model_len and w.health.get("max_model_len"):
-                        backend.max_model_len = int(w.health["max_model_len"])
+                    if w.role != "prefill" and not backend.max_model_len and h.max_model_len:
+                        backend.max_model_len = h.max_model_len
             await asyncio.sleep(rc.health_period_s)
 
     @asynccontextmanager
@@ -113,7 +113,7 @@ def create_router_app(config: Config) -> FastAPI:
         out = []
         for w in registry.workers.values():
             d = w.describe()
-            d["kv_index_blocks"] = feed.blocks_of(w.health.get("worker_id"))
+            d["kv_index_blocks"] = feed.blocks_of(w.health.worker_id if w.health else None)
             out.append(d)
         return {"workers": out}
 

@@ -52,7 +52,7 @@ class IndexFeed:
             return {}
         with self.lock:
             found = self.index.match(hashes)
-        by_name = {w.health.get("worker_id"): w.worker_id for w in registry.workers.values()}
+        by_name = {w.health.worker_id: w.worker_id for w in registry.workers.values() if w.health}
         return {by_name[name]: hit for name, hit in found.items() if name in by_name}
 
     def blocks_of(self, name: str | None) -> int:

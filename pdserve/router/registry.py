@@ -11,11 +11,12 @@ import asyncio
 import enum
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
 from pdserve.protocol import WorkerRegistration
+from pdserve.protocol.health import WorkerHealth
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class Worker:
     healthy: bool = False
     draining: bool = False
     last_heartbeat: float = 0.0
-    health: dict = field(default_factory=dict)      # the worker's last /health body
+    health: WorkerHealth | None = None              # the worker's last /health body
     # The router's own accounting of what it sent there.
     in_flight: int = 0
     queued_prefill_tokens: int = 0
@@ -94,8 +95,8 @@ class Worker:
         return {"id": self.worker_id, "role": self.role, "url": self.url, "pid": self.pid, "model": self.model,
                 "healthy": self.healthy, "draining": self.draining, "breaker": self.breaker.state.value,
                 "load": {"in_flight": self.in_flight, "queued_prefill_tokens": self.queued_prefill_tokens,
-                         "decode_tokens": self.decode_tokens, "kv_usage": h.get("kv_usage"),
-                         "running": h.get("running"), "waiting": h.get("waiting")},
+                         "decode_tokens": self.decode_tokens, "kv_usage": h.kv_usage if h else None,
+                         "running": h.running if h else None, "waiting": h.waiting if h else None},
                 "kv_endpoint": self.kv_endpoint, "requests": self.requests, "errors": self.errors,
                 "retries": self.retries, "migrations": self.migrations}
 
@@ -148,12 +149,12 @@ class Registry:
             r = await client.get(w.url + "/health", timeout=2.0, headers=self.headers)
             ok = r.status_code == 200
             if ok:
-                w.health = r.json()
-                w.pid = w.health.get("pid", w.pid)
-                w.model = w.health.get("model", w.model)
-                w.kv_endpoint = w.health.get("kv_endpoint") or w.kv_endpoint
-                w.kv_events_endpoint = w.health.get("kv_events_endpoint") or w.kv_events_endpoint
-                w.capacity = int(w.health.get("max_num_seqs", w.capacity))
+                w.health = h = WorkerHealth.from_wire(r.json())
+                w.pid = h.pid if h.pid is not None else w.pid
+                w.model = h.model if h.model is not None else w.model
+                w.kv_endpoint = h.kv_endpoint or w.kv_endpoint
+                w.kv_events_endpoint = h.kv_events_endpoint or w.kv_events_endpoint
+                w.capacity = h.max_num_seqs if h.max_num_seqs is not None else w.capacity
         except (httpx.HTTPError, ValueError):
             ok = False
         if not w.static and now - w.last_heartbeat > self.heartbeat_timeout_s:

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from pdserve.config import Config
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.health import WorkerHealth
 from pdserve.server.errors import error_response
 from pdserve.server.internal_api import RequireInternalToken, install_internal_routes, internal_token
 from pdserve.server.metrics import RequestTimer, ServerMetrics
@@ -57,10 +58,9 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
             return error_response(503, f"engine failed: {async_engine.dead}", code="engine_dead")
         if not async_engine.accepting:
             return error_response(503, "shutting down", code="shutting_down")
-        return {"status": "ok", "role": config.worker.role, "pid": os.getpid(), "worker_id": worker_name(config),
-                "model": model_name, "max_num_seqs": config.scheduler.max_num_seqs,
-                "max_model_len": engine.max_model_len,
-                "kv_endpoint": getattr(engine.connector, "endpoint", None), **engine.stats()}
+        return WorkerHealth(role=config.worker.role, pid=os.getpid(), worker_id=worker_name(config), model=model_name,
+                            max_num_seqs=config.scheduler.max_num_seqs, max_model_len=engine.max_model_len,
+                            kv_endpoint=getattr(engine.connector, "endpoint", None), **engine.stats()).to_wire()
 
     # MoE models: the expert-load heatmap and placement (EPLB), and the balancer's gauges in /metrics.
     eplb = getattr(engine.model, "eplb", None)

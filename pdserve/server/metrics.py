@@ -1,59 +1,46 @@
 """Prometheus metrics of a serving process (names prefixed `pdserve_`)."""
 from __future__ import annotations
 
-from typing import Callable
+import logging
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pdserve.protocol.stats import STATS
+
+log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     30.0, 60.0, 120.0)
 
 
 class _EngineCollector:
-    """Reads the engine's gauges at scrape time, so nothing has to push them."""
+    """Reads the engine's stats at scrape time, so nothing has to push them; each key is exported as
+    protocol/stats.py declares it (strings such as the KV event endpoints are for /health only)."""
 
-    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.stats = stats
+        self._undeclared: set[str] = set()
 
     def collect(self):
-        s = self.stats()
-        for key, help_text in (("running", "Requests in the running batch"),
-                               ("waiting", "Requests waiting for admission"),
-                               ("kv_usage", "Fraction of KV blocks in use"),
-                               ("kv_blocks_total", "KV blocks in the pool"),
-                               ("kv_blocks_free", "Free KV blocks (unreferenced cached blocks included)"),
-                               ("prefix_cache_blocks", "Blocks held by the prefix cache")):
-            name = {"running": "num_requests_running", "waiting": "num_requests_waiting",
-                    "kv_usage": "kv_cache_usage_ratio"}.get(key, key)
-            g = GaugeMetricFamily(f"pdserve_{name}", help_text)
-            g.add_metric([], float(s[key]))
-            yield g
-        # Counters: the prefix hit rate is hit_tokens / queried_tokens.
-        for key, help_text in (("prefill_tokens_computed", "Prompt tokens run through the model (cache hits excluded)"),
-                               ("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"),
-                               ("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")):
-            c = CounterMetricFamily(f"pdserve_{key}", help_text)
-            c.add_metric([], float(s[key]))
-            yield c
-        # Everything else the engine reports (KV transfer, tiers, ...): `_total` keys are counters.
-        known = {"running", "waiting", "kv_usage", "kv_blocks_total", "kv_blocks_free", "prefix_cache_blocks",
-                 "prefill_tokens_computed", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens"}
-        for key, value in s.items():
-            if key in known or not isinstance(value, (int, float)):
+        for key, value in self.stats().items():
+            if not isinstance(value, (int, float)):
                 continue
-            if key.endswith("_total"):
-                c = CounterMetricFamily(f"pdserve_{key[:-6]}", key.replace("_", " "))
-                c.add_metric([], float(value))
-                yield c
-            else:
-                g = GaugeMetricFamily(f"pdserve_{key}", key.replace("_", " "))
-                g.add_metric([], float(value))
-                yield g
+            spec = STATS.get(key)
+            if spec is None:
+                if key not in self._undeclared:
+                    self._undeclared.add(key)
+                    log.warning("engine stat %r has no declaration in protocol/stats.py: not exported", key)
+                continue
+            family = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+            m = family(f"pdserve_{spec.metric}", spec.help)
+            m.add_metric([], float(value))
+            yield m
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
