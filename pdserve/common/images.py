@@ -1,0 +1,156 @@
+"""Images in prompts, torch-free: data URLs, decoding with Pillow, the pixels a vision tower takes,
+and where the images sit in a prompt.
+
+An image occupies `tokens_per_image` positions of the prompt, each holding the model's image
+token id; its embeddings replace those positions' token embeddings. The prefix cache names a
+block by its token ids, which are the same for every image, so a block that overlaps an image
+also hashes the image's digest (`block_extra`): a repeated image hits the cache, another misses.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+_DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*?)(?P<b64>;base64)?,", re.I)
+_MIMES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+
+
+class ImageError(ValueError):
+    """An image a request cannot use; the message says why (the API adds which part)."""
+
+
+def decode_data_url(url: str, max_bytes: int) -> bytes:
+    """The file bytes of a base64 `data:image/...` URL."""
+    m = _DATA_URL.match(url)
+    if m is None:
+        raise ImageError("not a data: URL")
+    mime = (m.group("mime") or "").lower()
+    if mime not in _MIMES:
+        raise ImageError(f"unsupported media type {mime or 'none'!r}; send image/png or image/jpeg")
+    if not m.group("b64"):
+        raise ImageError("the data: URL is not base64")
+    body = url[m.end():]
+    if len(body) > (max_bytes + 2) // 3 * 4 + 4:          # refuse before decoding it
+        raise ImageError(f"the image is larger than {max_bytes} bytes")
+    try:
+        data = base64.b64decode(body, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"invalid base64 ({e})") from None
+    if len(data) > max_bytes:
+        raise ImageError(f"the image is larger than {max_bytes} bytes")
+    return data
+
+
+def open_image(data: bytes, max_pixels: int) -> Any:
+    """A fully decoded RGB PIL image; ImageError when Pillow cannot read it or it is too large."""
+    from PIL import Image
+
+    try:
+        img = Image.open(io.BytesIO(data))
+        if img.width * img.height > max_pixels:
+            raise ImageError(f"the image has {img.width}x{img.height} pixels; at most {max_pixels} are allowed")
+        img.load()
+    except ImageError:
+        raise
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageError(f"not a decodable image ({e})") from None
+    return img.convert("RGB")
+
+
+def image_digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+@dataclass
+class ImageProcessing:
+    """How an image becomes pixels (HF CLIPImageProcessor / SiglipImageProcessor): resize (the
+    shortest edge, or to height x width), center crop, scale to [0, 1], normalize per channel."""
+    shortest_edge: int | None = 336
+    size: tuple[int, int] | None = None         # (height, width) when set, instead of shortest_edge
+    crop: tuple[int, int] | None = (336, 336)
+    mean: tuple[float, ...] = CLIP_MEAN
+    std: tuple[float, ...] = CLIP_STD
+    resample: int = 3                           # PIL bicubic
+    rescale: float = 1 / 255
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], image_size: int) -> ImageProcessing:
+        size = cfg.get("size") or {"shortest_edge": image_size}
+        crop = cfg.get("crop_size") if cfg.get("do_center_crop", "crop_size" in cfg) else None
+        if isinstance(crop, int):
+            crop = {"height": crop, "width": crop}
+        return cls(shortest_edge=size.get("shortest_edge") if isinstance(size, dict) else size,
+                   size=(size["height"], size["width"]) if isinstance(size, dict) and "height" in size else None,
+                   crop=(crop["height"], crop["width"]) if crop else None,
+                   mean=tuple(cfg.get("image_mean", CLIP_MEAN)), std=tuple(cfg.get("image_std", CLIP_STD)),
+                   resample=cfg.get("resample", 3), rescale=cfg.get("rescale_factor", 1 / 255))
+
+    def pixels(self, img: Any) -> np.ndarray:
+        """float32 [3, H, W] for an RGB PIL image."""
+        if self.size is not None:
+            img = img.resize((self.size[1], self.size[0]), self.resample)
+        elif self.shortest_edge is not None:
+            w, h = img.size
+            s = self.shortest_edge
+            nw, nh = (s, int(s * h / w)) if w <= h else (int(s * w / h), s)
+            img = img.resize((nw, nh), self.resample)
+        if self.crop is not None:
+            ch, cw = self.crop
+            w, h = img.size
+            left, top = (w - cw) // 2, (h - ch) // 2
+            img = img.crop((left, top, left + cw, top + ch))
+        a = np.asarray(img, dtype=np.float32) * np.float32(self.rescale)
+        out = (a - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        return np.ascontiguousarray(out.transpose(2, 0, 1), dtype=np.float32)
+
+
+@dataclass
+class ImageInput:
+    """One image of a prompt: positions [offset, offset + length) hold its embeddings."""
+    offset: int
+    length: int
+    digest: bytes
+    data: bytes                         # the image file, as the client sent it
+    embeds: Any = field(default=None, repr=False)       # [length, hidden] once encoded (engine side)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"offset": self.offset, "length": self.length, "digest": self.digest, "data": self.data}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> ImageInput:
+        return cls(int(d["offset"]), int(d["length"]), bytes(d["digest"]), bytes(d["data"]))
+
+
+def block_extra(images: list[ImageInput], start: int, end: int) -> bytes | None:
+    """The digests of the images overlapping prompt positions [start, end) (a block), or None."""
+    out = [im.digest for im in images if im.offset < end and im.offset + im.length > start]
+    return b"".join(out) or None
+
+
+def expand_image_tokens(ids: list[int], image_token_id: int, tokens_per_image: int,
+                        images: list[tuple[bytes, bytes]]) -> tuple[list[int], list[ImageInput]]:
+    """Each image token of a tokenized prompt becomes `tokens_per_image` of them; `images` are
+    (digest, data) in prompt order. ImageError when the counts differ (text that spells the image
+    token itself)."""
+    found = ids.count(image_token_id)
+    if found != len(images):
+        raise ImageError(f"the prompt holds {found} image tokens for {len(images)} images; the text must not "
+                         "contain the model's image token")
+    out: list[int] = []
+    placed: list[ImageInput] = []
+    for t in ids:
+        if t == image_token_id:
+            digest, data = images[len(placed)]
+            placed.append(ImageInput(len(out), tokens_per_image, digest, data))
+            out.extend([image_token_id] * tokens_per_image)
+        else:
+            out.append(t)
+    return out, placed

@@ -1,0 +1,120 @@
+"""LLaVA-style vision-language models: a vision tower and projector (vision.py) in front of the
+Llama-family decoder (llama.py), glued through the decoder's input embeddings.
+
+The decoder is the text model as it is: a step's token embeddings are looked up as usual and the
+rows at image positions are replaced by the image's embeddings (`merge_image_embeds`), which the
+engine passes to `LlamaModel.forward` as `inputs_embeds`. The tower runs apart from the decoder,
+in the engine process or in encoder workers (engine/encoder_pool.py).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.common.images import ImageInput, ImageProcessing
+from pdserve.model.arch import TINY_CONFIGS, ModelArch
+from pdserve.model.vision import VisionEncoder, VisionSpec, canonical_vision_name, tiny_vision_weights
+
+_TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclass
+class VisionBundle:
+    """What a loaded VLM adds to its decoder: the tower's shape and weights, and the prompt side."""
+    spec: VisionSpec
+    weights: dict[str, torch.Tensor]
+    processing: ImageProcessing
+    placeholder: str            # the text standing for one image in a rendered chat (tokenizes to image_token_id)
+
+    def encoder(self, dtype: torch.dtype = torch.float32, device: str = "cpu") -> VisionEncoder:
+        return VisionEncoder(self.spec, self.weights, dtype, device)
+
+
+def is_llava_config(cfg: dict[str, Any]) -> bool:
+    return cfg.get("model_type") == "llava" or "LlavaForConditionalGeneration" in (cfg.get("architectures") or [])
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's config.json, as ModelArch.from_hf_config reads a text model's."""
+    tc = dict(cfg.get("text_config") or {})
+    tc.setdefault("architectures", [_TEXT_ARCHS.get(tc.get("model_type", "llama"), "LlamaForCausalLM")])
+    tc.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    return tc
+
+
+def split_llava_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(decoder weights in text-model names, vision + projector weights in vision.py's names), from
+    any of the LLaVA layouts: `language_model.model.*` + `language_model.lm_head.*` (hub checkpoints),
+    `model.language_model.*` + `lm_head.*` (transformers >= 5)."""
+    text: dict[str, torch.Tensor] = {}
+    vision: dict[str, torch.Tensor] = {}
+    for k, v in weights.items():
+        vk = canonical_vision_name(k)
+        if vk is not None:
+            vision[vk] = v
+            continue
+        for old, new in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                         ("language_model.lm_head.", "lm_head."), ("language_model.", "model.")):
+            if k.startswith(old):
+                k = new + k[len(old):]
+                break
+        text[k] = v
+    return text, vision
+
+
+def load_llava_dir(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor], VisionBundle]:
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    arch = ModelArch.from_hf_config(text_config(cfg))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+    text, vision = split_llava_weights(weights)
+    spec = VisionSpec.from_llava_config(cfg, arch.hidden_size)
+    pre = path / "preprocessor_config.json"
+    processing = ImageProcessing.from_hf(json.loads(pre.read_text()) if pre.exists() else {}, spec.image_size)
+    return arch, text, VisionBundle(spec, vision, processing, "<image>")
+
+
+# tiny-llava: tiny-llama's decoder (SmolLM2's vocabulary) behind a 2-layer CLIP tower on 32x32
+# images (16 patches, so 16 image tokens). SmolLM2 has no <image> token: an unused special one stands in.
+TINY_IMAGE_TOKEN, TINY_PLACEHOLDER = 16, "<empty_output>"
+TINY_VLMS = {"tiny-llava": "tiny-llama"}
+
+
+def tiny_vision_bundle(arch: ModelArch, seed: int) -> VisionBundle:
+    spec = VisionSpec(kind="clip", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, image_size=32,
+                      patch_size=8, text_hidden_size=arch.hidden_size, image_token_id=TINY_IMAGE_TOKEN)
+    processing = ImageProcessing(shortest_edge=32, crop=(32, 32))
+    return VisionBundle(spec, tiny_vision_weights(spec, seed + 1), processing, TINY_PLACEHOLDER)
+
+
+def tiny_text_arch(name: str) -> ModelArch:
+    return TINY_CONFIGS[TINY_VLMS[name]]
+
+
+def merge_image_embeds(text_embeds: torch.Tensor, spans: list[tuple[int, int, int, ImageInput]]) -> torch.Tensor:
+    """`text_embeds` [tokens, hidden] of one step with image rows replaced: each span is (row in the
+    step, first position of the image covered, count, image)."""
+    for row, first, n, im in spans:
+        src = im.embeds[first - im.offset:first - im.offset + n]
+        text_embeds[row:row + n] = src.to(dtype=text_embeds.dtype, device=text_embeds.device)
+    return text_embeds
+
+
+def image_spans(images: list[ImageInput], start: int, n: int, row: int) -> list[tuple[int, int, int, ImageInput]]:
+    """The image rows of a chunk: positions [start, start + n) of a request, placed from step row `row`."""
+    out = []
+    for im in images:
+        lo, hi = max(start, im.offset), min(start + n, im.offset + im.length)
+        if lo < hi:
+            out.append((row + lo - start, lo, hi - lo, im))
+    return out
