@@ -46,10 +46,16 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
 
+class ImageURL(OpenAIModel):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(OpenAIModel):
     type: str
     text: str | None = None
     refusal: str | None = None      # the text of an assistant's "refusal" part
+    image_url: ImageURL | str | None = None     # an "image_url" part: a data: URL (or http(s), if allowed)
 
 
 class ChatMessage(OpenAIModel):
@@ -155,6 +161,9 @@ class PrefillJob:
     issued_at: float = 0.0          # the decode worker's time.time() (a signed job expires)
     max_model_len: int = 0          # the decode worker's context: a longer prompt is refused
     compat: dict[str, Any] | None = None    # trust.compat_info of the decode worker
+    # A vision-language prompt's images (common/images.ImageInput.to_wire: positions, digest, file
+    # bytes): the prefill worker has them encoded by its encoder workers.
+    images: list[dict[str, Any]] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": PD_PREFILL, **asdict(self)}
