@@ -161,7 +161,7 @@ class RouterConfig:
 class VisionConfig:
     """Images in chat requests (OpenAI `image_url` parts), for vision-language models."""
     max_images: int = 4                 # image parts per request; 0 refuses every image
-    max_image_bytes: int = 8 << 20      # one image file (after base64 decoding)
+    max_image_bytes: int = 3 << 20      # one image file (after base64 decoding; server.max_body_bytes bounds the body)
     max_image_pixels: int = 4096 * 4096     # width x height of one decoded image
     allow_remote_urls: bool = False     # fetch http(s) image URLs; off: only data: URLs
     remote_timeout_s: float = 10.0      # deadline of one remote image fetch
@@ -170,6 +170,29 @@ class VisionConfig:
     encoder_endpoints: list[str] = field(default_factory=list)
     encoder_processes: int = 0
     encode_timeout_s: float = 60.0      # deadline of one image's embeddings from an encoder worker
+
+
+@dataclass
+class ControllerConfig:
+    # The autoscaler in the router (router/controller.py), off by default: every interval_s it reads
+    # the fleet's figures against the SLOs and switches a worker's role, or starts or stops a worker,
+    # keeping between min_workers and max_workers. See README "Control plane".
+    enabled: bool = False
+    interval_s: float = 5.0
+    slo_ttft_ms: float = 2000.0          # time to first token the deployment promises (p90 over an interval)
+    slo_tpot_ms: float = 200.0           # time per output token (p90 of inter-token gaps over an interval)
+    kv_usage_high: float = 0.9           # decode KV usage counted as pressure as much as a TPOT at the SLO
+    high: float = 1.0                    # a pool is short of workers above this share of its SLO ...
+    low: float = 0.5                     # ... and has one to spare below it
+    sustain_intervals: int = 3           # readings in a row a condition must hold before it acts (hysteresis)
+    cooldown_s: float = 30.0             # no action this long after the last one
+    min_workers: int = 2
+    max_workers: int = 4
+    drain_timeout_s: float = 30.0        # a draining worker's requests may finish this long, then move elsewhere
+    backend: str = "local"               # local: start and stop worker processes; kubernetes: scale Deployments
+    namespace: str = "default"           # kubernetes: where the pools' Deployments live
+    prefill_deployment: str = "pdserve-prefill"
+    decode_deployment: str = "pdserve-decode"
 
 
 @dataclass
@@ -190,6 +213,7 @@ class Config:
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     load_balancer: LoadBalancerConfig = field(default_factory=LoadBalancerConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
 

@@ -20,6 +20,7 @@ QUANTIZATIONS = ("none", "int8", "int4")
 TRANSFER_BACKENDS = ("auto", "shm", "tcp", "mooncake", "nixl")
 MODES = ("pd", "mixed")
 WORKER_ROLES = ("mixed", "prefill", "decode")
+CONTROLLER_BACKENDS = ("local", "kubernetes")
 # The router's policies (router/policies.py POLICIES). Config never imports the router; a test keeps
 # the two lists equal.
 POLICIES = ("round_robin", "least_load", "power_of_two", "cache_aware", "cost")
@@ -34,7 +35,8 @@ def _per_role(rules: dict[str, Any]) -> dict[str, Any]:
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": DTYPES, "model.quantization": QUANTIZATIONS, "transfer.backend": TRANSFER_BACKENDS,
     "deployment.mode": MODES, "load_balancer.prefill": POLICIES, "load_balancer.decode": POLICIES,
-    "worker.role": WORKER_ROLES, **_per_role({"deployment.<role>.quantization": QUANTIZATIONS}),
+    "worker.role": WORKER_ROLES, "controller.backend": CONTROLLER_BACKENDS,
+    **_per_role({"deployment.<role>.quantization": QUANTIZATIONS}),
 }
 
 
@@ -72,6 +74,9 @@ BOUNDS: dict[str, Bound] = {
     "router.request_timeout_s": _POSITIVE, "router.breaker_failures": _ONE, "router.health_period_s": _POSITIVE,
     "router.heartbeat_timeout_s": _POSITIVE,
     "worker.kv_port": _PORT,
+    "controller.interval_s": _POSITIVE, "controller.slo_ttft_ms": _POSITIVE, "controller.slo_tpot_ms": _POSITIVE,
+    "controller.kv_usage_high": Bound(0, 1, above=True), "controller.high": _POSITIVE, "controller.low": _POSITIVE,
+    "controller.sustain_intervals": _ONE, "controller.min_workers": Bound(2), "controller.max_workers": Bound(2),
     "vision.max_image_bytes": _ONE, "vision.max_image_pixels": _ONE, "vision.remote_timeout_s": _POSITIVE,
     "vision.encode_timeout_s": _POSITIVE,
 }
@@ -239,5 +244,12 @@ def check(cfg: Config) -> None:
     if bool(r.tls_cert) != bool(r.tls_key):
         found.append(("router.tls_cert" if not r.tls_cert else "router.tls_key",
                       "router.tls_cert and router.tls_key go together: set both or neither"))
+    c = cfg.controller
+    if c.min_workers > c.max_workers:
+        found.append(("controller.min_workers", f"{c.min_workers} is above controller.max_workers ({c.max_workers}); "
+                      f"allowed: at most controller.max_workers"))
+    if c.low >= c.high:
+        found.append(("controller.low", f"{c.low:g} is not below controller.high ({c.high:g}); allowed: low < high "
+                      "(the gap between them is the hysteresis)"))
     if found:
         raise ConfigError(found)

@@ -16,3 +16,8 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailed(RuntimeError):
     """The engine ended one request with an error its client should read (RequestOutput.error)."""
+
+
+class RequestMoved(RuntimeError):
+    """The worker gave the request up so that it goes on elsewhere (the worker is changing role or
+    leaving): not a failure of the request, the router continues it on another worker."""

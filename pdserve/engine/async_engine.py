@@ -7,13 +7,14 @@ commands to it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from typing import AsyncIterator, Callable
 
-from pdserve.common.errors import EngineDeadError, RequestFailed  # noqa: F401 (re-exported)
+from pdserve.common.errors import EngineDeadError, RequestFailed, RequestMoved  # noqa: F401 (re-exported)
 from pdserve.common.outputs import RequestOutput
 from pdserve.common.sampling import SamplingParams
 from pdserve.engine.engine import LLMEngine
@@ -66,12 +67,33 @@ class AsyncEngine:
                 log.info("request %s aborted: its consumer went away", request_id)
                 self._post(("abort", request_id))
 
+    def open_streams(self) -> int:
+        """Requests whose consumer still reads (read from the event loop)."""
+        return len(self._streams)
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidParam for a request that cannot run (a pure check, safe from any thread)."""
         self.engine.check_request(prompt_token_ids, params)
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between two steps; the future holds its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("call", fn, fut))
+        return fut
+
+    def evacuate(self, reason: str) -> concurrent.futures.Future:
+        """Give up every request on this engine: streams get RequestMoved (their router continues
+        them elsewhere), requests without a stream (prefill jobs) are aborted, which tells their peer."""
+        def run(engine: LLMEngine) -> int:
+            rids = list(engine.requests)
+            for rid in rids:
+                engine.abort_request(rid)
+                self._deliver(rid, RequestMoved(reason))
+            return len(rids)
+        return self.call(run)
 
     def _post(self, cmd: tuple) -> None:
         self._commands.put(cmd)
@@ -105,6 +127,12 @@ class AsyncEngine:
                 out = self.engine.abort_request(cmd[1])
                 if out is not None:
                     self._deliver(cmd[1], out)
+            elif cmd[0] == "call":
+                _, fn, fut = cmd
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:  # noqa: BLE001 - raised to the caller
+                    fut.set_exception(e)
 
     def _loop(self) -> None:
         while not self._stop:

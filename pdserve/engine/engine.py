@@ -79,6 +79,7 @@ class LLMEngine:
         if ep and shm_path is None and torch.device(mc.device).type == "cpu":
             shm_path = str(new_shm_path())
         self.kv_cache = allocate_kv_cache(self.arch, num_blocks, cc.block_size, dtype, mc.device, shm_path)
+        self.kv_shm_path = shm_path         # where other processes map the pool (None: private memory)
         if ep:
             self.model.share_kv_cache(self.kv_cache, shm_path)
         # Lower tiers hold what the prefix cache evicts, named by the same hashes: no use without it.

@@ -51,6 +51,11 @@ class WorkerFailed(Exception):
     """The worker failed this request in a way another worker may not (retry or migrate)."""
 
 
+class WorkerMoved(WorkerFailed):
+    """The worker gave the request up on purpose (draining to switch role or to leave): continue it
+    elsewhere at once, without backoff, a retry or a mark against the worker's breaker."""
+
+
 class RemoteBackend:
     def __init__(self, config: Config, registry: Registry, tokenizer: TokenizerWrapper, client: httpx.AsyncClient,
                  metrics: RouterMetrics, index: IndexFeed, admission: Admission, charge_tokens: Callable,
@@ -135,7 +140,7 @@ class RemoteBackend:
                                            params.include_stop_str_in_output)
             wire = replace(params, stop=[], include_stop_str_in_output=False)
             generated: list[int] = []
-            attempts = migrations = 0
+            attempts = migrations = moved = 0
             failed: set[str] = set()
             last_error: WorkerFailed | None = None      # told to the client when no worker is left
             n_prompt = len(prompt_token_ids)
@@ -177,7 +182,12 @@ class RemoteBackend:
                         last_error = e
                         failed.add(decode.worker_id)
                         attempts += 1
-                        migrations += await self._recover(request_id, decode, e, attempts, migrations, len(generated))
+                        if isinstance(e, WorkerMoved):
+                            moved += 1
+                            self.metrics.moved.labels(decode.worker_id).inc()
+                            continue
+                        migrations += await self._recover(request_id, decode, e, attempts - moved, migrations,
+                                                          len(generated))
             finally:
                 if key is not None:
                     self.charge_tokens(key, n_prompt + len(generated))
@@ -235,6 +245,8 @@ class RemoteBackend:
             try:
                 if resp.status_code != 200:
                     await resp.aread()
+                    if resp.status_code == 503 and _error_of(resp).get("code") == "switching_role":
+                        raise WorkerMoved("the worker is switching role")
                     if resp.status_code == 429 or resp.status_code >= 500:
                         self._failure(w, now, judged)
                         raise WorkerFailed(f"HTTP {resp.status_code}")
@@ -248,6 +260,8 @@ class RemoteBackend:
                         err = msg["error"]
                         if err.get("code") == "invalid_value":
                             raise APIError(400, err.get("message", ""), err.get("param"), err.get("code"))
+                        if err.get("code") == "moved":
+                            raise WorkerMoved(err.get("message", "moved"))
                         self._failure(w, now, judged)
                         raise WorkerFailed(err.get("message", "worker error"))
                     if not charge.prefilled:

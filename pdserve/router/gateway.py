@@ -18,6 +18,7 @@ from pdserve.protocol import (
     INTERNAL_TOKEN_HEADER,
     WorkerRegistration,
 )
+from pdserve.protocol.control import RoleChange
 from pdserve.router.access import Access, KeyStore, exposure_warnings
 from pdserve.router.admission import Admission
 from pdserve.router.backend import RemoteBackend
@@ -25,6 +26,7 @@ from pdserve.router.encoder import EncoderPool, load_tokenizer
 from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Registry
+from pdserve.router.role_switch import SwitchRefused, switch_role
 from pdserve.router.security import Allowlist, RateLimiter, SecurityMiddleware
 from pdserve.server.errors import error_response
 from pdserve.server.internal_api import internal_token
@@ -136,6 +138,18 @@ def create_router_app(config: Config) -> FastAPI:
             return error_response(404, f"no worker {worker_id!r}", code="unknown_worker")
         w.draining = True
         log.info("worker %s draining (%d in flight)", worker_id, w.in_flight)
+        return w.describe()
+
+    @app.post("/admin/workers/{worker_id}/role")
+    async def set_role(worker_id: str, change: RoleChange):
+        w = registry.workers.get(worker_id)
+        if w is None:
+            return error_response(404, f"no worker {worker_id!r}", code="unknown_worker")
+        drain_s = change.drain_timeout_s if change.drain_timeout_s is not None else config.controller.drain_timeout_s
+        try:
+            await switch_role(registry, client, w, change.role, drain_s)
+        except SwitchRefused as e:
+            return error_response(e.status, str(e), "role", e.code)
         return w.describe()
 
     @app.delete("/admin/workers/{worker_id}")

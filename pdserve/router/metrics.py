@@ -37,6 +37,8 @@ class RouterMetrics:
                                ["worker"], registry=r)
         self.migrations = Counter("pdserve_router_worker_migrations", "Streams moved off this worker mid-generation",
                                   ["worker"], registry=r)
+        self.moved = Counter("pdserve_router_worker_moved", "Requests a draining worker handed back to continue elsewhere",
+                             ["worker"], registry=r)
         self.decisions = Counter("pdserve_router_decisions", "Routing decisions by pool and reason",
                                  ["pool", "reason"], registry=r)
         self.decision_seconds = Histogram("pdserve_router_decision_seconds", "Time to pick a worker",

@@ -127,6 +127,7 @@ class Registry:
             self.workers[w.worker_id] = w
             log.info("worker %s (%s) registered at %s", w.worker_id, w.role, w.url)
         w.model, w.pid, w.kv_endpoint, w.capacity = reg.model, reg.pid, reg.kv_endpoint, reg.capacity
+        w.role = reg.role           # a worker re-registers after switching role (server/role_switch.py)
         w.last_heartbeat = now
         return w
 

@@ -17,6 +17,7 @@ from pdserve.server.internal_api import RequireInternalToken, install_internal_r
 from pdserve.server.metrics import RequestTimer, ServerMetrics
 from pdserve.server.openai_api import OpenAIHandlers, install_openai_api
 from pdserve.server.registration import register_with_routers
+from pdserve.server.role_switch import RoleSwitch, install_role_route
 from pdserve.server.roles import build_engine, worker_name
 from pdserve.server.serving import bind_socket, run_uvicorn  # noqa: F401 (bind_socket re-exported)
 
@@ -30,11 +31,15 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
     timer = RequestTimer(metrics)
     async_engine = AsyncEngine(engine, on_output=timer.on_output)
     handlers = OpenAIHandlers(async_engine, engine.tokenizer, model_name, timer)
+    if engine.images is not None:       # a vision-language model reads image_url parts
+        handlers.vision, handlers.vision_limits = engine.images.slots, config.vision
+    switch = RoleSwitch(config, async_engine)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         async_engine.start()
-        registration = asyncio.create_task(register_with_routers(config, model_name)) \
+        registration = asyncio.create_task(register_with_routers(config, model_name, lambda: switch.role,
+                                                                 switch.changed)) \
             if config.server.router_url else None
         yield
         if registration is not None:
@@ -50,7 +55,8 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
     token = internal_token(config.server.internal_token)
     if token:
         app.add_middleware(RequireInternalToken, token=token)
-    install_internal_routes(app, async_engine, timer)
+    install_internal_routes(app, async_engine, timer, switch.refusal)
+    install_role_route(app, switch)
 
     @app.get("/health")
     async def health():
@@ -58,7 +64,7 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
             return error_response(503, f"engine failed: {async_engine.dead}", code="engine_dead")
         if not async_engine.accepting:
             return error_response(503, "shutting down", code="shutting_down")
-        return WorkerHealth(role=config.worker.role, pid=os.getpid(), worker_id=worker_name(config), model=model_name,
+        return WorkerHealth(role=switch.role, pid=os.getpid(), worker_id=worker_name(config), model=model_name,
                             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=engine.max_model_len,
                             kv_endpoint=getattr(engine.connector, "endpoint", None), **engine.stats()).to_wire()
 

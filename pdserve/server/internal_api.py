@@ -10,13 +10,14 @@ import hmac
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed
+from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed, RequestMoved
 from pdserve.common.sampling import SamplingParams
 from pdserve.protocol import INTERNAL_TOKEN_HEADER, InternalGenerateRequest
 from pdserve.server.errors import APIError, error_body, error_response
@@ -52,11 +53,15 @@ class RequireInternalToken:
         await self.app(scope, receive, send)
 
 
-def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTimer) -> None:
+def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTimer,
+                            refusal: Callable[[], str | None] | None = None) -> None:
+    """`refusal`: why new requests are refused now (None: they are taken)."""
     @app.post("/internal/generate")
     async def generate(req: InternalGenerateRequest, http: Request):
         if not engine.accepting:
             raise APIError(503, "the worker is shutting down", code="shutting_down", headers={"Retry-After": "1"})
+        if refusal is not None and (why := refusal()) is not None:
+            raise APIError(503, why, code="switching_role", headers={"Retry-After": "1"})
         try:
             params = SamplingParams(**req.sampling)
             engine.engine.check_request(req.prompt_token_ids, params, req.output_token_ids)
@@ -82,6 +87,8 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
                 yield json.dumps(error_body(400, str(e), e.param, "invalid_value")) + "\n"
             except EngineDeadError as e:
                 yield json.dumps(error_body(503, str(e), code="engine_dead")) + "\n"
+            except RequestMoved as e:       # the router continues the stream on another worker
+                yield json.dumps(error_body(503, str(e), code="moved")) + "\n"
             except RequestFailed as e:
                 yield json.dumps(error_body(502, str(e), code="request_failed")) + "\n"
             finally:

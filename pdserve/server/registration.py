@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from pdserve.config import Config
@@ -47,8 +48,10 @@ def router_targets(router_urls: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-async def register_with_routers(config: Config, model_name: str) -> None:
-    """Register at every router, then send heartbeats; re-register wherever a router forgot us."""
+async def register_with_routers(config: Config, model_name: str, role: Callable[[], str] | None = None,
+                                changed: asyncio.Event | None = None) -> None:
+    """Register at every router, then send heartbeats; re-register wherever a router forgot us, and
+    everywhere when `changed` is set (the worker switched role: `role()` says which it has now)."""
     import httpx
     s = config.server
     reg = WorkerRegistration(worker_id=worker_name(config), role=config.worker.role, model=model_name,
@@ -82,4 +85,13 @@ async def register_with_routers(config: Config, model_name: str) -> None:
             for gone in set(registered) - set(targets):
                 del registered[gone]
             await asyncio.gather(*(beat(client, base) for base in targets))
-            await asyncio.sleep(config.router.health_period_s)
+            if changed is None:
+                await asyncio.sleep(config.router.health_period_s)
+                continue
+            try:
+                await asyncio.wait_for(changed.wait(), config.router.health_period_s)
+            except asyncio.TimeoutError:
+                continue
+            changed.clear()
+            reg = reg.model_copy(update={"role": role() if role is not None else reg.role})
+            registered.clear()

@@ -45,28 +45,41 @@ def kv_event_publisher(config: Config):
     return pub
 
 
+def kv_pool_in_shm(config: Config, role: str) -> bool:
+    """Whether this worker's KV pool lives in shared memory: a decode worker's does, so that prefill
+    workers on this host write into it; a prefill worker's too on CPU, so that it can switch to
+    decode in place (server/role_switch.py) with the same pool."""
+    if config.transfer.backend not in ("auto", "shm"):
+        return False
+    return role == "decode" or (role == "prefill" and config.model.device == "cpu")
+
+
+def build_connector(config: Config, role: str, engine: LLMEngine) -> None:
+    """Plug `role`'s KV connector into `engine` (a mixed worker keeps the base one, which does nothing)."""
+    from pdserve.engine.kv_connector import KVConnector
+    if role == "decode":
+        from pdserve.disagg.receiver import DecodeConnector
+        engine.connector = DecodeConnector(config, engine.kv_cache, engine.kv_shm_path, kv_bind_endpoint(config),
+                                           public_host(config), internal_token(config.server.internal_token),
+                                           engine.max_model_len)
+    elif role == "prefill":
+        from pdserve.disagg.sender import PrefillConnector
+        engine.connector = PrefillConnector(config, engine.kv_cache, kv_bind_endpoint(config), public_host(config),
+                                            internal_token(config.server.internal_token))
+    else:
+        engine.connector = KVConnector()
+    endpoint = getattr(engine.connector, "endpoint", None)
+    if endpoint:
+        log.info("%s worker: KV endpoint %s", role, endpoint)
+
+
 def build_engine(config: Config, loaded: LoadedModel | None = None) -> LLMEngine:
     """The engine of this worker's role, its connector attached; the connector's endpoint is
     `engine.connector.endpoint` for prefill and decode workers."""
     role = config.worker.role
     if role not in ROLES:
         raise ValueError(f"worker.role must be one of {ROLES}, not {role!r}")
-    events = kv_event_publisher(config)
-    if role == "decode":
-        from pdserve.disagg.receiver import DecodeConnector
-        # Prefill workers on this host write straight into a pool in shared memory.
-        shm = str(new_shm_path()) if config.transfer.backend in ("auto", "shm") else None
-        engine = LLMEngine(config, loaded, shm_path=shm, kv_events=events)
-        engine.connector = DecodeConnector(config, engine.kv_cache, shm, kv_bind_endpoint(config), public_host(config),
-                                           internal_token(config.server.internal_token), engine.max_model_len)
-    elif role == "prefill":
-        from pdserve.disagg.sender import PrefillConnector
-        engine = LLMEngine(config, loaded, kv_events=events)
-        engine.connector = PrefillConnector(config, engine.kv_cache, kv_bind_endpoint(config), public_host(config),
-                                            internal_token(config.server.internal_token))
-    else:
-        engine = LLMEngine(config, loaded, kv_events=events)
-    endpoint = getattr(engine.connector, "endpoint", None)
-    if endpoint:
-        log.info("%s worker: KV endpoint %s", role, endpoint)
+    shm = str(new_shm_path()) if kv_pool_in_shm(config, role) else None
+    engine = LLMEngine(config, loaded, shm_path=shm, kv_events=kv_event_publisher(config))
+    build_connector(config, role, engine)
     return engine

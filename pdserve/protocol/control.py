@@ -1,0 +1,36 @@
+"""Control-plane messages: role switches (router admin API -> router -> worker) and the controller's
+decisions (`GET /admin/controller`)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SwitchableRole = Literal["prefill", "decode"]
+
+
+class RoleChange(BaseModel):
+    """Body of `POST /admin/workers/{id}/role` at the router and `POST /internal/role` at a worker."""
+    model_config = ConfigDict(extra="forbid")
+    role: SwitchableRole
+    # How long running requests may take to finish before they are moved to other workers
+    # (None: the router's controller.drain_timeout_s).
+    drain_timeout_s: float | None = Field(default=None, ge=0)
+
+
+class RoleChanged(BaseModel):
+    """A worker's answer to `POST /internal/role`: its role and KV endpoint now."""
+    role: str
+    kv_endpoint: str | None = None
+    moved: int = 0                  # requests given up to be continued on other workers
+    switches_total: int = 0
+
+
+class ControllerDecision(BaseModel):
+    """One entry of `GET /admin/controller`: what the controller did, to which worker, and why."""
+    time: float                     # unix seconds
+    action: str                     # switch_to_prefill | switch_to_decode | add_prefill | add_decode | remove | hold
+    worker: str | None = None
+    reason: str
+    inputs: dict[str, float] = Field(default_factory=dict)
+    ok: bool = True                 # False: the action was tried and failed (error in `reason`)

@@ -1,0 +1,83 @@
+"""The router's side of a role switch and of a drain: stop routing to the worker, let its requests
+finish (or have the worker hand them back to be continued elsewhere), then tell it to switch.
+
+Used by `POST /admin/workers/{id}/role` and by the controller (router/controller.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+
+from pdserve.protocol.control import RoleChanged
+from pdserve.router.registry import Registry, Worker
+
+log = logging.getLogger(__name__)
+_POLL_S = 0.02
+
+
+class SwitchRefused(Exception):
+    """The switch cannot be done (`status` is the HTTP status the admin API answers)."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def serving_decode(registry: Registry, but: Worker | None = None) -> list[Worker]:
+    """Decode-capable workers that take new work, `but` left out."""
+    return [w for w in registry.pool("decode") if w is not but and w.healthy and not w.draining]
+
+
+async def drain(w: Worker, deadline: float) -> bool:
+    """Wait until the router has nothing in flight at `w` (True) or the deadline passes (False).
+    The caller has set `w.draining`, so nothing new is sent there."""
+    while w.in_flight > 0:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(_POLL_S)
+    return True
+
+
+async def switch_role(registry: Registry, client: httpx.AsyncClient, w: Worker, role: str,
+                      drain_timeout_s: float) -> RoleChanged:
+    """Drain `w` here, have it switch to `role` in place, and route to it in its new role."""
+    if w.role == role:
+        return RoleChanged(role=role, kv_endpoint=w.kv_endpoint)
+    if w.role not in ("prefill", "decode"):
+        raise SwitchRefused(409, f"worker {w.worker_id!r} is {w.role}; only prefill and decode workers switch",
+                            "not_switchable")
+    if w.draining:
+        raise SwitchRefused(409, f"worker {w.worker_id!r} is already draining", "worker_draining")
+    if w.role == "decode" and not serving_decode(registry, but=w):
+        raise SwitchRefused(409, f"worker {w.worker_id!r} is the last decode worker taking requests", "last_decode")
+    t0 = time.monotonic()
+    w.draining = True
+    try:
+        drained = await drain(w, t0 + drain_timeout_s)
+        left = max(0.0, t0 + drain_timeout_s - time.monotonic())
+        log.info("worker %s: switching %s -> %s (%s)", w.worker_id, w.role, role,
+                 "drained" if drained else f"{w.in_flight} in flight are moved")
+        try:
+            r = await client.post(w.url + "/internal/role", json={"role": role, "drain_timeout_s": left},
+                                  headers=registry.headers, timeout=left + 120.0)
+        except httpx.HTTPError as e:
+            raise SwitchRefused(502, f"worker {w.worker_id!r} did not answer the switch: {e}", "worker_failed") from e
+        if r.status_code != 200:
+            try:
+                err = r.json().get("error") or {}
+            except ValueError:
+                err = {}
+            raise SwitchRefused(502 if r.status_code >= 500 else r.status_code,
+                                f"worker {w.worker_id!r} refused the switch: {err.get('message', r.text[:200])}",
+                                err.get("code") or "worker_failed")
+        changed = RoleChanged.model_validate(r.json())
+        w.role, w.kv_endpoint = changed.role, changed.kv_endpoint
+        await registry.check(client, w, time.monotonic())
+        log.info("worker %s is %s now (%.2fs, %d requests moved)", w.worker_id, w.role, time.monotonic() - t0,
+                 changed.moved)
+        return changed
+    finally:
+        w.draining = False

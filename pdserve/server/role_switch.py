@@ -1,0 +1,112 @@
+"""A worker changes role in place: same process, same weights, same KV pool (and prefix cache).
+
+`POST /internal/role` (the router's `POST /admin/workers/{id}/role` calls it after draining the
+worker there): new work is refused (503, the router has stopped sending any), the requests still
+here get `drain_timeout_s` to finish, the rest are given up as `RequestMoved` (the router continues
+each stream on another worker; a prefill job's decode worker falls back to another peer). Then,
+on the engine thread with nothing in flight, the old role's KV connector closes and the new one
+opens on the same pool. The KV endpoint changes; the reply and /health carry the new one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from fastapi import FastAPI
+
+from pdserve.config import Config
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.engine import LLMEngine
+from pdserve.protocol.control import RoleChange, RoleChanged
+from pdserve.server.errors import APIError
+from pdserve.server.roles import build_connector, kv_pool_in_shm
+
+log = logging.getLogger(__name__)
+SWITCHABLE = ("prefill", "decode")
+# After the evacuation, transfers cancelled mid-flight hold blocks until their peer acknowledges
+# (or disagg.quarantine_timeout_s passes): the switch waits that long at most.
+_POLL_S = 0.02
+
+
+class RoleSwitch:
+    def __init__(self, config: Config, engine: AsyncEngine) -> None:
+        self.config = config
+        self.engine = engine
+        self.role = config.worker.role
+        self.switching = False
+        self.switches_total = 0
+        self.moved_total = 0            # requests given up to be continued elsewhere
+        self.changed = asyncio.Event()  # set after each switch: registration re-registers
+
+    def refusal(self) -> str | None:
+        return f"the worker is switching from {self.role}" if self.switching else None
+
+    def _idle(self) -> bool:
+        return not self.engine.open_streams() and not self.engine.engine.has_unfinished()
+
+    async def _wait_idle(self, deadline: float) -> bool:
+        while not self._idle():
+            if time.monotonic() >= deadline or self.engine.dead is not None:
+                return False
+            await asyncio.sleep(_POLL_S)
+        return True
+
+    async def switch(self, role: str, drain_timeout_s: float) -> dict:
+        if role not in SWITCHABLE:
+            raise APIError(400, f"role {role!r} is not allowed; allowed: {', '.join(SWITCHABLE)}", "role",
+                           "invalid_value")
+        if self.role not in SWITCHABLE:
+            raise APIError(409, f"a {self.role} worker does not switch roles", "role", "not_switchable")
+        if role == "decode" and self.engine.engine.kv_shm_path is None and kv_pool_in_shm(self.config, "decode"):
+            raise APIError(409, "this worker's KV pool is not in shared memory, so prefill workers could not write "
+                           "into it: start it with transfer.backend tcp to let it switch to decode",
+                           "role", "not_switchable")
+        if self.switching:
+            raise APIError(409, "a role switch is already under way", "role", "switching")
+        if self.engine.dead is not None:
+            raise APIError(503, f"engine failed: {self.engine.dead}", code="engine_dead")
+        if role == self.role:
+            return self.describe(moved=0)
+        self.switching = True
+        t0 = time.monotonic()
+        try:
+            moved = 0
+            if not await self._wait_idle(t0 + drain_timeout_s):
+                moved = await asyncio.wrap_future(self.engine.evacuate(f"worker switching to {role}"))
+                log.info("role switch: %d requests moved off after %.1fs", moved, drain_timeout_s)
+                grace = self.config.disagg.quarantine_timeout_s + 5.0
+                if not await self._wait_idle(time.monotonic() + grace):
+                    raise APIError(503, f"the worker did not go idle within {grace:.0f}s of giving its requests up",
+                                   code="switch_timeout")
+            while not await asyncio.wrap_future(self.engine.call(lambda e: self._swap(e, role))):
+                await asyncio.sleep(_POLL_S)     # a peer's message came in between: drain it first
+            old, self.role = self.role, role
+            self.switches_total += 1
+            self.moved_total += moved
+            log.info("switched from %s to %s in %.2fs (%d moved)", old, role, time.monotonic() - t0, moved)
+            self.changed.set()
+            return self.describe(moved=moved)
+        finally:
+            self.switching = False
+
+    def _swap(self, engine: LLMEngine, role: str) -> bool:
+        """On the engine thread: close the old connector and open the new one; False while busy."""
+        if engine.has_unfinished():
+            return False
+        wake = engine.connector.wake
+        engine.connector.close()
+        build_connector(self.config, role, engine)
+        engine.connector.wake = wake
+        return True
+
+    def describe(self, moved: int) -> dict:
+        return {"role": self.role, "kv_endpoint": getattr(self.engine.engine.connector, "endpoint", None),
+                "moved": moved, "switches_total": self.switches_total}
+
+
+def install_role_route(app: FastAPI, switch: RoleSwitch) -> None:
+    @app.post("/internal/role")
+    async def set_role(change: RoleChange):
+        drain = change.drain_timeout_s if change.drain_timeout_s is not None else switch.config.server.shutdown_timeout_s
+        return RoleChanged(**await switch.switch(change.role, drain)).model_dump()
