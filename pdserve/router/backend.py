@@ -41,6 +41,7 @@ from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Registry, Worker
 from pdserve.router.security import arrived_at, current_key
+from pdserve.router.stream_watch import WorkerSilent, watched
 from pdserve.server.errors import APIError
 from pdserve.server.openai_api import PREFILL_HEADER
 
@@ -252,7 +253,7 @@ class RemoteBackend:
                         raise WorkerFailed(f"HTTP {resp.status_code}")
                     err = _error_of(resp)
                     raise APIError(resp.status_code, err.get("message", resp.text), err.get("param"), err.get("code"))
-                async for line in resp.aiter_lines():
+                async for line in watched(resp.aiter_lines(), lambda: w.healthy, self.rc.health_period_s):
                     if not line:
                         continue
                     msg = json.loads(line)
@@ -274,7 +275,7 @@ class RemoteBackend:
                         w.breaker.on_success()
                         judged.add(w.worker_id)
                         return
-            except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+            except (httpx.HTTPError, json.JSONDecodeError, KeyError, WorkerSilent) as e:
                 self._failure(w, time.monotonic(), judged)
                 raise WorkerFailed(f"{type(e).__name__}: {e}") from e
             finally:

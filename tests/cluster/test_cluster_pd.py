@@ -4,6 +4,7 @@ or fails with a clear error within its deadline, and that every KV pool returns 
 from __future__ import annotations
 
 import functools
+import time
 
 import httpx
 import pytest
@@ -81,3 +82,46 @@ def test_follow_up_goes_to_the_decode_worker_holding_its_prefix(cluster):
         got = [n for n, k in _requests(cluster).items() if n.startswith("decode") and k > before[n]]
         assert got == [placed[i]], (i, placed, got)
     cluster.idle_pools()
+
+
+def _busy_decode(c: PDCluster) -> str:
+    """A decode host with streams in flight (the one with most)."""
+    ws = {n: w for n, w in c.workers().items() if n.startswith("decode")}
+    name = max(ws, key=lambda n: ws[n]["load"]["in_flight"])
+    assert ws[name]["load"]["in_flight"] > 0, ws
+    return name
+
+
+def _check(outs, first: int, deadline_s: float) -> tuple[int, int]:
+    """Every request has the fault-free text, or a clear error within its deadline; (ok, failed)."""
+    ok = failed = 0
+    for i, o in enumerate(outs, first):
+        if o.error is None:
+            assert o.text == want(i), (i, o)
+            ok += 1
+        else:
+            assert o.seconds < deadline_s and ("503" in o.error or "worker" in o.error), (i, o)
+            failed += 1
+    return ok, failed
+
+
+def test_decode_host_link_down_mid_stream_is_migrated(cluster):
+    down: dict = {}
+
+    def fault() -> None:
+        down["name"] = _busy_decode(cluster)
+        down["at"] = time.monotonic()
+        cluster.net.link(cluster.host(down["name"]), up=False)
+
+    try:
+        outs = cluster.load([prompt(i) for i in range(20, 26)], MAX_TOKENS, fault, fault_after=8)
+        recovered = max(o.seconds for o in outs)
+    finally:
+        if "name" in down:
+            cluster.net.link(cluster.host(down["name"]), up=True)
+    ok, failed = _check(outs, 20, 60)
+    assert failed == 0
+    assert cluster.workers()[down["name"]]["migrations"] >= 1
+    cluster.wait_healthy(set(ROLES))
+    cluster.idle_pools()
+    print(f"FAULT decode_link_down ok={ok} failed={failed} slowest_request_s={recovered:.1f}")
