@@ -21,13 +21,16 @@ CacheListener = Callable[[KVEventType, bytes, bytes | None], None]
 EvictHook = Callable[[int, bytes], None]
 
 
-def block_hash(parent: bytes | None, token_ids: list[int], salt: str | None = None) -> bytes:
-    """Stable across processes and machines (Python's hash() is salted per process)."""
+def block_hash(parent: bytes | None, token_ids: list[int], salt: str | None = None, extra: bytes | None = None) -> bytes:
+    """Stable across processes and machines (Python's hash() is salted per process). `extra`: what
+    else the block's KV depends on, the digests of the images it overlaps (common/images.block_extra)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"\0" * 16)
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
     if salt:
         h.update(b"salt:" + salt.encode())
+    if extra:
+        h.update(b"extra:" + extra)
     return h.digest()
 
 

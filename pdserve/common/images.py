@@ -14,9 +14,10 @@ import hashlib
 import io
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*?)(?P<b64>;base64)?,", re.I)
 _MIMES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")
@@ -95,6 +96,8 @@ class ImageProcessing:
 
     def pixels(self, img: Any) -> np.ndarray:
         """float32 [3, H, W] for an RGB PIL image."""
+        import numpy as np      # not at import: the router's processes read data URLs without it
+
         if self.size is not None:
             img = img.resize((self.size[1], self.size[0]), self.resample)
         elif self.shortest_edge is not None:
@@ -110,6 +113,15 @@ class ImageProcessing:
         a = np.asarray(img, dtype=np.float32) * np.float32(self.rescale)
         out = (a - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
         return np.ascontiguousarray(out.transpose(2, 0, 1), dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class ImageSlots:
+    """What the API needs to place a VLM's images in a prompt: the text standing for an image in the
+    rendered chat (it tokenizes to `image_token_id`) and how many positions one image takes."""
+    placeholder: str
+    image_token_id: int
+    tokens_per_image: int
 
 
 @dataclass

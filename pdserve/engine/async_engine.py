@@ -15,6 +15,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from pdserve.common.errors import EngineDeadError, RequestFailed, RequestMoved  # noqa: F401 (re-exported)
+from pdserve.common.images import ImageInput
 from pdserve.common.outputs import RequestOutput
 from pdserve.common.sampling import SamplingParams
 from pdserve.engine.engine import LLMEngine
@@ -41,7 +42,8 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None, prefill_peer: str | None = None,
-                       output_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       output_token_ids: list[int] | None = None,
+                       images: list[ImageInput] | None = None) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes. Cancelling the consumer aborts the request.
         `output_token_ids`: see LLMEngine.add_request."""
         if self.dead is not None:
@@ -50,7 +52,7 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._post(("add", request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prefill_peer,
-                    output_token_ids))
+                    output_token_ids, images))
         finished = False
         try:
             while True:
@@ -115,12 +117,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, arrival, salt, peer, outputs = cmd
+                _, rid, ids, params, arrival, salt, peer, outputs, images = cmd
                 if rid not in self._streams:        # cancelled before it reached the engine
                     continue
                 try:
                     self.engine.add_request(rid, ids, params, arrival_time=arrival, cache_salt=salt,
-                                            prefill_peer=peer, output_token_ids=outputs)
+                                            prefill_peer=peer, output_token_ids=outputs, images=images)
                 except Exception as e:  # noqa: BLE001 - delivered to the request's consumer
                     self._deliver(rid, e)
             elif cmd[0] == "abort":

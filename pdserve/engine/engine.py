@@ -20,6 +20,8 @@ from pdserve.common.errors import InvalidParam
 from pdserve.common.outputs import RequestOutput, TokenLogprob  # noqa: F401 (RequestOutput re-exported)
 from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.config import Config
+from pdserve.common.images import ImageInput
+from pdserve.engine.image_inputs import image_embeddings
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
@@ -62,6 +64,7 @@ class LLMEngine:
                                  loaded.arch.max_position_embeddings)
         self.model = build_model(loaded, mc.dtype, mc.device, self.max_model_len, mc)
         self.weight_bytes = getattr(self.model, "resident_weight_bytes", self.model.weight_bytes)()
+        self.images = image_embeddings(loaded.vision, config) if loaded.vision is not None else None
         del loaded
         trim_heap()
         log.info("model %s: %s weights, quantization %s, %.1f MB of weights", mc.name, mc.dtype, mc.quantization,
@@ -100,6 +103,8 @@ class LLMEngine:
             if cc.swap_space_gb > 0 and not (ep and shm_path is None) else None
         self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size, config.disagg.local_prefill_max_tokens,
                                    self.tiers.lookup if self.tiers else None, self.swap)
+        if self.images is not None:
+            self.scheduler.inputs_ready = self.images.ready
         self.connector = KVConnector()          # a role's hooks: disagg.sender / disagg.receiver
         self.runner = ModelRunner(self.model, self.kv_cache, cc.block_size)
         self.requests: dict[str, Request] = {}
@@ -113,9 +118,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                      output_token_ids: list[int] | None = None) -> None:
+                      output_token_ids: list[int] | None = None, images: list[ImageInput] | None = None) -> None:
         """Raise InvalidParam for a request that cannot run; nothing is allocated."""
         check_prompt(prompt_token_ids, params, self.arch.vocab_size, self.max_model_len, output_token_ids)
+        if images:
+            if self.images is None:
+                raise InvalidParam(f"the model {self.model_name!r} takes no images", "images")
+            self.images.check(images, prompt_token_ids)
         if blocks_needed(len(prompt_token_ids) + (params.max_tokens or 1), self.block_size) > self.pool.num_blocks:
             raise InvalidParam(f"the request needs more KV blocks than the pool holds ({self.pool.num_blocks})",
                                "max_tokens")
@@ -123,15 +132,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     prefill_peer: str | None = None, kv_sink: object | None = None,
-                    output_token_ids: list[int] | None = None) -> None:
-        """`output_token_ids`: tokens this request already generated elsewhere (a migrated stream):
+                    output_token_ids: list[int] | None = None, images: list[ImageInput] | None = None) -> None:
+        """`images`: a VLM prompt's images (their positions hold the image token).
+        `output_token_ids`: tokens this request already generated elsewhere (a migrated stream):
         they are recomputed with the prompt and count as output for max_tokens, penalties and
         seeded draws, so the request goes on exactly as it would have where it started."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
-        self.check_request(prompt_token_ids, params, output_token_ids)
+        self.check_request(prompt_token_ids, params, output_token_ids, images)
         req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
-                      output_token_ids=list(output_token_ids or ()))
+                      output_token_ids=list(output_token_ids or ()), images=list(images or ()))
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.prefill_peers = self.connector.order_peers(prefill_peer)
@@ -187,6 +197,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         c, tiers = self.connector, self.tiers
         outputs = c.poll(self)
+        if self.images is not None:
+            outputs += self._poll_images()
         if tiers is not None:
             for req, n in tiers.poll():
                 self.scheduler.finish_fetch(req, n)
@@ -226,6 +238,20 @@ class LLMEngine:
             self.abort_request(rid)
         return outputs
 
+    def _poll_images(self) -> list[RequestOutput]:
+        """Encoder answers in; a request whose image could not be encoded ends with the error."""
+        assert self.images is not None
+        self.images.poll()
+        outs = []
+        for rid, why in self.images.take_failed():
+            req = self.requests.get(rid)
+            if req is not None and not req.is_finished:
+                out = self._finish(req, "error")
+                out.error = f"image: {why}"
+                if req.kv_sink is None:
+                    outs.append(out)
+        return outs
+
     def _on_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         first = req.first_token_time is None
         if first:
@@ -260,6 +286,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None,
                 new_logprobs: list[TokenLogprob] | None = None, held: list[int] | None = None) -> RequestOutput:
         self.scheduler.finish(req, reason, held)
+        if self.images is not None:
+            self.images.drop(req.request_id)
         detok = self.detoks.pop(req.request_id)
         del self.requests[req.request_id]
         out = RequestOutput(req.request_id, new_tokens or [], detok.take(True), True, reason,

@@ -5,6 +5,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Sequence, cast
 
+from pdserve.common.images import ImageInput, expand_image_tokens
 from pdserve.config import Config, load_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import TokenLogprob
@@ -58,23 +59,43 @@ class LLM:
              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationOutput]:
         # One conversation (a list of messages) is a batch of one.
         batch = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
-        return self._run([self.tokenizer.encode_chat(cast("list[dict[str, Any]]", c)) for c in batch], params)
+        prompts = [self._chat_prompt(cast("list[dict[str, Any]]", c)) for c in batch]
+        return self._run([ids for ids, _ in prompts], params, [images for _, images in prompts])
 
-    def _run(self, token_lists: list[list[int]],
-             params: SamplingParams | Sequence[SamplingParams] | None) -> list[GenerationOutput]:
+    def _chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[ImageInput]]:
+        """Token ids and images of a conversation; a VLM reads OpenAI `image_url` parts (data: URLs)."""
+        vision = self.engine.images
+        if all(not isinstance(m.get("content"), list) for m in messages):
+            return self.tokenizer.encode_chat(messages), []
+        from pdserve.protocol import ChatMessage
+        from pdserve.server.chat_content import chat_inputs
+        from pdserve.server.errors import APIError
+        try:        # content parts as the server reads them: refused the same way
+            inputs = chat_inputs([ChatMessage.model_validate(m) for m in messages], self.engine.model_name,
+                                 vision.slots.placeholder if vision else None, self.config.vision)
+        except APIError as e:
+            raise ValueError(e.message) from None
+        if vision is None:
+            return self.tokenizer.encode_chat(inputs.messages), []
+        return expand_image_tokens(self.tokenizer.encode_chat(inputs.messages), vision.slots.image_token_id,
+                                   vision.slots.tokens_per_image, inputs.images)
+
+    def _run(self, token_lists: list[list[int]], params: SamplingParams | Sequence[SamplingParams] | None,
+             images: list[list[ImageInput]] | None = None) -> list[GenerationOutput]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(token_lists)
         if len(params) != len(token_lists):
             raise ValueError("give one SamplingParams, or one per prompt")
-        for ids, p in zip(token_lists, params):
-            self.engine.check_request(ids, p)   # reject the batch before anything runs
+        images = images or [[] for _ in token_lists]
+        for ids, p, ims in zip(token_lists, params, images):
+            self.engine.check_request(ids, p, images=ims)   # reject the batch before anything runs
         results: dict[str, GenerationOutput] = {}
         order = []
-        for ids, p in zip(token_lists, params):
+        for ids, p, ims in zip(token_lists, params, images):
             rid = f"offline-{next(self._ids)}"
             order.append(rid)
             results[rid] = GenerationOutput(prompt_token_ids=ids)
-            self.engine.add_request(rid, ids, p)
+            self.engine.add_request(rid, ids, p, images=ims)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 r = results[out.request_id]

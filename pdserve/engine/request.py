@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pdserve.common.images import ImageInput
 from pdserve.common.outputs import TokenLogprob  # noqa: F401 (re-exported: engine code imports it from here)
 from pdserve.common.sampling import SamplingParams
 
@@ -61,6 +62,7 @@ class Request:
     prefill_attempts: list[str] = field(default_factory=list)
     prefilled_by: str | None = None
     kv_sink: Any = None                 # prefill role: where this request's KV is written (disagg.sink.KVSink)
+    images: list[ImageInput] = field(default_factory=list)     # a VLM prompt's images (common/images.py)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -9,6 +9,7 @@ from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.sampler import sample
 from pdserve.model.attention import build_metadata
 from pdserve.model.llama import LlamaModel
+from pdserve.model.vlm import image_spans, merge_image_embeds
 
 
 class ModelRunner:
@@ -34,8 +35,11 @@ class ModelRunner:
         seqs = []
         logits_rows: list[int] = []
         samplers: list[Request] = []
+        spans: list = []            # image rows of this step (VLM prompts)
         for req, n in ordered:
             start = req.num_computed_tokens
+            if req.images:
+                spans += image_spans(req.images, start, n, len(ids))
             ids.extend(req.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
             seqs.append((req.block_ids, start, n))
@@ -44,9 +48,11 @@ class ModelRunner:
                 samplers.append(req)
         meta = build_metadata(seqs, self.block_size, self.model.arch.sliding_window, self.device)
         dev = self.device
-        logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta,
+        ids_t = torch.tensor(ids, device=dev)
+        extra = {"inputs_embeds": merge_image_embeds(self.model.embed_tokens(ids_t), spans)} if spans else {}
+        logits = self.model.forward(ids_t, torch.tensor(positions, device=dev), meta,
                                     self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=dev),
-                                    layer_done)
+                                    layer_done, **extra)
         if not samplers:
             return {}
         tokens, logprobs = sample(logits.cpu(), samplers)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.cache.block_pool import BlockPool
 from pdserve.cache.prefix_cache import block_hash
+from pdserve.common.images import block_extra
 from pdserve.config import SchedulerConfig
 from pdserve.engine.request import Request, RequestStatus
 
@@ -66,6 +67,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
+        # VLM prompts: False while the request's images lack embeddings (engine/image_inputs.py).
+        self.inputs_ready: Callable[[Request], bool] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -101,7 +104,8 @@ class Scheduler:
         while len(req.block_hashes) < num_blocks:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else None
-            req.block_hashes.append(block_hash(parent, req.all_token_ids[i * bs:(i + 1) * bs], req.cache_salt))
+            extra = block_extra(req.images, i * bs, (i + 1) * bs) if req.images else None
+            req.block_hashes.append(block_hash(parent, req.all_token_ids[i * bs:(i + 1) * bs], req.cache_salt, extra))
         return req.block_hashes[:num_blocks]
 
     def _match_prefix(self, req: Request) -> list[int]:
@@ -199,6 +203,9 @@ class Scheduler:
                 if not self._admit_loading(req, hit, step):
                     break
                 self._mark_inflight(req, inflight)
+                continue
+            if req.images and self.inputs_ready is not None and not self.inputs_ready(req):
+                req.num_computed_tokens = 0     # its images are being encoded
                 continue
             if fetch and self._admit_fetch(req, hit, fetch, step):
                 self._mark_inflight(req, inflight)

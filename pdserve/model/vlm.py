@@ -84,10 +84,11 @@ def load_llava_dir(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor], Visi
     return arch, text, VisionBundle(spec, vision, processing, "<image>")
 
 
-# tiny-llava: tiny-llama's decoder (SmolLM2's vocabulary) behind a 2-layer CLIP tower on 32x32
-# images (16 patches, so 16 image tokens). SmolLM2 has no <image> token: an unused special one stands in.
+# tiny-llava: tiny-qwen2's decoder (SmolLM2's vocabulary; tiny-llama's greedy output ignores its
+# context) behind a 2-layer CLIP tower on 32x32 images (16 patches, so 16 image tokens). SmolLM2
+# has no <image> token: an unused special one stands in.
 TINY_IMAGE_TOKEN, TINY_PLACEHOLDER = 16, "<empty_output>"
-TINY_VLMS = {"tiny-llava": "tiny-llama"}
+TINY_VLMS = {"tiny-llava": "tiny-qwen2"}
 
 
 def tiny_vision_bundle(arch: ModelArch, seed: int) -> VisionBundle:

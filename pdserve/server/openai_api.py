@@ -13,11 +13,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 # Torch-free imports only: the router runs these handlers too (tests/test_import_contracts.py).
 from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed
+from pdserve.common.images import ImageInput, ImageSlots, expand_image_tokens
 from pdserve.common.outputs import RequestOutput, TokenLogprob
 from pdserve.common.sampling import SamplingParams
 from pdserve.common.tokenizer import TokenizerWrapper
+from pdserve.config import VisionConfig
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_card, new_id, now
-from pdserve.server.chat_content import chat_messages
+from pdserve.server.chat_content import chat_inputs, chat_messages
 from pdserve.server.errors import APIError, BodySizeLimit, error_body, install_error_handlers
 from pdserve.server.metrics import RequestTimer, ServerMetrics
 
@@ -37,6 +39,7 @@ class Choice:
     finish_reason: str | None = None
     cache_salt: str | None = None
     prefill_peer: str | None = None     # the prefill worker the router chose (PD deployments)
+    images: list[ImageInput] = field(default_factory=list)     # a VLM prompt's images
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
@@ -88,6 +91,8 @@ class OpenAIHandlers:
         self.model_name = model_name
         self.timer = timer
         self.encoder = encoder or InlineEncoder(tokenizer)
+        self.vision: ImageSlots | None = None       # set for a vision-language model: image_url parts are read
+        self.vision_limits = VisionConfig()
 
     def _envelope(self, base_id: str, obj: str, **fields: Any) -> dict[str, Any]:
         """The fields every OpenAI response and chunk starts with."""
@@ -124,7 +129,9 @@ class OpenAIHandlers:
             rid = f"{base_id}-{c.index}"
             self.timer.start(rid, time.monotonic())
             try:
-                async for out in self.engine.generate(rid, c.prompt_ids, c.params, c.cache_salt, c.prefill_peer):
+                extra = {"images": c.images} if c.images else {}
+                async for out in self.engine.generate(rid, c.prompt_ids, c.params, c.cache_salt, c.prefill_peer,
+                                                      **extra):
                     await queue.put((c, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 await queue.put((c, e))
@@ -234,9 +241,18 @@ class OpenAIHandlers:
 
     async def chat(self, req: ChatCompletionRequest, http: Request):
         self._check_model(req.model)
-        messages = chat_messages(req.messages, self.model_name)
+        images: list[ImageInput] = []
+        if self.vision is None:
+            messages = chat_messages(req.messages, self.model_name)
+        else:       # decoding images takes a while: off the event loop
+            inputs = await asyncio.to_thread(chat_inputs, req.messages, self.model_name, self.vision.placeholder,
+                                             self.vision_limits)
+            messages = inputs.messages
         try:
             prompt = await self.encoder.encode_chat(messages)
+            if self.vision is not None and inputs.images:
+                prompt, images = expand_image_tokens(prompt, self.vision.image_token_id, self.vision.tokens_per_image,
+                                                     inputs.images)
         except ValueError as e:
             raise APIError(400, str(e), "messages", "invalid_value") from e
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -248,6 +264,8 @@ class OpenAIHandlers:
         except InvalidParam as e:
             raise APIError(400, str(e), e.param, "invalid_value") from e
         choices = self._choices([prompt], params, req.n, req.cache_salt, http.headers.get(PREFILL_HEADER))
+        for c in choices:
+            c.images = images
         base_id = new_id("chatcmpl")
         tok = self.tokenizer
 
