@@ -74,7 +74,9 @@ def create_router_app(config: Config) -> FastAPI:
             await registry.check_all(client)
             for w in registry.workers.values():
                 if w.healthy and (h := w.health) is not None:
-                    feed.watch(h.kv_events_endpoint, h.kv_events_snapshot_endpoint)
+                    # A new pid or snapshot port: the worker restarted, its indexed blocks are gone.
+                    feed.watch(h.kv_events_endpoint, h.kv_events_snapshot_endpoint, h.worker_id,
+                               (h.pid, h.kv_events_snapshot_endpoint))
                     # The context is the decode side's: a prefill worker's may be longer or shorter.
                     if w.role != "prefill" and not backend.max_model_len and h.max_model_len:
                         backend.max_model_len = h.max_model_len

@@ -2,6 +2,15 @@
 
 Workers report their event endpoints in /health; the feed subscribes to each one it sees, takes a
 snapshot first (so a restarted router rebuilds the index), then applies events.
+
+A worker that restarts comes back with none of its blocks, often under the same name and event
+endpoint, and before it publishes anything the index would go on crediting it with the old
+process's blocks. The router tells the feed each worker's instance (its pid and snapshot endpoint,
+a free port per start): a new instance drops the worker's entries at once and resubscribes, the
+new subscriber starting from a snapshot. A seq gap in the events (a restart the router did not see,
+or PUB drops) also asks for a snapshot (cache/kv_index.py). Snapshots are fetched outside the
+index lock (routing reads the index on the event loop), and one that times out (a worker gone
+silent) is retried after a pause instead of stalling the other workers' events each round.
 """
 from __future__ import annotations
 
@@ -13,38 +22,86 @@ from pdserve.cache.kv_events import KVEventSubscriber
 from pdserve.cache.kv_index import KVIndex
 
 log = logging.getLogger(__name__)
+SNAPSHOT_TIMEOUT_S = 2.0
+SNAPSHOT_RETRY_S = 5.0
 
 
 class IndexFeed:
     def __init__(self) -> None:
         self.index = KVIndex()
         self.lock = threading.Lock()
-        self._subs: dict[str, KVEventSubscriber] = {}      # event endpoint -> subscriber
+        self._subs: dict[str, KVEventSubscriber] = {}      # event endpoint -> subscriber (kv-index thread)
+        self._retry_at: dict[str, float] = {}               # event endpoint -> next snapshot try (kv-index thread)
+        # Written by the event loop, read by the kv-index thread (single dict operations).
         self._wanted: dict[str, str | None] = {}           # event endpoint -> snapshot endpoint
+        self._instances: dict[str, object] = {}            # event endpoint -> the worker's instance
+        self._renewed: set[str] = set()                     # endpoints whose subscriber must be remade
+        self.restarts_seen = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-index", daemon=True)
         self._thread.start()
 
-    def watch(self, endpoint: str | None, snapshot_endpoint: str | None) -> None:
-        if endpoint and endpoint not in self._wanted:
+    def watch(self, endpoint: str | None, snapshot_endpoint: str | None, name: str | None = None,
+              instance: object = None) -> None:
+        """Follow a worker's events. `instance`: what identifies its process (a restart changes it);
+        a different one than last time drops `name`'s entries and resubscribes from a snapshot."""
+        if not endpoint:
+            return
+        known = self._instances.get(endpoint)
+        self._instances[endpoint] = instance
+        if endpoint not in self._wanted:
             self._wanted[endpoint] = snapshot_endpoint
+        elif instance is not None and known is not None and known != instance:
+            log.info("worker %s restarted (%s -> %s): dropping its %d indexed blocks until its snapshot",
+                     name or endpoint, known, instance, self.blocks_of(name))
+            self.restarts_seen += 1
+            self._wanted[endpoint] = snapshot_endpoint
+            self._renewed.add(endpoint)
+            if name:
+                with self.lock:
+                    self.index.remove_worker(name)
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            for ep in list(self._renewed):
+                self._renewed.discard(ep)
+                old = self._subs.pop(ep, None)
+                if old is not None:
+                    old.close()
+                self._retry_at.pop(ep, None)
             for ep, snap in list(self._wanted.items()):
                 if ep not in self._subs:
                     self._subs[ep] = KVEventSubscriber(ep, snap)
             busy = False
             for ep, sub in list(self._subs.items()):
                 try:
-                    with self.lock:
-                        busy |= sub.update(self.index) > 0
-                except (TimeoutError, OSError) as e:
+                    busy |= self._update(ep, sub)
+                except (TimeoutError, OSError, ValueError) as e:
                     log.debug("KV events from %s: %s", ep, e)
             if not busy:
                 time.sleep(0.01)
         for sub in self._subs.values():
             sub.close()
+
+    def _update(self, ep: str, sub: KVEventSubscriber) -> bool:
+        """Apply `sub`'s new events, then a snapshot when the index lacks or lost its worker's state."""
+        events = sub.poll()
+        if events:
+            with self.lock:
+                for ev in events:
+                    self.index.apply(ev)
+        if sub.snapshot_endpoint is None:
+            return bool(events)
+        with self.lock:
+            wanted = sub.worker_id is None or sub.worker_id in self.index.needs_snapshot
+        now = time.monotonic()
+        if wanted and now >= self._retry_at.get(ep, 0.0):
+            self._retry_at[ep] = now + SNAPSHOT_RETRY_S      # cleared on success; a silent worker waits
+            snap = sub.snapshot(SNAPSHOT_TIMEOUT_S)
+            with self.lock:
+                self.index.apply_snapshot(snap)
+            self._retry_at.pop(ep, None)
+        return bool(events)
 
     def match(self, hashes: list[bytes], registry) -> dict[str, tuple[int, str]]:
         """Cached leading blocks per registry worker id (the index knows workers by their own names)."""

@@ -90,12 +90,15 @@ class PDCluster:
         self.wait_healthy(set(ROLES))
 
     def start_worker(self, name: str) -> ServerProcess:
+        """Start (or restart: a fresh process, the same host, ports and name) a worker."""
         h = self.host(name)
+        starts = len(h.procs)
         cmd = pdserve_cmd() + ["worker", "--role", ROLES[name], "--config", str(self.config_path), "--host", h.ip,
                                "--port", str(PORT), "--kv-port", str(KV_PORT),
                                "--kv-events-endpoint", f"tcp://{h.ip}:{EVENTS_PORT}",
                                "--router-url", self.host("router").url(PORT), "--threads", "1"]
-        srv = self.procs[name] = self.net.start(h, name, cmd, PORT, env=thread_env(1))
+        log = name if not starts else f"{name}-{starts + 1}"
+        srv = self.procs[name] = self.net.start(h, log, cmd, PORT, env=thread_env(1))
         return srv
 
     # ------------------------------------------------------------------ the router's view

@@ -125,3 +125,40 @@ def test_decode_host_link_down_mid_stream_is_migrated(cluster):
     cluster.wait_healthy(set(ROLES))
     cluster.idle_pools()
     print(f"FAULT decode_link_down ok={ok} failed={failed} slowest_request_s={recovered:.1f}")
+
+
+def test_restarted_worker_loses_its_stale_index_entries_then_rebuilds(cluster):
+    killed: dict = {}
+
+    def fault() -> None:
+        killed["name"] = name = _busy_decode(cluster)
+        killed["blocks"] = cluster.workers()[name]["kv_index_blocks"]
+        cluster.procs[name].kill()
+
+    outs = cluster.load([prompt(i) for i in range(30, 36)], MAX_TOKENS, fault)
+    ok, failed = _check(outs, 30, 60)
+    assert failed == 0
+    name = killed["name"]
+    assert killed["blocks"] > 0
+    # The dead process's blocks are still indexed (nothing told the router otherwise) ...
+    assert cluster.workers()[name]["kv_index_blocks"] > 0
+    cluster.start_worker(name).wait_ready(timeout=120)
+    t0 = time.monotonic()
+    cluster.wait_healthy({name})
+    # ... until the router sees the new process: its entries go before it serves anything.
+    wait_until(lambda: cluster.workers()[name]["kv_index_blocks"] == 0, 10, "the restarted worker's stale entries dropped")
+    dropped_s = time.monotonic() - t0
+    # It rebuilds from what the new process holds (snapshot, then events).
+    for i in range(40, 48):
+        before = _requests(cluster)
+        r = httpx.post(cluster.router.url + "/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": prompt(i, 100), "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        if _requests(cluster)[name] > before[name]:
+            break
+    else:
+        raise AssertionError(f"no request went to the restarted {name}")
+    wait_until(lambda: cluster.workers()[name]["kv_index_blocks"] == cluster.health(name)["prefix_cache_blocks"] > 0,
+               20, "the index to rebuild the restarted worker's blocks")
+    cluster.idle_pools()
+    print(f"FAULT decode_restart ok={ok} failed={failed} stale_entries_dropped_s_after_ready={dropped_s:.1f}")
