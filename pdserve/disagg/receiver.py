@@ -240,7 +240,8 @@ class DecodeConnector(KVConnector):
                          req.num_cached_blocks, self.endpoint, os.getpid(), HOST, self.shm_path, self.kv_shape,
                          self.elem_size, self.block_size, self.model,
                          **self._pool_fields(), output_token_ids=list(req.output_token_ids), transfer_id=tid,
-                         issued_at=time.time(), max_model_len=self.max_model_len, compat=self.compat)
+                         issued_at=time.time(), max_model_len=self.max_model_len, compat=self.compat,
+                         images=[im.to_wire() for im in req.images])
         self.pending[req.request_id] = Pending(req, peer, Transfer(req.request_id, self.deadlines, now), tid)
         self.accept_writes(req.request_id, req.block_ids[req.num_cached_blocks:], tid)   # cached ones are shared
         self._post_out(peer, job.to_wire())

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from pdserve.cache.kv_cache import raw_bytes_view
+from pdserve.common.images import ImageInput
 from pdserve.config import Config
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.sink import KVSink, WriterFactory
@@ -245,7 +246,8 @@ class PrefillConnector(KVConnector):
                 sink = KVSink(job, Transfer(job.request_id, self.deadlines, now), job.dst_start_block)
                 sink.transfer.on("accepted", now)
                 engine.add_request(job.request_id, job.prompt_token_ids, params, cache_salt=job.cache_salt,
-                                   kv_sink=sink, output_token_ids=job.output_token_ids)
+                                   kv_sink=sink, output_token_ids=job.output_token_ids,
+                                   images=[ImageInput.from_wire(d) for d in job.images])
             except Exception as e:  # noqa: BLE001 - answered to the decode worker
                 code = e.code if isinstance(e, JobRefused) else None
                 log.log(logging.ERROR if code else logging.WARNING, "rejecting prefill job %s: %s",
