@@ -169,6 +169,8 @@ class LLMEngine:
             self.tiers.close()
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.images is not None:
+            self.images.close()         # encoder processes it spawned
         if hasattr(self.model, "close"):
             self.model.close()          # expert-parallel ranks
 

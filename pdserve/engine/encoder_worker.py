@@ -1,0 +1,94 @@
+"""An encoder worker: a process holding a VLM's vision tower and projector (not its decoder),
+answering encode jobs from engines over ZeroMQ (`pdserve encoder`, or spawned by an engine for
+vision.encoder_processes).
+
+Wire (msgpack maps with a "type", nothing pickled; encoder_pool.py is the other end):
+  engine -> encoder (DEALER -> ROUTER): {"type": "encode", "job", "images": [file bytes, ...]}
+  encoder -> engine: {"type": "embeds", "job", "shape": [tokens, hidden], "dtype": "float32",
+                      "error": None or why} followed by one raw frame per image (its embeddings).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from pdserve.common.images import ImageError, open_image
+from pdserve.config import Config
+from pdserve.protocol import pack, unpack
+
+log = logging.getLogger(__name__)
+ENCODE, EMBEDS = "encode", "embeds"
+
+
+class EncoderWorker:
+    def __init__(self, config: Config) -> None:
+        from pdserve.model.loader import load_model_files, torch_dtype
+
+        mc = config.model
+        if config.server.threads:
+            torch.set_num_threads(config.server.threads)
+        loaded = load_model_files(mc.name, mc.seed)
+        if loaded.vision is None:
+            raise ValueError(f"the model {mc.name!r} has no vision tower to serve")
+        self.bundle = loaded.vision
+        self.encoder = self.bundle.encoder(torch_dtype(mc.dtype), mc.device)
+        self.max_pixels = config.vision.max_image_pixels
+        self.jobs_total = 0
+        del loaded                      # the decoder's weights are not needed here
+
+    def encode(self, images: list[bytes]) -> np.ndarray:
+        """[images, tokens, hidden] float32; ImageError for an image that cannot be read."""
+        pixels = torch.stack([torch.from_numpy(self.bundle.processing.pixels(open_image(d, self.max_pixels)))
+                              for d in images])
+        return self.encoder(pixels).float().cpu().numpy()
+
+    def answer(self, msg: dict[str, Any]) -> list[bytes]:
+        """The reply frames to one request message."""
+        job = msg.get("job")
+        if msg.get("type") != ENCODE or not isinstance(msg.get("images"), list):
+            return [pack({"type": EMBEDS, "job": job, "error": f"unknown message {msg.get('type')!r}"})]
+        try:
+            out = self.encode([bytes(d) for d in msg["images"]])
+        except (ImageError, ValueError, RuntimeError) as e:
+            return [pack({"type": EMBEDS, "job": job, "error": str(e)})]
+        self.jobs_total += 1
+        head = {"type": EMBEDS, "job": job, "shape": list(out.shape[1:]), "dtype": "float32", "error": None}
+        return [pack(head)] + [np.ascontiguousarray(e).tobytes() for e in out]
+
+    def serve(self, endpoint: str, stop: Any = None) -> None:
+        """Answer jobs on `endpoint` (bound here) until SIGTERM or `stop()` is true."""
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(endpoint)
+        log.info("encoder worker for %s on %s", self.bundle.spec.kind, endpoint)
+        try:
+            while not (stop and stop()):
+                if not sock.poll(200):
+                    continue
+                frames = sock.recv_multipart()
+                ident, body = frames[0], frames[-1]
+                try:
+                    msg = unpack(body)
+                except Exception as e:  # noqa: BLE001 - a malformed message is answered, not fatal
+                    sock.send_multipart([ident, pack({"type": EMBEDS, "job": None, "error": f"bad message: {e}"})])
+                    continue
+                sock.send_multipart([ident, *self.answer(msg)])
+        finally:
+            sock.close()
+
+
+def run_encoder(overrides: dict[str, Any], endpoint: str) -> None:
+    """Entry of a spawned encoder process (encoder_pool.py), configured by dotted `overrides`;
+    dies with its engine."""
+    from pdserve.config import load_config
+    from pdserve.utils.process import die_with_parent
+
+    die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    EncoderWorker(load_config(None, overrides)).serve(endpoint)

@@ -1,0 +1,84 @@
+"""Encoder workers: tiny-llava's images encoded in separate processes (vision.encoder_processes)
+give the same greedy output as in the engine process, jobs spread over the encoders, and an
+image an encoder cannot read or an encoder that never answers ends the request with an error
+(by vision.encode_timeout_s), never a hang; pools back to start."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+from vlm_images import image_chat
+
+from pdserve import SamplingParams
+from pdserve.common.images import ImageInput
+from pdserve.engine.encoder_pool import pick_encoder
+from pdserve.engine.llm import LLM
+from pdserve.model.loader import load_model_files
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model_files("tiny-llava")
+
+
+def test_pick_encoder_least_loaded_then_round_robin():
+    assert pick_encoder([3, 1, 2], last=0) == 1
+    assert pick_encoder([0, 0, 0], last=0) == 1
+    assert pick_encoder([0, 0, 0], last=2) == 0
+    assert pick_encoder([1, 0, 0], last=1) == 2
+
+
+def _run(llm, rid_prompts):
+    eng = llm.engine
+    for rid, (ids, images) in rid_prompts.items():
+        eng.add_request(rid, ids, GREEDY, images=images)
+    outs: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    deadline = time.monotonic() + 120
+    while eng.has_unfinished():
+        assert time.monotonic() < deadline, eng.stats()
+        for out in eng.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.error:
+                errors[out.request_id] = out.error
+    return outs, errors
+
+
+@pytest.mark.slow      # two spawned processes load the model
+def test_encoder_processes_equal_in_process(loaded):
+    local = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256)
+    convs = [image_chat(1), image_chat(2, 3), image_chat(4)]
+    want = [o.token_ids for o in local.chat(convs, GREEDY)]
+    pooled = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256, vision__encoder_processes=2)
+    try:
+        prompts = {f"r{i}": pooled._chat_prompt(c) for i, c in enumerate(convs)}
+        got, errors = _run(pooled, prompts)
+        assert not errors and [got[f"r{i}"] for i in range(3)] == want
+        pool = pooled.engine.images.pool
+        assert pool.jobs_total == 3 and len({ep for ep in pool.endpoints}) == 2
+        assert pool.outstanding == [0, 0] and not pool.jobs
+        # A file the encoder cannot decode (the API would have refused it): the request ends with an error.
+        ids, images = prompts["r0"]
+        bad = [ImageInput(im.offset, im.length, b"x" * 16, b"not an image") for im in images]
+        _, errors = _run(pooled, {"bad": (ids, bad)})
+        assert "not a decodable image" in errors["bad"]
+        assert pooled.engine.pool.num_free == pooled.engine.pool.num_blocks
+    finally:
+        pooled.engine.close()
+    assert all(not p.is_alive() for p in pool.processes)
+
+
+def test_an_encoder_that_never_answers_fails_the_request_by_its_deadline(loaded):
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        llm = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256,
+                  vision__encoder_endpoints=[f"tcp://127.0.0.1:{port}"], vision__encode_timeout_s=0.5)
+        _, errors = _run(llm, {"r": llm._chat_prompt(image_chat(1))})
+        assert "within 0.5 s" in errors["r"]
+        assert llm.engine.pool.num_free == llm.engine.pool.num_blocks and not llm.engine.images.pending
+    finally:
+        sock.close(0)
