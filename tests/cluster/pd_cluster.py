@@ -22,6 +22,9 @@ MODEL = "tiny-qwen2"     # random weights, fast; greedy output depends on the KV
 TOKEN = "cluster-internal-token"
 PORT, KV_PORT, EVENTS_PORT, REDIS_PORT = 8000, 5556, 5557, 6379
 ROLES = {"prefill-a": "prefill", "prefill-b": "prefill", "decode-a": "decode", "decode-b": "decode"}
+# prefill-b sends KV at this rate (transfer.bandwidth_limit): a slow link, and a transfer long enough
+# (a 400-token prompt of tiny-qwen2 is ~200 KB) to cut mid-way.
+SLOW_PREFILL, SLOW_BYTES_PER_S = "prefill-b", 256_000
 
 CONFIG = {
     "model": {"name": MODEL},
@@ -78,6 +81,8 @@ class PDCluster:
             self.procs["redis"] = srv
         self.config_path = self.workdir / "pdserve.yaml"
         self.config_path.write_text(yaml.safe_dump(cfg))
+        self.slow_config_path = self.workdir / "pdserve-slow.yaml"
+        self.slow_config_path.write_text(yaml.safe_dump({**cfg, "transfer": {"bandwidth_limit": SLOW_BYTES_PER_S}}))
         r = self.host("router")
         self.procs["router"] = self.net.start(
             r, "router", pdserve_cmd() + ["router", "--config", str(self.config_path), "--host", r.ip,
@@ -93,7 +98,8 @@ class PDCluster:
         """Start (or restart: a fresh process, the same host, ports and name) a worker."""
         h = self.host(name)
         starts = len(h.procs)
-        cmd = pdserve_cmd() + ["worker", "--role", ROLES[name], "--config", str(self.config_path), "--host", h.ip,
+        config = self.slow_config_path if name == SLOW_PREFILL else self.config_path
+        cmd = pdserve_cmd() + ["worker", "--role", ROLES[name], "--config", str(config), "--host", h.ip,
                                "--port", str(PORT), "--kv-port", str(KV_PORT),
                                "--kv-events-endpoint", f"tcp://{h.ip}:{EVENTS_PORT}",
                                "--router-url", self.host("router").url(PORT), "--threads", "1"]

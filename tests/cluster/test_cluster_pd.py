@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 from cluster.cluster_hosts import unavailable, wait_until
-from cluster.pd_cluster import MODEL, ROLES, PDCluster, prompt
+from cluster.pd_cluster import MODEL, ROLES, SLOW_PREFILL, PDCluster, prompt
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 96
@@ -162,3 +162,89 @@ def test_restarted_worker_loses_its_stale_index_entries_then_rebuilds(cluster):
                20, "the index to rebuild the restarted worker's blocks")
     cluster.idle_pools()
     print(f"FAULT decode_restart ok={ok} failed={failed} stale_entries_dropped_s_after_ready={dropped_s:.1f}")
+
+
+def _mid_transfer(c: PDCluster, timeout: float = 10.0) -> bool:
+    """Wait until the slow prefill host is writing a job's KV (a job in flight and bytes sent since
+    the call); False when none was seen within `timeout` (the fault then meets its next jobs)."""
+    sent = c.health(SLOW_PREFILL)["kv_send_bytes_total"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h = c.health(SLOW_PREFILL)
+        if h.get("kv_prefill_jobs_active", 0) > 0 and h["kv_send_bytes_total"] > sent:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _long_prompts(first: int, n: int) -> list[list[int]]:
+    return [prompt(i, 400) for i in range(first, first + n)]
+
+
+def test_prefill_host_link_down_mid_transfer(cluster):
+    import threading
+    cut: dict = {}
+
+    def fault() -> None:
+        caught = _mid_transfer(cluster)
+        cluster.net.link(cluster.host(SLOW_PREFILL), up=False)
+        cut.update(name=SLOW_PREFILL, caught=caught, at=time.monotonic())
+
+    t = threading.Thread(target=fault)
+    prompts = _long_prompts(50, 8)
+    try:
+        t.start()
+        outs = cluster.load(prompts, 48)
+        t.join()
+    finally:
+        t.join()
+        if "name" in cut:
+            cluster.net.link(cluster.host(cut["name"]), up=True)
+    for i, o in enumerate(outs):
+        if o.error is None:
+            assert o.text == _want_long(50 + i), (i, o)
+    ok = sum(o.error is None for o in outs)
+    failed = len(outs) - ok
+    assert all(o.seconds < 60 for o in outs) and failed == 0, outs
+    slowest = max(o.seconds for o in outs)
+    cluster.wait_healthy(set(ROLES))
+    cluster.idle_pools()
+    dec = [cluster.health(n) for n in ("decode-a", "decode-b")]
+    fallbacks = sum(h["kv_local_prefill_fallbacks_total"] for h in dec)
+    print(f"FAULT prefill_link_down ok={ok} failed={failed} slowest_request_s={slowest:.1f} "
+          f"caught_in_flight={cut['caught']} local_fallbacks={fallbacks}")
+
+
+@functools.lru_cache(maxsize=None)
+def _want_long(i: int) -> str:
+    from pdserve import SamplingParams
+    return _offline().generate(prompt(i, 400), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0].text
+
+
+def test_prefill_stopped_then_resumed(cluster):
+    import threading
+    stopped: dict = {}
+
+    def fault() -> None:
+        name, caught = SLOW_PREFILL, _mid_transfer(cluster)
+        cluster.net.pause(cluster.procs[name], True)
+        stopped.update(name=name, caught=caught)
+        time.sleep(10)          # longer than every transfer deadline
+        cluster.net.pause(cluster.procs[name], False)
+        stopped["resumed"] = True
+
+    t = threading.Thread(target=fault)
+    try:
+        t.start()
+        outs = cluster.load(_long_prompts(60, 8), 48)
+        t.join()
+    finally:
+        t.join()
+        if "name" in stopped and "resumed" not in stopped:
+            cluster.net.pause(cluster.procs[stopped["name"]], False)
+    for i, o in enumerate(outs):
+        assert o.error is None and o.text == _want_long(60 + i), (i, o)
+    slowest = max(o.seconds for o in outs)
+    cluster.wait_healthy(set(ROLES))
+    cluster.idle_pools()
+    print(f"FAULT prefill_sigstop ok={len(outs)} failed=0 slowest_request_s={slowest:.1f} caught_in_flight={stopped['caught']}")
