@@ -46,7 +46,7 @@ class EncoderPool:
         self.endpoints = endpoints
         self.timeout_s = timeout_s
         self.processes = processes or []        # encoder processes this pool spawned (ends them on close)
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         self.socks = []
         self.poller = zmq.Poller()
         for ep in endpoints:
@@ -119,7 +119,7 @@ class EncoderPool:
                 except ValueError:
                     log.warning("encoder sent a malformed message")
                     continue
-                job = self._end(msg.get("job")) if msg.get("type") == EMBEDS else None
+                job = self._end(str(msg.get("job"))) if msg.get("type") == EMBEDS else None
                 if job is None:
                     continue                    # cancelled, timed out, or not ours
                 if msg.get("error") is not None or len(frames) - 1 != job.images:
@@ -138,7 +138,7 @@ class EncoderPool:
         return out
 
     def wait(self, timeout: float) -> None:
-        self.poller.poll(timeout * 1000)
+        self.poller.poll(int(timeout * 1000))
 
     def stats(self) -> dict[str, float]:
         return {"encoder_jobs_total": self.jobs_total, "encoder_failures_total": self.failures_total,

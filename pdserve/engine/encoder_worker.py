@@ -63,7 +63,7 @@ class EncoderWorker:
 
     def serve(self, endpoint: str, stop: Any = None) -> None:
         """Answer jobs on `endpoint` (bound here) until SIGTERM or `stop()` is true."""
-        sock = zmq.Context.instance().socket(zmq.ROUTER)
+        sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(endpoint)
         log.info("encoder worker for %s on %s", self.bundle.spec.kind, endpoint)

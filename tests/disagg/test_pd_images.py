@@ -54,3 +54,12 @@ def test_pd_images_equal_mixed(prompts):
     # blocks hit the decode worker's cache, and what is left is prefilled there with no image to encode.
     assert pimages.images_encoded_total == 3 and dimages.images_encoded_total == 0
     assert dstats["prefix_cache_hit_tokens"] >= prompts[0][1][0].offset + 16 - 4
+
+
+@pytest.mark.slow      # the prefill worker spawns an encoder process
+def test_pd_images_through_encoder_workers_equal_mixed(prompts):
+    """The prefill worker's images go to its encoder worker; the embeddings come back over ZeroMQ."""
+    want = _mixed(prompts)
+    got, _, _, pimages, _ = run_pd(prompts, {"vision.encoder_processes": 1})
+    assert got == want
+    assert pimages.pool is not None and pimages.pool.jobs_total == 2 and pimages.images_encoded_total == 3
