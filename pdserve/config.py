@@ -138,6 +138,8 @@ class RouterConfig:
     ip_allowlist: list[str] = field(default_factory=list)   # CIDRs; empty: everyone
     requests_per_minute: int | None = None   # per API key (per client IP without keys)
     tokens_per_minute: int | None = None     # prompt + completion tokens, per API key
+    # Redis URL where router replicas keep those buckets together (unset: each replica its own).
+    shared_limits: str | None = None
     max_prompt_tokens: int | None = None     # longer prompts get a 400 (the context limit applies anyway)
     tls_cert: str | None = None
     tls_key: str | None = None

@@ -164,7 +164,7 @@ def _cores(v: list[int]) -> str | None:
 
 
 FORMATS: dict[str, Callable[[Any], str | None]] = {
-    "model.name": _non_empty, "model.device": _device, "cache.remote": _remote,
+    "model.name": _non_empty, "model.device": _device, "cache.remote": _remote, "router.shared_limits": _remote,
     "cache.kv_events_endpoint": _zmq_endpoint, "cache.kv_events_snapshot_endpoint": _zmq_endpoint,
     "server.router_url": _router_url, "disagg.prefill_endpoints": _zmq_endpoints,
     "transfer.bandwidth_limit": _bandwidth, "deployment.pd_ratio": _pd_ratio,

@@ -27,7 +27,8 @@ from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Registry
 from pdserve.router.role_switch import SwitchRefused, switch_role
-from pdserve.router.security import Allowlist, RateLimiter, SecurityMiddleware
+from pdserve.router.security import Allowlist, SecurityMiddleware
+from pdserve.router.shared_limits import rate_limiter
 from pdserve.server.errors import error_response
 from pdserve.server.internal_api import internal_token
 from pdserve.server.metrics import RequestTimer, ServerMetrics
@@ -58,7 +59,7 @@ def create_router_app(config: Config) -> FastAPI:
     server_metrics = ServerMetrics(fleet_stats)
     metrics = RouterMetrics(server_metrics.registry, registry)
     timer = RequestTimer(server_metrics)
-    limiter = RateLimiter(rc.requests_per_minute, rc.tokens_per_minute)
+    limiter = rate_limiter(rc.requests_per_minute, rc.tokens_per_minute, rc.shared_limits)
     encoder = EncoderPool(config.model.name, rc.encoder_workers)
     tokenizer = encoder.local or load_tokenizer(config.model.name)     # for detokenizing the streams
     feed = IndexFeed()

@@ -72,6 +72,10 @@ class RateLimiter:
             r.level -= 1
         return 0.0
 
+    async def check(self, who: str, now: float) -> float:
+        """admit() as the middleware calls it (shared_limits.py decides in Redis instead)."""
+        return self.admit(who, now)
+
     def charge_tokens(self, who: str, n: int, now: float) -> None:
         if self.tpm:
             self._bucket(self.tokens, who, self.tpm, now).level -= n
@@ -128,7 +132,7 @@ class SecurityMiddleware:
                 who = key or who
             # Workers' registrations and heartbeats come every health period: not a client's budget.
             if reject is None and kind != "registration":
-                wait = self.limiter.admit(who, time.monotonic())
+                wait = await self.limiter.check(who, time.monotonic())
                 if wait > 0:
                     reject = error_response(429, "rate limit exceeded for this key", code="rate_limit_exceeded",
                                             headers={"Retry-After": str(max(1, int(wait + 0.999)))})
