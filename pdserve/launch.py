@@ -122,6 +122,16 @@ def wait_healthy(workers: list[WorkerProcess], timeout: float = 600.0) -> None:
         time.sleep(0.3)
 
 
+def _local_fleet(config: Config, workers: list[WorkerProcess], log_dir: Path):
+    """The controller's way to start and stop this deployment's workers (None: no controller here)."""
+    if not config.controller.enabled or config.controller.backend != "local":
+        return None
+    from pdserve.local_fleet import LocalFleet
+    host = config.server.host if config.server.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    scheme = "https" if config.router.tls_cert else "http"
+    return LocalFleet(config, workers, log_dir / "deployment.yaml", log_dir, f"{scheme}://{host}:{config.server.port}")
+
+
 def serve_pd(config: Config, sock=None) -> None:
     from pdserve.router.gateway import create_router_app
     from pdserve.server.serving import run_uvicorn
@@ -132,7 +142,7 @@ def serve_pd(config: Config, sock=None) -> None:
     try:
         wait_healthy(workers)
         config.router.workers = [*config.router.workers, *({"url": w.url, "role": w.role} for w in workers)]
-        app = create_router_app(config)
+        app = create_router_app(config, _local_fleet(config, workers, log_dir))
         log.info("serving %s on http://%s:%d (%d prefill, %d decode workers)", config.model.name,
                  config.server.host, config.server.port, *instance_counts(config))
         run_uvicorn(app, config, tls=True, sock=sock)

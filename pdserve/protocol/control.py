@@ -18,6 +18,12 @@ class RoleChange(BaseModel):
     drain_timeout_s: float | None = Field(default=None, ge=0)
 
 
+class LeaveRequest(BaseModel):
+    """Body of `POST /internal/leave`: the worker empties itself before a scale-down stops it."""
+    model_config = ConfigDict(extra="forbid")
+    drain_timeout_s: float | None = Field(default=None, ge=0)
+
+
 class RoleChanged(BaseModel):
     """A worker's answer to `POST /internal/role`: its role and KV endpoint now."""
     role: str

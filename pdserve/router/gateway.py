@@ -22,6 +22,7 @@ from pdserve.protocol.control import RoleChange
 from pdserve.router.access import Access, KeyStore, exposure_warnings
 from pdserve.router.admission import Admission
 from pdserve.router.backend import RemoteBackend
+from pdserve.router.controller import Controller, Fleet
 from pdserve.router.encoder import EncoderPool, load_tokenizer
 from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
@@ -39,7 +40,8 @@ _SUMMED = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_ca
            "prefill_tokens_computed", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
 
 
-def create_router_app(config: Config) -> FastAPI:
+def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
+    """`fleet`: how the controller starts and stops workers (pdserve serve passes its local one)."""
     rc = config.router
     token = internal_token(config.server.internal_token)
     registry = Registry(rc.breaker_failures, rc.breaker_cooldown_s, rc.heartbeat_timeout_s,
@@ -68,6 +70,13 @@ def create_router_app(config: Config) -> FastAPI:
     admission = Admission(rc.max_concurrent, rc.max_queue, rc.queue_timeout_s)
     backend = RemoteBackend(config, registry, tokenizer, client, metrics, feed, admission,
                             lambda who, n: limiter.charge_tokens(who, n, time.monotonic()), timer.on_output)
+    controller = None
+    if config.controller.enabled:
+        if fleet is None and config.controller.backend == "kubernetes":
+            from pdserve.router.k8s_fleet import KubernetesFleet
+            fleet = KubernetesFleet(config.controller)
+        controller = Controller(config, registry, client, server_metrics.ttft, server_metrics.itl, fleet,
+                                server_metrics.registry)
     handlers = OpenAIHandlers(backend, tokenizer, model_name, timer, encoder=encoder)
 
     async def health_loop() -> None:
@@ -86,10 +95,13 @@ def create_router_app(config: Config) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         task = asyncio.create_task(health_loop())
+        control = asyncio.create_task(controller.run()) if controller is not None else None
         await encoder.warm_up()
         yield
         backend.accepting = False
         task.cancel()
+        if control is not None:
+            control.cancel()
         await client.aclose()
         feed.close()
         encoder.close()
@@ -154,6 +166,11 @@ def create_router_app(config: Config) -> FastAPI:
         except SwitchRefused as e:
             return error_response(e.status, str(e), "role", e.code)
         return w.describe()
+
+    @app.get("/admin/controller")
+    async def controller_decisions():
+        """The controller's decisions, newest last (empty when controller.enabled is false)."""
+        return controller.describe() if controller is not None else []
 
     @app.delete("/admin/workers/{worker_id}")
     async def deregister(worker_id: str):

@@ -81,3 +81,25 @@ async def switch_role(registry: Registry, client: httpx.AsyncClient, w: Worker, 
         return changed
     finally:
         w.draining = False
+
+
+async def empty_worker(registry: Registry, client: httpx.AsyncClient, w: Worker, drain_timeout_s: float) -> int:
+    """Before a scale-down stops `w`: no new work, its requests finish until the deadline, the rest
+    move to other workers. `w` stays draining (it is about to go). Returns how many moved."""
+    if w.role in ("decode", "mixed") and not serving_decode(registry, but=w):
+        raise SwitchRefused(409, f"worker {w.worker_id!r} is the last decode worker taking requests", "last_decode")
+    t0 = time.monotonic()
+    w.draining = True
+    await drain(w, t0 + drain_timeout_s)
+    left = max(0.0, t0 + drain_timeout_s - time.monotonic())
+    try:
+        r = await client.post(w.url + "/internal/leave", json={"drain_timeout_s": left}, headers=registry.headers,
+                              timeout=left + 120.0)
+    except httpx.HTTPError as e:
+        raise SwitchRefused(502, f"worker {w.worker_id!r} did not answer: {e}", "worker_failed") from e
+    if r.status_code != 200:
+        raise SwitchRefused(502, f"worker {w.worker_id!r} could not empty itself: {r.text[:200]}", "worker_failed")
+    moved = RoleChanged.model_validate(r.json()).moved
+    await drain(w, time.monotonic() + 10.0)         # the moved streams' last lines
+    log.info("worker %s emptied in %.2fs (%d requests moved)", w.worker_id, time.monotonic() - t0, moved)
+    return moved

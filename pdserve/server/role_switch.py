@@ -6,6 +6,8 @@ here get `drain_timeout_s` to finish, the rest are given up as `RequestMoved` (t
 each stream on another worker; a prefill job's decode worker falls back to another peer). Then,
 on the engine thread with nothing in flight, the old role's KV connector closes and the new one
 opens on the same pool. The KV endpoint changes; the reply and /health carry the new one.
+
+`POST /internal/leave` empties a worker the same way before it is stopped (a scale-down).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from fastapi import FastAPI
 from pdserve.config import Config
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
-from pdserve.protocol.control import RoleChange, RoleChanged
+from pdserve.protocol.control import LeaveRequest, RoleChange, RoleChanged
 from pdserve.server.errors import APIError
 from pdserve.server.roles import build_connector, kv_pool_in_shm
 
@@ -35,11 +37,14 @@ class RoleSwitch:
         self.engine = engine
         self.role = config.worker.role
         self.switching = False
+        self.leaving = False
         self.switches_total = 0
         self.moved_total = 0            # requests given up to be continued elsewhere
         self.changed = asyncio.Event()  # set after each switch: registration re-registers
 
     def refusal(self) -> str | None:
+        if self.leaving:
+            return "the worker is leaving the fleet"
         return f"the worker is switching from {self.role}" if self.switching else None
 
     def _idle(self) -> bool:
@@ -71,14 +76,7 @@ class RoleSwitch:
         self.switching = True
         t0 = time.monotonic()
         try:
-            moved = 0
-            if not await self._wait_idle(t0 + drain_timeout_s):
-                moved = await asyncio.wrap_future(self.engine.evacuate(f"worker switching to {role}"))
-                log.info("role switch: %d requests moved off after %.1fs", moved, drain_timeout_s)
-                grace = self.config.disagg.quarantine_timeout_s + 5.0
-                if not await self._wait_idle(time.monotonic() + grace):
-                    raise APIError(503, f"the worker did not go idle within {grace:.0f}s of giving its requests up",
-                                   code="switch_timeout")
+            moved = await self._empty(drain_timeout_s, f"worker switching to {role}")
             while not await asyncio.wrap_future(self.engine.call(lambda e: self._swap(e, role))):
                 await asyncio.sleep(_POLL_S)     # a peer's message came in between: drain it first
             old, self.role = self.role, role
@@ -89,6 +87,26 @@ class RoleSwitch:
             return self.describe(moved=moved)
         finally:
             self.switching = False
+
+    async def _empty(self, drain_timeout_s: float, why: str) -> int:
+        """Let the requests here finish until the deadline, then give the rest up; returns how many
+        were given up. New requests are refused meanwhile (the caller set a refusal)."""
+        if await self._wait_idle(time.monotonic() + drain_timeout_s):
+            return 0
+        moved = await asyncio.wrap_future(self.engine.evacuate(why))
+        log.info("%s: %d requests moved off after %.1fs", why, moved, drain_timeout_s)
+        grace = self.config.disagg.quarantine_timeout_s + 5.0
+        if not await self._wait_idle(time.monotonic() + grace):
+            raise APIError(503, f"the worker did not go idle within {grace:.0f}s of giving its requests up",
+                           code="drain_timeout")
+        return moved
+
+    async def leave(self, drain_timeout_s: float) -> dict:
+        """Empty the worker before it stops (a scale-down): from now on it refuses new work for good."""
+        self.leaving = True
+        moved = await self._empty(drain_timeout_s, "worker leaving")
+        self.moved_total += moved
+        return self.describe(moved=moved)
 
     def _swap(self, engine: LLMEngine, role: str) -> bool:
         """On the engine thread: close the old connector and open the new one; False while busy."""
@@ -110,3 +128,8 @@ def install_role_route(app: FastAPI, switch: RoleSwitch) -> None:
     async def set_role(change: RoleChange):
         drain = change.drain_timeout_s if change.drain_timeout_s is not None else switch.config.server.shutdown_timeout_s
         return RoleChanged(**await switch.switch(change.role, drain)).model_dump()
+
+    @app.post("/internal/leave")
+    async def leave(req: LeaveRequest):
+        drain = req.drain_timeout_s if req.drain_timeout_s is not None else switch.config.server.shutdown_timeout_s
+        return RoleChanged(**await switch.leave(drain)).model_dump()

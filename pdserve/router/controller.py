@@ -1,0 +1,182 @@
+"""The autoscaler (controller: config, off by default), a task in the router process.
+
+Every `controller.interval_s` it reads the fleet (TTFT and inter-token latency p90 over the interval
+from the router's own histograms, decode KV usage, running and waiting requests from the workers'
+health, queued prefill tokens from the router's accounting), asks the pure policy
+(router/scaling_policy.py) what to do, and does it: a role switch through the router (drain,
+switch in place: router/role_switch.py), or a worker added or removed through a `Fleet` (local
+processes: pdserve/local_fleet.py; Kubernetes Deployments: router/k8s_fleet.py). A removal empties
+the worker first, so no request is lost. Every decision, holds included, is kept with its inputs
+and reason for `GET /admin/controller`; actions are counted in /metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Protocol
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.config import Config
+from pdserve.protocol.control import ControllerDecision
+from pdserve.router.registry import Registry, Worker
+from pdserve.router.role_switch import SwitchRefused, empty_worker, switch_role
+from pdserve.router.scaling_policy import Decision, Params, Reading, State, decide, pressures
+
+log = logging.getLogger(__name__)
+
+
+class Fleet(Protocol):
+    """Starts and stops workers of a pool (the controller switches roles itself)."""
+
+    async def add(self, role: str) -> str:
+        """Start one worker of `role`; returns what was started (it registers with the router itself)."""
+        ...
+
+    async def remove(self, w: Worker) -> None:
+        """Stop the worker `w` (already emptied by the controller)."""
+        ...
+
+    def starting(self, registered: set[str]) -> int:
+        """Workers it started that are alive and not yet among the `registered` URLs."""
+        ...
+
+
+class NoFleet:
+    """Where nothing can start or stop workers: the controller only switches roles."""
+
+    async def add(self, role: str) -> str:
+        raise RuntimeError("this router cannot start workers (run it with `pdserve serve`, or controller.backend "
+                           "kubernetes)")
+
+    async def remove(self, w: Worker) -> None:
+        raise RuntimeError("this router cannot stop workers")
+
+    def starting(self, registered: set[str]) -> int:
+        return 0
+
+
+def buckets(hist: Histogram) -> list[tuple[float, float]]:
+    """A histogram's cumulative (upper bound, count) pairs now."""
+    return [(float(s.labels["le"]), s.value) for m in hist.collect() for s in m.samples if s.name.endswith("_bucket")]
+
+
+def quantile_between(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float | None:
+    """The q-quantile of what a cumulative histogram observed between two snapshots, interpolated
+    within its bucket (as Prometheus' histogram_quantile); None when it observed nothing."""
+    prev = dict(before)
+    counts = [(le, c - prev.get(le, 0.0)) for le, c in after]
+    total = counts[-1][1] if counts else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lo, below = 0.0, 0.0
+    for le, c in counts:
+        if c >= rank:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * ((rank - below) / (c - below) if c > below else 1.0)
+        lo, below = le, c
+    return lo
+
+
+class Controller:
+    def __init__(self, config: Config, registry: Registry, client: httpx.AsyncClient, ttft: Histogram,
+                 itl: Histogram, fleet: Fleet | None, metrics: CollectorRegistry) -> None:
+        self.cc = config.controller
+        self.params = Params.from_config(self.cc)
+        self.registry, self.client = registry, client
+        self.ttft, self.itl = ttft, itl
+        self.fleet: Fleet = fleet or NoFleet()
+        self.state = State()
+        self.decisions: deque[ControllerDecision] = deque(maxlen=1000)
+        self._snap = (buckets(ttft), buckets(itl))
+        self.m_actions = Counter("pdserve_controller_actions", "Controller actions carried out, by action and outcome",
+                                 ["action", "outcome"], registry=metrics)
+        self.m_pressure = Gauge("pdserve_controller_pressure", "Pool figure over its SLO at the last reading",
+                                ["pool"], registry=metrics)
+        self.m_workers = Gauge("pdserve_controller_workers", "Workers taking work, by role, at the last reading",
+                               ["role"], registry=metrics)
+
+    def serving(self, role: str) -> list[Worker]:
+        return [w for w in self.registry.workers.values() if w.role == role and w.healthy and not w.draining]
+
+    def read(self, now: float) -> Reading:
+        """The fleet over the interval since the last reading."""
+        snap = (buckets(self.ttft), buckets(self.itl))
+        ttft = quantile_between(self._snap[0], snap[0], 0.9)
+        itl = quantile_between(self._snap[1], snap[1], 0.9)
+        self._snap = snap
+        pre, dec = self.serving("prefill"), self.serving("decode")
+        health = [w.health for w in pre + dec if w.health is not None]
+        dec_usage = [w.health.kv_usage for w in dec if w.health is not None]
+        return Reading(now, len(pre), len(dec), None if ttft is None else ttft * 1000, None if itl is None else itl * 1000,
+                       sum(dec_usage) / len(dec_usage) if dec_usage else 0.0,
+                       sum(w.queued_prefill_tokens for w in pre + dec), sum(h.running for h in health),
+                       sum(h.waiting for h in health),
+                       self.fleet.starting({w.url for w in self.registry.workers.values() if w.healthy}))
+
+    async def step(self) -> ControllerDecision:
+        reading = self.read(time.monotonic())
+        decision, self.state = decide(reading, self.state, self.params)
+        pre, dec = pressures(reading, self.params)
+        self.m_pressure.labels("prefill").set(pre)
+        self.m_pressure.labels("decode").set(dec)
+        self.m_workers.labels("prefill").set(reading.n_prefill)
+        self.m_workers.labels("decode").set(reading.n_decode)
+        if decision.action == "hold":
+            return self._record(decision, None, decision.reason, True)
+        worker, ok, reason = None, True, decision.reason
+        try:
+            worker = await self._carry_out(decision)
+        except (SwitchRefused, RuntimeError, httpx.HTTPError) as e:
+            ok, reason = False, f"{decision.reason}; failed: {e}"
+            log.warning("controller: %s failed: %s", decision.action, e)
+        self.m_actions.labels(decision.action, "ok" if ok else "failed").inc()
+        return self._record(decision, worker, reason, ok)
+
+    def _record(self, d: Decision, worker: str | None, reason: str, ok: bool) -> ControllerDecision:
+        entry = ControllerDecision(time=time.time(), action=d.action, worker=worker, reason=reason, inputs=d.inputs,
+                                   ok=ok)
+        self.decisions.append(entry)
+        if d.action != "hold":
+            log.info("controller: %s %s: %s", d.action, worker or "", reason)
+        return entry
+
+    async def _carry_out(self, d: Decision) -> str | None:
+        verb, role = d.action.split("_", 1)[0], d.action.rsplit("_", 1)[1]
+        drain_s = self.cc.drain_timeout_s
+        if verb == "add":
+            return await self.fleet.add(role)
+        source = role if verb == "remove" else ("decode" if role == "prefill" else "prefill")
+        candidates = sorted(self.serving(source), key=lambda w: (w.in_flight, w.worker_id))
+        if not candidates:
+            raise RuntimeError(f"no {source} worker to take")
+        w = candidates[0]
+        if verb == "switch":
+            await switch_role(self.registry, self.client, w, role, drain_s)
+            return w.worker_id
+        if isinstance(self.fleet, NoFleet):
+            await self.fleet.remove(w)          # raises before the worker is emptied for nothing
+        await empty_worker(self.registry, self.client, w, drain_s)
+        try:
+            await self.fleet.remove(w)
+        except BaseException:
+            w.draining = False                  # still running: back into service
+            raise
+        self.registry.deregister(w.worker_id)
+        return w.worker_id
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cc.interval_s)
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 - the loop outlives one bad reading
+                log.exception("controller step failed")
+
+    def describe(self) -> list[dict]:
+        return [d.model_dump() for d in self.decisions]

@@ -1,0 +1,136 @@
+"""The autoscaler's decisions: a pure function of one reading of the fleet, the state carried from
+the readings before, and the parameters (controller: config). The controller (router/controller.py)
+reads the fleet, calls `decide` and carries out what it returns; tests replay metric traces through
+`decide` alone.
+
+Pressure is a pool's figure against its SLO: the prefill pool's is TTFT p90 / slo_ttft_ms, the
+decode pool's the larger of ITL p90 / slo_tpot_ms and decode KV usage / kv_usage_high. A pool is
+hot above `high` and cold below `low`. Hysteresis, so that it never flaps:
+- a condition acts only after it held for `sustain_intervals` readings in a row;
+- a switch takes a worker only from a cold pool, so the pool it leaves must be well under its SLO
+  (not merely under `high`), and moving it back needs the reverse condition, sustained;
+- after any action nothing happens for `cooldown_s`, nor while a worker it started has not yet
+  registered; the counts start again after that.
+Order of preference: a hot pool takes a worker from a cold pool (a switch costs no start-up),
+else a new worker below `max_workers`; when both pools stay cold, one worker goes (drained first)
+down to `min_workers`. Each pool keeps at least one worker.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+ACTIONS = ("hold", "switch_to_prefill", "switch_to_decode", "add_prefill", "add_decode", "remove_prefill",
+           "remove_decode")
+
+
+@dataclass(frozen=True)
+class Params:
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    kv_usage_high: float = 0.9
+    high: float = 1.0
+    low: float = 0.5
+    sustain_intervals: int = 3
+    cooldown_s: float = 30.0
+    min_workers: int = 2
+    max_workers: int = 4
+
+    @classmethod
+    def from_config(cls, c) -> Params:
+        return cls(c.slo_ttft_ms, c.slo_tpot_ms, c.kv_usage_high, c.high, c.low, c.sustain_intervals, c.cooldown_s,
+                   c.min_workers, c.max_workers)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """The fleet over one interval. Latencies are None when no request produced one in it."""
+    time: float                              # monotonic seconds
+    n_prefill: int
+    n_decode: int
+    ttft_p90_ms: float | None = None
+    itl_p90_ms: float | None = None
+    decode_kv_usage: float = 0.0             # mean over the decode pool
+    queued_prefill_tokens: int = 0           # the router's figure, summed over the fleet
+    running: int = 0
+    waiting: int = 0
+    starting: int = 0                        # workers started and not yet registered
+
+
+@dataclass(frozen=True)
+class State:
+    prefill_hot: int = 0                     # readings in a row with the prefill pool hot
+    decode_hot: int = 0
+    prefill_cold: int = 0
+    decode_cold: int = 0
+    last_action_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str
+    reason: str
+    inputs: dict[str, float]
+
+
+def pressures(r: Reading, p: Params) -> tuple[float, float]:
+    """(prefill, decode) pressure: 1.0 is a pool exactly at its SLO."""
+    pre = (r.ttft_p90_ms or 0.0) / p.slo_ttft_ms
+    dec = max((r.itl_p90_ms or 0.0) / p.slo_tpot_ms, r.decode_kv_usage / p.kv_usage_high)
+    return pre, dec
+
+
+def _count(n: int, cond: bool) -> int:
+    return n + 1 if cond else 0
+
+
+def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
+    pre, dec = pressures(r, p)
+    inputs = {"prefill_pressure": round(pre, 4), "decode_pressure": round(dec, 4), "n_prefill": r.n_prefill,
+              "n_decode": r.n_decode, "ttft_p90_ms": r.ttft_p90_ms or 0.0, "itl_p90_ms": r.itl_p90_ms or 0.0,
+              "decode_kv_usage": r.decode_kv_usage, "queued_prefill_tokens": r.queued_prefill_tokens,
+              "running": r.running, "waiting": r.waiting, "starting": r.starting}
+    last = s.last_action_at
+    if last is not None and r.time - last < p.cooldown_s:
+        # Readings while the last action settles count for nothing.
+        return Decision("hold", f"cooldown: {p.cooldown_s - (r.time - last):.0f}s left", inputs), State(last_action_at=last)
+    if r.starting:
+        # Figures without the new worker say nothing of the fleet with it: wait for it, from zero.
+        return Decision("hold", f"{r.starting} worker(s) starting", inputs), State(last_action_at=last)
+    # An interval with no traffic at all says nothing about latency: the pools are idle, hence cold.
+    s = replace(s, prefill_hot=_count(s.prefill_hot, pre > p.high), decode_hot=_count(s.decode_hot, dec > p.high),
+                prefill_cold=_count(s.prefill_cold, pre < p.low), decode_cold=_count(s.decode_cold, dec < p.low))
+
+    def hold(reason: str) -> tuple[Decision, State]:
+        return Decision("hold", reason, inputs), s
+
+    def act(action: str, reason: str) -> tuple[Decision, State]:
+        return Decision(action, reason, inputs), State(last_action_at=r.time)
+
+    total = r.n_prefill + r.n_decode
+    n = p.sustain_intervals
+    pre_short, dec_short = s.prefill_hot >= n, s.decode_hot >= n
+    if pre_short and dec_short:
+        role = "prefill" if pre >= dec else "decode"
+        if total < p.max_workers:
+            return act(f"add_{role}", f"both pools over their SLOs for {n} intervals ({pre:.2f}, {dec:.2f}); "
+                                      f"the {role} pool more")
+        return hold(f"both pools over their SLOs and the fleet is at max_workers ({p.max_workers})")
+    for role, short, other_cold, n_other, pressure in (
+            ("prefill", pre_short, s.decode_cold >= n, r.n_decode, pre),
+            ("decode", dec_short, s.prefill_cold >= n, r.n_prefill, dec)):
+        if not short:
+            continue
+        other = "decode" if role == "prefill" else "prefill"
+        what = f"{role} pressure {pressure:.2f} over {p.high:g} for {n} intervals"
+        if other_cold and n_other > 1:
+            return act(f"switch_to_{role}", f"{what}; the {other} pool is under {p.low:g}")
+        if total < p.max_workers:
+            return act(f"add_{role}", f"{what}; no spare {other} worker")
+        return hold(f"{what}, but no spare {other} worker and the fleet is at max_workers ({p.max_workers})")
+    if s.prefill_cold >= 2 * n and s.decode_cold >= 2 * n and total > p.min_workers:
+        # Scale-down waits twice as long as scale-up: a wrong removal costs a start-up to undo.
+        role = "prefill" if r.n_prefill > 1 and (r.n_prefill >= r.n_decode or r.n_decode <= 1) else "decode"
+        if (r.n_prefill if role == "prefill" else r.n_decode) > 1:
+            return act(f"remove_{role}", f"both pools under {p.low:g} for {2 * n} intervals; "
+                                         f"{total} workers > min_workers ({p.min_workers})")
+    return hold("within the SLOs")

@@ -1,0 +1,98 @@
+"""The controller in a real deployment (`pdserve serve`: router + worker processes, controller.backend
+local) while four clients stream:
+- scale-down: with the fleet far under its SLOs it removes a worker down to min_workers, emptying
+  it first: no request fails, outputs equal the offline engine's, the process is gone;
+- scale-up: with every request over the SLOs it starts a worker up to max_workers, which registers
+  itself and takes requests.
+Every decision is at GET /admin/controller (newest last, with time, action, worker, reason) and
+the actions are counted in /metrics."""
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+import yaml
+from load_client import ADMIN, MODEL, Load, admin, offline_outputs, pool_at_start, wait_for, workers
+
+from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
+
+pytestmark = pytest.mark.slow
+
+
+def _deployment(tmp_path, name: str, prefill: int, decode: int, controller: dict) -> ServerProcess:
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "router": {"admin_keys": [ADMIN], "health_period_s": 0.2},
+        "controller": {"enabled": True, "interval_s": 0.5, "sustain_intervals": 2, "cooldown_s": 3.0,
+                       "drain_timeout_s": 0.2, "min_workers": 2, "max_workers": 3, **controller}}))
+    port = free_port()
+    cmd = pdserve_cmd() + ["serve", "--model", MODEL, "--prefill", str(prefill), "--decode", str(decode),
+                           "--port", str(port), "--config", str(cfg)]
+    return ServerProcess(cmd, port, tmp_path / f"{name}.log")
+
+
+def _actions(url: str) -> list[dict]:
+    return [d for d in admin(url, "GET", "/admin/controller").json() if d["action"] != "hold"]
+
+
+def test_scale_down_empties_the_worker_first(tmp_path):
+    want = offline_outputs()
+    # SLOs no request comes near: both pools stay cold, so the controller sheds a worker.
+    with _deployment(tmp_path, "down", 1, 2, {"slo_ttft_ms": 1e7, "slo_tpot_ms": 1e7}) as srv:
+        srv.wait_ready(timeout=300)
+        url = srv.url
+        before = workers(url)
+        load = Load(url)
+        try:
+            [removed] = wait_for(lambda: _actions(url), "no scale-down", timeout=120)
+            load.progress(8, "no progress after the scale-down")
+        finally:
+            load.finish()
+        assert removed["action"] == "remove_decode" and removed["ok"], removed
+        assert {"time", "action", "worker", "reason", "inputs"} <= set(removed)
+        gone = before[removed["worker"]]
+        assert removed["worker"] not in workers(url)
+        wait_for(lambda: not os.path.exists(f"/proc/{gone['pid']}") or _zombie(gone["pid"]), "worker still running")
+        assert load.errors == []
+        assert load.wrong(want) == []
+        for w in workers(url).values():
+            pool_at_start(w["url"])
+        # At min_workers: it holds from now on, whatever the figures say.
+        assert len(workers(url)) == 2 and len(_actions(url)) == 1
+        holds = admin(url, "GET", "/admin/controller").json()
+        assert holds[-1]["action"] == "hold" and holds[-1]["time"] >= removed["time"]
+        metrics = httpx.get(url + "/metrics").text
+        assert 'pdserve_controller_actions_total{action="remove_decode",outcome="ok"} 1.0' in metrics
+
+
+def test_scale_up_starts_a_worker_that_takes_requests(tmp_path):
+    want = offline_outputs()
+    # SLOs every request misses: both pools hot, below max_workers, so the controller adds one.
+    with _deployment(tmp_path, "up", 1, 1, {"slo_ttft_ms": 0.001, "slo_tpot_ms": 0.001}) as srv:
+        srv.wait_ready(timeout=300)
+        url = srv.url
+        load = Load(url)
+        try:
+            [added] = wait_for(lambda: _actions(url), "no scale-up", timeout=120)
+            assert added["action"] in ("add_prefill", "add_decode") and added["ok"], added
+            role = added["action"].split("_")[1]
+            new = wait_for(lambda: [w for w in workers(url).values() if w["healthy"] and w["id"].startswith(role + "@")],
+                           "the new worker never registered", timeout=180)
+            wait_for(lambda: workers(url)[new[0]["id"]]["requests"] > 0, "the new worker took no request", timeout=120)
+            load.progress(4, "no progress after the scale-up")
+        finally:
+            load.finish()
+        assert load.errors == []
+        assert load.wrong(want) == []
+        assert len(workers(url)) == 3 and len(_actions(url)) == 1     # at max_workers: holds
+        for w in workers(url).values():
+            pool_at_start(w["url"])
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"

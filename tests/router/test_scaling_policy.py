@@ -1,0 +1,100 @@
+"""The autoscaler's policy on replayed metric traces (a pure function: no processes, no clocks).
+
+Each trace is a list of readings one interval apart; `replay` carries the state through `decide`
+and applies each action to the fleet's counts, as the controller would once it is carried out."""
+from __future__ import annotations
+
+from pdserve.router.scaling_policy import ACTIONS, Params, Reading, State, decide
+
+P = Params(slo_ttft_ms=1000, slo_tpot_ms=100, high=1.0, low=0.5, sustain_intervals=3, cooldown_s=20,
+           min_workers=2, max_workers=4)
+INTERVAL = 5.0
+
+
+def replay(trace: list[tuple[float | None, float | None]], n_prefill: int = 1, n_decode: int = 2,
+           params: Params = P, kv: float = 0.0) -> list[tuple[int, str]]:
+    """trace: (ttft p90 ms, itl p90 ms) per interval. Returns (interval, action) of every non-hold."""
+    state, acted = State(), []
+    for i, (ttft, itl) in enumerate(trace):
+        d, state = decide(Reading(i * INTERVAL, n_prefill, n_decode, ttft, itl, kv), state, params)
+        assert d.action in ACTIONS and d.reason
+        if d.action == "hold":
+            continue
+        acted.append((i, d.action))
+        verb, role = d.action.split("_", 1)[0], d.action.rsplit("_", 1)[1]
+        if verb == "switch":
+            n_prefill, n_decode = (n_prefill + 1, n_decode - 1) if role == "prefill" else (n_prefill - 1, n_decode + 1)
+        elif verb == "add":
+            n_prefill, n_decode = (n_prefill + 1, n_decode) if role == "prefill" else (n_prefill, n_decode + 1)
+        else:
+            n_prefill, n_decode = (n_prefill - 1, n_decode) if role == "prefill" else (n_prefill, n_decode - 1)
+        assert n_prefill >= 1 and n_decode >= 1 and params.min_workers <= n_prefill + n_decode <= params.max_workers
+    return acted
+
+
+def test_noise_around_the_threshold_never_acts():
+    # TTFT jitters across the SLO every other interval; decode is idle throughout.
+    trace = [(1100.0 if i % 2 else 900.0, 20.0) for i in range(60)]
+    assert replay(trace) == []
+    # Two readings over, one under, repeated: never three in a row.
+    trace = [(1200.0, 20.0), (1300.0, 20.0), (800.0, 20.0)] * 20
+    assert replay(trace) == []
+
+
+def test_sustained_prefill_pressure_takes_a_cold_decode_worker_once_then_cools_down():
+    trace = [(2000.0, 20.0)] * 12
+    # Three hot readings -> a switch at interval 2; the pressure stays (the new worker is warming
+    # up) but the cooldown (20 s = 4 intervals) holds, then the counts start again from zero.
+    acted = replay(trace, n_prefill=1, n_decode=3)
+    assert acted[0] == (2, "switch_to_prefill")
+    assert all(b - a >= 4 + 3 - 1 for (a, _), (b, _) in zip(acted, acted[1:])), acted
+
+
+def test_no_spare_decode_worker_adds_one_below_max_and_holds_at_max():
+    hot_both_ways = [(2000.0, 90.0)] * 6      # decode is busy (not cold): nothing to take from it
+    assert replay(hot_both_ways, n_prefill=1, n_decode=2) == [(2, "add_prefill")]
+    assert replay(hot_both_ways, n_prefill=2, n_decode=2) == []          # at max_workers: hold
+
+
+def test_phase_shifts_move_workers_back_and_forth_without_flapping():
+    prompt_heavy = [(2500.0, 30.0)] * 10
+    gen_heavy = [(200.0, 250.0)] * 10
+    acted = replay(prompt_heavy + gen_heavy + prompt_heavy, n_prefill=1, n_decode=2,
+                   params=Params(**{**P.__dict__, "max_workers": 3}))
+    assert [a for _, a in acted] == ["switch_to_prefill", "switch_to_decode", "switch_to_prefill"], acted
+    # Each switch comes 3 readings into its phase (sustain), never within the cooldown of another.
+    assert [i for i, _ in acted] == [2, 12, 22]
+
+
+def test_scale_down_waits_twice_as_long_and_stops_at_min_workers():
+    idle = [(None, None)] * 40
+    acted = replay(idle, n_prefill=2, n_decode=2)
+    assert [a for _, a in acted] == ["remove_prefill", "remove_decode"], acted
+    assert acted[0][0] == 5                  # 2 x sustain readings
+    # Back at min_workers (2): nothing more, however long it stays idle.
+    assert replay(idle, n_prefill=1, n_decode=1) == []
+
+
+def test_kv_usage_counts_as_decode_pressure():
+    trace = [(100.0, 10.0)] * 5
+    assert replay(trace, n_prefill=2, n_decode=1, kv=0.95) == [(2, "switch_to_decode")]
+    assert replay(trace, n_prefill=2, n_decode=1, kv=0.5) == []
+
+
+def test_nothing_more_while_a_started_worker_has_not_registered():
+    hot = Reading(0.0, 1, 1, 5000.0, 500.0)
+    state = State()
+    actions = []
+    for i in range(40):
+        # The fleet stays hot; the worker added first takes 20 readings to register.
+        starting = 1 if actions and i < 20 else 0
+        n_decode = 2 if actions and i >= 20 else 1
+        d, state = decide(Reading(i * INTERVAL, 1, n_decode, hot.ttft_p90_ms, hot.itl_p90_ms, starting=starting),
+                          state, P)
+        if d.action != "hold":
+            actions.append((i, d.action))
+        elif starting:
+            assert "starting" in d.reason or "cooldown" in d.reason
+    # One add at the third hot reading; nothing while it starts; then the counts start from zero.
+    assert actions[0] == (2, "add_prefill")
+    assert all(i >= 20 + 3 - 1 for i, _ in actions[1:]), actions
