@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.common.images import ImageInput, block_extra
 from pdserve.protocol import KVEventType
 
 # listener(kind, block_hash, parent): kind is "stored" (after an insert) or "removed" (after an eviction).
@@ -34,12 +35,14 @@ def block_hash(parent: bytes | None, token_ids: list[int], salt: str | None = No
     return h.digest()
 
 
-def prompt_hashes(token_ids: list[int], block_size: int, salt: str | None = None) -> list[bytes]:
-    """Chained hashes of every full block of `token_ids`."""
+def prompt_hashes(token_ids: list[int], block_size: int, salt: str | None = None,
+                  images: Sequence[ImageInput] = ()) -> list[bytes]:
+    """Chained hashes of every full block of `token_ids` (with `images`: of a VLM prompt's)."""
     out: list[bytes] = []
     parent = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start:start + block_size], salt)
+        extra = block_extra(list(images), start, start + block_size) if images else None
+        parent = block_hash(parent, token_ids[start:start + block_size], salt, extra)
         out.append(parent)
     return out
 

@@ -140,6 +140,46 @@ class ImageInput:
     def from_wire(cls, d: dict[str, Any]) -> ImageInput:
         return cls(int(d["offset"]), int(d["length"]), bytes(d["digest"]), bytes(d["data"]))
 
+    def to_json(self) -> dict[str, Any]:
+        """For the router's JSON request to a worker: digest in hex, file bytes in base64."""
+        return {"offset": self.offset, "length": self.length, "digest": self.digest.hex(),
+                "data": base64.b64encode(self.data).decode()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ImageInput:
+        """ValueError for a malformed one; the digest is computed again, never trusted."""
+        try:
+            data = base64.b64decode(d["data"], validate=True)
+            return cls(int(d["offset"]), int(d["length"]), image_digest(data), data)
+        except (KeyError, TypeError, binascii.Error) as e:
+            raise ValueError(f"malformed image ({e})") from None
+
+
+# Built-in test VLMs (model/vlm.py builds them): the router places their images without the model.
+TINY_IMAGE_SLOTS = {"tiny-llava": ImageSlots("<empty_output>", 16, 16)}
+
+
+def image_slots(model: str) -> ImageSlots | None:
+    """How a model's prompts hold images, from its name or config.json alone (torch-free, for the
+    router); None for a text-only model."""
+    import json
+    from pathlib import Path
+
+    if model in TINY_IMAGE_SLOTS:
+        return TINY_IMAGE_SLOTS[model]
+    cfg_path = Path(model).expanduser() / "config.json"
+    if not cfg_path.is_file():
+        return None
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("model_type") != "llava" and "LlavaForConditionalGeneration" not in (cfg.get("architectures") or []):
+        return None
+    vc = cfg.get("vision_config") or {}
+    clip = "siglip" not in vc.get("model_type", "clip")
+    patches = (vc.get("image_size", 336) // vc.get("patch_size", 14)) ** 2
+    default = cfg.get("vision_feature_select_strategy", "default") == "default"
+    return ImageSlots("<image>", int(cfg.get("image_token_index", cfg.get("image_token_id", 32000))),
+                      patches + int(clip) - int(default))
+
 
 def block_extra(images: list[ImageInput], start: int, end: int) -> bytes | None:
     """The digests of the images overlapping prompt positions [start, end) (a block), or None."""

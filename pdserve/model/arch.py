@@ -190,3 +190,20 @@ TINY_CONFIGS: dict[str, ModelArch] = {
                                    topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
                                    shared_expert_intermediate_size=64),
 }
+
+
+# Vision-language models (model/vlm.py): LLaVA's config.json nests the decoder's in text_config.
+_TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+TINY_VLMS = {"tiny-llava": "tiny-qwen2"}     # built-in tiny VLM -> the tiny decoder it uses
+
+
+def is_llava_config(cfg: dict[str, Any]) -> bool:
+    return cfg.get("model_type") == "llava" or "LlavaForConditionalGeneration" in (cfg.get("architectures") or [])
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's config.json, as ModelArch.from_hf_config reads a text model's."""
+    tc = dict(cfg.get("text_config") or {})
+    tc.setdefault("architectures", [_TEXT_ARCHS.get(tc.get("model_type", "llama"), "LlamaForCausalLM")])
+    tc.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    return tc

@@ -10,7 +10,7 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from pdserve.model.arch import SUPPORTED_ARCHITECTURES, TINY_CONFIGS, ModelArch
+from pdserve.model.arch import SUPPORTED_ARCHITECTURES, TINY_CONFIGS, TINY_VLMS, ModelArch, is_llava_config, text_config
 
 DEFAULT_MODEL = "smollm2-135m"      # the same name and file as loader.DEFAULT_MODEL (a test keeps them equal)
 GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")      # what loader.load_gguf accepts
@@ -90,12 +90,15 @@ def describe_model(name: str) -> ModelArch:
         return _gguf_arch(default_gguf_path())
     if name in TINY_CONFIGS:
         return TINY_CONFIGS[name]
+    if name in TINY_VLMS:
+        return TINY_CONFIGS[TINY_VLMS[name]]
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _gguf_arch(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: no config.json")
-        return ModelArch.from_hf_config(json.loads((path / "config.json").read_text()))
-    raise ValueError(f"unknown model {name!r}: use {DEFAULT_MODEL}, {', '.join(TINY_CONFIGS)}, a .gguf file or a "
+        cfg = json.loads((path / "config.json").read_text())
+        return ModelArch.from_hf_config(text_config(cfg) if is_llava_config(cfg) else cfg)
+    raise ValueError(f"unknown model {name!r}: use {DEFAULT_MODEL}, {', '.join([*TINY_CONFIGS, *TINY_VLMS])}, a .gguf file or a "
                      f"Hugging Face directory ({', '.join(sorted(SUPPORTED_ARCHITECTURES))})")

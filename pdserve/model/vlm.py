@@ -11,16 +11,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from pdserve.common.images import ImageInput, ImageProcessing
-from pdserve.model.arch import TINY_CONFIGS, ModelArch
+from pdserve.common.images import TINY_IMAGE_SLOTS, ImageInput, ImageProcessing
+from pdserve.model.arch import TINY_CONFIGS, TINY_VLMS, ModelArch, is_llava_config, text_config  # noqa: F401
 from pdserve.model.vision import VisionEncoder, VisionSpec, canonical_vision_name, tiny_vision_weights
-
-_TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
 
 @dataclass
 class VisionBundle:
@@ -32,18 +28,6 @@ class VisionBundle:
 
     def encoder(self, dtype: torch.dtype = torch.float32, device: str = "cpu") -> VisionEncoder:
         return VisionEncoder(self.spec, self.weights, dtype, device)
-
-
-def is_llava_config(cfg: dict[str, Any]) -> bool:
-    return cfg.get("model_type") == "llava" or "LlavaForConditionalGeneration" in (cfg.get("architectures") or [])
-
-
-def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The decoder's config.json, as ModelArch.from_hf_config reads a text model's."""
-    tc = dict(cfg.get("text_config") or {})
-    tc.setdefault("architectures", [_TEXT_ARCHS.get(tc.get("model_type", "llama"), "LlamaForCausalLM")])
-    tc.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
-    return tc
 
 
 def split_llava_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -87,8 +71,7 @@ def load_llava_dir(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor], Visi
 # tiny-llava: tiny-qwen2's decoder (SmolLM2's vocabulary; tiny-llama's greedy output ignores its
 # context) behind a 2-layer CLIP tower on 32x32 images (16 patches, so 16 image tokens). SmolLM2
 # has no <image> token: an unused special one stands in.
-TINY_IMAGE_TOKEN, TINY_PLACEHOLDER = 16, "<empty_output>"
-TINY_VLMS = {"tiny-llava": "tiny-qwen2"}
+TINY_IMAGE_TOKEN, TINY_PLACEHOLDER = TINY_IMAGE_SLOTS["tiny-llava"].image_token_id, TINY_IMAGE_SLOTS["tiny-llava"].placeholder
 
 
 def tiny_vision_bundle(arch: ModelArch, seed: int) -> VisionBundle:

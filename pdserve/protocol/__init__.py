@@ -237,6 +237,8 @@ class InternalGenerateRequest(BaseModel):
     output_token_ids: list[int] = Field(default_factory=list)
     sampling: dict[str, Any] = Field(default_factory=dict)
     cache_salt: str | None = None
+    # A VLM prompt's images (common/images.ImageInput.to_json: positions, file bytes in base64).
+    images: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class WorkerRegistration(BaseModel):

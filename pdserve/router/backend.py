@@ -20,13 +20,14 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 
 import httpx
 
 from pdserve.cache.prefix_cache import prompt_hashes
+from pdserve.common.images import ImageInput
 from pdserve.config import Config
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.errors import InvalidParam
@@ -97,14 +98,14 @@ class RemoteBackend:
         return out
 
     def route(self, context: list[int], max_tokens: int, salt: str | None,
-              exclude: set[str]) -> tuple[Route | None, str]:
+              exclude: set[str], images: Sequence[ImageInput] = ()) -> tuple[Route | None, str]:
         """The decode worker, then the prefill worker it will ask (None: no prefill pool), and the
         prompt tokens that prefill worker is expected to compute: 0 when the decode worker's cache
         leaves too little to be worth a transfer (it prefills the rest itself)."""
         t0 = time.perf_counter()
         now = time.monotonic()
         bs = self.config.cache.block_size
-        hits = self.index.match(prompt_hashes(context, bs, salt), self.registry) if self.index else {}
+        hits = self.index.match(prompt_hashes(context, bs, salt, images), self.registry) if self.index else {}
         try:
             decode, reason = self._pick("decode", len(context), max_tokens, hits, exclude, now)
             if decode is None:
@@ -133,7 +134,7 @@ class RemoteBackend:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None, prefill_peer: str | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       images: Sequence[ImageInput] = ()) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes; closing the iterator aborts it upstream."""
         key = current_key.get()
         async with self.admission.slot():
@@ -149,7 +150,7 @@ class RemoteBackend:
                 while True:
                     remaining = None if params.max_tokens is None else params.max_tokens - len(generated)
                     context = prompt_token_ids + generated      # what the chosen worker will hold
-                    route, reason = self.route(context, remaining or 16, cache_salt, failed)
+                    route, reason = self.route(context, remaining or 16, cache_salt, failed, images)
                     if route is None:
                         cause = f"; the last one failed it: {last_error}" if last_error else ""
                         raise APIError(503, f"no decode worker can take this request ({reason}){cause}",
@@ -159,7 +160,7 @@ class RemoteBackend:
                         # A migrated stream hands over what it generated as output, not as prompt: the
                         # new worker counts it for max_tokens, penalties and seeded draws.
                         stream = self._stream(route, f"{request_id}-{attempts}", prompt_token_ids,
-                                              list(generated), wire.__dict__, cache_salt)
+                                              list(generated), wire.__dict__, cache_salt, images)
                         async with aclosing(stream):
                             async for tokens, lps, finished, finish_reason in stream:
                                 out_tokens: list[int] = []
@@ -216,14 +217,14 @@ class RemoteBackend:
         return 1
 
     async def _stream(self, route: Route, rid: str, prompt: list[int], generated: list[int], sampling: dict,
-                      salt: str | None
+                      salt: str | None, images: Sequence[ImageInput] = ()
                       ) -> AsyncGenerator[tuple[list[int], list[TokenLogprob] | None, bool, str | None], None]:
         w, prefill = route.decode, route.prefill
         headers = dict(self.registry.headers)
         if prefill is not None and prefill.kv_endpoint:
             headers[PREFILL_HEADER] = prefill.kv_endpoint
         body = {"request_id": rid, "prompt_token_ids": prompt, "output_token_ids": generated, "sampling": sampling,
-                "cache_salt": salt}
+                "cache_salt": salt, "images": [im.to_json() for im in images]}
         now = time.monotonic()
         # What the worker computes before its first token is counted until that token arrives.
         charge = Charge(route, len(prompt) + len(generated),

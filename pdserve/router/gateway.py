@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 
+from pdserve.common.images import image_slots
 from pdserve.config import Config
 from pdserve.protocol import (
     INTERNAL_TOKEN_HEADER,
@@ -78,6 +79,7 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
         controller = Controller(config, registry, client, server_metrics.ttft, server_metrics.itl, fleet,
                                 server_metrics.registry)
     handlers = OpenAIHandlers(backend, tokenizer, model_name, timer, encoder=encoder)
+    handlers.vision, handlers.vision_limits = image_slots(config.model.name), config.vision   # None: text only
 
     async def health_loop() -> None:
         while True:

@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed, RequestMoved
+from pdserve.common.images import ImageInput
 from pdserve.common.sampling import SamplingParams
 from pdserve.protocol import INTERNAL_TOKEN_HEADER, InternalGenerateRequest
 from pdserve.server.errors import APIError, error_body, error_response
@@ -63,8 +64,12 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
         if refusal is not None and (why := refusal()) is not None:
             raise APIError(503, why, code="switching_role", headers={"Retry-After": "1"})
         try:
+            images = [ImageInput.from_json(d) for d in req.images]
+        except ValueError as e:
+            raise APIError(400, str(e), "images", "invalid_value") from e
+        try:
             params = SamplingParams(**req.sampling)
-            engine.engine.check_request(req.prompt_token_ids, params, req.output_token_ids)
+            engine.engine.check_request(req.prompt_token_ids, params, req.output_token_ids, images)
         except TypeError as e:
             raise APIError(400, f"bad sampling parameters: {e}", "sampling", "invalid_value") from e
         except InvalidParam as e:
@@ -75,7 +80,7 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
         async def lines():
             try:
                 async for out in engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt, peer,
-                                                 req.output_token_ids):
+                                                 req.output_token_ids, images):
                     msg = {"token_ids": out.new_token_ids,
                            "logprobs": [lp.to_wire() for lp in out.new_logprobs] or None,
                            "finished": out.finished, "finish_reason": out.finish_reason,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from paged_logits import paged_logits
 
-from pdserve.common.images import ImageProcessing, open_image
+from pdserve.common.images import ImageProcessing, ImageSlots, image_slots, open_image
 from pdserve.model.loader import build_model, default_gguf_path, load_gguf_tokenizer, load_hf_dir
 from pdserve.model.vlm import image_spans, merge_image_embeds
 from pdserve.common.images import ImageInput
@@ -59,6 +59,7 @@ def test_llava_logits_match_hf(tmp_path, strategy, layer):
     spec = loaded.vision.spec
     n_img = spec.tokens_per_image
     assert n_img == (16 if strategy == "default" else 17)
+    assert image_slots(str(tmp_path)) == ImageSlots("<image>", IMAGE_TOKEN, n_img)     # the router's view
     g = torch.Generator().manual_seed(1)
     pixels = torch.randn(2, 3, 32, 32, generator=g)
     text = torch.randint(0, 400, (30,), generator=g).tolist()
