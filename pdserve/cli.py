@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--router-url", help="register with this router and send it heartbeats")
     worker.add_argument("--port-file", help="write the bound HTTP port here once listening (with --port 0)")
     _add_engine_flags(worker)
+    encoder = sub.add_parser("encoder", help="an encoder worker: a vision-language model's vision tower, for the "
+                                             "engines that name it in vision.encoder_endpoints")
+    encoder.add_argument("--bind", required=True, help="ZMQ endpoint to answer on, e.g. tcp://0.0.0.0:5600")
+    _add_engine_flags(encoder)
     sub.add_parser("bench", help="load generator and report (pdserve bench --help)")
     return parser
 
@@ -132,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and args.dry_run:
         print(f"pdserve serve --dry-run: {args.config or 'defaults'} is valid; nothing was started\n"
               + format_plan(plan))
+        return 0
+    if args.command == "encoder":       # no HTTP port: jobs come over ZeroMQ
+        from pdserve.engine.encoder_worker import EncoderWorker
+        EncoderWorker(config).serve(args.bind)
         return 0
     if args.command == "serve":
         for warning in plan.warnings:

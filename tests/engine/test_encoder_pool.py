@@ -82,3 +82,26 @@ def test_an_encoder_that_never_answers_fails_the_request_by_its_deadline(loaded)
         assert llm.engine.pool.num_free == llm.engine.pool.num_blocks and not llm.engine.images.pending
     finally:
         sock.close(0)
+
+
+@pytest.mark.slow      # a `pdserve encoder` process loads the model
+def test_a_pdserve_encoder_process_serves_remote_engines(loaded, tmp_path):
+    import subprocess
+
+    from pdserve.bench.procs import free_port, pdserve_cmd
+
+    port = free_port()
+    log = open(tmp_path / "encoder.log", "w")
+    proc = subprocess.Popen(pdserve_cmd() + ["encoder", "--model", "tiny-llava", "--bind", f"tcp://127.0.0.1:{port}",
+                                             "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        want = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256).chat(image_chat(8), GREEDY)[0]
+        remote = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256,
+                     vision__encoder_endpoints=[f"tcp://127.0.0.1:{port}"])
+        got, errors = _run(remote, {"r": remote._chat_prompt(image_chat(8))})
+        assert not errors and got["r"] == want.token_ids
+        assert remote.engine.images.pool.jobs_total == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
