@@ -163,6 +163,12 @@ class Registry:
         if ok != w.healthy:
             log.log(logging.INFO if ok else logging.WARNING, "worker %s (%s) is %s", w.worker_id, w.url,
                     "healthy" if ok else "unhealthy")
+            if ok and w.breaker.state != BreakerState.CLOSED:
+                # Back after a partition, a stop or a restart: the failures that opened the breaker are
+                # explained. Half-open would let one request through at a time, and every stream that
+                # needs to migrate onto this worker meanwhile would find no decode worker at all.
+                log.info("worker %s: circuit breaker closed on recovery", w.worker_id)
+                w.breaker.on_success()
         w.healthy = ok
 
     async def check_all(self, client: httpx.AsyncClient) -> None:
