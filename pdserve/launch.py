@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -122,9 +123,13 @@ def wait_healthy(workers: list[WorkerProcess], timeout: float = 600.0) -> None:
         time.sleep(0.3)
 
 
+def _local_controller(config: Config) -> bool:
+    return config.controller.enabled and config.controller.backend == "local"
+
+
 def _local_fleet(config: Config, workers: list[WorkerProcess], log_dir: Path):
     """The controller's way to start and stop this deployment's workers (None: no controller here)."""
-    if not config.controller.enabled or config.controller.backend != "local":
+    if not _local_controller(config):
         return None
     from pdserve.local_fleet import LocalFleet
     host = config.server.host if config.server.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
@@ -137,6 +142,10 @@ def serve_pd(config: Config, sock=None) -> None:
     from pdserve.server.serving import run_uvicorn
 
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
+    if _local_controller(config) and not (config.server.internal_token or os.environ.get("PDSERVE_INTERNAL_TOKEN")):
+        # Workers the controller starts register themselves, which takes the internal token once the
+        # router has keys; the router and every worker (started with this environment) share one.
+        os.environ["PDSERVE_INTERNAL_TOKEN"] = secrets.token_hex(16)
     workers = start_workers(config, log_dir)
     log.info("worker logs in %s", log_dir)
     try:

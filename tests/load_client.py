@@ -21,10 +21,10 @@ def prompt(i: int) -> list[int]:
 PROMPTS = [prompt(i) for i in range(12)]
 
 
-def offline_outputs() -> list[str]:
+def offline_outputs(prompts: list[list[int]] = PROMPTS) -> list[str]:
     from pdserve import LLM, SamplingParams
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o.text for o in LLM(model=MODEL).generate(PROMPTS, params)]
+    return [o.text for o in LLM(model=MODEL).generate(prompts, params)]
 
 
 def admin(url: str, method: str, path: str, **kw) -> httpx.Response:
@@ -46,7 +46,8 @@ def wait_for(cond, what: str, timeout: float = 60.0):
 class Load:
     """Client threads streaming greedy completions until stopped; records every text and error."""
 
-    def __init__(self, url: str, threads: int = 4) -> None:
+    def __init__(self, url: str, threads: int = 4, prompts: list[list[int]] = PROMPTS) -> None:
+        self.prompts = prompts
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         self.done: list[tuple[int, str]] = []
         self.errors: list[str] = []
@@ -59,10 +60,10 @@ class Load:
         i = k
         while not self.stop.is_set():
             try:
-                stream = self.client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], temperature=0,
+                stream = self.client.completions.create(model=MODEL, prompt=self.prompts[i % len(self.prompts)], temperature=0,
                                                         max_tokens=MAX_TOKENS, stream=True,
                                                         extra_body={"ignore_eos": True})
-                self.done.append((i % len(PROMPTS), "".join(c.choices[0].text for c in stream)))
+                self.done.append((i % len(self.prompts), "".join(c.choices[0].text for c in stream)))
             except Exception as e:  # noqa: BLE001 - every failure is a finding
                 self.errors.append(f"{type(e).__name__}: {e}")
             i += len(self.threads)

@@ -13,11 +13,12 @@ import os
 import httpx
 import pytest
 import yaml
-from load_client import ADMIN, MODEL, Load, admin, offline_outputs, pool_at_start, wait_for, workers
+from load_client import ADMIN, MODEL, Load, admin, offline_outputs, pool_at_start, prompt, wait_for, workers
 
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 
 pytestmark = pytest.mark.slow
+FRESH = [prompt(i) for i in range(100, 108)]
 
 
 def _deployment(tmp_path, name: str, prefill: int, decode: int, controller: dict) -> ServerProcess:
@@ -67,7 +68,7 @@ def test_scale_down_empties_the_worker_first(tmp_path):
 
 
 def test_scale_up_starts_a_worker_that_takes_requests(tmp_path):
-    want = offline_outputs()
+    want, want_fresh = offline_outputs(), offline_outputs(FRESH)
     # SLOs every request misses: both pools hot, below max_workers, so the controller adds one.
     with _deployment(tmp_path, "up", 1, 1, {"slo_ttft_ms": 0.001, "slo_tpot_ms": 0.001}) as srv:
         srv.wait_ready(timeout=300)
@@ -79,12 +80,17 @@ def test_scale_up_starts_a_worker_that_takes_requests(tmp_path):
             role = added["action"].split("_")[1]
             new = wait_for(lambda: [w for w in workers(url).values() if w["healthy"] and w["id"].startswith(role + "@")],
                            "the new worker never registered", timeout=180)
-            wait_for(lambda: workers(url)[new[0]["id"]]["requests"] > 0, "the new worker took no request", timeout=120)
-            load.progress(4, "no progress after the scale-up")
+            # Fresh prompts, cached nowhere: the idle new worker is the cheapest place for them.
+            fresh = Load(url, threads=4, prompts=FRESH)
+            try:
+                fresh.progress(4, "no progress after the scale-up")
+            finally:
+                fresh.finish()
+            assert workers(url)[new[0]["id"]]["requests"] > 0, "the new worker took no request"
         finally:
             load.finish()
-        assert load.errors == []
-        assert load.wrong(want) == []
+        assert load.errors == [] and fresh.errors == []
+        assert load.wrong(want) == [] and fresh.wrong(want_fresh) == []
         assert len(workers(url)) == 3 and len(_actions(url)) == 1     # at max_workers: holds
         for w in workers(url).values():
             pool_at_start(w["url"])
