@@ -177,8 +177,20 @@ def image_slots(model: str) -> ImageSlots | None:
     clip = "siglip" not in vc.get("model_type", "clip")
     patches = (vc.get("image_size", 336) // vc.get("patch_size", 14)) ** 2
     default = cfg.get("vision_feature_select_strategy", "default") == "default"
-    return ImageSlots("<image>", int(cfg.get("image_token_index", cfg.get("image_token_id", 32000))),
-                      patches + int(clip) - int(default))
+    token = int(cfg.get("image_token_index", cfg.get("image_token_id", 32000)))
+    return ImageSlots(_token_text(cfg_path.parent, token), token, patches + int(clip) - int(default))
+
+
+def _token_text(model_dir: Any, token_id: int) -> str:
+    """The text of the image token (an added token of tokenizer.json), `<image>` by default."""
+    import json
+
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        for t in json.loads(path.read_text()).get("added_tokens") or []:
+            if t.get("id") == token_id and t.get("content"):
+                return str(t["content"])
+    return "<image>"
 
 
 def block_extra(images: list[ImageInput], start: int, end: int) -> bytes | None:

@@ -28,19 +28,19 @@ ENCODE, EMBEDS = "encode", "embeds"
 
 class EncoderWorker:
     def __init__(self, config: Config) -> None:
-        from pdserve.model.loader import load_model_files, torch_dtype
+        from pdserve.model.loader import torch_dtype
+        from pdserve.model.vlm import load_vision
 
         mc = config.model
         if config.server.threads:
             torch.set_num_threads(config.server.threads)
-        loaded = load_model_files(mc.name, mc.seed)
-        if loaded.vision is None:
+        bundle = load_vision(mc.name, mc.seed)          # the decoder's weights are not read
+        if bundle is None:
             raise ValueError(f"the model {mc.name!r} has no vision tower to serve")
-        self.bundle = loaded.vision
-        self.encoder = self.bundle.encoder(torch_dtype(mc.dtype), mc.device)
+        self.bundle = bundle
+        self.encoder = bundle.encoder(torch_dtype(mc.dtype), mc.device)
         self.max_pixels = config.vision.max_image_pixels
         self.jobs_total = 0
-        del loaded                      # the decoder's weights are not needed here
 
     def encode(self, images: list[bytes]) -> np.ndarray:
         """[images, tokens, hidden] float32; ImageError for an image that cannot be read."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.common.images import TINY_IMAGE_SLOTS, ImageInput, ImageProcessing
+from pdserve.common.images import TINY_IMAGE_SLOTS, ImageInput, ImageProcessing, image_slots
 from pdserve.model.arch import TINY_CONFIGS, TINY_VLMS, ModelArch, is_llava_config, text_config  # noqa: F401
 from pdserve.model.vision import VisionEncoder, VisionSpec, canonical_vision_name, tiny_vision_weights
 
@@ -65,7 +65,34 @@ def load_llava_dir(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor], Visi
     spec = VisionSpec.from_llava_config(cfg, arch.hidden_size)
     pre = path / "preprocessor_config.json"
     processing = ImageProcessing.from_hf(json.loads(pre.read_text()) if pre.exists() else {}, spec.image_size)
-    return arch, text, VisionBundle(spec, vision, processing, "<image>")
+    slots = image_slots(str(path))
+    return arch, text, VisionBundle(spec, vision, processing, slots.placeholder if slots else "<image>")
+
+
+def load_vision(name: str, seed: int = 0) -> VisionBundle | None:
+    """The vision tower and projector of a VLM without its decoder (an encoder worker's share):
+    from a LLaVA directory only the vision and projector tensors are read. None: no VLM."""
+    if name in TINY_VLMS:
+        return tiny_vision_bundle(TINY_CONFIGS[TINY_VLMS[name]], seed)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        return None
+    cfg = json.loads((path / "config.json").read_text())
+    if not is_llava_config(cfg):
+        return None
+    from safetensors import safe_open
+
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                if (vk := canonical_vision_name(k)) is not None:
+                    weights[vk] = st.get_tensor(k).float()
+    spec = VisionSpec.from_llava_config(cfg, ModelArch.from_hf_config(text_config(cfg)).hidden_size)
+    pre = path / "preprocessor_config.json"
+    processing = ImageProcessing.from_hf(json.loads(pre.read_text()) if pre.exists() else {}, spec.image_size)
+    slots = image_slots(str(path))
+    return VisionBundle(spec, weights, processing, slots.placeholder if slots else "<image>")
 
 
 # tiny-llava: tiny-qwen2's decoder (SmolLM2's vocabulary; tiny-llama's greedy output ignores its

@@ -92,3 +92,17 @@ def test_preprocessing_matches_hf():
     ours = ImageProcessing.from_hf(proc.to_dict(), 32).pixels(open_image(buf.getvalue(), 10_000))
     assert ours.shape == ref.shape == (3, 32, 32)
     np.testing.assert_allclose(ours, ref, atol=1e-5)
+
+
+def test_vision_alone_loads_only_the_tower(tmp_path):
+    """An encoder worker's load: the same tower and projector as the full load, no decoder weights."""
+    from pdserve.model.vlm import load_vision
+
+    hf = _hf_llava("default", -2)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    load_gguf_tokenizer(str(default_gguf_path())).tok.save(str(tmp_path / "tokenizer.json"))
+    full, alone = load_hf_dir(tmp_path).vision, load_vision(str(tmp_path))
+    assert alone is not None and alone.spec == full.spec and alone.weights.keys() == full.weights.keys()
+    pixels = torch.randn(1, 3, 32, 32)
+    torch.testing.assert_close(alone.encoder()(pixels), full.encoder()(pixels))
+    assert load_vision("tiny-qwen2") is None
