@@ -7,7 +7,8 @@ health, queued prefill tokens from the router's accounting), asks the pure polic
 switch in place: router/role_switch.py), or a worker added or removed through a `Fleet` (local
 processes: pdserve/local_fleet.py; Kubernetes Deployments: router/k8s_fleet.py). A removal empties
 the worker first, so no request is lost. Every decision, holds included, is kept with its inputs
-and reason for `GET /admin/controller`; actions are counted in /metrics.
+and reason for `GET /admin/controller`; actions are counted in /metrics. With controller.enabled
+false it only reads and exports each pool's pressure, for an HPA (deploy/k8s/hpa.yaml).
 """
 from __future__ import annotations
 
@@ -87,6 +88,9 @@ class Controller:
     def __init__(self, config: Config, registry: Registry, client: httpx.AsyncClient, ttft: Histogram,
                  itl: Histogram, fleet: Fleet | None, metrics: CollectorRegistry) -> None:
         self.cc = config.controller
+        # Off (controller.enabled false): it still reads the fleet and exports the pressure gauges,
+        # for an HPA to act on (deploy/k8s/hpa.yaml), but decides and does nothing.
+        self.acting = config.controller.enabled
         self.params = Params.from_config(self.cc)
         self.registry, self.client = registry, client
         self.ttft, self.itl = ttft, itl
@@ -127,6 +131,10 @@ class Controller:
         self.m_pressure.labels("decode").set(dec)
         self.m_workers.labels("prefill").set(reading.n_prefill)
         self.m_workers.labels("decode").set(reading.n_decode)
+        if not self.acting:
+            self.state = State()
+            return ControllerDecision(time=time.time(), action="hold", reason="controller.enabled is false",
+                                      inputs=decision.inputs)
         if decision.action == "hold":
             return self._record(decision, None, decision.reason, True)
         worker, ok, reason = None, True, decision.reason

@@ -71,13 +71,12 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     admission = Admission(rc.max_concurrent, rc.max_queue, rc.queue_timeout_s)
     backend = RemoteBackend(config, registry, tokenizer, client, metrics, feed, admission,
                             lambda who, n: limiter.charge_tokens(who, n, time.monotonic()), timer.on_output)
-    controller = None
-    if config.controller.enabled:
-        if fleet is None and config.controller.backend == "kubernetes":
-            from pdserve.router.k8s_fleet import KubernetesFleet
-            fleet = KubernetesFleet(config.controller)
-        controller = Controller(config, registry, client, server_metrics.ttft, server_metrics.itl, fleet,
-                                server_metrics.registry)
+    if config.controller.enabled and fleet is None and config.controller.backend == "kubernetes":
+        from pdserve.router.k8s_fleet import KubernetesFleet
+        fleet = KubernetesFleet(config.controller)
+    # Off, it still exports each pool's pressure (for an HPA); on, it acts.
+    controller = Controller(config, registry, client, server_metrics.ttft, server_metrics.itl, fleet,
+                            server_metrics.registry)
     handlers = OpenAIHandlers(backend, tokenizer, model_name, timer, encoder=encoder)
     handlers.vision, handlers.vision_limits = image_slots(config.model.name), config.vision   # None: text only
 
@@ -97,13 +96,12 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         task = asyncio.create_task(health_loop())
-        control = asyncio.create_task(controller.run()) if controller is not None else None
+        control = asyncio.create_task(controller.run())
         await encoder.warm_up()
         yield
         backend.accepting = False
         task.cancel()
-        if control is not None:
-            control.cancel()
+        control.cancel()
         await client.aclose()
         feed.close()
         encoder.close()
@@ -172,7 +170,7 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     @app.get("/admin/controller")
     async def controller_decisions():
         """The controller's decisions, newest last (empty when controller.enabled is false)."""
-        return controller.describe() if controller is not None else []
+        return controller.describe()
 
     @app.delete("/admin/workers/{worker_id}")
     async def deregister(worker_id: str):
