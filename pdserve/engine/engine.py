@@ -315,6 +315,7 @@ class LLMEngine:
             "loading": len(self.scheduler.loading),
             **self.connector.stats(),
             **(self.swap.stats() if self.swap else {}),
+            **(self.images.stats() if self.images else {}),
             **(self.tiers.stats() if self.tiers else {}),
             **(self._kv_event_stats(self.kv_events) if self.kv_events else {}),
         }

@@ -82,3 +82,10 @@ _counters("kv_send_bytes_total", "kv_send_seconds_total", "kv_send_layers_total"
          "kv_send_tail_lag_seconds_total", "kv_send_steps_total", "kv_prefill_jobs_total",
          "kv_prefill_jobs_failed_total", "kv_prefill_jobs_refused_total")
 _gauges("kv_send_layer_lag_seconds_max", "kv_prefill_jobs_active", "kv_send_gbps", "kv_send_layer_lag_seconds_mean")
+
+# ------------------------------------------------------------------ images (engine/image_inputs.py, engine/encoder_pool.py)
+_declare("counter", "images_encoded_total", help_text="Images whose embeddings this engine computed or received")
+_declare("counter", "encoder_jobs_total", help_text="Encode jobs sent to encoder workers")
+_declare("counter", "encoder_failures_total", help_text="Encode jobs that failed or passed their deadline")
+_declare("gauge", "images_pending", help_text="Requests waiting for their images' embeddings")
+_declare("gauge", "encoder_images_in_flight", help_text="Images sent to encoder workers and not answered yet")
