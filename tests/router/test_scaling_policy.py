@@ -98,3 +98,29 @@ def test_nothing_more_while_a_started_worker_has_not_registered():
     # One add at the third hot reading; nothing while it starts; then the counts start from zero.
     assert actions[0] == (2, "add_prefill")
     assert all(i >= 20 + 3 - 1 for i, _ in actions[1:]), actions
+
+
+def test_controller_config_is_checked_at_load(tmp_path):
+    import subprocess
+    import sys
+
+    import pytest
+
+    from pdserve.config import ConfigError, load_config
+    assert load_config().controller.enabled is False            # off by default
+    for overrides, key, needle in (
+            ({"controller.backend": "nomad"}, "controller.backend", "local, kubernetes"),
+            ({"controller.min_workers": 4, "controller.max_workers": 3}, "controller.min_workers", "max_workers"),
+            ({"controller.low": 1.0, "controller.high": 1.0}, "controller.low", "low < high"),
+            ({"controller.sustain_intervals": 0}, "controller.sustain_intervals", "at least 1"),
+            ({"controller.kv_usage_high": 1.5}, "controller.kv_usage_high", "from 0 to 1"),
+            ({"controller.interval_s": 0}, "controller.interval_s", "above 0")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, overrides)
+        [(k, msg)] = e.value.problems
+        assert k == key and needle in msg, (k, msg)
+    f = tmp_path / "c.yaml"
+    f.write_text("controller:\n  enabled: true\n  min_workers: 5\n  max_workers: 3\n")
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--config", str(f), "--dry-run"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "controller.min_workers" in r.stderr and "Traceback" not in r.stderr
