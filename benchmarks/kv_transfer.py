@@ -49,6 +49,7 @@ def _decode_process(mib: int, conn) -> None:
     from pdserve.cache.kv_cache import allocate_kv_cache, new_shm_path, raw_bytes_view
     from pdserve.config import load_config
     from pdserve.disagg.receiver import DecodeConnector
+    from pdserve.protocol.pd import LayerFrames
     arch, nb = _geometry(mib)
     shm = new_shm_path()
     kv = allocate_kv_cache(arch, nb, BLOCK, torch.float32, "cpu", shm)
@@ -72,7 +73,7 @@ def _decode_process(mib: int, conn) -> None:
             msg = dc.next_message(timeout=30)
             if msg is None:
                 break
-            got += msg.get("bytes", 0)
+            got += msg.received_bytes if isinstance(msg, LayerFrames) else 0
         conn.send(got)
     dc.close()
     for ep in (mc, nx):

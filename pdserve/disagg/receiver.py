@@ -33,10 +33,6 @@ from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.request import TokenLogprob
 from pdserve.protocol import (
     PD_ACCEPTED,
-    PD_CANCEL,
-    PD_CANCEL_ACK,
-    PD_DONE,
-    PD_FAILED,
     PD_INCOMPATIBLE,
     PD_LAYER,
     PD_STARTED,
@@ -46,6 +42,7 @@ from pdserve.protocol import (
     pack,
     unpack,
 )
+from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerFrames, PDMessage, decode_pd
 from pdserve.utils.net import with_host
 
 if TYPE_CHECKING:
@@ -144,9 +141,8 @@ class DecodeConnector(KVConnector):
                 try:
                     s.send(payload, zmq.NOBLOCK)
                 except zmq.Again:
-                    sent = unpack(payload)
-                    self._inbox.put({"type": PD_FAILED, "request_id": sent.get("request_id"),
-                                     "transfer_id": sent.get("transfer_id"), "reason": f"cannot send to {ep}"})
+                    sent = unpack(payload)          # a job or a cancel of ours
+                    self._inbox.put(Failed(sent["request_id"], sent["transfer_id"], f"cannot send to {ep}"))
             if self._pull in ready:
                 try:
                     self._receive()
@@ -159,30 +155,29 @@ class DecodeConnector(KVConnector):
             s.close(0)
 
     def _receive(self) -> None:
-        msg = unpack(self._pull.recv())
-        if not (isinstance(msg.get("request_id"), str) and isinstance(msg.get("transfer_id"), str)):
-            raise ValueError("a PD message names its request and transfer by strings")   # the engine keys on them
+        raw = unpack(self._pull.recv())
+        msg = decode_pd(raw)        # ValueError for a malformed one (ids must be strings: the engine keys on them)
         # A refusal for a bad token comes unsigned (the peer cannot sign for our token): taken only
         # as a failure of the named live transfer, which at worst falls back to a local prefill.
-        refusal = msg["type"] == PD_FAILED and msg.get("code") == PD_UNAUTHORIZED
-        if not (verified(msg, self.key) or refusal):
+        refusal = isinstance(msg, Failed) and msg.code == PD_UNAUTHORIZED
+        if not (verified(raw, self.key) or refusal):
             drain(self._pull)
             self._count("kv_messages_rejected_total")
-            self._log_io(logging.ERROR, "dropping a %s message for %s: %s", msg["type"], msg.get("request_id"),
-                         BAD_TOKEN)
+            self._log_io(logging.ERROR, "dropping a %s message for %s: %s", msg.TYPE, msg.request_id, BAD_TOKEN)
             return
-        if msg["type"] == PD_LAYER and msg.get("data"):
-            msg["bytes"] = self._receive_frames(msg)
-            if msg["bytes"] is None:
+        if isinstance(msg, LayerFrames):
+            n = self._receive_frames(msg)
+            if n is None:
                 return
+            msg.received_bytes = n
         self._inbox.put(msg)
 
-    def _receive_frames(self, msg: dict) -> int | None:
+    def _receive_frames(self, msg: LayerFrames) -> int | None:
         """Write the KV frames that follow a tcp layer header straight into the destination blocks:
         only a live transfer's, only the blocks it was given (None: dropped, nothing written)."""
-        rid, tid = msg["request_id"], msg["transfer_id"]     # strings: checked by _receive
+        rid, tid = msg.request_id, msg.transfer_id
         n, unknown = self._gate.fill(self._pull, self.raw, self.block_size, self.kv_shape[0], rid, tid,
-                                     msg["layer"], msg["runs"])
+                                     msg.layer, msg.runs)
         drain(self._pull)
         if n is None:
             self._drop_log(self._log_io, "tcp KV", rid, tid, unknown)
@@ -202,11 +197,11 @@ class DecodeConnector(KVConnector):
         else:
             log.debug("dropping a late %s message for request %s: transfer %s ended", kind, rid, tid)
 
-    def _post_out(self, endpoint: str, msg: dict) -> None:
+    def _post_out(self, endpoint: str, msg: PrefillJob | Cancel) -> None:
         if self._out is None:
             self._out = self._ctx.socket(zmq.PUSH)
             self._out.connect(self._out_addr)
-        self._out.send_multipart([endpoint.encode(), pack(sign(msg, self.key))])
+        self._out.send_multipart([endpoint.encode(), pack(sign(msg.to_wire(), self.key))])
 
     # ------------------------------------------------------------------ engine thread
 
@@ -244,7 +239,7 @@ class DecodeConnector(KVConnector):
                          images=[im.to_wire() for im in req.images])
         self.pending[req.request_id] = Pending(req, peer, Transfer(req.request_id, self.deadlines, now), tid)
         self.accept_writes(req.request_id, req.block_ids[req.num_cached_blocks:], tid)   # cached ones are shared
-        self._post_out(peer, job.to_wire())
+        self._post_out(peer, job)
 
     def _pool_fields(self) -> dict:
         ep = self.pool_endpoint
@@ -261,7 +256,7 @@ class DecodeConnector(KVConnector):
     def _end_writes(self, pend: Pending) -> None:
         self._gate.close(pend.req.request_id, pend.transfer_id)
 
-    def next_message(self, timeout: float) -> dict | None:
+    def next_message(self, timeout: float) -> PDMessage | None:
         """The next message from a peer, as the engine would see it (benchmarks drive this directly)."""
         try:
             return self._inbox.get(timeout=timeout)
@@ -276,8 +271,7 @@ class DecodeConnector(KVConnector):
         self.counters["kv_transfers_failed_total"] += 1
         dead = process_gone(pend.peer_pid, pend.peer_host)
         if not dead:
-            self._post_out(pend.peer, {"type": PD_CANCEL, "request_id": rid, "transfer_id": pend.transfer_id,
-                                       "reply_endpoint": self.endpoint})
+            self._post_out(pend.peer, Cancel(rid, pend.transfer_id, self.endpoint))
         if dead or not (self.shm_path or self.pool_endpoint):
             return []       # over tcp nothing lands once the rid leaves _live; a dead peer writes nothing
         held = pend.req.block_ids[pend.req.num_cached_blocks:]
@@ -295,39 +289,40 @@ class DecodeConnector(KVConnector):
         now = time.monotonic()
         outputs = []
         while not self._inbox.empty():
-            msg = self._inbox.get_nowait()
-            rid, tid, t = msg.get("request_id"), msg.get("transfer_id"), msg["type"]
-            if t == PD_CANCEL_ACK and tid in self.quarantine:
+            msg: PDMessage = self._inbox.get_nowait()
+            rid, tid, t = msg.request_id, msg.transfer_id, msg.TYPE
+            if isinstance(msg, CancelAck) and tid in self.quarantine:
                 self._release(engine, tid)
                 continue
             pend = self.pending.get(rid)
-            if pend is None or pend.transfer_id != tid or t == PD_CANCEL_ACK:
+            if pend is None or pend.transfer_id != tid or isinstance(msg, CancelAck):
                 ended = self._gate.ended(tid)
-                if not (ended and t == PD_CANCEL_ACK):      # an ack of a transfer that held nothing back
+                if not (ended and isinstance(msg, CancelAck)):      # an ack of a transfer that held nothing back
                     self._drop_log(self._log_engine, t, rid, tid, not ended)
                 continue
             try:
-                if t == PD_ACCEPTED:
-                    pend.peer_pid, pend.peer_host = msg.get("pid"), msg.get("host")
+                if isinstance(msg, Accepted):
+                    pend.peer_pid, pend.peer_host = msg.pid, msg.host
                 if t in _EVENT_FOR:
                     pend.transfer.on(_EVENT_FOR[t], now)
-                    self.counters["kv_recv_tcp_bytes_total"] += msg.get("bytes", 0)
-                elif t == PD_DONE:
+                    if isinstance(msg, LayerFrames):
+                        self.counters["kv_recv_tcp_bytes_total"] += msg.received_bytes
+                elif isinstance(msg, Done):
                     pend.transfer.on("done", now)
                     del self.pending[rid]
                     self._end_writes(pend)
                     self.counters["kv_transfers_completed_total"] += 1
-                    self.counters["kv_transfer_bytes_total"] += msg.get("bytes", 0)
+                    self.counters["kv_transfer_bytes_total"] += msg.bytes
                     # Job lifetime (queue + compute + writes); the prefill side reports link GB/s.
                     self.counters["kv_transfer_seconds_total"] += now - pend.transfer.started_at
-                    outputs.append(engine.complete_load(pend.req, msg["token"], _logprob_or_none(msg.get("logprob"))))
-                elif t == PD_FAILED and msg.get("code") in _FATAL:
+                    outputs.append(engine.complete_load(pend.req, msg.token, _logprob_or_none(msg.logprob)))
+                elif isinstance(msg, Failed) and msg.code in _FATAL:
                     outputs.append(self._fail_request(engine, pend, f"prefill worker {pend.peer} refused the "
-                                                                    f"request: {msg.get('reason')}", now))
-                elif t == PD_FAILED:
-                    if msg.get("code") == PD_UNAUTHORIZED:
+                                                                    f"request: {msg.reason}", now))
+                elif isinstance(msg, Failed):
+                    if msg.code == PD_UNAUTHORIZED:
                         log.error("prefill worker %s refused a job: %s", pend.peer, BAD_TOKEN)
-                    self._fail(engine, pend, f"prefill worker failed: {msg.get('reason')}", now)
+                    self._fail(engine, pend, f"prefill worker failed: {msg.reason}", now)
             except Exception as e:  # noqa: BLE001 - an out-of-order peer fails its transfer
                 self._fail(engine, pend, str(e), now)
         check_pids = self._liveness.due(now)

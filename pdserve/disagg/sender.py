@@ -38,18 +38,13 @@ from pdserve.disagg.transport import (
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol import (
-    PD_ACCEPTED,
     PD_CANCEL,
-    PD_CANCEL_ACK,
-    PD_DONE,
-    PD_FAILED,
-    PD_LAYER,
     PD_PREFILL,
-    PD_STARTED,
     PrefillJob,
     pack,
     unpack,
 )
+from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerWritten, PDMessage, Started
 from pdserve.utils.net import with_host
 
 if TYPE_CHECKING:
@@ -131,7 +126,12 @@ class PrefillConnector(KVConnector):
             if not verified(msg, self.key):
                 self._refuse_unsigned(msg)
                 continue
-            self._inbox.put(msg)
+            try:
+                # A job stays a map until the engine thread reads it: a bad one is answered from there.
+                self._inbox.put(Cancel.from_wire(msg) if msg["type"] == PD_CANCEL else msg)
+            except ValueError as e:
+                log.warning("dropping a malformed cancel: %s", e)
+                continue
             self.wake()
 
     def _refuse_unsigned(self, msg: dict[str, Any]) -> None:
@@ -142,7 +142,7 @@ class PrefillConnector(KVConnector):
                           msg.get("request_id"), BAD_TOKEN)
         reply = unsigned_refusal(msg)
         if reply is not None:
-            self._outbox.put(("send", *reply))
+            self._outbox.put(("send", reply[0], reply[1].to_wire()))
 
     # ------------------------------------------------------------------ sender thread
 
@@ -211,11 +211,11 @@ class PrefillConnector(KVConnector):
         for s in socks.values():
             s.close(0)
 
-    def _send(self, job: PrefillJob, msg: dict[str, Any]) -> None:
-        self._reply(job.reply_endpoint, {"request_id": job.request_id, "transfer_id": job.transfer_id, **msg})
+    def _send(self, job: PrefillJob, kind: type[PDMessage], **fields: Any) -> None:
+        self._reply(job.reply_endpoint, kind(job.request_id, job.transfer_id, **fields))
 
-    def _reply(self, endpoint: str, msg: dict[str, Any]) -> None:
-        self._outbox.put(("send", endpoint, sign(msg, self.key)))
+    def _reply(self, endpoint: str, msg: PDMessage) -> None:
+        self._outbox.put(("send", endpoint, sign(msg.to_wire(), self.key)))
 
     # ------------------------------------------------------------------ engine thread hooks
 
@@ -227,15 +227,14 @@ class PrefillConnector(KVConnector):
         now = time.monotonic()
         while not self._inbox.empty():
             msg = self._inbox.get_nowait()
-            if msg["type"] == PD_CANCEL:
-                rid, tid = msg.get("request_id"), msg.get("transfer_id")
+            if isinstance(msg, Cancel):
+                rid, tid = msg.request_id, msg.transfer_id
                 sink = self.sinks.get(rid)
                 if sink is not None and sink.job.transfer_id == tid:
                     sink.cancelled = True
                     engine.abort_request(rid)       # on_finished sends the ack
                 else:
-                    self._reply(msg.get("reply_endpoint", ""), {"type": PD_CANCEL_ACK, "request_id": rid,
-                                                                "transfer_id": tid})
+                    self._reply(msg.reply_endpoint, CancelAck(rid, tid))
                 continue
             try:
                 job = PrefillJob.from_wire(msg)
@@ -255,14 +254,13 @@ class PrefillConnector(KVConnector):
                 if code:
                     with self.stats_lock:
                         self.counters["kv_prefill_jobs_refused_total"] += 1
-                self._reply(msg.get("reply_endpoint", ""), {
-                    "type": PD_FAILED, "request_id": msg.get("request_id"), "transfer_id": msg.get("transfer_id"),
-                    "code": code, "reason": str(e)})
+                self._reply(msg.get("reply_endpoint", ""), Failed(msg.get("request_id"), msg.get("transfer_id"),
+                                                                       str(e), code))
                 continue
             self.sinks[job.request_id] = sink
             with self.stats_lock:
                 self.counters["kv_prefill_jobs_total"] += 1
-            self._send(job, {"type": PD_ACCEPTED, "pid": os.getpid(), "host": HOST})
+            self._send(job, Accepted, pid=os.getpid(), host=HOST)
         check_pids = self._liveness.due(now)
         for rid, sink in list(self.sinks.items()):
             dead = check_pids and process_gone(sink.job.decode_pid, sink.job.decode_host)
@@ -283,7 +281,7 @@ class PrefillConnector(KVConnector):
             start = req.num_computed_tokens
             if sink.transfer.state == TransferState.WAITING:
                 sink.transfer.on("started", now)
-                self._send(sink.job, {"type": PD_STARTED})
+                self._send(sink.job, Started)
             first = max(min(sink.next_block, start // bs), sink.job.dst_start_block)
             last = min((start + n - 1) // bs, len(sink.job.dst_block_ids) - 1)
             sink.plan = coalesce(req.block_ids[first:last + 1], sink.job.dst_block_ids[first:last + 1])
@@ -324,7 +322,7 @@ class PrefillConnector(KVConnector):
             sink.next_block = max(sink.next_block, sink.plan_end)
             if sink.error is None:
                 sink.transfer.on("progress", now)
-                self._send(sink.job, {"type": PD_LAYER, "upto_block": sink.next_block, "data": False})
+                self._send(sink.job, LayerWritten, upto_block=sink.next_block)
 
     def failed_requests(self) -> list[str]:
         return [rid for rid, s in self.sinks.items() if s.error is not None]
@@ -337,20 +335,18 @@ class PrefillConnector(KVConnector):
         self._outbox.put(("close", sink))
         now = time.monotonic()
         if sink.cancelled:
-            self._send(sink.job, {"type": PD_CANCEL_ACK})
+            self._send(sink.job, CancelAck)
         elif out.finish_reason in ("length", "stop") and sink.error is None and out.new_token_ids:
             sink.transfer.on("done", now)
             lp = out.new_logprobs[0] if out.new_logprobs else None
-            self._send(sink.job, {"type": PD_DONE, "token": out.new_token_ids[0],
-                                  "logprob": None if lp is None else lp.to_wire(),
-                                  "bytes": sink.bytes_sent,
-                                  "seconds": now - sink.transfer.started_at})
+            self._send(sink.job, Done, token=out.new_token_ids[0], logprob=None if lp is None else lp.to_wire(),
+                       bytes=sink.bytes_sent, seconds=now - sink.transfer.started_at)
         else:
             reason = sink.error or sink.transfer.reason or f"prefill ended: {out.finish_reason}"
             sink.transfer.fail(reason, now)
             with self.stats_lock:
                 self.counters["kv_prefill_jobs_failed_total"] += 1
-            self._send(sink.job, {"type": PD_FAILED, "reason": reason})
+            self._send(sink.job, Failed, reason=reason)
 
     def stats(self) -> dict[str, float]:
         with self.stats_lock:

@@ -16,13 +16,15 @@ import os
 import socket
 import time
 from abc import ABC, abstractmethod
+from typing import Any
 
 import numpy as np
 import zmq
 
 from pdserve.cache.kv_cache import attach_shared_kv
 from pdserve.disagg.trust import sign
-from pdserve.protocol import PD_LAYER, pack
+from pdserve.protocol import pack
+from pdserve.protocol.pd import LayerFrames
 
 Run = tuple[int, int, int]      # (first source block, first destination block, number of blocks)
 
@@ -134,8 +136,8 @@ class TcpWriter(KVWriter):
 
     def write_layer(self, request_id: str, layer: int, runs: list[Run]) -> int:
         bs, n = self.bs, 0
-        frames = [pack(sign({"type": PD_LAYER, "request_id": request_id, "transfer_id": self.transfer_id,
-                             "layer": layer, "runs": [[d, k] for _, d, k in runs], "data": True}, self.key))]
+        header = LayerFrames(request_id, self.transfer_id, layer, [[d, k] for _, d, k in runs])
+        frames: list[Any] = [pack(sign(header.to_wire(), self.key))]
         for s, _, k in runs:
             for kv in (0, 1):
                 view = self.src[layer, kv, s * bs:(s + k) * bs]

@@ -24,7 +24,6 @@ from pdserve.cache.kv_cache import SHM_DIR, is_pool_path
 from pdserve.protocol import (
     AUTH_FIELD,
     PD_BAD_JOB,
-    PD_FAILED,
     PD_INCOMPATIBLE,
     PD_PREFILL,
     PD_TOO_LONG,
@@ -32,6 +31,7 @@ from pdserve.protocol import (
     PrefillJob,
     pack,
 )
+from pdserve.protocol.pd import Failed
 
 # A signed job older (or newer) than this by the prefill worker's clock is refused: past it, its
 # transfer id may have left the replay memory. Generous, so clock skew between hosts is no issue.
@@ -67,14 +67,14 @@ def token_key(token: str | None) -> bytes | None:
     return token.encode() if token else None
 
 
-def unsigned_refusal(msg: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+def unsigned_refusal(msg: dict[str, Any]) -> tuple[str, Failed] | None:
     """(endpoint, PD_FAILED) answering a job that failed `verified`. Unsigned: a peer whose token
     differs could not check a signature anyway. Only to tcp/ipc endpoints, as the sender is unknown."""
     ep = msg.get("reply_endpoint")
     if msg.get("type") != PD_PREFILL or not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://")):
         return None
-    return ep, {"type": PD_FAILED, "request_id": msg.get("request_id"), "transfer_id": msg.get("transfer_id"),
-                "code": PD_UNAUTHORIZED, "reason": f"the prefill worker refused the job: {BAD_TOKEN}"}
+    return ep, Failed(msg.get("request_id"), msg.get("transfer_id"), f"the prefill worker refused the job: {BAD_TOKEN}",
+                      PD_UNAUTHORIZED)
 
 
 def compat_info(model: str, dtype: str, quantization: str, block_size: int, kv_shape: list[int],

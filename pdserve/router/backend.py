@@ -35,6 +35,7 @@ from pdserve.common.outputs import RequestOutput, TokenLogprob
 from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.common.tokenizer import TokenizerWrapper
 from pdserve.protocol.health import WorkerHealth
+from pdserve.protocol.stream import TokenLine
 from pdserve.router import policies
 from pdserve.router.accounting import Charge, Route, remote_prefill_tokens
 from pdserve.router.admission import Admission
@@ -266,13 +267,14 @@ class RemoteBackend:
                             raise WorkerMoved(err.get("message", "moved"))
                         self._failure(w, now, judged)
                         raise WorkerFailed(err.get("message", "worker error"))
+                    tl = TokenLine.from_wire(msg)
                     if not charge.prefilled:
-                        self._judge_prefill(msg, time.monotonic(), judged)
+                        self._judge_prefill(tl, time.monotonic(), judged)
                         charge.first_token()
-                    charge.generated(len(msg["token_ids"]))
-                    lps = [TokenLogprob.from_wire(e) for e in msg.get("logprobs") or []] or None
-                    yield msg["token_ids"], lps, msg["finished"], msg["finish_reason"]
-                    if msg["finished"]:
+                    charge.generated(len(tl.token_ids))
+                    lps = [TokenLogprob.from_wire(e) for e in tl.logprobs or []] or None
+                    yield tl.token_ids, lps, tl.finished, tl.finish_reason
+                    if tl.finished:
                         w.breaker.on_success()
                         judged.add(w.worker_id)
                         return
@@ -287,14 +289,14 @@ class RemoteBackend:
                 if x is not None and x.worker_id not in judged:
                     x.breaker.on_abandon()
 
-    def _judge_prefill(self, msg: dict, now: float, judged: set[str]) -> None:
+    def _judge_prefill(self, tl: TokenLine, now: float, judged: set[str]) -> None:
         """The decode worker's first line names the prefill worker that filled the prompt and
         those that failed to (it fell back to the next one, or to a local prefill)."""
         by_endpoint = {x.kv_endpoint: x for x in self.registry.pool("prefill") if x.kv_endpoint}
-        for ep in msg.get("prefill_failed") or ():
+        for ep in tl.prefill_failed or ():
             if (x := by_endpoint.get(ep)) is not None:
                 self._failure(x, now, judged)
-        prefilled_by = msg.get("prefilled_by")
+        prefilled_by = tl.prefilled_by
         if prefilled_by is not None and (x := by_endpoint.get(prefilled_by)) is not None:
             x.breaker.on_success()
             judged.add(x.worker_id)

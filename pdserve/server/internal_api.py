@@ -21,6 +21,7 @@ from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed, 
 from pdserve.common.images import ImageInput
 from pdserve.common.sampling import SamplingParams
 from pdserve.protocol import INTERNAL_TOKEN_HEADER, InternalGenerateRequest
+from pdserve.protocol.stream import TokenLine
 from pdserve.server.errors import APIError, error_body, error_response
 from pdserve.server.metrics import RequestTimer
 from pdserve.server.openai_api import PREFILL_HEADER
@@ -81,13 +82,9 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
             try:
                 async for out in engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt, peer,
                                                  req.output_token_ids, images):
-                    msg = {"token_ids": out.new_token_ids,
-                           "logprobs": [lp.to_wire() for lp in out.new_logprobs] or None,
-                           "finished": out.finished, "finish_reason": out.finish_reason,
-                           "num_prompt_tokens": out.num_prompt_tokens}
-                    if out.prefilled_by or out.prefill_failures:    # the first line of a remote prefill
-                        msg["prefilled_by"], msg["prefill_failed"] = out.prefilled_by, out.prefill_failures
-                    yield json.dumps(msg) + "\n"
+                    yield TokenLine(out.new_token_ids, [lp.to_wire() for lp in out.new_logprobs] or None,
+                                    out.finished, out.finish_reason, out.num_prompt_tokens,
+                                    out.prefilled_by, out.prefill_failures).encode()
             except InvalidParam as e:
                 yield json.dumps(error_body(400, str(e), e.param, "invalid_value")) + "\n"
             except EngineDeadError as e:
