@@ -43,7 +43,7 @@ from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Registry, Worker
 from pdserve.router.security import arrived_at, current_key
-from pdserve.router.stream_watch import WorkerSilent, watched
+from pdserve.router.stream_watch import WorkerSilent, unless_silent, watched
 from pdserve.server.errors import APIError
 from pdserve.server.openai_api import PREFILL_HEADER
 
@@ -241,8 +241,9 @@ class RemoteBackend:
                 started = arrived_at.get()
                 if started is not None and rid.endswith("-0"):
                     self.metrics.overhead_seconds.observe(time.perf_counter() - started)
-                resp = await self.client.send(req, stream=True)
-            except httpx.HTTPError as e:
+                resp = await unless_silent(self.client.send(req, stream=True), lambda: w.healthy,
+                                           self.rc.health_period_s)
+            except (httpx.HTTPError, WorkerSilent) as e:
                 self._failure(w, now, judged)
                 raise WorkerFailed(f"{type(e).__name__}: {e}") from e
             try:

@@ -34,3 +34,17 @@ async def watched(lines: AsyncIterator[str], healthy: Callable[[], bool], period
         except StopAsyncIteration:
             return
         yield line
+
+
+async def unless_silent(aw, healthy: Callable[[], bool], period_s: float):
+    """`aw`'s result (a request waiting for its response headers); WorkerSilent, `aw` cancelled,
+    when a period ends unfinished with `healthy()` false."""
+    task = asyncio.ensure_future(aw)
+    try:
+        while not (await asyncio.wait({task}, timeout=period_s))[0]:
+            if not healthy():
+                raise WorkerSilent("the worker stopped answering health checks before it replied")
+    finally:
+        if not task.done():
+            task.cancel()
+    return task.result()

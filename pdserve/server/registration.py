@@ -62,7 +62,10 @@ async def register_with_routers(config: Config, model_name: str, role: Callable[
     registered: dict[str, bool] = {}
     refused: dict[str, bool] = {}
 
+    epoch = [0]     # bumped when the registration changes: a beat begun before must not mark it sent
+
     async def beat(client: httpx.AsyncClient, base: str) -> None:
+        began = epoch[0]
         try:
             if not registered.get(base):
                 r = await client.post(base + "/admin/workers/register", json=reg.model_dump())
@@ -73,25 +76,36 @@ async def register_with_routers(config: Config, model_name: str, role: Callable[
                 log.error("router %s refuses this worker's registration (%d: %s); give the worker the "
                           "router's internal token (PDSERVE_INTERNAL_TOKEN)", base, r.status_code, r.text[:200])
             refused[base] = r.status_code in (401, 403)
-            registered[base] = r.status_code == 200
+            if began == epoch[0]:
+                registered[base] = r.status_code == 200
         except httpx.HTTPError as e:
             if registered.get(base, True):
                 log.warning("router %s unreachable: %s", base, e)
             registered[base] = False
 
+    inflight: dict[str, asyncio.Task] = {}
     async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
-        while True:
-            targets = await asyncio.to_thread(router_targets, s.router_url or "")
-            for gone in set(registered) - set(targets):
-                del registered[gone]
-            await asyncio.gather(*(beat(client, base) for base in targets))
-            if changed is None:
-                await asyncio.sleep(config.router.health_period_s)
-                continue
-            try:
-                await asyncio.wait_for(changed.wait(), config.router.health_period_s)
-            except asyncio.TimeoutError:
-                continue
-            changed.clear()
-            reg = reg.model_copy(update={"role": role() if role is not None else reg.role})
-            registered.clear()
+        try:
+            while True:
+                targets = await asyncio.to_thread(router_targets, s.router_url or "")
+                for gone in set(registered) - set(targets):
+                    del registered[gone]
+                # Each router on its own: one that does not answer (a partition) must not hold back
+                # the heartbeats of the others past their heartbeat timeout.
+                for base in targets:
+                    if base not in inflight or inflight[base].done():
+                        inflight[base] = asyncio.create_task(beat(client, base))
+                if changed is None:
+                    await asyncio.sleep(config.router.health_period_s)
+                    continue
+                try:
+                    await asyncio.wait_for(changed.wait(), config.router.health_period_s)
+                except asyncio.TimeoutError:
+                    continue
+                changed.clear()
+                reg = reg.model_copy(update={"role": role() if role is not None else reg.role})
+                registered.clear()
+                epoch[0] += 1
+        finally:
+            for task in inflight.values():
+                task.cancel()
