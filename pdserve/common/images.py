@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*?)(?P<b64>;base64)?,", re.I)
 _MIMES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")
+# Wider or taller than this is refused: resizing the short edge to a tower's size would blow the
+# long one up (a 1 x 10^6 image becomes 336 x 336 000 000 pixels).
+MAX_ASPECT = 50
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
 
@@ -58,6 +61,8 @@ def open_image(data: bytes, max_pixels: int) -> Any:
         img = Image.open(io.BytesIO(data))
         if img.width * img.height > max_pixels:
             raise ImageError(f"the image has {img.width}x{img.height} pixels; at most {max_pixels} are allowed")
+        if max(img.width, img.height) > MAX_ASPECT * max(1, min(img.width, img.height)):
+            raise ImageError(f"the image is {img.width}x{img.height}: sides more than {MAX_ASPECT} times apart")
         img.load()
     except ImageError:
         raise

@@ -3,7 +3,7 @@ keyed by image content, bad images refused, and the pool back to its start."""
 from __future__ import annotations
 
 import pytest
-from vlm_images import image_chat
+from vlm_images import data_url, image_bytes, image_chat
 
 from pdserve import SamplingParams
 from pdserve.engine.llm import LLM
@@ -66,8 +66,10 @@ def test_jpeg_and_bad_images(loaded):
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\].*not a decodable image"):
         llm.chat(bad, GREEDY)
     with pytest.raises(ValueError, match="must not contain the model's image token"):
-        llm.chat([{"role": "user", "content": [{"type": "text", "text": "<empty_output>"}]} ] + image_chat(1)[0:0]
-                 + [{"role": "user", "content": image_chat(1)[0]["content"]}], GREEDY)
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": "<empty_output>"}]}] + image_chat(1), GREEDY)
+    thin = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image_bytes(1, size=(1, 400)))}}]}]
+    with pytest.raises(ValueError, match="sides more than 50 times apart"):
+        llm.chat(thin, GREEDY)
     with pytest.raises(ValueError, match="more than 1 images"):
         _llm(loaded, vision__max_images=1).chat(image_chat(1, 2), GREEDY)
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
