@@ -6,7 +6,9 @@ host through the bridge's own address), plus, for each process started on it, it
 host's shared-memory pool or look a peer's pid up by hostname, so the KV moves over tcp and liveness
 is only what the network says, as between real machines. Faults are shaped without netem (not in
 every kernel): a host's link goes down (its bridge port: packets vanish, no reset is sent), a
-process is stopped (SIGSTOP: alive, sockets open, silent), or a proxy sits in the path.
+process is stopped (SIGSTOP: alive, sockets open, silent), two hosts lose the path between them
+alone (a route into the void), or a link is slowed (a tbf token bucket, where
+the kernel has it).
 
 Needs root and iproute2; `unavailable()` says why not, for a skip. Everything built is torn down by
 `close()`, which is safe to call after a partial build and runs at interpreter exit as a last resort.
@@ -72,6 +74,7 @@ class Cluster:
         self.bridge = f"pdbr{self.tag}"
         net = 100 + os.getpid() % 150
         self.gateway = f"10.231.{net}.1"
+        self.void = f"10.231.{net}.250"      # no host answers here: routes through it lead nowhere
         self.workdir = workdir
         self.hosts: dict[str, Host] = {}
         self._closed = False
@@ -127,6 +130,26 @@ class Cluster:
         partition; sockets stay open on both sides) or bring it back."""
         _ip("link", "set", host.port_dev, "up" if up else "down")
 
+    def cut(self, a: Host, b: Host, cut: bool = True) -> None:
+        """Partition two hosts from each other alone (both keep their other links): each routes
+        the other's address through a neighbour that does not exist, so packets vanish (no error,
+        no reset), as between two racks whose path failed. cut=False heals it."""
+        for x, y in ((a, b), (b, a)):
+            if cut:
+                _ip("-n", x.ns, "route", "replace", f"{y.ip}/32", "via", self.void)
+            else:
+                _ip("-n", x.ns, "route", "del", f"{y.ip}/32", check=False)
+
+    def shape(self, host: Host, bits_per_s: int | None) -> None:
+        """Cap what the host sends at `bits_per_s` (a token bucket on its interface: a slow link,
+        packets queue rather than drop), or lift the cap (None)."""
+        if bits_per_s is None:
+            self.run(host, ["tc", "qdisc", "del", "dev", "eth0", "root"])
+            return
+        r = self.run(host, ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{bits_per_s}bit",
+                            "burst", "32kbit", "latency", "5s"])
+        assert r.returncode == 0, r.stderr
+
     @staticmethod
     def pause(srv: ServerProcess, stopped: bool) -> None:
         """SIGSTOP (alive, sockets open, silent) or SIGCONT."""
@@ -138,13 +161,15 @@ class Cluster:
         if self._closed:
             return
         self._closed = True
-        for host in self.hosts.values():
-            for srv in host.procs:
+        procs = [srv for host in self.hosts.values() for srv in host.procs]
+        for srv in procs:           # all at once: each drains for up to its shutdown timeout
+            for sig in (signal.SIGCONT, signal.SIGTERM):      # a stopped process cannot act on SIGTERM
                 try:
-                    os.kill(srv.proc.pid, signal.SIGCONT)     # a stopped process cannot act on SIGTERM
-                except ProcessLookupError:
+                    os.killpg(srv.proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
                     pass
-                srv.stop(grace=10)
+        for srv in procs:
+            srv.stop(grace=10)
         for host in self.hosts.values():
             _ip("netns", "del", host.ns, check=False)          # takes its end of the veth pair, and so both
             _ip("link", "del", host.port_dev, check=False)

@@ -1,7 +1,8 @@
-"""A PD deployment across namespace hosts: a router host, two prefill and two decode hosts, a Redis
-host. Each worker binds its host's address, registers itself with the router (`--router-url`) and
-sends heartbeats; the router learns its KV endpoints and KV-event endpoints from /health and feeds
-its index over the network. `transfer.backend` is left at its default, `auto`."""
+"""A PD deployment across namespace hosts: two router replicas, two prefill and two decode hosts, a
+Redis host (the KV tier every worker shares). Each worker binds its host's address, registers
+itself with both routers (`--router-url a,b`) and sends heartbeats; each router learns the workers'
+KV endpoints and KV-event endpoints from /health and feeds its index over the network.
+`transfer.backend` is left at its default, `auto`. The tests send their traffic through "router"."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -47,13 +48,14 @@ def prompt(i: int, n: int = 80) -> list[int]:
 class Outcome:
     text: str = ""
     chunks: int = 0
+    max_gap: float = 0.0        # the longest the client waited for a chunk (first one included)
     error: str | None = None
     seconds: float = 0.0
 
 
 class PDCluster:
     def __init__(self, workdir: Path, redis: bool = True) -> None:
-        names = ["router", *ROLES] + (["redis"] if redis and shutil.which("redis-server") else [])
+        names = ["router", *ROLES] + (["redis"] if redis and shutil.which("redis-server") else []) + ["router-b"]
         self.net = Cluster(names, workdir)
         self.workdir = workdir
         self.procs: dict[str, ServerProcess] = {}
@@ -83,13 +85,15 @@ class PDCluster:
         self.config_path.write_text(yaml.safe_dump(cfg))
         self.slow_config_path = self.workdir / "pdserve-slow.yaml"
         self.slow_config_path.write_text(yaml.safe_dump({**cfg, "transfer": {"bandwidth_limit": SLOW_BYTES_PER_S}}))
-        r = self.host("router")
-        self.procs["router"] = self.net.start(
-            r, "router", pdserve_cmd() + ["router", "--config", str(self.config_path), "--host", r.ip,
+        for name in ("router", "router-b"):     # two replicas; the tests' traffic goes through "router"
+            r = self.host(name)
+            self.procs[name] = self.net.start(
+                r, name, pdserve_cmd() + ["router", "--config", str(self.config_path), "--host", r.ip,
                                           "--port", str(PORT)], PORT, env=thread_env(1), health_path="/metrics")
         for name in ROLES:
             self.start_worker(name)
         self.router.wait_ready(timeout=120)
+        self.procs["router-b"].wait_ready(timeout=120)
         for name in ROLES:
             self.procs[name].wait_ready(timeout=300)
         self.wait_healthy(set(ROLES))
@@ -102,24 +106,25 @@ class PDCluster:
         cmd = pdserve_cmd() + ["worker", "--role", ROLES[name], "--config", str(config), "--host", h.ip,
                                "--port", str(PORT), "--kv-port", str(KV_PORT),
                                "--kv-events-endpoint", f"tcp://{h.ip}:{EVENTS_PORT}",
-                               "--router-url", self.host("router").url(PORT), "--threads", "1"]
+                               "--router-url", f"{self.host('router').url(PORT)},{self.host('router-b').url(PORT)}",
+                               "--threads", "1"]
         log = name if not starts else f"{name}-{starts + 1}"
         srv = self.procs[name] = self.net.start(h, log, cmd, PORT, env=thread_env(1))
         return srv
 
     # ------------------------------------------------------------------ the router's view
 
-    def workers(self) -> dict[str, dict]:
-        """Router's /admin/workers keyed by host name (a worker's URL names its host's address)."""
+    def workers(self, router: str = "router") -> dict[str, dict]:
+        """A router's /admin/workers keyed by host name (a worker's URL names its host's address)."""
         by_ip = {h.ip: n for n, h in self.net.hosts.items()}
         out = {}
-        for w in httpx.get(self.router.url + "/admin/workers", timeout=5).json()["workers"]:
+        for w in httpx.get(self.procs[router].url + "/admin/workers", timeout=5).json()["workers"]:
             out[by_ip[httpx.URL(w["url"]).host]] = w
         return out
 
-    def wait_healthy(self, names: set[str], timeout: float = 60) -> None:
-        wait_until(lambda: all(self.workers().get(n, {}).get("healthy") for n in names), timeout,
-                   f"workers {sorted(names)} healthy at the router")
+    def wait_healthy(self, names: set[str], timeout: float = 60, routers=("router", "router-b")) -> None:
+        wait_until(lambda: all(self.workers(r).get(n, {}).get("healthy") for n in names for r in routers), timeout,
+                   f"workers {sorted(names)} healthy at the routers")
 
     def health(self, name: str) -> dict:
         return httpx.get(self.procs[name].url + "/health", timeout=5).json()
@@ -146,21 +151,24 @@ class PDCluster:
 
     # ------------------------------------------------------------------ load
 
-    def client(self, timeout: float = 60) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.router.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+    def client(self, timeout: float = 60, router: str = "router") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.procs[router].url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
 
-    def stream(self, p: list[int], max_tokens: int, on_token=None, timeout: float = 60) -> Outcome:
+    def stream(self, p: list[int], max_tokens: int, on_token=None, timeout: float = 60,
+               router: str = "router") -> Outcome:
         """One streamed greedy completion through the router (the official client); `on_token(n)`
         after each chunk with the chunks so far."""
         out, t0 = Outcome(), time.monotonic()
         try:
-            chunks = self.client(timeout).completions.create(
+            chunks = self.client(timeout, router).completions.create(
                 model=MODEL, prompt=p, max_tokens=max_tokens, temperature=0, stream=True,
                 extra_body={"ignore_eos": True})
-            parts = []
+            parts, last = [], t0
             for c in chunks:
                 parts.append(c.choices[0].text if c.choices else "")
                 out.chunks += 1
+                now = time.monotonic()
+                out.max_gap, last = max(out.max_gap, now - last), now
                 if on_token is not None:
                     on_token(out.chunks)
             out.text = "".join(parts)
@@ -170,8 +178,9 @@ class PDCluster:
         return out
 
     def load(self, prompts: list[list[int]], max_tokens: int, fault=None, fault_after: int = 8,
-             timeout: float = 60) -> list[Outcome]:
-        """Stream every prompt at once; `fault()` runs once, when any stream has `fault_after` tokens."""
+             timeout: float = 60, routers=("router",)) -> list[Outcome]:
+        """Stream every prompt at once (through `routers` in turn); `fault()` runs once, when any
+        stream has `fault_after` tokens."""
         fired = threading.Event()
 
         def on_token(n: int) -> None:
@@ -180,7 +189,8 @@ class PDCluster:
                 fault()
 
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            futs = [pool.submit(self.stream, p, max_tokens, on_token, timeout) for p in prompts]
+            futs = [pool.submit(self.stream, p, max_tokens, on_token, timeout, routers[i % len(routers)])
+                    for i, p in enumerate(prompts)]
             outs = [f.result() for f in futs]
         assert fault is None or fired.is_set(), "the fault never fired: the streams were too short"
         return outs
