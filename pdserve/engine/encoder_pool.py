@@ -19,7 +19,8 @@ import zmq
 
 from pdserve.common.images import ImageInput
 from pdserve.config import Config
-from pdserve.engine.encoder_worker import EMBEDS, ENCODE, run_encoder
+from pdserve.disagg.trust import sign, verified
+from pdserve.engine.encoder_worker import EMBEDS, ENCODE, encoder_key, run_encoder
 from pdserve.protocol import pack, unpack
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,13 @@ class _Job:
 
 
 class EncoderPool:
-    def __init__(self, endpoints: list[str], timeout_s: float, processes: list[Any] | None = None) -> None:
+    def __init__(self, endpoints: list[str], timeout_s: float, processes: list[Any] | None = None,
+                 key: bytes | None = None) -> None:
         if not endpoints:
             raise ValueError("an encoder pool needs at least one encoder")
         self.endpoints = endpoints
         self.timeout_s = timeout_s
+        self.key = key                          # HMAC of jobs and answers (encoder_worker.encoder_key)
         self.processes = processes or []        # encoder processes this pool spawned (ends them on close)
         ctx: zmq.Context = zmq.Context.instance()
         self.socks = []
@@ -66,11 +69,13 @@ class EncoderPool:
     def from_config(cls, config: Config) -> EncoderPool:
         """Remote encoders (vision.encoder_endpoints), else vision.encoder_processes spawned here."""
         vc = config.vision
+        key = encoder_key(config)
         if vc.encoder_endpoints:
-            return cls(list(vc.encoder_endpoints), vc.encode_timeout_s)
+            return cls(list(vc.encoder_endpoints), vc.encode_timeout_s, key=key)
         mc = config.model
         overrides = {"model.name": mc.name, "model.seed": mc.seed, "model.dtype": mc.dtype, "model.device": mc.device,
-                     "server.threads": config.server.threads or 1, "vision.max_image_pixels": vc.max_image_pixels}
+                     "server.threads": config.server.threads or 1, "vision.max_image_pixels": vc.max_image_pixels,
+                     "server.internal_token": config.server.internal_token}
         ctx = multiprocessing.get_context("spawn")
         endpoints, procs = [], []
         for i in range(vc.encoder_processes):
@@ -79,7 +84,7 @@ class EncoderPool:
             p.start()
             endpoints.append(ep)
             procs.append(p)
-        return cls(endpoints, vc.encode_timeout_s, procs)
+        return cls(endpoints, vc.encode_timeout_s, procs, key)
 
     def submit(self, request_id: str, images: list[ImageInput]) -> None:
         i = pick_encoder(self.outstanding, self.last)
@@ -89,7 +94,7 @@ class EncoderPool:
         self.by_request[request_id] = job
         self.outstanding[i] += len(images)
         self.jobs_total += 1
-        self.socks[i].send(pack({"type": ENCODE, "job": job, "images": [im.data for im in images]}))
+        self.socks[i].send(pack(sign({"type": ENCODE, "job": job, "images": [im.data for im in images]}, self.key)))
 
     def _end(self, job_id: str) -> _Job | None:
         job = self.jobs.pop(job_id, None)
@@ -119,15 +124,19 @@ class EncoderPool:
                 except ValueError:
                     log.warning("encoder sent a malformed message")
                     continue
+                if not verified(msg, self.key):
+                    log.warning("dropped an encoder answer not signed with the internal token")
+                    continue
                 job = self._end(str(msg.get("job"))) if msg.get("type") == EMBEDS else None
                 if job is None:
                     continue                    # cancelled, timed out, or not ours
-                if msg.get("error") is not None or len(frames) - 1 != job.images:
+                embeds = msg.get("embeds") or []
+                if msg.get("error") is not None or len(embeds) != job.images:
                     self.failures_total += 1
                     out.append((job.request_id, str(msg.get("error") or "the encoder answered the wrong image count")))
                     continue
                 shape = tuple(int(x) for x in msg["shape"])
-                out.append((job.request_id, [np.frombuffer(f, np.float32).reshape(shape).copy() for f in frames[1:]]))
+                out.append((job.request_id, [np.frombuffer(e, np.float32).reshape(shape).copy() for e in embeds]))
         now = time.monotonic()
         for job_id, job in list(self.jobs.items()):
             if now > job.deadline:

@@ -2,10 +2,13 @@
 answering encode jobs from engines over ZeroMQ (`pdserve encoder`, or spawned by an engine for
 vision.encoder_processes).
 
-Wire (msgpack maps with a "type", nothing pickled; encoder_pool.py is the other end):
+Wire (one msgpack map with a "type" per message, nothing pickled; encoder_pool.py is the other end):
   engine -> encoder (DEALER -> ROUTER): {"type": "encode", "job", "images": [file bytes, ...]}
   encoder -> engine: {"type": "embeds", "job", "shape": [tokens, hidden], "dtype": "float32",
-                      "error": None or why} followed by one raw frame per image (its embeddings).
+                      "embeds": [raw float32 bytes per image], "error": None or why}
+With an internal token (server.internal_token or PDSERVE_INTERNAL_TOKEN) both directions carry the
+KV plane's HMAC (disagg/trust.py): an encoder answers only signed jobs and an engine takes only
+signed embeddings, which the prefix cache would otherwise keep under the image's digest.
 """
 from __future__ import annotations
 
@@ -20,10 +23,16 @@ import zmq
 
 from pdserve.common.images import ImageError, open_image
 from pdserve.config import Config
+from pdserve.disagg.trust import sign, token_key, verified
 from pdserve.protocol import pack, unpack
 
 log = logging.getLogger(__name__)
 ENCODE, EMBEDS = "encode", "embeds"
+
+
+def encoder_key(config: Config) -> bytes | None:
+    """The HMAC key of encode jobs and answers: the deployment's internal token, if any."""
+    return token_key(config.server.internal_token or os.environ.get("PDSERVE_INTERNAL_TOKEN") or None)
 
 
 class EncoderWorker:
@@ -40,6 +49,7 @@ class EncoderWorker:
         self.bundle = bundle
         self.encoder = bundle.encoder(torch_dtype(mc.dtype), mc.device)
         self.max_pixels = config.vision.max_image_pixels
+        self.key = encoder_key(config)
         self.jobs_total = 0
 
     def encode(self, images: list[bytes]) -> np.ndarray:
@@ -48,18 +58,20 @@ class EncoderWorker:
                               for d in images])
         return self.encoder(pixels).float().cpu().numpy()
 
-    def answer(self, msg: dict[str, Any]) -> list[bytes]:
-        """The reply frames to one request message."""
+    def answer(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The reply to one request message."""
         job = msg.get("job")
+        if not verified(msg, self.key):
+            return {"type": EMBEDS, "job": job, "error": "unauthorized: the job is not signed with the internal token"}
         if msg.get("type") != ENCODE or not isinstance(msg.get("images"), list):
-            return [pack({"type": EMBEDS, "job": job, "error": f"unknown message {msg.get('type')!r}"})]
+            return {"type": EMBEDS, "job": job, "error": f"unknown message {msg.get('type')!r}"}
         try:
             out = self.encode([bytes(d) for d in msg["images"]])
         except (ImageError, ValueError, RuntimeError) as e:
-            return [pack({"type": EMBEDS, "job": job, "error": str(e)})]
+            return {"type": EMBEDS, "job": job, "error": str(e)}
         self.jobs_total += 1
-        head = {"type": EMBEDS, "job": job, "shape": list(out.shape[1:]), "dtype": "float32", "error": None}
-        return [pack(head)] + [np.ascontiguousarray(e).tobytes() for e in out]
+        return {"type": EMBEDS, "job": job, "shape": list(out.shape[1:]), "dtype": "float32", "error": None,
+                "embeds": [np.ascontiguousarray(e).tobytes() for e in out]}
 
     def serve(self, endpoint: str, stop: Any = None) -> None:
         """Answer jobs on `endpoint` (bound here) until SIGTERM or `stop()` is true."""
@@ -76,9 +88,8 @@ class EncoderWorker:
                 try:
                     msg = unpack(body)
                 except Exception as e:  # noqa: BLE001 - a malformed message is answered, not fatal
-                    sock.send_multipart([ident, pack({"type": EMBEDS, "job": None, "error": f"bad message: {e}"})])
-                    continue
-                sock.send_multipart([ident, *self.answer(msg)])
+                    msg = {"type": f"malformed ({e})"}
+                sock.send_multipart([ident, pack(sign(self.answer(msg), self.key))])
         finally:
             sock.close()
 

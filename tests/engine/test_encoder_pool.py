@@ -105,3 +105,20 @@ def test_a_pdserve_encoder_process_serves_remote_engines(loaded, tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def test_with_an_internal_token_encoders_answer_only_signed_jobs():
+    from vlm_images import image_bytes
+
+    from pdserve.config import load_config
+    from pdserve.disagg.trust import sign, verified
+    from pdserve.engine.encoder_worker import EncoderWorker, encoder_key
+
+    config = load_config(None, {"model.name": "tiny-llava", "server.internal_token": "s3cret"})
+    worker, key = EncoderWorker(config), encoder_key(config)
+    job = {"type": "encode", "job": "j1", "images": [image_bytes(1)]}
+    assert "unauthorized" in worker.answer(job)["error"]
+    assert "unauthorized" in worker.answer(sign(job, encoder_key(load_config(None, {"server.internal_token": "x"}))))["error"]
+    ok = worker.answer(sign(job, key))
+    assert ok["error"] is None and ok["shape"] == [16, 64] and len(ok["embeds"]) == 1
+    assert verified(sign(ok, key), key) and not verified(ok | {"auth": "0" * 64}, key)
