@@ -118,7 +118,7 @@ class SharedRateLimiter(RateLimiter):
 
     async def _charge_shared(self, who: str, n: int) -> None:
         try:
-            await self._charge(keys=self._keys(who)[1:], args=[self.tpm, n])
+            await self._charge(keys=self._keys(who)[1:], args=[self.tpm or 0, n])
         except self._errors as e:
             self._down(e)
 
