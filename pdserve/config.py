@@ -72,6 +72,9 @@ class ServerConfig:
     # without it. Also read from PDSERVE_INTERNAL_TOKEN.
     internal_token: str | None = None
     router_url: str | None = None       # a worker registers itself there and sends heartbeats
+    # OpenTelemetry collector (OTLP/HTTP, e.g. http://collector:4318) for request traces; unset: off
+    # (also OTEL_EXPORTER_OTLP_ENDPOINT). See common/tracing.py.
+    otlp_endpoint: str | None = None
 
 
 @dataclass

@@ -139,6 +139,10 @@ def _router_url(v: str) -> str | None:
     return f"{bad[0]!r} is not an http(s) URL; allowed: http://host:port, comma-separated" if bad else None
 
 
+def _http_url(v: str) -> str | None:
+    return None if re.fullmatch(r"https?://[^\s/]+.*", v) else f"{v!r} is not an http(s) URL; allowed: http://host:port"
+
+
 def _cidrs(v: list[str]) -> str | None:
     for c in v:
         try:
@@ -166,7 +170,7 @@ def _cores(v: list[int]) -> str | None:
 FORMATS: dict[str, Callable[[Any], str | None]] = {
     "model.name": _non_empty, "model.device": _device, "cache.remote": _remote, "router.shared_limits": _remote,
     "cache.kv_events_endpoint": _zmq_endpoint, "cache.kv_events_snapshot_endpoint": _zmq_endpoint,
-    "server.router_url": _router_url, "disagg.prefill_endpoints": _zmq_endpoints,
+    "server.router_url": _router_url, "server.otlp_endpoint": _http_url, "disagg.prefill_endpoints": _zmq_endpoints,
     "transfer.bandwidth_limit": _bandwidth, "deployment.pd_ratio": _pd_ratio,
     "router.workers": _workers, "router.ip_allowlist": _cidrs, "vision.encoder_endpoints": _zmq_endpoints,
     **_per_role({"deployment.<role>.cpu_affinity": _cores}),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 
+from pdserve.common import tracing
 from pdserve.server.errors import APIError
 
 
@@ -24,6 +25,17 @@ class Admission:
         if self._cond is None:
             self._cond = asyncio.Condition()
         cond = self._cond
+        with tracing.span("router.queue", waiting=self.waiting):
+            await self._wait(cond)
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+            async with cond:
+                cond.notify(1)
+
+    async def _wait(self, cond: asyncio.Condition) -> None:
         if self.active >= self.max_concurrent:
             if self.waiting >= self.max_queue:
                 self.rejected += 1
@@ -40,10 +52,3 @@ class Admission:
                                headers={"Retry-After": "2"}) from None
             finally:
                 self.waiting -= 1
-        self.active += 1
-        try:
-            yield
-        finally:
-            self.active -= 1
-            async with cond:
-                cond.notify(1)

@@ -33,6 +33,7 @@ from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.errors import InvalidParam
 from pdserve.common.outputs import RequestOutput, TokenLogprob
 from pdserve.common.sampling import SamplingParams, check_prompt
+from pdserve.common import tracing
 from pdserve.common.tokenizer import TokenizerWrapper
 from pdserve.protocol.health import WorkerHealth
 from pdserve.protocol.stream import TokenLine
@@ -151,17 +152,21 @@ class RemoteBackend:
                 while True:
                     remaining = None if params.max_tokens is None else params.max_tokens - len(generated)
                     context = prompt_token_ids + generated      # what the chosen worker will hold
-                    route, reason = self.route(context, remaining or 16, cache_salt, failed, images)
+                    with tracing.span("router.route", attempt=attempts):
+                        route, reason = self.route(context, remaining or 16, cache_salt, failed, images)
                     if route is None:
                         cause = f"; the last one failed it: {last_error}" if last_error else ""
                         raise APIError(503, f"no decode worker can take this request ({reason}){cause}",
                                        code="no_workers", headers={"Retry-After": "1"})
                     decode = route.decode
+                    attempt_span = tracing.start("router.attempt", worker=decode.worker_id, attempt=attempts,
+                                                 tokens_so_far=len(generated))
                     try:
                         # A migrated stream hands over what it generated as output, not as prompt: the
                         # new worker counts it for max_tokens, penalties and seeded draws.
                         stream = self._stream(route, f"{request_id}-{attempts}", prompt_token_ids,
-                                              list(generated), wire.__dict__, cache_salt, images)
+                                              list(generated), wire.__dict__, cache_salt, images,
+                                              trace=tracing.traceparent_of(attempt_span))
                         async with aclosing(stream):
                             async for tokens, lps, finished, finish_reason in stream:
                                 out_tokens: list[int] = []
@@ -182,6 +187,8 @@ class RemoteBackend:
                                     return          # closing the stream aborts a request stopped by a stop string
                         raise WorkerFailed("the stream ended without finishing")
                     except WorkerFailed as e:
+                        tracing.end(attempt_span, str(e))
+                        attempt_span = None
                         last_error = e
                         failed.add(decode.worker_id)
                         attempts += 1
@@ -191,6 +198,8 @@ class RemoteBackend:
                             continue
                         migrations += await self._recover(request_id, decode, e, attempts - moved, migrations,
                                                           len(generated))
+                    finally:
+                        tracing.end(attempt_span)      # ended above when it failed
             finally:
                 if key is not None:
                     self.charge_tokens(key, n_prompt + len(generated))
@@ -212,18 +221,21 @@ class RemoteBackend:
         if not self.rc.migration or migrations >= self.rc.max_migrations:
             raise APIError(503, f"the decode worker failed mid-stream: {e}", code="worker_failed") from e
         decode.migrations += 1
+        tracing.event("migration", worker=decode.worker_id, tokens_so_far=num_generated)
         self.metrics.migrations.labels(decode.worker_id).inc()
         log.warning("request %s: migrating after %d tokens from %s: %s", request_id, num_generated,
                     decode.worker_id, e)
         return 1
 
     async def _stream(self, route: Route, rid: str, prompt: list[int], generated: list[int], sampling: dict,
-                      salt: str | None, images: Sequence[ImageInput] = ()
+                      salt: str | None, images: Sequence[ImageInput] = (), trace: str | None = None
                       ) -> AsyncGenerator[tuple[list[int], list[TokenLogprob] | None, bool, str | None], None]:
         w, prefill = route.decode, route.prefill
         headers = dict(self.registry.headers)
         if prefill is not None and prefill.kv_endpoint:
             headers[PREFILL_HEADER] = prefill.kv_endpoint
+        if trace:       # the worker's spans join this request's trace
+            headers[tracing.TRACEPARENT] = trace
         body = {"request_id": rid, "prompt_token_ids": prompt, "output_token_ids": generated, "sampling": sampling,
                 "cache_salt": salt, "images": [im.to_json() for im in images]}
         now = time.monotonic()

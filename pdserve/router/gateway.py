@@ -14,6 +14,7 @@ import httpx
 from fastapi import FastAPI
 
 from pdserve.common.images import image_slots
+from pdserve.common import tracing
 from pdserve.config import Config
 from pdserve.protocol import (
     INTERNAL_TOKEN_HEADER,
@@ -44,6 +45,7 @@ _SUMMED = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_ca
 def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     """`fleet`: how the controller starts and stops workers (pdserve serve passes its local one)."""
     rc = config.router
+    tracing.setup("pdserve-router", config.server.otlp_endpoint)
     token = internal_token(config.server.internal_token)
     registry = Registry(rc.breaker_failures, rc.breaker_cooldown_s, rc.heartbeat_timeout_s,
                         {INTERNAL_TOKEN_HEADER: token} if token else {})

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.common import tracing
 from pdserve.protocol import INTERNAL_TOKEN_HEADER
 from pdserve.router.access import Access, KeyStore, hash_key, key_id, path_kind  # noqa: F401 (re-exported)
 from pdserve.server.errors import error_response
@@ -120,6 +121,7 @@ class SecurityMiddleware:
             await send(message)
 
         reject: Response | None = None
+        trace_id = None
         if kind != "open":
             if not self.allowlist.allows(client):
                 reject = error_response(403, "your address is not allowed here", code="ip_not_allowed")
@@ -142,10 +144,14 @@ class SecurityMiddleware:
         else:
             token, t_token = current_key.set(who), arrived_at.set(time.perf_counter())
             try:
-                await self.app(scope, receive, send_status)
+                # The request's root span (tracing on): queueing, routing and each worker attempt are its children.
+                with tracing.span(f"{scope.get('method')} {path}", **{"pdserve.key": key or "-"}):
+                    trace_id = tracing.trace_id()
+                    await self.app(scope, receive, send_status)
             finally:
                 current_key.reset(token)
                 arrived_at.reset(t_token)
         if kind != "open":
-            audit.info("key=%s client=%s %s %s status=%d ms=%.1f", key or "-",
-                       client, scope.get("method"), path, status["code"], (time.monotonic() - start) * 1e3)
+            audit.info("key=%s client=%s %s %s status=%d ms=%.1f%s", key or "-",
+                       client, scope.get("method"), path, status["code"], (time.monotonic() - start) * 1e3,
+                       f" trace={trace_id}" if trace_id else "")

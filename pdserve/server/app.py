@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from pdserve.config import Config
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
+from pdserve.common import tracing
 from pdserve.protocol.health import WorkerHealth
 from pdserve.server.errors import error_response
 from pdserve.server.internal_api import RequireInternalToken, install_internal_routes, internal_token
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
+    tracing.setup(f"pdserve-{config.worker.role}", config.server.otlp_endpoint)
     engine = engine or build_engine(config)
     model_name = config.server.served_model_name or config.model.name
     metrics = ServerMetrics(engine.stats)

@@ -6,6 +6,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.common import tracing
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable", 500: "internal_error"}
@@ -23,8 +25,11 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": code}}
+    err = {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
+    trace_id = tracing.trace_id()       # tracing on: the operator follows this request across hosts by it
+    if trace_id:
+        err["trace_id"] = trace_id
+    return {"error": err}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

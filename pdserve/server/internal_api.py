@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.common import tracing
 from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed, RequestMoved
 from pdserve.common.images import ImageInput
 from pdserve.common.sampling import SamplingParams
@@ -77,11 +78,22 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
             raise APIError(400, str(e), e.param, "invalid_value") from e
         peer = http.headers.get(PREFILL_HEADER)
         timer.start(req.request_id, time.monotonic())
+        trace = http.headers.get(tracing.TRACEPARENT)      # the router's attempt: this worker's spans join it
 
         async def lines():
+            t0 = time.time_ns()
+            root = tracing.start("worker.generate", trace, request_id=req.request_id,
+                                 prompt_tokens=len(req.prompt_token_ids), tokens_so_far=len(req.output_token_ids))
+            decode = None
             try:
                 async for out in engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt, peer,
                                                  req.output_token_ids, images):
+                    if root is not None and decode is None:
+                        # The first token: the prompt was prefilled (by a peer, its KV transferred, or here).
+                        parent = tracing.traceparent_of(root)
+                        tracing.end(tracing.start("worker.prefill", parent, t0, prefilled_by=out.prefilled_by or "local",
+                                                  prefill_failed=list(out.prefill_failures or [])))
+                        decode = tracing.start("worker.decode", parent)
                     yield TokenLine(out.new_token_ids, [lp.to_wire() for lp in out.new_logprobs] or None,
                                     out.finished, out.finish_reason, out.num_prompt_tokens,
                                     out.prefilled_by, out.prefill_failures).encode()
@@ -95,5 +107,7 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
                 yield json.dumps(error_body(502, str(e), code="request_failed")) + "\n"
             finally:
                 timer.forget(req.request_id)
+                tracing.end(decode)
+                tracing.end(root)
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
