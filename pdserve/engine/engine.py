@@ -5,6 +5,7 @@ import hashlib
 import logging
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -163,6 +164,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.connector.has_work()
 
+    def run_until_idle(self, after_step: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+        """Step until no request is left (the offline API, tests); every output, in order. `after_step`
+        sees each step's outputs (a test checks the pool or aborts a request between steps)."""
+        outputs: list[RequestOutput] = []
+        while self.has_unfinished():
+            step = self.step()
+            outputs.extend(step)
+            if after_step is not None:
+                after_step(step)
+        return outputs
+
     def close(self) -> None:
         """Stop the tier threads (queued writes finish first) and the KV event publisher."""
         if self.tiers is not None:
@@ -180,7 +192,6 @@ class LLMEngine:
         """A prefill worker filled every prompt block and sampled the first token."""
         req.prefilled_by = req.prefill_attempts[-1] if req.prefill_attempts else None
         self.scheduler.finish_loading(req)
-        self.scheduler.cache_computed_blocks(req)
         return self._on_token(req, token, logprob)
 
     def fail_load(self, req: Request, held: list[int], error: str) -> RequestOutput:
@@ -223,14 +234,10 @@ class LLMEngine:
         sampled = self.runner.execute(step.scheduled, (lambda i: c.on_layer(planned, i)) if planned else None)
         c.end_step(planned)
         self.num_steps += 1
-        for req, n in step.scheduled:
-            # Prompt positions computed (prefill or recompute); prefix-cache hits never get here.
-            self.prefill_tokens_total += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
-                                             - req.num_computed_tokens)
-            self.recomputed_tokens_total += max(0, min(req.num_computed_tokens + n, req.recompute_until)
-                                                - req.num_computed_tokens)
-            req.num_computed_tokens += n
-            self.scheduler.cache_computed_blocks(req)
+        prefilled, recomputed = self.scheduler.update(step)
+        self.prefill_tokens_total += prefilled
+        self.recomputed_tokens_total += recomputed
+        for req, _ in step.scheduled:
             if req.request_id in sampled:
                 token, logprob = sampled[req.request_id]
                 out = self._on_token(req, token, logprob)

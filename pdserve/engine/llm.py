@@ -96,12 +96,11 @@ class LLM:
             order.append(rid)
             results[rid] = GenerationOutput(prompt_token_ids=ids)
             self.engine.add_request(rid, ids, p, images=ims)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                r = results[out.request_id]
-                r.token_ids.extend(out.new_token_ids)
-                r.text += out.new_text
-                r.logprobs.extend(out.new_logprobs)
-                if out.finished:
-                    r.finish_reason = out.finish_reason
+        for out in self.engine.run_until_idle():
+            r = results[out.request_id]
+            r.token_ids.extend(out.new_token_ids)
+            r.text += out.new_text
+            r.logprobs.extend(out.new_logprobs)
+            if out.finished:
+                r.finish_reason = out.finish_reason
         return [results[rid] for rid in order]

@@ -7,7 +7,9 @@ most recently admitted running request is preempted: its blocks are freed and it
 the head of the queue. With swap space (cache/swap.py) and room in it, its computed KV is copied
 to host RAM first and copied back when it is admitted again, so it resumes where it stopped;
 otherwise it is recomputed (the prefix cache may still hold its leading blocks). Waiting requests are admitted strictly in order while
-the cap on running requests, the budget and the free blocks (minus a watermark) allow.
+the cap on running requests, the budget and the free blocks allow; one test (`_fits`) decides every
+admission, keeping a watermark of blocks back while any request runs or loads. The engine hands
+each step it ran back to `update`, which advances the requests and caches their full blocks.
 
 A decode worker with prefill peers admits a request whose uncached prompt is long enough as
 `loading` instead: it gets blocks for the whole prompt, takes no compute budget, and joins the
@@ -46,6 +48,10 @@ class ScheduledStep:
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+# _admit's answer for a request that waits while later ones may be admitted.
+_PASSED = -1
 
 
 def wants_remote_prefill(num_uncached: int, local_prefill_max_tokens: int | None, has_peer: bool) -> bool:
@@ -154,7 +160,27 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
-        budget = self.cfg.max_num_batched_tokens
+        budget = self._schedule_running(step, self.cfg.max_num_batched_tokens)
+        if not step.preempted:
+            self._admit_waiting(step, budget)
+        return step
+
+    def update(self, step: ScheduledStep) -> tuple[int, int]:
+        """Commit a step the model ran: each scheduled request's computed tokens advance and its newly
+        full blocks enter the prefix cache. Returns the prompt positions computed (prefix-cache hits
+        never get here) and those computed again after a preemption without swap."""
+        prefill = recomputed = 0
+        for req, n in step.scheduled:
+            done = req.num_computed_tokens
+            prefill += max(0, min(done + n, req.num_prompt_tokens) - done)
+            recomputed += max(0, min(done + n, req.recompute_until) - done)
+            req.num_computed_tokens = done + n
+            self.cache_computed_blocks(req)
+        return prefill, recomputed
+
+    def _schedule_running(self, step: ScheduledStep, budget: int) -> int:
+        """Running requests first, in arrival order; when the pool runs dry the most recently admitted
+        one not yet scheduled is preempted. Returns the budget left."""
         scheduled_ids: set[str] = set()
         for req in list(self.running):
             if req not in self.running:     # preempted earlier in this loop
@@ -173,69 +199,52 @@ class Scheduler:
             step.scheduled.append((req, num_new))
             scheduled_ids.add(req.request_id)
             budget -= num_new
-        if step.preempted:
-            return step
+        return budget
+
+    def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
+        """Waiting requests, strictly in order, while the cap on requests, the budget and the blocks allow."""
         inflight = self._inflight_hashes()
         for req in list(self.waiting):
             if len(self.running) + len(self.loading) >= self.cfg.max_num_seqs:
                 break
-            if req.swapped_tokens:
-                resumed = self._resume(req, budget, step)
-                if resumed is None:
-                    break
-                budget -= resumed
-                self._mark_inflight(req, inflight)
-                continue
-            hit = self._match_prefix(req)
-            req.num_computed_tokens = len(hit) * self.block_size
-            if inflight and self._next_block_inflight(req, len(hit), inflight):
-                # Another request is computing or loading this request's next block right now: wait
-                # a step or two and hit the cache instead of computing or fetching it again.
-                req.num_computed_tokens = 0
-                continue
-            fetch = self._tier_hit(req, len(hit))
-            # A tier hit counts as cached when choosing a remote prefill; if one is still chosen, the
-            # prefill worker uses its own caches and nothing is fetched here.
-            uncached = req.num_tokens - req.num_computed_tokens - fetch * self.block_size
-            # A request with outputs (migrated here, or preempted) goes too: the prefill worker
-            # computes them with the prompt and samples the next output in sequence.
-            if wants_remote_prefill(uncached, self.local_prefill_max_tokens, bool(req.prefill_peers)):
-                if not self._admit_loading(req, hit, step):
-                    break
-                self._mark_inflight(req, inflight)
-                continue
-            if req.images and self.inputs_ready is not None and not self.inputs_ready(req):
-                req.num_computed_tokens = 0     # its images are being encoded
-                continue
-            if fetch and self._admit_fetch(req, hit, fetch, step):
-                self._mark_inflight(req, inflight)
-                continue
-            if budget <= 0:
-                req.num_computed_tokens = 0
+            taken = self._resume(req, budget, step) if req.swapped_tokens else self._admit(req, budget, step, inflight)
+            if taken is None:
                 break
-            num_new = self._chunk(req, budget, not step.scheduled)
-            # Cached blocks nobody holds count as free until this request takes them.
-            available = self.pool.num_free - sum(1 for b in hit if self.pool.refcount(b) == 0)
-            need = blocks_needed(req.num_computed_tokens + num_new, self.block_size) - len(hit)
-            if num_new <= 0 or need > available or (need + self.cfg.watermark_blocks > available and self.running):
-                req.num_computed_tokens = 0
-                break
-            self.pool.incref(hit)
-            req.block_ids = list(hit)
-            req.num_cached_blocks = len(hit)
-            if not self._grow(req, num_new):
-                self._release(req)
-                req.num_computed_tokens = 0
-                break
-            if self.pool.prefix_cache is not None:
-                self.pool.prefix_cache.record_query(req.num_tokens, len(hit) * self.block_size)
-            self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._mark_inflight(req, inflight)
-            step.scheduled.append((req, num_new))
-            budget -= num_new
-        return step
+            if taken is not _PASSED:
+                budget -= taken
+                self._mark_inflight(req, inflight)
+
+    def _admit(self, req: Request, budget: int, step: ScheduledStep, inflight: set[bytes]) -> int | None:
+        """Admit one waiting request: as loading (a prefill peer or lower tiers fill its blocks) or
+        running. The tokens it takes from the budget; _PASSED: it waits, later ones may go; None:
+        it does not fit, and nothing after it goes either."""
+        hit = self._match_prefix(req)
+        req.num_computed_tokens = len(hit) * self.block_size
+        if inflight and self._next_block_inflight(req, len(hit), inflight):
+            # Another request is computing or loading this request's next block right now: wait
+            # a step or two and hit the cache instead of computing or fetching it again.
+            req.num_computed_tokens = 0
+            return _PASSED
+        fetch = self._tier_hit(req, len(hit))
+        # A tier hit counts as cached when choosing a remote prefill; if one is still chosen, the
+        # prefill worker uses its own caches and nothing is fetched here.
+        uncached = req.num_tokens - req.num_computed_tokens - fetch * self.block_size
+        # A request with outputs (migrated here, or preempted) goes too: the prefill worker
+        # computes them with the prompt and samples the next output in sequence.
+        if wants_remote_prefill(uncached, self.local_prefill_max_tokens, bool(req.prefill_peers)):
+            return 0 if self._admit_loading(req, hit, step) else None
+        if req.images and self.inputs_ready is not None and not self.inputs_ready(req):
+            req.num_computed_tokens = 0     # its images are being encoded
+            return _PASSED
+        if fetch and self._admit_fetch(req, hit, fetch, step):
+            return 0
+        num_new = self._chunk(req, budget, not step.scheduled) if budget > 0 else 0
+        if num_new <= 0 or not self._take(req, hit, blocks_needed(req.num_computed_tokens + num_new,
+                                                                  self.block_size) - len(hit), RequestStatus.RUNNING):
+            req.num_computed_tokens = 0
+            return None
+        step.scheduled.append((req, num_new))
+        return num_new
 
     def _resume(self, req: Request, budget: int, step: ScheduledStep) -> int | None:
         """Admit a swapped-out request: its leading full blocks still cached on the device are shared,
@@ -246,9 +255,7 @@ class Scheduler:
         hit = self._match_prefix(req)[:swapped // bs]
         req.num_computed_tokens = swapped
         num_new = self._chunk(req, budget, not step.scheduled) if budget > 0 else 0
-        available = self.pool.num_free - sum(1 for b in hit if self.pool.refcount(b) == 0)
-        need = blocks_needed(swapped + num_new, bs) - len(hit)
-        if num_new <= 0 or need > available or (need + self.cfg.watermark_blocks > available and self.running):
+        if num_new <= 0 or not self._fits(hit, blocks_needed(swapped + num_new, bs) - len(hit)):
             req.num_computed_tokens = 0
             return None
         self.pool.incref(hit)
@@ -295,11 +302,21 @@ class Scheduler:
         rest = self._hashes(req, (req.num_tokens - 1) // self.block_size)[num_hit:]
         return self.tier_lookup(rest) if rest else 0
 
-    def _take_blocks(self, req: Request, hit: list[int], need: int) -> bool:
-        """Share the hit blocks and allocate `need` more, if they fit (minus the watermark)."""
+    def _room(self, hit: list[int]) -> int:
+        """Blocks a request admitted now may take beside its `hit` blocks (cached blocks nobody holds
+        count as free until it takes them), the watermark kept back for the requests already running
+        or loading to grow into (an idle engine may use it all)."""
         available = self.pool.num_free - sum(1 for b in hit if self.pool.refcount(b) == 0)
-        if need > available or (need + self.cfg.watermark_blocks > available and (self.running or self.loading)):
-            req.num_computed_tokens = 0
+        return available - self.cfg.watermark_blocks if self.running or self.loading else available
+
+    def _fits(self, hit: list[int], need: int) -> bool:
+        """The one admission test, for every path: `need` new blocks beside the shared `hit` ones."""
+        return need <= self._room(hit)
+
+    def _take(self, req: Request, hit: list[int], need: int, status: RequestStatus) -> bool:
+        """Admit `req` as running or loading with the hit blocks shared and `need` more, if they fit;
+        False, with nothing changed, when they do not."""
+        if not self._fits(hit, need):
             return False
         self.pool.incref(hit)
         req.block_ids = list(hit) + self.pool.allocate(need)
@@ -307,12 +324,16 @@ class Scheduler:
         if self.pool.prefix_cache is not None:
             self.pool.prefix_cache.record_query(req.num_tokens, len(hit) * self.block_size)
         self.waiting.remove(req)
-        req.status = RequestStatus.LOADING
-        self.loading[req.request_id] = req
+        req.status = status
+        if status == RequestStatus.LOADING:
+            self.loading[req.request_id] = req
+        else:
+            self.running.append(req)
         return True
 
     def _admit_loading(self, req: Request, hit: list[int], step: ScheduledStep) -> bool:
-        if not self._take_blocks(req, hit, blocks_needed(req.num_tokens, self.block_size) - len(hit)):
+        if not self._take(req, hit, blocks_needed(req.num_tokens, self.block_size) - len(hit), RequestStatus.LOADING):
+            req.num_computed_tokens = 0
             return False
         step.to_load.append(req)
         return True
@@ -321,11 +342,8 @@ class Scheduler:
         """Admit as loading with blocks for the fetched stretch only (the rest is allocated as it is
         computed), as much of it as fits now: a long stretch must not wait for the running batch to drain.
         False, with nothing changed, when no block is free."""
-        available = self.pool.num_free - sum(1 for b in hit if self.pool.refcount(b) == 0)
-        if self.running or self.loading:
-            available -= self.cfg.watermark_blocks
-        fetch = min(fetch, available)
-        if fetch <= 0 or not self._take_blocks(req, hit, fetch):
+        fetch = min(fetch, self._room(hit))
+        if fetch <= 0 or not self._take(req, hit, fetch, RequestStatus.LOADING):
             return False
         step.to_fetch.append(req)
         return True
@@ -345,6 +363,7 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self.cache_computed_blocks(req)
 
     def abandon_loading(self, req: Request, held: list[int]) -> None:
         """The peer failed: free the blocks (except `held`, which the caller frees later) and requeue."""

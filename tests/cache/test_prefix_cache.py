@@ -115,8 +115,7 @@ def test_cache_salt_separates_tenants():
     def run(rid: str, salt: str | None) -> int:
         before = eng.prefix_cache.hit_tokens
         eng.add_request(rid, ids, params, cache_salt=salt)
-        while eng.has_unfinished():
-            eng.step()
+        eng.run_until_idle()
         return eng.prefix_cache.hit_tokens - before
 
     assert run("a", "tenant-a") == 0

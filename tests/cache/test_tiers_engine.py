@@ -42,12 +42,10 @@ def _prompt(files, topic: str, blocks: int) -> list[int]:
 def _run(e: LLMEngine, rid: str, ids: list[int]) -> tuple[list[int], list[float], str]:
     e.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0))
     tokens, logprobs, text = [], [], ""
-    while e.has_unfinished():
-        for out in e.step():
-            tokens += out.new_token_ids
-            logprobs += [lp.logprob for lp in out.new_logprobs]
-            text += out.new_text
-        e.pool.check_integrity()
+    for out in e.run_until_idle(lambda _: e.pool.check_integrity()):
+        tokens += out.new_token_ids
+        logprobs += [lp.logprob for lp in out.new_logprobs]
+        text += out.new_text
     assert e.pool.num_free == e.pool.num_blocks
     return tokens, logprobs, text
 

@@ -27,9 +27,8 @@ def _mixed(prompts, overrides=None):
     for i, (ids, images) in enumerate(prompts):
         eng.add_request(f"r{i}", ids, GREEDY, images=images)
     want: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            want.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for out in eng.run_until_idle():
+        want.setdefault(out.request_id, []).extend(out.new_token_ids)
     return want
 
 

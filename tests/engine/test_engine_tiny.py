@@ -46,11 +46,10 @@ def test_a_request_resumed_from_its_outputs_continues_exactly(llm):
         free = eng.pool.num_free
         eng.add_request("resumed", prompt, p, output_token_ids=full[:5])
         rest: list[int] = []
-        while eng.has_unfinished():
-            for out in eng.step():
-                rest.extend(out.new_token_ids)
-                if out.finished:
-                    assert out.finish_reason == "length" and out.num_output_tokens == 12
+        for out in eng.run_until_idle():
+            rest.extend(out.new_token_ids)
+            if out.finished:
+                assert out.finish_reason == "length" and out.num_output_tokens == 12
         assert rest == full[5:] and eng.pool.num_free == free
     with pytest.raises(InvalidParam):       # nothing left to generate
         eng.add_request("over", prompt, SamplingParams(max_tokens=3), output_token_ids=[5, 6, 7])

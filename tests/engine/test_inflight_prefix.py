@@ -19,10 +19,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        engine.pool.check_integrity()
+    for o in engine.run_until_idle(lambda _: engine.pool.check_integrity()):
+        out.setdefault(o.request_id, []).extend(o.new_token_ids)
     return out
 
 

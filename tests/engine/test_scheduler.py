@@ -15,10 +15,10 @@ def _req(rid: str, n: int) -> Request:
 
 
 def _advance(sched: Scheduler) -> dict[str, int]:
-    """One step as the engine does it: count computed tokens, append a token where a chunk ends."""
+    """One step as the engine does it: commit the step, append a token where a chunk ends."""
     step = sched.schedule()
-    for req, n in step.scheduled:
-        req.num_computed_tokens += n
+    sched.update(step)
+    for req, _ in step.scheduled:
         if req.num_computed_tokens == req.num_tokens:
             req.append_token(7)
     return {r.request_id: n for r, n in step.scheduled}
@@ -121,9 +121,9 @@ def test_blocks_computed_after_a_diverged_chain_are_not_cached_under_another_req
         req = _req(rid, 6)
         s.add(req)
         for tok in replies:
-            for r, n in s.schedule().scheduled:
-                r.num_computed_tokens += n
-                s.cache_computed_blocks(r)
+            step = s.schedule()
+            s.update(step)
+            for r, _ in step.scheduled:
                 r.append_token(tok)
         return req
 
@@ -135,3 +135,31 @@ def test_blocks_computed_after_a_diverged_chain_are_not_cached_under_another_req
     pool.free(pool.allocate(pool.num_free))         # every block counted as free can be had
     s.finish(b, "stop")
     assert pool.num_free == pool.num_blocks
+
+
+def test_one_admission_test_keeps_the_watermark_back_while_a_request_loads():
+    """Every admission path asks _fits: with a request loading from a peer (nothing running yet), a
+    local prefill may not take the watermark blocks the loading request will decode into."""
+    pool = BlockPool(10)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=100, watermark_blocks=2), pool, block_size=4,
+                  local_prefill_max_tokens=8)
+    loading = _req("l", 16)
+    loading.prefill_peers = ["tcp://peer:1"]
+    s.add(loading)
+    assert s.schedule().to_load == [loading] and pool.num_free == 6
+    s.add(_req("m", 20))                            # 5 blocks: 6 free, but 2 are the watermark
+    assert s.schedule().scheduled == [] and not s.running
+    s.finish(loading, "abort")
+    assert [r.request_id for r, _ in s.schedule().scheduled] == ["m"]
+
+
+def test_update_commits_a_step_and_schedule_stays_short():
+    import inspect
+
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=6, watermark_blocks=0), BlockPool(8), block_size=4)
+    req = _req("a", 10)
+    s.add(req)
+    step = s.schedule()
+    assert s.update(step) == (6, 0) and req.num_computed_tokens == 6
+    assert s.update(s.schedule()) == (4, 0) and req.num_computed_tokens == 10
+    assert len(inspect.getsource(Scheduler.schedule).splitlines()) < 50

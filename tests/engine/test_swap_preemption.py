@@ -154,7 +154,6 @@ def test_abort_of_a_swapped_out_request_in_the_engine():
     assert eng.abort_request(victim.request_id).finish_reason == "abort"
     assert eng.swap.stats()["swapped_requests"] == sum(1 for r in eng.scheduler.waiting if r.swapped_tokens)
     assert eng.swap.counters["swap_discarded_total"] == 1
-    while eng.has_unfinished():
-        eng.step()
+    eng.run_until_idle()
     assert eng.swap.used_bytes == 0 and eng.pool.num_free == eng.pool.num_blocks
     eng.pool.check_integrity()
