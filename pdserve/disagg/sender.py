@@ -22,7 +22,8 @@ from pdserve.cache.kv_cache import raw_bytes_view
 from pdserve.common.images import ImageInput
 from pdserve.config import Config
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
-from pdserve.disagg.sink import KVSink, WriterFactory
+from pdserve.disagg.sink import (Barrier, CloseWriter, KVSink, SenderOp, SendMessage, StopSender, WriteLayer,
+                                 WriterFactory)
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
 from pdserve.disagg.trust import (BAD_TOKEN, JobRefused, SeenIds, ThrottledLog, check_job, compat_info, sign,
                                    token_key, unsigned_refusal, verified)
@@ -82,7 +83,7 @@ class PrefillConnector(KVConnector):
                                  if config.transfer.bandwidth_limit else None)
         self.sinks: dict[str, KVSink] = {}       # engine thread only
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[SenderOp] = queue.SimpleQueue()
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()
         self._liveness = LivenessClock()
@@ -142,7 +143,7 @@ class PrefillConnector(KVConnector):
                           msg.get("request_id"), BAD_TOKEN)
         reply = unsigned_refusal(msg)
         if reply is not None:
-            self._outbox.put(("send", reply[0], reply[1].to_wire()))
+            self._outbox.put(SendMessage(reply[0], reply[1].to_wire()))
 
     # ------------------------------------------------------------------ sender thread
 
@@ -161,21 +162,20 @@ class PrefillConnector(KVConnector):
             return s
 
         while True:
-            item = self._outbox.get()
-            kind = item[0]
-            if kind == "stop":
+            item: SenderOp = self._outbox.get()
+            if isinstance(item, StopSender):
                 break
             try:
-                if kind == "send":
-                    sock_for(item[1]).send(pack(item[2]), zmq.NOBLOCK)
-                elif kind == "write":
-                    _, sink, layer, runs, computed_at = item
+                if isinstance(item, SendMessage):
+                    sock_for(item.endpoint).send(pack(item.wire), zmq.NOBLOCK)
+                elif isinstance(item, WriteLayer):
+                    sink, computed_at = item.sink, item.computed_at
                     if sink.cancelled or sink.error:
                         continue
                     if sink.writer is None:
                         sink.writer = self._writers.make(sink.job, sock_for)
                     t0 = time.monotonic()
-                    n = sink.writer.write_layer(sink.job.request_id, layer, runs)
+                    n = sink.writer.write_layer(sink.job.request_id, item.layer, item.runs)
                     self.throttle.consume(n)
                     t1 = last_write_at = time.monotonic()
                     sink.bytes_sent += n
@@ -187,27 +187,27 @@ class PrefillConnector(KVConnector):
                         c["kv_send_layers_total"] += 1
                         c["kv_send_layer_lag_seconds_total"] += t1 - computed_at
                         c["kv_send_layer_lag_seconds_max"] = max(c["kv_send_layer_lag_seconds_max"], t1 - computed_at)
-                elif kind == "barrier":
+                elif isinstance(item, Barrier):
                     # Writes that complete asynchronously (tcp) are only known done after the flush.
                     done_at = last_write_at
-                    for sink in item[2]:
+                    for sink in item.sinks:
                         if sink.writer is not None and sink.job.request_id in dirty and not sink.error:
                             if sink.writer.flush():
                                 done_at = time.monotonic()
                     dirty.clear()
                     self._writes_done_at = done_at
-                    item[1].set()
-                elif kind == "close" and item[1].writer is not None:
-                    item[1].writer.close()
-                    item[1].writer = None
+                    item.done.set()
+                elif isinstance(item, CloseWriter) and item.sink.writer is not None:
+                    item.sink.writer.close()
+                    item.sink.writer = None
             except Exception as e:  # noqa: BLE001 - a failed write fails its request, not the worker
-                log.warning("KV transfer %s failed: %s", kind, e)
-                if kind == "write":
-                    item[1].error = f"{type(e).__name__}: {e}"
-                elif kind == "barrier":
-                    for sink in item[2]:
-                        sink.error = sink.error or f"flush failed: {e}"
-                    item[1].set()
+                log.warning("KV transfer %s failed: %s", type(item).__name__, e)
+                if isinstance(item, WriteLayer):
+                    item.sink.fail(f"{type(e).__name__}: {e}")
+                elif isinstance(item, Barrier):
+                    for sink in item.sinks:
+                        sink.fail(f"flush failed: {e}")
+                    item.done.set()
         for s in socks.values():
             s.close(0)
 
@@ -215,7 +215,7 @@ class PrefillConnector(KVConnector):
         self._reply(job.reply_endpoint, kind(job.request_id, job.transfer_id, **fields))
 
     def _reply(self, endpoint: str, msg: PDMessage) -> None:
-        self._outbox.put(("send", endpoint, sign(msg.to_wire(), self.key)))
+        self._outbox.put(SendMessage(endpoint, sign(msg.to_wire(), self.key)))
 
     # ------------------------------------------------------------------ engine thread hooks
 
@@ -297,7 +297,7 @@ class PrefillConnector(KVConnector):
             return
         for req in planned:
             if req.kv_sink.plan:
-                self._outbox.put(("write", req.kv_sink, layer, req.kv_sink.plan, now))
+                self._outbox.put(WriteLayer(req.kv_sink, layer, req.kv_sink.plan, now))
 
     def end_step(self, planned: list[Request]) -> None:
         if not planned:
@@ -305,14 +305,14 @@ class PrefillConnector(KVConnector):
         for layer in self._computed_layers:     # not layer-wise: every layer goes now
             for req in planned:
                 if req.kv_sink.plan:
-                    self._outbox.put(("write", req.kv_sink, layer, req.kv_sink.plan, self._last_layer_at))
+                    self._outbox.put(WriteLayer(req.kv_sink, layer, req.kv_sink.plan, self._last_layer_at))
         self._computed_layers.clear()
         done = threading.Event()
         sinks = [r.kv_sink for r in planned]
-        self._outbox.put(("barrier", done, sinks))
+        self._outbox.put(Barrier(done, sinks))
         if not done.wait(self.deadlines.transfer_s):
             for s in sinks:
-                s.error = s.error or "writes did not finish before the transfer deadline"
+                s.fail("writes did not finish before the transfer deadline")
         now = time.monotonic()
         with self.stats_lock:
             self.counters["kv_send_tail_lag_seconds_total"] += max(0.0, self._writes_done_at - self._last_layer_at)
@@ -332,7 +332,7 @@ class PrefillConnector(KVConnector):
         sink = self.sinks.pop(req.request_id, None)
         if sink is None:
             return
-        self._outbox.put(("close", sink))
+        self._outbox.put(CloseWriter(sink))
         now = time.monotonic()
         if sink.cancelled:
             self._send(sink.job, CancelAck)
@@ -360,7 +360,7 @@ class PrefillConnector(KVConnector):
 
     def close(self) -> None:
         self._stop.set()
-        self._outbox.put(("stop",))
+        self._outbox.put(StopSender())
         for t in self._threads:
             t.join(timeout=2)
         self._bootstrap.close(0)

@@ -7,8 +7,10 @@ nixl), a shared-memory pool on the same host (shm), or KV frames over its contro
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import zmq
@@ -30,16 +32,67 @@ from pdserve.protocol import PrefillJob
 
 @dataclass
 class KVSink:
-    """Where one prefill request's KV goes: the decode worker's blocks."""
+    """Where one prefill request's KV goes: the decode worker's blocks.
+
+    The engine thread owns transfer, next_block, plan, plan_end and cancelled; the sender thread owns
+    writer and bytes_sent (the engine reads bytes_sent once the step's barrier has passed). Both
+    threads fail a sink, through `fail`, under its lock."""
     job: PrefillJob
     transfer: Transfer
     next_block: int                          # first block not yet written in full
     writer: KVWriter | None = None           # created and used on the sender thread only
-    error: str | None = None                 # set by the sender thread when a write fails
     cancelled: bool = False
     bytes_sent: int = 0
     plan: list[Run] = field(default_factory=list)   # this step's runs
     plan_end: int = 0                        # block index the plan reaches (exclusive, full blocks)
+    _error: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def error(self) -> str | None:
+        """Why the transfer failed (the first reason given), or None."""
+        with self._lock:
+            return self._error
+
+    def fail(self, reason: str) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = reason
+
+
+# What the engine and bootstrap threads hand the sender thread (its outbox), in order.
+@dataclass
+class SendMessage:
+    endpoint: str
+    wire: dict[str, Any]                     # a control message's map, signed when a token is set
+
+
+@dataclass
+class WriteLayer:
+    sink: KVSink
+    layer: int
+    runs: list[Run]
+    computed_at: float
+
+
+@dataclass
+class Barrier:
+    """Flush these sinks' writes, then set `done`: the step's writes are in the decode pool."""
+    done: threading.Event
+    sinks: list[KVSink]
+
+
+@dataclass
+class CloseWriter:
+    sink: KVSink
+
+
+@dataclass
+class StopSender:
+    pass
+
+
+SenderOp = SendMessage | WriteLayer | Barrier | CloseWriter | StopSender
 
 
 class WriterFactory:

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from pdserve.common.errors import EngineDeadError, RequestFailed, RequestMoved  # noqa: F401 (re-exported)
@@ -23,12 +24,39 @@ from pdserve.engine.engine import LLMEngine
 log = logging.getLogger(__name__)
 
 
+# What other threads post to the engine thread.
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None
+    prefill_peer: str | None
+    output_token_ids: list[int] | None
+    images: list[ImageInput] | None
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class CallOnEngine:
+    fn: Callable[[LLMEngine], object]
+    future: concurrent.futures.Future
+
+
+Command = AddRequest | AbortRequest | CallOnEngine
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine,
                  on_output: Callable[[RequestOutput, float], None] | None = None) -> None:
         self.engine = engine
         self.on_output = on_output          # metrics hook, called on the engine thread
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
@@ -51,8 +79,8 @@ class AsyncEngine:
         self.engine.check_request(prompt_token_ids, params, output_token_ids)   # pure check, raises InvalidParam
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._post(("add", request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prefill_peer,
-                    output_token_ids, images))
+        self._post(AddRequest(request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prefill_peer,
+                              output_token_ids, images))
         finished = False
         try:
             while True:
@@ -67,7 +95,7 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 log.info("request %s aborted: its consumer went away", request_id)
-                self._post(("abort", request_id))
+                self._post(AbortRequest(request_id))
 
     def open_streams(self) -> int:
         """Requests whose consumer still reads (read from the event loop)."""
@@ -78,12 +106,12 @@ class AsyncEngine:
         self.engine.check_request(prompt_token_ids, params)
 
     def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
+        self._post(AbortRequest(request_id))
 
     def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
         """Run fn(engine) on the engine thread between two steps; the future holds its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(("call", fn, fut))
+        self._post(CallOnEngine(fn, fut))
         return fut
 
     def evacuate(self, reason: str) -> concurrent.futures.Future:
@@ -97,7 +125,7 @@ class AsyncEngine:
             return len(rids)
         return self.call(run)
 
-    def _post(self, cmd: tuple) -> None:
+    def _post(self, cmd: Command) -> None:
         self._commands.put(cmd)
         self._wake.set()
 
@@ -116,25 +144,25 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                _, rid, ids, params, arrival, salt, peer, outputs, images = cmd
-                if rid not in self._streams:        # cancelled before it reached the engine
+            if isinstance(cmd, AddRequest):
+                if cmd.request_id not in self._streams:        # cancelled before it reached the engine
                     continue
                 try:
-                    self.engine.add_request(rid, ids, params, arrival_time=arrival, cache_salt=salt,
-                                            prefill_peer=peer, output_token_ids=outputs, images=images)
+                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                            arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt,
+                                            prefill_peer=cmd.prefill_peer, output_token_ids=cmd.output_token_ids,
+                                            images=cmd.images)
                 except Exception as e:  # noqa: BLE001 - delivered to the request's consumer
-                    self._deliver(rid, e)
-            elif cmd[0] == "abort":
-                out = self.engine.abort_request(cmd[1])
+                    self._deliver(cmd.request_id, e)
+            elif isinstance(cmd, AbortRequest):
+                out = self.engine.abort_request(cmd.request_id)
                 if out is not None:
-                    self._deliver(cmd[1], out)
-            elif cmd[0] == "call":
-                _, fn, fut = cmd
+                    self._deliver(cmd.request_id, out)
+            else:
                 try:
-                    fut.set_result(fn(self.engine))
+                    cmd.future.set_result(cmd.fn(self.engine))
                 except Exception as e:  # noqa: BLE001 - raised to the caller
-                    fut.set_exception(e)
+                    cmd.future.set_exception(e)
 
     def _loop(self) -> None:
         while not self._stop:
