@@ -191,6 +191,7 @@ class ControllerConfig:
     low: float = 0.5                     # ... and has one to spare below it
     sustain_intervals: int = 3           # readings in a row a condition must hold before it acts (hysteresis)
     cooldown_s: float = 30.0             # no action this long after the last one
+    imbalance: float = 3.0               # both pools over their SLOs at max_workers: move a worker to the one this x as far over
     min_workers: int = 2
     max_workers: int = 4
     drain_timeout_s: float = 30.0        # a draining worker's requests may finish this long, then move elsewhere

@@ -77,6 +77,7 @@ BOUNDS: dict[str, Bound] = {
     "controller.interval_s": _POSITIVE, "controller.slo_ttft_ms": _POSITIVE, "controller.slo_tpot_ms": _POSITIVE,
     "controller.kv_usage_high": Bound(0, 1, above=True), "controller.high": _POSITIVE, "controller.low": _POSITIVE,
     "controller.sustain_intervals": _ONE, "controller.min_workers": Bound(2), "controller.max_workers": Bound(2),
+    "controller.imbalance": Bound(1, above=True),
     "vision.max_image_bytes": _ONE, "vision.max_image_pixels": _ONE, "vision.remote_timeout_s": _POSITIVE,
     "vision.encode_timeout_s": _POSITIVE,
 }

@@ -12,7 +12,8 @@ hot above `high` and cold below `low`. Hysteresis, so that it never flaps:
 - after any action nothing happens for `cooldown_s`, nor while a worker it started has not yet
   registered; the counts start again after that.
 Order of preference: a hot pool takes a worker from a cold pool (a switch costs no start-up),
-else a new worker below `max_workers`; when both pools stay cold, one worker goes (drained first)
+else a new worker below `max_workers`; at `max_workers` with both pools hot, a worker moves to the
+one `imbalance` times as far over its SLO; when both pools stay cold, one worker goes (drained first)
 down to `min_workers`. Each pool keeps at least one worker.
 """
 from __future__ import annotations
@@ -25,20 +26,22 @@ ACTIONS = ("hold", "switch_to_prefill", "switch_to_decode", "add_prefill", "add_
 
 @dataclass(frozen=True)
 class Params:
+    """controller: config's policy keys (config.py holds their defaults and meaning)."""
     slo_ttft_ms: float
     slo_tpot_ms: float
-    kv_usage_high: float = 0.9
-    high: float = 1.0
-    low: float = 0.5
-    sustain_intervals: int = 3
-    cooldown_s: float = 30.0
-    min_workers: int = 2
-    max_workers: int = 4
+    kv_usage_high: float
+    high: float
+    low: float
+    sustain_intervals: int
+    cooldown_s: float
+    min_workers: int
+    max_workers: int
+    imbalance: float
 
     @classmethod
     def from_config(cls, c) -> Params:
         return cls(c.slo_ttft_ms, c.slo_tpot_ms, c.kv_usage_high, c.high, c.low, c.sustain_intervals, c.cooldown_s,
-                   c.min_workers, c.max_workers)
+                   c.min_workers, c.max_workers, c.imbalance)
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,13 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
         if total < p.max_workers:
             return act(f"add_{role}", f"both pools over their SLOs for {n} intervals ({pre:.2f}, {dec:.2f}); "
                                       f"the {role} pool more")
+        # At max_workers with both over: move a worker only when one pool is far worse off (a
+        # factor of `imbalance` per worker), so the move cannot simply reverse the imbalance.
+        hot, cool = (pre, dec) if role == "prefill" else (dec, pre)
+        n_cool = r.n_decode if role == "prefill" else r.n_prefill
+        if n_cool > 1 and hot >= p.imbalance * cool:
+            return act(f"switch_to_{role}", f"both pools over their SLOs at max_workers; the {role} pool "
+                                            f"{hot / max(cool, 1e-9):.1f}x as far over")
         return hold(f"both pools over their SLOs and the fleet is at max_workers ({p.max_workers})")
     for role, short, other_cold, n_other, pressure in (
             ("prefill", pre_short, s.decode_cold >= n, r.n_decode, pre),

@@ -4,10 +4,11 @@ Each trace is a list of readings one interval apart; `replay` carries the state 
 and applies each action to the fleet's counts, as the controller would once it is carried out."""
 from __future__ import annotations
 
+from pdserve.config import ControllerConfig
 from pdserve.router.scaling_policy import ACTIONS, Params, Reading, State, decide
 
-P = Params(slo_ttft_ms=1000, slo_tpot_ms=100, high=1.0, low=0.5, sustain_intervals=3, cooldown_s=20,
-           min_workers=2, max_workers=4)
+P = Params.from_config(ControllerConfig(slo_ttft_ms=1000, slo_tpot_ms=100, high=1.0, low=0.5, sustain_intervals=3,
+                                        cooldown_s=20, min_workers=2, max_workers=4, kv_usage_high=0.9, imbalance=3.0))
 INTERVAL = 5.0
 
 
@@ -124,3 +125,14 @@ def test_controller_config_is_checked_at_load(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--config", str(f), "--dry-run"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "controller.min_workers" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_at_max_workers_with_both_pools_over_a_far_worse_pool_takes_a_worker():
+    at_max = Params(**{**P.__dict__, "max_workers": 3})
+    # Prefill 5x over, decode 1.2x over, fleet full: the decode pool gives one up, once, then cools down.
+    assert replay([(5000.0, 120.0)] * 8, n_prefill=1, n_decode=2, params=at_max) == [(2, "switch_to_prefill")]
+    # Both over by about as much: nothing to gain, hold.
+    assert replay([(2000.0, 150.0)] * 20, n_prefill=1, n_decode=2, params=at_max) == []
+    # Decode 9x over: a prefill worker moves, but only while the prefill pool has one to spare.
+    assert replay([(1200.0, 900.0)] * 20, n_prefill=2, n_decode=1, params=at_max) == [(2, "switch_to_decode")]
+    assert replay([(1200.0, 900.0)] * 20, n_prefill=1, n_decode=2, params=at_max) == []

@@ -1,0 +1,143 @@
+"""Goodput of a workload that shifts phase, with the controller switching roles against every static
+P:D split of the same number of workers.
+
+The workload: prompt-heavy (long prompts, a few output tokens), then generation-heavy (short
+prompts, prefilled by the decode workers themselves, long replies), then prompt-heavy again; each
+phase `--phase-s` seconds of Poisson arrivals. The same workload (same seeds) runs against
+`pdserve serve --prefill P --decode N-P` for every P from 1 to N-1, and once with the controller on
+(controller.enabled, min_workers = max_workers = N: it may only switch roles), starting from the
+split with the most decode workers.
+
+SLOs: measured in the same run, as multiples (`--slo-x`) of an unloaded long prompt's TTFT and an
+unloaded reply's TPOT on the first deployment. Goodput: requests meeting both SLOs per second of
+the whole run. Prints one JSON line: each deployment's goodput, failed requests and latencies, the
+controller's actions, the ratios controller / best static and controller / worst static, and the
+CPU. (The issue's bar: >= 1.1x the best static, >= 1.3x the worst, 0 failed.)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import yaml
+
+from pdserve.bench.client import ClientConfig, run_load
+from pdserve.bench.metrics import RequestRecord, summarize
+from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
+from pdserve.bench.workloads import Session, Turn, words
+from pdserve.utils.cpu import describe
+
+
+def phases(args) -> list[tuple[str, list[Session], float]]:
+    """(tag, sessions, rate) of each phase; the same seeds for every deployment."""
+    out = []
+    for k, (tag, rate) in enumerate((("prompt", args.prompt_rate), ("gen", args.gen_rate), ("prompt", args.prompt_rate))):
+        rng = random.Random(f"autoscale:{k}")
+        n = max(1, int(rate * args.phase_s))
+        if tag == "prompt":
+            sessions = [Session(i, [Turn(words(rng, args.long_prompt, sentences=False), args.short_reply)], tag=f"{k}:prompt")
+                        for i in range(n)]
+        else:
+            sessions = [Session(i, [Turn(words(rng, args.short_prompt, sentences=False), args.long_reply)], tag=f"{k}:gen")
+                        for i in range(n)]
+        out.append((tag, sessions, rate))
+    return out
+
+
+def deployment(args, tmp: Path, name: str, prefill: int, decode: int, controller: dict | None) -> ServerProcess:
+    cfg = {"router": {"health_period_s": 0.5}, "disagg": {"local_prefill_max_tokens": args.short_prompt + 32}}
+    if controller:
+        cfg["controller"] = controller
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    cmd = pdserve_cmd() + ["serve", "--model", args.model, "--prefill", str(prefill), "--decode", str(decode),
+                           "--port", str(port), "--config", str(path), "--max-model-len", "2048"]
+    return ServerProcess(cmd, port, tmp / f"{name}.log")
+
+
+async def calibrate(url: str, args) -> tuple[float, float]:
+    """(TTFT s of a long prompt, TPOT s of a long reply), each alone on the deployment (best of 3)."""
+    cfg = ClientConfig(url, api="completions", ignore_eos=True)
+    rng = random.Random("calibrate")
+    ttft, tpot = [], []
+    for _ in range(3):
+        recs, _ = await run_load(cfg, [Session(0, [Turn(words(rng, args.long_prompt, sentences=False), 2)])])
+        ttft += [r.ttft for r in recs if r.ok and r.ttft]
+        recs, _ = await run_load(cfg, [Session(0, [Turn(words(rng, args.short_prompt, sentences=False), args.long_reply)])])
+        tpot += [r.tpot for r in recs if r.ok and r.tpot]
+    if not ttft or not tpot:
+        sys.exit("calibration requests failed")
+    return min(ttft), min(tpot)
+
+
+async def run_phases(url: str, args, work) -> tuple[list[RequestRecord], float]:
+    cfg = ClientConfig(url, api="completions", ignore_eos=True)
+    records, total = [], 0.0
+    for k, (_, sessions, rate) in enumerate(work):
+        recs, dur = await run_load(cfg, sessions, request_rate=rate, seed=k)
+        records += recs
+        total += dur
+    return records, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--phase-s", type=float, default=40.0)
+    ap.add_argument("--prompt-rate", type=float, default=1.0, help="requests/s in the prompt-heavy phases")
+    ap.add_argument("--gen-rate", type=float, default=1.0, help="requests/s in the generation-heavy phase")
+    ap.add_argument("--long-prompt", type=int, default=600)
+    ap.add_argument("--short-reply", type=int, default=4)
+    ap.add_argument("--short-prompt", type=int, default=24)
+    ap.add_argument("--long-reply", type=int, default=96)
+    ap.add_argument("--slo-x", type=float, default=4.0, help="SLOs as this multiple of the unloaded TTFT and TPOT")
+    ap.add_argument("--interval-s", type=float, default=2.0, help="controller.interval_s")
+    args = ap.parse_args()
+    n = args.workers
+    work = phases(args)
+    tmp = Path(tempfile.mkdtemp(prefix="autoscale-"))
+    splits = [(p, n - p) for p in range(1, n)]
+    runs: dict[str, dict] = {}
+    slo: dict[str, float] = {}
+    for name, p, d in [(f"{p}P{d}D", p, d) for p, d in splits] + [("controller", 1, n - 1)]:
+        controller = None
+        if name == "controller":
+            controller = {"enabled": True, "interval_s": args.interval_s, "sustain_intervals": 2,
+                          "cooldown_s": 4 * args.interval_s, "min_workers": n, "max_workers": n,
+                          "drain_timeout_s": 2.0, "slo_ttft_ms": slo["ttft_ms"], "slo_tpot_ms": slo["tpot_ms"]}
+        with deployment(args, tmp, name, p, d, controller) as srv:
+            srv.wait_ready(timeout=600)
+            if not slo:
+                ttft, tpot = asyncio.run(calibrate(srv.url, args))
+                slo = {"ttft_ms": round(ttft * 1000 * args.slo_x, 1), "tpot_ms": round(tpot * 1000 * args.slo_x, 1),
+                       "unloaded_ttft_ms": round(ttft * 1000, 1), "unloaded_tpot_ms": round(tpot * 1000, 1)}
+            records, dur = asyncio.run(run_phases(srv.url, args, work))
+            s = summarize(records, dur, slo["ttft_ms"], slo["tpot_ms"])
+            runs[name] = {"split": f"{p}:{d}" if name != "controller" else f"starts {p}:{d}",
+                          "goodput_req_s": round(s["goodput_req_s"], 3), "met": s["slo"]["met"],
+                          "completed": s["completed"], "failed": s["failed"], "errors": s["errors"],
+                          "ttft_p90_ms": round(s["ttft_ms"]["p90"], 1) if "ttft_ms" in s else None,
+                          "tpot_p90_ms": round(s["tpot_ms"]["p90"], 1) if "tpot_ms" in s else None}
+            if name == "controller":
+                decisions = httpx.get(srv.url + "/admin/controller", timeout=30).json()
+                runs[name]["actions"] = [(d["action"], d["worker"], d["ok"]) for d in decisions if d["action"] != "hold"]
+    static = [v["goodput_req_s"] for k, v in runs.items() if k != "controller"]
+    ctl = runs["controller"]["goodput_req_s"]
+    out = {"benchmark": "autoscale", "model": args.model, "workers": n, "phase_s": args.phase_s,
+           "rates": {"prompt": args.prompt_rate, "gen": args.gen_rate}, "slo": slo, "runs": runs,
+           "controller_vs_best_static": round(ctl / max(static), 3) if max(static) else None,
+           "controller_vs_worst_static": round(ctl / min(static), 3) if min(static) else None,
+           "failed_total": sum(v["failed"] for v in runs.values()), "cpu": describe()}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
