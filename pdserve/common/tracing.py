@@ -114,6 +114,24 @@ def trace_id() -> str | None:
     return f"{ctx.trace_id:032x}" if ctx.is_valid else None
 
 
+# request id -> its trace on this worker, for the engine thread's KV-plane spans (the engine itself
+# carries no trace context). Written by the HTTP handler, read by the decode connector.
+_requests: dict[str, str] = {}
+
+
+def remember(request_id: str, traceparent: str | None) -> None:
+    if traceparent:
+        _requests[request_id] = traceparent
+
+
+def recall(request_id: str) -> str | None:
+    return _requests.get(request_id)
+
+
+def forget(request_id: str) -> None:
+    _requests.pop(request_id, None)
+
+
 def flush(timeout_s: float = 5.0) -> None:
     if _state["on"]:
         _state["provider"].force_flush(int(timeout_s * 1000))

@@ -17,12 +17,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
 
 from pdserve.cache.kv_cache import raw_bytes_view
+from pdserve.common import tracing
 from pdserve.config import Config
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
@@ -64,6 +65,7 @@ class Pending:
     transfer_id: str
     peer_pid: int | None = None
     peer_host: str | None = None
+    span: Any = None                # the transfer's trace span (tracing on)
 
 
 class DecodeConnector(KVConnector):
@@ -231,13 +233,16 @@ class DecodeConnector(KVConnector):
         p = req.params
         sampling = {k: (list(v) if isinstance(v, list) else v) for k, v in p.__dict__.items()}
         tid = os.urandom(8).hex()
+        span = tracing.start("kv.transfer", tracing.recall(req.request_id), peer=peer, transfer_id=tid,
+                             blocks=len(req.block_ids) - req.num_cached_blocks)
         job = PrefillJob(req.request_id, list(req.prompt_token_ids), sampling, req.cache_salt, list(req.block_ids),
                          req.num_cached_blocks, self.endpoint, os.getpid(), HOST, self.shm_path, self.kv_shape,
                          self.elem_size, self.block_size, self.model,
                          **self._pool_fields(), output_token_ids=list(req.output_token_ids), transfer_id=tid,
                          issued_at=time.time(), max_model_len=self.max_model_len, compat=self.compat,
-                         images=[im.to_wire() for im in req.images])
-        self.pending[req.request_id] = Pending(req, peer, Transfer(req.request_id, self.deadlines, now), tid)
+                         images=[im.to_wire() for im in req.images], traceparent=tracing.traceparent_of(span))
+        self.pending[req.request_id] = Pending(req, peer, Transfer(req.request_id, self.deadlines, now), tid,
+                                               span=span)
         self.accept_writes(req.request_id, req.block_ids[req.num_cached_blocks:], tid)   # cached ones are shared
         self._post_out(peer, job)
 
@@ -315,6 +320,7 @@ class DecodeConnector(KVConnector):
                     self.counters["kv_transfer_bytes_total"] += msg.bytes
                     # Job lifetime (queue + compute + writes); the prefill side reports link GB/s.
                     self.counters["kv_transfer_seconds_total"] += now - pend.transfer.started_at
+                    tracing.end(pend.span)
                     outputs.append(engine.complete_load(pend.req, msg.token, _logprob_or_none(msg.logprob)))
                 elif isinstance(msg, Failed) and msg.code in _FATAL:
                     outputs.append(self._fail_request(engine, pend, f"prefill worker {pend.peer} refused the "
@@ -340,6 +346,7 @@ class DecodeConnector(KVConnector):
     def _fail_request(self, engine: LLMEngine, pend: Pending, reason: str, now: float) -> RequestOutput:
         """No peer or retry would do better: the request ends with `reason` for its client."""
         log.error("request %s failed: %s", pend.req.request_id, reason)
+        tracing.end(pend.span, reason)
         self.pending.pop(pend.req.request_id, None)
         held = self._stop_writes(pend, reason, now)
         return engine.fail_load(pend.req, held, reason)
@@ -347,6 +354,7 @@ class DecodeConnector(KVConnector):
     def _fail(self, engine: LLMEngine, pend: Pending, reason: str, now: float) -> None:
         rid = pend.req.request_id
         log.warning("KV transfer of %s from %s failed: %s", rid, pend.peer, reason)
+        tracing.end(pend.span, reason)
         self.pending.pop(rid, None)
         self.peer_down_until[pend.peer] = now + self.config.disagg.peer_retry_s
         held = self._stop_writes(pend, reason, now)

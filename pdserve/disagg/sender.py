@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from pdserve.cache.kv_cache import raw_bytes_view
+from pdserve.common import tracing
 from pdserve.common.images import ImageInput
 from pdserve.config import Config
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
@@ -82,6 +83,7 @@ class PrefillConnector(KVConnector):
         self.throttle = Throttle(parse_bandwidth_limit(config.transfer.bandwidth_limit, measure_memcpy_bytes_per_s())
                                  if config.transfer.bandwidth_limit else None)
         self.sinks: dict[str, KVSink] = {}       # engine thread only
+        self._spans: dict[str, Any] = {}         # engine thread only: each job's trace span (tracing on)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[SenderOp] = queue.SimpleQueue()
         self._ctx = zmq.Context.instance()
@@ -258,6 +260,9 @@ class PrefillConnector(KVConnector):
                                                                        str(e), code))
                 continue
             self.sinks[job.request_id] = sink
+            if job.traceparent:
+                self._spans[job.request_id] = tracing.start("prefill.job", job.traceparent, transfer_id=job.transfer_id,
+                                                            prompt_tokens=len(job.prompt_token_ids))
             with self.stats_lock:
                 self.counters["kv_prefill_jobs_total"] += 1
             self._send(job, Accepted, pid=os.getpid(), host=HOST)
@@ -332,6 +337,11 @@ class PrefillConnector(KVConnector):
         sink = self.sinks.pop(req.request_id, None)
         if sink is None:
             return
+        span = self._spans.pop(req.request_id, None)
+        if span is not None:
+            span.set_attribute("bytes_sent", sink.bytes_sent)
+            tracing.end(span, None if out.finish_reason in ("length", "stop") and sink.error is None
+                        else sink.error or sink.transfer.reason or f"prefill ended: {out.finish_reason}")
         self._outbox.put(CloseWriter(sink))
         now = time.monotonic()
         if sink.cancelled:

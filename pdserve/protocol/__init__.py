@@ -164,6 +164,7 @@ class PrefillJob:
     # A vision-language prompt's images (common/images.ImageInput.to_wire: positions, digest, file
     # bytes): the prefill worker has them encoded by its encoder workers.
     images: list[dict[str, Any]] = field(default_factory=list)
+    traceparent: str | None = None  # W3C trace context of the decode side's transfer span (tracing on)
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": PD_PREFILL, **asdict(self)}

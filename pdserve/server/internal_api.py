@@ -84,6 +84,7 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
             t0 = time.time_ns()
             root = tracing.start("worker.generate", trace, request_id=req.request_id,
                                  prompt_tokens=len(req.prompt_token_ids), tokens_so_far=len(req.output_token_ids))
+            tracing.remember(req.request_id, tracing.traceparent_of(root))     # the KV transfer's parent
             decode = None
             try:
                 async for out in engine.generate(req.request_id, req.prompt_token_ids, params, req.cache_salt, peer,
@@ -109,5 +110,6 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
                 timer.forget(req.request_id)
                 tracing.end(decode)
                 tracing.end(root)
+                tracing.forget(req.request_id)
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")

@@ -1,7 +1,7 @@
 """Tracing end to end: a PD deployment (router, prefill and decode processes) exports its spans over
-OTLP/HTTP to a real receiver here; one streamed request is one trace across the router and the
-decode worker (queueing, routing, the attempt, the worker's prefill by its peer and its decode), the
-router's audit line names the trace, and an error body carries its trace id."""
+OTLP/HTTP to a real receiver here; one streamed request is one trace across the router, the decode
+worker (its prefill by a peer, the KV transfer, its decode) and the prefill worker (the job it ran),
+the router's audit line names the trace, and an error body carries its trace id."""
 from __future__ import annotations
 
 import re
@@ -93,7 +93,8 @@ def test_one_trace_across_router_and_workers(tmp_path):
             want = {("pdserve-router", "POST /v1/completions"), ("pdserve-router", "router.queue"),
                     ("pdserve-router", "router.route"), ("pdserve-router", "router.attempt"),
                     ("pdserve-decode", "worker.generate"), ("pdserve-decode", "worker.prefill"),
-                    ("pdserve-decode", "worker.decode")}
+                    ("pdserve-decode", "worker.decode"), ("pdserve-decode", "kv.transfer"),
+                    ("pdserve-prefill", "prefill.job")}
             deadline = time.monotonic() + 20
             while not want <= set(rx.of(ok_trace)):
                 assert time.monotonic() < deadline, (sorted(set(rx.of(ok_trace))), len(rx.spans))
