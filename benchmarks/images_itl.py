@@ -140,12 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per text stream")
-    p.add_argument("--period", type=float, default=2.0, help="seconds between image requests")
+    p.add_argument("--period", type=float, default=3.0, help="seconds between image requests")
     p.add_argument("--out-dir", default="/tmp/pdserve-images-itl")
     a = p.parse_args(argv)
     out_dir = Path(a.out_dir)
     model_dir = build_vlm(out_dir / MODEL)
-    (out_dir / "c.yaml").write_text(f"model: {{name: {model_dir}}}\nvision: {{encoder_processes: 1}}\n")
+    # Generous deadlines: on a shared machine an image may queue a while at the encoder; the figure
+    # is about the text streams, and a failed image request stops the run.
+    (out_dir / "c.yaml").write_text(f"model: {{name: {model_dir}}}\n"
+                                    "vision: {encoder_processes: 1, encode_timeout_s: 300}\n"
+                                    "disagg: {queue_timeout_s: 300}\n")
     port = free_port()
     cmd = pdserve_cmd() + ["serve", "--config", str(out_dir / "c.yaml"), "--mode", "pd", "--port", str(port)]
     with ServerProcess(cmd, port, out_dir / "pd.log", env=thread_env(1)) as srv:
