@@ -30,7 +30,7 @@ from pdserve.disagg.state import Deadlines, Transfer, TransferState
 from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint, endpoint_host
 from pdserve.disagg.trust import BAD_TOKEN, ThrottledLog, compat_info, sign, token_key, verified
 from pdserve.disagg.write_gate import WriteGate, drain
-from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_connector import BlocksFreed, ConnectorEvent, KVConnector, LoadDone, LoadFailed, LoadRetry
 from pdserve.engine.request import TokenLogprob
 from pdserve.protocol import (
     PD_ACCEPTED,
@@ -47,7 +47,7 @@ from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, Layer
 from pdserve.utils.net import with_host
 
 if TYPE_CHECKING:
-    from pdserve.engine.engine import LLMEngine, RequestOutput
+    from pdserve.engine.engine import LLMEngine
     from pdserve.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -290,14 +290,15 @@ class DecodeConnector(KVConnector):
             return []
         return self._stop_writes(pend, "cancelled", time.monotonic())
 
-    def poll(self, engine: LLMEngine) -> list[RequestOutput]:
+    def poll(self, engine: LLMEngine) -> list[ConnectorEvent]:
+        """Peers' messages, deadlines and liveness as events; `engine` is not touched here."""
         now = time.monotonic()
-        outputs = []
+        events: list[ConnectorEvent] = []
         while not self._inbox.empty():
             msg: PDMessage = self._inbox.get_nowait()
             rid, tid, t = msg.request_id, msg.transfer_id, msg.TYPE
             if isinstance(msg, CancelAck) and tid in self.quarantine:
-                self._release(engine, tid)
+                self._release(events, tid)
                 continue
             pend = self.pending.get(rid)
             if pend is None or pend.transfer_id != tid or isinstance(msg, CancelAck):
@@ -321,37 +322,37 @@ class DecodeConnector(KVConnector):
                     # Job lifetime (queue + compute + writes); the prefill side reports link GB/s.
                     self.counters["kv_transfer_seconds_total"] += now - pend.transfer.started_at
                     tracing.end(pend.span)
-                    outputs.append(engine.complete_load(pend.req, msg.token, _logprob_or_none(msg.logprob)))
+                    events.append(LoadDone(pend.req, msg.token, _logprob_or_none(msg.logprob)))
                 elif isinstance(msg, Failed) and msg.code in _FATAL:
-                    outputs.append(self._fail_request(engine, pend, f"prefill worker {pend.peer} refused the "
-                                                                    f"request: {msg.reason}", now))
+                    events.append(self._fail_request(pend, f"prefill worker {pend.peer} refused the "
+                                                           f"request: {msg.reason}", now))
                 elif isinstance(msg, Failed):
                     if msg.code == PD_UNAUTHORIZED:
                         log.error("prefill worker %s refused a job: %s", pend.peer, BAD_TOKEN)
-                    self._fail(engine, pend, f"prefill worker failed: {msg.reason}", now)
+                    events.append(self._fail(pend, f"prefill worker failed: {msg.reason}", now))
             except Exception as e:  # noqa: BLE001 - an out-of-order peer fails its transfer
-                self._fail(engine, pend, str(e), now)
+                events.append(self._fail(pend, str(e), now))
         check_pids = self._liveness.due(now)
         for pend in list(self.pending.values()):
             dead = check_pids and process_gone(pend.peer_pid, pend.peer_host)
             if dead:
-                self._fail(engine, pend, "prefill worker died", now)
+                events.append(self._fail(pend, "prefill worker died", now))
             elif pend.transfer.expired(now):
-                self._fail(engine, pend, f"no answer in state {pend.transfer.state.value}", now)
+                events.append(self._fail(pend, f"no answer in state {pend.transfer.state.value}", now))
         for tid, (_, deadline, pend) in list(self.quarantine.items()):
             if now > deadline or (check_pids and process_gone(pend.peer_pid, pend.peer_host)):
-                self._release(engine, tid)
-        return outputs
+                self._release(events, tid)
+        return events
 
-    def _fail_request(self, engine: LLMEngine, pend: Pending, reason: str, now: float) -> RequestOutput:
+    def _fail_request(self, pend: Pending, reason: str, now: float) -> LoadFailed:
         """No peer or retry would do better: the request ends with `reason` for its client."""
         log.error("request %s failed: %s", pend.req.request_id, reason)
         tracing.end(pend.span, reason)
         self.pending.pop(pend.req.request_id, None)
         held = self._stop_writes(pend, reason, now)
-        return engine.fail_load(pend.req, held, reason)
+        return LoadFailed(pend.req, held, reason)
 
-    def _fail(self, engine: LLMEngine, pend: Pending, reason: str, now: float) -> None:
+    def _fail(self, pend: Pending, reason: str, now: float) -> LoadRetry:
         rid = pend.req.request_id
         log.warning("KV transfer of %s from %s failed: %s", rid, pend.peer, reason)
         tracing.end(pend.span, reason)
@@ -361,12 +362,12 @@ class DecodeConnector(KVConnector):
         pend.req.prefill_peers = [p for p in self.healthy_peers(now) if p != pend.peer]
         if not pend.req.prefill_peers:
             self.counters["kv_local_prefill_fallbacks_total"] += 1
-        engine.retry_load(pend.req, held)
+        return LoadRetry(pend.req, held)
 
-    def _release(self, engine: LLMEngine, transfer_id: str) -> None:
+    def _release(self, events: list[ConnectorEvent], transfer_id: str) -> None:
         entry = self.quarantine.pop(transfer_id, None)
         if entry is not None:
-            engine.pool.free(entry[0])
+            events.append(BlocksFreed(entry[0]))
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = dict(self.counters)

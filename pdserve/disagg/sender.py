@@ -37,7 +37,7 @@ from pdserve.disagg.transport import (
     measure_memcpy_bytes_per_s,
     parse_bandwidth_limit,
 )
-from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_connector import ConnectorEvent, KVConnector
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol import (
     PD_CANCEL,
@@ -224,7 +224,7 @@ class PrefillConnector(KVConnector):
     def has_work(self) -> bool:
         return not self._inbox.empty()
 
-    def poll(self, engine: LLMEngine) -> list[RequestOutput]:
+    def poll(self, engine: LLMEngine) -> list[ConnectorEvent]:
         """Admit new jobs, apply cancels, fail jobs whose decode worker died or whose deadline passed."""
         now = time.monotonic()
         while not self._inbox.empty():

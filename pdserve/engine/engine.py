@@ -23,7 +23,7 @@ from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.config import Config
 from pdserve.common.images import ImageInput
 from pdserve.engine.image_inputs import image_embeddings
-from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_connector import ConnectorEvent, KVConnector, LoadDone, LoadFailed, LoadRetry
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, blocks_needed
@@ -205,11 +205,25 @@ class LLMEngine:
         """The transfer failed: requeue the request (next prefill peer, or a local prefill)."""
         self.scheduler.abandon_loading(req, held)
 
+    def _apply(self, events: list[ConnectorEvent]) -> list[RequestOutput]:
+        """The connector's events, in order; returns the outputs they produce (first tokens, errors)."""
+        outputs = []
+        for ev in events:
+            if isinstance(ev, LoadDone):
+                outputs.append(self.complete_load(ev.req, ev.token, ev.logprob))
+            elif isinstance(ev, LoadFailed):
+                outputs.append(self.fail_load(ev.req, ev.held, ev.error))
+            elif isinstance(ev, LoadRetry):
+                self.retry_load(ev.req, ev.held)
+            else:
+                self.pool.free(ev.blocks)
+        return outputs
+
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
         c, tiers = self.connector, self.tiers
-        outputs = c.poll(self)
+        outputs = self._apply(c.poll(self))
         if self.images is not None:
             outputs += self._poll_images()
         if tiers is not None:

@@ -3,11 +3,48 @@ pdserve.disagg; the engine only knows these calls). The base class does nothing:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pdserve.common.outputs import TokenLogprob
     from pdserve.engine.engine import LLMEngine, RequestOutput
     from pdserve.engine.request import Request
+
+
+# What a connector's poll reports; LLMEngine.step applies each one on the engine thread, which owns
+# every request and every block. `held`: blocks a peer may still write into; they stay allocated
+# until the connector hands them back with BlocksFreed.
+@dataclass
+class LoadDone:
+    """A prefill worker filled every prompt block of `req` and sampled its first token."""
+    req: Request
+    token: int
+    logprob: TokenLogprob | None
+
+
+@dataclass
+class LoadFailed:
+    """No peer or retry would do better (an incompatible peer): `req` ends with `error`."""
+    req: Request
+    held: list[int]
+    error: str
+
+
+@dataclass
+class LoadRetry:
+    """The transfer failed: `req` goes back to the head of the queue (next peer, or a local prefill)."""
+    req: Request
+    held: list[int]
+
+
+@dataclass
+class BlocksFreed:
+    """Held blocks no peer can write into any more: back to the pool."""
+    blocks: list[int]
+
+
+ConnectorEvent = LoadDone | LoadFailed | LoadRetry | BlocksFreed
 
 
 def _no_loop() -> None:
@@ -18,8 +55,9 @@ class KVConnector:
     # Set by the loop's owner (AsyncEngine): called from any thread when a peer's message arrives.
     wake: Callable[[], None] = staticmethod(_no_loop)
 
-    def poll(self, engine: LLMEngine) -> list[RequestOutput]:
-        """Start of each step: apply what peers sent. Returns outputs produced by it (first tokens)."""
+    def poll(self, engine: LLMEngine) -> list[ConnectorEvent]:
+        """Start of each step: what peers sent, as events for the engine to apply. (The prefill side
+        still adds and aborts its jobs on `engine` here.)"""
         return []
 
     def wait(self, timeout: float) -> None:
