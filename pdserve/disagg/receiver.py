@@ -87,7 +87,9 @@ class DecodeConnector(KVConnector):
         self.raw = raw_bytes_view(kv_cache)
         self.shm_path = shm_path
         d = config.disagg
-        self.deadlines = Deadlines(d.bootstrap_timeout_s, d.queue_timeout_s, d.transfer_timeout_s)
+        # A queued job's peer keeps it alive; silent for a transfer's deadline, it is gone.
+        self.deadlines = Deadlines(d.bootstrap_timeout_s, d.queue_timeout_s, d.transfer_timeout_s,
+                                   silence_s=d.transfer_timeout_s)
         self.peers = list(d.prefill_endpoints)
         self.pending: dict[str, Pending] = {}            # engine thread only
         self.quarantine: dict[str, tuple[list[int], float, Pending]] = {}   # transfer id -> (blocks, deadline, pend)

@@ -72,6 +72,7 @@ class PrefillConnector(KVConnector):
         self._log_refused = ThrottledLog(log)    # bootstrap thread only
         d = config.disagg
         self.deadlines = Deadlines(d.bootstrap_timeout_s, d.queue_timeout_s, d.transfer_timeout_s)
+        self._keepalive = LivenessClock(d.transfer_timeout_s / 3)     # re-acks of queued jobs
         # The sender thread must get the GIL soon after a layer lands; the default 5 ms switch
         # interval would leave each layer's copy waiting behind the engine's Python code.
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
@@ -267,11 +268,15 @@ class PrefillConnector(KVConnector):
                 self.counters["kv_prefill_jobs_total"] += 1
             self._send(job, Accepted, pid=os.getpid(), host=HOST)
         check_pids = self._liveness.due(now)
+        keepalive = self._keepalive.due(now)
         for rid, sink in list(self.sinks.items()):
             dead = check_pids and process_gone(sink.job.decode_pid, sink.job.decode_host)
             if dead or sink.transfer.expired(now):
                 sink.transfer.fail("decode worker died" if dead else f"deadline in {sink.transfer.state.value}", now)
                 engine.abort_request(rid)
+            elif keepalive and sink.transfer.state == TransferState.WAITING:
+                # Still queued here: the decode worker gives up on a peer silent for its transfer deadline.
+                self._send(sink.job, Accepted, pid=os.getpid(), host=HOST)
         return []
 
     def begin_step(self, scheduled: list[tuple[Request, int]]) -> list[Request]:

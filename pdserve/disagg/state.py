@@ -24,6 +24,7 @@ _NEXT = {
     (TransferState.BOOTSTRAPPING, "accepted"): TransferState.WAITING,
     (TransferState.BOOTSTRAPPING, "started"): TransferState.TRANSFERRING,
     (TransferState.WAITING, "started"): TransferState.TRANSFERRING,
+    (TransferState.WAITING, "accepted"): TransferState.WAITING,      # a queued job's keepalive
     (TransferState.TRANSFERRING, "progress"): TransferState.TRANSFERRING,
     (TransferState.WAITING, "progress"): TransferState.TRANSFERRING,
     (TransferState.TRANSFERRING, "done"): TransferState.DONE,
@@ -36,9 +37,14 @@ class Deadlines:
     bootstrap_s: float = 5.0
     queue_s: float = 60.0
     transfer_s: float = 10.0
+    # The decode side's limit on a queued job's silence: its prefill peer re-sends "accepted" while
+    # the job waits there, so a peer that went silent (partitioned, stopped) is given up after this
+    # long, not after the whole queue_s. None (the prefill side): queue_s alone.
+    silence_s: float | None = None
 
     def for_state(self, state: TransferState) -> float | None:
-        return {TransferState.BOOTSTRAPPING: self.bootstrap_s, TransferState.WAITING: self.queue_s,
+        waiting = self.queue_s if self.silence_s is None else min(self.queue_s, self.silence_s)
+        return {TransferState.BOOTSTRAPPING: self.bootstrap_s, TransferState.WAITING: waiting,
                 TransferState.TRANSFERRING: self.transfer_s}.get(state)
 
 
@@ -55,6 +61,7 @@ class Transfer:
     started_at: float = 0.0
     deadline: float | None = None
     reason: str | None = None                  # why it failed
+    waiting_since: float = 0.0
     history: list[TransferState] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -74,6 +81,12 @@ class Transfer:
         nxt = _NEXT.get((self.state, event))
         if nxt is None:
             raise InvalidTransition(f"{self.request_id}: {event!r} in state {self.state.value}")
+        if nxt == self.state == TransferState.WAITING:     # keepalive: renew the silence limit only
+            if self.deadlines.silence_s is not None:
+                self.deadline = min(self.waiting_since + self.deadlines.queue_s, now + self.deadlines.silence_s)
+            return nxt
+        if nxt == TransferState.WAITING:
+            self.waiting_since = now
         self._enter(nxt, now)
         return nxt
 

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from cluster.cluster_hosts import unavailable, wait_until
+from cluster.cluster_hosts import ShapingUnavailable, unavailable, wait_until
 from cluster.pd_cluster import MODEL, ROLES, SLOW_PREFILL, PDCluster, prompt
 
 pytestmark = pytest.mark.slow
@@ -301,7 +301,10 @@ def test_slow_link_nothing_times_out(cluster):
     ws = cluster.workers()
     assert httpx.post(f"{cluster.router.url}/admin/workers/{ws['prefill-b']['id']}/drain", timeout=5).status_code == 200
     host = cluster.host("prefill-a")
-    cluster.net.shape(host, 8_000_000)
+    try:
+        cluster.net.shape(host, 8_000_000)
+    except ShapingUnavailable as e:
+        pytest.skip(str(e))
     try:
         dec0 = [cluster.health(n) for n in ("decode-a", "decode-b")]
         f0 = _send_figures(cluster, "prefill-a")
@@ -323,3 +326,20 @@ def test_slow_link_nothing_times_out(cluster):
     cluster.idle_pools()
     print(f"SLOW_LINK 8Mbit ok={len(outs)} failed=0 kv_bytes={f1['kv_send_bytes_total'] - f0['kv_send_bytes_total']} "
           f"tail_lag_ms_per_step={tail * 1e3:.1f} decode_mean_job_s={job_s / jobs:.2f}")
+
+
+def test_the_redis_tier_is_shared_across_hosts(cluster):
+    """After the module's traffic (far more prompt blocks than a 256-block pool holds), blocks that
+    workers on several hosts evicted sit in the one Redis. (Hosts cut off by the faults above saw
+    Redis errors meanwhile: counted, printed. Restores from Redis are checked for parity in
+    tests/cache; here they are counted.)"""
+    if "redis" not in cluster.procs:
+        pytest.skip("redis-server is not installed")
+    import redis
+    stats = {n: cluster.health(n) for n in ROLES}
+    writers = [n for n, h in stats.items() if h.get("tier_remote_bytes_written_total", 0) > 0]
+    assert len(writers) >= 2, {n: h.get("tier_remote_bytes_written_total") for n, h in stats.items()}
+    assert redis.Redis.from_url(cluster.redis_url).dbsize() > 0
+    hits = sum(h.get("tier_remote_hits_total", 0) for h in stats.values())
+    errors = {n: h.get("tier_remote_errors_total", 0) for n, h in stats.items()}
+    print(f"REDIS_TIER writers={writers} remote_hits={hits} errors={errors}")
