@@ -49,9 +49,17 @@ def unavailable() -> str | None:
         if r.returncode != 0:
             return f"cannot create a bridge: {r.stderr.strip()}"
         _ip("link", "del", f"{probe[:10]}b", check=False)
+        r = subprocess.run(["ip", "netns", "exec", probe, "unshare", "--uts", "--mount", "true"],
+                           capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            return f"cannot give a process its own hostname and mounts: {r.stderr.strip()}"
     finally:
         _ip("netns", "del", probe, check=False)
     return None
+
+
+class ShapingUnavailable(RuntimeError):
+    """This kernel (or tc) cannot shape a link."""
 
 
 @dataclass
@@ -148,7 +156,8 @@ class Cluster:
             return
         r = self.run(host, ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{bits_per_s}bit",
                             "burst", "32kbit", "latency", "5s"])
-        assert r.returncode == 0, r.stderr
+        if r.returncode != 0:
+            raise ShapingUnavailable(f"tc tbf: {r.stderr.strip() or r.returncode}")
 
     @staticmethod
     def pause(srv: ServerProcess, stopped: bool) -> None:
