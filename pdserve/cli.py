@@ -12,60 +12,18 @@ import sys
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-from pdserve.config_rules import DTYPES, MODES, QUANTIZATIONS, TRANSFER_BACKENDS, WORKER_ROLES  # noqa: E402 - after the OpenMP setting
+from pdserve.config_flags import add_flags, flag_overrides  # noqa: E402 - after the OpenMP setting
+from pdserve.config_rules import MODES, WORKER_ROLES  # noqa: E402
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (see examples/)")
-    p.add_argument("--model", help="smollm2-135m (default), tiny-llama, a .gguf file or a HF directory")
-    p.add_argument("--served-model-name", help="the model id clients send (default: --model)")
-    p.add_argument("--dtype", choices=DTYPES)
-    p.add_argument("--quantization", choices=QUANTIZATIONS, help="weight-only quantization of the linear layers")
-    p.add_argument("--device", help="cpu or cuda")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--device-memory-gb", type=float, help="KV cache budget")
-    p.add_argument("--device-blocks", type=int, help="KV blocks (overrides --device-memory-gb)")
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
-                   help="turn off reuse of cached prompt prefixes")
-    p.add_argument("--host-cache-gb", type=float, help="host RAM tier for KV blocks evicted from the device")
-    p.add_argument("--swap-space-gb", type=float, help="host RAM for preempted requests' KV (0: recompute them)")
-    p.add_argument("--disk-cache-dir", help="disk tier directory for KV blocks (with --disk-cache-gb)")
-    p.add_argument("--disk-cache-gb", type=float, help="disk tier budget")
-    p.add_argument("--kv-remote", help="shared remote KV tier, e.g. redis://127.0.0.1:6379/0")
-    p.add_argument("--kv-events-endpoint", help="publish KV events here (ZMQ PUB), e.g. tcp://127.0.0.1:5557")
-    p.add_argument("--max-num-seqs", type=int, help="cap on running requests (the decode batch cap)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget")
-    p.add_argument("--threads", type=int, help="torch compute threads")
-    p.add_argument("--seed", type=int, help="seed of tiny random model weights")
-    p.add_argument("--expert-parallel", type=int, help="MoE models: processes sharing the experts (EP ranks)")
-    p.add_argument("--host", help="address to bind (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int)
-    p.add_argument("--advertise-host", help="address the router and peers reach this worker at, when --host binds "
-                                            "every interface (default: PDSERVE_ADVERTISE_HOST, else this machine's)")
-    p.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS,
-                   help="how KV moves from prefill to decode (mooncake, nixl: optional extras)")
-    p.add_argument("--local-prefill-max-tokens", type=int,
-                   help="decode workers prefill locally when fewer prompt tokens than this are uncached")
+    add_flags(p)
 
 
 def _overrides(args: argparse.Namespace) -> dict:
     return {
-        "model.name": args.model, "model.dtype": args.dtype, "model.device": args.device,
-        "model.quantization": args.quantization,
-        "model.max_model_len": args.max_model_len, "model.seed": args.seed,
-        "model.expert_parallel": args.expert_parallel,
-        "cache.block_size": args.block_size, "cache.device_memory_gb": args.device_memory_gb,
-        "cache.device_blocks": args.device_blocks, "cache.prefix_cache": args.prefix_cache,
-        "cache.host_cache_gb": args.host_cache_gb, "cache.swap_space_gb": args.swap_space_gb,
-        "cache.disk_cache_dir": args.disk_cache_dir,
-        "cache.disk_cache_gb": args.disk_cache_gb, "cache.remote": args.kv_remote,
-        "cache.kv_events_endpoint": args.kv_events_endpoint,
-        "scheduler.max_num_seqs": args.max_num_seqs,
-        "scheduler.max_num_batched_tokens": args.max_num_batched_tokens, "server.threads": args.threads,
-        "server.served_model_name": args.served_model_name,
-        "server.host": args.host, "server.port": args.port, "server.advertise_host": args.advertise_host,
-        "transfer.backend": args.transfer_backend, "disagg.local_prefill_max_tokens": args.local_prefill_max_tokens,
+        **flag_overrides(args),
         "deployment.mode": getattr(args, "mode", None),
         "deployment.prefill.instances": getattr(args, "prefill", None),
         "deployment.decode.instances": getattr(args, "decode", None),
@@ -118,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from pdserve.config import ConfigError, load_config
+    from pdserve.config import ConfigError, derive, load_config
 
     overrides = _overrides(args)
     try:
@@ -147,20 +105,22 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.server.serving import bind_socket
     # Bind first: the port is ours before the seconds of model loading (see bind_socket).
     sock = bind_socket(config.server.host, config.server.port)
-    config.server.port = sock.getsockname()[1]
+    config = derive(config, {"server.port": sock.getsockname()[1]})
     if args.command == "serve" and config.deployment.mode == "pd":
         from pdserve.launch import serve_pd
         serve_pd(config, sock)
     elif args.command == "serve":
-        config.worker.role = "mixed"
+        config = derive(config, {"worker.role": "mixed"})
         from pdserve.server.app import serve as run_server
         run_server(config, sock)
     elif args.command == "router":
+        workers = list(config.router.workers)
         for spec in args.worker:
             role, _, url = spec.partition("=")
             if not url or role not in ("prefill", "decode", "mixed"):
                 parser.error(f"--worker wants ROLE=URL with ROLE prefill|decode|mixed, not {spec!r}")
-            config.router.workers.append({"role": role, "url": url})
+            workers.append({"role": role, "url": url})
+        config = derive(config, {"router.workers": workers})
         from pdserve.router.gateway import create_router_app
         from pdserve.server.serving import run_uvicorn
         run_uvicorn(create_router_app(config), config, tls=True, sock=sock)

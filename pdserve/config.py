@@ -1,7 +1,9 @@
-"""Typed configuration: the one source of defaults, loaded from YAML and overridden by flags."""
+"""Typed configuration: the one source of defaults, loaded from YAML and overridden by flags.
+
+A loaded Config is frozen: a process that needs other values (its bound port, a worker's role)
+derives its own copy with `derive`, and nothing changes a config another part already holds."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -10,7 +12,7 @@ from typing import Any
 import yaml
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = "smollm2-135m"          # a built-in name, a GGUF file or a Hugging Face directory
     dtype: str = "float32"              # float32 (CPU default) or bfloat16
@@ -28,7 +30,7 @@ class ModelConfig:
     eplb_threshold: float = 1.2         # rebalance when max/mean rank load stays above this
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     device_memory_gb: float = 1.0       # KV pool budget; ignored when device_blocks is set
@@ -49,7 +51,7 @@ class CacheConfig:
     kv_events_snapshot_endpoint: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64              # cap on running requests (the decode batch cap)
     max_num_batched_tokens: int = 512   # per-step token budget; prompts longer than it are chunked
@@ -57,7 +59,7 @@ class SchedulerConfig:
     watermark_blocks: int = 1           # free blocks kept back at admission so decodes rarely preempt
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -77,7 +79,7 @@ class ServerConfig:
     otlp_endpoint: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class DisaggConfig:
     # The decode worker prefills itself when the uncached part of the prompt is shorter than this.
     local_prefill_max_tokens: int = 64
@@ -89,7 +91,7 @@ class DisaggConfig:
     peer_retry_s: float = 10.0           # a prefill worker that failed is skipped this long
 
 
-@dataclass
+@dataclass(frozen=True)
 class TransferConfig:
     backend: str = "auto"                # auto (shm on one host, else tcp) | shm | tcp | mooncake | nixl
     # mooncake, nixl: optional extras (pip install 'pdserve[mooncake]' / 'pdserve[nixl]'), one-sided
@@ -98,7 +100,7 @@ class TransferConfig:
     layerwise: bool = True               # write each layer as soon as it is computed (False: after the forward)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoleConfig:
     # Workers of this role; None: from deployment.pd_ratio, else 1. Each instance with expert_parallel
     # N is N processes (devices).
@@ -115,7 +117,7 @@ class RoleConfig:
     device_blocks: int | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeploymentConfig:
     mode: str = "pd"                     # pd (router + prefill + decode workers) | mixed (one process)
     # "P:D": prefill to decode devices (instances x expert_parallel), e.g. "1:2"; sets the instance counts
@@ -125,14 +127,14 @@ class DeploymentConfig:
     decode: RoleConfig = field(default_factory=RoleConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadBalancerConfig:
     # round_robin | least_load | power_of_two | cache_aware | cost (see docs/routing.md)
     prefill: str = "cost"                # how the router picks a prefill worker
     decode: str = "cost"                 # how the router picks a decode worker
 
 
-@dataclass
+@dataclass(frozen=True)
 class RouterConfig:
     workers: list[dict] = field(default_factory=list)   # static workers: [{url: ..., role: prefill|decode|mixed}]
     api_keys: list[str] = field(default_factory=list)   # also PDSERVE_API_KEYS (comma-separated); none: open
@@ -162,7 +164,7 @@ class RouterConfig:
     heartbeat_timeout_s: float = 5.0         # a self-registered worker silent this long is unhealthy
 
 
-@dataclass
+@dataclass(frozen=True)
 class VisionConfig:
     """Images in chat requests (OpenAI `image_url` parts), for vision-language models."""
     max_images: int = 4                 # image parts per request; 0 refuses every image
@@ -177,7 +179,7 @@ class VisionConfig:
     encode_timeout_s: float = 60.0      # deadline of one image's embeddings from an encoder worker
 
 
-@dataclass
+@dataclass(frozen=True)
 class ControllerConfig:
     # The autoscaler in the router (router/controller.py), off by default: every interval_s it reads
     # the fleet's figures against the SLOs and switches a worker's role, or starts or stops a worker,
@@ -201,14 +203,14 @@ class ControllerConfig:
     decode_deployment: str = "pdserve-decode"
 
 
-@dataclass
+@dataclass(frozen=True)
 class WorkerConfig:
     role: str = "mixed"                  # mixed | prefill | decode
     kv_port: int | None = None           # prefill: bootstrap port; decode: KV/control port (None: free port)
     worker_id: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -292,7 +294,7 @@ def _set_leaves(cfg: Config, leaves: list, problems: list) -> set[str]:
         obj = cfg
         for p in parents:
             obj = getattr(obj, p)
-        setattr(obj, leaf, value)
+        object.__setattr__(obj, leaf, value)        # building a fresh Config: frozen once load_config returns
     return set(seen)
 
 
@@ -307,26 +309,40 @@ def _read_yaml(path: str | Path) -> dict:
 
 
 def apply_role(cfg: Config, role: str, keep: set[str] | frozenset[str] = frozenset()) -> Config:
-    """deployment.<role>'s settings (ROLE_SETTINGS) in place of the global keys they name, except those
-    in `keep`; in place, returns cfg. Roles without a deployment entry (mixed) are left alone."""
+    """A copy of cfg with deployment.<role>'s settings (ROLE_SETTINGS) in place of the global keys they
+    name, except those in `keep`. Roles without a deployment entry (mixed) are left alone."""
     rc = getattr(cfg.deployment, role, None)
     if not isinstance(rc, RoleConfig):
         return cfg
+    changes: dict[str, Any] = {}
     for key, target in ROLE_SETTINGS.items():
         section, leaf = target.split(".")
         value = getattr(rc, key, None)
         if value is not None and target not in keep and hasattr(getattr(cfg, section), leaf):
-            setattr(getattr(cfg, section), leaf, value)
+            changes[target] = value
     if rc.device_memory_gb is not None and rc.device_blocks is None and "cache.device_blocks" not in keep:
-        cfg.cache.device_blocks = None      # the role's budget replaces the global one, in blocks too
-    if cfg.server.threads is None:
-        cfg.server.threads = ROLE_THREADS
+        changes["cache.device_blocks"] = None      # the role's budget replaces the global one, in blocks too
+    if changes.get("server.threads", cfg.server.threads) is None:
+        changes["server.threads"] = ROLE_THREADS
+    return derive(cfg, changes)
+
+
+def derive(cfg: Config, changes: dict[str, Any]) -> Config:
+    """A copy of cfg with these dotted keys set ("server.port": 8001); the sections not named are shared
+    (they are frozen). Values are taken as given: load_config is where input is checked."""
+    def put(obj: Any, parts: list[str], value: Any) -> Any:
+        if len(parts) == 1:
+            return dataclasses.replace(obj, **{parts[0]: value})
+        return dataclasses.replace(obj, **{parts[0]: put(getattr(obj, parts[0]), parts[1:], value)})
+
+    for dotted, value in changes.items():
+        cfg = put(cfg, dotted.split("."), value)
     return cfg
 
 
 def for_role(cfg: Config, role: str) -> Config:
     """A copy of cfg as a worker of `role` sees it."""
-    return apply_role(copy.deepcopy(cfg), role)
+    return apply_role(cfg, role)
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
@@ -359,5 +375,5 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(problems)
     check(cfg)
     if role is not None:
-        apply_role(cfg, role, given)
+        cfg = apply_role(cfg, role, given)
     return cfg

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from pdserve.config import Config, for_role
+from pdserve.config import Config, derive, for_role
 from pdserve.plan import pd_counts
 from pdserve.utils.process import die_with_parent  # noqa: F401 (re-exported)
 
@@ -93,13 +93,11 @@ def start_workers(config: Config, log_dir: Path) -> list[WorkerProcess]:
     # Workers of a one-machine deployment talk to the router and each other over loopback only;
     # the router alone listens on server.host (0.0.0.0 in a container must not expose workers).
     host = "127.0.0.1"
-    cfg = config.to_dict()
-    cfg["deployment"]["mode"] = "pd"
-    cfg["server"]["advertise_host"] = None      # reached over loopback, see above
     # Workers publish KV events on free ports (shown in their /health) for the router's index.
-    cfg["cache"]["kv_events_endpoint"] = cfg["cache"]["kv_events_endpoint"] or f"tcp://{host}:*"
+    workers = derive(config, {"deployment.mode": "pd", "server.advertise_host": None,   # loopback, see above
+                              "cache.kv_events_endpoint": config.cache.kv_events_endpoint or f"tcp://{host}:*"})
     config_file = log_dir / "deployment.yaml"
-    config_file.write_text(yaml.safe_dump(cfg))
+    config_file.write_text(yaml.safe_dump(workers.to_dict()))
     # Each worker applies its role's settings (deployment.<role>) itself, from the file; the launcher
     # needs its threads (OpenMP reads them from the environment) and cores.
     # Decode workers learn prefill workers from the router (which names one per request).
@@ -150,7 +148,8 @@ def serve_pd(config: Config, sock=None) -> None:
     log.info("worker logs in %s", log_dir)
     try:
         wait_healthy(workers)
-        config.router.workers = [*config.router.workers, *({"url": w.url, "role": w.role} for w in workers)]
+        config = derive(config, {"router.workers": [*config.router.workers,
+                                                    *({"url": w.url, "role": w.role} for w in workers)]})
         app = create_router_app(config, _local_fleet(config, workers, log_dir))
         log.info("serving %s on http://%s:%d (%d prefill, %d decode workers)", config.model.name,
                  config.server.host, config.server.port, *instance_counts(config))

@@ -7,6 +7,7 @@ from typing import Any, Sequence, cast
 
 from pdserve.common.images import ImageInput, expand_image_tokens
 from pdserve.config import Config, load_config
+from pdserve.config_flags import keyword_key
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
@@ -25,24 +26,17 @@ class GenerationOutput:
 class LLM:
     """Runs requests to completion in one process, with the same engine the server uses.
 
-    Keyword overrides use dotted config keys with dots as double underscores, or the short
-    names below: LLM(model="smollm2-135m", dtype="float32", block_size=16, max_num_seqs=64).
+    Keyword overrides use dotted config keys with dots as double underscores, or the short names of
+    the command-line flags (config_flags.FLAGS): LLM(model="smollm2-135m", dtype="float32",
+    block_size=16, max_num_seqs=64).
     """
-
-    _SHORT = {"model": "model.name", "dtype": "model.dtype", "device": "model.device",
-              "quantization": "model.quantization",
-              "max_model_len": "model.max_model_len", "seed": "model.seed", "block_size": "cache.block_size",
-              "device_memory_gb": "cache.device_memory_gb", "device_blocks": "cache.device_blocks",
-              "prefix_cache": "cache.prefix_cache",
-              "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
-              "enable_chunked_prefill": "scheduler.enable_chunked_prefill", "threads": "server.threads"}
 
     def __init__(self, model: str | None = None, config: Config | None = None,
                  loaded: LoadedModel | None = None, **overrides: Any) -> None:
         """`loaded` reuses weights already in memory (tests build several engines on one model)."""
         if model is not None:
             overrides["model"] = model
-        dotted = {self._SHORT.get(k, k.replace("__", ".")): v for k, v in overrides.items()}
+        dotted = {keyword_key(k): v for k, v in overrides.items()}
         self.config = config or load_config(None, dotted)
         self.engine = LLMEngine(self.config, loaded)
         self.tokenizer = self.engine.tokenizer

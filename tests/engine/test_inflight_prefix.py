@@ -2,6 +2,8 @@
 block a running request is computing waits for the cache instead of computing it again."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pdserve import SamplingParams
 from pdserve.config import load_config
 from pdserve.engine.engine import LLMEngine
@@ -44,8 +46,7 @@ def test_different_prefixes_are_not_held_back():
     cached.add_request("b", prompts[1], SamplingParams(max_tokens=1))
     step = cached.scheduler.schedule()
     assert [r.request_id for r, _ in step.scheduled] == ["a"]      # the budget (16) goes to the head...
-    cached.scheduler.cfg.max_num_batched_tokens = 64
-    for r, n in step.scheduled:
-        r.num_computed_tokens += n
+    cached.scheduler.cfg = replace(cached.scheduler.cfg, max_num_batched_tokens=64)
+    cached.scheduler.update(step)
     step = cached.scheduler.schedule()
     assert {r.request_id for r, _ in step.scheduled} == {"a", "b"}  # ...and nobody waits on an unrelated prefix
