@@ -99,9 +99,16 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
     if r.starting:
         # Figures without the new worker say nothing of the fleet with it: wait for it, from zero.
         return Decision("hold", f"{r.starting} worker(s) starting", inputs), State(last_action_at=last)
-    # An interval with no traffic at all says nothing about latency: the pools are idle, hence cold.
-    s = replace(s, prefill_hot=_count(s.prefill_hot, pre > p.high), decode_hot=_count(s.decode_hot, dec > p.high),
-                prefill_cold=_count(s.prefill_cold, pre < p.low), decode_cold=_count(s.decode_cold, dec < p.low))
+    # No latency in an idle interval: the pools are cold. No latency while requests are in flight
+    # (long replies still decoding, no first token due): that pool's reading is unknown, and breaks
+    # its run of readings either way.
+    busy = r.running + r.waiting + r.queued_prefill_tokens > 0
+    pre_known = r.ttft_p90_ms is not None or not busy
+    dec_known = r.itl_p90_ms is not None or not busy or dec > p.high
+    s = replace(s, prefill_hot=_count(s.prefill_hot, pre_known and pre > p.high),
+                decode_hot=_count(s.decode_hot, dec_known and dec > p.high),
+                prefill_cold=_count(s.prefill_cold, pre_known and pre < p.low),
+                decode_cold=_count(s.decode_cold, dec_known and dec < p.low))
 
     def hold(reason: str) -> tuple[Decision, State]:
         return Decision("hold", reason, inputs), s

@@ -69,8 +69,11 @@ def test_scale_down_empties_the_worker_first(tmp_path):
 
 def test_scale_up_starts_a_worker_that_takes_requests(tmp_path):
     want, want_fresh = offline_outputs(), offline_outputs(FRESH)
-    # SLOs every request misses: both pools hot, below max_workers, so the controller adds one.
-    with _deployment(tmp_path, "up", 1, 1, {"slo_ttft_ms": 0.001, "slo_tpot_ms": 0.001}) as srv:
+    # SLOs every request misses: both pools hot, below max_workers, so the controller adds one (this
+    # test is about adding: at max_workers it moves none, and min_workers keeps the idle end from
+    # removing one).
+    with _deployment(tmp_path, "up", 1, 1, {"slo_ttft_ms": 0.001, "slo_tpot_ms": 0.001,
+                                                       "imbalance": 1e9, "min_workers": 3}) as srv:
         srv.wait_ready(timeout=300)
         url = srv.url
         load = Load(url)

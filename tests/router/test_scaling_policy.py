@@ -136,3 +136,15 @@ def test_at_max_workers_with_both_pools_over_a_far_worse_pool_takes_a_worker():
     # Decode 9x over: a prefill worker moves, but only while the prefill pool has one to spare.
     assert replay([(1200.0, 900.0)] * 20, n_prefill=2, n_decode=1, params=at_max) == [(2, "switch_to_decode")]
     assert replay([(1200.0, 900.0)] * 20, n_prefill=1, n_decode=2, params=at_max) == []
+
+
+def test_an_interval_without_first_tokens_under_load_is_not_a_cold_prefill_pool():
+    state, acted = State(), []
+    for i in range(12):
+        # Long replies decode (ITL over its SLO); no new request, so no first token: TTFT unknown.
+        # The fleet is at max_workers: only a switch could help, and nothing says prefill is idle.
+        d, state = decide(Reading(i * INTERVAL, 2, 2, None, 250.0, running=6), state, P)
+        acted += [d.action] if d.action != "hold" else []
+    assert acted == []
+    # With first tokens well under the SLO the prefill pool is cold: it gives the decode pool a worker.
+    assert replay([(100.0, 250.0)] * 4, n_prefill=2, n_decode=2) == [(2, "switch_to_decode")]
