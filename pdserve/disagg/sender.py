@@ -195,8 +195,12 @@ class PrefillConnector(KVConnector):
                     done_at = last_write_at
                     for sink in item.sinks:
                         if sink.writer is not None and sink.job.request_id in dirty and not sink.error:
-                            if sink.writer.flush():
-                                done_at = time.monotonic()
+                            try:
+                                if sink.writer.flush():
+                                    done_at = time.monotonic()
+                            except Exception as e:  # noqa: BLE001 - one stalled peer fails its own transfer
+                                log.warning("KV transfer %s: flush failed: %s", sink.job.request_id, e)
+                                sink.fail(f"flush failed: {e}")
                     dirty.clear()
                     self._writes_done_at = done_at
                     item.done.set()

@@ -127,7 +127,8 @@ class WriterFactory:
             if not job.shm_path:
                 raise ValueError("transfer.backend is shm but the decode worker has no shared pool")
             return ShmWriter(self.src, self.block_size, job.shm_path, job.kv_shape, job.elem_size)
-        return TcpWriter(self.src, self.block_size, sock_for(job.reply_endpoint), self.key, job.transfer_id)
+        return TcpWriter(self.src, self.block_size, sock_for(job.reply_endpoint), self.key, job.transfer_id,
+                         flush_timeout_s=self.transfer_s)
 
     def close(self) -> None:
         """Only once no write is in flight."""

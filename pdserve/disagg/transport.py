@@ -126,12 +126,14 @@ class TcpWriter(KVWriter):
     name = "tcp"
 
     def __init__(self, src: np.ndarray, block_size: int, sock: zmq.Socket, key: bytes | None = None,
-                 transfer_id: str = "") -> None:
+                 transfer_id: str = "", flush_timeout_s: float = 30.0) -> None:
         """`key`: the internal token the header is signed with (the KV bytes are not: the signed
-        header names the transfer and the blocks they may land in)."""
+        header names the transfer and the blocks they may land in). `flush_timeout_s`: how long a
+        flush waits for a peer that takes no bytes (a partition) before it fails this transfer."""
         super().__init__(src, block_size)
         self.sock = sock
         self.key, self.transfer_id = key, transfer_id
+        self.flush_timeout_s = flush_timeout_s
         self._trackers: list[zmq.MessageTracker] = []
 
     def write_layer(self, request_id: str, layer: int, runs: list[Run]) -> int:
@@ -149,9 +151,19 @@ class TcpWriter(KVWriter):
 
     def flush(self) -> bool:
         waited = bool(self._trackers)
-        for t in self._trackers:
-            t.wait(timeout=30)
-        self._trackers.clear()
+        deadline = time.monotonic() + self.flush_timeout_s
+        try:
+            for t in self._trackers:
+                try:
+                    t.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except zmq.NotDone:
+                    # The frames still reference the source blocks, which the engine will reuse: the
+                    # transfer fails (its "failed" goes after them on this socket, and the decode side
+                    # drops frames of a transfer that ended).
+                    raise TimeoutError(f"tcp KV writes not taken by the decode worker within "
+                                       f"{self.flush_timeout_s:.0f} s") from None
+        finally:
+            self._trackers.clear()
         return waited
 
 
