@@ -26,8 +26,6 @@ from pdserve.server.roles import build_connector, kv_pool_in_shm
 
 log = logging.getLogger(__name__)
 SWITCHABLE = ("prefill", "decode")
-# After the evacuation, transfers cancelled mid-flight hold blocks until their peer acknowledges
-# (or disagg.quarantine_timeout_s passes): the switch waits that long at most.
 _POLL_S = 0.02
 
 
@@ -77,8 +75,13 @@ class RoleSwitch:
         t0 = time.monotonic()
         try:
             moved = await self._empty(drain_timeout_s, f"worker switching to {role}")
+            deadline = time.monotonic() + self.config.disagg.quarantine_timeout_s + 5.0
             while not await asyncio.wrap_future(self.engine.call(lambda e: self._swap(e, role))):
-                await asyncio.sleep(_POLL_S)     # a peer's message came in between: drain it first
+                # A peer's job came in over the KV plane meanwhile (HTTP work is refused): hand it back too.
+                if time.monotonic() > deadline:
+                    raise APIError(503, "the worker kept receiving work over its KV plane", code="drain_timeout")
+                moved += await self._empty(0.0, f"worker switching to {role}")
+                await asyncio.sleep(_POLL_S)
             old, self.role = self.role, role
             self.switches_total += 1
             self.moved_total += moved
@@ -95,6 +98,8 @@ class RoleSwitch:
             return 0
         moved = await asyncio.wrap_future(self.engine.evacuate(why))
         log.info("%s: %d requests moved off after %.1fs", why, moved, drain_timeout_s)
+        # Transfers cancelled mid-flight hold their blocks until the peer acknowledges the cancel
+        # (or disagg.quarantine_timeout_s passes).
         grace = self.config.disagg.quarantine_timeout_s + 5.0
         if not await self._wait_idle(time.monotonic() + grace):
             raise APIError(503, f"the worker did not go idle within {grace:.0f}s of giving its requests up",
