@@ -4,6 +4,7 @@ or fails with a clear error within its deadline, and that every KV pool returns 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import httpx
@@ -50,6 +51,8 @@ def test_default_deployment_across_hosts(cluster):
     for name, w in ws.items():       # each registered itself from its own host, at its own address
         assert w["role"] == ROLES[name] and w["healthy"]
         assert w["url"] == cluster.host(name).url(8000)
+    other = cluster.workers("router-b")     # ... with both router replicas
+    assert sorted(other) == sorted(ROLES) and all(w["healthy"] for w in other.values()), other
     outs = cluster.load([prompt(i) for i in range(6)], MAX_TOKENS)
     for i, o in enumerate(outs):
         assert o.error is None and o.text == want(i), (i, o)
@@ -184,7 +187,6 @@ def _long_prompts(first: int, n: int) -> list[list[int]]:
 
 
 def test_prefill_host_link_down_mid_transfer(cluster):
-    import threading
     cut: dict = {}
 
     def fault() -> None:
@@ -229,7 +231,6 @@ def _want_long(i: int) -> str:
 
 
 def test_prefill_stopped_then_resumed(cluster):
-    import threading
     stopped: dict = {}
 
     def fault() -> None:
