@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -119,13 +120,17 @@ def main() -> None:
                 ttft, tpot = asyncio.run(calibrate(srv.url, args))
                 slo = {"ttft_ms": round(ttft * 1000 * args.slo_x, 1), "tpot_ms": round(tpot * 1000 * args.slo_x, 1),
                        "unloaded_ttft_ms": round(ttft * 1000, 1), "unloaded_tpot_ms": round(tpot * 1000, 1)}
+            load_before = os.getloadavg()[0]
             records, dur = asyncio.run(run_phases(srv.url, args, work))
             s = summarize(records, dur, slo["ttft_ms"], slo["tpot_ms"])
             runs[name] = {"split": f"{p}:{d}" if name != "controller" else f"starts {p}:{d}",
                           "goodput_req_s": round(s["goodput_req_s"], 3), "met": s["slo"]["met"],
                           "completed": s["completed"], "failed": s["failed"], "errors": s["errors"],
                           "ttft_p90_ms": round(s["ttft_ms"]["p90"], 1) if "ttft_ms" in s else None,
-                          "tpot_p90_ms": round(s["tpot_ms"]["p90"], 1) if "tpot_ms" in s else None}
+                          "tpot_p90_ms": round(s["tpot_ms"]["p90"], 1) if "tpot_ms" in s else None,
+                          # The machine's load around the run: on a shared machine, drift between
+                          # runs can outweigh any split's effect (compare before reading the ratios).
+                          "loadavg": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
             if name == "controller":
                 decisions = httpx.get(srv.url + "/admin/controller", timeout=30).json()
                 runs[name]["actions"] = [(d["action"], d["worker"], d["ok"]) for d in decisions if d["action"] != "hold"]
@@ -136,6 +141,9 @@ def main() -> None:
            "controller_vs_best_static": round(ctl / max(static), 3) if max(static) else None,
            "controller_vs_worst_static": round(ctl / min(static), 3) if min(static) else None,
            "failed_total": sum(v["failed"] for v in runs.values()), "cpu": describe()}
+    if not runs["controller"].get("actions"):
+        out["note"] = ("the controller took no action: its run is one more static split, and any ratio is "
+                       "noise; raise the rates (or lower --slo-x) until the static splits miss their SLOs")
     print(json.dumps(out))
 
 
