@@ -132,6 +132,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         vd = _gather_blocks(v_cache, g.block_idx, bs).view(shape).transpose(1, 2)
         qd = q[g.start:g.start + n].unsqueeze(2)                                         # [n, H, 1, D]
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        if n == q.shape[0]:
+            return o.squeeze(2)          # the whole step is this group: no copy into `out`
         out[g.start:g.start + n] = o.squeeze(2)
     for p in meta.prefills:
         qp = q[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)   # [1, H, q, D]

@@ -66,13 +66,17 @@ class DecoderLayer:
         qkv = linear(h, self.qkv)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
-        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         t = x.shape[0]
-        q, k = q.view(t, a.num_heads, a.head_dim), k.view(t, a.num_kv_heads, a.head_dim)
-        if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, a.rms_norm_eps), rms_norm(k, self.k_norm, a.rms_norm_eps)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = v.reshape(t, a.num_kv_heads, a.head_dim)
+        if self.q_norm is None:
+            # q and k heads side by side in qkv's rows: one rotary pass over both halves the small ops.
+            qk = apply_rotary(qkv[:, :a.q_size + a.kv_size].view(t, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
+            q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]
+        else:
+            q, k = qkv[:, :a.q_size].view(t, a.num_heads, a.head_dim), qkv[:, a.q_size:a.q_size + a.kv_size]
+            q, k = rms_norm(q, self.q_norm, a.rms_norm_eps), rms_norm(k.view(t, a.num_kv_heads, a.head_dim),
+                                                                   self.k_norm, a.rms_norm_eps)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = qkv[:, a.q_size + a.kv_size:].reshape(t, a.num_kv_heads, a.head_dim)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, a.head_dim ** -0.5)
         return x + linear(o.reshape(t, a.q_size), self.o)
 

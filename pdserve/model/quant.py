@@ -26,10 +26,10 @@ from pdserve.config_rules import QUANTIZATIONS
 GROUP = 32
 MODES = QUANTIZATIONS     # the config's allowed values (config_rules.py)
 # Above this many rows a product dequantizes and runs float32 (see the module docstring): the
-# int4 kernel's time grows linearly with the rows (78 ms per SmolLM2 layer at 512 rows against
-# 34 ms float32 plus ~15 ms to dequantize; at 128 rows 20 ms against 13 + 15).
+# int4 kernel's time grows linearly with the rows. SmolLM2's gate+up product, 1 thread, AMD EPYC
+# AVX2: kernel 11.2 ms at 96 rows, 18.6 at 128, 30.6 at 256; dequantize + float32 12.7, 12.9, 24.8.
 INT8_KERNEL_MAX_ROWS = 64
-INT4_KERNEL_MAX_ROWS = 160
+INT4_KERNEL_MAX_ROWS = 100
 
 
 class Staged:
@@ -134,9 +134,15 @@ class QuantizedWeight:
             return self.q.float() * self.scale[:, None]
         if not self.on_cpu:
             return self.staged.dequantize()
-        n = self.nibbles.shape[0]
-        q = torch.stack([self.nibbles & 0x0F, self.nibbles >> 4], -1).view(n, -1, GROUP).float()
-        return torch.addcmul(self.zero[..., None], q, self.scale[..., None]).view(n, -1)
+        # Nibbles land in the float buffer as two strided copies (the cast rides on the copy) and one
+        # in-place addcmul scales them: 3.5x faster than stack + float + addcmul, and the same values.
+        n, half = self.nibbles.shape
+        out = torch.empty(n, half, 2, device=self.device)
+        out[..., 0].copy_(self.nibbles & 0x0F)
+        out[..., 1].copy_(self.nibbles >> 4)
+        groups = out.view(n, -1, GROUP)
+        torch.addcmul(self.zero[..., None], groups, self.scale[..., None], out=groups)
+        return out.view(n, -1)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows of the dequantized matrix: an embedding lookup from a quantized (tied) embedding."""
