@@ -258,6 +258,7 @@ class RemoteBackend:
             except (httpx.HTTPError, WorkerSilent) as e:
                 self._failure(w, now, judged)
                 raise WorkerFailed(f"{type(e).__name__}: {e}") from e
+            lines = watched(resp.aiter_lines(), lambda: w.healthy, self.rc.health_period_s)
             try:
                 if resp.status_code != 200:
                     await resp.aread()
@@ -268,7 +269,7 @@ class RemoteBackend:
                         raise WorkerFailed(f"HTTP {resp.status_code}")
                     err = _error_of(resp)
                     raise APIError(resp.status_code, err.get("message", resp.text), err.get("param"), err.get("code"))
-                async for line in watched(resp.aiter_lines(), lambda: w.healthy, self.rc.health_period_s):
+                async for line in lines:
                     if not line:
                         continue
                     msg = json.loads(line)
@@ -295,6 +296,7 @@ class RemoteBackend:
                 self._failure(w, time.monotonic(), judged)
                 raise WorkerFailed(f"{type(e).__name__}: {e}") from e
             finally:
+                await lines.aclose()        # its reader task first, then the stream it reads
                 await resp.aclose()
         finally:
             charge.close()

@@ -9,31 +9,54 @@ given up so the router can retry or migrate the request."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 
 class WorkerSilent(Exception):
     """The worker stopped answering its health checks while its stream was silent."""
 
 
-async def watched(lines: AsyncIterator[str], healthy: Callable[[], bool], period_s: float) -> AsyncIterator[str]:
-    """`lines` as they come; raises WorkerSilent after a silence of at least `period_s` at whose
-    end `healthy()` is false. The pending read is cancelled then (the caller closes the stream)."""
-    it = lines.__aiter__()
-    while True:
-        nxt = asyncio.ensure_future(it.__anext__())
+_END = object()
+
+
+async def watched(lines: AsyncIterator[str], healthy: Callable[[], bool], period_s: float) -> AsyncGenerator[str, None]:
+    """`lines` as they come; raises WorkerSilent once a period passes with no line and `healthy()`
+    false. A pump task reads the lines and a watchdog task wakes once a period, so a line costs a
+    queue hand-off (a task or a timer per line cost ~10x more). Close it (aclose) before closing
+    the stream it reads: that stops both tasks."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    last = [loop.time()]
+
+    async def pump() -> None:
         try:
-            while not (await asyncio.wait({nxt}, timeout=period_s))[0]:
-                if not healthy():
-                    raise WorkerSilent("the worker stopped answering health checks mid-stream")
-        finally:
-            if not nxt.done():
-                nxt.cancel()
-        try:
-            line = nxt.result()
-        except StopAsyncIteration:
+            async for line in lines:
+                last[0] = loop.time()
+                q.put_nowait(line)
+        except BaseException as e:  # noqa: BLE001 - the consumer raises it (a cancel only ends the pump)
+            q.put_nowait(e)
             return
-        yield line
+        q.put_nowait(_END)
+
+    async def watchdog() -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            if loop.time() - last[0] >= period_s and not healthy():
+                q.put_nowait(WorkerSilent("the worker stopped answering health checks mid-stream"))
+                return
+
+    tasks = [asyncio.ensure_future(pump()), asyncio.ensure_future(watchdog())]
+    try:
+        while True:
+            item = await q.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def unless_silent(aw, healthy: Callable[[], bool], period_s: float):
