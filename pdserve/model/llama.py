@@ -19,6 +19,9 @@ from pdserve.model.rotary import RotaryEmbedding, apply_rotary
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # One fused kernel instead of six ops; the same values as below (checked bit for bit).
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

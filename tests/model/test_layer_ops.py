@@ -1,0 +1,40 @@
+"""The fused forms of the layer's small ops give the same values as the reference formulas."""
+import torch
+
+from pdserve.model.llama import rms_norm
+from pdserve.model.quant import QuantizedWeight, quantize
+from pdserve.model.rotary import apply_rotary
+
+
+def _reference_rms_norm(x, weight, eps):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def test_fused_rms_norm_is_bit_identical_to_the_formula():
+    g = torch.Generator().manual_seed(0)
+    for shape, eps in [((1, 576), 1e-5), ((37, 576), 1e-6), ((5, 9, 64), 1e-6), ((128, 64), 1e-5)]:
+        x = torch.randn(*shape, generator=g) * 3
+        w = torch.randn(shape[-1], generator=g)
+        assert torch.equal(rms_norm(x, w, eps), _reference_rms_norm(x, w, eps))
+
+
+def test_one_rotary_pass_over_q_and_k_equals_two():
+    g = torch.Generator().manual_seed(1)
+    t, heads, kv_heads, d = 6, 9, 3, 64
+    qk = torch.randn(t, heads + kv_heads, d, generator=g)
+    cos, sin = torch.randn(t, 1, d // 2, generator=g), torch.randn(t, 1, d // 2, generator=g)
+    both = apply_rotary(qk, cos, sin)
+    assert torch.equal(both[:, :heads], apply_rotary(qk[:, :heads], cos, sin))
+    assert torch.equal(both[:, heads:], apply_rotary(qk[:, heads:], cos, sin))
+
+
+def test_int4_dequantization_from_nibbles_equals_addcmul_over_the_values():
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(2))
+    st = quantize(w, "int4")
+    n = st.q.shape[0]
+    expected = torch.addcmul(st.zero[..., None], st.q.view(n, -1, 32).float(), st.scale[..., None]).view(n, -1)
+    got = QuantizedWeight(st).dequantize()
+    assert torch.equal(got, expected)
+    torch.testing.assert_close(got, st.dequantize())
