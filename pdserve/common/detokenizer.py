@@ -47,3 +47,13 @@ class IncrementalDetokenizer:
         out = self.text[self.emitted:end]
         self.emitted = end
         return out
+
+
+class NoText:
+    """The detokenizer of a request that wants token ids only (SamplingParams.detokenize False)."""
+
+    def add(self, token_id: int) -> str | None:
+        return None
+
+    def take(self, finished: bool) -> str:
+        return ""

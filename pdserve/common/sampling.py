@@ -23,6 +23,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logprobs: int | None = None         # top-k logprobs per sampled token (0 = the sampled token only)
     skip_special_tokens: bool = True
+    # False: token ids only, no text and no stop strings (a worker behind the router, which
+    # detokenizes the stream itself; the prefill job of such a request).
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +59,7 @@ class SamplingParams:
             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         bad(self.logprobs is not None and not 0 <= self.logprobs <= 20, "logprobs",
             f"logprobs must be in [0, 20], got {self.logprobs}")
+        bad(bool(self.stop) and not self.detokenize, "stop", "stop strings need detokenize")
         if vocab_size is not None:
             bad(any(not 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
                 "stop_token_ids must be valid token ids")

@@ -16,7 +16,7 @@ from pdserve.cache.kv_cache import allocate_kv_cache, new_shm_path, num_blocks_f
 from pdserve.cache.prefix_cache import PrefixCache
 from pdserve.cache.swap import SwapSpace
 from pdserve.cache.tiers.manager import TieredKVStore
-from pdserve.common.detokenizer import IncrementalDetokenizer
+from pdserve.common.detokenizer import IncrementalDetokenizer, NoText
 from pdserve.common.errors import InvalidParam
 from pdserve.common.outputs import RequestOutput, TokenLogprob  # noqa: F401 (RequestOutput re-exported)
 from pdserve.common.sampling import SamplingParams, check_prompt
@@ -109,7 +109,7 @@ class LLMEngine:
         self.connector = KVConnector()          # a role's hooks: disagg.sender / disagg.receiver
         self.runner = ModelRunner(self.model, self.kv_cache, cc.block_size)
         self.requests: dict[str, Request] = {}
-        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.detoks: dict[str, IncrementalDetokenizer | NoText] = {}
         self.num_steps = 0
         self.prefill_tokens_total = 0       # prompt tokens run through the model (prefix hits excluded)
         self.generation_tokens_total = 0
@@ -149,7 +149,8 @@ class LLMEngine:
         req.kv_sink = kv_sink
         self.requests[request_id] = req
         self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
-                                                         params.include_stop_str_in_output)
+                                                         params.include_stop_str_in_output) \
+            if params.detokenize else NoText()
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

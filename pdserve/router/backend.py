@@ -142,7 +142,8 @@ class RemoteBackend:
         async with self.admission.slot():
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
                                            params.include_stop_str_in_output)
-            wire = replace(params, stop=[], include_stop_str_in_output=False)
+            # Text is made here: the worker sends token ids only and skips detokenizing them.
+            wire = replace(params, stop=[], include_stop_str_in_output=False, detokenize=False)
             generated: list[int] = []
             attempts = migrations = moved = 0
             failed: set[str] = set()

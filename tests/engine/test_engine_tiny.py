@@ -19,6 +19,16 @@ def test_generate_accepts_text_and_token_ids(llm):
     assert a.text == llm.tokenizer.decode(a.token_ids)
 
 
+def test_token_ids_only_skips_the_text_not_the_tokens(llm):
+    # What a worker behind the router runs: the router detokenizes, the worker does not.
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    text = llm.generate("hello world", p)[0]
+    ids = llm.generate("hello world", SamplingParams(**{**p.__dict__, "detokenize": False}))[0]
+    assert ids.token_ids == text.token_ids and ids.text == "" and text.text
+    with pytest.raises(InvalidParam):
+        llm.engine.check_request([1, 2], SamplingParams(stop=["x"], detokenize=False))
+
+
 def test_stop_token_ids_and_eos(llm):
     first = llm.generate("abc", SamplingParams(temperature=0, max_tokens=6))[0].token_ids
     out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[first[2]]))[0]
