@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.config import load_config
+from pdserve.protocol.stream import TokenLine
 from pdserve.router.accounting import Charge, Route, remote_prefill_tokens
 from pdserve.router.backend import RemoteBackend
 from pdserve.router.metrics import RouterMetrics
@@ -99,7 +100,8 @@ def test_failures_count_against_the_prefill_worker_that_failed():
     backend, registry = _router("cost")
     p1, p2 = registry.pool("prefill")
     decode = registry.pool("decode")[0]
-    line = {"token_ids": [5], "prefill_failed": [p1.kv_endpoint], "prefilled_by": p2.kv_endpoint}
+    line = TokenLine.from_wire({"token_ids": [5], "finished": False, "finish_reason": None,
+                                "prefill_failed": [p1.kv_endpoint], "prefilled_by": p2.kv_endpoint})
     for _ in range(2):
         judged: set[str] = set()
         backend._judge_prefill(line, time.monotonic(), judged)
