@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from pdserve.config_rules import ConfigError, check
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -253,14 +255,6 @@ ALIASES = {
 _ALIAS_PARENTS = {a.rsplit(".", 1)[0] for a in ALIASES}
 
 
-class ConfigError(ValueError):
-    """Bad config: `problems` lists (dotted key, what is wrong with its value)."""
-
-    def __init__(self, problems: list[tuple[str, str]]) -> None:
-        self.problems = list(problems)
-        super().__init__("\n".join(f"{key}: {msg}" for key, msg in self.problems))
-
-
 def _leaves(obj: Any, data: dict, prefix: str, out: list, problems: list) -> None:
     """(key, value, key as written) for every value in the nested mapping `data`, aliases resolved."""
     known = {f.name for f in fields(obj)} if obj is not None else set()
@@ -351,7 +345,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     values are skipped), every value checked (config_rules.py; ConfigError names each bad key). With
     `role`, deployment.<role>'s settings then replace the global keys they name, except the keys
     `overrides` set: a worker's own flags win."""
-    from pdserve.config_rules import check
 
     cfg = Config()
     problems: list[tuple[str, str]] = []

@@ -11,9 +11,19 @@ import re
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from pdserve.config import Config, ConfigError
+if TYPE_CHECKING:       # config imports this module at load; the rules only read a Config's fields
+    from pdserve.config import Config
+
+
+class ConfigError(ValueError):
+    """Bad config: `problems` lists (dotted key, what is wrong with its value)."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(f"{key}: {msg}" for key, msg in self.problems))
+
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "int4")

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from pdserve.config import Config, for_role
-from pdserve.launch import WorkerProcess
+from pdserve.worker_process import WorkerProcess
 from pdserve.router.registry import Worker
 
 log = logging.getLogger(__name__)

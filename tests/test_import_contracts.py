@@ -26,7 +26,7 @@ from pdserve.config import load_config
 from pdserve.router.gateway import create_router_app
 from pdserve.router import encoder
 from pdserve.server.serving import bind_socket, run_uvicorn
-import pdserve.launch, pdserve.protocol, pdserve.server.chat_content, pdserve.server.openai_api
+import pdserve.launch, pdserve.protocol, pdserve.chat_content, pdserve.server.openai_api
 from pdserve import SamplingParams
 
 build_parser().parse_args(["router", "--model", "tiny-qwen2"])
@@ -138,7 +138,7 @@ def test_no_router_module_imports_the_engine_the_model_or_torch_anywhere():
     graph = _graph()
     roots = sorted(m for m in graph if m.startswith(("pdserve.router.", "pdserve.common.")))
     roots += ["pdserve.protocol", "pdserve.server.openai_api", "pdserve.server.internal_api",
-              "pdserve.server.serving", "pdserve.server.chat_content", "pdserve.server.errors",
+              "pdserve.server.serving", "pdserve.chat_content", "pdserve.server.errors",
               "pdserve.server.metrics"]
     seen = _reach(graph, roots)
     bad = [_chain(seen, m) for m in sorted(seen) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
@@ -161,3 +161,43 @@ def test_every_tiny_model_uses_the_default_tokenizer_name_rule():
 
     assert DEFAULT_MODEL == LOADER_DEFAULT
     assert all(name.startswith(TINY_PREFIX) for name in TINY_CONFIGS)
+
+
+def _unit(module: str) -> str | None:
+    """What a module belongs to for layering: its subpackage (pdserve.engine) or, at the top, itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "pdserve" and len(parts) > 1 else None
+
+
+def test_no_import_cycle_between_packages():
+    """Imports between pdserve's packages (and top-level modules) flow one way: a cycle shows as the
+    chain of units and, for each step, a module that makes it. Imports inside functions count;
+    TYPE_CHECKING ones do not (they never run)."""
+    why: dict[tuple[str, str], str] = {}
+    for m, deps in _graph().items():
+        for d in deps:
+            a, b = _unit(m), _unit(d)
+            if a and b and a != b:
+                why.setdefault((a, b), m)
+    edges: dict[str, set[str]] = {}
+    for a, b in why:
+        edges.setdefault(a, set()).add(b)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(u: str) -> list[str] | None:
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(edges.get(u, ())):
+            if state.get(v) == 1:
+                return stack[stack.index(v):] + [v]
+            if v not in state and (found := visit(v)):
+                return found
+        state[u] = 2
+        stack.pop()
+        return None
+
+    for unit in sorted(edges):
+        if unit not in state and (cycle := visit(unit)):
+            steps = [f"{a} -> {b} (in {why[(a, b)]})" for a, b in zip(cycle, cycle[1:])]
+            raise AssertionError("import cycle:\n" + "\n".join(steps))

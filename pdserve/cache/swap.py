@@ -14,12 +14,17 @@ The copies are synchronous, one gather or scatter per request: a few MB, well un
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from pdserve.engine.request import Request
+
+class Request(Protocol):
+    """What swapping reads of a request (engine/request.py's Request; the cache sits below the engine)."""
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def block_ids(self) -> list[int]: ...
 
 
 class SwapSpace:

@@ -21,3 +21,16 @@ class RequestFailed(RuntimeError):
 class RequestMoved(RuntimeError):
     """The worker gave the request up so that it goes on elsewhere (the worker is changing role or
     leaving): not a failure of the request, the router continues it on another worker."""
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style body (server/errors.py renders it)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers

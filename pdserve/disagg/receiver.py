@@ -28,7 +28,7 @@ from pdserve.config import Config
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
 from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint, endpoint_host
-from pdserve.disagg.trust import BAD_TOKEN, ThrottledLog, compat_info, sign, token_key, verified
+from pdserve.disagg.trust import BAD_TOKEN, ThrottledLog, compat_info
 from pdserve.disagg.write_gate import WriteGate, drain
 from pdserve.engine.kv_connector import BlocksFreed, ConnectorEvent, KVConnector, LoadDone, LoadFailed, LoadRetry
 from pdserve.engine.request import TokenLogprob
@@ -45,6 +45,7 @@ from pdserve.protocol import (
 )
 from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerFrames, PDMessage, decode_pd
 from pdserve.utils.net import with_host
+from pdserve.utils.signing import sign, token_key, verified
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine

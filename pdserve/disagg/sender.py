@@ -26,8 +26,7 @@ from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.sink import (Barrier, CloseWriter, KVSink, SenderOp, SendMessage, StopSender, WriteLayer,
                                  WriterFactory)
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
-from pdserve.disagg.trust import (BAD_TOKEN, JobRefused, SeenIds, ThrottledLog, check_job, compat_info, sign,
-                                   token_key, unsigned_refusal, verified)
+from pdserve.disagg.trust import BAD_TOKEN, JobRefused, SeenIds, ThrottledLog, check_job, compat_info, unsigned_refusal
 from pdserve.disagg.transport import (
     MooncakeEndpoint,
     NixlEndpoint,
@@ -48,6 +47,7 @@ from pdserve.protocol import (
 )
 from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerWritten, PDMessage, Started
 from pdserve.utils.net import with_host
+from pdserve.utils.signing import sign, token_key, verified
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine, RequestOutput

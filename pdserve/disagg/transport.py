@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from pdserve.cache.kv_cache import attach_shared_kv
-from pdserve.disagg.trust import sign
+from pdserve.utils.shm import attach_shared_kv
+from pdserve.utils.signing import sign
 from pdserve.protocol import pack
 from pdserve.protocol.pd import LayerFrames
 

@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import stat
@@ -22,14 +21,12 @@ from typing import Any
 from pdserve import __version__
 from pdserve.cache.kv_cache import SHM_DIR, is_pool_path
 from pdserve.protocol import (
-    AUTH_FIELD,
     PD_BAD_JOB,
     PD_INCOMPATIBLE,
     PD_PREFILL,
     PD_TOO_LONG,
     PD_UNAUTHORIZED,
     PrefillJob,
-    pack,
 )
 from pdserve.protocol.pd import Failed
 
@@ -40,31 +37,6 @@ REPLAY_WINDOW_S = 600.0
 
 BAD_TOKEN = ("no or a wrong internal token; every worker needs the same server.internal_token "
              "(PDSERVE_INTERNAL_TOKEN)")
-
-
-def _mac(key: bytes, msg: dict[str, Any]) -> str:
-    body = {k: v for k, v in msg.items() if k != AUTH_FIELD}
-    return hmac.new(key, pack(body), "sha256").hexdigest()
-
-
-def sign(msg: dict[str, Any], key: bytes | None) -> dict[str, Any]:
-    """`msg` with its HMAC added (unchanged when no token is configured)."""
-    if key is None:
-        return msg
-    return {**msg, AUTH_FIELD: _mac(key, msg)}
-
-
-def verified(msg: dict[str, Any], key: bytes | None) -> bool:
-    """Whether `msg` (as unpacked) was signed with `key`; always true when no token is configured.
-    msgpack round-trips every value we send exactly, so the body re-packs to the bytes signed."""
-    if key is None:
-        return True
-    given = msg.get(AUTH_FIELD)
-    return isinstance(given, str) and hmac.compare_digest(given, _mac(key, msg))
-
-
-def token_key(token: str | None) -> bytes | None:
-    return token.encode() if token else None
 
 
 def unsigned_refusal(msg: dict[str, Any]) -> tuple[str, Failed] | None:

@@ -19,7 +19,7 @@ import zmq
 
 from pdserve.common.images import ImageInput
 from pdserve.config import Config
-from pdserve.disagg.trust import sign, verified
+from pdserve.utils.signing import sign, verified
 from pdserve.engine.encoder_worker import EMBEDS, ENCODE, encoder_key, run_encoder
 from pdserve.protocol import pack, unpack
 

@@ -23,7 +23,7 @@ import zmq
 
 from pdserve.common.images import ImageError, open_image
 from pdserve.config import Config
-from pdserve.disagg.trust import sign, token_key, verified
+from pdserve.utils.signing import sign, token_key, verified
 from pdserve.protocol import pack, unpack
 
 log = logging.getLogger(__name__)

@@ -62,8 +62,8 @@ class LLM:
         if all(not isinstance(m.get("content"), list) for m in messages):
             return self.tokenizer.encode_chat(messages), []
         from pdserve.protocol import ChatMessage
-        from pdserve.server.chat_content import chat_inputs
-        from pdserve.server.errors import APIError
+        from pdserve.chat_content import chat_inputs
+        from pdserve.common.errors import APIError
         try:        # content parts as the server reads them: refused the same way
             inputs = chat_inputs([ChatMessage.model_validate(m) for m in messages], self.engine.model_name,
                                  vision.slots.placeholder if vision else None, self.config.vision)

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from pdserve.model.moe import LayerPlacement, slot_range
+from pdserve.eplb.placement import LayerPlacement, slot_range
 
 
 class ExpertWeightMover:

@@ -38,7 +38,7 @@ from pdserve.eplb.balancer import ExpertBalancer
 from pdserve.eplb.mover import ExpertWeightMover
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata
-from pdserve.cache.kv_cache import attach_shared_kv
+from pdserve.utils.shm import attach_shared_kv
 from pdserve.model.ep_protocol import (FLAG_COMMIT, FLAG_KV, FLAG_PREPARE, HEADER_LEN, OP_NOOP, OP_STEP, OP_STOP,
                                        Comm, Header, decode_step, encode_step)
 from pdserve.model.moe_model import MoEModel, initial_placement

@@ -13,13 +13,13 @@ slots are the logical experts and nothing is dispatched.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.eplb.dispatch import dispatch, log2phy
+from pdserve.eplb.dispatch import dispatch
+from pdserve.eplb.placement import LayerPlacement
 from pdserve.model.arch import ModelArch
 from pdserve.model.linear import linear
 
@@ -45,30 +45,6 @@ def select_experts(logits: torch.Tensor, arch: ModelArch, bias: torch.Tensor | N
     if arch.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * arch.routed_scaling_factor, ids
-
-
-@dataclass(frozen=True)
-class LayerPlacement:
-    """What one rank holds of one MoE layer: a snapshot, swapped whole between steps (see eplb/mover.py)."""
-    phy2log: torch.Tensor                           # [P] logical expert of each physical slot
-    table: tuple[torch.Tensor, torch.Tensor]        # log2phy(phy2log): replicas of each expert, counts
-    lo: int                                         # this rank's slots are lo..hi
-    hi: int
-    gate_up: torch.Tensor                           # [hi - lo, 2I, H]
-    down: torch.Tensor                              # [hi - lo, H, I]
-    identity: bool                                  # slot == logical expert: no dispatch needed
-
-    @classmethod
-    def build(cls, phy2log: torch.Tensor, num_experts: int, lo: int, hi: int, gate_up: torch.Tensor,
-              down: torch.Tensor) -> "LayerPlacement":
-        phy2log = torch.as_tensor(phy2log, dtype=torch.long).cpu()
-        ident = phy2log.numel() == num_experts and bool((phy2log == torch.arange(num_experts)).all())
-        return cls(phy2log, log2phy(phy2log, num_experts), lo, hi, gate_up, down, ident)
-
-
-def slot_range(num_physical: int, rank: int, world: int) -> tuple[int, int]:
-    """Rank r owns slots r*P//R .. (r+1)*P//R, as the placement policy assumes."""
-    return rank * num_physical // world, (rank + 1) * num_physical // world
 
 
 def routed_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pl: LayerPlacement

@@ -13,7 +13,8 @@ import torch
 from pdserve.model.arch import ModelArch
 from pdserve.model.llama import DenseMLP, LlamaModel
 from pdserve.model.quant import cat_rows
-from pdserve.model.moe import LayerPlacement, MoEBlock, expert_keys, slot_range
+from pdserve.eplb.placement import LayerPlacement, slot_range
+from pdserve.model.moe import MoEBlock, expert_keys
 
 
 def initial_placement(arch: ModelArch, num_physical: int, num_ranks: int) -> torch.Tensor:

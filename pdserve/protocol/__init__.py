@@ -68,7 +68,7 @@ class ChatMessage(OpenAIModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        # Only text reaches the template; server/chat_content.py refuses the parts it cannot read.
+        # Only text reaches the template; chat_content.py refuses the parts it cannot read.
         return "".join((p.refusal if p.type == "refusal" else p.text) or "" for p in self.content
                        if p.type in ("text", "refusal"))
 

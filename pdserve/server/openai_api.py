@@ -19,7 +19,7 @@ from pdserve.common.sampling import SamplingParams
 from pdserve.common.tokenizer import TokenizerWrapper
 from pdserve.config import VisionConfig
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_card, new_id, now
-from pdserve.server.chat_content import chat_inputs, chat_messages
+from pdserve.chat_content import chat_inputs, chat_messages
 from pdserve.server.errors import APIError, BodySizeLimit, error_body, install_error_handlers
 from pdserve.server.metrics import RequestTimer, ServerMetrics
 

@@ -111,7 +111,7 @@ def test_with_an_internal_token_encoders_answer_only_signed_jobs():
     from vlm_images import image_bytes
 
     from pdserve.config import load_config
-    from pdserve.disagg.trust import sign, verified
+    from pdserve.utils.signing import sign, verified
     from pdserve.engine.encoder_worker import EncoderWorker, encoder_key
 
     config = load_config(None, {"model.name": "tiny-llava", "server.internal_token": "s3cret"})

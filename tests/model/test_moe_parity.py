@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.model.arch import ModelArch
 from pdserve.model.loader import build_model, default_gguf_path, load_gguf_tokenizer, load_hf_dir
-from pdserve.model.moe import LayerPlacement, MoEBlock, canonical_moe_weights, expert_keys
+from pdserve.eplb.placement import LayerPlacement
+from pdserve.model.moe import MoEBlock, canonical_moe_weights, expert_keys
 from pdserve.model.llama import DenseMLP
 
 BLOCK = 4

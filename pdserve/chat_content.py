@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pdserve.common.images import ImageError, decode_data_url, image_digest, open_image
 from pdserve.config import VisionConfig
 from pdserve.protocol import ChatMessage
-from pdserve.server.errors import APIError
+from pdserve.common.errors import APIError
 
 # What each non-text part would need; any other type is simply unknown.
 _NEEDS = {"image_url": "vision encoder", "input_image": "vision encoder", "input_audio": "audio encoder",

@@ -1,0 +1,66 @@
+"""One local worker process (`pdserve worker`) as `pdserve serve` and its local fleet start it."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from pdserve.utils.process import die_with_parent
+
+
+def _preexec(cores: list[int] | None):
+    def run() -> None:
+        die_with_parent()
+        if cores:
+            os.sched_setaffinity(0, cores)
+    return run
+
+
+class WorkerProcess:
+    def __init__(self, role: str, index: int, config_file: Path, host: str, threads: int,
+                 cpu_affinity: list[int] | None, log_dir: Path, extra: list[str]) -> None:
+        self.role = role
+        self.host = host
+        # Each worker binds free ports itself (HTTP, KV, events) and reports the HTTP one through
+        # a file: ports picked here could be taken by someone else before a worker binds them.
+        self.port_file = log_dir / f"{role}-{index}.port"
+        self.port: int | None = None
+        cmd = [sys.executable, "-m", "pdserve.cli", "worker", "--role", role, "--config", str(config_file),
+               "--host", host, "--port", "0", "--port-file", str(self.port_file), *extra]
+        env = dict(os.environ)
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[k] = str(threads)
+        self.log_path = log_dir / f"{role}-{index}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=_preexec(cpu_affinity))
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def healthy(self) -> bool:
+        if self.port is None:
+            if not self.port_file.exists():
+                return False
+            self.port = int(self.port_file.read_text())
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
