@@ -8,6 +8,7 @@ copy running while layer i+1 computes, and a block is never reused while still b
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -36,7 +37,7 @@ from pdserve.disagg.transport import (
     measure_memcpy_bytes_per_s,
     parse_bandwidth_limit,
 )
-from pdserve.engine.kv_connector import ConnectorEvent, KVConnector
+from pdserve.engine.kv_connector import AbortJob, AddJob, ConnectorEvent, KVConnector
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protocol import (
     PD_CANCEL,
@@ -230,8 +231,9 @@ class PrefillConnector(KVConnector):
         return not self._inbox.empty()
 
     def poll(self, engine: LLMEngine) -> list[ConnectorEvent]:
-        """Admit new jobs, apply cancels, fail jobs whose decode worker died or whose deadline passed."""
+        """New jobs to add, cancels and jobs whose decode worker died or whose deadline passed to abort."""
         now = time.monotonic()
+        events: list[ConnectorEvent] = []
         while not self._inbox.empty():
             msg = self._inbox.get_nowait()
             if isinstance(msg, Cancel):
@@ -239,7 +241,7 @@ class PrefillConnector(KVConnector):
                 sink = self.sinks.get(rid)
                 if sink is not None and sink.job.transfer_id == tid:
                     sink.cancelled = True
-                    engine.abort_request(rid)       # on_finished sends the ack
+                    events.append(AbortJob(rid))        # on_finished sends the ack
                 else:
                     self._reply(msg.reply_endpoint, CancelAck(rid, tid))
                 continue
@@ -251,37 +253,44 @@ class PrefillConnector(KVConnector):
                                            "stop_token_ids": [], "ignore_eos": True})
                 sink = KVSink(job, Transfer(job.request_id, self.deadlines, now), job.dst_start_block)
                 sink.transfer.on("accepted", now)
-                engine.add_request(job.request_id, job.prompt_token_ids, params, cache_salt=job.cache_salt,
-                                   kv_sink=sink, output_token_ids=job.output_token_ids,
-                                   images=[ImageInput.from_wire(d) for d in job.images])
+                kwargs = {"cache_salt": job.cache_salt, "kv_sink": sink, "output_token_ids": job.output_token_ids,
+                          "images": [ImageInput.from_wire(d) for d in job.images]}
             except Exception as e:  # noqa: BLE001 - answered to the decode worker
-                code = e.code if isinstance(e, JobRefused) else None
-                log.log(logging.ERROR if code else logging.WARNING, "rejecting prefill job %s: %s",
-                        msg.get("request_id"), e)
-                if code:
-                    with self.stats_lock:
-                        self.counters["kv_prefill_jobs_refused_total"] += 1
-                self._reply(msg.get("reply_endpoint", ""), Failed(msg.get("request_id"), msg.get("transfer_id"),
-                                                                       str(e), code))
+                self._refuse(msg, e)
                 continue
-            self.sinks[job.request_id] = sink
-            if job.traceparent:
-                self._spans[job.request_id] = tracing.start("prefill.job", job.traceparent, transfer_id=job.transfer_id,
-                                                            prompt_tokens=len(job.prompt_token_ids))
-            with self.stats_lock:
-                self.counters["kv_prefill_jobs_total"] += 1
-            self._send(job, Accepted, pid=os.getpid(), host=HOST)
+            events.append(AddJob(job.request_id, job.prompt_token_ids, params, kwargs,
+                                 accepted=functools.partial(self._accepted, job, sink),
+                                 refused=functools.partial(self._refuse, msg)))
         check_pids = self._liveness.due(now)
         keepalive = self._keepalive.due(now)
         for rid, sink in list(self.sinks.items()):
             dead = check_pids and process_gone(sink.job.decode_pid, sink.job.decode_host)
             if dead or sink.transfer.expired(now):
                 sink.transfer.fail("decode worker died" if dead else f"deadline in {sink.transfer.state.value}", now)
-                engine.abort_request(rid)
+                events.append(AbortJob(rid))
             elif keepalive and sink.transfer.state == TransferState.WAITING:
                 # Still queued here: the decode worker gives up on a peer silent for its transfer deadline.
                 self._send(sink.job, Accepted, pid=os.getpid(), host=HOST)
-        return []
+        return events
+
+    def _accepted(self, job: PrefillJob, sink: KVSink) -> None:
+        """The engine took the job (engine thread, from AddJob)."""
+        self.sinks[job.request_id] = sink
+        if job.traceparent:
+            self._spans[job.request_id] = tracing.start("prefill.job", job.traceparent, transfer_id=job.transfer_id,
+                                                        prompt_tokens=len(job.prompt_token_ids))
+        with self.stats_lock:
+            self.counters["kv_prefill_jobs_total"] += 1
+        self._send(job, Accepted, pid=os.getpid(), host=HOST)
+
+    def _refuse(self, msg: dict, e: Exception) -> None:
+        """A job this worker or its engine will not run: the decode worker hears why."""
+        code = e.code if isinstance(e, JobRefused) else None
+        log.log(logging.ERROR if code else logging.WARNING, "rejecting prefill job %s: %s", msg.get("request_id"), e)
+        if code:
+            with self.stats_lock:
+                self.counters["kv_prefill_jobs_refused_total"] += 1
+        self._reply(msg.get("reply_endpoint", ""), Failed(msg.get("request_id"), msg.get("transfer_id"), str(e), code))
 
     def begin_step(self, scheduled: list[tuple[Request, int]]) -> list[Request]:
         """Plan this step's writes; returns the requests that have a sink."""

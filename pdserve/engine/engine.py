@@ -23,7 +23,8 @@ from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.config import Config
 from pdserve.common.images import ImageInput
 from pdserve.engine.image_inputs import image_embeddings
-from pdserve.engine.kv_connector import ConnectorEvent, KVConnector, LoadDone, LoadFailed, LoadRetry
+from pdserve.engine.kv_connector import (AbortJob, AddJob, ConnectorEvent, KVConnector, LoadDone, LoadFailed,
+                                         LoadRetry)
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, blocks_needed
@@ -216,6 +217,15 @@ class LLMEngine:
                 outputs.append(self.fail_load(ev.req, ev.held, ev.error))
             elif isinstance(ev, LoadRetry):
                 self.retry_load(ev.req, ev.held)
+            elif isinstance(ev, AddJob):
+                try:
+                    self.add_request(ev.request_id, ev.prompt_token_ids, ev.params, **ev.kwargs)
+                except Exception as e:  # noqa: BLE001 - the peer hears why
+                    ev.refused(e)
+                else:
+                    ev.accepted()
+            elif isinstance(ev, AbortJob):
+                self.abort_request(ev.request_id)
             else:
                 self.pool.free(ev.blocks)
         return outputs

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdserve.common.outputs import TokenLogprob
     from pdserve.engine.engine import LLMEngine, RequestOutput
     from pdserve.engine.request import Request
+    from pdserve.engine.sampling_params import SamplingParams
 
 
 # What a connector's poll reports; LLMEngine.step applies each one on the engine thread, which owns
@@ -44,7 +45,25 @@ class BlocksFreed:
     blocks: list[int]
 
 
-ConnectorEvent = LoadDone | LoadFailed | LoadRetry | BlocksFreed
+@dataclass
+class AddJob:
+    """A prefill job from a peer: the engine adds it as a request (`kwargs` go to add_request), then
+    tells the connector with `accepted()`, or `refused(error)` when the engine turns it down."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kwargs: dict[str, Any]
+    accepted: Callable[[], None]
+    refused: Callable[[Exception], None]
+
+
+@dataclass
+class AbortJob:
+    """A job the peer cancelled, or whose peer died or deadline passed: the engine aborts it."""
+    request_id: str
+
+
+ConnectorEvent = LoadDone | LoadFailed | LoadRetry | BlocksFreed | AddJob | AbortJob
 
 
 def _no_loop() -> None:
@@ -56,8 +75,8 @@ class KVConnector:
     wake: Callable[[], None] = staticmethod(_no_loop)
 
     def poll(self, engine: LLMEngine) -> list[ConnectorEvent]:
-        """Start of each step: what peers sent, as events for the engine to apply. (The prefill side
-        still adds and aborts its jobs on `engine` here.)"""
+        """Start of each step: what peers sent, as events for the engine to apply (it reads `engine`,
+        never calls it)."""
         return []
 
     def wait(self, timeout: float) -> None:
