@@ -164,9 +164,9 @@ class KVEventPublisher:
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return {"kv_events_published": float(self.published), "kv_events_dropped": float(self.dropped),
+            return {"kv_events_published_total": float(self.published), "kv_events_dropped_total": float(self.dropped),
                     "kv_events_pending": float(len(self._queue)),
-                    "kv_snapshots_served": float(self.snapshots_served)}
+                    "kv_snapshots_served_total": float(self.snapshots_served)}
 
     # ------------------------------------------------------------------ the socket thread
 

@@ -68,8 +68,9 @@ _counters("tier_fetch_requests_total", "tier_fetch_blocks_total", "tier_fetched_
          "tier_fetch_fallbacks_total", "tier_fetch_seconds_total")
 
 # ------------------------------------------------------------------ KV events (cache/kv_events.py)
-# Running counts exported as gauges since they first appeared (renaming them would break dashboards).
-_gauges("kv_events_published", "kv_events_dropped", "kv_events_pending", "kv_snapshots_served")
+# Running counts are counters (exported as pdserve_kv_events_published_total etc.); the queue is a gauge.
+_counters("kv_events_published_total", "kv_events_dropped_total", "kv_snapshots_served_total")
+_gauges("kv_events_pending")
 
 # ------------------------------------------------------------------ PD: the decode side (disagg/receiver.py)
 _counters("kv_transfers_completed_total", "kv_transfers_failed_total", "kv_transfer_bytes_total",

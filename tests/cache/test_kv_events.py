@@ -82,7 +82,7 @@ def test_incremental_index_equals_snapshot_rebuild(pubsub):
     expected = {a[0].hex(): {"device", "host", "disk"}, a[1].hex(): {"device"}}
     assert incremental.worker_blocks("worker-1") == rebuilt.worker_blocks("worker-1") == expected
     assert incremental.match(a) == rebuilt.match(a) == {"worker-1": (2, "device")}
-    assert pub.stats()["kv_events_dropped"] == 0 and pub.stats()["kv_snapshots_served"] == 2
+    assert pub.stats()["kv_events_dropped_total"] == 0 and pub.stats()["kv_snapshots_served_total"] == 2
 
 
 def test_a_chain_of_inserts_is_one_event_in_order(pubsub):
@@ -115,7 +115,7 @@ def test_subscriber_update_resyncs_after_lost_events(endpoints):
         index = KVIndex()
         pub.stored(["aa", "bb"], None, "device")
         pub.removed(["aa"], "device")
-        assert pub.stats()["kv_events_dropped"] == 2
+        assert pub.stats()["kv_events_dropped_total"] == 2
         sub.update(index)                          # no state yet: takes a snapshot
         assert index.worker_blocks("w") == {"bb": {"device"}} and index.last_seq["w"] == pub.seq
     finally:

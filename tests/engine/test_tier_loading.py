@@ -261,7 +261,7 @@ def test_kv_events_report_device_and_host_blocks():
         e.pool.free(all_blocks)
         blocks = sub.snapshot().blocks
         assert all(blocks[h] == ["host"] for h in hashes)
-        assert e.stats()["kv_events_dropped"] == 0
+        assert e.stats()["kv_events_dropped_total"] == 0
     finally:
         sub.close()
         e.close()
