@@ -23,6 +23,7 @@ from pdserve.common.tokenizer import gguf_fields as _gguf_fields
 from pdserve.config import ModelConfig
 from pdserve.model import vlm
 from pdserve.model.arch import TINY_CONFIGS, ModelArch
+from pdserve.model.hf_files import read_weights
 from pdserve.model.llama import LlamaModel
 from pdserve.model.moe import canonical_moe_weights
 from pdserve.model.moe_model import tiny_moe_weights
@@ -129,20 +130,13 @@ def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
 # ---------------------------------------------------------------- Hugging Face directory
 
 def load_hf_dir(path: Path) -> LoadedModel:
-    from safetensors.torch import load_file
-
     cfg = json.loads((path / "config.json").read_text())
     if vlm.is_llava_config(cfg):
         arch, text, vision = vlm.load_llava_dir(path)
         return LoadedModel(str(path), arch, text, tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id),
                            vision)
     arch = ModelArch.from_hf_config(cfg)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+    weights = read_weights(path)
     if arch.is_moe:
         weights = canonical_moe_weights(weights, arch)
     tokenizer = tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id)

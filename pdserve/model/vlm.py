@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pdserve.common.images import TINY_IMAGE_SLOTS, ImageInput, ImageProcessing, image_slots
+from pdserve.model.hf_files import read_weights
 from pdserve.model.arch import TINY_CONFIGS, TINY_VLMS, ModelArch, is_llava_config, text_config  # noqa: F401
 from pdserve.model.vision import VisionEncoder, VisionSpec, canonical_vision_name, tiny_vision_weights
 
@@ -51,22 +52,19 @@ def split_llava_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, tor
 
 
 def load_llava_dir(path: Path) -> tuple[ModelArch, dict[str, torch.Tensor], VisionBundle]:
-    from safetensors.torch import load_file
-
     cfg = json.loads((path / "config.json").read_text())
     arch = ModelArch.from_hf_config(text_config(cfg))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update({k: v.float() for k, v in load_file(str(f)).items()})
-    text, vision = split_llava_weights(weights)
-    spec = VisionSpec.from_llava_config(cfg, arch.hidden_size)
+    text, vision = split_llava_weights(read_weights(path))
+    return arch, text, _bundle(path, cfg, arch.hidden_size, vision)
+
+
+def _bundle(path: Path, cfg: dict, text_hidden: int, vision: dict[str, torch.Tensor]) -> VisionBundle:
+    """The vision side of a LLaVA directory: its spec, preprocessing and image placeholder."""
+    spec = VisionSpec.from_llava_config(cfg, text_hidden)
     pre = path / "preprocessor_config.json"
     processing = ImageProcessing.from_hf(json.loads(pre.read_text()) if pre.exists() else {}, spec.image_size)
     slots = image_slots(str(path))
-    return arch, text, VisionBundle(spec, vision, processing, slots.placeholder if slots else "<image>")
+    return VisionBundle(spec, vision, processing, slots.placeholder if slots else "<image>")
 
 
 def load_vision(name: str, seed: int = 0) -> VisionBundle | None:
@@ -88,11 +86,7 @@ def load_vision(name: str, seed: int = 0) -> VisionBundle | None:
             for k in st.keys():
                 if (vk := canonical_vision_name(k)) is not None:
                     weights[vk] = st.get_tensor(k).float()
-    spec = VisionSpec.from_llava_config(cfg, ModelArch.from_hf_config(text_config(cfg)).hidden_size)
-    pre = path / "preprocessor_config.json"
-    processing = ImageProcessing.from_hf(json.loads(pre.read_text()) if pre.exists() else {}, spec.image_size)
-    slots = image_slots(str(path))
-    return VisionBundle(spec, weights, processing, slots.placeholder if slots else "<image>")
+    return _bundle(path, cfg, ModelArch.from_hf_config(text_config(cfg)).hidden_size, weights)
 
 
 # tiny-llava: tiny-qwen2's decoder (SmolLM2's vocabulary; tiny-llama's greedy output ignores its
