@@ -29,14 +29,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pdserve.bench.metrics import nearest_rank_p99 as p99  # noqa: E402
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd, thread_env  # noqa: E402
 
 MODEL = "synthetic-llava"
-
-
-def p99(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
 
 
 def build_vlm(out: Path) -> Path:

@@ -90,6 +90,13 @@ def percentile(values: list[float], q: float) -> float:
     return v[lo] + (r - lo) * (v[hi] - v[lo])
 
 
+def nearest_rank_p99(values: list[float]) -> float:
+    """The sample at rank round(0.99 * (n-1)): the p99 the ITL benchmarks (interference, images_itl)
+    report, one observed gap rather than an interpolation between two."""
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]
+
+
 def dist(values: list[float], scale: float = 1.0) -> dict:
     """{mean, p50, p90, p99} of values times scale; zeros when there are no values, so the JSON
     keeps one shape (and `count` says whether the numbers mean anything)."""
