@@ -77,7 +77,8 @@ class Host:
 class Cluster:
     """Namespaces on one bridge, named with this process's tag so parallel runs do not collide."""
 
-    def __init__(self, host_names: list[str], workdir: Path) -> None:
+    def __init__(self, host_names: list[str], workdir: Path, shm_mb: int = 512) -> None:
+        self.shm_mb = shm_mb                # each process's private /dev/shm (its KV pool lives there)
         self.tag = f"{os.getpid() % 0xFFFFF:x}"
         self.bridge = f"pdbr{self.tag}"
         net = 100 + os.getpid() % 150
@@ -114,7 +115,7 @@ class Cluster:
 
     def wrap(self, host: Host, cmd: list[str]) -> list[str]:
         """`cmd` run on `host`: its network namespace, its own hostname and a private /dev/shm."""
-        script = 'hostname "$0" && mount -t tmpfs -o size=512m pdshm /dev/shm && exec "$@"'
+        script = f'hostname "$0" && mount -t tmpfs -o size={self.shm_mb}m pdshm /dev/shm && exec "$@"'
         return ["ip", "netns", "exec", host.ns, "unshare", "--uts", "--mount", "--propagation", "private",
                 "sh", "-c", script, f"{host.name}-{self.tag}", *cmd]
 
@@ -154,8 +155,10 @@ class Cluster:
         if bits_per_s is None:
             self.run(host, ["tc", "qdisc", "del", "dev", "eth0", "root"])
             return
+        # The bucket must hold a timer tick's worth of bytes (4 ms at HZ=250) or a fast cap falls short.
+        burst = max(4000, bits_per_s // 2000)          # bytes
         r = self.run(host, ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{bits_per_s}bit",
-                            "burst", "32kbit", "latency", "5s"])
+                            "burst", str(burst), "latency", "5s"])
         if r.returncode != 0:
             raise ShapingUnavailable(f"tc tbf: {r.stderr.strip() or r.returncode}")
 
