@@ -1,0 +1,2 @@
+"""The planner: `pdserve profile` measures a machine's step costs, `pdserve plan` searches P:D splits
+and per-role settings on them with the PD simulator (router/pd_simulate.py)."""

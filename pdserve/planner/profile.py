@@ -1,0 +1,239 @@
+"""`pdserve profile`: this machine's engine step costs for the configured model, as a StepCosts file.
+
+It runs the real engine (LLMEngine, the role's threads and quantization) in this process and times
+engine.step() itself, which is what a worker's engine thread repeats:
+- prefill: one prompt of unique tokens in chunks of T (the step budget); step k computes T tokens
+  at context k*T, so one prompt gives a whole row of the grid;
+- decode: B requests sharing one prompt of C tokens (the prefix cache computes it once), timed over
+  steps where all B decode a token each;
+- KV transfer: K and V of N tokens copied by the configured transport's real writer into a second
+  pool (shm: mapped from /dev/shm; tcp: ZeroMQ frames into a DecodeConnector's blocks).
+Each figure is the median of its repeats.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.config import Config, derive, for_role
+from pdserve.router.step_costs import Grid, StepCosts
+from pdserve.utils.cpu import describe
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    prefill_chunks: tuple[int, ...] = (32, 128, 512)
+    prefill_contexts: tuple[int, ...] = (0, 512, 1024)
+    decode_batches: tuple[int, ...] = (1, 4, 16, 32)
+    decode_contexts: tuple[int, ...] = (32, 512, 1024)
+    transfer_tokens: tuple[int, ...] = (64, 256, 1024)
+    decode_steps: int = 5
+    repeats: int = 1
+
+
+QUICK = ProfileGrid(prefill_chunks=(16, 64), prefill_contexts=(0, 64), decode_batches=(1, 4),
+                    decode_contexts=(16, 64), transfer_tokens=(16, 64), decode_steps=2, repeats=1)
+
+
+def _engine(config: Config, role: str, grid: ProfileGrid):
+    from pdserve.engine.engine import LLMEngine
+    cfg = for_role(config, role)
+    max_batch = max(grid.decode_batches)
+    # Role "mixed": the engine alone, without a connector (nothing to send or receive while timing).
+    cfg = derive(cfg, {"worker.role": "mixed", "cache.prefix_cache": True, "cache.swap_space_gb": 0.0,
+                       "cache.host_cache_gb": 0.0, "cache.disk_cache_dir": None, "cache.remote": None,
+                       "cache.kv_events_endpoint": None,
+                       "scheduler.max_num_seqs": max(max_batch, cfg.scheduler.max_num_seqs),
+                       "scheduler.max_num_batched_tokens": max(max(grid.prefill_chunks), max_batch)})
+    return cfg, LLMEngine(cfg)
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys over xs."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return my - slope * mx, slope
+
+
+def _prefill_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log: Callable[[str], None]) -> Grid:
+    """Each row from every step of its prompts: a step's time is close to linear in its context (the
+    attention part), so a line through all of them is steadier than one step per grid point."""
+    from pdserve import SamplingParams
+    sched = engine.scheduler
+    base = sched.cfg
+    top = max(grid.prefill_contexts)
+    rows = []
+    for chunk in grid.prefill_chunks:
+        ctxs: list[float] = []
+        times: list[float] = []
+        sched.cfg = dataclasses.replace(base, max_num_batched_tokens=chunk)
+        try:
+            for rep in range(grid.repeats):
+                prompt = [rng.randrange(3, vocab) for _ in range(top + chunk)]
+                rid = f"profile-prefill-{chunk}-{rep}"
+                engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+                ctx = 0
+                while engine.has_unfinished():
+                    t = time.perf_counter()
+                    engine.step()
+                    times.append(time.perf_counter() - t)
+                    ctxs.append(ctx)
+                    ctx += chunk
+        finally:
+            sched.cfg = base
+        a, b = _line(ctxs, times) if len(set(ctxs)) > 1 else (statistics.median(times), 0.0)
+        row = [max(a + b * c, min(times)) for c in grid.prefill_contexts]
+        rows.append(row)
+        log(f"prefill chunk {chunk}: " + ", ".join(f"ctx {c} {s * 1000:.1f} ms" for c, s in zip(grid.prefill_contexts, row)))
+    return Grid(list(grid.prefill_chunks), list(grid.prefill_contexts), rows)
+
+
+def _decode_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log: Callable[[str], None]) -> Grid:
+    from pdserve import SamplingParams
+    rows = []
+    # One prompt per context, shared by every batch: the prefix cache computes it once.
+    prompts = {ctx: [rng.randrange(3, vocab) for _ in range(ctx)] for ctx in grid.decode_contexts}
+    for batch in grid.decode_batches:
+        row = []
+        for ctx in grid.decode_contexts:
+            times = []
+            for rep in range(grid.repeats):
+                prompt = prompts[ctx]
+                p = SamplingParams(max_tokens=grid.decode_steps + 8, ignore_eos=True, detokenize=False)
+                ids = [f"profile-decode-{batch}-{ctx}-{rep}-{i}" for i in range(batch)]
+                for rid in ids:
+                    engine.add_request(rid, prompt, p)
+                reqs = [engine.requests[rid] for rid in ids]
+                while any(not r.output_token_ids for r in reqs):
+                    engine.step()
+                for _ in range(grid.decode_steps):
+                    t = time.perf_counter()
+                    engine.step()
+                    times.append(time.perf_counter() - t)
+                for rid in ids:
+                    engine.abort_request(rid)
+                while engine.has_unfinished():
+                    engine.step()
+            row.append(statistics.median(times))
+        rows.append(row)
+        log(f"decode batch {batch}: " + ", ".join(f"ctx {c} {s * 1000:.1f} ms" for c, s in zip(grid.decode_contexts, row)))
+    return Grid(list(grid.decode_batches), list(grid.decode_contexts), rows)
+
+
+def _transfer(cfg: Config, engine, grid: ProfileGrid, log: Callable[[str], None]) -> tuple[str, list[int], list[float]]:
+    """(transport, bytes, seconds) of one transfer of N tokens' KV per grid point, with the real writers."""
+    from pdserve.cache.kv_cache import allocate_kv_cache, new_shm_path, raw_bytes_view
+    from pdserve.disagg.transport import ShmWriter, coalesce
+    backend = cfg.transfer.backend
+    transport = "shm" if backend in ("auto", "shm") else backend
+    if transport not in ("shm", "tcp"):
+        raise ValueError(f"pdserve profile measures the shm and tcp transports, not {backend!r}")
+    bs = engine.block_size
+    src_t = engine.kv_cache
+    src = raw_bytes_view(src_t)
+    nb = src_t.shape[2] // bs
+    path = new_shm_path()
+    dst = allocate_kv_cache(engine.arch, nb, bs, src_t.dtype, "cpu", str(path))
+    sizes, secs = [], []
+    try:
+        if transport == "shm":
+            w = ShmWriter(src, bs, str(path), list(dst.shape), src_t.element_size())
+
+            def send(runs: list) -> None:
+                for layer in range(src.shape[0]):
+                    w.write_layer("profile", layer, runs)
+            closer: Callable[[], None] = w.close
+        else:
+            send, closer = _tcp_sender(cfg, src, dst, str(path), bs)
+        for n in grid.transfer_tokens:
+            blocks = list(range(min(nb, -(-n // bs))))
+            runs = coalesce(blocks, blocks)
+            send(runs)                       # warm up
+            times = []
+            for _ in range(max(3, grid.repeats)):
+                t = time.perf_counter()
+                send(runs)
+                times.append(time.perf_counter() - t)
+            nbytes = len(blocks) * bs * engine_bytes_per_token(engine)
+            sizes.append(nbytes)
+            secs.append(statistics.median(times))
+            log(f"transfer {transport} {nbytes / 1e6:.2f} MB: {secs[-1] * 1000:.2f} ms")
+        closer()
+    finally:
+        del dst
+        path.unlink(missing_ok=True)
+    return transport, sizes, secs
+
+
+def _tcp_sender(cfg: Config, src, dst, shm: str, bs: int):
+    import zmq
+
+    from pdserve.disagg.receiver import DecodeConnector
+    from pdserve.disagg.transport import TcpWriter
+    from pdserve.protocol.pd import LayerFrames
+    dc = DecodeConnector(cfg, dst, shm, "tcp://127.0.0.1:*")
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(dc.endpoint)
+    w = TcpWriter(src, bs, sock)
+    count = [0]
+
+    def send(runs: list) -> None:
+        count[0] += 1
+        rid = f"profile-{count[0]}"
+        blocks = [d + i for _, d, k in runs for i in range(k)]
+        dc.accept_writes(rid, blocks)
+        expected = sum(w.write_layer(rid, i, runs) for i in range(src.shape[0]))
+        w.flush()
+        got = 0
+        while got < expected:
+            msg = dc.next_message(timeout=30)
+            if msg is None:
+                raise RuntimeError("the tcp receiver took no KV within 30 s")
+            got += msg.received_bytes if isinstance(msg, LayerFrames) else 0
+
+    def close() -> None:
+        sock.close(0)
+        dc.close()
+    return send, close
+
+
+def engine_bytes_per_token(engine) -> int:
+    kv = engine.kv_cache        # [layers, 2, slots, kv heads, head dim]
+    return int(kv[:, :, :1].numel() * kv.element_size())
+
+
+def profile(config: Config, role: str = "decode", grid: ProfileGrid | None = None,
+            log: Callable[[str], None] = print) -> StepCosts:
+    """Measure and return this machine's StepCosts for `config` as a worker of `role` runs it."""
+    grid = grid or ProfileGrid()
+    cfg, engine = _engine(config, role, grid)
+    try:
+        rng = random.Random(0)
+        vocab = int(engine.arch.vocab_size)
+        log(f"profiling {cfg.model.name} ({cfg.model.dtype}, quantization {cfg.model.quantization}, "
+            f"{cfg.server.threads} threads) on {describe()}")
+        _decode_grid(engine, dataclasses.replace(grid, decode_batches=grid.decode_batches[:1],
+                                                 decode_contexts=grid.decode_contexts[:1], repeats=1),
+                     rng, vocab, lambda s: None)      # warm up: first steps pay allocations
+        prefill = _prefill_grid(engine, grid, rng, vocab, log)
+        decode = _decode_grid(engine, grid, rng, vocab, log)
+        transport, sizes, secs = _transfer(cfg, engine, grid, log)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return StepCosts(cpu=describe(), cores=cores, model=cfg.model.name, dtype=cfg.model.dtype,
+                         quantization=cfg.model.quantization, threads=int(cfg.server.threads or 1),
+                         block_size=engine.block_size, num_layers=int(engine.arch.num_layers),
+                         kv_bytes_per_token=engine_bytes_per_token(engine), prefill=prefill, decode=decode,
+                         transport=transport, transfer_bytes=sizes, transfer_seconds=secs,
+                         layerwise=cfg.transfer.layerwise,
+                         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                         notes={"role": role, "grid": dataclasses.asdict(grid)})
+    finally:
+        engine.close()

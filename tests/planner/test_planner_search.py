@@ -1,0 +1,132 @@
+"""The planner on a synthetic profile: the cost model, the PD simulator against hand-computed
+timelines, the search's choices as the workload shifts, and the profile file's round trip."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from pdserve.planner.search import SearchSpace, plan, predict, text_tokens, workload_requests
+from pdserve.router.pd_simulate import PDFleet, PDRequest, RoleSettings, simulate_pd
+from pdserve.router.step_costs import FORMAT, Grid, ProfileError, StepCosts
+
+
+def synthetic(**kw) -> StepCosts:
+    """Prefill 2 ms + 1 ms a token (+ 1 us per token of context); decode 20 ms + 1 ms a sequence
+    (+ 10 us per sequence per 1k context); KV moves at 1 GB/s after 1 ms."""
+    chunks, pctx = [16, 64, 256, 1024], [0, 1024, 4096]
+    batches, dctx = [1, 8, 32, 128], [0, 1024, 4096]
+    costs = StepCosts(
+        cpu="synthetic", cores=64, model="synthetic", dtype="float32", quantization="none", threads=1,
+        block_size=16, num_layers=10, kv_bytes_per_token=1000,
+        prefill=Grid(chunks, pctx, [[0.002 + 0.001 * t + 1e-6 * t * c / 1024 for c in pctx] for t in chunks]),
+        decode=Grid(batches, dctx, [[0.020 + 0.001 * b + 1e-5 * b * c / 1024 for c in dctx] for b in batches]),
+        transport="shm", transfer_bytes=[10_000, 1_000_000], transfer_seconds=[0.001 + 1e-5, 0.001 + 1e-3])
+    return replace(costs, **kw)
+
+
+def test_grid_interpolates_between_and_extrapolates_beyond_its_points():
+    g = Grid([1, 3], [0, 10], [[1.0, 2.0], [3.0, 4.0]])
+    assert g.at(1, 0) == 1.0 and g.at(3, 10) == 4.0
+    assert g.at(2, 5) == pytest.approx(2.5)
+    assert g.at(5, 0) == pytest.approx(5.0)          # the last two rows' slope, carried on
+    assert g.at(-100, 0) == pytest.approx(0.1)       # never below a tenth of the fastest step
+
+
+def test_cost_model_reads_the_grids_and_the_transfer_line():
+    c = synthetic()
+    assert c.prefill_s(64, 0) == pytest.approx(0.066)
+    assert c.decode_s(8, 0) == pytest.approx(0.028)
+    assert c.transfer_s(500_000) == pytest.approx(0.0015)
+    assert c.exposed_transfer_s(1000) == pytest.approx(c.transfer_s(1_000_000) / 10)     # layer by layer
+    assert replace(c, layerwise=False).exposed_transfer_s(1000) == pytest.approx(c.transfer_s(1_000_000))
+    # A mixed step: the linear layers over every token, the decoders' attention on top.
+    assert c.step_s(8, 1024, 64, 0) == pytest.approx(c.prefill_s(72, 0) + 8 * 1e-5)
+
+
+def test_profile_file_round_trip_and_bad_files(tmp_path):
+    c = synthetic(notes={"role": "decode"})
+    path = tmp_path / "p.json"
+    c.save(path)
+    assert StepCosts.load(path) == c
+    data = json.loads(path.read_text())
+    for bad, needle in ((dict(data, format="other"), "format"), (dict(data, extra=1), "unknown keys"),
+                        (dict(data, decode={**data["decode"], "seconds": [[0.0] * 3] * 4}), "positive"),
+                        (dict(data, cores=0), "cores"), ({k: v for k, v in data.items() if k != "model"}, "model")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ProfileError, match=needle):
+            StepCosts.load(path)
+    path.write_text("{not json")
+    with pytest.raises(ProfileError, match="not JSON"):
+        StepCosts.load(path)
+    with pytest.raises(ProfileError, match="cannot read"):
+        StepCosts.load(tmp_path / "missing.json")
+    assert FORMAT in c.to_json()
+
+
+def test_one_request_through_1p1d_follows_the_hand_computed_timeline():
+    c = synthetic()
+    fleet = PDFleet(prefill=1, decode=1, prefill_settings=RoleSettings(64, 64), overhead_s=0.005)
+    [r] = simulate_pd([PDRequest(0, 1.0, 100, 4)], fleet, c)
+    # Chunks of 64 then 36 on the prefill worker, the exposed transfer, and the first token shown at once
+    # (the decode worker is idle); three more tokens, one decode step each at context 101, 102, 103.
+    first = 1.0 + c.prefill_s(64, 0) + c.prefill_s(36, 64) + c.exposed_transfer_s(100)
+    assert r.first_token == pytest.approx(first + 0.005)
+    steps = sum(c.decode_s(1, n) for n in (101, 102, 103))
+    assert r.finish == pytest.approx(first + steps + 0.005)
+    assert r.tpot == pytest.approx(steps / 3)
+
+
+def test_short_prompts_are_prefilled_by_the_decode_worker_and_mixed_steps_share_the_forward():
+    c = synthetic()
+    fleet = PDFleet(prefill=1, decode=1, local_prefill_max_tokens=64)
+    [r] = simulate_pd([PDRequest(0, 0.0, 20, 2)], fleet, c)
+    assert not r.remote and r.first_token == pytest.approx(c.prefill_s(20, 0))
+    # Two requests on one mixed worker: the second's prompt runs in the first's decode step.
+    a, b = simulate_pd([PDRequest(0, 0.0, 20, 3), PDRequest(1, 0.01, 20, 2)], PDFleet(mixed=1), c)
+    t1 = c.prefill_s(20, 0)
+    assert b.first_token == pytest.approx(t1 + c.step_s(1, 21, 20, 0))
+
+
+def test_a_loaded_worker_queues_and_the_router_spreads_over_the_pool():
+    c = synthetic()
+    reqs = [PDRequest(i, 0.0, 500, 2) for i in range(4)]
+    one = simulate_pd(reqs, PDFleet(prefill=1, decode=1, prefill_settings=RoleSettings(64, 512)), c)
+    two = simulate_pd(reqs, PDFleet(prefill=2, decode=1, prefill_settings=RoleSettings(64, 512)), c)
+    assert max(r.ttft for r in two) < 0.7 * max(r.ttft for r in one)
+
+
+def _best(workload: str, rate: float, **kw):
+    reqs = workload_requests("fixed", 60, rate, seed=1, **kw)
+    assert workload
+    return plan(synthetic(cores=64), PDFleet(), reqs, slo_ttft_s=1.5, slo_tpot_s=0.06,
+                space=SearchSpace(4, prefill_chunks=(256, 1024), decode_max_num_seqs=(64,), mixed=False))
+
+
+def test_prompt_heavy_work_gets_more_prefill_workers_than_generation_heavy_work():
+    prompt_heavy = _best("prompt", 2.0, input_len=900, max_tokens=4).best.fleet
+    gen_heavy = _best("gen", 2.0, input_len=80, max_tokens=200).best.fleet
+    assert prompt_heavy.prefill > gen_heavy.prefill
+    assert prompt_heavy.prefill >= prompt_heavy.decode and gen_heavy.decode > gen_heavy.prefill
+
+
+def test_an_slo_no_deployment_meets_is_reported_infeasible():
+    reqs = workload_requests("fixed", 30, 1.0, input_len=500, max_tokens=8)
+    result = plan(synthetic(), PDFleet(), reqs, slo_ttft_s=0.01, slo_tpot_s=0.06, space=SearchSpace(3))
+    assert not result.feasible and result.best.attained < 0.9
+    ok = plan(synthetic(), PDFleet(), reqs, slo_ttft_s=5.0, slo_tpot_s=1.0, space=SearchSpace(3))
+    assert ok.feasible and ok.best.attained == 1.0
+
+
+def test_predict_reports_percentiles_of_the_simulated_requests():
+    reqs = workload_requests("fixed", 20, 0.5, input_len=100, max_tokens=10)
+    p = predict(synthetic(), PDFleet(), reqs)
+    assert 0 < p.ttft_p50_s <= p.ttft_p90_s and 0.02 < p.tpot_p50_s < 0.05 and p.attained == 1.0
+
+
+def test_workload_tokens_follow_the_word_list_rule():
+    assert text_tokens("one two three") == 3 and text_tokens("One two. Three four.") == 6
+    reqs = workload_requests("fixed", 5, 1.0, input_len=77, max_tokens=9)
+    assert [(r.prompt_tokens, r.output_tokens) for r in reqs] == [(77, 9)] * 5
+    assert reqs[0].arrival == 0.0 and all(a.arrival < b.arrival for a, b in zip(reqs, reqs[1:]))
