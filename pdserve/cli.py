@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     encoder.add_argument("--bind", required=True, help="ZMQ endpoint to answer on, e.g. tcp://0.0.0.0:5600")
     _add_engine_flags(encoder)
     sub.add_parser("bench", help="load generator and report (pdserve bench --help)")
+    sub.add_parser("rollout", help="replace a running deployment's workers with a new config, canary first, rolled "
+                                   "back on an SLO breach (pdserve rollout --help)")
     return parser
 
 
@@ -72,16 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         from pdserve.bench.cli import main as bench_main
         return bench_main(argv[1:])
+    if argv[:1] == ["rollout"]:
+        from pdserve.router.rollout import main as rollout_main
+        return rollout_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from pdserve.config import ConfigError, derive, load_config
+    from pdserve.version import config_digest
 
     overrides = _overrides(args)
     try:
         # A worker runs with its role's settings (deployment.<role>); its own flags win over them.
         config = load_config(args.config, overrides, role=args.role if args.command == "worker" else None)
+        # A worker's version names the deployment config it came from, before its role's settings.
+        digest = config_digest(load_config(args.config, overrides)) if args.command == "worker" else None
         if args.command == "serve":
             from pdserve.plan import format_plan, make_plan
             plan = make_plan(config)        # the model's architecture against the deployment
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(str(config.server.port))
             os.replace(tmp, args.port_file)
         from pdserve.server.app import serve as run_server
-        run_server(config, sock)
+        run_server(config, sock, digest)
     return 0
 
 

@@ -206,6 +206,17 @@ class ControllerConfig:
 
 
 @dataclass(frozen=True)
+class RolloutConfig:
+    # `pdserve rollout --config NEW` reads these from NEW (router/rollout.py; README "Rollout").
+    canary_weight: float = 0.1           # share of new requests sent to the new version first; widens per worker
+    window_s: float = 30.0               # after each new worker: its version's figures over this long
+    slo_ttft_ms: float | None = None     # TTFT p90 the new version must keep (None: controller.slo_ttft_ms)
+    slo_tpot_ms: float | None = None     # TPOT p90 (None: controller.slo_tpot_ms)
+    max_error_rate: float = 0.01         # share of the new version's requests that may fail
+    health_timeout_s: float = 300.0      # a new worker must be healthy within this
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     role: str = "mixed"                  # mixed | prefill | decode
     kv_port: int | None = None           # prefill: bootstrap port; decode: KV/control port (None: free port)
@@ -224,6 +235,7 @@ class Config:
     load_balancer: LoadBalancerConfig = field(default_factory=LoadBalancerConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
 

@@ -88,6 +88,8 @@ BOUNDS: dict[str, Bound] = {
     "controller.kv_usage_high": Bound(0, 1, above=True), "controller.high": _POSITIVE, "controller.low": _POSITIVE,
     "controller.sustain_intervals": _ONE, "controller.min_workers": Bound(2), "controller.max_workers": Bound(2),
     "controller.imbalance": Bound(1, above=True),
+    "rollout.canary_weight": Bound(0, 1), "rollout.window_s": _POSITIVE, "rollout.slo_ttft_ms": _POSITIVE,
+    "rollout.slo_tpot_ms": _POSITIVE, "rollout.max_error_rate": Bound(0, 1), "rollout.health_timeout_s": _POSITIVE,
     "vision.max_image_bytes": _ONE, "vision.max_image_pixels": _ONE, "vision.remote_timeout_s": _POSITIVE,
     "vision.encode_timeout_s": _POSITIVE,
 }

@@ -13,11 +13,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from pdserve.config import Config, derive, for_role
 from pdserve.plan import pd_counts
-from pdserve.worker_process import WorkerProcess
+from pdserve.worker_process import WorkerProcess, write_worker_config
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +33,7 @@ def start_workers(config: Config, log_dir: Path) -> list[WorkerProcess]:
     # Workers of a one-machine deployment talk to the router and each other over loopback only;
     # the router alone listens on server.host (0.0.0.0 in a container must not expose workers).
     host = "127.0.0.1"
-    # Workers publish KV events on free ports (shown in their /health) for the router's index.
-    workers = derive(config, {"deployment.mode": "pd", "server.advertise_host": None,   # loopback, see above
-                              "cache.kv_events_endpoint": config.cache.kv_events_endpoint or f"tcp://{host}:*"})
-    config_file = log_dir / "deployment.yaml"
-    config_file.write_text(yaml.safe_dump(workers.to_dict()))
+    config_file = write_worker_config(config, log_dir / "deployment.yaml")
     # Each worker applies its role's settings (deployment.<role>) itself, from the file; the launcher
     # needs its threads (OpenMP reads them from the environment) and cores.
     # Decode workers learn prefill workers from the router (which names one per request).
@@ -68,8 +62,9 @@ def _local_controller(config: Config) -> bool:
 
 
 def _local_fleet(config: Config, workers: list[WorkerProcess], log_dir: Path):
-    """The controller's way to start and stop this deployment's workers (None: no controller here)."""
-    if not _local_controller(config):
+    """The router's way to start and stop this deployment's workers: the controller's (unless it
+    scales Kubernetes Deployments instead) and a rollout's (router/rollout_api.py)."""
+    if config.controller.enabled and not _local_controller(config):
         return None
     from pdserve.local_fleet import LocalFleet
     host = config.server.host if config.server.host not in ("0.0.0.0", "::", "") else "127.0.0.1"

@@ -1,18 +1,24 @@
-"""The controller's hands on one machine: start and stop local worker processes (`pdserve serve`).
+"""The router's hands on one machine: start and stop local worker processes (`pdserve serve`).
 
-A worker it starts registers itself with the router (`--router-url`) and is routed to once healthy;
-one it stops has been emptied by the controller first (router/role_switch.py empty_worker), so its
-SIGTERM finds nothing left to finish.
+A worker the controller adds registers itself with the router (`--router-url`) and is routed to once
+healthy; one a rollout starts (router/rollout_api.py) runs the config it was given and is added by
+the router once it answers. One it stops has been emptied first (router/role_switch.py
+empty_worker), so its SIGTERM finds nothing left to finish. It keeps the config file of every
+version it ran, so that a rollback can start the old version again.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import time
 from pathlib import Path
 
-from pdserve.config import Config, for_role
-from pdserve.worker_process import WorkerProcess
+import yaml
+
+from pdserve.config import Config, for_role, load_config
+from pdserve.version import config_digest
+from pdserve.worker_process import WorkerProcess, write_worker_config
 from pdserve.router.registry import Worker
 
 log = logging.getLogger(__name__)
@@ -27,6 +33,7 @@ class LocalFleet:
         self.config_file, self.log_dir, self.router_url = config_file, log_dir, router_url
         self._index = itertools.count(100)
         self._added: list[WorkerProcess] = []       # started here, not yet registered
+        self.versions: dict[str, Path] = {}         # version label -> the config file its workers read
 
     async def add(self, role: str) -> str:
         rc = getattr(self.config.deployment, role)
@@ -54,11 +61,52 @@ class LocalFleet:
                 self._added.remove(p)       # registered: counted with its pool from now on
         return n
 
-    async def remove(self, w: Worker) -> None:
+    def write_config(self, data: dict) -> tuple[Path, Config]:
+        """Check `data` as a config file (ConfigError names each bad key) and write it as this
+        deployment's workers read it."""
+        raw = self.log_dir / f"rollout-{next(self._index)}.yaml"
+        raw.write_text(yaml.safe_dump(data))
+        config = load_config(raw)
+        return write_worker_config(config, self.log_dir / f"deployment-{config_digest(config)}.yaml"), config
+
+    def config_file(self, version: str) -> Path | None:
+        return self.versions.get(version)
+
+    def remember(self, w: Worker) -> None:
+        """Keep the config file `w` runs under its version (before it is stopped: for a rollback)."""
+        proc = self._process(w)
+        if proc is not None and w.version:
+            self.versions.setdefault(w.version, proc.config_file)
+
+    async def start(self, role: str, config_file: Path, timeout_s: float) -> str:
+        """Start a worker of `role` reading `config_file`; its URL once it answers /health. One that
+        exits or stays silent past `timeout_s` is stopped, and the RuntimeError carries its log's tail."""
+        config = load_config(config_file, role=role)
+        proc = WorkerProcess(role, next(self._index), config_file, "127.0.0.1", config.server.threads,
+                             getattr(config.deployment, role).cpu_affinity, self.log_dir, [])
+        self.workers.append(proc)
+        log.info("started a %s worker with %s (pid %d, log %s)", role, config_file.name, proc.proc.pid, proc.log_path)
+        deadline = time.monotonic() + timeout_s
+        while not await asyncio.to_thread(proc.healthy):
+            exited = proc.proc.poll()
+            if exited is not None or time.monotonic() > deadline:
+                proc.stop()
+                await asyncio.to_thread(proc.wait, 10.0)
+                self.workers.remove(proc)
+                why = f"exited with {exited}" if exited is not None else f"was not healthy after {timeout_s:g}s"
+                raise RuntimeError(f"the new {role} worker {why}; log {proc.log_path}:\n"
+                                   + proc.log_path.read_text(errors="replace")[-1500:])
+            await asyncio.sleep(0.2)
+        return proc.url
+
+    def _process(self, w: Worker) -> WorkerProcess | None:
         for p in self.workers:
             if p.port is None and p.port_file.exists():
                 p.port = int(p.port_file.read_text())
-        proc = next((p for p in self.workers if p.port is not None and p.url == w.url), None)
+        return next((p for p in self.workers if p.port is not None and p.url == w.url), None)
+
+    async def remove(self, w: Worker) -> None:
+        proc = self._process(w)
         if proc is None:
             raise RuntimeError(f"worker {w.worker_id!r} ({w.url}) was not started by this deployment")
         proc.stop()

@@ -8,8 +8,19 @@ import sys
 from pathlib import Path
 
 import httpx
+import yaml
 
+from pdserve.config import Config, derive
 from pdserve.utils.process import die_with_parent
+
+
+def write_worker_config(config: Config, path: Path) -> Path:
+    """The config file a one-machine deployment's workers read: they listen on loopback only (the
+    router alone listens on server.host) and publish KV events on free ports (shown in their /health)."""
+    workers = derive(config, {"deployment.mode": "pd", "server.advertise_host": None,
+                              "cache.kv_events_endpoint": config.cache.kv_events_endpoint or "tcp://127.0.0.1:*"})
+    path.write_text(yaml.safe_dump(workers.to_dict()))
+    return path
 
 
 def _preexec(cores: list[int] | None):
@@ -25,6 +36,7 @@ class WorkerProcess:
                  cpu_affinity: list[int] | None, log_dir: Path, extra: list[str]) -> None:
         self.role = role
         self.host = host
+        self.config_file = config_file
         # Each worker binds free ports itself (HTTP, KV, events) and reports the HTTP one through
         # a file: ports picked here could be taken by someone else before a worker binds them.
         self.port_file = log_dir / f"{role}-{index}.port"

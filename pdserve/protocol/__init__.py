@@ -251,3 +251,5 @@ class WorkerRegistration(BaseModel):
     pid: int | None = None
     kv_endpoint: str | None = None
     capacity: int = 64
+    pdserve_version: str | None = None      # its version label's parts (pdserve/version.py)
+    config_digest: str | None = None

@@ -1,5 +1,5 @@
-"""Control-plane messages: role switches (router admin API -> router -> worker) and the controller's
-decisions (`GET /admin/controller`)."""
+"""Control-plane messages: role switches (router admin API -> router -> worker), the controller's
+decisions (`GET /admin/controller`), and a rollout's canary and worker starts (router/rollout_api.py)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -40,3 +40,20 @@ class ControllerDecision(BaseModel):
     reason: str
     inputs: dict[str, float] = Field(default_factory=dict)
     ok: bool = True                 # False: the action was tried and failed (error in `reason`)
+
+
+class CanarySetting(BaseModel):
+    """Body of `PUT /admin/canary`: this share of new requests goes to workers of `version` first."""
+    model_config = ConfigDict(extra="forbid")
+    version: str = Field(min_length=1)
+    weight: float = Field(ge=0, le=1)
+
+
+class StartWorker(BaseModel):
+    """Body of `POST /admin/workers`: start one worker of `role` running `config` (a config as
+    `Config.to_dict()` writes it) or a version this router's fleet ran before (a rollback)."""
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["prefill", "decode"]
+    config: dict | None = None
+    version: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0)     # to become healthy (None: rollout.health_timeout_s)

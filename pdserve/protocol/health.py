@@ -24,6 +24,9 @@ class WorkerHealth(BaseModel):
     kv_endpoint: str | None = None          # its PD control/KV socket (prefill workers)
     kv_events_endpoint: str | None = None
     kv_events_snapshot_endpoint: str | None = None
+    # Its version label (pdserve/version.py): what `pdserve rollout` replaces and canaries route by.
+    pdserve_version: str | None = None
+    config_digest: str | None = None
     # The engine stats the router routes by and sums over its fleet (router/gateway.py).
     running: int = 0
     waiting: int = 0

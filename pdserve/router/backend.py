@@ -73,6 +73,7 @@ class RemoteBackend:
         self.max_model_len = config.model.max_model_len or 0     # learnt from the workers when unset
         self._rr = {"prefill": 0, "decode": 0}
         self._rng = random.Random(0)
+        self.canary: policies.Canary | None = None     # during a rollout (PUT /admin/canary, router/rollout_api.py)
 
     # ------------------------------------------------------------------ validation (before any work)
 
@@ -96,7 +97,7 @@ class RemoteBackend:
                 breaker_open=not w.breaker.allows(now), in_flight=w.in_flight,
                 queued_prefill_tokens=w.queued_prefill_tokens, decode_tokens=w.decode_tokens,
                 kv_usage=h.kv_usage, kv_free_blocks=h.kv_blocks_free, kv_total_blocks=h.kv_blocks_total,
-                capacity=w.capacity))
+                capacity=w.capacity, version=w.version))
         return out
 
     def route(self, context: list[int], max_tokens: int, salt: str | None,
@@ -108,13 +109,14 @@ class RemoteBackend:
         now = time.monotonic()
         bs = self.config.cache.block_size
         hits = self.index.match(prompt_hashes(context, bs, salt, images), self.registry) if self.index else {}
+        draw = self._rng.random() if self.canary else 0.0      # one draw: a canary request is one on both pools
         try:
-            decode, reason = self._pick("decode", len(context), max_tokens, hits, exclude, now)
+            decode, reason = self._pick("decode", len(context), max_tokens, hits, exclude, now, draw)
             if decode is None:
                 return None, reason
             prefill, remote = None, 0
             if self.registry.pool("prefill"):
-                prefill, _ = self._pick("prefill", len(context), 1, hits, exclude | {decode.worker_id}, now)
+                prefill, _ = self._pick("prefill", len(context), 1, hits, exclude | {decode.worker_id}, now, draw)
                 if prefill is not None and prefill.kv_endpoint:
                     remote = remote_prefill_tokens(len(context), hits.get(decode.worker_id), bs,
                                                    self.config.disagg.local_prefill_max_tokens)
@@ -123,11 +125,12 @@ class RemoteBackend:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
 
     def _pick(self, role: str, n: int, max_tokens: int, hits: dict, exclude: set[str],
-              now: float) -> tuple[Worker | None, str]:
+              now: float, draw: float = 0.0) -> tuple[Worker | None, str]:
         req = policies.RouteRequest(num_prompt_tokens=n, max_tokens=max_tokens,
                                     block_size=self.config.cache.block_size, cache_hits=hits)
         name = getattr(self.config.load_balancer, role)
-        d = policies.choose(name, req, self._states(role, exclude, now), counter=self._rr[role], rng=self._rng)
+        states = policies.canary_pool(self._states(role, exclude, now), self.canary, draw)
+        d = policies.choose(name, req, states, counter=self._rr[role], rng=self._rng)
         self._rr[role] += 1
         self.metrics.decisions.labels(role, d.reason).inc()
         return (self.registry.workers.get(d.worker_id) if d.worker_id else None), d.reason
@@ -148,6 +151,7 @@ class RemoteBackend:
             attempts = migrations = moved = 0
             failed: set[str] = set()
             last_error: WorkerFailed | None = None      # told to the client when no worker is left
+            versions = self.metrics.versions.request()
             n_prompt = len(prompt_token_ids)
             try:
                 while True:
@@ -160,6 +164,7 @@ class RemoteBackend:
                         raise APIError(503, f"no decode worker can take this request ({reason}){cause}",
                                        code="no_workers", headers={"Retry-After": "1"})
                     decode = route.decode
+                    versions.attempt(route)
                     attempt_span = tracing.start("router.attempt", worker=decode.worker_id, attempt=attempts,
                                                  tokens_so_far=len(generated))
                     try:
@@ -183,6 +188,7 @@ class RemoteBackend:
                                                     "stop" if stop_hit else finish_reason, n_prompt, len(generated),
                                                     (lps or [])[:len(out_tokens)])
                                 self.on_output(out, time.monotonic())
+                                versions.tokens(len(out_tokens))
                                 yield out
                                 if done:
                                     return          # closing the stream aborts a request stopped by a stop string
@@ -193,6 +199,8 @@ class RemoteBackend:
                         last_error = e
                         failed.add(decode.worker_id)
                         attempts += 1
+                        if not isinstance(e, WorkerMoved):
+                            versions.failed(route)
                         if isinstance(e, WorkerMoved):
                             moved += 1
                             self.metrics.moved.labels(decode.worker_id).inc()
@@ -202,6 +210,7 @@ class RemoteBackend:
                     finally:
                         tracing.end(attempt_span)      # ended above when it failed
             finally:
+                versions.close()
                 if key is not None:
                     self.charge_tokens(key, n_prompt + len(generated))
 

@@ -30,6 +30,7 @@ from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Registry
 from pdserve.router.role_switch import SwitchRefused, switch_role
+from pdserve.router.rollout_api import install_rollout_routes
 from pdserve.router.security import Allowlist, SecurityMiddleware
 from pdserve.router.shared_limits import rate_limiter
 from pdserve.server.errors import error_response
@@ -168,6 +169,8 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
         except SwitchRefused as e:
             return error_response(e.status, str(e), "role", e.code)
         return w.describe()
+
+    install_rollout_routes(app, config, registry, client, backend, fleet)     # canary, start, retire
 
     @app.get("/admin/controller")
     async def controller_decisions():

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from pdserve.router.version_stats import VersionStats
+
 _BREAKER = {"closed": 0, "half_open": 1, "open": 2}
 
 
@@ -50,3 +52,4 @@ class RouterMetrics:
         self.rejected = Counter("pdserve_router_rejected", "Requests refused by the router, by status",
                                 ["status"], registry=r)
         r.register(_WorkerCollector(workers))
+        self.versions = VersionStats(r)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["WorkerState", "RouteRequest", "Decision", "CostParams", "DEFAULT_PARAMS", "available",
            "overloaded", "eligible", "round_robin", "least_load", "power_of_two", "cache_aware",
-           "cost", "POLICIES", "choose"]
+           "cost", "POLICIES", "choose", "Canary", "canary_pool"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class WorkerState:
     kv_free_blocks: int = 0
     kv_total_blocks: int = 0        # 0: unknown, so free-KV checks are skipped
     capacity: int = 64              # max concurrent requests (its max_num_seqs)
+    version: str | None = None      # its version label (pdserve/version.py), for canary routing
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,28 @@ def overloaded(w: WorkerState, params: CostParams | None = None) -> bool:
 def eligible(workers: Sequence[WorkerState], params: CostParams | None = None) -> list[WorkerState]:
     p = params or DEFAULT_PARAMS
     return [w for w in workers if available(w) and not overloaded(w, p)]
+
+
+@dataclass(frozen=True)
+class Canary:
+    """During a rollout: this share of new requests goes to workers of `version` first."""
+    version: str
+    weight: float                   # 0..1
+
+
+def canary_pool(workers: Sequence[WorkerState], canary: Canary | None, draw: float) -> Sequence[WorkerState]:
+    """The workers a request may go to under a canary: those of the canary version when `draw`
+    (uniform in [0, 1), one per request, the same for its prefill and decode picks) is below the
+    weight, the others otherwise; either group with no eligible worker gives way to the other, so a
+    canary never refuses a request one version could take. Pools with one version only are left whole."""
+    if canary is None:
+        return workers
+    new = [w for w in workers if w.version == canary.version]
+    if not new or len(new) == len(workers):
+        return workers
+    old = [w for w in workers if w.version != canary.version]
+    first, then = (new, old) if draw < canary.weight else (old, new)
+    return first if eligible(first) else then
 
 
 def _nobody(workers: Sequence[WorkerState]) -> Decision:

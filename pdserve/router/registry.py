@@ -17,6 +17,7 @@ import httpx
 
 from pdserve.protocol import WorkerRegistration
 from pdserve.protocol.health import WorkerHealth
+from pdserve.version import version_label
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class Worker:
     draining: bool = False
     last_heartbeat: float = 0.0
     health: WorkerHealth | None = None              # the worker's last /health body
+    pdserve_version: str | None = None              # its version label's parts (pdserve/version.py)
+    config_digest: str | None = None
     # The router's own accounting of what it sent there.
     in_flight: int = 0
     queued_prefill_tokens: int = 0
@@ -90,9 +93,14 @@ class Worker:
     retries: int = 0
     migrations: int = 0
 
+    @property
+    def version(self) -> str | None:
+        return version_label(self.config_digest, self.pdserve_version)
+
     def describe(self) -> dict:
         h = self.health
         return {"id": self.worker_id, "role": self.role, "url": self.url, "pid": self.pid, "model": self.model,
+                "version": self.version, "pdserve_version": self.pdserve_version, "config_digest": self.config_digest,
                 "healthy": self.healthy, "draining": self.draining, "breaker": self.breaker.state.value,
                 "load": {"in_flight": self.in_flight, "queued_prefill_tokens": self.queued_prefill_tokens,
                          "decode_tokens": self.decode_tokens, "kv_usage": h.kv_usage if h else None,
@@ -127,6 +135,7 @@ class Registry:
             self.workers[w.worker_id] = w
             log.info("worker %s (%s) registered at %s", w.worker_id, w.role, w.url)
         w.model, w.pid, w.kv_endpoint, w.capacity = reg.model, reg.pid, reg.kv_endpoint, reg.capacity
+        w.pdserve_version, w.config_digest = reg.pdserve_version, reg.config_digest
         w.role = reg.role           # a worker re-registers after switching role (server/role_switch.py)
         w.last_heartbeat = now
         return w
@@ -156,6 +165,8 @@ class Registry:
                 w.kv_endpoint = h.kv_endpoint or w.kv_endpoint
                 w.kv_events_endpoint = h.kv_events_endpoint or w.kv_events_endpoint
                 w.capacity = h.max_num_seqs if h.max_num_seqs is not None else w.capacity
+                w.pdserve_version = h.pdserve_version or w.pdserve_version
+                w.config_digest = h.config_digest or w.config_digest
         except (httpx.HTTPError, ValueError):
             ok = False
         if not w.static and now - w.last_heartbeat > self.heartbeat_timeout_s:

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from pdserve import __version__
 from pdserve.config import Config
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
@@ -21,11 +22,14 @@ from pdserve.server.registration import register_with_routers
 from pdserve.server.role_switch import RoleSwitch, install_role_route
 from pdserve.server.roles import build_engine, worker_name
 from pdserve.server.serving import bind_socket, run_uvicorn  # noqa: F401 (bind_socket re-exported)
+from pdserve.version import config_digest
 
 log = logging.getLogger(__name__)
 
 
-def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
+def create_app(config: Config, engine: LLMEngine | None = None, digest: str | None = None) -> FastAPI:
+    """`digest`: the version's config digest, of the deployment config before the role's settings
+    (cli.py; pdserve/version.py); None: of `config`."""
     tracing.setup(f"pdserve-{config.worker.role}", config.server.otlp_endpoint)
     engine = engine or build_engine(config)
     model_name = config.server.served_model_name or config.model.name
@@ -36,12 +40,13 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
     if engine.images is not None:       # a vision-language model reads image_url parts
         handlers.vision, handlers.vision_limits = engine.images.slots, config.vision
     switch = RoleSwitch(config, async_engine)
+    digest = digest or config_digest(config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         async_engine.start()
         registration = asyncio.create_task(register_with_routers(config, model_name, lambda: switch.role,
-                                                                 switch.changed)) \
+                                                                 switch.changed, digest)) \
             if config.server.router_url else None
         yield
         if registration is not None:
@@ -68,7 +73,8 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
             return error_response(503, "shutting down", code="shutting_down")
         return WorkerHealth(role=switch.role, pid=os.getpid(), worker_id=worker_name(config), model=model_name,
                             max_num_seqs=config.scheduler.max_num_seqs, max_model_len=engine.max_model_len,
-                            kv_endpoint=getattr(engine.connector, "endpoint", None), **engine.stats()).to_wire()
+                            kv_endpoint=getattr(engine.connector, "endpoint", None), pdserve_version=__version__,
+                            config_digest=digest, **engine.stats()).to_wire()
 
     # MoE models: the expert-load heatmap and placement (EPLB), and the balancer's gauges in /metrics.
     eplb = getattr(engine.model, "eplb", None)
@@ -85,8 +91,8 @@ def create_app(config: Config, engine: LLMEngine | None = None) -> FastAPI:
     return app
 
 
-def serve(config: Config, sock=None) -> None:
-    app = create_app(config)
+def serve(config: Config, sock=None, digest: str | None = None) -> None:
+    app = create_app(config, digest=digest)
     log.info("serving %s (%s) on http://%s:%d", config.model.name, config.worker.role, config.server.host,
              config.server.port)
     run_uvicorn(app, config, sock=sock)

@@ -15,6 +15,7 @@ import socket
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+from pdserve import __version__
 from pdserve.config import Config
 from pdserve.protocol import INTERNAL_TOKEN_HEADER, WorkerRegistration
 from pdserve.server.internal_api import internal_token
@@ -49,14 +50,14 @@ def router_targets(router_urls: str) -> list[str]:
 
 
 async def register_with_routers(config: Config, model_name: str, role: Callable[[], str] | None = None,
-                                changed: asyncio.Event | None = None) -> None:
+                                changed: asyncio.Event | None = None, digest: str | None = None) -> None:
     """Register at every router, then send heartbeats; re-register wherever a router forgot us, and
     everywhere when `changed` is set (the worker switched role: `role()` says which it has now)."""
     import httpx
     s = config.server
     reg = WorkerRegistration(worker_id=worker_name(config), role=config.worker.role, model=model_name,
                              url=with_host(f"http://{s.host}:{s.port}", public_host(config)), pid=os.getpid(),
-                             capacity=config.scheduler.max_num_seqs)
+                             capacity=config.scheduler.max_num_seqs, pdserve_version=__version__, config_digest=digest)
     token = internal_token(s.internal_token)
     headers = {INTERNAL_TOKEN_HEADER: token} if token else {}
     registered: dict[str, bool] = {}
