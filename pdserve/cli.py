@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     encoder.add_argument("--bind", required=True, help="ZMQ endpoint to answer on, e.g. tcp://0.0.0.0:5600")
     _add_engine_flags(encoder)
     sub.add_parser("bench", help="load generator and report (pdserve bench --help)")
+    sub.add_parser("profile", help="measure this machine's step costs for the configured model (pdserve profile --help)")
+    sub.add_parser("plan", help="the P:D split and per-role settings that maximise goodput under SLOs, from a profile "
+                                "(pdserve plan --help)")
     sub.add_parser("rollout", help="replace a running deployment's workers with a new config, canary first, rolled "
                                    "back on an SLO breach (pdserve rollout --help)")
     return parser
@@ -74,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         from pdserve.bench.cli import main as bench_main
         return bench_main(argv[1:])
+    if argv[:1] in (["profile"], ["plan"]):
+        from pdserve.planner.cli import main as planner_main
+        return planner_main(argv)
     if argv[:1] == ["rollout"]:
         from pdserve.router.rollout import main as rollout_main
         return rollout_main(argv[1:])
