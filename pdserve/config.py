@@ -94,6 +94,13 @@ class DisaggConfig:
 
 
 @dataclass(frozen=True)
+    # A prompt with at least this many uncached tokens is split into chunks prefilled by several prefill
+    # workers in a layer-wise pipeline (disagg/pipeline.py; needs the decode pool in shared memory, one
+    # host); 0: off. A chunk is computed in one step: give prefill workers a max_num_batched_tokens to match.
+    parallel_prefill_min_tokens: int = 0
+    # Where the prompt is cut (disagg/split.py): attention's cost per (query, key) pair relative to
+    # its FLOP share; 0 cuts at equal token counts.
+    parallel_prefill_attention_weight: float = 1.0
 class TransferConfig:
     backend: str = "auto"                # auto (shm on one host, else tcp) | shm | tcp | mooncake | nixl
     # mooncake, nixl: optional extras (pip install 'pdserve[mooncake]' / 'pdserve[nixl]'), one-sided

@@ -72,6 +72,8 @@ def test_cli_exits_2_on_a_bad_worker_flag_and_names_it():
     ({"model.device": "gpu"}, "model.device", "cuda"),
     ({"disagg.transfer_timeout_s": 0}, "disagg.transfer_timeout_s", "above 0"),
     ({"disagg.local_prefill_max_tokens": -1}, "disagg.local_prefill_max_tokens", "at least 0"),   # the default rule
+    ({"disagg.parallel_prefill_min_tokens": -1}, "disagg.parallel_prefill_min_tokens", "at least 0"),
+    ({"disagg.parallel_prefill_attention_weight": -0.5}, "disagg.parallel_prefill_attention_weight", "at least 0"),
     ({"router.tls_cert": "c.pem"}, "router.tls_key", "both or neither"),
     ({"cache.blok_size": 4}, "cache.blok_size", "block_size"),
     ({"load_balancer.strategy": "fastest"}, "load_balancer.prefill", "least_load"),

@@ -32,17 +32,9 @@ from pdserve.disagg.trust import BAD_TOKEN, ThrottledLog, compat_info
 from pdserve.disagg.write_gate import WriteGate, drain
 from pdserve.engine.kv_connector import BlocksFreed, ConnectorEvent, KVConnector, LoadDone, LoadFailed, LoadRetry
 from pdserve.engine.request import TokenLogprob
-from pdserve.protocol import (
-    PD_ACCEPTED,
-    PD_INCOMPATIBLE,
-    PD_LAYER,
-    PD_STARTED,
-    PD_TOO_LONG,
-    PD_UNAUTHORIZED,
-    PrefillJob,
-    pack,
-    unpack,
-)
+from pdserve.disagg.parallel import ParallelLoads
+from pdserve.protocol import PD_ACCEPTED, PD_INCOMPATIBLE, PD_LAYER, PD_STARTED, PD_TOO_LONG, PD_UNAUTHORIZED
+from pdserve.protocol import PrefillJob, pack, unpack
 from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerFrames, PDMessage, decode_pd
 from pdserve.utils.net import with_host
 from pdserve.utils.signing import sign, token_key, verified
@@ -72,10 +64,11 @@ class Pending:
 class DecodeConnector(KVConnector):
     def __init__(self, config: Config, kv_cache: torch.Tensor, shm_path: str | None, bind_endpoint: str,
                  advertise_host: str | None = None, internal_token: str | None = None,
-                 max_model_len: int = 0) -> None:
+                 max_model_len: int = 0, attention_weight: float = 0.0) -> None:
         """`advertise_host`: the host prefill workers reach this one at (see utils/net.py).
         `internal_token`: jobs are signed with it and peers' messages must be (None: nothing is).
-        `max_model_len`: this engine's context, which a prefill worker checks the prompt against."""
+        `max_model_len`: this engine's context, which a prefill worker checks the prompt against.
+        `attention_weight`: split.attention_weight of the model (where parallel.py cuts long prompts)."""
         self.config = config
         self.model = config.server.served_model_name or config.model.name
         self.block_size = config.cache.block_size
@@ -123,6 +116,7 @@ class DecodeConnector(KVConnector):
         self._out: zmq.Socket | None = None              # created on the engine thread at first use
         self._stop = threading.Event()
         self._liveness = LivenessClock()
+        self.parallel = ParallelLoads(self, d.parallel_prefill_min_tokens, attention_weight)   # engine thread
         self._thread = threading.Thread(target=self._io_loop, name="pd-decode-io", daemon=True)
         self._thread.start()
 
@@ -211,7 +205,7 @@ class DecodeConnector(KVConnector):
     # ------------------------------------------------------------------ engine thread
 
     def has_work(self) -> bool:
-        return not self._inbox.empty() or bool(self.pending) or bool(self.quarantine)
+        return not self._inbox.empty() or bool(self.pending) or bool(self.quarantine) or self.parallel.busy()
 
     def wait(self, timeout: float) -> None:
         self._event.wait(timeout)
@@ -232,22 +226,27 @@ class DecodeConnector(KVConnector):
 
     def start_load(self, req: Request) -> None:
         now = time.monotonic()
+        if self.parallel.start(req, now):       # a long prompt: chunks on several peers
+            return
         peer = req.prefill_peers[0]
-        p = req.params
-        sampling = {k: (list(v) if isinstance(v, list) else v) for k, v in p.__dict__.items()}
         tid = os.urandom(8).hex()
         span = tracing.start("kv.transfer", tracing.recall(req.request_id), peer=peer, transfer_id=tid,
                              blocks=len(req.block_ids) - req.num_cached_blocks)
-        job = PrefillJob(req.request_id, list(req.prompt_token_ids), sampling, req.cache_salt, list(req.block_ids),
-                         req.num_cached_blocks, self.endpoint, os.getpid(), HOST, self.shm_path, self.kv_shape,
-                         self.elem_size, self.block_size, self.model,
-                         **self._pool_fields(), output_token_ids=list(req.output_token_ids), transfer_id=tid,
-                         issued_at=time.time(), max_model_len=self.max_model_len, compat=self.compat,
-                         images=[im.to_wire() for im in req.images], traceparent=tracing.traceparent_of(span))
+        job = self.job_for(req, tid, traceparent=tracing.traceparent_of(span))
         self.pending[req.request_id] = Pending(req, peer, Transfer(req.request_id, self.deadlines, now), tid,
                                                span=span)
         self.accept_writes(req.request_id, req.block_ids[req.num_cached_blocks:], tid)   # cached ones are shared
         self._post_out(peer, job)
+
+    def job_for(self, req: Request, tid: str, **fields: Any) -> PrefillJob:
+        """The job asking a prefill worker to fill `req`'s blocks (`fields`: PrefillJob's optional ones)."""
+        sampling = {k: (list(v) if isinstance(v, list) else v) for k, v in req.params.__dict__.items()}
+        return PrefillJob(req.request_id, list(req.prompt_token_ids), sampling, req.cache_salt, list(req.block_ids),
+                          req.num_cached_blocks, self.endpoint, os.getpid(), HOST, self.shm_path, self.kv_shape,
+                          self.elem_size, self.block_size, self.model,
+                          **self._pool_fields(), output_token_ids=list(req.output_token_ids), transfer_id=tid,
+                          issued_at=time.time(), max_model_len=self.max_model_len, compat=self.compat,
+                          images=[im.to_wire() for im in req.images], **fields)
 
     def _pool_fields(self) -> dict:
         ep = self.pool_endpoint
@@ -288,6 +287,8 @@ class DecodeConnector(KVConnector):
         return held
 
     def cancel_load(self, req: Request) -> list[int]:
+        if req.request_id in self.parallel.groups:
+            return self.parallel.cancel(req, time.monotonic())
         pend = self.pending.pop(req.request_id, None)
         if pend is None:
             return []
@@ -300,6 +301,9 @@ class DecodeConnector(KVConnector):
         while not self._inbox.empty():
             msg: PDMessage = self._inbox.get_nowait()
             rid, tid, t = msg.request_id, msg.transfer_id, msg.TYPE
+            if self.parallel.owns(msg):
+                events += self.parallel.on_message(msg, now)
+                continue
             if isinstance(msg, CancelAck) and tid in self.quarantine:
                 self._release(events, tid)
                 continue
@@ -345,7 +349,7 @@ class DecodeConnector(KVConnector):
         for tid, (_, deadline, pend) in list(self.quarantine.items()):
             if now > deadline or (check_pids and process_gone(pend.peer_pid, pend.peer_host)):
                 self._release(events, tid)
-        return events
+        return events + self.parallel.tick(now, check_pids)
 
     def _fail_request(self, pend: Pending, reason: str, now: float) -> LoadFailed:
         """No peer or retry would do better: the request ends with `reason` for its client."""
@@ -378,8 +382,8 @@ class DecodeConnector(KVConnector):
             if state not in (TransferState.DONE, TransferState.FAILED):
                 out[f"kv_transfers_{state.value}"] = sum(1 for p in self.pending.values()
                                                          if p.transfer.state == state)
-        out["kv_blocks_quarantined"] = sum(len(b) for b, _, _ in self.quarantine.values())
-        return out
+        out["kv_blocks_quarantined"] = sum(len(b) for b, _, _ in self.quarantine.values()) + self.parallel.held_blocks()
+        return {**out, **self.parallel.stats()}
 
     def close(self) -> None:
         self._stop.set()

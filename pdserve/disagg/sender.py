@@ -28,24 +28,13 @@ from pdserve.disagg.sink import (Barrier, CloseWriter, KVSink, SenderOp, SendMes
                                  WriterFactory)
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
 from pdserve.disagg.trust import BAD_TOKEN, JobRefused, SeenIds, ThrottledLog, check_job, compat_info, unsigned_refusal
-from pdserve.disagg.transport import (
-    MooncakeEndpoint,
-    NixlEndpoint,
-    Throttle,
-    coalesce,
-    endpoint_host,
-    measure_memcpy_bytes_per_s,
-    parse_bandwidth_limit,
-)
+from pdserve.disagg.pipeline import ChunkPipeline
+from pdserve.disagg.sender_loop import sender_loop
+from pdserve.disagg.transport import (MooncakeEndpoint, NixlEndpoint, Throttle, coalesce, endpoint_host,
+                                      measure_memcpy_bytes_per_s, parse_bandwidth_limit)
 from pdserve.engine.kv_connector import AbortJob, AddJob, ConnectorEvent, KVConnector
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.protocol import (
-    PD_CANCEL,
-    PD_PREFILL,
-    PrefillJob,
-    pack,
-    unpack,
-)
+from pdserve.protocol import PD_CANCEL, PD_CHUNK_LAYER, PD_PREFILL, PrefillJob, unpack
 from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerWritten, PDMessage, Started
 from pdserve.utils.net import with_host
 from pdserve.utils.signing import sign, token_key, verified
@@ -85,6 +74,7 @@ class PrefillConnector(KVConnector):
         self.throttle = Throttle(parse_bandwidth_limit(config.transfer.bandwidth_limit, measure_memcpy_bytes_per_s())
                                  if config.transfer.bandwidth_limit else None)
         self.sinks: dict[str, KVSink] = {}       # engine thread only
+        self.chunks = ChunkPipeline(self.src, self.block_size, d.transfer_timeout_s, d.queue_timeout_s)
         self._spans: dict[str, Any] = {}         # engine thread only: each job's trace span (tracing on)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[SenderOp] = queue.SimpleQueue()
@@ -111,7 +101,7 @@ class PrefillConnector(KVConnector):
             NixlEndpoint(f"pdserve-prefill-{HOST}-{os.getpid()}-{id(self):x}", self.src)
             if self.backend == "nixl" else None)
         self._threads = [threading.Thread(target=self._bootstrap_loop, name="pd-bootstrap", daemon=True),
-                         threading.Thread(target=self._sender_loop, name="pd-sender", daemon=True)]
+                         threading.Thread(target=sender_loop, args=(self,), name="pd-sender", daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -126,16 +116,22 @@ class PrefillConnector(KVConnector):
             except (ValueError, Exception) as e:  # noqa: BLE001 - a bad peer message must not kill the thread
                 log.warning("dropping a malformed control message: %s", e)
                 continue
-            if msg["type"] not in (PD_PREFILL, PD_CANCEL) or not isinstance(msg.get("request_id"), str):
+            if msg["type"] not in (PD_PREFILL, PD_CANCEL, PD_CHUNK_LAYER) or not isinstance(msg.get("request_id"), str):
                 continue                    # the engine thread keys on request_id: it must be a string
             if not verified(msg, self.key):
                 self._refuse_unsigned(msg)
                 continue
             try:
-                # A job stays a map until the engine thread reads it: a bad one is answered from there.
-                self._inbox.put(Cancel.from_wire(msg) if msg["type"] == PD_CANCEL else msg)
+                if msg["type"] == PD_CHUNK_LAYER:       # an earlier chunk's layer is in: a waiting job goes on
+                    self.chunks.wire(msg)
+                else:   # a job stays a map until the engine thread reads it: a bad one is answered from there
+                    cancel = Cancel.from_wire(msg) if msg["type"] == PD_CANCEL else None
+                    if cancel is not None:
+                        self.chunks.board.cancel(cancel.transfer_id)    # ends a wait for an earlier chunk
+                    self._inbox.put(cancel or msg)
+                    self.chunks.board.changed.set()
             except ValueError as e:
-                log.warning("dropping a malformed cancel: %s", e)
+                log.warning("dropping a malformed %s message: %s", msg["type"], e)
                 continue
             self.wake()
 
@@ -149,76 +145,6 @@ class PrefillConnector(KVConnector):
         if reply is not None:
             self._outbox.put(SendMessage(reply[0], reply[1].to_wire()))
 
-    # ------------------------------------------------------------------ sender thread
-
-    def _sender_loop(self) -> None:
-        socks: dict[str, zmq.Socket] = {}
-        dirty: set[str] = set()             # sinks whose writer needs a flush at the next barrier
-        last_write_at = 0.0
-
-        def sock_for(endpoint: str) -> zmq.Socket:
-            s = socks.get(endpoint)
-            if s is None:
-                s = socks[endpoint] = self._ctx.socket(zmq.PUSH)
-                s.setsockopt(zmq.LINGER, 0)
-                s.setsockopt(zmq.SNDHWM, 100_000)
-                s.connect(endpoint)
-            return s
-
-        while True:
-            item: SenderOp = self._outbox.get()
-            if isinstance(item, StopSender):
-                break
-            try:
-                if isinstance(item, SendMessage):
-                    sock_for(item.endpoint).send(pack(item.wire), zmq.NOBLOCK)
-                elif isinstance(item, WriteLayer):
-                    sink, computed_at = item.sink, item.computed_at
-                    if sink.cancelled or sink.error:
-                        continue
-                    if sink.writer is None:
-                        sink.writer = self._writers.make(sink.job, sock_for)
-                    t0 = time.monotonic()
-                    n = sink.writer.write_layer(sink.job.request_id, item.layer, item.runs)
-                    self.throttle.consume(n)
-                    t1 = last_write_at = time.monotonic()
-                    sink.bytes_sent += n
-                    dirty.add(sink.job.request_id)
-                    with self.stats_lock:
-                        c = self.counters
-                        c["kv_send_bytes_total"] += n
-                        c["kv_send_seconds_total"] += t1 - t0
-                        c["kv_send_layers_total"] += 1
-                        c["kv_send_layer_lag_seconds_total"] += t1 - computed_at
-                        c["kv_send_layer_lag_seconds_max"] = max(c["kv_send_layer_lag_seconds_max"], t1 - computed_at)
-                elif isinstance(item, Barrier):
-                    # Writes that complete asynchronously (tcp) are only known done after the flush.
-                    done_at = last_write_at
-                    for sink in item.sinks:
-                        if sink.writer is not None and sink.job.request_id in dirty and not sink.error:
-                            try:
-                                if sink.writer.flush():
-                                    done_at = time.monotonic()
-                            except Exception as e:  # noqa: BLE001 - one stalled peer fails its own transfer
-                                log.warning("KV transfer %s: flush failed: %s", sink.job.request_id, e)
-                                sink.fail(f"flush failed: {e}")
-                    dirty.clear()
-                    self._writes_done_at = done_at
-                    item.done.set()
-                elif isinstance(item, CloseWriter) and item.sink.writer is not None:
-                    item.sink.writer.close()
-                    item.sink.writer = None
-            except Exception as e:  # noqa: BLE001 - a failed write fails its request, not the worker
-                log.warning("KV transfer %s failed: %s", type(item).__name__, e)
-                if isinstance(item, WriteLayer):
-                    item.sink.fail(f"{type(e).__name__}: {e}")
-                elif isinstance(item, Barrier):
-                    for sink in item.sinks:
-                        sink.fail(f"flush failed: {e}")
-                    item.done.set()
-        for s in socks.values():
-            s.close(0)
-
     def _send(self, job: PrefillJob, kind: type[PDMessage], **fields: Any) -> None:
         self._reply(job.reply_endpoint, kind(job.request_id, job.transfer_id, **fields))
 
@@ -228,7 +154,10 @@ class PrefillConnector(KVConnector):
     # ------------------------------------------------------------------ engine thread hooks
 
     def has_work(self) -> bool:
-        return not self._inbox.empty()
+        return not self._inbox.empty() or bool(self.chunks.parked)
+
+    def wait(self, timeout: float) -> None:
+        self.chunks.board.changed.wait(timeout)     # a job, a cancel or an earlier chunk's layer arrived
 
     def poll(self, engine: LLMEngine) -> list[ConnectorEvent]:
         """New jobs to add, cancels and jobs whose decode worker died or whose deadline passed to abort."""
@@ -243,11 +172,13 @@ class PrefillConnector(KVConnector):
                     sink.cancelled = True
                     events.append(AbortJob(rid))        # on_finished sends the ack
                 else:
+                    self.chunks.unpark(rid, tid)
                     self._reply(msg.reply_endpoint, CancelAck(rid, tid))
                 continue
             try:
                 job = PrefillJob.from_wire(msg)
                 check_job(job, self.compat, self.key is not None, self._seen, time.time())
+                self.chunks.check(job, self.backend)
                 # One new token: output number len(job.output_token_ids), after the ones given.
                 params = SamplingParams(**{**job.sampling, "max_tokens": len(job.output_token_ids) + 1, "stop": [],
                                            "stop_token_ids": [], "ignore_eos": True})
@@ -258,9 +189,17 @@ class PrefillConnector(KVConnector):
             except Exception as e:  # noqa: BLE001 - answered to the decode worker
                 self._refuse(msg, e)
                 continue
-            events.append(AddJob(job.request_id, job.prompt_token_ids, params, kwargs,
-                                 accepted=functools.partial(self._accepted, job, sink),
-                                 refused=functools.partial(self._refuse, msg)))
+            ev = self.chunks.admit(AddJob(job.request_id, job.prompt_token_ids, params, kwargs,
+                                          accepted=functools.partial(self._accepted, job, sink),
+                                          refused=functools.partial(self._refuse, msg)), sink, now)
+            if ev is not None:
+                events.append(ev)
+            else:                                   # parked: the decode worker hears it is queued
+                self._send(job, Accepted, pid=os.getpid(), host=HOST)
+        ready, expired = self.chunks.released(now)
+        events += ready
+        for sink, why in expired:
+            self._send(sink.job, Failed, reason=why)
         check_pids = self._liveness.due(now)
         keepalive = self._keepalive.due(now)
         for rid, sink in list(self.sinks.items()):
@@ -271,6 +210,8 @@ class PrefillConnector(KVConnector):
             elif keepalive and sink.transfer.state == TransferState.WAITING:
                 # Still queued here: the decode worker gives up on a peer silent for its transfer deadline.
                 self._send(sink.job, Accepted, pid=os.getpid(), host=HOST)
+        for p in self.chunks.parked.values() if keepalive else ():
+            self._send(p.sink.job, Accepted, pid=os.getpid(), host=HOST)
         return events
 
     def _accepted(self, job: PrefillJob, sink: KVSink) -> None:
@@ -310,6 +251,8 @@ class PrefillConnector(KVConnector):
             sink.plan = coalesce(req.block_ids[first:last + 1], sink.job.dst_block_ids[first:last + 1])
             sink.plan_end = (start + n) // bs
             planned.append(req)
+        self.chunks.plan(scheduled)
+        self.chunks.before_layer(planned, 0)
         return planned
 
     def on_layer(self, planned: list[Request], layer: int) -> None:
@@ -317,18 +260,24 @@ class PrefillConnector(KVConnector):
         self._last_layer_at = now
         if not self.layerwise:
             self._computed_layers.append(layer)
-            return
-        for req in planned:
-            if req.kv_sink.plan:
-                self._outbox.put(WriteLayer(req.kv_sink, layer, req.kv_sink.plan, now))
+        for req in planned if self.layerwise else ():
+            self._write(req.kv_sink, layer, now)
+        if layer + 1 < self.src.shape[0]:
+            self.chunks.before_layer(planned, layer + 1)
+
+    def _write(self, sink: KVSink, layer: int, computed_at: float) -> None:
+        """Queue a layer's write, then (a pipelined chunk's last step) the next chunk's signal after it."""
+        if sink.plan:
+            self._outbox.put(WriteLayer(sink, layer, sink.plan, computed_at))
+        if (m := self.chunks.signal(sink, layer)) is not None and sink.job.downstream_endpoint:
+            self._reply(sink.job.downstream_endpoint, m)
 
     def end_step(self, planned: list[Request]) -> None:
         if not planned:
             return
         for layer in self._computed_layers:     # not layer-wise: every layer goes now
             for req in planned:
-                if req.kv_sink.plan:
-                    self._outbox.put(WriteLayer(req.kv_sink, layer, req.kv_sink.plan, self._last_layer_at))
+                self._write(req.kv_sink, layer, self._last_layer_at)
         self._computed_layers.clear()
         done = threading.Event()
         sinks = [r.kv_sink for r in planned]
@@ -361,6 +310,7 @@ class PrefillConnector(KVConnector):
             tracing.end(span, None if out.finish_reason in ("length", "stop") and sink.error is None
                         else sink.error or sink.transfer.reason or f"prefill ended: {out.finish_reason}")
         self._outbox.put(CloseWriter(sink))
+        self.chunks.finished(sink)
         now = time.monotonic()
         if sink.cancelled:
             self._send(sink.job, CancelAck)

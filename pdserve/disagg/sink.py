@@ -45,6 +45,7 @@ class KVSink:
     bytes_sent: int = 0
     plan: list[Run] = field(default_factory=list)   # this step's runs
     plan_end: int = 0                        # block index the plan reaches (exclusive, full blocks)
+    chunk: Any = None                        # a pipelined chunk's state (disagg/pipeline.ChunkState), engine thread
     _error: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -134,8 +134,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     prefill_peer: str | None = None, kv_sink: object | None = None,
-                    output_token_ids: list[int] | None = None, images: list[ImageInput] | None = None) -> None:
+                    output_token_ids: list[int] | None = None, images: list[ImageInput] | None = None,
+                    upstream_tokens: int = 0) -> None:
         """`images`: a VLM prompt's images (their positions hold the image token).
+        `upstream_tokens`: see Request.upstream_tokens.
         `output_token_ids`: tokens this request already generated elsewhere (a migrated stream):
         they are recomputed with the prompt and count as output for max_tokens, penalties and
         seeded draws, so the request goes on exactly as it would have where it started."""
@@ -148,6 +150,7 @@ class LLMEngine:
             req.arrival_time = arrival_time
         req.prefill_peers = self.connector.order_peers(prefill_peer)
         req.kv_sink = kv_sink
+        req.upstream_tokens = upstream_tokens
         self.requests[request_id] = req
         self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
                                                          params.include_stop_str_in_output) \

@@ -62,6 +62,9 @@ class Request:
     prefill_attempts: list[str] = field(default_factory=list)
     prefilled_by: str | None = None
     kv_sink: Any = None                 # prefill role: where this request's KV is written (disagg.sink.KVSink)
+    # Prefill role, one chunk of a pipelined prompt: the leading tokens whose KV earlier chunks'
+    # workers supply, layer by layer, while this request's first step computes (disagg/pipeline.py).
+    upstream_tokens: int = 0
     images: list[ImageInput] = field(default_factory=list)     # a VLM prompt's images (common/images.py)
 
     def __post_init__(self) -> None:

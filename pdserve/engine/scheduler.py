@@ -124,8 +124,8 @@ class Scheduler:
     def cache_computed_blocks(self, req: Request) -> None:
         """Register the request's newly computed full blocks in the prefix cache."""
         cache = self.pool.prefix_cache
-        if cache is None:
-            return
+        if cache is None or getattr(req.kv_sink, "error", None):
+            return      # a failed prefill job's KV may be incomplete (an earlier chunk's that never came)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
         hashes = self._hashes(req, full)
         for i in range(req.num_cached_blocks, full):
@@ -219,7 +219,8 @@ class Scheduler:
         running. The tokens it takes from the budget; _PASSED: it waits, later ones may go; None:
         it does not fit, and nothing after it goes either."""
         hit = self._match_prefix(req)
-        req.num_computed_tokens = len(hit) * self.block_size
+        # A pipelined chunk's leading tokens are not computed here: their KV arrives in its first step.
+        req.num_computed_tokens = max(len(hit) * self.block_size, req.upstream_tokens)
         if inflight and self._next_block_inflight(req, len(hit), inflight):
             # Another request is computing or loading this request's next block right now: wait
             # a step or two and hit the cache instead of computing or fetching it again.

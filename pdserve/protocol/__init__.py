@@ -121,6 +121,7 @@ PD_LAYER = "layer"              # prefill -> decode: a layer's blocks are writte
 PD_DONE = "done"                # prefill -> decode: every layer is written; carries the first token
 PD_FAILED = "failed"            # prefill -> decode: the job cannot complete
 PD_CANCEL_ACK = "cancel_ack"    # prefill -> decode: nothing more will be written for this request
+PD_CHUNK_LAYER = "chunk_layer"  # prefill -> prefill: a layer of every earlier chunk is in the decode pool
 # Every PD message names its transfer ("transfer_id", random per job): a message for a transfer the
 # receiver never started or already ended is dropped. With an internal token configured each one
 # also carries AUTH_FIELD, an HMAC of the rest (disagg/trust.py).
@@ -165,6 +166,14 @@ class PrefillJob:
     # bytes): the prefill worker has them encoded by its encoder workers.
     images: list[dict[str, Any]] = field(default_factory=list)
     traceparent: str | None = None  # W3C trace context of the decode side's transfer span (tracing on)
+    # A long prompt prefilled by a pipeline of workers (disagg/pipeline.py): the first
+    # `upstream_tokens` tokens' KV is written into the decode pool by the workers of the earlier
+    # chunks, layer by layer; this job copies each layer from there once told it is in (ChunkLayer).
+    upstream_tokens: int = 0
+    # Where to tell, after each layer of this chunk is in the decode pool: the next chunk's worker
+    # (its bootstrap endpoint) and that job's transfer id.
+    downstream_endpoint: str | None = None
+    downstream_transfer_id: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": PD_PREFILL, **asdict(self)}

@@ -13,6 +13,7 @@ from pdserve.protocol import (
     PD_ACCEPTED,
     PD_CANCEL,
     PD_CANCEL_ACK,
+    PD_CHUNK_LAYER,
     PD_DONE,
     PD_FAILED,
     PD_LAYER,
@@ -107,7 +108,16 @@ class CancelAck(PDMessage):
     TYPE: ClassVar[str] = PD_CANCEL_ACK
 
 
-_BY_TYPE: dict[str, type[PDMessage]] = {c.TYPE: c for c in (Cancel, Accepted, Started, Done, Failed, CancelAck)}
+@dataclass
+class ChunkLayer(PDMessage):
+    """prefill -> prefill, in a pipeline of chunks: `layer` of every chunk before the receiver's is in
+    the decode pool. `transfer_id` is the receiving job's."""
+    TYPE: ClassVar[str] = PD_CHUNK_LAYER
+    layer: int = 0
+
+
+_BY_TYPE: dict[str, type[PDMessage]] = {c.TYPE: c for c in (Cancel, Accepted, Started, Done, Failed, CancelAck,
+                                                                ChunkLayer)}
 
 
 def decode_pd(msg: dict[str, Any]) -> PDMessage:

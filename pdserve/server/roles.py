@@ -59,9 +59,11 @@ def build_connector(config: Config, role: str, engine: LLMEngine) -> None:
     from pdserve.engine.kv_connector import KVConnector
     if role == "decode":
         from pdserve.disagg.receiver import DecodeConnector
+        from pdserve.disagg.split import attention_weight
         engine.connector = DecodeConnector(config, engine.kv_cache, engine.kv_shm_path, kv_bind_endpoint(config),
                                            public_host(config), internal_token(config.server.internal_token),
-                                           engine.max_model_len)
+                                           engine.max_model_len,
+                                           attention_weight(engine.arch, config.disagg.parallel_prefill_attention_weight))
     elif role == "prefill":
         from pdserve.disagg.sender import PrefillConnector
         engine.connector = PrefillConnector(config, engine.kv_cache, kv_bind_endpoint(config), public_host(config),
