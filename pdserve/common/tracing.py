@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,7 +38,8 @@ def setup(service: str, endpoint: str | None) -> bool:
         log.warning("tracing: %s is set but OpenTelemetry is not installed (pip install 'pdserve[tracing]'): %s",
                     endpoint, e)
         return False
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    # host.name: which host a span came from, as a trace crosses hosts (several run one service).
+    provider = TracerProvider(resource=Resource.create({"service.name": service, "host.name": socket.gethostname()}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces"),
                                                    schedule_delay_millis=500))
     atexit.register(provider.shutdown)      # the last spans go out at exit

@@ -151,6 +151,7 @@ class RemoteBackend:
             attempts = migrations = moved = 0
             failed: set[str] = set()
             last_error: WorkerFailed | None = None      # told to the client when no worker is left
+            migration_span = None       # tracing: from a stream's failure to its first token on the next worker
             versions = self.metrics.versions.request()
             n_prompt = len(prompt_token_ids)
             try:
@@ -188,6 +189,9 @@ class RemoteBackend:
                                                     "stop" if stop_hit else finish_reason, n_prompt, len(generated),
                                                     (lps or [])[:len(out_tokens)])
                                 self.on_output(out, time.monotonic())
+                                if migration_span is not None:
+                                    tracing.end(migration_span)
+                                    migration_span = None
                                 versions.tokens(len(out_tokens))
                                 yield out
                                 if done:
@@ -205,11 +209,16 @@ class RemoteBackend:
                             moved += 1
                             self.metrics.moved.labels(decode.worker_id).inc()
                             continue
-                        migrations += await self._recover(request_id, decode, e, attempts - moved, migrations,
-                                                          len(generated))
+                        migrated = await self._recover(request_id, decode, e, attempts - moved, migrations,
+                                                       len(generated))
+                        migrations += migrated
+                        if migrated:
+                            migration_span = tracing.start("router.migration", from_worker=decode.worker_id,
+                                                           tokens_so_far=len(generated), reason=str(e))
                     finally:
                         tracing.end(attempt_span)      # ended above when it failed
             finally:
+                tracing.end(migration_span, "the request ended before its stream moved on")
                 versions.close()
                 if key is not None:
                     self.charge_tokens(key, n_prompt + len(generated))

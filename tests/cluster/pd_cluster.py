@@ -9,8 +9,9 @@ import concurrent.futures
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -51,14 +52,33 @@ class Outcome:
     max_gap: float = 0.0        # the longest the client waited for a chunk (first one included)
     error: str | None = None
     seconds: float = 0.0
+    times: list[float] = field(default_factory=list)      # each chunk's arrival (time.monotonic())
+
+
+def recovery_s(outs: list[Outcome], fault_at: float) -> float:
+    """Time to recover from a fault at `fault_at`: until the longest stall after it ended. Over the
+    streams still running at the fault, the longest wait for a chunk after it (the fault opens the
+    first wait; chunks already on their way arrive first) is the fault's: a stream waiting for its
+    migration, retry or local prefill; its end is when every stream moved again. 0.0 when no
+    stream was running at the fault."""
+    longest, end = 0.0, fault_at
+    for o in outs:
+        prev = fault_at
+        for t in (t for t in o.times if t > fault_at):
+            if t - prev > longest:
+                longest, end = t - prev, t
+            prev = t
+    return end - fault_at
 
 
 class PDCluster:
-    def __init__(self, workdir: Path, redis: bool = True) -> None:
+    def __init__(self, workdir: Path, redis: bool = True, otlp_port: int | None = None) -> None:
+        self.otlp_port = otlp_port      # every process exports its trace spans to this port of the test host (None: off)
         names = ["router", *ROLES] + (["redis"] if redis and shutil.which("redis-server") else []) + ["router-b"]
         self.net = Cluster(names, workdir)
         self.workdir = workdir
         self.procs: dict[str, ServerProcess] = {}
+        self.receiver: Any = None       # the OTLP receiver (tests/otlp_receiver.py) when tracing is on
         try:
             self._start(redis)
         except BaseException:
@@ -74,6 +94,8 @@ class PDCluster:
 
     def _start(self, redis: bool) -> None:
         cfg = dict(CONFIG)
+        if self.otlp_port:      # a receiver in the test process: every host reaches it at the bridge's address
+            cfg["server"] = {**cfg["server"], "otlp_endpoint": f"http://{self.net.gateway}:{self.otlp_port}"}
         if "redis" in self.net.hosts:
             h = self.host("redis")
             self.redis_url = f"redis://{h.ip}:{REDIS_PORT}/0"
@@ -81,6 +103,7 @@ class PDCluster:
             srv = self.net.start(h, "redis", ["redis-server", "--bind", h.ip, "--port", str(REDIS_PORT), "--save", "",
                                               "--appendonly", "no", "--protected-mode", "no", "--dir", str(self.workdir)], REDIS_PORT)
             self.procs["redis"] = srv
+        self.cfg = cfg
         self.config_path = self.workdir / "pdserve.yaml"
         self.config_path.write_text(yaml.safe_dump(cfg))
         self.slow_config_path = self.workdir / "pdserve-slow.yaml"
@@ -98,11 +121,15 @@ class PDCluster:
             self.procs[name].wait_ready(timeout=300)
         self.wait_healthy(set(ROLES))
 
-    def start_worker(self, name: str) -> ServerProcess:
-        """Start (or restart: a fresh process, the same host, ports and name) a worker."""
+    def start_worker(self, name: str, transfer: dict | None = None) -> ServerProcess:
+        """Start (or restart: a fresh process, the same host, ports and name) a worker; `transfer`
+        replaces the config's transfer section for this process."""
         h = self.host(name)
         starts = len(h.procs)
         config = self.slow_config_path if name == SLOW_PREFILL else self.config_path
+        if transfer is not None:
+            config = self.workdir / f"pdserve-{name}-{starts + 1}.yaml"
+            config.write_text(yaml.safe_dump({**self.cfg, "transfer": transfer}))
         cmd = pdserve_cmd() + ["worker", "--role", ROLES[name], "--config", str(config), "--host", h.ip,
                                "--port", str(PORT), "--kv-port", str(KV_PORT),
                                "--kv-events-endpoint", f"tcp://{h.ip}:{EVENTS_PORT}",
@@ -141,6 +168,15 @@ class PDCluster:
         wait_until(idle, timeout, f"idle pools on {list(names)}: "
                    + "; ".join(f"{n}={self._pool_line(n)}" for n in names))
 
+    def leaked_blocks(self, names=tuple(ROLES), timeout: float = 60) -> int:
+        """KV blocks still held on the named workers (neither free nor cached) once they are idle:
+        waits up to `timeout` for every pool to return to its start, then counts what did not."""
+        try:
+            self.idle_pools(names, timeout)
+        except AssertionError as e:
+            print(e)
+        return sum(h["kv_blocks_total"] - h["kv_blocks_free"] for h in map(self.health, names))
+
     def _pool_line(self, name: str) -> str:
         try:
             h = self.health(name)
@@ -151,16 +187,18 @@ class PDCluster:
 
     # ------------------------------------------------------------------ load
 
-    def client(self, timeout: float = 60, router: str = "router") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.procs[router].url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+    def client(self, timeout: float = 60, router: str = "router", headers: dict | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.procs[router].url + "/v1", api_key="unused", max_retries=0, timeout=timeout,
+                             default_headers=headers)
 
     def stream(self, p: list[int], max_tokens: int, on_token=None, timeout: float = 60,
-               router: str = "router") -> Outcome:
+               router: str = "router", headers: dict | None = None) -> Outcome:
         """One streamed greedy completion through the router (the official client); `on_token(n)`
-        after each chunk with the chunks so far."""
+        after each chunk with the chunks so far. `router` may name a worker, reached directly (with
+        the internal token and the prefill peer in `headers`, as the router sends them)."""
         out, t0 = Outcome(), time.monotonic()
         try:
-            chunks = self.client(timeout, router).completions.create(
+            chunks = self.client(timeout, router, headers).completions.create(
                 model=MODEL, prompt=p, max_tokens=max_tokens, temperature=0, stream=True,
                 extra_body={"ignore_eos": True})
             parts, last = [], t0
@@ -168,6 +206,7 @@ class PDCluster:
                 parts.append(c.choices[0].text if c.choices else "")
                 out.chunks += 1
                 now = time.monotonic()
+                out.times.append(now)
                 out.max_gap, last = max(out.max_gap, now - last), now
                 if on_token is not None:
                     on_token(out.chunks)
@@ -178,7 +217,7 @@ class PDCluster:
         return out
 
     def load(self, prompts: list[list[int]], max_tokens: int, fault=None, fault_after: int = 8,
-             timeout: float = 60, routers=("router",)) -> list[Outcome]:
+             timeout: float = 60, routers=("router",), headers: dict | None = None) -> list[Outcome]:
         """Stream every prompt at once (through `routers` in turn); `fault()` runs once, when any
         stream has `fault_after` tokens."""
         fired = threading.Event()
@@ -189,7 +228,7 @@ class PDCluster:
                 fault()
 
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            futs = [pool.submit(self.stream, p, max_tokens, on_token, timeout, routers[i % len(routers)])
+            futs = [pool.submit(self.stream, p, max_tokens, on_token, timeout, routers[i % len(routers)], headers)
                     for i, p in enumerate(prompts)]
             outs = [f.result() for f in futs]
         assert fault is None or fired.is_set(), "the fault never fired: the streams were too short"

@@ -1,6 +1,9 @@
 """PD across hosts (network namespaces): the default deployment over real links, then faults under
 streaming load. Each fault asserts that every request completes with the fault-free greedy output
-or fails with a clear error within its deadline, and that every KV pool returns to its start."""
+or fails with a clear error within its deadline, and that every KV pool returns to its start; its
+figures (tests/cluster/figures.py) print as one table after the run. Every process exports its
+trace spans to a real OTLP receiver in the test process: one request is one trace across hosts,
+a migrated one included."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +13,12 @@ import time
 import httpx
 import pytest
 from cluster.cluster_hosts import ShapingUnavailable, unavailable, wait_until
-from cluster.pd_cluster import MODEL, ROLES, SLOW_PREFILL, PDCluster, prompt
+from cluster.figures import record, timed
+from cluster.pd_cluster import MODEL, ROLES, SLOW_PREFILL, TOKEN, PDCluster, prompt, recovery_s
+from cluster.traces import check_migrated_trace, check_one_trace
+
+from pdserve.protocol import INTERNAL_TOKEN_HEADER
+from pdserve.server.openai_api import PREFILL_HEADER
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 64
@@ -21,11 +29,16 @@ def cluster(tmp_path_factory):
     reason = unavailable()
     if reason:
         pytest.skip(reason)
-    c = PDCluster(tmp_path_factory.mktemp("cluster"))
-    try:
-        yield c
-    finally:
-        c.close()
+    from otlp_receiver import Receiver
+    rx = Receiver("0.0.0.0")
+    with timed("PD cluster (test_cluster_pd.py)"):
+        c = PDCluster(tmp_path_factory.mktemp("cluster"), otlp_port=rx.port)
+        c.receiver = rx
+        try:
+            yield c
+        finally:
+            c.close()
+            rx.close()
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,6 +78,10 @@ def test_default_deployment_across_hosts(cluster):
     wait_until(lambda: all(w["kv_index_blocks"] > 0 for n, w in cluster.workers().items() if n.startswith("decode")),
                30, "the router's KV index to learn both decode workers' blocks")
     cluster.idle_pools()
+
+
+def test_one_trace_across_hosts(cluster):
+    check_one_trace(cluster)
 
 
 def test_follow_up_goes_to_the_decode_worker_holding_its_prefix(cluster):
@@ -118,7 +135,6 @@ def test_decode_host_link_down_mid_stream_is_migrated(cluster):
 
     try:
         outs = cluster.load([prompt(i) for i in range(20, 26)], MAX_TOKENS, fault, fault_after=8)
-        recovered = max(o.seconds for o in outs)
     finally:
         if "name" in down:
             cluster.net.link(cluster.host(down["name"]), up=True)
@@ -126,9 +142,12 @@ def test_decode_host_link_down_mid_stream_is_migrated(cluster):
     assert failed == 0
     assert cluster.workers()[down["name"]]["migrations"] >= 1
     cluster.wait_healthy(set(ROLES))
-    cluster.idle_pools()
-    print(f"FAULT decode_link_down ok={ok} failed={failed} slowest_request_s={recovered:.1f} "
-          f"longest_stall_s={max(o.max_gap for o in outs):.1f}")
+    leaked = cluster.leaked_blocks()
+    record("a decode host's link down mid-stream (its streams migrate)", ok, failed, recovery_s(outs, down["at"]), leaked)
+    assert leaked == 0
+    # A migrated request is one trace: the router's attempts on both decode hosts, its migration,
+    # and the new decode host's prefill (by a prefill host, its KV transfer) and decode.
+    check_migrated_trace(cluster, down["name"], down["at"])
 
 
 def test_restarted_worker_loses_its_stale_index_entries_then_rebuilds(cluster):
@@ -138,6 +157,7 @@ def test_restarted_worker_loses_its_stale_index_entries_then_rebuilds(cluster):
         killed["name"] = name = _busy_decode(cluster)
         killed["blocks"] = cluster.workers()[name]["kv_index_blocks"]
         cluster.procs[name].kill()
+        killed["at"] = time.monotonic()
 
     outs = cluster.load([prompt(i) for i in range(30, 36)], MAX_TOKENS, fault)
     ok, failed = _check(outs, 30, 60)
@@ -164,9 +184,10 @@ def test_restarted_worker_loses_its_stale_index_entries_then_rebuilds(cluster):
         raise AssertionError(f"no request went to the restarted {name}")
     wait_until(lambda: cluster.workers()[name]["kv_index_blocks"] == cluster.health(name)["prefix_cache_blocks"] > 0,
                20, "the index to rebuild the restarted worker's blocks")
-    cluster.idle_pools()
-    print(f"FAULT decode_restart ok={ok} failed={failed} stale_entries_dropped_s_after_ready={dropped_s:.1f} "
-          f"longest_stall_s={max(o.max_gap for o in outs):.1f}")
+    leaked = cluster.leaked_blocks()
+    record("a decode host killed mid-stream, then restarted", ok, failed, recovery_s(outs, killed["at"]), leaked,
+           f"its stale KV-index entries gone {dropped_s:.1f} s after it was up")
+    assert leaked == 0
 
 
 def _mid_transfer(c: PDCluster, timeout: float = 10.0) -> bool:
@@ -211,17 +232,17 @@ def test_prefill_host_link_down_mid_transfer(cluster):
     ok = sum(o.error is None for o in outs)
     failed = len(outs) - ok
     assert all(o.seconds < 60 for o in outs) and failed == 0, outs
-    slowest = max(o.seconds for o in outs)
     cluster.wait_healthy(set(ROLES))
-    cluster.idle_pools()
+    leaked = cluster.leaked_blocks()
     dec = [cluster.health(n) for n in ("decode-a", "decode-b")]
     delta = {k: sum(b[k] - a[k] for a, b in zip(dec0, dec)) for k in ("kv_transfers_failed_total",
                                                                        "kv_local_prefill_fallbacks_total")}
+    record("a prefill host's link down while it writes a job's KV", ok, failed, recovery_s(outs, cut["at"]), leaked,
+           f"caught mid-transfer: {cut['caught']}; transfers failed {delta['kv_transfers_failed_total']}, "
+           f"local prefills {delta['kv_local_prefill_fallbacks_total']} (disagg.transfer_timeout_s 6)")
+    assert leaked == 0
     if cut["caught"]:       # the cut met a transfer: the decode side failed it (then retried or prefilled)
         assert delta["kv_transfers_failed_total"] > 0, delta
-    print(f"FAULT prefill_link_down ok={ok} failed={failed} slowest_request_s={slowest:.1f} "
-          f"caught_in_flight={cut['caught']} transfers_failed={delta['kv_transfers_failed_total']} "
-          f"local_fallbacks={delta['kv_local_prefill_fallbacks_total']} longest_stall_s={max(o.max_gap for o in outs):.1f}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,7 +257,7 @@ def test_prefill_stopped_then_resumed(cluster):
     def fault() -> None:
         name, caught = SLOW_PREFILL, _mid_transfer(cluster)
         cluster.net.pause(cluster.procs[name], True)
-        stopped.update(name=name, caught=caught)
+        stopped.update(name=name, caught=caught, at=time.monotonic())
         time.sleep(10)          # longer than every transfer deadline
         cluster.net.pause(cluster.procs[name], False)
         stopped["resumed"] = True
@@ -252,11 +273,11 @@ def test_prefill_stopped_then_resumed(cluster):
             cluster.net.pause(cluster.procs[stopped["name"]], False)
     for i, o in enumerate(outs):
         assert o.error is None and o.text == _want_long(60 + i), (i, o)
-    slowest = max(o.seconds for o in outs)
     cluster.wait_healthy(set(ROLES))
-    cluster.idle_pools()
-    print(f"FAULT prefill_sigstop ok={len(outs)} failed=0 slowest_request_s={slowest:.1f} caught_in_flight={stopped['caught']} "
-          f"longest_stall_s={max(o.max_gap for o in outs):.1f}")
+    leaked = cluster.leaked_blocks()
+    record("a prefill host stopped (SIGSTOP) mid-transfer for 10 s, then resumed", len(outs), 0,
+           recovery_s(outs, stopped["at"]), leaked, f"caught mid-transfer: {stopped['caught']}")
+    assert leaked == 0
 
 
 def test_one_router_replica_loses_a_decode_host_the_other_still_reaches(cluster):
@@ -281,52 +302,68 @@ def test_one_router_replica_loses_a_decode_host_the_other_still_reaches(cluster)
     ok, failed = _check(outs, 80, 60)
     assert failed == 0
     cluster.wait_healthy(set(ROLES))
-    cluster.idle_pools()
-    print(f"FAULT router_worker_partition ok={ok} failed={failed} longest_stall_s={max(o.max_gap for o in outs):.1f}")
+    leaked = cluster.leaked_blocks()
+    record("one router replica partitioned from a decode host, the other still reaching it", ok, failed,
+           recovery_s(outs, cut["at"]), leaked, "router-b kept routing to it")
+    assert leaked == 0
 
 
-def _send_figures(c: PDCluster, name: str) -> dict:
-    h = c.health(name)
-    return {k: h[k] for k in ("kv_send_steps_total", "kv_send_tail_lag_seconds_total", "kv_send_bytes_total",
-                              "kv_send_seconds_total")}
+SLOW_BITS = 8_000_000
 
 
-def test_slow_link_nothing_times_out(cluster):
-    """Last in the module: drains prefill-b. prefill-a's link is slowed to 8 Mbit/s (6 prompts' KV,
-    ~1.2 MB, take over a second on it): nothing times out that should not and the outputs are the
-    fault-free ones. Printed: the prefill's wait for its writes per step (tail lag; the kernel's
-    socket buffer takes the bytes, the link sets when they land) and the decode side's mean job
-    time. Whether layer-wise writes beat sending after the forward is not shown here: with this
-    2-layer model the link, not the compute, sets both (benchmarks/kv_transfer.py measures the
-    overlap on the real model)."""
-    ws = cluster.workers()
-    assert httpx.post(f"{cluster.router.url}/admin/workers/{ws['prefill-b']['id']}/drain", timeout=5).status_code == 200
-    host = cluster.host("prefill-a")
+def _slow_link_load(cluster, host: str, first: int, routers=("router",), headers=None) -> tuple[int, dict]:
+    """Six long prompts streamed while `host`'s link is capped at 8 Mbit/s (their KV, ~1.2 MB, takes
+    over a second on it): each ends with the fault-free output and no decode worker failed a
+    transfer or fell back to a local prefill (nothing timed out that should not). Returns the KV
+    blocks leaked and the decode side's figures."""
     try:
-        cluster.net.shape(host, 8_000_000)
+        cluster.net.shape(cluster.host(host), SLOW_BITS)
     except ShapingUnavailable as e:
         pytest.skip(str(e))
     try:
         dec0 = [cluster.health(n) for n in ("decode-a", "decode-b")]
-        f0 = _send_figures(cluster, "prefill-a")
-        outs = cluster.load(_long_prompts(70, 6), 48)
-        for i, o in enumerate(outs, 70):
+        sent0 = cluster.health(host)["kv_send_bytes_total"]
+        outs = cluster.load(_long_prompts(first, 6), 48, routers=routers, headers=headers)
+        for i, o in enumerate(outs, first):
             assert o.error is None and o.text == _want_long(i), (i, o)
-        f1 = _send_figures(cluster, "prefill-a")
+        sent = cluster.health(host)["kv_send_bytes_total"] - sent0
         dec1 = [cluster.health(n) for n in ("decode-a", "decode-b")]
     finally:
-        cluster.net.shape(host, None)
-    for a, b in zip(dec0, dec1):
-        for key in ("kv_transfers_failed_total", "kv_local_prefill_fallbacks_total"):
-            assert b[key] == a[key], key          # nothing timed out on the slow link
-    jobs = sum(b["kv_transfers_completed_total"] - a["kv_transfers_completed_total"] for a, b in zip(dec0, dec1))
-    job_s = sum(b["kv_transfer_seconds_total"] - a["kv_transfer_seconds_total"] for a, b in zip(dec0, dec1))
-    steps = f1["kv_send_steps_total"] - f0["kv_send_steps_total"]
-    assert steps > 0 and jobs >= 6
-    tail = (f1["kv_send_tail_lag_seconds_total"] - f0["kv_send_tail_lag_seconds_total"]) / steps
-    cluster.idle_pools()
-    print(f"SLOW_LINK 8Mbit ok={len(outs)} failed=0 kv_bytes={f1['kv_send_bytes_total'] - f0['kv_send_bytes_total']} "
-          f"tail_lag_ms_per_step={tail * 1e3:.1f} decode_mean_job_s={job_s / jobs:.2f}")
+        cluster.net.shape(cluster.host(host), None)
+    d = {k: sum(b[k] - a[k] for a, b in zip(dec0, dec1)) for k in (
+        "kv_transfers_failed_total", "kv_local_prefill_fallbacks_total", "kv_transfers_completed_total",
+        "kv_transfer_seconds_total")}
+    assert d["kv_transfers_failed_total"] == 0 and d["kv_local_prefill_fallbacks_total"] == 0, d
+    assert d["kv_transfers_completed_total"] >= 6 and sent > 0, (d, sent)
+    return cluster.leaked_blocks(), {"kv_bytes": sent, "job_s": d["kv_transfer_seconds_total"] / d["kv_transfers_completed_total"]}
+
+
+def test_slow_link_layerwise(cluster):
+    """prefill-a's link at 8 Mbit/s (prefill-b drained), the default layer-wise writes: nothing
+    times out. (Whether layer-wise writes beat writing after the forward is measured on the real
+    model by benchmarks/slow_link.py: with this 2-layer model the link alone sets both.)"""
+    ws = cluster.workers()
+    assert httpx.post(f"{cluster.router.url}/admin/workers/{ws['prefill-b']['id']}/drain", timeout=5).status_code == 200
+    leaked, f = _slow_link_load(cluster, "prefill-a", 70)
+    record("a slow link: a prefill host at 8 Mbit/s, layer-wise writes", 6, 0, None, leaked,
+           f"{f['kv_bytes'] / 1e6:.1f} MB of KV; decode-side job {f['job_s']:.2f} s mean; no transfer failed")
+    assert leaked == 0
+
+
+def test_slow_link_after_the_forward(cluster):
+    """Drains prefill-b's old process for good: prefill-b restarts with `transfer.layerwise: false`
+    (every layer written after the forward; no bandwidth cap) and its link at 8 Mbit/s; the six
+    requests go straight to the decode workers naming it as their prefill peer (the headers the
+    router sends: the router keeps prefill-b drained). Nothing times out."""
+    cluster.procs[SLOW_PREFILL].stop(grace=10)
+    cluster.start_worker(SLOW_PREFILL, transfer={"layerwise": False}).wait_ready(timeout=120)
+    peer = cluster.health(SLOW_PREFILL)["kv_endpoint"]
+    headers = {PREFILL_HEADER: peer, INTERNAL_TOKEN_HEADER: TOKEN}
+    leaked, f = _slow_link_load(cluster, SLOW_PREFILL, 100, routers=("decode-a", "decode-b"), headers=headers)
+    assert cluster.health(SLOW_PREFILL)["kv_send_bytes_total"] > 0      # the restarted prefill-b did the work
+    record("a slow link: a prefill host at 8 Mbit/s, writes after the forward", 6, 0, None, leaked,
+           f"{f['kv_bytes'] / 1e6:.1f} MB of KV; decode-side job {f['job_s']:.2f} s mean; no transfer failed")
+    assert leaked == 0
 
 
 def test_the_redis_tier_is_shared_across_hosts(cluster):

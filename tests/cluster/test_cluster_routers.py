@@ -10,6 +10,7 @@ import httpx
 import pytest
 import yaml
 from cluster.cluster_hosts import Cluster, unavailable
+from cluster.figures import timed
 
 from pdserve.bench.procs import pdserve_cmd, thread_env
 
@@ -26,6 +27,11 @@ def replicas(tmp_path_factory):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
     tmp = tmp_path_factory.mktemp("routers")
+    with timed("router replicas (test_cluster_routers.py)"):
+        yield from _replicas(tmp)
+
+
+def _replicas(tmp):
     net = Cluster(["router-a", "router-b", "redis"], tmp)
     try:
         redis = net.hosts["redis"]

@@ -5,9 +5,7 @@ the router's audit line names the trace, and an error body carries its trace id.
 from __future__ import annotations
 
 import re
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import openai
@@ -17,50 +15,8 @@ import yaml
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd, thread_env
 
 pytestmark = pytest.mark.slow
-pb = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
-
-
-class Receiver:
-    """An OTLP/HTTP trace receiver: keeps (service, span name, trace id, attributes) of every span."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, str, str, dict]] = []
-        self.lock = threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:      # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                req = pb.ExportTraceServiceRequest.FromString(body)
-                with outer.lock:
-                    for rs in req.resource_spans:
-                        service = next((a.value.string_value for a in rs.resource.attributes
-                                        if a.key == "service.name"), "?")
-                        for ss in rs.scope_spans:
-                            for s in ss.spans:
-                                attrs = {a.key: a.value for a in s.attributes}
-                                outer.spans.append((service, s.name, s.trace_id.hex(), attrs))
-                out = pb.ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def of(self, trace_id: str) -> list[tuple[str, str]]:
-        with self.lock:
-            return [(svc, name) for svc, name, tid, _ in self.spans if tid == trace_id]
-
-    def attrs(self, trace_id: str, name: str) -> dict:
-        with self.lock:
-            return next(a for _, n, tid, a in self.spans if tid == trace_id and n == name)
+pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+from otlp_receiver import Receiver  # noqa: E402
 
 
 def _audit_trace(log: str, path: str, status: int) -> str:
@@ -100,10 +56,10 @@ def test_one_trace_across_router_and_workers(tmp_path):
                 assert time.monotonic() < deadline, (sorted(set(rx.of(ok_trace))), len(rx.spans))
                 time.sleep(0.2)
             # The decode worker names the prefill worker that filled the prompt: a peer, not itself.
-            assert rx.attrs(ok_trace, "worker.prefill")["prefilled_by"].string_value.startswith("tcp://")
+            assert rx.attrs(ok_trace, "worker.prefill")["prefilled_by"].startswith("tcp://")
             while ("pdserve-router", "POST /v1/completions") not in rx.of(bad_trace):
                 assert time.monotonic() < deadline, rx.of(bad_trace)
                 time.sleep(0.2)
             assert ok_trace != bad_trace
     finally:
-        rx.server.shutdown()
+        rx.close()
