@@ -69,7 +69,7 @@ class LocalFleet:
         config = load_config(raw)
         return write_worker_config(config, self.log_dir / f"deployment-{config_digest(config)}.yaml"), config
 
-    def config_file(self, version: str) -> Path | None:
+    def version_file(self, version: str) -> Path | None:
         return self.versions.get(version)
 
     def remember(self, w: Worker) -> None:

@@ -243,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.drain_timeout_s is not None and args.drain_timeout_s < 0:
         print("pdserve rollout: --drain-timeout-s must be at least 0", file=sys.stderr)
         return 2
+    t0 = time.monotonic()
     rollout = Rollout(Admin(args.router, args.admin_key), config, Settings.from_config(config, args.drain_timeout_s),
-                      say=lambda line: print(line, flush=True))
+                      say=lambda line: print(f"{time.monotonic() - t0:7.1f}s  {line}", flush=True))
     try:
         outcome = rollout.run()
     except AdminError as e:

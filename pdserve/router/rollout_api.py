@@ -36,7 +36,7 @@ class RolloutFleet(Protocol):
 
     def write_config(self, data: dict) -> tuple[Path, Config]: ...
 
-    def config_file(self, version: str) -> Path | None: ...
+    def version_file(self, version: str) -> Path | None: ...
 
     def remember(self, w: Worker) -> None: ...
 
@@ -52,7 +52,7 @@ def _no_fleet() -> Any:
 
 def install_rollout_routes(app: FastAPI, config: Config, registry: Registry, client: httpx.AsyncClient,
                            backend: RemoteBackend, fleet: Any) -> None:
-    can_start = all(hasattr(fleet, m) for m in ("write_config", "config_file", "remember", "start"))
+    can_start = all(hasattr(fleet, m) for m in ("write_config", "version_file", "remember", "start"))
     rfleet: RolloutFleet | None = fleet if can_start else None
 
     def canary() -> dict:
@@ -90,7 +90,7 @@ def install_rollout_routes(app: FastAPI, config: Config, registry: Registry, cli
                 return error_response(409, f"the config serves {new.model.name!r}, this router {config.model.name!r}; "
                                            "a rollout keeps the model", "config", "model_mismatch")
         else:
-            found = rfleet.config_file(body.version or "")
+            found = rfleet.version_file(body.version or "")
             if found is None:
                 return error_response(404, f"this fleet never ran version {body.version!r}", "version",
                                       "unknown_version")
