@@ -77,6 +77,8 @@ _counters("kv_transfers_completed_total", "kv_transfers_failed_total", "kv_trans
          "kv_transfer_seconds_total", "kv_recv_tcp_bytes_total", "kv_local_prefill_fallbacks_total",
          "kv_messages_rejected_total", "kv_messages_dropped_total")
 _gauges("kv_transfers_bootstrapping", "kv_transfers_waiting", "kv_transfers_transferring", "kv_blocks_quarantined")
+# Long prompts prefilled by a pipeline of prefill workers (disagg/parallel.py): requests, chunks, failures.
+_counters("kv_parallel_prefills_total", "kv_parallel_prefill_chunks_total", "kv_parallel_prefills_failed_total")
 
 # ------------------------------------------------------------------ PD: the prefill side (disagg/sender.py)
 _counters("kv_send_bytes_total", "kv_send_seconds_total", "kv_send_layers_total", "kv_send_layer_lag_seconds_total",
