@@ -114,7 +114,15 @@ def install_rollout_routes(app: FastAPI, config: Config, registry: Registry, cli
             return _no_fleet()
         drain_s = body.drain_timeout_s if body.drain_timeout_s is not None else config.controller.drain_timeout_s
         try:
-            moved = await empty_worker(registry, client, w, drain_s)
+            try:
+                moved = await empty_worker(registry, client, w, drain_s)
+            except SwitchRefused as e:
+                if e.code != "worker_failed" or w.healthy:
+                    raise
+                # Down (a new worker that died in its window): nothing to empty, the router has
+                # moved its streams already (migration); the process is stopped all the same.
+                log.warning("worker %s is down; retiring it without emptying: %s", worker_id, e)
+                moved = 0
             rfleet.remember(w)
             await rfleet.remove(w)
         except (SwitchRefused, RuntimeError) as e:

@@ -6,17 +6,20 @@ four clients stream greedy completions through the official openai client:
 - a rollout that rolls back: the second new worker's SLO check fails (a TTFT SLO nobody meets,
   the injected breach), so every replaced worker gets its old version back (the first one's old
   process is gone by then: the fleet starts the old config again) and the new ones leave; no
-  request fails and only the old version is left.
-Both run the real CLI process, talking to the router's admin API."""
+  request fails and only the old version is left;
+- a new worker killed in its window (the failed health check): its streams move, it is retired.
+All run the real CLI process, talking to the router's admin API."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import threading
 
 import httpx
 import pytest
 import yaml
-from load_client import ADMIN, MODEL, Load, admin, offline_outputs, pool_at_start, workers
+from load_client import ADMIN, MODEL, Load, admin, offline_outputs, pool_at_start, wait_for, workers
 
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 from pdserve.config import load_config
@@ -126,6 +129,47 @@ def test_a_rollout_rolls_back_on_an_slo_breach(tmp_path):
             pool_at_start(w["url"])
         for pid in _worker_pids(srv.proc.pid):
             assert pid in {w["pid"] for w in after.values()}, "a new-version worker still runs"
+
+
+def test_a_new_worker_that_dies_in_its_window_is_rolled_back(tmp_path):
+    """The failed health check: the new decode worker takes every new request (canary weight 1)
+    and is killed in its window; its streams move to the old worker, the rollout stops, the dead
+    worker is retired, the old one was never touched."""
+    want = offline_outputs()
+    new_cfg, new_version = _new_config(tmp_path)
+    with _deployment(tmp_path, 0, 1) as srv:
+        srv.wait_ready(timeout=300)
+        url = srv.url
+        before = workers(url)
+        load = Load(url)
+        killed: list[int] = []
+
+        def kill_the_new_worker() -> None:
+            new = wait_for(lambda: [w for w in workers(url).values() if w["version"] == new_version and w["healthy"]
+                                    and w["load"]["in_flight"] > 0], "the new worker took no stream", timeout=300)
+            os.kill(new[0]["pid"], signal.SIGKILL)
+            killed.append(new[0]["pid"])
+
+        killer = threading.Thread(target=kill_the_new_worker, daemon=True)
+        try:
+            load.progress(2, "no progress before the rollout")
+            killer.start()
+            out = _rollout(url, new_cfg, "--window-s", "20", "--canary-weight", "1", "--slo-ttft-ms", "60000",
+                           "--slo-tpot-ms", "60000", "--max-error-rate", "1")
+            killer.join(timeout=10)
+            load.progress(4, "no progress after the rollback")
+        finally:
+            load.finish()
+        print(out.stdout)
+        assert killed, "the new worker was never killed"
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "is unhealthy" in out.stdout and "rolled back: health check" in out.stdout, out.stdout
+        assert load.errors == []
+        assert load.wrong(want) == []
+        after = workers(url)
+        assert list(after) == list(before) and {w["version"] for w in after.values()} == {before[next(iter(before))]["version"]}
+        assert admin(url, "GET", "/admin/canary").json() == {"version": None, "weight": None}
+        pool_at_start(next(iter(after.values()))["url"])
 
 
 def _worker_pids(parent: int) -> set[int]:

@@ -1,0 +1,89 @@
+"""The router's rollout routes on the real router app (create_router_app over ASGI, in this process):
+the version label in GET /admin/workers, the canary API, and the refusals of POST /admin/workers
+and retire (no fleet, a bad config naming its key, another model, an unknown version or worker),
+each an admin route with an OpenAI-style error body. Starting and retiring real workers:
+tests/router/test_rollout_e2e.py."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from pdserve.config import load_config
+from pdserve.local_fleet import LocalFleet
+
+ADMIN = "sk-admin-r"
+REG = {"worker_id": "w-1", "role": "decode", "model": "tiny-qwen2", "url": "http://127.0.0.1:1", "pid": 1,
+       "pdserve_version": "0.1.0", "config_digest": "abcdefabcdef"}
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    for name in ("PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEYS", "PDSERVE_INTERNAL_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _router(fleet_dir=None):
+    from pdserve.router.gateway import create_router_app
+    config = load_config(overrides={"model.name": "tiny-qwen2", "router.encoder_workers": 0,
+                                    "router.admin_keys": [ADMIN]})
+    fleet = LocalFleet(config, [], fleet_dir / "deployment.yaml", fleet_dir, "http://127.0.0.1:1") if fleet_dir else None
+    app = create_router_app(config, fleet)
+
+    def call(method: str, path: str, key: str | None = ADMIN, json=None) -> httpx.Response:
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+                return await c.request(method, path, json=json,
+                                       headers={"Authorization": f"Bearer {key}"} if key else {})
+        return asyncio.run(go())
+    return call
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_version_label_and_canary_api():
+    call = _router()
+    assert call("POST", "/admin/workers/register", json=REG).status_code == 200
+    [w] = call("GET", "/admin/workers").json()["workers"]
+    assert (w["version"], w["pdserve_version"], w["config_digest"]) == ("0.1.0+abcdefabcdef", "0.1.0", "abcdefabcdef")
+
+    assert call("GET", "/admin/canary").json() == {"version": None, "weight": None}
+    _error(call("PUT", "/admin/canary", key=None, json={"version": "v", "weight": 0.5}), 401)
+    assert call("PUT", "/admin/canary", json={"version": w["version"], "weight": 0.25}).json() == \
+        {"version": w["version"], "weight": 0.25}
+    assert call("GET", "/admin/canary").json()["weight"] == 0.25
+    for bad in ({"version": "v", "weight": 1.5}, {"version": "", "weight": 0.5}, {"weight": 0.5},
+                {"version": "v", "weight": 0.5, "extra": 1}):
+        _error(call("PUT", "/admin/canary", json=bad), 400)
+    assert call("DELETE", "/admin/canary").json() == {"version": None, "weight": None}
+
+
+def test_starting_and_retiring_workers_needs_a_fleet():
+    call = _router()
+    assert _error(call("POST", "/admin/workers", json={"role": "decode", "version": "x"}), 501)["code"] == "no_fleet"
+    assert call("POST", "/admin/workers/register", json=REG).status_code == 200
+    assert _error(call("POST", "/admin/workers/w-1/retire", json={}), 501)["code"] == "no_fleet"
+    assert _error(call("POST", "/admin/workers/nobody/retire", json={}), 404)["code"] == "unknown_worker"
+    _error(call("POST", "/admin/workers", json={"role": "encoder", "version": "x"}), 400)
+    _error(call("POST", "/admin/workers", key=None, json={"role": "decode", "version": "x"}), 401)
+
+
+def test_a_start_is_refused_before_any_process_when_its_config_is_wrong(tmp_path):
+    call = _router(tmp_path)
+    err = _error(call("POST", "/admin/workers", json={"role": "decode"}), 400)
+    assert "one of config" in err["message"]
+    err = _error(call("POST", "/admin/workers", json={"role": "decode", "config": {"scheduler": {"max_num_seqs": 0}}}),
+                 400)
+    assert err["param"] == "config" and "scheduler.max_num_seqs" in err["message"]
+    err = _error(call("POST", "/admin/workers", json={"role": "decode", "config": {"model": {"name": "tiny-llama"}}}),
+                 409)
+    assert err["code"] == "model_mismatch"
+    err = _error(call("POST", "/admin/workers", json={"role": "prefill", "version": "0.1.0+000000000000"}), 404)
+    assert err["code"] == "unknown_version"
+    assert not list(tmp_path.glob("*.log"))         # no worker was started
