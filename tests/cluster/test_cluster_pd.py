@@ -14,7 +14,7 @@ import httpx
 import pytest
 from cluster.cluster_hosts import ShapingUnavailable, unavailable, wait_until
 from cluster.figures import record, timed
-from cluster.pd_cluster import MODEL, ROLES, SLOW_PREFILL, TOKEN, PDCluster, prompt, recovery_s
+from cluster.pd_cluster import CONFIG, MODEL, ROLES, SLOW_PREFILL, TOKEN, PDCluster, prompt, recovery_s
 from cluster.traces import check_migrated_trace, check_one_trace
 
 from pdserve.protocol import INTERNAL_TOKEN_HEADER
@@ -252,6 +252,9 @@ def _want_long(i: int) -> str:
 
 
 def test_prefill_stopped_then_resumed(cluster):
+    # The decode workers skip a prefill peer that failed (the cut above) for disagg.peer_retry_s:
+    # let prefill-b back in first, or the stop may meet no transfer.
+    time.sleep(CONFIG["disagg"]["peer_retry_s"])
     stopped: dict = {}
 
     def fault() -> None:

@@ -57,10 +57,13 @@ def check_one_trace(c: PDCluster) -> None:
     """One streamed request: one trace with spans from the router host (root, queueing, routing,
     the attempt), a decode host (its stay, the prefill by a peer, the KV transfer, the decode) and a
     prefill host (the job it ran); a refused request's error body names its trace, as does the audit line."""
+    def ok_lines() -> list[str]:
+        return audit_traces(c.router.log_tail(2_000_000), "/v1/completions", 200)
+
+    before = len(ok_lines())
     out = c.stream(prompt(5, 120), 8)
     assert out.error is None, out
-    tid = _wait("the request's audit line", lambda: (audit_traces(c.router.log_tail(2_000_000), "/v1/completions", 200)
-                                                     or [None])[-1])
+    tid = _wait("the request's audit line", lambda: (ok_lines()[before:] or [None])[-1])
     by_host = _wait(f"trace {tid} to span router, decode and prefill hosts",
                     lambda: (lambda h: h if _covers(h) else None)(hosts_of(c, tid)))
     assert set(by_host) <= {"router", "prefill-a", "prefill-b", "decode-a", "decode-b"}, by_host
