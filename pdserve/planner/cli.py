@@ -44,6 +44,9 @@ def profile_parser() -> argparse.ArgumentParser:
                    help="whose settings (deployment.<role>: threads, quantization) to profile (default decode)")
     p.add_argument("--output", "-o", default=DEFAULT_PROFILE, help=f"where to write the profile (default {DEFAULT_PROFILE})")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds; for tests and smoke checks)")
+    p.add_argument("--no-serving", action="store_true",
+                   help="skip timing idle served requests (a 1P1D deployment and a mixed server started for ~1 minute) "
+                        "for the per-request and per-step overheads of serving; the plan then counts the steps alone")
     p.add_argument("--prefill-chunks", type=_ints, help="chunk sizes to time, comma-separated")
     p.add_argument("--prefill-contexts", type=_ints, help="contexts to report prefill at, comma-separated")
     p.add_argument("--decode-batches", type=_ints, help="decode batch sizes to time")
@@ -75,7 +78,6 @@ def plan_parser() -> argparse.ArgumentParser:
                    help="prefill max_num_batched_tokens values to try")
     p.add_argument("--decode-max-num-seqs", type=_ints, default=(8, 16, 32, 64), help="decode max_num_seqs values to try")
     p.add_argument("--no-mixed", action="store_true", help="consider only disaggregated deployments")
-    p.add_argument("--overhead-ms", type=float, default=0.0, help="fixed per-request time added to TTFT (router, HTTP)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
@@ -101,10 +103,40 @@ def run_profile(argv: list[str]) -> int:
     except ValueError as e:
         print(f"pdserve profile: {e}", file=sys.stderr)
         return 2
+    if not args.no_serving:
+        from pdserve.config import for_role
+        from pdserve.planner.serving import measure_serving
+        chunk = for_role(config, "prefill").scheduler.max_num_batched_tokens
+        try:
+            serving = measure_serving(config, _served_config(args), costs, chunk, log=lambda s: print(s, file=sys.stderr))
+        except RuntimeError as e:
+            print(f"pdserve profile: timing served requests failed: {e}", file=sys.stderr)
+            return 1
+        costs = replace(costs, serving=serving)
     costs.save(args.output)
     print(f"pdserve profile: wrote {args.output} ({costs.cpu}; {costs.model}, {costs.threads} threads, "
           f"quantization {costs.quantization})")
     return 0
+
+
+def _served_config(args: argparse.Namespace) -> str:
+    """A YAML file of the config file with the command line's flags on top, for the served deployments."""
+    import tempfile
+
+    import yaml
+    data = yaml.safe_load(open(args.config).read()) or {} if args.config else {}
+    for dotted, value in flag_overrides(args).items():
+        if value is None:
+            continue
+        *parents, leaf = dotted.split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    f = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pdserve-profile-", delete=False)
+    with f:
+        yaml.safe_dump(data, f)
+    return f.name
 
 
 def run_plan(argv: list[str]) -> int:
@@ -137,8 +169,7 @@ def run_plan(argv: list[str]) -> int:
                    decode_settings=RoleSettings(sc.max_num_seqs, sc.max_num_batched_tokens),
                    local_prefill_max_tokens=config.disagg.local_prefill_max_tokens,
                    prefill_policy=config.load_balancer.prefill, decode_policy=config.load_balancer.decode,
-                   block_size=costs.block_size, threads=costs.threads, cores=costs.cores,
-                   overhead_s=args.overhead_ms / 1000)
+                   block_size=costs.block_size, threads=costs.threads, cores=costs.cores)
     space = SearchSpace(args.max_workers, args.prefill_chunks, args.decode_max_num_seqs, not args.no_mixed)
     result = plan(costs, base, requests, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000, space, args.attainment)
     if args.json:

@@ -61,9 +61,22 @@ class Prediction:
                 "tpot_ms": {"p50": round(self.tpot_p50_s * 1000, 1), "p90": round(self.tpot_p90_s * 1000, 1)}}
 
 
+def served(fleet: PDFleet, costs: StepCosts) -> PDFleet:
+    """The fleet with the profile's measured serving overheads (none when the profile has none)."""
+    s = costs.serving
+    if s is None:
+        return fleet
+    if fleet.mixed:
+        return replace(fleet, overhead_s=s.mixed_overhead_s, remote_overhead_s=s.mixed_overhead_s,
+                       step_overhead_s=s.mixed_step_s)
+    return replace(fleet, overhead_s=s.pd_local_overhead_s, remote_overhead_s=s.pd_remote_overhead_s,
+                   step_overhead_s=s.pd_step_s)
+
+
 def predict(costs: StepCosts, fleet: PDFleet, requests: list[PDRequest], slo_ttft_s: float | None = None,
             slo_tpot_s: float | None = None) -> Prediction:
-    done = simulate_pd(requests, fleet, costs)
+    """`fleet` simulated on `costs` with their serving overheads (served)."""
+    done = simulate_pd(requests, served(fleet, costs), costs)
     ttft = [r.ttft for r in done]
     tpot = [t for r in done if (t := r.tpot) is not None]
     good = sum(1 for r in done if (slo_ttft_s is None or r.ttft <= slo_ttft_s)
@@ -80,7 +93,7 @@ class SearchSpace:
     max_workers: int
     prefill_chunks: tuple[int, ...] = (128, 256, 512, 1024)
     decode_max_num_seqs: tuple[int, ...] = (8, 16, 32, 64)
-    mixed: bool = True               # also consider mixed deployments (no disaggregation)
+    mixed: bool = True               # also consider a mixed deployment (one process, no disaggregation)
 
 
 def candidates(base: PDFleet, space: SearchSpace) -> list[PDFleet]:
@@ -93,8 +106,8 @@ def candidates(base: PDFleet, space: SearchSpace) -> list[PDFleet]:
                     out.append(replace(base, prefill=p, decode=n - p, mixed=0, decode_settings=dec,
                                        prefill_settings=replace(base.prefill_settings, max_num_batched_tokens=chunk)))
         if space.mixed:
-            for m in range(1, space.max_workers + 1):
-                out.append(replace(base, prefill=0, decode=0, mixed=m, decode_settings=dec))
+            # One process: what `pdserve serve --mode mixed` runs (mixed workers behind a router are not planned).
+            out.append(replace(base, prefill=0, decode=0, mixed=1, decode_settings=dec))
     return out
 
 

@@ -74,7 +74,9 @@ class PDFleet:
     block_size: int = 16
     threads: int = 1                 # compute threads of each worker
     cores: int | None = None         # None: every worker has cores of its own
-    overhead_s: float = 0.0          # fixed per request (HTTP, router, handshake), added to TTFT
+    overhead_s: float = 0.0          # fixed per request (HTTP, router, streaming), added to TTFT
+    remote_overhead_s: float = 0.0   # the same for a prompt a prefill worker computes (the PD handshake too)
+    step_overhead_s: float = 0.0     # added to every step (a served step beyond the engine's own)
 
     def describe(self) -> str:
         if self.mixed:
@@ -184,6 +186,7 @@ class _Sim:
 
     def _scaled(self, seconds: float, now: float) -> float:
         cores = self.fleet.cores
+        seconds += self.fleet.step_overhead_s
         if not cores:
             return seconds
         return seconds * max(1.0, (self.busy_threads(now) + self.fleet.threads) / cores)
@@ -302,7 +305,8 @@ class _Sim:
 
 def simulate_pd(requests: list[PDRequest], fleet: PDFleet, costs: StepCosts, seed: int = 0) -> list[PDRequest]:
     """Run `requests` (copied: one trace serves every fleet) through `fleet`; returns the copies with
-    first_token and finish filled in (fleet.overhead_s is added to each first token)."""
+    first_token and finish filled in (fleet.overhead_s, or remote_overhead_s for a prompt a prefill
+    worker computed, is added to both)."""
     if (fleet.mixed == 0) and (fleet.prefill < 0 or fleet.decode < 1):
         raise ValueError("a PD fleet needs at least one decode worker")
     reqs = [PDRequest(r.rid, r.arrival, r.prompt_tokens, max(1, r.output_tokens), r.max_tokens) for r in requests]
@@ -310,6 +314,7 @@ def simulate_pd(requests: list[PDRequest], fleet: PDFleet, costs: StepCosts, see
     for r in reqs:
         if r.finish < 0:
             raise RuntimeError(f"request {r.rid} never finished (simulator bug)")
-        r.first_token += fleet.overhead_s
-        r.finish += fleet.overhead_s
+        extra = fleet.remote_overhead_s if r.remote else fleet.overhead_s
+        r.first_token += extra
+        r.finish += extra
     return reqs

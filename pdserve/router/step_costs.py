@@ -60,6 +60,18 @@ class Grid:
 
 
 @dataclass(frozen=True)
+class Serving:
+    """What serving adds to the engine's steps, measured on an idle deployment (planner/serving.py):
+    per-request time outside the steps (HTTP, the router, the PD handshake, streaming) and the time a
+    served step takes beyond the same step timed alone (the worker's event loop, streaming each token)."""
+    pd_local_overhead_s: float       # TTFT beyond the steps, prompt prefilled by the decode worker
+    pd_remote_overhead_s: float      # TTFT beyond the steps and exposed transfer, prompt from a prefill worker
+    pd_step_s: float                 # added to every step of a PD deployment's workers
+    mixed_overhead_s: float          # a mixed server (no router)
+    mixed_step_s: float
+
+
+@dataclass(frozen=True)
 class StepCosts:
     """What one worker's engine step costs on one machine, for one model and engine setting."""
     cpu: str                         # pdserve.utils.cpu.describe()
@@ -77,6 +89,7 @@ class StepCosts:
     transfer_bytes: list[int]        # KV moved in one transfer ...
     transfer_seconds: list[float]    # ... and how long it took
     layerwise: bool = True           # transfer.layerwise when profiled: all but one layer's bytes overlap compute
+    serving: Serving | None = None   # None: not measured (pdserve profile --no-serving)
     created: str = ""
     format: str = FORMAT
     notes: dict[str, Any] = field(default_factory=dict)
@@ -141,6 +154,8 @@ class StepCosts:
             kw = dict(data)
             for g in ("prefill", "decode"):
                 kw[g] = Grid(**kw[g])
+            if kw.get("serving") is not None:
+                kw["serving"] = Serving(**kw["serving"])
             costs = cls(**kw)
         except (TypeError, KeyError) as e:
             raise ProfileError(f"malformed profile: {e}") from None
@@ -154,6 +169,8 @@ class StepCosts:
             raise ProfileError("transfer_bytes and transfer_seconds must be equally long and not empty")
         if any(b <= 0 for b in self.transfer_bytes) or any(s <= 0 for s in self.transfer_seconds):
             raise ProfileError("transfer sizes and times must be positive")
+        if self.serving is not None and not all(isinstance(v, (int, float)) for v in asdict(self.serving).values()):
+            raise ProfileError("serving figures must be numbers of seconds")
         for name in ("cores", "threads", "block_size", "num_layers", "kv_bytes_per_token"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:

@@ -76,6 +76,7 @@ def test_profile_bad_arguments_exit_2():
 @pytest.mark.slow
 def test_profile_of_a_tiny_model_feeds_a_plan(tmp_path):
     out = tmp_path / "tiny.json"
+    # With the served requests: a 1P1D deployment and a mixed server of the tiny model start and answer.
     run = subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--model", "tiny-llama", "--quick",
                           "-o", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -83,6 +84,7 @@ def test_profile_of_a_tiny_model_feeds_a_plan(tmp_path):
     assert costs.model == "tiny-llama" and costs.threads == 1 and costs.quantization == "none"
     assert costs.prefill.rows == [16, 64] and costs.decode.rows == [1, 4] and costs.transport == "shm"
     assert all(s > 0 for row in costs.decode.seconds for s in row) and costs.kv_bytes_per_token > 0
+    assert costs.serving is not None and costs.serving.pd_remote_overhead_s >= 0
     plan = subprocess.run([sys.executable, "-m", "pdserve.cli", *PLAN, "--profile", str(out), "--json"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert plan.returncode in (0, 1), plan.stderr[-2000:]

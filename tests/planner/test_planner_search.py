@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.planner.search import SearchSpace, plan, predict, text_tokens, workload_requests
+from pdserve.planner.search import SearchSpace, plan, predict, served, text_tokens, workload_requests
 from pdserve.router.pd_simulate import PDFleet, PDRequest, RoleSettings, simulate_pd
-from pdserve.router.step_costs import FORMAT, Grid, ProfileError, StepCosts
+from pdserve.router.step_costs import FORMAT, Grid, ProfileError, Serving, StepCosts
 
 
 def synthetic(**kw) -> StepCosts:
@@ -45,15 +45,31 @@ def test_cost_model_reads_the_grids_and_the_transfer_line():
     assert c.step_s(8, 1024, 64, 0) == pytest.approx(c.prefill_s(72, 0) + 8 * 1e-5)
 
 
+SERVING = Serving(pd_local_overhead_s=0.05, pd_remote_overhead_s=0.1, pd_step_s=0.01, mixed_overhead_s=0.03,
+                  mixed_step_s=0.005)
+
+
+def test_served_fleets_carry_the_measured_overheads_of_their_kind():
+    c = synthetic(serving=SERVING)
+    pd = served(PDFleet(), c)
+    assert (pd.overhead_s, pd.remote_overhead_s, pd.step_overhead_s) == (0.05, 0.1, 0.01)
+    mixed = served(PDFleet(mixed=1), c)
+    assert (mixed.overhead_s, mixed.step_overhead_s) == (0.03, 0.005)
+    assert served(PDFleet(), synthetic()) == PDFleet()
+    reqs = workload_requests("fixed", 10, 0.2, input_len=100, max_tokens=10)
+    assert predict(c, PDFleet(), reqs).ttft_p50_s > predict(synthetic(), PDFleet(), reqs).ttft_p50_s + 0.09
+
+
 def test_profile_file_round_trip_and_bad_files(tmp_path):
-    c = synthetic(notes={"role": "decode"})
+    c = synthetic(notes={"role": "decode"}, serving=SERVING)
     path = tmp_path / "p.json"
     c.save(path)
     assert StepCosts.load(path) == c
     data = json.loads(path.read_text())
     for bad, needle in ((dict(data, format="other"), "format"), (dict(data, extra=1), "unknown keys"),
                         (dict(data, decode={**data["decode"], "seconds": [[0.0] * 3] * 4}), "positive"),
-                        (dict(data, cores=0), "cores"), ({k: v for k, v in data.items() if k != "model"}, "model")):
+                        (dict(data, cores=0), "cores"), ({k: v for k, v in data.items() if k != "model"}, "model"),
+                        (dict(data, serving={"pd_step_s": 1}), "malformed")):
         path.write_text(json.dumps(bad))
         with pytest.raises(ProfileError, match=needle):
             StepCosts.load(path)
@@ -67,13 +83,14 @@ def test_profile_file_round_trip_and_bad_files(tmp_path):
 
 def test_one_request_through_1p1d_follows_the_hand_computed_timeline():
     c = synthetic()
-    fleet = PDFleet(prefill=1, decode=1, prefill_settings=RoleSettings(64, 64), overhead_s=0.005)
+    fleet = PDFleet(prefill=1, decode=1, prefill_settings=RoleSettings(64, 64), overhead_s=0.003,
+                    remote_overhead_s=0.005, step_overhead_s=0.002)
     [r] = simulate_pd([PDRequest(0, 1.0, 100, 4)], fleet, c)
     # Chunks of 64 then 36 on the prefill worker, the exposed transfer, and the first token shown at once
     # (the decode worker is idle); three more tokens, one decode step each at context 101, 102, 103.
-    first = 1.0 + c.prefill_s(64, 0) + c.prefill_s(36, 64) + c.exposed_transfer_s(100)
+    first = 1.0 + c.prefill_s(64, 0) + c.prefill_s(36, 64) + 2 * 0.002 + c.exposed_transfer_s(100)
     assert r.first_token == pytest.approx(first + 0.005)
-    steps = sum(c.decode_s(1, n) for n in (101, 102, 103))
+    steps = sum(c.decode_s(1, n) + 0.002 for n in (101, 102, 103))
     assert r.finish == pytest.approx(first + steps + 0.005)
     assert r.tpot == pytest.approx(steps / 3)
 
