@@ -227,12 +227,18 @@ def profile(config: Config, role: str = "decode", grid: ProfileGrid | None = Non
         decode = _decode_grid(engine, grid, rng, vocab, log)
         transport, sizes, secs = _transfer(cfg, engine, grid, log)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = int(cfg.server.threads or 1)
+        contended = (1.0, 1.0)
+        if cores >= 2 * threads:            # room for a neighbour on cores of its own
+            from pdserve.planner.contention import neighbour_slowdown
+            contended = neighbour_slowdown(engine, [rng.randrange(3, vocab) for _ in range(512)], vocab)
+            log(f"beside a busy neighbour: decode steps x{contended[0]:.2f}, prefill steps x{contended[1]:.2f}")
         return StepCosts(cpu=describe(), cores=cores, model=cfg.model.name, dtype=cfg.model.dtype,
-                         quantization=cfg.model.quantization, threads=int(cfg.server.threads or 1),
+                         quantization=cfg.model.quantization, threads=threads,
                          block_size=engine.block_size, num_layers=int(engine.arch.num_layers),
                          kv_bytes_per_token=engine_bytes_per_token(engine), prefill=prefill, decode=decode,
                          transport=transport, transfer_bytes=sizes, transfer_seconds=secs,
-                         layerwise=cfg.transfer.layerwise,
+                         layerwise=cfg.transfer.layerwise, contended_decode=contended[0], contended_prefill=contended[1],
                          created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                          notes={"role": role, "grid": dataclasses.asdict(grid)})
     finally:

@@ -14,8 +14,9 @@ router/accounting.py):
 - a prefill worker runs its jobs' prompts in chunks of max_num_batched_tokens; the first token is
   sampled there, and the decode worker shows it when the KV has arrived (the exposed part of the
   transfer, after the last chunk) at its next step boundary;
-- the workers share the machine's cores: a step that starts while more compute threads are busy
-  than there are cores runs proportionally slower.
+- the workers share the machine: a step that starts while another worker computes runs slower by
+  the profile's measured factor (memory bandwidth), and proportionally slower again while more
+  compute threads are busy than there are cores.
 
 Not modelled: prefix caching, preemption (KV is assumed to fit) and the network between hosts.
 """
@@ -184,9 +185,13 @@ class _Sim:
         else:
             self.start_decode_step(w, now)
 
-    def _scaled(self, seconds: float, now: float) -> float:
-        cores = self.fleet.cores
+    def _scaled(self, seconds: float, now: float, w: _Worker, prefill: bool) -> float:
+        """A step's time on the shared machine: slower beside another busy worker (memory bandwidth,
+        measured), and shared out when more threads compute than there are cores."""
         seconds += self.fleet.step_overhead_s
+        if any(o is not w and o.busy_until > now for o in self.decode + self.prefill):
+            seconds *= self.costs.contended_prefill if prefill else self.costs.contended_decode
+        cores = self.fleet.cores
         if not cores:
             return seconds
         return seconds * max(1.0, (self.busy_threads(now) + self.fleet.threads) / cores)
@@ -209,6 +214,7 @@ class _Sim:
             n = 1 if r.generated else min(r.prompt_tokens - r.computed, budget)
             step.append((r, n))
             budget -= n
+        peers: list[_Worker] = []       # prefill workers sent a job: woken once this step is under way
         while w.waiting and len(w.running) + w.loading < s.max_num_seqs:
             r = w.waiting[0]
             if r.remote:
@@ -216,7 +222,7 @@ class _Sim:
                 w.loading += 1
                 p = self.prefill_of[r.rid]
                 p.waiting.append(r)
-                self.wake(p, now)
+                peers.append(p)
                 continue
             if budget <= 0:
                 break
@@ -225,14 +231,18 @@ class _Sim:
             n = min(r.prompt_tokens, budget)
             step.append((r, n))
             budget -= n
-        if not step:
-            return
+        if step:
+            self._run_decode_step(w, step, now)
+        for p in peers:
+            self.wake(p, now)
+
+    def _run_decode_step(self, w: _Worker, step: list[tuple[PDRequest, int]], now: float) -> None:
         dec = [r for r, n in step if r.generated]
         pre = [(r, n) for r, n in step if not r.generated]
         pt = sum(n for _, n in pre)
         pctx = sum(r.computed * n for r, n in pre) / pt if pt else 0.0
         dctx = sum(r.prompt_tokens + r.generated for r in dec) / len(dec) if dec else 0.0
-        dur = self._scaled(self.costs.step_s(len(dec), dctx, pt, pctx), now)
+        dur = self._scaled(self.costs.step_s(len(dec), dctx, pt, pctx), now, w, pt > 0)
         w.step = step
         w.busy_until = now + dur
         self.push(now + dur, "step", w)
@@ -257,7 +267,7 @@ class _Sim:
             return
         pt = sum(n for _, n in step)
         pctx = sum(r.computed * n for r, n in step) / pt
-        dur = self._scaled(self.costs.prefill_s(pt, round(pctx)), now)
+        dur = self._scaled(self.costs.prefill_s(pt, round(pctx)), now, w, True)
         w.step = step
         w.busy_until = now + dur
         self.push(now + dur, "step", w)

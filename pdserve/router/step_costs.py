@@ -90,6 +90,9 @@ class StepCosts:
     transfer_seconds: list[float]    # ... and how long it took
     layerwise: bool = True           # transfer.layerwise when profiled: all but one layer's bytes overlap compute
     serving: Serving | None = None   # None: not measured (pdserve profile --no-serving)
+    # A step's time while another worker computes on another core / alone (planner/contention.py).
+    contended_decode: float = 1.0
+    contended_prefill: float = 1.0
     created: str = ""
     format: str = FORMAT
     notes: dict[str, Any] = field(default_factory=dict)
@@ -171,6 +174,9 @@ class StepCosts:
             raise ProfileError("transfer sizes and times must be positive")
         if self.serving is not None and not all(isinstance(v, (int, float)) for v in asdict(self.serving).values()):
             raise ProfileError("serving figures must be numbers of seconds")
+        if not (isinstance(self.contended_decode, (int, float)) and isinstance(self.contended_prefill, (int, float))
+                and self.contended_decode >= 1.0 and self.contended_prefill >= 1.0):
+            raise ProfileError("contended_decode and contended_prefill must be numbers >= 1")
         for name in ("cores", "threads", "block_size", "num_layers", "kv_bytes_per_token"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:

@@ -147,3 +147,18 @@ def test_workload_tokens_follow_the_word_list_rule():
     reqs = workload_requests("fixed", 5, 1.0, input_len=77, max_tokens=9)
     assert [(r.prompt_tokens, r.output_tokens) for r in reqs] == [(77, 9)] * 5
     assert reqs[0].arrival == 0.0 and all(a.arrival < b.arrival for a, b in zip(reqs, reqs[1:]))
+
+
+def test_a_step_beside_a_busy_worker_runs_at_the_measured_contended_speed():
+    # A local 20-token request decodes while a prefill worker computes a long prompt beside it.
+    reqs = [PDRequest(0, 0.0, 20, 6), PDRequest(1, 0.0, 2000, 2)]
+    fleet = PDFleet(prefill=1, decode=1, prefill_settings=RoleSettings(64, 512))
+    alone = simulate_pd(reqs, fleet, synthetic())
+    slow = simulate_pd(reqs, fleet, synthetic(contended_decode=2.0, contended_prefill=1.5))
+    # Of its five decode steps the first starts before the prefill worker has its job (sent at that
+    # step's boundary); the other four run beside it at twice the time.
+    assert slow[0].tpot == pytest.approx(alone[0].tpot * (1 + 4 * 2) / 5, rel=0.01)
+    # the prefill worker's first chunk starts beside the decode worker's second step
+    assert slow[1].ttft > 1.05 * alone[1].ttft
+    with pytest.raises(ProfileError, match="contended"):
+        StepCosts.from_dict(json.loads(synthetic(contended_decode=0.5).to_json()))
