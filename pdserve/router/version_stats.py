@@ -3,7 +3,8 @@ new version by (router/rollout.py reads them from /metrics over its window).
 
 A request counts for every version it touched: its decode workers', and its prefill worker's when
 that one computed part of the prompt. TTFT runs from the request's start at the router (after
-admission) to its first token; TPOT is (last token - first token) / (tokens - 1). A failed attempt
+admission) to its first token (for the versions touched by then); TPOT is (last token - first
+token) / (tokens - 1). A failed attempt
 (the worker failed it; a hand-back by a draining worker is no failure) counts against the version
 of the worker that failed it, even if a retry or a migration saved the request.
 """
@@ -36,7 +37,9 @@ class VersionStats:
 
 
 class RequestVersions:
-    """One request's versions and token times, observed once when it ends."""
+    """One request's versions and token times. Counted as it goes, so that a window sees the
+    requests that started in it: a version when an attempt first reaches it, TTFT at the first
+    token, TPOT when the request ends."""
 
     def __init__(self, stats: VersionStats) -> None:
         self.stats = stats
@@ -46,26 +49,28 @@ class RequestVersions:
         self.versions: set[str] = set()
 
     def attempt(self, route: Route) -> None:
-        self.versions.add(route.decode.version or UNKNOWN)
+        touched = {route.decode.version or UNKNOWN}
         if route.prefill is not None and route.remote_tokens:
-            self.versions.add(route.prefill.version or UNKNOWN)
+            touched.add(route.prefill.version or UNKNOWN)
+        for v in touched - self.versions:
+            self.stats.requests.labels(v).inc()
+        self.versions |= touched
 
     def failed(self, route: Route) -> None:
         self.stats.errors.labels(route.decode.version or UNKNOWN).inc()
 
-    def tokens(self, n: int) -> None:
+    def tokens(self, n: int, now: float | None = None) -> None:
         if not n:
             return
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         if not self.n:
             self.first = now
+            for v in self.versions:
+                self.stats.ttft.labels(v).observe(now - self.start)
         self.last, self.n = now, self.n + n
 
     def close(self) -> None:
-        for v in self.versions:
-            self.stats.requests.labels(v).inc()
-            if self.n:
-                self.stats.ttft.labels(v).observe(self.first - self.start)
-            if self.n > 1:
+        if self.n > 1:
+            for v in self.versions:
                 self.stats.tpot.labels(v).observe((self.last - self.first) / (self.n - 1))
         self.versions = set()

@@ -107,7 +107,7 @@ def test_a_rollout_rolls_back_on_an_slo_breach(tmp_path):
             # Canary weight 0: the first new worker takes nothing (no request, nothing to judge: it
             # passes and its old worker leaves); the second is judged at weight 0.5 against a TTFT
             # SLO of a microsecond.
-            out = _rollout(url, new_cfg, "--window-s", "2", "--canary-weight", "0", "--slo-ttft-ms", "0.001",
+            out = _rollout(url, new_cfg, "--window-s", "3", "--canary-weight", "0", "--slo-ttft-ms", "0.001",
                            "--slo-tpot-ms", "60000", "--max-error-rate", "1")
             load.progress(4, "no progress after the rollback")
         finally:

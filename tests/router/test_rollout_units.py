@@ -103,11 +103,14 @@ def _worker(wid: str, version: str | None) -> Worker:
 def _request(stats: VersionStats, w: Worker, ttft_s: float, tpot_s: float, n: int, failed: bool = False) -> None:
     """A request whose clock is set by hand: start at 0, first token at ttft_s, then a token per tpot_s."""
     r = stats.request()
+    r.start = 0.0
     route = Route(w, None)
     r.attempt(route)
+    r.attempt(route)            # a second attempt on the same version counts once
     if failed:
         r.failed(route)
-    r.start, r.first, r.last, r.n = 0.0, ttft_s, ttft_s + tpot_s * (n - 1), n
+    r.tokens(1, now=ttft_s)
+    r.tokens(n - 1, now=ttft_s + tpot_s * (n - 1))
     r.close()
 
 
