@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.chunk_attention import MIN_QUERIES, prefix_then_causal
+
 
 @dataclass
 class PrefillChunk:
@@ -25,6 +27,7 @@ class PrefillChunk:
     ctx_len: int                      # tokens attended, this chunk included
     block_idx: torch.Tensor | None    # [ceil(ctx_len / block_size)] blocks; None when the chunk is the whole context
     mask: torch.Tensor | None         # [q_len, blocks * block_size] bool (True = attend), None means plain causal
+    prefix_len: int = 0               # > 0: no mask; block_idx holds this many positions, attended whole (chunk_attention.py)
 
 
 @dataclass
@@ -85,6 +88,10 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
         else:
             if computed == 0 and sliding_window is None:
                 prefills.append(PrefillChunk(q_start, new, ctx, None, None))
+            elif sliding_window is None and new >= MIN_QUERIES and torch.device(device).type == "cpu":
+                # A long chunk after computed context: the context whole, the chunk causal, no mask.
+                blocks = torch.tensor(block_table[:-(-computed // block_size)], dtype=torch.long)
+                prefills.append(PrefillChunk(q_start, new, ctx, blocks.to(device), None, prefix_len=computed))
             else:
                 nblk = -(-ctx // block_size)
                 q_pos = torch.arange(computed, ctx).unsqueeze(1)
@@ -137,6 +144,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[g.start:g.start + n] = o.squeeze(2)
     for p in meta.prefills:
         qp = q[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)   # [1, H, q, D]
+        if p.prefix_len:
+            own = [x[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0) for x in (k, v)]
+            pre = [_gather_blocks(c, p.block_idx, bs)[:p.prefix_len].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache)]
+            o = prefix_then_causal(qp, pre[0], pre[1], own[0], own[1], scale)
+            out[p.q_start:p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
+            continue
         if p.block_idx is None:
             kp = k[p.q_start:p.q_start + p.q_len]
             vp = v[p.q_start:p.q_start + p.q_len]

@@ -90,7 +90,7 @@ def encode_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: Attentio
         masks.append(g.mask.reshape(-1))
     for p in meta.prefills:
         desc += [p.q_start, p.q_len, p.ctx_len, 0 if p.block_idx is None else p.block_idx.numel(),
-                 p.mask is not None]
+                 2 if p.prefix_len else p.mask is not None]      # 2: the context whole, then causal
         if p.block_idx is not None:
             data.append(p.block_idx.reshape(-1))
         if p.mask is not None:
@@ -126,8 +126,8 @@ def decode_step(h: Header, ints: torch.Tensor, mask: torch.Tensor, device: torch
         blocks = m = None
         if nblk:
             blocks, off = ints[off:off + nblk], off + nblk
-        if has_mask:
+        if has_mask == 1:
             keys = nblk * bs if nblk else ctx
             m, moff = mask[moff:moff + q_len * keys].view(q_len, keys), moff + q_len * keys
-        meta.prefills.append(PrefillChunk(q_start, q_len, ctx, blocks, m))
+        meta.prefills.append(PrefillChunk(q_start, q_len, ctx, blocks, m, prefix_len=ctx - q_len if has_mask == 2 else 0))
     return ids, positions, meta
