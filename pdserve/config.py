@@ -21,6 +21,9 @@ class ModelConfig:
     # Weight-only quantization of the linear layers: none, int8 (per output channel) or int4
     # (groups of 32 with scale and offset; the default model's Q4_1 tensors load as they are).
     quantization: str = "none"
+    # Decode attention: auto = a native kernel reading the paged KV in place (float32 on CPU, built
+    # with the system C compiler on first use; torch's path where it cannot build), torch = always torch's.
+    attention_kernel: str = "auto"
     device: str = "cpu"                 # cpu or cuda
     max_model_len: int | None = None    # defaults to the model's context length
     seed: int = 0                       # weights of the tiny random models
@@ -91,9 +94,6 @@ class DisaggConfig:
     transfer_timeout_s: float = 10.0     # longest silence allowed while transferring
     quarantine_timeout_s: float = 30.0   # blocks of a failed shm transfer wait this long for a cancel ack
     peer_retry_s: float = 10.0           # a prefill worker that failed is skipped this long
-
-
-@dataclass(frozen=True)
     # A prompt with at least this many uncached tokens is split into chunks prefilled by several prefill
     # workers in a layer-wise pipeline (disagg/pipeline.py; needs the decode pool in shared memory, one
     # host); 0: off. A chunk is computed in one step: give prefill workers a max_num_batched_tokens to match.
@@ -101,6 +101,9 @@ class DisaggConfig:
     # Where the prompt is cut (disagg/split.py): attention's cost per (query, key) pair relative to
     # its FLOP share; 0 cuts at equal token counts.
     parallel_prefill_attention_weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class TransferConfig:
     backend: str = "auto"                # auto (shm on one host, else tcp) | shm | tcp | mooncake | nixl
     # mooncake, nixl: optional extras (pip install 'pdserve[mooncake]' / 'pdserve[nixl]'), one-sided

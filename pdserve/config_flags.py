@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.config_rules import DTYPES, QUANTIZATIONS, TRANSFER_BACKENDS
+from pdserve.config_rules import ATTENTION_KERNELS, DTYPES, QUANTIZATIONS, TRANSFER_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ FLAGS: dict[str, Flag] = {
     "dtype": Flag("model.dtype", choices=tuple(DTYPES)),
     "quantization": Flag("model.quantization", "weight-only quantization of the linear layers",
                          choices=tuple(QUANTIZATIONS)),
+    "attention_kernel": Flag("model.attention_kernel", "decode attention: native kernel where it builds, or torch",
+                             choices=tuple(ATTENTION_KERNELS)),
     "device": Flag("model.device", "cpu or cuda"),
     "max_model_len": Flag("model.max_model_len", type=int),
     "block_size": Flag("cache.block_size", type=int),

@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "int4")
+ATTENTION_KERNELS = ("auto", "torch")
 TRANSFER_BACKENDS = ("auto", "shm", "tcp", "mooncake", "nixl")
 MODES = ("pd", "mixed")
 WORKER_ROLES = ("mixed", "prefill", "decode")
@@ -43,7 +44,8 @@ def _per_role(rules: dict[str, Any]) -> dict[str, Any]:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.dtype": DTYPES, "model.quantization": QUANTIZATIONS, "transfer.backend": TRANSFER_BACKENDS,
+    "model.dtype": DTYPES, "model.quantization": QUANTIZATIONS, "model.attention_kernel": ATTENTION_KERNELS,
+    "transfer.backend": TRANSFER_BACKENDS,
     "deployment.mode": MODES, "load_balancer.prefill": POLICIES, "load_balancer.decode": POLICIES,
     "worker.role": WORKER_ROLES, "controller.backend": CONTROLLER_BACKENDS,
     **_per_role({"deployment.<role>.quantization": QUANTIZATIONS}),

@@ -12,6 +12,7 @@ padded to the longest one.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,16 @@ class DecodeGroup:
     start: int                        # first decode of the group in the flattened batch
     block_idx: torch.Tensor           # [n, Bmax] blocks, padded with block 0
     mask: torch.Tensor                # [n, 1, 1, Bmax * block_size] bool (True = attend)
+    # (first, ctx) int64 [n]: the attended positions [first, ctx) of each decode; derived from the
+    # mask when absent (groups rebuilt from the wire by ep_protocol).
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.bounds is None:
+            m = self.mask.reshape(self.mask.shape[0], -1).to(torch.int8)
+            first = m.argmax(1)
+            self.bounds = (first.long(), (m.shape[1] - m.flip(1).argmax(1)).long())
+        return self.bounds
 
 
 @dataclass
@@ -108,12 +119,16 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
         bmax = -(-max(ctx for _, ctx in decodes[lo:hi]) // block_size)
         idx = torch.zeros(hi - lo, bmax, dtype=torch.long)
         mask = torch.zeros(hi - lo, bmax * block_size, dtype=torch.bool)
+        firsts, ctxs = [], []
         for i, (table, ctx) in enumerate(decodes[lo:hi]):
             first = max(0, ctx - sliding_window) if sliding_window is not None else 0
             nblk = -(-ctx // block_size)
             idx[i, :nblk] = torch.tensor(table[:nblk], dtype=torch.long)
             mask[i, first:ctx] = True
-        meta.decode_groups.append(DecodeGroup(lo, idx.to(device), mask.view(hi - lo, 1, 1, -1).to(device)))
+            firsts.append(first)
+            ctxs.append(ctx)
+        bounds = (torch.tensor(firsts, dtype=torch.long, device=device), torch.tensor(ctxs, dtype=torch.long, device=device))
+        meta.decode_groups.append(DecodeGroup(lo, idx.to(device), mask.view(hi - lo, 1, 1, -1).to(device), bounds))
     return meta
 
 
@@ -125,15 +140,27 @@ def _gather_blocks(cache: torch.Tensor, block_idx: torch.Tensor, block_size: int
     return blocks.index_select(0, block_idx.reshape(-1)).view(-1, *cache.shape[1:])
 
 
+# (q, k_cache, v_cache, block_idx, first, ctx, block_size, scale, out): decodes read in place
+# (model/kernels/decode_attention.py), writing into out.
+DecodeKernel = Callable[..., None]
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Writes k, v into the cache first."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    decode_kernel: DecodeKernel | None = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Writes k, v into the cache first.
+    With `decode_kernel` (float32 on CPU), decodes skip the gather and the padded batch."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     bs = meta.block_size
     for g in meta.decode_groups:
         n = g.block_idx.shape[0]
+        if decode_kernel is not None:
+            first, ctx = g.attended()
+            decode_kernel(q[g.start:g.start + n], k_cache, v_cache, g.block_idx, first, ctx, bs, scale,
+                          out[g.start:g.start + n])
+            continue
         shape = (n, -1, *k_cache.shape[1:])
         kd = _gather_blocks(k_cache, g.block_idx, bs).view(shape).transpose(1, 2)     # [n, KVH, L, D]
         vd = _gather_blocks(v_cache, g.block_idx, bs).view(shape).transpose(1, 2)

@@ -5,8 +5,18 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.quant import QuantizedWeight
+from pdserve.utils.cpu import cpu_flags
 
-SMALL_BATCH_ROWS = 11
+
+def small_batch_rows(flags: frozenset[str]) -> int:
+    """Up to how many rows w @ x.T beats F.linear on this CPU (tuned per vector ISA, see `linear`).
+    AVX2 only (AMD EPYC, 2 threads, SmolLM2's 30 layers + head, each weight distinct so none stays
+    in cache): 8 rows 78 vs 99 ms, 32 rows 104 vs 155, 64 rows 167 vs 185, 128 rows 335 vs 315.
+    With AVX-512 (measured on an earlier machine) F.linear was as fast or faster from 12 rows."""
+    return 11 if "avx512f" in flags else 96
+
+
+SMALL_BATCH_ROWS = small_batch_rows(cpu_flags())
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -14,7 +24,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     w @ x.T: MKL streams the weight through a faster kernel that way. Measured here over the 30
     layers' GEMMs: 2 rows 14 vs 60 ms as F.linear, 4 rows 21 vs 47, 8 rows 34 vs 41 (from 12 rows
     on, F.linear is as fast or faster). One row takes a slower matrix-vector path either way, so
-    it is padded to two: 14 vs 26 ms. A quantized weight runs its own kernel (model/quant.py)."""
+    it is padded to two: 14 vs 26 ms. How far up this holds depends on the CPU (small_batch_rows).
+    A quantized weight runs its own kernel (model/quant.py)."""
     if isinstance(w, QuantizedWeight):
         return w.matmul(x)
     m = x.shape[0]

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.arch import ModelArch
-from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.attention import AttentionMetadata, DecodeKernel, paged_attention
+from pdserve.model.kernels.decode_attention import decode_attention_kernel
 from pdserve.model.linear import linear
 from pdserve.model.quant import QuantizedWeight, cat_rows, pack, weight_nbytes
 from pdserve.model.rotary import RotaryEmbedding, apply_rotary
@@ -60,6 +61,7 @@ class DecoderLayer:
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
         self.o = w["o_proj"]
         self.mlp = mlp
+        self.decode_kernel: DecodeKernel | None = None     # set by the model (attention_kernel)
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -80,7 +82,7 @@ class DecoderLayer:
                                                                    self.k_norm, a.rms_norm_eps)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = qkv[:, a.q_size + a.kv_size:].reshape(t, a.num_kv_heads, a.head_dim)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, a.head_dim ** -0.5)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, a.head_dim ** -0.5, self.decode_kernel)
         return x + linear(o.reshape(t, a.q_size), self.o)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -94,7 +96,7 @@ class LlamaModel:
 
     def __init__(self, arch: ModelArch, weights: dict, dtype: torch.dtype,
                  device: torch.device | str = "cpu", max_model_len: int | None = None,
-                 quantization: str = "none") -> None:
+                 quantization: str = "none", attention_kernel: str = "auto") -> None:
         """`weights`: float tensors in HF naming; with `quantization`, the linear layers' matrices may
         come already quantized from the file (quant.Staged) and every one is packed for its kernel."""
         self.arch = arch
@@ -129,6 +131,11 @@ class LlamaModel:
         self.max_model_len = max_model_len or arch.max_position_embeddings
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, self.max_model_len, arch.rope_scaling,
                                       dtype, self.device)
+        self.decode_kernel = None
+        if attention_kernel == "auto" and self.device.type == "cpu" and dtype == torch.float32:
+            self.decode_kernel = decode_attention_kernel()
+        for layer in self.layers:
+            layer.decode_kernel = self.decode_kernel
 
     def _pack(self, w, mode: str | None = None):
         return pack(w, self.quantization if mode is None else mode, self.dtype, self.device)

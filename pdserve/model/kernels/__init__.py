@@ -1,0 +1,1 @@
+"""Native CPU kernels (C, built on first use with the system compiler, loaded with ctypes)."""

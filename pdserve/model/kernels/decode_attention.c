@@ -1,0 +1,80 @@
+/* Decode attention over the paged KV cache, read in place.
+
+   The torch path (model/attention.py) gathers each sequence's blocks into a padded copy before
+   scaled_dot_product_attention; at 32 streams that copy and the padded kernel cost more than the
+   layer's GEMMs. Here each (sequence, KV head) pair walks its block table and reads keys and values
+   where they lie: one read of the context, no copy, no padding. Softmax in two passes (scores, then
+   weights), float32 throughout. Parallel over (sequence, KV head) pairs with OpenMP; built and loaded
+   by native.py, which links the OpenMP runtime torch already loaded.
+
+   q:      [n, H, D] floats, row stride q_row (elements), heads contiguous (stride D)
+   kc, vc: one layer's cache [slots, KVH, D] contiguous; slot = block * bs + offset
+   tables: [n, tstride] int64 block ids; first, ctx: [n] int64, the attended positions [first, ctx)
+   out:    [n, H, D] contiguous */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+void pd_decode_attention(const float *q, int64_t q_row, const float *kc, const float *vc,
+                         const int64_t *tables, int64_t tstride, const int64_t *first, const int64_t *ctx,
+                         float *out, int n, int H, int KVH, int D, int bs, float scale, int threads) {
+    const int G = H / KVH;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int task = 0; task < n * KVH; task++) {
+        const int i = task / KVH, h = task % KVH;
+        const int64_t lo = first[i], len = ctx[i] - first[i];
+        if (len <= 0) {
+            for (int g = 0; g < G; g++)
+                for (int d = 0; d < D; d++) out[((int64_t)i * H + h * G + g) * D + d] = 0.0f;
+            continue;
+        }
+        float *s = (float *)malloc(sizeof(float) * (size_t)(len * G + G * D));
+        float *acc = s + len * G;
+        const float *qh = q + i * q_row + (int64_t)h * G * D;
+        const int64_t *table = tables + i * tstride;
+        /* Walk the table block by block (no division per position); each key row is read once for
+           the G query heads that share it. */
+        for (int64_t pos = lo; pos < ctx[i];) {
+            const int64_t blk = table[pos / bs], off = pos % bs;
+            const int64_t stop = pos - off + bs < ctx[i] ? pos - off + bs : ctx[i];
+            const float *k = kc + ((blk * bs + off) * KVH + h) * (int64_t)D;
+            for (; pos < stop; pos++, k += (int64_t)KVH * D) {
+                for (int g = 0; g < G; g++) {
+                    const float *qg = qh + g * D;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int d = 0; d < D; d++) dot += qg[d] * k[d];
+                    s[g * len + (pos - lo)] = dot * scale;
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float *sg = s + g * len, m = sg[0], sum = 0.0f;
+            for (int64_t t = 1; t < len; t++) m = sg[t] > m ? sg[t] : m;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < len; t++) {
+                sg[t] = expf(sg[t] - m);
+                sum += sg[t];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+            for (int d = 0; d < D; d++) acc[g * D + d] = 0.0f;
+        }
+        for (int64_t pos = lo; pos < ctx[i];) {
+            const int64_t blk = table[pos / bs], off = pos % bs;
+            const int64_t stop = pos - off + bs < ctx[i] ? pos - off + bs : ctx[i];
+            const float *v = vc + ((blk * bs + off) * KVH + h) * (int64_t)D;
+            for (; pos < stop; pos++, v += (int64_t)KVH * D) {
+                for (int g = 0; g < G; g++) {
+                    const float p = s[g * len + (pos - lo)];
+                    float *a = acc + g * D;
+#pragma omp simd
+                    for (int d = 0; d < D; d++) a[d] += p * v[d];
+                }
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int d = 0; d < D; d++) out[((int64_t)i * H + h * G + g) * D + d] = acc[g * D + d];
+        free(s);
+    }
+}

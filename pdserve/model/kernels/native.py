@@ -1,0 +1,82 @@
+"""Builds the C kernels beside this file once per CPU feature set and loads them with ctypes.
+
+Plain C with no torch headers: a build takes about a second, so it happens on first use instead of
+at install. The vector flags come from the detected features (utils.cpu), never -march=native, so a
+cache shared by different CPUs holds one build per feature set. OpenMP resolves to the runtime torch
+has already loaded (same soname), so the kernels and torch share one thread pool. Without a working
+C compiler the callers keep their torch path (logged once).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from pdserve.utils.cpu import cpu_flags, feature_key
+
+log = logging.getLogger(__name__)
+HERE = Path(__file__).parent
+# Detected feature -> compiler flag (only features that change code generation).
+_MFLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c", "avx512f": "-mavx512f", "avx512bw": "-mavx512bw",
+           "avx512vl": "-mavx512vl"}
+# -ffast-math: the exponentials vectorize through libmvec; the kernels never see inf or NaN inputs
+# (masked positions are skipped, not set to -inf).
+CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-mtune=generic"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE") or "~/.cache/pdserve").expanduser() / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(name: str) -> Path:
+    """The shared library for `name`.c, built for this CPU's features unless already cached."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    src = HERE / f"{name}.c"
+    mflags = [_MFLAGS[f] for f in _MFLAGS if f in cpu_flags()]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout.split("\n")[0]
+    digest = hashlib.sha256("\0".join([src.read_text(), version, *CFLAGS, *mflags]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{name}-{feature_key()}-{digest}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: workers starting together may build the same kernel.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *CFLAGS, *mflags, str(src), "-o", tmp, "-lmvec", "-lm"],
+                              capture_output=True, text=True, timeout=120, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {src.name}: {proc.stderr.strip()[-800:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@lru_cache(maxsize=None)
+def load(name: str) -> ctypes.CDLL | None:
+    """The loaded library, or None (logged once) where it cannot be built here."""
+    try:
+        return ctypes.CDLL(str(build(name)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native kernel %s unavailable, using the torch path: %s", name, e)
+        return None
+
+
+def ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())

@@ -1,0 +1,72 @@
+"""The native decode-attention kernel against torch's path: same outputs on ragged contexts, sliding
+windows and grouped heads; groups rebuilt from their mask alone (the expert-parallel wire) agree; a
+machine without a compiler keeps the torch path."""
+import dataclasses
+
+import pytest
+import torch
+
+from pdserve.model.attention import build_metadata, paged_attention
+from pdserve.model.kernels import native
+from pdserve.model.kernels.decode_attention import decode_attention_kernel
+
+kernel = decode_attention_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here: the torch path runs instead")
+
+
+def _case(lens, window, heads=(9, 3), block=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h, kvh = heads
+    blocks = 64 + sum(-(-n // block) for n in lens)
+    kc, vc = torch.randn(blocks * block, kvh, 64, generator=g), torch.randn(blocks * block, kvh, 64, generator=g)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    seqs, p = [], 0
+    for n in sorted(lens):
+        nb = -(-n // block)
+        seqs.append((perm[p:p + nb], n - 1, 1))
+        p += nb
+    meta = build_metadata(seqs, block, window, "cpu")
+    t = len(lens)
+    q = torch.randn(t, h + kvh, 64, generator=g)[:, :h]          # a strided view, as the model passes it
+    k, v = torch.randn(t, kvh, 64, generator=g), torch.randn(t, kvh, 64, generator=g)
+    return q, k, v, kc, vc, meta
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
+def test_kernel_matches_torch(window, heads):
+    lens = [2, 3, 15, 16, 17, 33, 200, 251, 64, 100]     # decodes only (a context of 1 is a prefill)
+    q, k, v, kc, vc, meta = _case(lens, window, heads)
+    assert len(meta.decode_groups) > 1
+    want = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
+    got = paged_attention(q, k, v, kc, vc, meta, 0.125, kernel)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_bounds_from_the_mask_alone():
+    q, k, v, kc, vc, meta = _case([3, 40, 41, 90], 32)
+    wire = dataclasses.replace(meta, decode_groups=[dataclasses.replace(g, bounds=None) for g in meta.decode_groups])
+    for a, b in zip(meta.decode_groups, wire.decode_groups):
+        assert [x.tolist() for x in a.attended()] == [x.tolist() for x in b.attended()]
+    torch.testing.assert_close(paged_attention(q, k, v, kc.clone(), vc.clone(), wire, 0.125, kernel),
+                               paged_attention(q, k, v, kc, vc, meta, 0.125, kernel), rtol=0, atol=0)
+
+
+def test_no_compiler_keeps_the_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    native.load.cache_clear()
+    try:
+        assert native.load("decode_attention") is None
+    finally:
+        native.load.cache_clear()
+
+
+@needs_kernel
+def test_build_is_cached_per_feature_set(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    first = native.build("decode_attention")
+    assert first.exists() and native.build("decode_attention") == first
+    assert [p.name for p in first.parent.iterdir()] == [first.name]     # no temporary left behind
