@@ -38,7 +38,11 @@ _UNHEALTHY_POLLS = 3        # in a row: one slow health check under load is not 
 
 
 class AdminError(Exception):
-    """The router refused or failed an admin call."""
+    """The router refused or failed an admin call (`status`: its HTTP status, 0 when unreachable)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class RolloutFailed(Exception):
@@ -79,7 +83,7 @@ class Admin:
                 msg = r.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 msg = r.text[:500]
-            raise AdminError(f"{method} {path}: {r.status_code} {msg}")
+            raise AdminError(f"{method} {path}: {r.status_code} {msg}", r.status_code)
         return r.json()
 
     def workers(self) -> dict[str, dict]:
@@ -144,6 +148,8 @@ class Rollout:
                 try:
                     new = self.admin.start(old["role"], self.s.health_timeout_s, config=self.config.to_dict())
                 except AdminError as e:
+                    if e.status != 502:         # refused (no fleet, a bad config): not the new worker's fault
+                        raise
                     raise RolloutFailed(f"health check: {e}") from e
                 steps[-1].new = new
                 new = self.known(new)

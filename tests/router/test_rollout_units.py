@@ -148,3 +148,21 @@ def test_the_canary_weight_widens_from_its_first_value_to_one():
     ws = [canary_weight(i, 4, 0.1) for i in range(4)]
     assert ws[0] == 0.1 and ws == sorted(ws) and ws[-1] < 1.0
     assert canary_weight(1, 2, 0.0) == 0.5 and canary_weight(0, 0, 0.2) == 1.0
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def test_rollout_cli_exits_2_on_a_bad_config_and_1_when_the_router_is_unreachable(tmp_path, capsys):
+    from pdserve.bench.procs import free_port
+    from pdserve.router.rollout import main
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: {canary_weight: 2}\n")
+    assert main(["--config", str(bad)]) == 2
+    assert "rollout.canary_weight" in capsys.readouterr().err
+    assert main(["--config", str(bad), "--canary-weight", "0.5", "--window-s", "0"]) == 2
+    assert "rollout.window_s" in capsys.readouterr().err
+    good = tmp_path / "good.yaml"
+    good.write_text("model: {name: tiny-qwen2}\n")
+    assert main(["--config", str(good), "--router", f"http://127.0.0.1:{free_port()}"]) == 1
+    assert "GET /admin/workers" in capsys.readouterr().err
