@@ -57,7 +57,8 @@ def measure(name: str, endpoints: list[str], config: Path, out_dir: Path, tokens
         ttft(decode.url, 256, rng)                  # warm up both ends
         times = [ttft(decode.url, tokens, rng) for _ in range(trials)]
         stats = httpx.get(decode.url + "/metrics", timeout=10).text
-    pipelined = next((ln.split()[-1] for ln in stats.splitlines() if ln.startswith("kv_parallel_prefills_total")), "?")
+    pipelined = next((ln.split()[-1] for ln in stats.splitlines()
+                      if not ln.startswith("#") and "kv_parallel_prefills_total" in ln), "?")
     print(f"{name}: TTFT {', '.join(f'{t:.2f}' for t in times)} s (pipelined requests: {pipelined})", file=sys.stderr)
     return times
 

@@ -216,13 +216,13 @@ class DecodeConnector(KVConnector):
         return [p for p in self.peers if self.peer_down_until.get(p, 0.0) <= now]
 
     def order_peers(self, preferred: str | None) -> list[str]:
-        """The request's prefill candidates: the router's choice first, then the other healthy ones."""
-        healthy = self.healthy_peers()
-        if preferred and preferred not in self.peers:
-            self.peers.append(preferred)
-        if preferred and self.peer_down_until.get(preferred, 0.0) <= time.monotonic():
-            return [preferred] + [p for p in healthy if p != preferred]
-        return healthy
+        """The request's prefill candidates: the router's choice first (comma-separated: the workers it
+        offers to pipeline a long prompt on, in order), then the other healthy ones."""
+        named = list(dict.fromkeys(p for p in (preferred or "").split(",") if p))
+        self.peers += [p for p in named if p not in self.peers]
+        now = time.monotonic()
+        first = [p for p in named if self.peer_down_until.get(p, 0.0) <= now]
+        return first + [p for p in self.healthy_peers(now) if p not in first]
 
     def start_load(self, req: Request) -> None:
         now = time.monotonic()

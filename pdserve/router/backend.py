@@ -135,6 +135,17 @@ class RemoteBackend:
         self.metrics.decisions.labels(role, d.reason).inc()
         return (self.registry.workers.get(d.worker_id) if d.worker_id else None), d.reason
 
+    def _prefill_peers(self, chosen: str, remote_tokens: int) -> list[str]:
+        """The chosen prefill worker's KV endpoint; for a prompt long enough to be pipelined
+        (disagg.parallel_prefill_min_tokens, disagg/parallel.py), the other healthy prefill workers'
+        after it, least queued first: the decode worker cuts the prompt among them in this order."""
+        n = self.config.disagg.parallel_prefill_min_tokens
+        if not n or remote_tokens < n:
+            return [chosen]
+        others = sorted((x for x in self.registry.pool("prefill") if x.role == "prefill" and x.healthy
+                         and x.kv_endpoint and x.kv_endpoint != chosen), key=lambda x: x.queued_prefill_tokens)
+        return [chosen] + [x.kv_endpoint for x in others if x.kv_endpoint]
+
     # ------------------------------------------------------------------ generation
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -252,7 +263,7 @@ class RemoteBackend:
         w, prefill = route.decode, route.prefill
         headers = dict(self.registry.headers)
         if prefill is not None and prefill.kv_endpoint:
-            headers[PREFILL_HEADER] = prefill.kv_endpoint
+            headers[PREFILL_HEADER] = ",".join(self._prefill_peers(prefill.kv_endpoint, route.remote_tokens))
         if trace:       # the worker's spans join this request's trace
             headers[tracing.TRACEPARENT] = trace
         body = {"request_id": rid, "prompt_token_ids": prompt, "output_token_ids": generated, "sampling": sampling,
