@@ -12,6 +12,7 @@ All run the real CLI process, talking to the router's admin API."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -78,6 +79,9 @@ def test_a_rollout_under_load_replaces_every_worker(tmp_path):
         print(out.stdout)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "rollout complete" in out.stdout and "[2/2]" in out.stdout, out.stdout
+        # The canary: at weight 0.5, with the old decode worker still serving, the new one took requests.
+        first = re.search(r"within the SLOs over (\d+) requests", out.stdout)
+        assert first and int(first[1]) > 0, out.stdout
         assert load.errors == []
         assert load.wrong(want) == []
         after = workers(url)
