@@ -8,7 +8,8 @@ engine.step() itself, which is what a worker's engine thread repeats:
   steps where all B decode a token each;
 - KV transfer: K and V of N tokens copied by the configured transport's real writer into a second
   pool (shm: mapped from /dev/shm; tcp: ZeroMQ frames into a DecodeConnector's blocks).
-Each figure is the median of its repeats.
+A decode figure is the least of its steps (other load on the machine only adds); a prefill row is a
+line through all of its steps.
 """
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def _decode_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log:
                     engine.abort_request(rid)
                 while engine.has_unfinished():
                     engine.step()
-            row.append(statistics.median(times))
+            row.append(min(times))          # other load on the machine only adds
         rows.append(row)
         log(f"decode batch {batch}: " + ", ".join(f"ctx {c} {s * 1000:.1f} ms" for c, s in zip(grid.decode_contexts, row)))
     return Grid(list(grid.decode_batches), list(grid.decode_contexts), rows)
