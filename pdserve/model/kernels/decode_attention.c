@@ -19,7 +19,11 @@ void pd_decode_attention(const float *q, int64_t q_row, const float *kc, const f
                          const int64_t *tables, int64_t tstride, const int64_t *first, const int64_t *ctx,
                          float *out, int n, int H, int KVH, int D, int bs, float scale, int threads) {
     const int G = H / KVH;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    /* A small step (batch 1, short contexts) runs on the calling thread: waking the pool costs more
+       than the work. */
+    int64_t work = 0;
+    for (int i = 0; i < n; i++) work += (ctx[i] - first[i]) * (int64_t)H;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && work >= 16384)
     for (int task = 0; task < n * KVH; task++) {
         const int i = task / KVH, h = task % KVH;
         const int64_t lo = first[i], len = ctx[i] - first[i];
