@@ -32,11 +32,17 @@ def _case(lens, window, heads=(9, 3), block=16, seed=0):
     return q, k, v, kc, vc, meta
 
 
+# Decodes only (a context of 1 is a prefill). The small step runs on the calling thread, the large
+# one (32 x 130 x 9 position-heads) across the pool.
+SMALL = [2, 3, 15, 16, 17, 33, 200, 251, 64, 100]
+LARGE = [130] * 24 + [5, 70, 300, 301, 16, 17, 32, 33]
+
+
 @needs_kernel
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
-def test_kernel_matches_torch(window, heads):
-    lens = [2, 3, 15, 16, 17, 33, 200, 251, 64, 100]     # decodes only (a context of 1 is a prefill)
+@pytest.mark.parametrize("lens", [SMALL, LARGE], ids=["small", "large"])
+def test_kernel_matches_torch(window, heads, lens):
     q, k, v, kc, vc, meta = _case(lens, window, heads)
     assert len(meta.decode_groups) > 1
     want = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
