@@ -76,3 +76,11 @@ def test_build_is_cached_per_feature_set(monkeypatch, tmp_path):
     first = native.build("decode_attention")
     assert first.exists() and native.build("decode_attention") == first
     assert [p.name for p in first.parent.iterdir()] == [first.name]     # no temporary left behind
+
+
+@needs_kernel
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """A library linked with -ffast-math would set flush-to-zero for the whole process as it loads."""
+    assert native.load("decode_attention") is not None
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert float((tiny * 1.0)[0]) != 0.0 and 1e-310 * 1.0 != 0.0
