@@ -361,6 +361,21 @@ def for_role(cfg: Config, role: str) -> Config:
     return apply_role(cfg, role)
 
 
+def nest_dotted(overrides: dict[str, Any], into: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Dotted keys ("cache.block_size": 32) written into a nested mapping (`into`, or a new one);
+    None values are skipped (a flag not given)."""
+    nested: dict[str, Any] = {} if into is None else into
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        *parents, leaf = dotted.split(".")
+        node = nested
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return nested
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
                 role: str | None = None) -> Config:
     """Defaults, then the YAML file, then overrides given as dotted keys ("cache.block_size": 32; None
@@ -374,15 +389,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         leaves: list = []
         _leaves(cfg, _read_yaml(path), "", leaves, problems)
         _set_leaves(cfg, leaves, problems)
-    nested: dict[str, Any] = {}
-    for dotted, value in (overrides or {}).items():
-        if value is None:
-            continue
-        *parents, leaf = dotted.split(".")
-        node = nested
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+    nested = nest_dotted(overrides or {})
     leaves = []
     _leaves(cfg, nested, "", leaves, problems)
     given = _set_leaves(cfg, leaves, problems)

@@ -36,11 +36,11 @@ class DecodeGroup:
     start: int                        # first decode of the group in the flattened batch
     block_idx: torch.Tensor           # [n, Bmax] blocks, padded with block 0
     mask: torch.Tensor                # [n, 1, 1, Bmax * block_size] bool (True = attend)
-    # (first, ctx) int64 [n]: the attended positions [first, ctx) of each decode; derived from the
-    # mask when absent (groups rebuilt from the wire by ep_protocol).
-    bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None     # attended()'s, once per step
 
     def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first, ctx) int64 [n]: the attended positions [first, ctx) of each decode, read off the mask
+        (the one source, also for groups rebuilt from the wire by ep_protocol)."""
         if self.bounds is None:
             m = self.mask.reshape(self.mask.shape[0], -1).to(torch.int8)
             first = m.argmax(1)
@@ -119,16 +119,12 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
         bmax = -(-max(ctx for _, ctx in decodes[lo:hi]) // block_size)
         idx = torch.zeros(hi - lo, bmax, dtype=torch.long)
         mask = torch.zeros(hi - lo, bmax * block_size, dtype=torch.bool)
-        firsts, ctxs = [], []
         for i, (table, ctx) in enumerate(decodes[lo:hi]):
             first = max(0, ctx - sliding_window) if sliding_window is not None else 0
             nblk = -(-ctx // block_size)
             idx[i, :nblk] = torch.tensor(table[:nblk], dtype=torch.long)
             mask[i, first:ctx] = True
-            firsts.append(first)
-            ctxs.append(ctx)
-        bounds = (torch.tensor(firsts, dtype=torch.long, device=device), torch.tensor(ctxs, dtype=torch.long, device=device))
-        meta.decode_groups.append(DecodeGroup(lo, idx.to(device), mask.view(hi - lo, 1, 1, -1).to(device), bounds))
+        meta.decode_groups.append(DecodeGroup(lo, idx.to(device), mask.view(hi - lo, 1, 1, -1).to(device)))
     return meta
 
 

@@ -124,15 +124,9 @@ def _served_config(args: argparse.Namespace) -> str:
     import tempfile
 
     import yaml
-    data = yaml.safe_load(open(args.config).read()) or {} if args.config else {}
-    for dotted, value in flag_overrides(args).items():
-        if value is None:
-            continue
-        *parents, leaf = dotted.split(".")
-        node = data
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+    from pdserve.config import nest_dotted
+
+    data = nest_dotted(flag_overrides(args), (yaml.safe_load(open(args.config).read()) or {}) if args.config else {})
     f = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pdserve-profile-", delete=False)
     with f:
         yaml.safe_dump(data, f)
