@@ -11,6 +11,7 @@ import logging
 import httpx
 import pytest
 
+from api_errors import openai_error as _error
 from pdserve.config import load_config
 from pdserve.protocol import INTERNAL_TOKEN_HEADER
 
@@ -45,13 +46,6 @@ def _calls(router: dict | None = None, token: str | None = None, host: str = "12
                 return await c.request(method, path, headers=headers, json=json)
         return asyncio.run(go())
     return call
-
-
-def _error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    return err
 
 
 def test_admin_routes_need_an_admin_key_and_client_keys_get_403():

@@ -10,6 +10,7 @@ import asyncio
 import httpx
 import pytest
 
+from api_errors import openai_error as _error
 from pdserve.config import load_config
 from pdserve.local_fleet import LocalFleet
 
@@ -38,13 +39,6 @@ def _router(fleet_dir=None):
                                        headers={"Authorization": f"Bearer {key}"} if key else {})
         return asyncio.run(go())
     return call
-
-
-def _error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    return err
 
 
 def test_version_label_and_canary_api():
