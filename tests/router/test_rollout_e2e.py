@@ -51,6 +51,19 @@ def _rollout(url: str, config: str, *flags: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=400)
 
 
+def _rollout_under_load(url: str, config: str, after: str, *flags: str) -> tuple[Load, subprocess.CompletedProcess]:
+    """A rollout run while streams flow, which must progress before it and after it ends (`after`)."""
+    load = Load(url)
+    try:
+        load.progress(4, "no progress before the rollout")
+        out = _rollout(url, config, *flags)
+        load.progress(4, f"no progress after the {after}")
+    finally:
+        load.finish()
+    print(out.stdout)
+    return load, out
+
+
 def _gone(pid: int) -> bool:
     try:
         stat = open(f"/proc/{pid}/stat").read()
@@ -68,15 +81,8 @@ def test_a_rollout_under_load_replaces_every_worker(tmp_path):
         before = workers(url)
         old_versions = {w["version"] for w in before.values()}
         assert len(old_versions) == 1 and None not in old_versions and new_version not in old_versions
-        load = Load(url)
-        try:
-            load.progress(4, "no progress before the rollout")
-            out = _rollout(url, new_cfg, "--window-s", "1.5", "--canary-weight", "0.5", "--slo-ttft-ms", "60000",
-                           "--slo-tpot-ms", "60000", "--max-error-rate", "0.2")
-            load.progress(4, "no progress after the rollout")
-        finally:
-            load.finish()
-        print(out.stdout)
+        load, out = _rollout_under_load(url, new_cfg, "rollout", "--window-s", "1.5", "--canary-weight", "0.5",
+                                        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--max-error-rate", "0.2")
         assert out.returncode == 0, out.stdout + out.stderr
         assert "rollout complete" in out.stdout and "[2/2]" in out.stdout, out.stdout
         # The canary: at weight 0.5, with the old decode worker still serving, the new one took requests.
@@ -105,18 +111,11 @@ def test_a_rollout_rolls_back_on_an_slo_breach(tmp_path):
         url = srv.url
         before = workers(url)
         [old_version] = {w["version"] for w in before.values()}
-        load = Load(url)
-        try:
-            load.progress(4, "no progress before the rollout")
-            # Canary weight 0: the first new worker takes nothing (no request, nothing to judge: it
-            # passes and its old worker leaves); the second is judged at weight 0.5 against a TTFT
-            # SLO of a microsecond.
-            out = _rollout(url, new_cfg, "--window-s", "3", "--canary-weight", "0", "--slo-ttft-ms", "0.001",
-                           "--slo-tpot-ms", "60000", "--max-error-rate", "1")
-            load.progress(4, "no progress after the rollback")
-        finally:
-            load.finish()
-        print(out.stdout)
+        # Canary weight 0: the first new worker takes nothing (no request, nothing to judge: it
+        # passes and its old worker leaves); the second is judged at weight 0.5 against a TTFT
+        # SLO of a microsecond.
+        load, out = _rollout_under_load(url, new_cfg, "rollback", "--window-s", "3", "--canary-weight", "0",
+                                        "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "60000", "--max-error-rate", "1")
         assert out.returncode == 1, out.stdout + out.stderr
         assert "no request reached the new version" in out.stdout, out.stdout
         assert "SLO breach: TTFT p90" in out.stdout and "rolled back" in out.stdout, out.stdout
