@@ -362,8 +362,7 @@ def for_role(cfg: Config, role: str) -> Config:
 
 
 def nest_dotted(overrides: dict[str, Any], into: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Dotted keys ("cache.block_size": 32) written into a nested mapping (`into`, or a new one);
-    None values are skipped (a flag not given)."""
+    """Dotted keys ("cache.block_size": 32) into a nested mapping (`into` or a new one); None (a flag not given) skipped."""
     nested: dict[str, Any] = {} if into is None else into
     for dotted, value in overrides.items():
         if value is None:
