@@ -12,8 +12,10 @@ router/accounting.py):
   (loading ones count); each step serves running requests first (a token each, or a chunk of a
   local prompt) out of max_num_batched_tokens, then admits waiting ones;
 - a prefill worker runs its jobs' prompts in chunks of max_num_batched_tokens; the first token is
-  sampled there, and the decode worker shows it when the KV has arrived (the exposed part of the
-  transfer, after the last chunk) at its next step boundary;
+  sampled there, and the decode worker takes the request in when the KV has arrived (the exposed
+  part of the transfer, after the last chunk) at its next step boundary, decodes its second token
+  in that step and shows both at the step's end (the engine returns a step's outputs, the loaded
+  request's first token among them, after running the step: LLMEngine.step);
 - the workers share the machine: a step that starts while another worker computes runs slower by
   the profile's measured factor (memory bandwidth), and proportionally slower again while more
   compute threads are busy than there are cores.
@@ -93,7 +95,8 @@ class _Worker:
     waiting: deque[PDRequest] = field(default_factory=deque)
     running: list[PDRequest] = field(default_factory=list)
     loading: int = 0
-    arrived: list[PDRequest] = field(default_factory=list)     # KV in, first token shown at the next boundary
+    arrived: list[PDRequest] = field(default_factory=list)     # KV in, taken in at the next boundary
+    shown: list[PDRequest] = field(default_factory=list)       # taken in: first token shown at this step's end
     busy_until: float = -1.0
     step: list[tuple[PDRequest, int]] = field(default_factory=list)
     # the router's figures (accounting.Charge)
@@ -198,12 +201,11 @@ class _Sim:
 
     def start_decode_step(self, w: _Worker, now: float) -> None:
         s = w.settings
-        for r in w.arrived:          # the KV is in: the prefill worker's token goes out now
+        for r in w.arrived:          # the KV is in: it decodes in this step; its first token goes out at the end
             w.loading -= 1
-            self.first_token(r, now)
-            if r.generated >= r.output_tokens:
-                self.finish(w, r, now)
-            else:
+            w.shown.append(r)
+            if r.output_tokens > 1:
+                r.generated = 1      # the prefill worker's token: it decodes the next one now
                 w.running.append(r)
         w.arrived.clear()
         budget = s.max_num_batched_tokens
@@ -233,6 +235,8 @@ class _Sim:
             budget -= n
         if step:
             self._run_decode_step(w, step, now)
+        else:
+            self._show_loaded(w, now)  # nothing to run: the outputs go out at once
         for p in peers:
             self.wake(p, now)
 
@@ -272,8 +276,16 @@ class _Sim:
         w.busy_until = now + dur
         self.push(now + dur, "step", w)
 
+    def _show_loaded(self, w: _Worker, now: float) -> None:
+        for r in w.shown:
+            self.first_token(r, now)
+            if r.output_tokens <= 1:
+                self.finish(w, r, now)
+        w.shown.clear()
+
     def end_step(self, w: _Worker, now: float) -> None:
         step, w.step = w.step, []
+        self._show_loaded(w, now)
         for r, n in step:
             if r.generated:
                 r.generated += 1
