@@ -21,9 +21,9 @@ class ModelConfig:
     # Weight-only quantization of the linear layers: none, int8 (per output channel) or int4
     # (groups of 32 with scale and offset; the default model's Q4_1 tensors load as they are).
     quantization: str = "none"
-    # Decode attention: auto = a native kernel reading the paged KV in place (float32 on CPU, built
-    # with the system C compiler on first use; torch's path where it cannot build), torch = always torch's.
-    attention_kernel: str = "auto"
+    # auto: native kernels (C, built with the system compiler on first use; torch's path where none builds)
+    attention_kernel: str = "auto"      # decode attention reading the paged KV in place (float32, CPU); or torch
+    gemm_kernel: str = "auto"           # quantized products, float32 activations not rounded (CPU); or torch
     device: str = "cpu"                 # cpu or cuda
     max_model_len: int | None = None    # defaults to the model's context length
     seed: int = 0                       # weights of the tiny random models

@@ -30,6 +30,8 @@ FLAGS: dict[str, Flag] = {
                          choices=tuple(QUANTIZATIONS)),
     "attention_kernel": Flag("model.attention_kernel", "decode attention: native kernel where it builds, or torch",
                              choices=tuple(ATTENTION_KERNELS)),
+    "gemm_kernel": Flag("model.gemm_kernel", "quantized products: native kernel where it builds, or torch",
+                        choices=tuple(ATTENTION_KERNELS)),
     "device": Flag("model.device", "cpu or cuda"),
     "max_model_len": Flag("model.max_model_len", type=int),
     "block_size": Flag("cache.block_size", type=int),

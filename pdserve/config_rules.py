@@ -45,6 +45,7 @@ def _per_role(rules: dict[str, Any]) -> dict[str, Any]:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": DTYPES, "model.quantization": QUANTIZATIONS, "model.attention_kernel": ATTENTION_KERNELS,
+    "model.gemm_kernel": ATTENTION_KERNELS,
     "transfer.backend": TRANSFER_BACKENDS,
     "deployment.mode": MODES, "load_balancer.prefill": POLICIES, "load_balancer.decode": POLICIES,
     "worker.role": WORKER_ROLES, "controller.backend": CONTROLLER_BACKENDS,

@@ -96,13 +96,14 @@ class LlamaModel:
 
     def __init__(self, arch: ModelArch, weights: dict, dtype: torch.dtype,
                  device: torch.device | str = "cpu", max_model_len: int | None = None,
-                 quantization: str = "none", attention_kernel: str = "auto") -> None:
+                 quantization: str = "none", attention_kernel: str = "auto", gemm_kernel: str = "auto") -> None:
         """`weights`: float tensors in HF naming; with `quantization`, the linear layers' matrices may
         come already quantized from the file (quant.Staged) and every one is packed for its kernel."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
         self.quantization = quantization
+        self.native_gemm = gemm_kernel == "auto"
         big = {k for k in weights if k.endswith("_proj.weight") or k in ("lm_head.weight", "model.embed_tokens.weight")}
         w = {k: v if k in big else v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
         pack = self._pack
@@ -138,7 +139,7 @@ class LlamaModel:
             layer.decode_kernel = self.decode_kernel
 
     def _pack(self, w, mode: str | None = None):
-        return pack(w, self.quantization if mode is None else mode, self.dtype, self.device)
+        return pack(w, self.quantization if mode is None else mode, self.dtype, self.device, self.native_gemm)
 
     def _build_mlp(self, i: int, w: dict) -> Callable[[torch.Tensor], torch.Tensor]:
         p = f"model.layers.{i}.mlp."

@@ -212,8 +212,9 @@ def build_model(loaded: LoadedModel, dtype: str = "float32", device: str = "cpu"
         quant = model_config.quantization if model_config is not None else "none"
         if quant not in MODES:
             raise ValueError(f"model.quantization: {quant!r} is not one of {', '.join(MODES)}")
-        kernel = model_config.attention_kernel if model_config is not None else "auto"
-        return LlamaModel(loaded.arch, loaded.weights, torch_dtype(dtype), device, max_model_len, quant, kernel)
+        mc = model_config or ModelConfig()
+        return LlamaModel(loaded.arch, loaded.weights, torch_dtype(dtype), device, max_model_len, quant,
+                          mc.attention_kernel, mc.gemm_kernel)
     if model_config is not None and model_config.quantization != "none":
         raise ValueError(f"model.quantization {model_config.quantization!r} applies to dense models; "
                          f"{loaded.name} is MoE (its experts stay float)")

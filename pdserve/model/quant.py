@@ -5,16 +5,19 @@ Schemes (documented in the README):
 - int8: w[n, k] = q[n, k] * s[n], q in [-127, 127], s = max|w[n, :]| / 127 (symmetric per row, the
   format of `torch._weight_int8pack_mm`).
 - int4: w[n, k] = q[n, k] * d[n, g] + m[n, g] over groups g of GROUP values along k, q in [0, 15]
-  (asymmetric min/max). This is GGUF's Q4_1 exactly, so the default model's Q4_1 tensors load as
-  they are stored; Q4_0 (w = d * (q - 8)) is the case m = -8 d.
+  (asymmetric min/max; d and m float16). This is GGUF's Q4_1 exactly, so the default model's Q4_1
+  tensors load as they are stored; Q4_0 (w = d * (q - 8)) is the case m = -8 d.
 
-On CPU the products run through PyTorch's weight-only kernels, whose fast x86 paths take bfloat16
-activations (with float32 they fall back to a scalar loop 10-100x slower), so activations are
-rounded to bfloat16 for the product and the result cast back. Measured on an AMD EPYC (AVX2 only,
-2 threads) over SmolLM2's 30 layers: 1 row 8.3 ms int8 / 9.3 ms int4 vs 31 ms float32, 8 rows 29 / 35
-vs 54; at 32 rows the kernels only tie float32 and at 512 rows they lose (7.5 s int8 vs 4.8 s), so
-large int8 products dequantize the weight and run the float32 GEMM. Elsewhere than CPU the weight
-is dequantized for each product (correct everywhere; a device's own kernels are future work).
+On CPU with float32 activations the products run through pdserve's own kernel (kernels/qgemm.c:
+the weight dequantized a tile at a time in L1, float32 FMAs, activations not rounded) where it
+builds. AMD EPYC (AVX2 only, 2 threads), SmolLM2's 30 layers in int4, 1 / 8 / 32 / 512 rows:
+9 / 30 / 69 / 1145 ms, against torch's int4 kernel 13 / 48 / 160 / 1633 and float32 39 / 81 / 124
+/ 1368. Otherwise (`model.gemm_kernel: torch`, no compiler) PyTorch's weight-only kernels run; their
+fast x86 paths take bfloat16 activations (float32 falls back to a scalar loop 10-100x slower), so
+activations are rounded to bfloat16 for the product; at 32 rows they only tie float32 and at 512
+rows they lose, so large products dequantize the weight and run the float32 GEMM. Elsewhere than
+CPU the weight is dequantized for each product (correct everywhere; a device's own kernels are
+future work).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.config_rules import QUANTIZATIONS
+from pdserve.model.kernels import qgemm
 
 GROUP = 32
 MODES = QUANTIZATIONS     # the config's allowed values (config_rules.py)
@@ -60,11 +64,22 @@ def quantize(w: torch.Tensor, mode: str) -> Staged:
     if mode == "int4":
         n, k = w.shape
         g = w.view(n, k // GROUP, GROUP)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scale = ((hi - lo) / 15).clamp_min(1e-12)
+        # Scale and offset in float16, as GGUF's Q4_1 stores them (the kernel reads a fifth fewer
+        # bytes than with float32), rounded outwards so the 16 levels still span [min, max]: every
+        # value stays within half a step.
+        lo, hi = _f16_toward(g.amin(-1), -1), g.amax(-1)
+        scale = _f16_toward(((hi - lo) / 15).clamp_min(2 ** -14), 1)
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
         return Staged("int4", q.view(n, k), scale, lo)
     raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(MODES)}")
+
+
+def _f16_toward(x: torch.Tensor, direction: int) -> torch.Tensor:
+    """x rounded to float16, to the neighbour below (-1) or above (+1) where rounding went the other way."""
+    h = x.half()
+    off = h.float() < x if direction > 0 else h.float() > x
+    step = torch.nextafter(h, torch.full_like(h, direction * float("inf")))
+    return torch.where(off, step, h).float()
 
 
 def can_quantize(w: torch.Tensor | Staged, mode: str) -> bool:
@@ -77,12 +92,23 @@ def can_quantize(w: torch.Tensor | Staged, mode: str) -> bool:
 class QuantizedWeight:
     """A packed [N, K] weight; `linear(x, w)` calls `matmul`."""
 
-    def __init__(self, staged: Staged, device: torch.device | str = "cpu") -> None:
+    def __init__(self, staged: Staged, device: torch.device | str = "cpu", native: bool = False) -> None:
+        """native: run pdserve's kernel (kernels/qgemm.py) for float32 activations on CPU."""
         self.mode = staged.mode
         self.shape = staged.shape
         self.device = torch.device(device)
         self.on_cpu = self.device.type == "cpu"
-        if self.mode == "int8":
+        self.native = native and self.on_cpu and staged.shape[0] % qgemm.TILE == 0 and qgemm.available()
+        self.tiled: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+        if self.native:
+            if self.mode == "int8":
+                self.tiled = (*qgemm.tile_int8(staged.q, staged.scale), None)
+                self.scale = staged.scale.contiguous()      # the embedding lookup's rows
+            else:
+                self.tiled = qgemm.tile_int4(staged.q, staged.scale, staged.zero)
+            self._read = [t for t in self.tiled if t is not None]
+            self._tensors = self._read + ([self.scale] if self.mode == "int8" else [])
+        elif self.mode == "int8":
             self.q = staged.q.to(self.device)
             self.scale = staged.scale.to(self.device)
             self.scale_bf16 = self.scale.to(torch.bfloat16)
@@ -119,6 +145,9 @@ class QuantizedWeight:
         """x [M, K] @ w.T -> [M, N] in x's dtype."""
         if x.shape[0] == 0:
             return x.new_empty(0, self.shape[0])
+        if self.native:
+            bits = 8 if self.mode == "int8" else 4
+            return qgemm.qgemm(bits, *self.tiled, x.float(), self.shape[0]).to(x.dtype)
         if self.mode == "int8":
             if self.on_cpu and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
                 return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale_bf16).to(x.dtype)
@@ -130,6 +159,10 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [N, K] matrix."""
+        if self.native and self.mode == "int4":
+            return qgemm.untile_int4(*self.tiled)
+        if self.native:
+            return self.tiled[0].transpose(1, 2).reshape(self.shape).float() * self.scale[:, None]
         if self.mode == "int8":
             return self.q.float() * self.scale[:, None]
         if not self.on_cpu:
@@ -148,16 +181,21 @@ class QuantizedWeight:
         """Rows of the dequantized matrix: an embedding lookup from a quantized (tied) embedding."""
         if self.mode != "int8":
             raise TypeError("row lookup needs an int8 matrix")
+        if self.native:
+            q = self.tiled[0][ids // qgemm.TILE, :, ids % qgemm.TILE]
+            return q.to(dtype) * self.scale[ids, None].to(dtype)
         return self.q[ids].to(dtype) * self.scale[ids, None].to(dtype)
 
 
-def pack(w: torch.Tensor | Staged, mode: str, dtype: torch.dtype, device) -> torch.Tensor | QuantizedWeight:
-    """The weight as the model keeps it: float in `dtype`, or packed for `mode`. A weight int4
-    cannot hold (odd shapes of tiny test models) stays float."""
+def pack(w: torch.Tensor | Staged, mode: str, dtype: torch.dtype, device,
+         native: bool = False) -> torch.Tensor | QuantizedWeight:
+    """The weight as the model keeps it: float in `dtype`, or packed for `mode` (`native`: for
+    pdserve's kernel where float32 activations allow it). A weight int4 cannot hold (odd shapes of
+    tiny test models) stays float."""
     if mode == "none" or not can_quantize(w, mode):
         t = w.dequantize() if isinstance(w, Staged) else w
         return t.to(dtype=dtype, device=device).contiguous()
-    return QuantizedWeight(as_staged(w, mode), device)
+    return QuantizedWeight(as_staged(w, mode), device, native and dtype == torch.float32)
 
 
 def as_staged(w: torch.Tensor | Staged, mode: str) -> Staged:

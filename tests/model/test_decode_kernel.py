@@ -12,11 +12,11 @@ kernel = decode_attention_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here: the torch path runs instead")
 
 
-def _case(lens, window, heads=(9, 3), block=16, seed=0):
+def _case(lens, window, heads=(9, 3), block=16, seed=0, dim=64):
     g = torch.Generator().manual_seed(seed)
     h, kvh = heads
     blocks = 64 + sum(-(-n // block) for n in lens)
-    kc, vc = torch.randn(blocks * block, kvh, 64, generator=g), torch.randn(blocks * block, kvh, 64, generator=g)
+    kc, vc = torch.randn(blocks * block, kvh, dim, generator=g), torch.randn(blocks * block, kvh, dim, generator=g)
     perm = torch.randperm(blocks, generator=g).tolist()
     seqs, p = [], 0
     for n in sorted(lens):
@@ -25,8 +25,8 @@ def _case(lens, window, heads=(9, 3), block=16, seed=0):
         p += nb
     meta = build_metadata(seqs, block, window, "cpu")
     t = len(lens)
-    q = torch.randn(t, h + kvh, 64, generator=g)[:, :h]          # a strided view, as the model passes it
-    k, v = torch.randn(t, kvh, 64, generator=g), torch.randn(t, kvh, 64, generator=g)
+    q = torch.randn(t, h + kvh, dim, generator=g)[:, :h]          # a strided view, as the model passes it
+    k, v = torch.randn(t, kvh, dim, generator=g), torch.randn(t, kvh, dim, generator=g)
     return q, k, v, kc, vc, meta
 
 
@@ -45,6 +45,24 @@ def test_kernel_matches_torch(window, heads, lens):
     assert len(meta.decode_groups) > 1
     want = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
     got = paged_attention(q, k, v, kc, vc, meta, 0.125, kernel)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [36, 40, 128])    # scalar loops, 8-wide without the 64 path, 8-wide
+def test_kernel_matches_torch_at_other_head_dims(dim):
+    q, k, v, kc, vc, meta = _case(LARGE, None, dim=dim)
+    want = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, dim ** -0.5)
+    got = paged_attention(q, k, v, kc, vc, meta, dim ** -0.5, kernel)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_softmax_over_wide_score_ranges():
+    """Scores spread over hundreds (the kernel's own exp, its underflow clamp) still match torch's."""
+    q, k, v, kc, vc, meta = _case(LARGE, None)
+    want = paged_attention(q * 40, k, v, kc.clone(), vc.clone(), meta, 0.125)
+    got = paged_attention(q * 40, k, v, kc, vc, meta, 0.125, kernel)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -15,10 +15,76 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* Eight floats at a time (GCC vector extensions; the width and FMA come from the build's -m flags).
+   Head dimensions that are a multiple of 8 take these paths; others the scalar loops. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4)));
+#define LD(p) (*(const v8fu *)(p))
+
+static inline float hsum(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* e^x for x <= 0 (scores minus their maximum), within a few units in the last place: x = n ln2 + r,
+   |r| <= ln2/2, e^r by its Taylor polynomial to degree 7, 2^n built in the exponent bits. libm's
+   expf is called one value at a time here (no vector math library without -ffast-math), which
+   cost more than the rest of the kernel. */
+static inline v8f vexp(v8f x) {
+    const v8f lo = (v8f){0} - 87.0f;
+    const v8i under = x < lo;   /* e^-87 ~ 1.6e-38: below it, weights vanish next to the maximum's 1 anyway */
+    x = (v8f)(((v8i)x & ~under) | ((v8i)lo & under));
+    const v8f t = x * 1.44269504f;
+    const v8f big = (v8f){0} + 12582912.0f;           /* 1.5 * 2^23: adding it rounds to an integer */
+    const v8f n = (t + big) - big;
+    const v8f r = (x - n * 0.693145752f) - n * 1.42860677e-6f;   /* ln 2 in two parts */
+    v8f p = (v8f){0} + 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8f)e;
+}
+
+/* Scores of G heads against one key row, for D % 8 == 0. */
+static inline void scores8(const float *qh, const float *k, int G, int D, float scale, float *s, int64_t stride) {
+    for (int g = 0; g < G; g++) {
+        const float *qg = qh + g * D;
+        v8f a = (v8f){0}, b = (v8f){0};   /* two chains of FMAs */
+        for (int d = 0; d < D; d += 16) {
+            a += LD(qg + d) * LD(k + d);
+            if (d + 8 < D) b += LD(qg + d + 8) * LD(k + d + 8);
+        }
+        s[g * stride] = hsum(a + b) * scale;
+    }
+}
+
+/* out[0:64] = sum over positions [lo, hi) of p[pos - lo] * v[pos] for head h of a 64-wide cache. */
+static void pv64(const float *p, const int64_t *table, int64_t lo, int64_t hi, const float *vc, int KVH, int h, int bs,
+                 float *out) {
+    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    for (int64_t pos = lo; pos < hi;) {
+        const int64_t blk = table[pos / bs], off = pos % bs;
+        const int64_t stop = pos - off + bs < hi ? pos - off + bs : hi;
+        const float *v = vc + ((blk * bs + off) * KVH + h) * (int64_t)64;
+        for (; pos < stop; pos++, v += (int64_t)KVH * 64) {
+            const float w = p[pos - lo];
+            a0 += w * LD(v), a1 += w * LD(v + 8), a2 += w * LD(v + 16), a3 += w * LD(v + 24);
+            a4 += w * LD(v + 32), a5 += w * LD(v + 40), a6 += w * LD(v + 48), a7 += w * LD(v + 56);
+        }
+    }
+    v8fu *o = (v8fu *)out;
+    o[0] = a0, o[1] = a1, o[2] = a2, o[3] = a3, o[4] = a4, o[5] = a5, o[6] = a6, o[7] = a7;
+}
+
 void pd_decode_attention(const float *q, int64_t q_row, const float *kc, const float *vc,
                          const int64_t *tables, int64_t tstride, const int64_t *first, const int64_t *ctx,
                          float *out, int n, int H, int KVH, int D, int bs, float scale, int threads) {
-    const int G = H / KVH;
+    const int G = H / KVH, vec = D % 8 == 0;
     /* A small step (batch 1, short contexts) runs on the calling thread: waking the pool costs more
        than the work. */
     int64_t work = 0;
@@ -43,6 +109,10 @@ void pd_decode_attention(const float *q, int64_t q_row, const float *kc, const f
             const int64_t stop = pos - off + bs < ctx[i] ? pos - off + bs : ctx[i];
             const float *k = kc + ((blk * bs + off) * KVH + h) * (int64_t)D;
             for (; pos < stop; pos++, k += (int64_t)KVH * D) {
+                if (vec) {
+                    scores8(qh, k, G, D, scale, s + (pos - lo), len);
+                    continue;
+                }
                 for (int g = 0; g < G; g++) {
                     const float *qg = qh + g * D;
                     float dot = 0.0f;
@@ -55,14 +125,27 @@ void pd_decode_attention(const float *q, int64_t q_row, const float *kc, const f
         for (int g = 0; g < G; g++) {
             float *sg = s + g * len, m = sg[0], sum = 0.0f;
             for (int64_t t = 1; t < len; t++) m = sg[t] > m ? sg[t] : m;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < len; t++) {
+            int64_t t = 0;
+            v8f vs = (v8f){0};
+            for (; t + 8 <= len; t += 8) {
+                const v8f e = vexp(LD(sg + t) - m);
+                *(v8fu *)(sg + t) = e;
+                vs += e;
+            }
+            sum = hsum(vs);
+            for (; t < len; t++) {
                 sg[t] = expf(sg[t] - m);
                 sum += sg[t];
             }
             const float inv = 1.0f / sum;
-            for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+            for (int64_t u = 0; u < len; u++) sg[u] *= inv;
             for (int d = 0; d < D; d++) acc[g * D + d] = 0.0f;
+        }
+        if (D == 64) {   /* a head's output in eight registers over the whole context */
+            for (int g = 0; g < G; g++)
+                pv64(s + g * len, table, lo, ctx[i], vc, KVH, h, bs, out + ((int64_t)i * H + h * G + g) * D);
+            free(s);
+            continue;
         }
         for (int64_t pos = lo; pos < ctx[i];) {
             const int64_t blk = table[pos / bs], off = pos % bs;
@@ -72,6 +155,10 @@ void pd_decode_attention(const float *q, int64_t q_row, const float *kc, const f
                 for (int g = 0; g < G; g++) {
                     const float p = s[g * len + (pos - lo)];
                     float *a = acc + g * D;
+                    if (vec) {
+                        for (int d = 0; d < D; d += 8) *(v8fu *)(a + d) += p * LD(v + d);
+                        continue;
+                    }
 #pragma omp simd
                     for (int d = 0; d < D; d++) a[d] += p * v[d];
                 }
