@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.kernels.qgemm import TiledFloat
 from pdserve.model.quant import QuantizedWeight
 from pdserve.utils.cpu import cpu_flags
 
@@ -25,8 +26,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     layers' GEMMs: 2 rows 14 vs 60 ms as F.linear, 4 rows 21 vs 47, 8 rows 34 vs 41 (from 12 rows
     on, F.linear is as fast or faster). One row takes a slower matrix-vector path either way, so
     it is padded to two: 14 vs 26 ms. How far up this holds depends on the CPU (small_batch_rows).
-    A quantized weight runs its own kernel (model/quant.py)."""
-    if isinstance(w, QuantizedWeight):
+    A quantized weight, or a float32 one in pdserve's tile layout, runs its own kernel (model/quant.py)."""
+    if isinstance(w, (QuantizedWeight, TiledFloat)):
         return w.matmul(x)
     m = x.shape[0]
     if x.device.type != "cpu" or m > SMALL_BATCH_ROWS or m == 0:

@@ -15,6 +15,7 @@ from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata, DecodeKernel, paged_attention
 from pdserve.model.kernels.decode_attention import decode_attention_kernel
 from pdserve.model.linear import linear
+from pdserve.model.kernels.qgemm import TiledFloat
 from pdserve.model.quant import QuantizedWeight, cat_rows, pack, weight_nbytes
 from pdserve.model.rotary import RotaryEmbedding, apply_rotary
 
@@ -162,7 +163,7 @@ class LlamaModel:
         return sum(weight_nbytes(t, resident=True) for t in self._weights() + extra)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed, QuantizedWeight):
+        if isinstance(self.embed, (QuantizedWeight, TiledFloat)):
             return self.embed.rows(input_ids, self.dtype)
         return self.embed[input_ids]
 

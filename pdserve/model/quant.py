@@ -188,13 +188,15 @@ class QuantizedWeight:
 
 
 def pack(w: torch.Tensor | Staged, mode: str, dtype: torch.dtype, device,
-         native: bool = False) -> torch.Tensor | QuantizedWeight:
-    """The weight as the model keeps it: float in `dtype`, or packed for `mode` (`native`: for
-    pdserve's kernel where float32 activations allow it). A weight int4 cannot hold (odd shapes of
-    tiny test models) stays float."""
+         native: bool = False) -> torch.Tensor | QuantizedWeight | qgemm.TiledFloat:
+    """The weight as the model keeps it: float in `dtype`, or packed for `mode`. `native`: in the
+    layout of pdserve's kernel (kernels/qgemm.py) where float32 activations on CPU allow it, float32
+    weights too. A weight int4 cannot hold (odd shapes of tiny test models) stays float."""
     if mode == "none" or not can_quantize(w, mode):
         t = w.dequantize() if isinstance(w, Staged) else w
-        return t.to(dtype=dtype, device=device).contiguous()
+        t = t.to(dtype=dtype, device=device).contiguous()
+        cpu32 = t.device.type == "cpu" and dtype == torch.float32
+        return qgemm.TiledFloat(t) if native and cpu32 and qgemm.TiledFloat.fits(t) else t
     return QuantizedWeight(as_staged(w, mode), device, native and dtype == torch.float32)
 
 
@@ -215,7 +217,7 @@ def cat_rows(ws: list[torch.Tensor | Staged], mode: str) -> torch.Tensor | Stage
 
 
 def weight_nbytes(w, resident: bool = False) -> int:
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, (QuantizedWeight, qgemm.TiledFloat)):
         return w.resident_nbytes if resident else w.nbytes
     return w.numel() * w.element_size()
 

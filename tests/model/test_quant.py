@@ -126,3 +126,21 @@ def test_default_model_int4_and_int8_against_float32(smollm_files):
         agree, kl = agreement_and_kl(want, sequence_logits(model, ids))
         assert agree >= min_agree and kl <= max_kl, (mode, agree, kl)
         assert model.weight_bytes() < fbytes * (0.3 if mode == "int8" else 0.2)
+
+
+def test_float32_weight_in_the_native_layout():
+    """A float32 weight packed for the native kernel: products and embedding rows as the plain tensor's."""
+    if not qgemm.available():
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(48, 320, generator=g)
+    t = pack(w, "none", torch.float32, "cpu", native=True)
+    assert isinstance(t, qgemm.TiledFloat) and torch.equal(t.dequantize(), w)
+    for rows in (1, 2, 9, 70):
+        x = torch.randn(rows, 320, generator=g)
+        torch.testing.assert_close(linear(x, t), (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([47, 0, 16, 16])
+    assert torch.equal(t.rows(ids, torch.float32), w[ids])
+    # Not for other dtypes or shapes the tiles cannot hold: those stay plain tensors.
+    assert isinstance(pack(w, "none", torch.bfloat16, "cpu", native=True), torch.Tensor)
+    assert isinstance(pack(torch.randn(12, 64), "none", torch.float32, "cpu", native=True), torch.Tensor)

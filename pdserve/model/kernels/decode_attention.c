@@ -89,7 +89,7 @@ void pd_decode_attention(const float *q, int64_t q_row, const float *kc, const f
        than the work. */
     int64_t work = 0;
     for (int i = 0; i < n; i++) work += (ctx[i] - first[i]) * (int64_t)H;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && work >= 16384)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && work >= 4096)
     for (int task = 0; task < n * KVH; task++) {
         const int i = task / KVH, h = task % KVH;
         const int64_t lo = first[i], len = ctx[i] - first[i];

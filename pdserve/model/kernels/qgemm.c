@@ -8,7 +8,8 @@
    input values) and a register-blocked float32 micro-kernel (MR rows x 16 channels of accumulators,
    the weight streamed, the activations broadcast) multiplies every row by it: a weight byte is read
    from memory once per product whatever the number of rows, and the arithmetic is float32 FMAs.
-   One or two rows skip the buffer (dequantized into registers, used once). Written with GCC vector
+   One or two rows skip the buffer (dequantized into registers, used once). A float32 weight in the
+   same tiled layout runs the same micro-kernel (MKL's small-M paths read it 2-3x slower here). Written with GCC vector
    extensions: the vector width and FMA come from the build's -m flags (native.py), so the same
    source builds anywhere; the AVX2 intrinsics only widen bytes and broadcast.
 
@@ -16,6 +17,7 @@
      int4: nib[t][k/2][c] uint8 (value k of channel c in the low nibble, k+1 in the high nibble),
            d[t][k/32][c], m[t][k/32][c] float16 (as GGUF stores them): w = q * d + m
      int8: q[t][k][c] int8, d[t][c] float: w = q * d (m unused)
+     float32: w[t][k][c] (d, m unused): the same micro-kernel, reading the weight where it lies
    x: [M, K] rows ldx floats apart; y: [M, N] rows ldy floats apart. K % 32 == 0, N % 16 == 0. */
 #include <stdint.h>
 
@@ -174,7 +176,7 @@ static inline __attribute__((always_inline)) void direct8(int mr, const int8_t *
     }
 }
 
-/* bits: 4 or 8 (the layouts above; d and m float16 for 4, d float for 8). A small product (one row
+/* bits: 4, 8 or 32 (the layouts above; d and m float16 for 4, d float for 8). A small product (one row
    through a small matrix) runs on the calling thread: waking the pool costs more than the work. */
 void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,
               int64_t ldy, int M, int N, int K, int threads) {
@@ -186,6 +188,12 @@ void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float
         const int8_t *t8 = (const int8_t *)w + (int64_t)t * K * NC;
         const uint16_t *td = (const uint16_t *)d + (int64_t)t * (K / 32) * NC, *tm = (const uint16_t *)m + (int64_t)t * (K / 32) * NC;
         const float *ts = (const float *)d + t * NC;
+        if (bits == 32) {   /* float32: the tile is its own buffer */
+            const float *tf = (const float *)w + (int64_t)t * K * NC;
+            for (int k0 = 0; k0 < K; k0 += KB)
+                rows(M, x + k0, ldx, tf + (int64_t)k0 * NC, (k0 + KB < K ? KB : K - k0), yt, ldy, k0 == 0);
+            continue;
+        }
         if (M <= 2) {
             if (bits == 4 && M == 1) direct4(1, t4, td, tm, x, ldx, K, yt, ldy);
             else if (bits == 4) direct4(2, t4, td, tm, x, ldx, K, yt, ldy);

@@ -66,3 +66,35 @@ def qgemm(bits: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, x
     fn(bits, ptr(w), ptr(d), ptr(d if m is None else m), ptr(x), x.stride(0), ptr(y), n, x.shape[0], n, x.shape[1],
        torch.get_num_threads())
     return y
+
+
+class TiledFloat:
+    """A float32 [N, K] weight in the kernel's tile layout [N/16, K, 16]; `linear` calls `matmul`."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        n, k = w.shape
+        self.shape = w.shape
+        self.tiles = w.float().reshape(n // TILE, TILE, k).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def fits(w: torch.Tensor) -> bool:
+        return w.dim() == 2 and w.shape[0] % TILE == 0 and w.shape[1] % 32 == 0 and available()
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel() * 4
+
+    resident_nbytes = nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.shape[0])
+        return qgemm(32, self.tiles, self.tiles, None, x.float(), self.shape[0]).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The [N, K] matrix."""
+        return self.tiles.transpose(1, 2).reshape(self.shape)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of the matrix: an embedding lookup."""
+        return self.tiles[ids // TILE, :, ids % TILE].to(dtype)
