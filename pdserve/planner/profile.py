@@ -8,8 +8,10 @@ engine.step() itself, which is what a worker's engine thread repeats:
   steps where all B decode a token each;
 - KV transfer: K and V of N tokens copied by the configured transport's real writer into a second
   pool (shm: mapped from /dev/shm; tcp: ZeroMQ frames into a DecodeConnector's blocks).
-A decode figure is the least of its steps (other load on the machine only adds); a prefill row is a
-line through all of its steps.
+A decode figure is the median of its steps and a prefill row a line through all of its steps: the
+simulator adds steps up, so it needs a step's typical time. (The least of them, tried before, sat
+below the steps of a served run by 20-30%: on a shared 2-core machine a batch-1 step of SmolLM2
+moved between ~75 and ~110 ms from second to second within one process, traced.)
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ class ProfileGrid:
     decode_batches: tuple[int, ...] = (1, 4, 16, 32)
     decode_contexts: tuple[int, ...] = (32, 512, 1024)
     transfer_tokens: tuple[int, ...] = (64, 256, 1024)
-    decode_steps: int = 5
+    decode_steps: int = 9
     repeats: int = 1
 
 
@@ -123,7 +125,7 @@ def _decode_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log:
                     engine.abort_request(rid)
                 while engine.has_unfinished():
                     engine.step()
-            row.append(min(times))          # other load on the machine only adds
+            row.append(statistics.median(times))
         rows.append(row)
         log(f"decode batch {batch}: " + ", ".join(f"ctx {c} {s * 1000:.1f} ms" for c, s in zip(grid.decode_contexts, row)))
     return Grid(list(grid.decode_batches), list(grid.decode_contexts), rows)

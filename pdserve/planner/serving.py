@@ -7,7 +7,8 @@ mixed server, and sends single requests one at a time through the bench client (
 - a short prompt (the decode worker prefills it) and a long one (a prefill worker does): TTFT minus
   the profiled steps that compute it (and the exposed transfer) is the per-request overhead (HTTP,
   the router, the PD handshake, the first token's way back).
-The least of five repeats (other load only adds); run it on a quiet machine (the benchmark lock).
+The median of five repeats, as the profile's decode steps are medians (the overhead is a difference
+of the two); run it on a quiet machine (the benchmark lock).
 """
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ def _measure(url: str, short: int, long: int | None, rng: random.Random) -> dict
         out["short"].append(_one(url, short, 2, rng)[0])
         if long:
             out["long"].append(_one(url, long, 2, rng)[0])
-    # The least of the repeats: other load on the machine only ever adds to a request's time.
-    return {k: min(v) for k, v in out.items() if v}
+    # Medians, like the profiled steps these are compared with.
+    return {k: statistics.median(v) for k, v in out.items() if v}
 
 
 def _prefill_steps(costs: StepCosts, tokens: int, chunk: int, step_s: float) -> float:
