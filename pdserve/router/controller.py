@@ -1,11 +1,11 @@
 """The autoscaler (controller: config, off by default), a task in the router process.
 
-Every `controller.interval_s` it reads the fleet (TTFT and inter-token latency p90 over the interval
-from the router's own histograms, decode KV usage, running and waiting requests from the workers'
-health, queued prefill tokens from the router's accounting), asks the pure policy
-(router/scaling_policy.py) what to do, and does it: a role switch through the router (drain,
-switch in place: router/role_switch.py), or a worker added or removed through a `Fleet` (local
-processes: pdserve/local_fleet.py; Kubernetes Deployments: router/k8s_fleet.py). A removal empties
+Every `controller.interval_s` it reads the fleet (TTFT p90 and the mean inter-token gap over the
+interval from the router's own histograms, decode KV usage, running and waiting requests from the workers'
+health, queued prefill tokens from the router's accounting, the longest wait for a first token),
+asks the pure policy (router/scaling_policy.py) what to do, and does it: a role switch through the
+router (drain, switch in place: router/role_switch.py), or a worker added or removed through a
+`Fleet` (local processes: pdserve/local_fleet.py; Kubernetes Deployments: router/k8s_fleet.py). A removal empties
 the worker first, so no request is lost. Every decision, holds included, is kept with its inputs
 and reason for `GET /admin/controller`; actions are counted in /metrics. With controller.enabled
 false it only reads and exports each pool's pressure, for an HPA (deploy/k8s/hpa.yaml).
@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Protocol
+from typing import Callable, Protocol
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -65,6 +65,13 @@ def buckets(hist: Histogram) -> list[tuple[float, float]]:
     return [(float(s.labels["le"]), s.value) for m in hist.collect() for s in m.samples if s.name.endswith("_bucket")]
 
 
+def sum_count(hist: Histogram) -> tuple[float, float]:
+    """A histogram's (sum, count) now."""
+    got = {s.name.rsplit("_", 1)[1]: s.value for m in hist.collect() for s in m.samples
+           if s.name.endswith(("_sum", "_count"))}
+    return got.get("sum", 0.0), got.get("count", 0.0)
+
+
 def quantile_between(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float | None:
     """The q-quantile of what a cumulative histogram observed between two snapshots, interpolated
     within its bucket (as Prometheus' histogram_quantile); None when it observed nothing."""
@@ -86,7 +93,8 @@ def quantile_between(before: list[tuple[float, float]], after: list[tuple[float,
 
 class Controller:
     def __init__(self, config: Config, registry: Registry, client: httpx.AsyncClient, ttft: Histogram,
-                 itl: Histogram, fleet: Fleet | None, metrics: CollectorRegistry) -> None:
+                 itl: Histogram, fleet: Fleet | None, metrics: CollectorRegistry,
+                 oldest_wait: Callable[[float], float | None] = lambda now: None) -> None:
         self.cc = config.controller
         # Off (controller.enabled false): it still reads the fleet and exports the pressure gauges,
         # for an HPA to act on (deploy/k8s/hpa.yaml), but decides and does nothing.
@@ -94,10 +102,11 @@ class Controller:
         self.params = Params.from_config(self.cc)
         self.registry, self.client = registry, client
         self.ttft, self.itl = ttft, itl
+        self.oldest_wait = oldest_wait          # seconds the oldest request without a first token has waited
         self.fleet: Fleet = fleet or NoFleet()
         self.state = State()
         self.decisions: deque[ControllerDecision] = deque(maxlen=1000)
-        self._snap = (buckets(ttft), buckets(itl))
+        self._snap = (buckets(ttft), sum_count(itl))
         self.m_actions = Counter("pdserve_controller_actions", "Controller actions carried out, by action and outcome",
                                  ["action", "outcome"], registry=metrics)
         self.m_pressure = Gauge("pdserve_controller_pressure", "Pool figure over its SLO at the last reading",
@@ -110,18 +119,21 @@ class Controller:
 
     def read(self, now: float) -> Reading:
         """The fleet over the interval since the last reading."""
-        snap = (buckets(self.ttft), buckets(self.itl))
+        snap = (buckets(self.ttft), sum_count(self.itl))
         ttft = quantile_between(self._snap[0], snap[0], 0.9)
-        itl = quantile_between(self._snap[1], snap[1], 0.9)
+        gaps = snap[1][1] - self._snap[1][1]
+        itl = (snap[1][0] - self._snap[1][0]) / gaps if gaps > 0 else None
         self._snap = snap
         pre, dec = self.serving("prefill"), self.serving("decode")
         health = [w.health for w in pre + dec if w.health is not None]
         dec_usage = [w.health.kv_usage for w in dec if w.health is not None]
+        wait = self.oldest_wait(now)
         return Reading(now, len(pre), len(dec), None if ttft is None else ttft * 1000, None if itl is None else itl * 1000,
                        sum(dec_usage) / len(dec_usage) if dec_usage else 0.0,
                        sum(w.queued_prefill_tokens for w in pre + dec), sum(h.running for h in health),
                        sum(h.waiting for h in health),
-                       self.fleet.starting({w.url for w in self.registry.workers.values() if w.healthy}))
+                       self.fleet.starting({w.url for w in self.registry.workers.values() if w.healthy}),
+                       None if wait is None else wait * 1000)
 
     async def step(self) -> ControllerDecision:
         reading = self.read(time.monotonic())

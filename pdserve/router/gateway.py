@@ -79,7 +79,7 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
         fleet = KubernetesFleet(config.controller)
     # Off, it still exports each pool's pressure (for an HPA); on, it acts.
     controller = Controller(config, registry, client, server_metrics.ttft, server_metrics.itl, fleet,
-                            server_metrics.registry)
+                            server_metrics.registry, timer.oldest_wait)
     handlers = OpenAIHandlers(backend, tokenizer, model_name, timer, encoder=encoder)
     handlers.vision, handlers.vision_limits = image_slots(config.model.name), config.vision   # None: text only
 

@@ -3,10 +3,16 @@ the readings before, and the parameters (controller: config). The controller (ro
 reads the fleet, calls `decide` and carries out what it returns; tests replay metric traces through
 `decide` alone.
 
-Pressure is a pool's figure against its SLO: the prefill pool's is TTFT p90 / slo_ttft_ms, the
-decode pool's the larger of ITL p90 / slo_tpot_ms and decode KV usage / kv_usage_high. A pool is
-hot above `high` and cold below `low`. Hysteresis, so that it never flaps:
-- a condition acts only after it held for `sustain_intervals` readings in a row;
+Pressure is a pool's figure against its SLO: the prefill pool's is the larger of TTFT p90 and the
+longest wait of a request still without its first token (a TTFT in the making: it is at least
+that) over slo_ttft_ms, the decode pool's the larger of the mean inter-token gap / slo_tpot_ms and
+decode KV usage / kv_usage_high. (TPOT is a per-request mean, so the mean gap is what its SLO
+bounds; a p90 of gaps, spiked by prefills sharing the CPU, reads ~1.3x over it: it calls a pool
+that meets every request's TPOT short of workers, and never one that could spare a worker.) A
+pool is hot above `high` and cold below `low`; a reading that says neither (no first token in an
+interval while requests are in flight, none yet waiting past the SLO) leaves the counts as they
+were. Hysteresis, so that it never flaps:
+- a condition acts only after it held for `sustain_intervals` readings in a row, none contrary between;
 - a switch takes a worker only from a cold pool, so the pool it leaves must be well under its SLO
   (not merely under `high`), and moving it back needs the reverse condition, sustained;
 - after any action nothing happens for `cooldown_s`, nor while a worker it started has not yet
@@ -51,12 +57,13 @@ class Reading:
     n_prefill: int
     n_decode: int
     ttft_p90_ms: float | None = None
-    itl_p90_ms: float | None = None
+    itl_mean_ms: float | None = None         # mean gap between a stream's tokens
     decode_kv_usage: float = 0.0             # mean over the decode pool
     queued_prefill_tokens: int = 0           # the router's figure, summed over the fleet
     running: int = 0
     waiting: int = 0
     starting: int = 0                        # workers started and not yet registered
+    oldest_wait_ms: float | None = None      # the longest a request in flight has waited for its first token
 
 
 @dataclass(frozen=True)
@@ -77,8 +84,8 @@ class Decision:
 
 def pressures(r: Reading, p: Params) -> tuple[float, float]:
     """(prefill, decode) pressure: 1.0 is a pool exactly at its SLO."""
-    pre = (r.ttft_p90_ms or 0.0) / p.slo_ttft_ms
-    dec = max((r.itl_p90_ms or 0.0) / p.slo_tpot_ms, r.decode_kv_usage / p.kv_usage_high)
+    pre = max(r.ttft_p90_ms or 0.0, r.oldest_wait_ms or 0.0) / p.slo_ttft_ms
+    dec = max((r.itl_mean_ms or 0.0) / p.slo_tpot_ms, r.decode_kv_usage / p.kv_usage_high)
     return pre, dec
 
 
@@ -89,9 +96,10 @@ def _count(n: int, cond: bool) -> int:
 def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
     pre, dec = pressures(r, p)
     inputs = {"prefill_pressure": round(pre, 4), "decode_pressure": round(dec, 4), "n_prefill": r.n_prefill,
-              "n_decode": r.n_decode, "ttft_p90_ms": r.ttft_p90_ms or 0.0, "itl_p90_ms": r.itl_p90_ms or 0.0,
+              "n_decode": r.n_decode, "ttft_p90_ms": r.ttft_p90_ms or 0.0, "itl_mean_ms": r.itl_mean_ms or 0.0,
               "decode_kv_usage": r.decode_kv_usage, "queued_prefill_tokens": r.queued_prefill_tokens,
-              "running": r.running, "waiting": r.waiting, "starting": r.starting}
+              "running": r.running, "waiting": r.waiting, "starting": r.starting,
+              "oldest_wait_ms": r.oldest_wait_ms or 0.0}
     last = s.last_action_at
     if last is not None and r.time - last < p.cooldown_s:
         # Readings while the last action settles count for nothing.
@@ -100,15 +108,17 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
         # Figures without the new worker say nothing of the fleet with it: wait for it, from zero.
         return Decision("hold", f"{r.starting} worker(s) starting", inputs), State(last_action_at=last)
     # No latency in an idle interval: the pools are cold. No latency while requests are in flight
-    # (long replies still decoding, no first token due): that pool's reading is unknown, and breaks
-    # its run of readings either way.
+    # (long replies still decoding, or prompts queued behind a long prefill): that pool's reading is
+    # unknown, unless it is over the SLO already (a wait past it), and leaves its counts as they
+    # were. Resetting them instead would never let a pool whose prefills take longer than an
+    # interval count as hot: it has intervals without a first token however long its queue.
     busy = r.running + r.waiting + r.queued_prefill_tokens > 0
-    pre_known = r.ttft_p90_ms is not None or not busy
-    dec_known = r.itl_p90_ms is not None or not busy or dec > p.high
-    s = replace(s, prefill_hot=_count(s.prefill_hot, pre_known and pre > p.high),
-                decode_hot=_count(s.decode_hot, dec_known and dec > p.high),
-                prefill_cold=_count(s.prefill_cold, pre_known and pre < p.low),
-                decode_cold=_count(s.decode_cold, dec_known and dec < p.low))
+    pre_known = r.ttft_p90_ms is not None or not busy or pre > p.high
+    dec_known = r.itl_mean_ms is not None or not busy or dec > p.high
+    if pre_known:
+        s = replace(s, prefill_hot=_count(s.prefill_hot, pre > p.high), prefill_cold=_count(s.prefill_cold, pre < p.low))
+    if dec_known:
+        s = replace(s, decode_hot=_count(s.decode_hot, dec > p.high), decode_cold=_count(s.decode_cold, dec < p.low))
 
     def hold(reason: str) -> tuple[Decision, State]:
         return Decision("hold", reason, inputs), s

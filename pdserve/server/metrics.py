@@ -79,6 +79,12 @@ class RequestTimer:
         for table in (self.arrival, self.first, self.last):
             table.pop(request_id, None)
 
+    def oldest_wait(self, now: float) -> float | None:
+        """Seconds the longest-waiting request still without a first token has waited; None if none
+        waits (the router's controller reads it: a TTFT in the making is at least this)."""
+        waits = [now - t for rid, t in list(self.arrival.items()) if rid not in self.first]
+        return max(waits) if waits else None
+
     def on_output(self, out, t: float) -> None:
         rid = out.request_id
         arrival = self.arrival.get(rid)
