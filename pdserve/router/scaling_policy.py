@@ -128,7 +128,9 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
 
     total = r.n_prefill + r.n_decode
     n = p.sustain_intervals
-    pre_short, dec_short = s.prefill_hot >= n, s.decode_hot >= n
+    # A count carried through unknown readings acts only on a reading that knows that pool: the
+    # figures an action weighs (and names) must be this interval's, not a guess of zero.
+    pre_short, dec_short = pre_known and s.prefill_hot >= n, dec_known and s.decode_hot >= n
     if pre_short and dec_short:
         role = "prefill" if pre >= dec else "decode"
         if total < p.max_workers:
@@ -143,8 +145,8 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
                                             f"{hot / max(cool, 1e-9):.1f}x as far over")
         return hold(f"both pools over their SLOs and the fleet is at max_workers ({p.max_workers})")
     for role, short, other_cold, n_other, pressure in (
-            ("prefill", pre_short, s.decode_cold >= n, r.n_decode, pre),
-            ("decode", dec_short, s.prefill_cold >= n, r.n_prefill, dec)):
+            ("prefill", pre_short, dec_known and s.decode_cold >= n, r.n_decode, pre),
+            ("decode", dec_short, pre_known and s.prefill_cold >= n, r.n_prefill, dec)):
         if not short:
             continue
         other = "decode" if role == "prefill" else "prefill"
@@ -154,7 +156,7 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
         if total < p.max_workers:
             return act(f"add_{role}", f"{what}; no spare {other} worker")
         return hold(f"{what}, but no spare {other} worker and the fleet is at max_workers ({p.max_workers})")
-    if s.prefill_cold >= 2 * n and s.decode_cold >= 2 * n and total > p.min_workers:
+    if pre_known and dec_known and s.prefill_cold >= 2 * n and s.decode_cold >= 2 * n and total > p.min_workers:
         # Scale-down waits twice as long as scale-up: a wrong removal costs a start-up to undo.
         role = "prefill" if r.n_prefill > 1 and (r.n_prefill >= r.n_decode or r.n_decode <= 1) else "decode"
         if (r.n_prefill if role == "prefill" else r.n_decode) > 1:

@@ -90,7 +90,7 @@ def test_nothing_more_while_a_started_worker_has_not_registered():
         # The fleet stays hot; the worker added first takes 20 readings to register.
         starting = 1 if actions and i < 20 else 0
         n_decode = 2 if actions and i >= 20 else 1
-        d, state = decide(Reading(i * INTERVAL, 1, n_decode, hot.ttft_p90_ms, hot.itl_p90_ms, starting=starting),
+        d, state = decide(Reading(i * INTERVAL, 1, n_decode, hot.ttft_p90_ms, hot.itl_mean_ms, starting=starting),
                           state, P)
         if d.action != "hold":
             actions.append((i, d.action))
@@ -148,3 +148,81 @@ def test_an_interval_without_first_tokens_under_load_is_not_a_cold_prefill_pool(
     assert acted == []
     # With first tokens well under the SLO the prefill pool is cold: it gives the decode pool a worker.
     assert replay([(100.0, 250.0)] * 4, n_prefill=2, n_decode=2) == [(2, "switch_to_decode")]
+
+
+def test_prefills_longer_than_an_interval_still_count_as_a_hot_pool():
+    # A prompt-heavy phase where each prefill takes two intervals: every other reading has no first
+    # token (TTFT unknown) while prompts queue. The unknown readings neither count nor break the run.
+    state, acted = State(), []
+    for i in range(8):
+        ttft = 2500.0 if i % 2 else None
+        d, state = decide(Reading(i * INTERVAL, 1, 3, ttft, 20.0, running=2, waiting=4), state, P)
+        acted += [(i, d.action)] if d.action != "hold" else []
+    assert acted == [(5, "switch_to_prefill")]           # the third hot reading, none contrary between
+    # A cold reading between hot ones still breaks the run: noise never acts.
+    state, acted = State(), []
+    for i, ttft in enumerate([2500.0, None, 2500.0, 300.0, 2500.0, None, 2500.0, 300.0] * 3):
+        d, state = decide(Reading(i * INTERVAL, 1, 3, ttft, 20.0, running=2, waiting=4), state, P)
+        acted += [d.action] if d.action != "hold" else []
+    assert acted == []
+
+
+def test_a_wait_for_a_first_token_past_the_slo_is_prefill_pressure_before_any_first_token():
+    # Prompts queue behind one another: no first token comes for a while, but the oldest request has
+    # waited past the TTFT SLO already, so the pool is hot without waiting for it to finish.
+    state, acted = State(), []
+    for i in range(6):
+        r = Reading(i * INTERVAL, 1, 3, None, 20.0, running=2, waiting=6, queued_prefill_tokens=3600,
+                    oldest_wait_ms=1200.0 + 1000.0 * i)
+        d, state = decide(r, state, P)
+        assert d.inputs["oldest_wait_ms"] == r.oldest_wait_ms
+        acted += [(i, d.action)] if d.action != "hold" else []
+    assert acted == [(2, "switch_to_prefill")]
+    # Waits under the SLO without a first token say nothing: neither hot nor a cold pool to take from.
+    state = State()
+    for i in range(12):
+        r = Reading(i * INTERVAL, 2, 2, None, 250.0, running=6, waiting=2, oldest_wait_ms=400.0)
+        d, state = decide(r, state, P)
+        assert d.action == "hold" and state.prefill_cold == 0 and state.prefill_hot == 0
+    # A wait as long as the SLO with first tokens well under it: the wait counts (the larger one).
+    d, _ = decide(Reading(0.0, 1, 3, 100.0, 20.0, running=1, oldest_wait_ms=3000.0), State(), P)
+    assert d.inputs["prefill_pressure"] == 3.0
+
+
+def test_the_controller_reads_the_mean_gap_and_the_oldest_wait_for_a_first_token():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from pdserve.router.controller import sum_count
+    from pdserve.server.metrics import RequestTimer, ServerMetrics
+    h = Histogram("gaps_seconds", "gaps", buckets=(0.1, 1.0), registry=CollectorRegistry())
+    before = sum_count(h)
+    for gap in (0.05, 0.05, 0.05, 0.85):          # p90 in the top bucket; the mean is what TPOT bounds
+        h.observe(gap)
+    total, n = (a - b for a, b in zip(sum_count(h), before))
+    assert n == 4 and abs(total / n - 0.25) < 1e-9
+    timer = RequestTimer(ServerMetrics(dict))
+    assert timer.oldest_wait(10.0) is None
+    timer.start("a", 1.0)
+    timer.start("b", 4.0)
+    assert timer.oldest_wait(10.0) == 9.0
+    timer.first["a"] = 2.0                        # "a" has its first token: "b" is the oldest waiting
+    assert timer.oldest_wait(10.0) == 6.0
+
+
+def test_a_count_carried_through_unknown_readings_acts_only_on_a_reading_that_knows_the_pool():
+    # Both pools hot for three readings at max_workers (balanced: hold), then prefill goes unknown
+    # (no first token, no wait past the SLO) while decode stays hot. The carried prefill count must
+    # not make prefill's unknown figure (read as 0) look "far less over" and move a worker to decode.
+    state, acted = State(), []
+    readings = [Reading(i * INTERVAL, 2, 2, 2000.0, 200.0, running=4) for i in range(3)]
+    readings += [Reading((3 + i) * INTERVAL, 2, 2, None, 200.0, running=4, oldest_wait_ms=300.0) for i in range(6)]
+    for r in readings:
+        d, state = decide(r, state, P)
+        acted += [d.action] if d.action != "hold" else []
+    assert acted == []
+    assert state.prefill_hot == 3                      # carried, not reset, for when prefill is known again
+    # Prefill known again and cold: now decode's sustained heat takes a prefill worker.
+    for i in range(3):
+        d, state = decide(Reading((9 + i) * INTERVAL, 2, 2, 200.0, 200.0, running=4), state, P)
+        acted += [(i, d.action)] if d.action != "hold" else []
+    assert acted == [(2, "switch_to_decode")]
