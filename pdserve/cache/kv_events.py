@@ -38,6 +38,21 @@ def _check_tier(tier: str) -> None:
         raise ValueError(f"unknown KV tier {tier!r}; known: {KV_TIERS}")
 
 
+def _bind(sock: zmq.Socket, endpoint: str, wait_s: float = 3.0) -> None:
+    """Binds, retrying a fixed port that is still in use for up to wait_s: zmq releases a closed
+    socket's port on its I/O thread, after close() returns, so a publisher recreated in the same
+    process on the same endpoint (a restart under the same name) could find it taken a moment."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or endpoint.endswith(":*") or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
 class KVEventPublisher:
     def __init__(self, endpoint: str, worker_id: str, snapshot_endpoint: str | None = None, *,
                  max_pending: int = 100_000, sndhwm: int = 10_000, max_batch: int = 1000,
@@ -53,12 +68,12 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._snap = ctx.socket(zmq.ROUTER) if snapshot_endpoint is not None else None
         try:
-            self._pub.bind(endpoint)
+            _bind(self._pub, endpoint)
             self.endpoint = with_host(self._pub.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
             self.snapshot_endpoint = None
             if self._snap is not None:
                 self._snap.setsockopt(zmq.LINGER, 0)
-                self._snap.bind(snapshot_endpoint)
+                _bind(self._snap, snapshot_endpoint)
                 self.snapshot_endpoint = with_host(self._snap.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         except zmq.ZMQError:
             self._pub.close()
