@@ -2,7 +2,8 @@
 
 Every `controller.interval_s` it reads the fleet (TTFT p90 and the mean inter-token gap over the
 interval from the router's own histograms, decode KV usage, running and waiting requests from the workers'
-health, queued prefill tokens from the router's accounting, the longest wait for a first token),
+health, queued prefill tokens from the router's accounting, the longest wait for a first token, the
+backlog ahead of a new prompt at the prefill pool's measured rate),
 asks the pure policy (router/scaling_policy.py) what to do, and does it: a role switch through the
 router (drain, switch in place: router/role_switch.py), or a worker added or removed through a
 `Fleet` (local processes: pdserve/local_fleet.py; Kubernetes Deployments: router/k8s_fleet.py). A removal empties
@@ -91,6 +92,37 @@ def quantile_between(before: list[tuple[float, float]], after: list[tuple[float,
     return lo
 
 
+class PrefillBacklog:
+    """The wait ahead of a prompt sent now to the prefill pool: the least-queued prefill worker's
+    queued prompt tokens at the pool's measured seconds per token. A TTFT read off first tokens or
+    off the longest wait comes after requests have waited; the queue says it as it builds.
+
+    The rate is measured, not profiled: over an interval in which a worker had prompts queued at
+    both readings (busy throughout), its interval over the prompt tokens it computed, summed over
+    the last `keep` such samples (a ratio of sums: prompts longer than an interval give samples
+    of zero tokens, which count as busy time). The queue counts the prompt in progress whole and
+    not the newcomer's own: about one prompt either way."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.samples: deque[tuple[float, int]] = deque(maxlen=keep)
+        self.last: dict[str, tuple[int, int]] = {}
+        self.at: float | None = None
+
+    def update(self, now: float, workers: dict[str, tuple[int, int]]) -> float | None:
+        """workers: each prefill worker's (prompt tokens computed so far, prompt tokens queued at it).
+        Returns seconds, or None before any busy interval was measured."""
+        if self.at is not None:
+            for wid, (computed, queued) in workers.items():
+                before = self.last.get(wid)
+                if before is not None and before[1] > 0 and queued > 0 and computed >= before[0]:
+                    self.samples.append((now - self.at, computed - before[0]))
+        self.last, self.at = dict(workers), now
+        tokens = sum(n for _, n in self.samples)
+        if not workers or tokens <= 0:
+            return None
+        return min(q for _, q in workers.values()) * sum(t for t, _ in self.samples) / tokens
+
+
 class Controller:
     def __init__(self, config: Config, registry: Registry, client: httpx.AsyncClient, ttft: Histogram,
                  itl: Histogram, fleet: Fleet | None, metrics: CollectorRegistry,
@@ -107,6 +139,7 @@ class Controller:
         self.state = State()
         self.decisions: deque[ControllerDecision] = deque(maxlen=1000)
         self._snap = (buckets(ttft), sum_count(itl))
+        self.backlog = PrefillBacklog()
         self.m_actions = Counter("pdserve_controller_actions", "Controller actions carried out, by action and outcome",
                                  ["action", "outcome"], registry=metrics)
         self.m_pressure = Gauge("pdserve_controller_pressure", "Pool figure over its SLO at the last reading",
@@ -128,12 +161,14 @@ class Controller:
         health = [w.health for w in pre + dec if w.health is not None]
         dec_usage = [w.health.kv_usage for w in dec if w.health is not None]
         wait = self.oldest_wait(now)
+        backlog = self.backlog.update(now, {w.worker_id: (w.health.prefill_tokens_computed, w.queued_prefill_tokens)
+                                            for w in pre if w.health is not None})
         return Reading(now, len(pre), len(dec), None if ttft is None else ttft * 1000, None if itl is None else itl * 1000,
                        sum(dec_usage) / len(dec_usage) if dec_usage else 0.0,
                        sum(w.queued_prefill_tokens for w in pre + dec), sum(h.running for h in health),
                        sum(h.waiting for h in health),
                        self.fleet.starting({w.url for w in self.registry.workers.values() if w.healthy}),
-                       None if wait is None else wait * 1000)
+                       None if wait is None else wait * 1000, None if backlog is None else backlog * 1000)
 
     async def step(self) -> ControllerDecision:
         reading = self.read(time.monotonic())

@@ -3,9 +3,11 @@ the readings before, and the parameters (controller: config). The controller (ro
 reads the fleet, calls `decide` and carries out what it returns; tests replay metric traces through
 `decide` alone.
 
-Pressure is a pool's figure against its SLO: the prefill pool's is the larger of TTFT p90 and the
+Pressure is a pool's figure against its SLO: the prefill pool's is the largest of TTFT p90, the
 longest wait of a request still without its first token (a TTFT in the making: it is at least
-that) over slo_ttft_ms, the decode pool's the larger of the mean inter-token gap / slo_tpot_ms and
+that) and the backlog a prompt sent now would wait behind (the queue of prompt tokens at the
+pool's measured rate: the TTFT to come, before any request has waited it) over slo_ttft_ms,
+the decode pool's the larger of the mean inter-token gap / slo_tpot_ms and
 decode KV usage / kv_usage_high. (TPOT is a per-request mean, so the mean gap is what its SLO
 bounds; a p90 of gaps, spiked by prefills sharing the CPU, reads ~1.3x over it: it calls a pool
 that meets every request's TPOT short of workers, and never one that could spare a worker.) A
@@ -64,6 +66,7 @@ class Reading:
     waiting: int = 0
     starting: int = 0                        # workers started and not yet registered
     oldest_wait_ms: float | None = None      # the longest a request in flight has waited for its first token
+    backlog_ms: float | None = None          # the wait ahead of a prompt sent now to the least-queued prefill worker
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ class Decision:
 
 def pressures(r: Reading, p: Params) -> tuple[float, float]:
     """(prefill, decode) pressure: 1.0 is a pool exactly at its SLO."""
-    pre = max(r.ttft_p90_ms or 0.0, r.oldest_wait_ms or 0.0) / p.slo_ttft_ms
+    pre = max(r.ttft_p90_ms or 0.0, r.oldest_wait_ms or 0.0, r.backlog_ms or 0.0) / p.slo_ttft_ms
     dec = max((r.itl_mean_ms or 0.0) / p.slo_tpot_ms, r.decode_kv_usage / p.kv_usage_high)
     return pre, dec
 
@@ -99,7 +102,7 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
               "n_decode": r.n_decode, "ttft_p90_ms": r.ttft_p90_ms or 0.0, "itl_mean_ms": r.itl_mean_ms or 0.0,
               "decode_kv_usage": r.decode_kv_usage, "queued_prefill_tokens": r.queued_prefill_tokens,
               "running": r.running, "waiting": r.waiting, "starting": r.starting,
-              "oldest_wait_ms": r.oldest_wait_ms or 0.0}
+              "oldest_wait_ms": r.oldest_wait_ms or 0.0, "backlog_ms": round(r.backlog_ms or 0.0, 1)}
     last = s.last_action_at
     if last is not None and r.time - last < p.cooldown_s:
         # Readings while the last action settles count for nothing.
@@ -109,7 +112,7 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
         return Decision("hold", f"{r.starting} worker(s) starting", inputs), State(last_action_at=last)
     # No latency in an idle interval: the pools are cold. No latency while requests are in flight
     # (long replies still decoding, or prompts queued behind a long prefill): that pool's reading is
-    # unknown, unless it is over the SLO already (a wait past it), and leaves its counts as they
+    # unknown, unless it is over the SLO already (a wait or a backlog past it), and leaves its counts as they
     # were. Resetting them instead would never let a pool whose prefills take longer than an
     # interval count as hot: it has intervals without a first token however long its queue.
     busy = r.running + r.waiting + r.queued_prefill_tokens > 0

@@ -226,3 +226,41 @@ def test_a_count_carried_through_unknown_readings_acts_only_on_a_reading_that_kn
         d, state = decide(Reading((9 + i) * INTERVAL, 2, 2, 200.0, 200.0, running=4), state, P)
         acted += [(i, d.action)] if d.action != "hold" else []
     assert acted == [(2, "switch_to_decode")]
+
+
+def test_a_prefill_backlog_past_the_slo_is_pressure_before_any_request_waited_it():
+    # A prompt-heavy phase building: first tokens still come under the SLO (prompts sent before the
+    # queue grew) and no request has yet waited past it, but the queue ahead of a prompt sent now
+    # takes longer than the SLO at the pool's rate: the TTFT to come. It acts on the queue, three
+    # readings in, where first tokens and waits would only cross the SLO a queue's length later.
+    state, acted = State(), []
+    for i in range(6):
+        r = Reading(i * INTERVAL, 1, 3, 800.0, 20.0, running=3, waiting=4, queued_prefill_tokens=1500,
+                    oldest_wait_ms=900.0, backlog_ms=1500.0 + 300.0 * i)
+        d, state = decide(r, state, P)
+        assert d.inputs["backlog_ms"] == r.backlog_ms
+        acted += [(i, d.action)] if d.action != "hold" else []
+    assert acted == [(2, "switch_to_prefill")]
+    # A backlog under the SLO says nothing more than the first tokens do.
+    state = State()
+    for i in range(12):
+        d, state = decide(Reading(i * INTERVAL, 1, 3, 800.0, 20.0, running=3, backlog_ms=900.0), state, P)
+        assert d.action == "hold"
+
+
+def test_the_prefill_backlog_is_the_least_queue_at_the_measured_rate():
+    from pdserve.router.controller import PrefillBacklog
+    b = PrefillBacklog()
+    assert b.update(0.0, {"p1": (0, 900)}) is None                 # nothing measured yet
+    # Busy throughout (queued at both readings): 600 tokens in 2 s, then 300 in 2 s -> 4 s / 900 tokens.
+    assert b.update(2.0, {"p1": (600, 900)}) == 900 * 2.0 / 600
+    got = b.update(4.0, {"p1": (900, 1500), "p2": (0, 300)})      # p2 just joined: no sample from it yet
+    assert got is not None and abs(got - 300 * 4.0 / 900) < 1e-9   # the least-queued worker's queue
+    # An idle interval (nothing queued before) is no measure of the rate; a prompt longer than an
+    # interval (no tokens done, queued throughout) is busy time.
+    b = PrefillBacklog()
+    b.update(0.0, {"p1": (0, 0)})
+    assert b.update(2.0, {"p1": (300, 300)}) is None
+    b.update(4.0, {"p1": (300, 600)})                              # queued at both, 0 tokens: 2 s busy
+    got = b.update(6.0, {"p1": (900, 600)})                        # 600 tokens in 2 s: 4 s / 600
+    assert got is not None and abs(got - 600 * 4.0 / 600) < 1e-9
