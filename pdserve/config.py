@@ -199,7 +199,7 @@ class ControllerConfig:
     enabled: bool = False
     interval_s: float = 5.0
     slo_ttft_ms: float = 2000.0          # time to first token the deployment promises (p90 over an interval)
-    slo_tpot_ms: float = 200.0           # time per output token (p90 of inter-token gaps over an interval)
+    slo_tpot_ms: float = 200.0           # time per output token (read as the mean inter-token gap over an interval)
     kv_usage_high: float = 0.9           # decode KV usage counted as pressure as much as a TPOT at the SLO
     high: float = 1.0                    # a pool is short of workers above this share of its SLO ...
     low: float = 0.5                     # ... and has one to spare below it
