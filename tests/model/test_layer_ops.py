@@ -13,11 +13,32 @@ def _reference_rms_norm(x, weight, eps):
 
 
 def test_fused_rms_norm_is_bit_identical_to_the_formula():
+    # Heads (3-d, q/k norms) run torch's fused form: bit for bit the formula.
     g = torch.Generator().manual_seed(0)
-    for shape, eps in [((1, 576), 1e-5), ((37, 576), 1e-6), ((5, 9, 64), 1e-6), ((128, 64), 1e-5)]:
+    for shape, eps in [((5, 9, 64), 1e-6), ((3, 2, 576), 1e-5)]:
         x = torch.randn(*shape, generator=g) * 3
         w = torch.randn(shape[-1], generator=g)
         assert torch.equal(rms_norm(x, w, eps), _reference_rms_norm(x, w, eps))
+
+
+def test_native_rms_norm_of_rows_matches_the_formula():
+    # Rows of the residual stream run norm.c: the same formula, its sum of squares in another order.
+    from pdserve.model.kernels.norm import native_rms_norm
+    g = torch.Generator().manual_seed(0)
+    for shape, eps in [((1, 576), 1e-5), ((37, 576), 1e-6), ((128, 64), 1e-5), ((300, 960), 1e-6), ((2, 36), 1e-5)]:
+        x = torch.randn(*shape, generator=g) * 3
+        w = torch.randn(shape[-1], generator=g)
+        got = native_rms_norm(x, w, eps)
+        assert got is not None and got.shape == x.shape
+        torch.testing.assert_close(got, _reference_rms_norm(x, w, eps), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(rms_norm(x, w, eps), got, rtol=0, atol=0)
+    # Strided rows (a slice of a wider tensor) read in place; what the kernel cannot take falls back.
+    wide = torch.randn(7, 1152, generator=g)
+    w = torch.randn(576, generator=g)
+    torch.testing.assert_close(native_rms_norm(wide[:, 576:], w, 1e-5), _reference_rms_norm(wide[:, 576:], w, 1e-5),
+                               rtol=1e-6, atol=1e-6)
+    assert native_rms_norm(wide[:, :576].double(), w.double(), 1e-5) is None
+    assert native_rms_norm(wide[:, ::2], w, 1e-5) is None
 
 
 def test_one_rotary_pass_over_q_and_k_equals_two():
