@@ -81,9 +81,9 @@ def _stream_and_kill(url: str, prompt: str, params: dict, kill_at: int) -> tuple
 
 def test_killed_decode_worker_mid_stream_is_migrated(tmp_path, smollm_llm):
     prompt = "Write a long story about a lighthouse keeper and a storm. Chapter one:"
-    greedy = {"temperature": 0, "max_tokens": 200}
+    greedy = {"temperature": 0, "max_tokens": 100}
     # Seeded sampling with penalties: the new worker must go on with the same draws and counts.
-    seeded = {"temperature": 0.8, "top_p": 0.95, "seed": 7, "presence_penalty": 0.4, "max_tokens": 120}
+    seeded = {"temperature": 0.8, "top_p": 0.95, "seed": 7, "presence_penalty": 0.4, "max_tokens": 80}
     want = {name: smollm_llm.generate(prompt, SamplingParams(ignore_eos=True, **p))[0].text
             for name, p in (("greedy", greedy), ("seeded", seeded))}
     port = free_port()
