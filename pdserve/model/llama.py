@@ -25,7 +25,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         # Rows of the residual stream: one native pass a row (torch's runs ~7 small ops, ~70 us each
         # call at decode sizes, 60 calls a step). Else torch's fused form, bit for bit the formula below.
-        out = native_rms_norm(x, weight, eps) if x.dim() == 2 else None
+        out = native_rms_norm(x, weight, eps)
         return out if out is not None else F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -6,19 +6,9 @@ import ctypes
 
 import torch
 
-from pdserve.model.kernels.native import load, ptr
+from pdserve.model.kernels.native import function, ptr
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-def _kernel():
-    lib = load("decode_attention")
-    if lib is None:
-        return None
-    fn = lib.pd_decode_attention
-    fn.restype = None
-    fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I]
-    return fn
 
 
 class DecodeAttention:
@@ -42,5 +32,6 @@ class DecodeAttention:
 
 def decode_attention_kernel() -> DecodeAttention | None:
     """The native kernel, or None where it cannot be built (the torch path runs instead)."""
-    fn = _kernel()
+    fn = function("decode_attention", "pd_decode_attention",
+                  [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I])
     return None if fn is None else DecodeAttention(fn)

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -77,6 +78,17 @@ def load(name: str) -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("native kernel %s unavailable, using the torch path: %s", name, e)
         return None
+
+
+def function(name: str, symbol: str, argtypes: list) -> Callable[..., None] | None:
+    """`symbol` of `name`.c, typed (it returns nothing), or None where the library cannot load here."""
+    lib = load(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.restype = None
+    fn.argtypes = argtypes
+    return fn
 
 
 def ptr(t: torch.Tensor) -> ctypes.c_void_p:

@@ -6,20 +6,14 @@ from functools import lru_cache
 
 import torch
 
-from pdserve.model.kernels.native import load, ptr
+from pdserve.model.kernels.native import function, ptr
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 @lru_cache(maxsize=1)
 def _fn():
-    lib = load("norm")
-    if lib is None:
-        return None
-    fn = lib.pd_rms_norm
-    fn.restype = None
-    fn.argtypes = [_P, _I64, _P, _P, _I64, _I, _I, _F, _I]
-    return fn
+    return function("norm", "pd_rms_norm", [_P, _I64, _P, _P, _I64, _I, _I, _F, _I])
 
 
 def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import torch
 
-from pdserve.model.kernels.native import load, ptr
+from pdserve.model.kernels.native import function, ptr
 
 _I, _I64, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 TILE = 16     # output channels per tile (NC in the C file)
@@ -15,13 +15,7 @@ TILE = 16     # output channels per tile (NC in the C file)
 
 @lru_cache(maxsize=1)
 def _fn():
-    lib = load("qgemm")
-    if lib is None:
-        return None
-    fn = lib.pd_qgemm
-    fn.restype = None
-    fn.argtypes = [_I, _P, _P, _P, _P, _I64, _P, _I64, _I, _I, _I, _I]
-    return fn
+    return function("qgemm", "pd_qgemm", [_I, _P, _P, _P, _P, _I64, _P, _I64, _I, _I, _I, _I])
 
 
 def available() -> bool:
