@@ -5,7 +5,7 @@ and applies each action to the fleet's counts, as the controller would once it i
 from __future__ import annotations
 
 from pdserve.config import ControllerConfig
-from pdserve.router.scaling_policy import ACTIONS, Params, Reading, State, decide
+from pdserve.router.scaling_policy import ACTIONS, Decision, Params, Reading, State, decide
 
 P = Params.from_config(ControllerConfig(slo_ttft_ms=1000, slo_tpot_ms=100, high=1.0, low=0.5, sustain_intervals=3,
                                         cooldown_s=20, min_workers=2, max_workers=4, kv_usage_high=0.9, imbalance=3.0))
@@ -31,6 +31,20 @@ def replay(trace: list[tuple[float | None, float | None]], n_prefill: int = 1, n
             n_prefill, n_decode = (n_prefill - 1, n_decode) if role == "prefill" else (n_prefill, n_decode - 1)
         assert n_prefill >= 1 and n_decode >= 1 and params.min_workers <= n_prefill + n_decode <= params.max_workers
     return acted
+
+
+def decide_all(readings: list[Reading], state: State | None = None) -> tuple[list[Decision], State]:
+    """Each reading's decision, the state carried through (readings given whole, not as a trace)."""
+    decisions, state = [], state or State()
+    for r in readings:
+        d, state = decide(r, state, P)
+        decisions.append(d)
+    return decisions, state
+
+
+def actions(decisions: list[Decision]) -> list[tuple[int, str]]:
+    """(index, action) of every non-hold."""
+    return [(i, d.action) for i, d in enumerate(decisions) if d.action != "hold"]
 
 
 def test_noise_around_the_threshold_never_acts():
@@ -139,13 +153,10 @@ def test_at_max_workers_with_both_pools_over_a_far_worse_pool_takes_a_worker():
 
 
 def test_an_interval_without_first_tokens_under_load_is_not_a_cold_prefill_pool():
-    state, acted = State(), []
-    for i in range(12):
-        # Long replies decode (ITL over its SLO); no new request, so no first token: TTFT unknown.
-        # The fleet is at max_workers: only a switch could help, and nothing says prefill is idle.
-        d, state = decide(Reading(i * INTERVAL, 2, 2, None, 250.0, running=6), state, P)
-        acted += [d.action] if d.action != "hold" else []
-    assert acted == []
+    # Long replies decode (ITL over its SLO); no new request, so no first token: TTFT unknown.
+    # The fleet is at max_workers: only a switch could help, and nothing says prefill is idle.
+    decisions, _ = decide_all([Reading(i * INTERVAL, 2, 2, None, 250.0, running=6) for i in range(12)])
+    assert actions(decisions) == []
     # With first tokens well under the SLO the prefill pool is cold: it gives the decode pool a worker.
     assert replay([(100.0, 250.0)] * 4, n_prefill=2, n_decode=2) == [(2, "switch_to_decode")]
 
@@ -153,31 +164,23 @@ def test_an_interval_without_first_tokens_under_load_is_not_a_cold_prefill_pool(
 def test_prefills_longer_than_an_interval_still_count_as_a_hot_pool():
     # A prompt-heavy phase where each prefill takes two intervals: every other reading has no first
     # token (TTFT unknown) while prompts queue. The unknown readings neither count nor break the run.
-    state, acted = State(), []
-    for i in range(8):
-        ttft = 2500.0 if i % 2 else None
-        d, state = decide(Reading(i * INTERVAL, 1, 3, ttft, 20.0, running=2, waiting=4), state, P)
-        acted += [(i, d.action)] if d.action != "hold" else []
-    assert acted == [(5, "switch_to_prefill")]           # the third hot reading, none contrary between
+    decisions, _ = decide_all([Reading(i * INTERVAL, 1, 3, 2500.0 if i % 2 else None, 20.0, running=2, waiting=4)
+                               for i in range(8)])
+    assert actions(decisions) == [(5, "switch_to_prefill")]   # the third hot reading, none contrary between
     # A cold reading between hot ones still breaks the run: noise never acts.
-    state, acted = State(), []
-    for i, ttft in enumerate([2500.0, None, 2500.0, 300.0, 2500.0, None, 2500.0, 300.0] * 3):
-        d, state = decide(Reading(i * INTERVAL, 1, 3, ttft, 20.0, running=2, waiting=4), state, P)
-        acted += [d.action] if d.action != "hold" else []
-    assert acted == []
+    decisions, _ = decide_all([Reading(i * INTERVAL, 1, 3, ttft, 20.0, running=2, waiting=4) for i, ttft in
+                               enumerate([2500.0, None, 2500.0, 300.0, 2500.0, None, 2500.0, 300.0] * 3)])
+    assert actions(decisions) == []
 
 
 def test_a_wait_for_a_first_token_past_the_slo_is_prefill_pressure_before_any_first_token():
     # Prompts queue behind one another: no first token comes for a while, but the oldest request has
     # waited past the TTFT SLO already, so the pool is hot without waiting for it to finish.
-    state, acted = State(), []
-    for i in range(6):
-        r = Reading(i * INTERVAL, 1, 3, None, 20.0, running=2, waiting=6, queued_prefill_tokens=3600,
-                    oldest_wait_ms=1200.0 + 1000.0 * i)
-        d, state = decide(r, state, P)
-        assert d.inputs["oldest_wait_ms"] == r.oldest_wait_ms
-        acted += [(i, d.action)] if d.action != "hold" else []
-    assert acted == [(2, "switch_to_prefill")]
+    readings = [Reading(i * INTERVAL, 1, 3, None, 20.0, running=2, waiting=6, queued_prefill_tokens=3600,
+                        oldest_wait_ms=1200.0 + 1000.0 * i) for i in range(6)]
+    decisions, _ = decide_all(readings)
+    assert all(d.inputs["oldest_wait_ms"] == r.oldest_wait_ms for d, r in zip(decisions, readings))
+    assert actions(decisions) == [(2, "switch_to_prefill")]
     # Waits under the SLO without a first token say nothing: neither hot nor a cold pool to take from.
     state = State()
     for i in range(12):
@@ -213,19 +216,14 @@ def test_a_count_carried_through_unknown_readings_acts_only_on_a_reading_that_kn
     # Both pools hot for three readings at max_workers (balanced: hold), then prefill goes unknown
     # (no first token, no wait past the SLO) while decode stays hot. The carried prefill count must
     # not make prefill's unknown figure (read as 0) look "far less over" and move a worker to decode.
-    state, acted = State(), []
     readings = [Reading(i * INTERVAL, 2, 2, 2000.0, 200.0, running=4) for i in range(3)]
     readings += [Reading((3 + i) * INTERVAL, 2, 2, None, 200.0, running=4, oldest_wait_ms=300.0) for i in range(6)]
-    for r in readings:
-        d, state = decide(r, state, P)
-        acted += [d.action] if d.action != "hold" else []
-    assert acted == []
+    decisions, state = decide_all(readings)
+    assert actions(decisions) == []
     assert state.prefill_hot == 3                      # carried, not reset, for when prefill is known again
     # Prefill known again and cold: now decode's sustained heat takes a prefill worker.
-    for i in range(3):
-        d, state = decide(Reading((9 + i) * INTERVAL, 2, 2, 200.0, 200.0, running=4), state, P)
-        acted += [(i, d.action)] if d.action != "hold" else []
-    assert acted == [(2, "switch_to_decode")]
+    decisions, _ = decide_all([Reading((9 + i) * INTERVAL, 2, 2, 200.0, 200.0, running=4) for i in range(3)], state)
+    assert actions(decisions) == [(2, "switch_to_decode")]
 
 
 def test_a_prefill_backlog_past_the_slo_is_pressure_before_any_request_waited_it():
@@ -233,19 +231,14 @@ def test_a_prefill_backlog_past_the_slo_is_pressure_before_any_request_waited_it
     # queue grew) and no request has yet waited past it, but the queue ahead of a prompt sent now
     # takes longer than the SLO at the pool's rate: the TTFT to come. It acts on the queue, three
     # readings in, where first tokens and waits would only cross the SLO a queue's length later.
-    state, acted = State(), []
-    for i in range(6):
-        r = Reading(i * INTERVAL, 1, 3, 800.0, 20.0, running=3, waiting=4, queued_prefill_tokens=1500,
-                    oldest_wait_ms=900.0, backlog_ms=1500.0 + 300.0 * i)
-        d, state = decide(r, state, P)
-        assert d.inputs["backlog_ms"] == r.backlog_ms
-        acted += [(i, d.action)] if d.action != "hold" else []
-    assert acted == [(2, "switch_to_prefill")]
+    readings = [Reading(i * INTERVAL, 1, 3, 800.0, 20.0, running=3, waiting=4, queued_prefill_tokens=1500,
+                        oldest_wait_ms=900.0, backlog_ms=1500.0 + 300.0 * i) for i in range(6)]
+    decisions, _ = decide_all(readings)
+    assert all(d.inputs["backlog_ms"] == r.backlog_ms for d, r in zip(decisions, readings))
+    assert actions(decisions) == [(2, "switch_to_prefill")]
     # A backlog under the SLO says nothing more than the first tokens do.
-    state = State()
-    for i in range(12):
-        d, state = decide(Reading(i * INTERVAL, 1, 3, 800.0, 20.0, running=3, backlog_ms=900.0), state, P)
-        assert d.action == "hold"
+    decisions, _ = decide_all([Reading(i * INTERVAL, 1, 3, 800.0, 20.0, running=3, backlog_ms=900.0) for i in range(12)])
+    assert actions(decisions) == []
 
 
 def test_the_prefill_backlog_is_the_least_queue_at_the_measured_rate():
