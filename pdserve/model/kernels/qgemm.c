@@ -98,12 +98,14 @@ static void dequant8(const int8_t *q, const float *d, int k0, int k1, float *buf
     }
 }
 
-/* rows x [mr, kn] (ldx apart) times buf [kn][16] into y [mr, 16] (ldy apart), added unless first. */
+/* rows x [mr, kn] (ldx apart) times buf [kn][16] into y [mr, 16] (ldy apart), added unless first. With
+   pf, one cache line of it is prefetched every 2^sh steps (see rows_f32). */
 static inline __attribute__((always_inline)) void micro(int mr, const float *x, int64_t ldx, const float *buf, int kn,
-                                                        float *y, int64_t ldy, int first) {
+                                                        float *y, int64_t ldy, int first, const char *pf, int sh) {
     v8f acc[MR][2];
     for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = (v8f){0};
     for (int k = 0; k < kn; k++) {
+        if (pf && (k & ((1 << sh) - 1)) == 0) __builtin_prefetch(pf + (k >> sh) * 64, 0, 3);
         const v8f w0 = *(const v8f *)(buf + k * NC), w1 = *(const v8f *)(buf + k * NC + 8);
         for (int i = 0; i < mr; i++) {
             const v8f xb = splat(x + i * ldx + k);
@@ -118,17 +120,39 @@ static inline __attribute__((always_inline)) void micro(int mr, const float *x, 
     }
 }
 
-static void rows(int M, const float *x, int64_t ldx, const float *buf, int kn, float *y, int64_t ldy, int first) {
-    int i = 0;
-    for (; i + MR <= M; i += MR) micro(MR, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first);
+/* Every row through one block, MR rows a call; a call's pf line range is its share of `next`'s bytes. */
+static inline __attribute__((always_inline)) void rows_pf(int M, const float *x, int64_t ldx, const float *buf, int kn,
+                                                          float *y, int64_t ldy, int first, const char *next,
+                                                          int next_bytes) {
+    const int calls = (M + MR - 1) / MR, lines = next_bytes / 64, per = (lines + calls - 1) / calls;
+    int sh = 0;
+    while (next && (2 << sh) * per <= kn) sh++;
+    int i = 0, c = 0;
+    for (; i + MR <= M; i += MR, c++)
+        micro(MR, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first, next ? next + (int64_t)c * per * 64 : 0, sh);
+    const char *pf = next ? next + (int64_t)c * per * 64 : 0;
     switch (M - i) {  /* constant row counts, so each call unrolls */
-        case 5: micro(5, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first); break;
-        case 4: micro(4, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first); break;
-        case 3: micro(3, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first); break;
-        case 2: micro(2, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first); break;
-        case 1: micro(1, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first); break;
+        case 5: micro(5, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first, pf, sh); break;
+        case 4: micro(4, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first, pf, sh); break;
+        case 3: micro(3, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first, pf, sh); break;
+        case 2: micro(2, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first, pf, sh); break;
+        case 1: micro(1, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first, pf, sh); break;
         default: break;
     }
+}
+
+/* Quantized weights: buf is the dequantized tile in L1, nothing to prefetch (a branch in the loop
+   measured slower there). */
+static void rows(int M, const float *x, int64_t ldx, const float *buf, int kn, float *y, int64_t ldy, int first) {
+    rows_pf(M, x, ldx, buf, kn, y, ldy, first, 0, 0);
+}
+
+/* Float32 weights stream from memory into the micro-kernel as they lie: the first MR rows of a block
+   would stall on it while the others find it in L1, so the next block (the next 16 KB, contiguous:
+   also across tiles) is prefetched a line at a time, spread over the calls. Measured in C over the
+   model's 120 GEMMs on 2 threads: 8 rows 39 -> 32 ms, 16 rows 56 -> 40 ms. */
+static void rows_f32(int M, const float *x, int64_t ldx, const float *w, int kn, float *y, int64_t ldy, int first) {
+    rows_pf(M, x, ldx, w, kn, y, ldy, first, (const char *)(w + (int64_t)kn * NC), KB * NC * 4);
 }
 
 /* One or two rows: the weight is dequantized into registers and used at once. */
@@ -191,7 +215,7 @@ void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float
         if (bits == 32) {   /* float32: the tile is its own buffer */
             const float *tf = (const float *)w + (int64_t)t * K * NC;
             for (int k0 = 0; k0 < K; k0 += KB)
-                rows(M, x + k0, ldx, tf + (int64_t)k0 * NC, (k0 + KB < K ? KB : K - k0), yt, ldy, k0 == 0);
+                rows_f32(M, x + k0, ldx, tf + (int64_t)k0 * NC, (k0 + KB < K ? KB : K - k0), yt, ldy, k0 == 0);
             continue;
         }
         if (M <= 2) {
