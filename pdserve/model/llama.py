@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata, DecodeKernel, paged_attention
 from pdserve.model.kernels.decode_attention import decode_attention_kernel
+from pdserve.model.kernels.layer import FusedLayer, FusedStep, silu_mul
 from pdserve.model.linear import linear
 from pdserve.model.kernels.norm import native_rms_norm
 from pdserve.model.kernels.qgemm import TiledFloat
@@ -47,8 +48,12 @@ class DenseMLP:
         return mlp
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(h, self.gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down)
+        gu = linear(h, self.gate_up)
+        act = silu_mul(gu)       # the fused decode layer's own (layer.c), so both paths match bit for bit
+        if act is None:
+            gate, up = gu.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return linear(act, self.down)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         return [self.gate_up, self.down]
@@ -141,6 +146,22 @@ class LlamaModel:
             self.decode_kernel = decode_attention_kernel()
         for layer in self.layers:
             layer.decode_kernel = self.decode_kernel
+        self.fused = self._fuse() if self.decode_kernel is not None else None
+
+    def _fuse(self) -> list[FusedLayer] | None:
+        """Every layer as layer.c runs it in a decode-only step, or None where one cannot (q/k norms,
+        a MoE block, a product that does not run qgemm.c)."""
+        fused = []
+        for layer in self.layers:
+            mlp = layer.mlp
+            f = None
+            if layer.q_norm is None and isinstance(mlp, DenseMLP):
+                f = FusedLayer.of(self.arch, layer.qkv, layer.o, mlp.gate_up, mlp.down, layer.input_norm,
+                                  layer.post_norm, layer.qkv_bias)
+            if f is None:
+                return None
+            fused.append(f)
+        return fused
 
     def _pack(self, w, mode: str | None = None):
         return pack(w, self.quantization if mode is None else mode, self.dtype, self.device, self.native_gemm)
@@ -181,10 +202,19 @@ class LlamaModel:
         `inputs_embeds` [tokens, hidden] replaces the embedding lookup (a VLM's image rows, model/vlm.py)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.tables(positions)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
-            if layer_done is not None:
-                layer_done(i)
+        n = x.shape[0]
+        if self.fused is not None and FusedStep.applies(meta, n):
+            step = FusedStep(meta, cos, sin, n, self.fused[0].scratch_per_row)
+            x = x.contiguous() if inputs_embeds is None else x.clone(memory_format=torch.contiguous_format)
+            for i, f in enumerate(self.fused):
+                step.run(f, x, kv_cache[i, 0], kv_cache[i, 1])       # x in place
+                if layer_done is not None:
+                    layer_done(i)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer.forward(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+                if layer_done is not None:
+                    layer_done(i)
         if logits_indices is None:
             return None
         x = rms_norm(x[logits_indices], self.norm, self.arch.rms_norm_eps)

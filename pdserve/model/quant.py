@@ -146,8 +146,8 @@ class QuantizedWeight:
         if x.shape[0] == 0:
             return x.new_empty(0, self.shape[0])
         if self.native:
-            bits = 8 if self.mode == "int8" else 4
-            return qgemm.qgemm(bits, *self.tiled, x.float(), self.shape[0]).to(x.dtype)
+            bits, w, d, m = self.operands()
+            return qgemm.qgemm(bits, w, d, m, x.float(), self.shape[0]).to(x.dtype)
         if self.mode == "int8":
             if self.on_cpu and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
                 return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale_bf16).to(x.dtype)
@@ -156,6 +156,12 @@ class QuantizedWeight:
             return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed, GROUP,
                                                      self.scale_zero).to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype))
+
+    def operands(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(bits, w, d, m) as qgemm.c takes them; native weights only."""
+        assert self.native
+        w, d, m = self.tiled
+        return (8 if self.mode == "int8" else 4), w, d, (d if m is None else m)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [N, K] matrix."""

@@ -15,40 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* Eight floats at a time (GCC vector extensions; the width and FMA come from the build's -m flags).
-   Head dimensions that are a multiple of 8 take these paths; others the scalar loops. */
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef float v8fu __attribute__((vector_size(32), aligned(4)));
-#define LD(p) (*(const v8fu *)(p))
-
-static inline float hsum(v8f v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-/* e^x for x <= 0 (scores minus their maximum), within a few units in the last place: x = n ln2 + r,
-   |r| <= ln2/2, e^r by its Taylor polynomial to degree 7, 2^n built in the exponent bits. libm's
-   expf is called one value at a time here (no vector math library without -ffast-math), which
-   cost more than the rest of the kernel. */
-static inline v8f vexp(v8f x) {
-    const v8f lo = (v8f){0} - 87.0f;
-    const v8i under = x < lo;   /* e^-87 ~ 1.6e-38: below it, weights vanish next to the maximum's 1 anyway */
-    x = (v8f)(((v8i)x & ~under) | ((v8i)lo & under));
-    const v8f t = x * 1.44269504f;
-    const v8f big = (v8f){0} + 12582912.0f;           /* 1.5 * 2^23: adding it rounds to an integer */
-    const v8f n = (t + big) - big;
-    const v8f r = (x - n * 0.693145752f) - n * 1.42860677e-6f;   /* ln 2 in two parts */
-    v8f p = (v8f){0} + 1.0f / 5040;
-    p = p * r + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return p * (v8f)e;
-}
+/* Head dimensions that are a multiple of 8 take the vector paths (vec.h); others the scalar loops. */
+#include "vec.h"
 
 /* Scores of G heads against one key row, for D % 8 == 0. */
 static inline void scores8(const float *qh, const float *k, int G, int D, float scale, float *s, int64_t stride) {

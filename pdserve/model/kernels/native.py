@@ -42,15 +42,21 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+# Libraries that link other kernels' sources in beside their own (the fused decode layer calls them).
+LINKED = {"layer": ["qgemm", "norm", "decode_attention"]}
+
+
 def build(name: str) -> Path:
-    """The shared library for `name`.c, built for this CPU's features unless already cached."""
+    """The shared library for `name`.c (and what LINKED adds), built for this CPU's features unless
+    already cached."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    src = HERE / f"{name}.c"
+    srcs = [HERE / f"{n}.c" for n in [name, *LINKED.get(name, [])]]
+    texts = [p.read_text() for p in [*srcs, *sorted(HERE.glob("*.h"))]]
     mflags = [_MFLAGS[f] for f in _MFLAGS if f in cpu_flags()]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout.split("\n")[0]
-    digest = hashlib.sha256("\0".join([src.read_text(), version, *CFLAGS, *mflags]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\0".join([*texts, version, *CFLAGS, *mflags]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{feature_key()}-{digest}.so"
     if out.exists():
         return out
@@ -59,10 +65,10 @@ def build(name: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, *mflags, str(src), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *CFLAGS, *mflags, *map(str, srcs), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=120, check=False)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {src.name}: {proc.stderr.strip()[-800:]}")
+            raise RuntimeError(f"{cc} failed on {name}.c: {proc.stderr.strip()[-800:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

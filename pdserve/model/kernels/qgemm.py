@@ -85,6 +85,10 @@ class TiledFloat:
             return x.new_empty(0, self.shape[0])
         return qgemm(32, self.tiles, self.tiles, None, x.float(), self.shape[0]).to(x.dtype)
 
+    def operands(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(bits, w, d, m) as qgemm.c takes them (d and m unused for float32)."""
+        return 32, self.tiles, self.tiles, self.tiles
+
     def dequantize(self) -> torch.Tensor:
         """The [N, K] matrix."""
         return self.tiles.transpose(1, 2).reshape(self.shape)

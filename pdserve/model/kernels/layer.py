@@ -1,0 +1,124 @@
+"""A decode-only step's layers through layer.c, one native call a layer (see the C file for why), and
+the SiLU * up that the op-by-op path shares with it."""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from pdserve.model.kernels.native import function, load, ptr
+
+_I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+MAX_GROUPS = 4       # pd_step's groups (attention.MAX_DECODE_GROUPS)
+
+
+class Weight(ctypes.Structure):
+    _fields_ = [("bits", _I), ("n", _I), ("k", _I), ("w", _P), ("d", _P), ("m", _P)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("qkv", Weight), ("o", Weight), ("gate_up", Weight), ("down", Weight), ("input_norm", _P),
+                ("post_norm", _P), ("qkv_bias", _P), ("eps", _F), ("scale", _F), ("hidden", _I), ("heads", _I),
+                ("kv_heads", _I), ("head_dim", _I), ("inter", _I)]
+
+
+class Group(ctypes.Structure):
+    _fields_ = [("start", _I), ("n", _I), ("tstride", _I64), ("table", _P), ("first", _P), ("ctx", _P)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("n", _I), ("block_size", _I), ("ngroups", _I), ("threads", _I), ("cos", _P), ("sin", _P),
+                ("slots", _P), ("scratch", _P), ("groups", Group * MAX_GROUPS)]
+
+
+@lru_cache(maxsize=1)
+def _fns():
+    if load("layer") is None:
+        return None
+    return (function("layer", "pd_decode_layer", [_P, _P, _P, _P, _P]),
+            function("layer", "pd_silu_mul", [_P, _I64, _P, _I64, _I, _I, _I]))
+
+
+def available() -> bool:
+    return _fns() is not None
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for gu = [gate | up] rows (float32, CPU, unit-strided); None where the kernel
+    does not apply or load."""
+    fns = _fns()
+    if fns is None or gu.dim() != 2 or gu.device.type != "cpu" or gu.dtype != torch.float32 or gu.stride(1) != 1:
+        return None
+    inter = gu.shape[1] // 2
+    out = torch.empty(gu.shape[0], inter, dtype=torch.float32)
+    fns[1](ptr(gu), gu.stride(0), ptr(out), inter, gu.shape[0], inter, torch.get_num_threads())
+    return out
+
+
+def _weight(w) -> Weight | None:
+    operands = getattr(w, "operands", None)
+    if operands is None or (hasattr(w, "native") and not w.native):
+        return None
+    bits, t, d, m = operands()
+    return Weight(bits, w.shape[0], w.shape[1], t.data_ptr(), d.data_ptr(), m.data_ptr())
+
+
+class FusedLayer:
+    """One decoder layer's weights as layer.c reads them. The layer keeps the tensors alive."""
+
+    def __init__(self, struct: Layer, scratch_per_row: int) -> None:
+        self.struct = struct
+        self.scratch_per_row = scratch_per_row
+
+    @classmethod
+    def of(cls, arch, qkv, o, gate_up, down, input_norm: torch.Tensor, post_norm: torch.Tensor,
+           qkv_bias: torch.Tensor | None) -> FusedLayer | None:
+        """None unless every product runs qgemm.c and the norms and bias are float32 (the caller
+        leaves out what layer.c does not do: q/k norms, MoE)."""
+        if _fns() is None:
+            return None
+        ws = [_weight(w) for w in (qkv, o, gate_up, down)]
+        floats = [t for t in (input_norm, post_norm, qkv_bias) if t is not None]
+        if any(w is None for w in ws) or any(t.dtype != torch.float32 or not t.is_contiguous() for t in floats):
+            return None
+        inter = gate_up.shape[0] // 2
+        s = Layer(*ws, input_norm.data_ptr(), post_norm.data_ptr(), 0 if qkv_bias is None else qkv_bias.data_ptr(),
+                  arch.rms_norm_eps, arch.head_dim ** -0.5, arch.hidden_size, arch.num_heads, arch.num_kv_heads,
+                  arch.head_dim, inter)
+        per_row = 2 * arch.hidden_size + qkv.shape[0] + arch.num_heads * arch.head_dim + 3 * inter
+        return cls(s, per_row)
+
+
+class FusedStep:
+    """A decode-only step's shared inputs (positions' rotary rows, cache slots, block tables) and its
+    scratch, built once and read by every layer's call."""
+
+    def __init__(self, meta, cos: torch.Tensor, sin: torch.Tensor, n: int, scratch_per_row: int) -> None:
+        cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
+        slots = meta.slot_mapping.contiguous()
+        self.scratch = torch.empty(n * scratch_per_row, dtype=torch.float32)
+        groups = []
+        self._keep = [cos, sin, slots]
+        for g in meta.decode_groups:
+            first, ctx = (t.contiguous() for t in g.attended())
+            table = g.block_idx.contiguous()
+            self._keep += [first, ctx, table]
+            groups.append(Group(g.start, table.shape[0], table.stride(0), table.data_ptr(), first.data_ptr(),
+                                ctx.data_ptr()))
+        self.struct = Step(n, meta.block_size, len(groups), torch.get_num_threads(), cos.data_ptr(), sin.data_ptr(),
+                           slots.data_ptr(), self.scratch.data_ptr(), (Group * MAX_GROUPS)(*groups))
+        self._ref = ctypes.byref(self.struct)
+
+    @staticmethod
+    def applies(meta, n: int) -> bool:
+        """A step of decodes only (one query each, attention.DecodeGroup), within pd_step's groups."""
+        groups = meta.decode_groups
+        return (n > 0 and not meta.prefills and len(groups) <= MAX_GROUPS
+                and sum(g.block_idx.shape[0] for g in groups) == n)
+
+    def run(self, layer: FusedLayer, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """x [n, hidden] float32, contiguous: updated in place to the layer's output."""
+        fns = _fns()
+        assert fns is not None
+        fns[0](ctypes.byref(layer.struct), self._ref, x.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())

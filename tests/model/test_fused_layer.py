@@ -1,0 +1,95 @@
+"""The fused decode layer (kernels/layer.c) against the op-by-op layer: the same logits and the same
+KV cache writes bit for bit, for every weight format and the architectures it takes; the steps and
+models it does not take run op by op."""
+import pytest
+import torch
+
+from pdserve.model.arch import TINY_CONFIGS
+from pdserve.model.attention import build_metadata
+from pdserve.model.kernels import layer as fused_kernels
+from pdserve.model.llama import LlamaModel
+from pdserve.model.loader import tiny_random_weights
+
+needs_kernel = pytest.mark.skipif(not fused_kernels.available(), reason="no C compiler here: layers run op by op")
+BLOCK = 16
+
+
+def _model(name, quantization, seed=0):
+    arch = TINY_CONFIGS[name]
+    return LlamaModel(arch, tiny_random_weights(arch, seed), torch.float32, "cpu", 1024, quantization)
+
+
+def _step(model, lens, seed=1, prefill=0):
+    """A step of decodes with contexts `lens` over a random cache (plus one prefill of that many tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    a = model.arch
+    blocks = 8 + sum(-(-n // BLOCK) for n in lens) + -(-prefill // BLOCK)
+    kv = torch.randn(a.num_layers, 2, blocks * BLOCK, a.num_kv_heads, a.head_dim, generator=g)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    seqs, positions, p = [], [], 0
+    for n in sorted(lens):
+        nb = -(-n // BLOCK)
+        seqs.append((perm[p:p + nb], n - 1, 1))
+        positions.append(n - 1)
+        p += nb
+    if prefill:
+        seqs.append((perm[p:p + -(-prefill // BLOCK)], 0, prefill))
+        positions += range(prefill)
+    meta = build_metadata(seqs, BLOCK, a.sliding_window, "cpu")
+    ids = torch.randint(0, a.vocab_size, (len(positions),), generator=g)
+    return ids, torch.tensor(positions), meta, kv
+
+
+def _both(model, ids, positions, meta, kv):
+    last = torch.arange(len(ids))
+    fused = model.fused
+    got_kv = kv.clone()
+    got = model.forward(ids, positions, meta, got_kv, last)
+    model.fused = None
+    try:
+        want_kv = kv.clone()
+        want = model.forward(ids, positions, meta, want_kv, last)
+    finally:
+        model.fused = fused
+    return got, got_kv, want, want_kv
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])   # plain, qkv bias, sliding window
+@pytest.mark.parametrize("lens", [[5], [3, 9], [2, 17, 17, 40, 41, 100, 300, 301, 33, 64]], ids=["one", "two", "ten"])
+def test_fused_decode_step_is_the_op_by_op_step_bit_for_bit(name, quantization, lens):
+    model = _model(name, quantization)
+    assert model.fused is not None
+    ids, positions, meta, kv = _step(model, lens)
+    got, got_kv, want, want_kv = _both(model, ids, positions, meta, kv)
+    assert torch.equal(got, want)
+    assert torch.equal(got_kv, want_kv)
+    assert not torch.equal(got_kv, kv)         # the step wrote its keys and values
+
+
+@needs_kernel
+def test_steps_with_a_prefill_run_op_by_op(monkeypatch):
+    model = _model("tiny-llama", "none")
+    ids, positions, meta, kv = _step(model, [4, 30], prefill=20)
+    assert not fused_kernels.FusedStep.applies(meta, len(ids))
+    monkeypatch.setattr(fused_kernels.FusedStep, "run", lambda *a: pytest.fail("fused on a prefill step"))
+    model.forward(ids, positions, meta, kv, torch.arange(len(ids)))
+
+
+def test_models_layer_c_does_not_take_run_op_by_op():
+    # q/k norms (Qwen3): not in layer.c. A weight that is not qgemm.c's (the torch kernel): neither.
+    arch = TINY_CONFIGS["tiny-qwen3-moe"].__class__(**{**TINY_CONFIGS["tiny-llama"].__dict__, "qk_norm": True})
+    assert LlamaModel(arch, tiny_random_weights(arch, 0), torch.float32, "cpu", 256).fused is None
+    arch = TINY_CONFIGS["tiny-llama"]
+    assert LlamaModel(arch, tiny_random_weights(arch, 0), torch.float32, "cpu", 256, gemm_kernel="torch").fused is None
+
+
+@needs_kernel
+def test_silu_mul_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    gu = torch.randn(37, 2 * 1539, generator=g) * 6       # both signs, large magnitudes, a non-multiple of 8
+    gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    gate, up = gu.chunk(2, dim=-1)
+    got = fused_kernels.silu_mul(gu)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-30)
