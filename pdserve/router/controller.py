@@ -3,7 +3,8 @@
 Every `controller.interval_s` it reads the fleet (TTFT p90 and the mean inter-token gap over the
 interval from the router's own histograms, decode KV usage, running and waiting requests from the workers'
 health, queued prefill tokens from the router's accounting, the longest wait for a first token, the
-backlog ahead of a new prompt at the prefill pool's measured rate),
+backlog ahead of a new prompt at the prefill pool's measured rate, the gap forecast for a new
+decode stream from the streams a decode worker holds and how fast they grow),
 asks the pure policy (router/scaling_policy.py) what to do, and does it: a role switch through the
 router (drain, switch in place: router/role_switch.py), or a worker added or removed through a
 `Fleet` (local processes: pdserve/local_fleet.py; Kubernetes Deployments: router/k8s_fleet.py). A removal empties
@@ -123,6 +124,41 @@ class PrefillBacklog:
         return min(q for _, q in workers.values()) * sum(t for t, _ in self.samples) / tokens
 
 
+class DecodeForecast:
+    """The mean gap a decode stream sent now will see: the pool's step cost at the streams a decode
+    worker will hold `horizon_s` ahead if they keep growing as over the last `trend` readings. The
+    mean gap read off the streams crosses the SLO only once they have piled up (a generation-heavy
+    phase: ~20 s in); the stream count says it as it grows, as PrefillBacklog does for prompts.
+
+    The step cost is measured, not profiled: gap = base + per_stream * streams, a least-squares fit
+    over the last `keep` readings with a gap, refused (None: the pool reads as its gap now) until
+    they span `spread` streams a worker (one load level says nothing of the slope) or when the fit
+    slopes down. Growth is never negative: a pool whose streams fall reads as its fitted gap now."""
+
+    def __init__(self, horizon_s: float, keep: int = 15, trend: int = 3, spread: float = 4.0) -> None:
+        self.horizon_s, self.spread = horizon_s, spread
+        self.samples: deque[tuple[float, float]] = deque(maxlen=keep)
+        self.counts: deque[tuple[float, float]] = deque(maxlen=trend)
+
+    def update(self, now: float, streams: float, gap_ms: float | None) -> float | None:
+        """streams: running streams per decode worker now; gap_ms: the interval's mean gap (None: no
+        gap in it). Returns milliseconds, or None while the step cost is unknown."""
+        self.counts.append((now, streams))
+        if gap_ms is not None and streams > 0:
+            self.samples.append((streams, gap_ms))
+        ns = [n for n, _ in self.samples]
+        if len(ns) < 4 or max(ns) - min(ns) < self.spread:
+            return None
+        mean_n, mean_g = sum(ns) / len(ns), sum(g for _, g in self.samples) / len(ns)
+        per_stream = (sum((n - mean_n) * (g - mean_g) for n, g in self.samples)
+                      / sum((n - mean_n) ** 2 for n in ns))
+        if per_stream <= 0:
+            return None
+        (t0, n0) = self.counts[0]
+        growth = max(0.0, (streams - n0) / (now - t0)) if now > t0 else 0.0
+        return mean_g + per_stream * (streams + growth * self.horizon_s - mean_n)
+
+
 class Controller:
     def __init__(self, config: Config, registry: Registry, client: httpx.AsyncClient, ttft: Histogram,
                  itl: Histogram, fleet: Fleet | None, metrics: CollectorRegistry,
@@ -140,6 +176,9 @@ class Controller:
         self.decisions: deque[ControllerDecision] = deque(maxlen=1000)
         self._snap = (buckets(ttft), sum_count(itl))
         self.backlog = PrefillBacklog()
+        # As far ahead as a worker asked for now takes to land and stay: the readings that sustain
+        # the condition, then the cooldown during which the fleet cannot change again.
+        self.forecast = DecodeForecast(self.cc.cooldown_s + self.cc.sustain_intervals * self.cc.interval_s)
         self.m_actions = Counter("pdserve_controller_actions", "Controller actions carried out, by action and outcome",
                                  ["action", "outcome"], registry=metrics)
         self.m_pressure = Gauge("pdserve_controller_pressure", "Pool figure over its SLO at the last reading",
@@ -163,12 +202,15 @@ class Controller:
         wait = self.oldest_wait(now)
         backlog = self.backlog.update(now, {w.worker_id: (w.health.prefill_tokens_computed, w.queued_prefill_tokens)
                                             for w in pre if w.health is not None})
+        streams = [w.health.running for w in dec if w.health is not None]
+        forecast = self.forecast.update(now, sum(streams) / len(streams), None if itl is None else itl * 1000) \
+            if streams else None
         return Reading(now, len(pre), len(dec), None if ttft is None else ttft * 1000, None if itl is None else itl * 1000,
                        sum(dec_usage) / len(dec_usage) if dec_usage else 0.0,
                        sum(w.queued_prefill_tokens for w in pre + dec), sum(h.running for h in health),
                        sum(h.waiting for h in health),
                        self.fleet.starting({w.url for w in self.registry.workers.values() if w.healthy}),
-                       None if wait is None else wait * 1000, None if backlog is None else backlog * 1000)
+                       None if wait is None else wait * 1000, None if backlog is None else backlog * 1000, forecast)
 
     async def step(self) -> ControllerDecision:
         reading = self.read(time.monotonic())

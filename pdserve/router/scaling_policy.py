@@ -7,14 +7,20 @@ Pressure is a pool's figure against its SLO: the prefill pool's is the largest o
 longest wait of a request still without its first token (a TTFT in the making: it is at least
 that) and the backlog a prompt sent now would wait behind (the queue of prompt tokens at the
 pool's measured rate: the TTFT to come, before any request has waited it) over slo_ttft_ms,
-the decode pool's the larger of the mean inter-token gap / slo_tpot_ms and
+the decode pool's the larger of the mean inter-token gap, the gap forecast for a stream sent now
+(the measured step cost at the streams a decode worker will hold by the time a worker asked for now
+lands and stays, if they keep growing as they have: router/controller.DecodeForecast; read as the
+streams pile up, before their gap crosses the SLO) over slo_tpot_ms, and
 decode KV usage / kv_usage_high. (TPOT is a per-request mean, so the mean gap is what its SLO
 bounds; a p90 of gaps, spiked by prefills sharing the CPU, reads ~1.3x over it: it calls a pool
 that meets every request's TPOT short of workers, and never one that could spare a worker.) A
 pool is hot above `high` and cold below `low`; a reading that says neither (no first token in an
 interval while requests are in flight, none yet waiting past the SLO) leaves the counts as they
 were. Hysteresis, so that it never flaps:
-- a condition acts only after it held for `sustain_intervals` readings in a row, none contrary between;
+- a condition acts only when it held in `sustain_intervals` of the last `window` readings that knew
+  the pool (sustain_intervals + 1 unless set), the newest among them: one reading between hot ones
+  (a lull in arrivals, a slow step) does not restart the count, and noise that crosses the line
+  every other reading never acts;
 - a switch takes a worker only from a cold pool, so the pool it leaves must be well under its SLO
   (not merely under `high`), and moving it back needs the reverse condition, sustained;
 - after any action nothing happens for `cooldown_s`, nor while a worker it started has not yet
@@ -45,11 +51,16 @@ class Params:
     min_workers: int
     max_workers: int
     imbalance: float
+    window: int = 0                          # readings a condition is counted over; 0: sustain_intervals + 1
 
     @classmethod
     def from_config(cls, c) -> Params:
         return cls(c.slo_ttft_ms, c.slo_tpot_ms, c.kv_usage_high, c.high, c.low, c.sustain_intervals, c.cooldown_s,
                    c.min_workers, c.max_workers, c.imbalance)
+
+    @property
+    def span(self) -> int:
+        return max(self.window or self.sustain_intervals + 1, self.sustain_intervals)
 
 
 @dataclass(frozen=True)
@@ -67,15 +78,43 @@ class Reading:
     starting: int = 0                        # workers started and not yet registered
     oldest_wait_ms: float | None = None      # the longest a request in flight has waited for its first token
     backlog_ms: float | None = None          # the wait ahead of a prompt sent now to the least-queued prefill worker
+    itl_forecast_ms: float | None = None     # the mean gap forecast for a decode stream sent now
+
+
+HOT, COLD, NEITHER = 1, -1, 0
+
+
+def _run(seen: tuple[int, ...], mark: int) -> int:
+    """How many of the newest readings in a row were `mark`."""
+    n = 0
+    for m in reversed(seen):
+        if m != mark:
+            break
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
 class State:
-    prefill_hot: int = 0                     # readings in a row with the prefill pool hot
-    decode_hot: int = 0
-    prefill_cold: int = 0
-    decode_cold: int = 0
+    prefill_seen: tuple[int, ...] = ()       # the prefill pool at the last readings that knew it: HOT, COLD, NEITHER
+    decode_seen: tuple[int, ...] = ()
     last_action_at: float | None = None
+
+    @property
+    def prefill_hot(self) -> int:            # readings in a row with the prefill pool hot
+        return _run(self.prefill_seen, HOT)
+
+    @property
+    def decode_hot(self) -> int:
+        return _run(self.decode_seen, HOT)
+
+    @property
+    def prefill_cold(self) -> int:
+        return _run(self.prefill_seen, COLD)
+
+    @property
+    def decode_cold(self) -> int:
+        return _run(self.decode_seen, COLD)
 
 
 @dataclass(frozen=True)
@@ -88,12 +127,17 @@ class Decision:
 def pressures(r: Reading, p: Params) -> tuple[float, float]:
     """(prefill, decode) pressure: 1.0 is a pool exactly at its SLO."""
     pre = max(r.ttft_p90_ms or 0.0, r.oldest_wait_ms or 0.0, r.backlog_ms or 0.0) / p.slo_ttft_ms
-    dec = max((r.itl_mean_ms or 0.0) / p.slo_tpot_ms, r.decode_kv_usage / p.kv_usage_high)
+    dec = max(max(r.itl_mean_ms or 0.0, r.itl_forecast_ms or 0.0) / p.slo_tpot_ms, r.decode_kv_usage / p.kv_usage_high)
     return pre, dec
 
 
-def _count(n: int, cond: bool) -> int:
-    return n + 1 if cond else 0
+def _mark(pressure: float, p: Params) -> int:
+    return HOT if pressure > p.high else COLD if pressure < p.low else NEITHER
+
+
+def _held(seen: tuple[int, ...], mark: int, p: Params) -> bool:
+    """`mark` in sustain_intervals of the last `span` readings, the newest among them."""
+    return bool(seen) and seen[-1] == mark and seen[-p.span:].count(mark) >= p.sustain_intervals
 
 
 def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
@@ -102,7 +146,8 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
               "n_decode": r.n_decode, "ttft_p90_ms": r.ttft_p90_ms or 0.0, "itl_mean_ms": r.itl_mean_ms or 0.0,
               "decode_kv_usage": r.decode_kv_usage, "queued_prefill_tokens": r.queued_prefill_tokens,
               "running": r.running, "waiting": r.waiting, "starting": r.starting,
-              "oldest_wait_ms": r.oldest_wait_ms or 0.0, "backlog_ms": round(r.backlog_ms or 0.0, 1)}
+              "oldest_wait_ms": r.oldest_wait_ms or 0.0, "backlog_ms": round(r.backlog_ms or 0.0, 1),
+              "itl_forecast_ms": round(r.itl_forecast_ms or 0.0, 1)}
     last = s.last_action_at
     if last is not None and r.time - last < p.cooldown_s:
         # Readings while the last action settles count for nothing.
@@ -118,10 +163,11 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
     busy = r.running + r.waiting + r.queued_prefill_tokens > 0
     pre_known = r.ttft_p90_ms is not None or not busy or pre > p.high
     dec_known = r.itl_mean_ms is not None or not busy or dec > p.high
+    keep = max(p.span, 2 * p.sustain_intervals)             # enough for the scale-down's run of cold readings
     if pre_known:
-        s = replace(s, prefill_hot=_count(s.prefill_hot, pre > p.high), prefill_cold=_count(s.prefill_cold, pre < p.low))
+        s = replace(s, prefill_seen=(s.prefill_seen + (_mark(pre, p),))[-keep:])
     if dec_known:
-        s = replace(s, decode_hot=_count(s.decode_hot, dec > p.high), decode_cold=_count(s.decode_cold, dec < p.low))
+        s = replace(s, decode_seen=(s.decode_seen + (_mark(dec, p),))[-keep:])
 
     def hold(reason: str) -> tuple[Decision, State]:
         return Decision("hold", reason, inputs), s
@@ -133,11 +179,11 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
     n = p.sustain_intervals
     # A count carried through unknown readings acts only on a reading that knows that pool: the
     # figures an action weighs (and names) must be this interval's, not a guess of zero.
-    pre_short, dec_short = pre_known and s.prefill_hot >= n, dec_known and s.decode_hot >= n
+    pre_short, dec_short = pre_known and _held(s.prefill_seen, HOT, p), dec_known and _held(s.decode_seen, HOT, p)
     if pre_short and dec_short:
         role = "prefill" if pre >= dec else "decode"
         if total < p.max_workers:
-            return act(f"add_{role}", f"both pools over their SLOs for {n} intervals ({pre:.2f}, {dec:.2f}); "
+            return act(f"add_{role}", f"both pools over their SLOs in {n} of the last {p.span} intervals ({pre:.2f}, {dec:.2f}); "
                                       f"the {role} pool more")
         # At max_workers with both over: move a worker only when one pool is far worse off (a
         # factor of `imbalance` per worker), so the move cannot simply reverse the imbalance.
@@ -148,12 +194,12 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
                                             f"{hot / max(cool, 1e-9):.1f}x as far over")
         return hold(f"both pools over their SLOs and the fleet is at max_workers ({p.max_workers})")
     for role, short, other_cold, n_other, pressure in (
-            ("prefill", pre_short, dec_known and s.decode_cold >= n, r.n_decode, pre),
-            ("decode", dec_short, pre_known and s.prefill_cold >= n, r.n_prefill, dec)):
+            ("prefill", pre_short, dec_known and _held(s.decode_seen, COLD, p), r.n_decode, pre),
+            ("decode", dec_short, pre_known and _held(s.prefill_seen, COLD, p), r.n_prefill, dec)):
         if not short:
             continue
         other = "decode" if role == "prefill" else "prefill"
-        what = f"{role} pressure {pressure:.2f} over {p.high:g} for {n} intervals"
+        what = f"{role} pressure {pressure:.2f} over {p.high:g} in {n} of the last {p.span} intervals"
         if other_cold and n_other > 1:
             return act(f"switch_to_{role}", f"{what}; the {other} pool is under {p.low:g}")
         if total < p.max_workers:

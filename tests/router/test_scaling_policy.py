@@ -51,9 +51,27 @@ def test_noise_around_the_threshold_never_acts():
     # TTFT jitters across the SLO every other interval; decode is idle throughout.
     trace = [(1100.0 if i % 2 else 900.0, 20.0) for i in range(60)]
     assert replay(trace) == []
-    # Two readings over, one under, repeated: never three in a row.
-    trace = [(1200.0, 20.0), (1300.0, 20.0), (800.0, 20.0)] * 20
+    # Two readings over, two under, repeated: never three of the last four (sustain 3, window 4).
+    trace = [(1200.0, 20.0), (1300.0, 20.0), (800.0, 20.0), (700.0, 20.0)] * 15
     assert replay(trace) == []
+
+
+def test_one_reading_under_between_hot_ones_does_not_restart_the_count():
+    # Over the SLO in two of every three readings (a lull in arrivals between): three of the last
+    # four, the newest over, is sustained pressure (consecutive counting restarted at each lull).
+    trace = [(1200.0, 20.0), (1300.0, 20.0), (900.0, 20.0)] * 4
+    assert replay(trace, n_prefill=1, n_decode=3)[0] == (3, "switch_to_prefill")
+    assert replay(trace[:3], n_prefill=1, n_decode=3) == []
+
+
+def test_a_condition_acts_only_on_a_reading_that_shows_it():
+    # Prefill hot three readings running while the decode pool turns cold (busy at first: no worker
+    # to spare yet), then prefill at 0.9 just as decode's cold is sustained: three hot of the last
+    # four, but the newest prefill reading is not hot, so it holds; the next hot reading acts.
+    ttft = [1500.0, 1500.0, 1500.0, 900.0, 1500.0]
+    itl = [70.0, 20.0, 20.0, 20.0, 20.0]
+    decisions, _ = decide_all([Reading(i * INTERVAL, 1, 3, t, g) for i, (t, g) in enumerate(zip(ttft, itl))])
+    assert actions(decisions) == [(4, "switch_to_prefill")]
 
 
 def test_sustained_prefill_pressure_takes_a_cold_decode_worker_once_then_cools_down():
@@ -167,9 +185,9 @@ def test_prefills_longer_than_an_interval_still_count_as_a_hot_pool():
     decisions, _ = decide_all([Reading(i * INTERVAL, 1, 3, 2500.0 if i % 2 else None, 20.0, running=2, waiting=4)
                                for i in range(8)])
     assert actions(decisions) == [(5, "switch_to_prefill")]   # the third hot reading, none contrary between
-    # A cold reading between hot ones still breaks the run: noise never acts.
+    # Cold readings as often as hot ones (two of each in turn): never three of the last four, noise never acts.
     decisions, _ = decide_all([Reading(i * INTERVAL, 1, 3, ttft, 20.0, running=2, waiting=4) for i, ttft in
-                               enumerate([2500.0, None, 2500.0, 300.0, 2500.0, None, 2500.0, 300.0] * 3)])
+                               enumerate([2500.0, None, 2500.0, 300.0, 300.0, 2500.0, None, 2500.0, 300.0, 300.0] * 3)])
     assert actions(decisions) == []
 
 
@@ -257,3 +275,44 @@ def test_the_prefill_backlog_is_the_least_queue_at_the_measured_rate():
     b.update(4.0, {"p1": (300, 600)})                              # queued at both, 0 tokens: 2 s busy
     got = b.update(6.0, {"p1": (900, 600)})                        # 600 tokens in 2 s: 4 s / 600
     assert got is not None and abs(got - 600 * 4.0 / 600) < 1e-9
+
+
+def test_a_decode_forecast_past_the_slo_is_pressure_before_the_gap_crosses_it():
+    # A generation-heavy phase building: the mean gap is still under the TPOT SLO (100 ms), but the
+    # streams per decode worker grow fast enough that the gap forecast for a stream sent now is past it.
+    # The prefill pool is cold (first tokens at 100 ms): it gives the decode pool a worker.
+    readings = [Reading(i * INTERVAL, 2, 1, 100.0, 60.0 + 5.0 * i, running=4 + 3 * i, itl_forecast_ms=120.0 + 10.0 * i)
+                for i in range(6)]
+    decisions, _ = decide_all(readings)
+    assert all(d.inputs["itl_forecast_ms"] == r.itl_forecast_ms for d, r in zip(decisions, readings))
+    assert actions(decisions) == [(2, "switch_to_decode")]
+    # The same gaps without a forecast (the step cost not yet measured): nothing.
+    decisions, _ = decide_all([Reading(i * INTERVAL, 2, 1, 100.0, 60.0 + 5.0 * i, running=4 + 3 * i) for i in range(6)])
+    assert actions(decisions) == []
+    # A forecast over the cold band keeps the decode pool from looking spare: the hot prefill pool gets
+    # a new worker instead of one of decode's (its gap now, 20 ms, alone would give one up).
+    decisions, _ = decide_all([Reading(i * INTERVAL, 1, 2, 2500.0, 20.0, running=2, itl_forecast_ms=70.0) for i in range(6)])
+    assert actions(decisions) == [(2, "add_prefill")]
+    decisions, _ = decide_all([Reading(i * INTERVAL, 1, 2, 2500.0, 20.0, running=2) for i in range(6)])
+    assert actions(decisions) == [(2, "switch_to_prefill")]
+
+
+def test_the_decode_forecast_is_the_measured_step_cost_at_the_streams_to_come():
+    from pdserve.router.controller import DecodeForecast
+    f = DecodeForecast(horizon_s=10.0)
+    # Gaps follow 50 ms + 5 ms a stream exactly; streams per worker grow by 1 a second (2 a reading).
+    got = [f.update(2.0 * i, 2.0 * i + 1, 50.0 + 5.0 * (2.0 * i + 1)) for i in range(6)]
+    assert got[:3] == [None, None, None]              # fewer than 4 readings with a gap
+    # From the 4th (streams 1..7: a spread of 6): the step cost at 7 streams + 1/s x 10 s.
+    assert got[3] is not None and abs(got[3] - (50.0 + 5.0 * 17)) < 1e-6
+    assert got[5] is not None and abs(got[5] - (50.0 + 5.0 * 21)) < 1e-6
+    # Streams falling: no growth, the fitted gap at the streams now.
+    f.update(12.0, 9.0, 95.0)
+    got = f.update(14.0, 7.0, 85.0)
+    assert got is not None and abs(got - 85.0) < 1e-6
+    # One load level (streams 2-3 throughout): the slope is not measured, no forecast.
+    f = DecodeForecast(horizon_s=10.0)
+    assert all(f.update(2.0 * i, 2.0 + i % 2, 60.0 + 40.0 * (i % 2)) is None for i in range(10))
+    # Gaps that fall as streams rise (noise, other load leaving the CPU) are no step cost.
+    f = DecodeForecast(horizon_s=10.0)
+    assert all(f.update(2.0 * i, 2.0 * i, 200.0 - 10.0 * i) is None for i in range(8))
