@@ -203,7 +203,7 @@ class ControllerConfig:
     kv_usage_high: float = 0.9           # decode KV usage counted as pressure as much as a TPOT at the SLO
     high: float = 1.0                    # a pool is short of workers above this share of its SLO ...
     low: float = 0.5                     # ... and has one to spare below it
-    sustain_intervals: int = 3           # readings in a row a condition must hold before it acts (hysteresis)
+    sustain_intervals: int = 3           # readings of the last sustain_intervals + 1 a condition must hold to act (hysteresis)
     cooldown_s: float = 30.0             # no action this long after the last one
     imbalance: float = 3.0               # both pools over their SLOs at max_workers: move a worker to the one this x as far over
     min_workers: int = 2
