@@ -10,9 +10,10 @@ split with the most decode workers.
 
 Each phase loads one pool past what one worker of it serves and within what two serve, so that
 each static split is wrong for some phase (on a 2-core AMD EPYC, one thread a worker: a 300-token
-prefill takes ~1.25-1.5 s, so 1 req/s is ~1.5 prefill workers' worth; 1.75 req/s of 144-token
+prefill takes ~1.25-1.5 s, so 1 req/s is ~1.5 prefill workers' worth; 2 req/s of 144-token
 replies piles streams on one decode worker until its gap is well past the TPOT SLO, and two keep
-it). The figures per phase (`met_by_phase`) show whether that held in a run. (With 600-token prompts
+it: at 1.75 req/s two decode workers' TPOT p90 was 0.55-0.67x the SLO, one worker's met 13 and 34
+of 52 in two runs). The figures per phase (`met_by_phase`) show whether that held in a run. (With 600-token prompts
 and 96-token replies, the prompt phases needed ~3 prefill workers, every split missed most of
 them, and one decode worker met the generation phase; at 1 req/s of 144-token replies one
 decode worker still met all 30 (~24 streams at a mean gap just under the SLO, 2026-12-01): no
@@ -117,7 +118,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--phase-s", type=float, default=30.0)
     ap.add_argument("--prompt-rate", type=float, default=1.0, help="requests/s in the prompt-heavy phases")
-    ap.add_argument("--gen-rate", type=float, default=1.75, help="requests/s in the generation-heavy phase")
+    ap.add_argument("--gen-rate", type=float, default=2.0, help="requests/s in the generation-heavy phase")
     ap.add_argument("--long-prompt", type=int, default=300)
     ap.add_argument("--short-reply", type=int, default=4)
     ap.add_argument("--short-prompt", type=int, default=24)
