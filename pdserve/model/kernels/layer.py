@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import torch
 
-from pdserve.model.kernels.native import function, load, ptr
+from pdserve.model.kernels.native import function, ptr
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 MAX_GROUPS = 4       # pd_step's groups (attention.MAX_DECODE_GROUPS)
@@ -34,10 +34,8 @@ class Step(ctypes.Structure):
 
 @lru_cache(maxsize=1)
 def _fns():
-    if load("layer") is None:
-        return None
-    return (function("layer", "pd_decode_layer", [_P, _P, _P, _P, _P]),
-            function("layer", "pd_silu_mul", [_P, _I64, _P, _I64, _I, _I, _I]))
+    layer = function("layer", "pd_decode_layer", [_P, _P, _P, _P, _P])
+    return None if layer is None else (layer, function("layer", "pd_silu_mul", [_P, _I64, _P, _I64, _I, _I, _I]))
 
 
 def available() -> bool:
