@@ -9,9 +9,10 @@
    the weight streamed, the activations broadcast) multiplies every row by it: a weight byte is read
    from memory once per product whatever the number of rows, and the arithmetic is float32 FMAs.
    One or two rows skip the buffer (dequantized into registers, used once). A float32 weight in the
-   same tiled layout runs the same micro-kernel (MKL's small-M paths read it 2-3x slower here). Written with GCC vector
-   extensions: the vector width and FMA come from the build's -m flags (native.py), so the same
-   source builds anywhere; the AVX2 intrinsics only widen bytes and broadcast.
+   same tiled layout runs the same micro-kernel (MKL's small-M paths read it 2-3x slower here).
+   Written with GCC vector extensions over VW-float vectors (16 with AVX-512, else 8; FMA from the
+   build's -m flags, native.py), so the same source builds anywhere; the intrinsics only widen
+   bytes, convert halves and broadcast.
 
    Weight layouts, prepared once at load (quant.py), per tile t of 16 output channels:
      int4: nib[t][k/2][c] uint8 (value k of channel c in the low nibble, k+1 in the high nibble),
@@ -21,42 +22,69 @@
    x: [M, K] rows ldx floats apart; y: [M, N] rows ldy floats apart. K % 32 == 0, N % 16 == 0. */
 #include <stdint.h>
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v8fu __attribute__((vector_size(32), aligned(4)));
-
-#define NC 16   /* output channels per tile: two 8-float vectors */
+#define NC 16   /* output channels per tile */
 #define KB 256  /* input values per buffered block: 16 KB of floats, in L1 */
-#define MR 6    /* rows per micro-kernel call: 12 accumulators + 2 weight vectors + 1 broadcast */
 
-#ifdef __AVX2__
-#include <immintrin.h>
-/* 8 nibbles (the low or high halves of 8 bytes) as floats. */
-static inline v8f nibbles(const uint8_t *b, int high) {
-    __m128i v = _mm_loadl_epi64((const __m128i *)b);
-    if (high) v = _mm_srli_epi16(v, 4);
-    return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, _mm_set1_epi8(15))));
-}
-static inline v8f bytes(const int8_t *b) {
-    return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b)));
-}
-static inline v8f splat(const float *p) { return (v8f)_mm256_broadcast_ss(p); }
+/* The vector width: 16 floats with AVX-512 (a tile row is one register, and 32 registers hold a
+   taller block of rows), else 8 (two registers a tile row, 16 registers). The arithmetic per
+   element is the same either way, so both give the same results bit for bit. */
+#ifdef __AVX512F__
+#define VW 16
+#define MR 12   /* rows per micro-kernel call: 12 accumulators + 1 weight vector */
 #else
-static inline v8f splat(const float *p) { return (v8f){*p, *p, *p, *p, *p, *p, *p, *p}; }
-static inline v8f nibbles(const uint8_t *b, int high) {
-    v8f o;
-    for (int j = 0; j < 8; j++) o[j] = (float)(high ? b[j] >> 4 : b[j] & 15);
+#define VW 8
+#define MR 6    /* 12 accumulators + 2 weight vectors + 1 broadcast */
+#endif
+#define NV (NC / VW)   /* vectors per tile row */
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vf splat(const float *p) { return (vf)_mm512_set1_ps(*p); }
+/* The 16 bytes of a tile row pair: low nibbles (input value k) and high nibbles (k + 1) as floats. */
+static inline void nibbles(const uint8_t *b, vf *lo, vf *hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    lo[0] = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    hi[0] = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+static inline void bytes(const int8_t *b, vf *o) {
+    o[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b)));
+}
+static inline void halfs(const uint16_t *p, vf *o) { o[0] = (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline vf splat(const float *p) { return (vf)_mm256_broadcast_ss(p); }
+static inline void nibbles(const uint8_t *b, vf *lo, vf *hi) {
+    for (int j = 0; j < 2; j++) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * j)));
+        lo[j] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+        hi[j] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    }
+}
+static inline void bytes(const int8_t *b, vf *o) {
+    for (int j = 0; j < 2; j++)
+        o[j] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * j))));
+}
+#else
+static inline vf splat(const float *p) {
+    vf o;
+    for (int j = 0; j < VW; j++) o[j] = *p;
     return o;
 }
-static inline v8f bytes(const int8_t *b) {
-    v8f o;
-    for (int j = 0; j < 8; j++) o[j] = (float)b[j];
-    return o;
+static inline void nibbles(const uint8_t *b, vf *lo, vf *hi) {
+    for (int j = 0; j < NC; j++) lo[j / VW][j % VW] = (float)(b[j] & 15), hi[j / VW][j % VW] = (float)(b[j] >> 4);
+}
+static inline void bytes(const int8_t *b, vf *o) {
+    for (int j = 0; j < NC; j++) o[j / VW][j % VW] = (float)b[j];
 }
 #endif
 
-#ifdef __F16C__
-static inline v8f halfs(const uint16_t *p) { return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-#else
+#if !defined(__AVX512F__) && defined(__F16C__)
+static inline void halfs(const uint16_t *p, vf *o) {
+    for (int j = 0; j < NV; j++) o[j] = (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8 * j)));
+}
+#elif !defined(__AVX512F__)
 static inline float half(uint16_t h) {  /* IEEE binary16 -> float, subnormals included */
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, f = h & 1023;
     union { uint32_t u; float f; } v;
@@ -65,36 +93,35 @@ static inline float half(uint16_t h) {  /* IEEE binary16 -> float, subnormals in
     else { v.f = (float)f * (1.0f / 16777216.0f); v.u |= sign; }
     return v.f;
 }
-static inline v8f halfs(const uint16_t *p) {
-    v8f o;
-    for (int j = 0; j < 8; j++) o[j] = half(p[j]);
-    return o;
+static inline void halfs(const uint16_t *p, vf *o) {
+    for (int j = 0; j < NC; j++) o[j / VW][j % VW] = half(p[j]);
 }
 #endif
 
-#define LOAD(p) (*(const v8fu *)(p))
+#define LOAD(p) (*(const vfu *)(p))
 
 /* The weight of one tile: its input values [k0, k1) into buf [k1 - k0][16]. */
 static void dequant4(const uint8_t *nib, const uint16_t *d, const uint16_t *m, int k0, int k1, float *buf) {
     for (int g = k0 / 32; g < k1 / 32; g++) {
-        const v8f d0 = halfs(d + g * NC), d1 = halfs(d + g * NC + 8), m0 = halfs(m + g * NC), m1 = halfs(m + g * NC + 8);
+        vf dg[NV], mg[NV], lo[NV], hi[NV];
+        halfs(d + g * NC, dg), halfs(m + g * NC, mg);
         for (int kp = 0; kp < 16; kp++) {
-            const uint8_t *b = nib + ((int64_t)g * 16 + kp) * NC;
             float *o = buf + (g * 32 - k0 + 2 * kp) * NC;
-            *(v8f *)o = nibbles(b, 0) * d0 + m0;
-            *(v8f *)(o + 8) = nibbles(b + 8, 0) * d1 + m1;
-            *(v8f *)(o + NC) = nibbles(b, 1) * d0 + m0;
-            *(v8f *)(o + NC + 8) = nibbles(b + 8, 1) * d1 + m1;
+            nibbles(nib + ((int64_t)g * 16 + kp) * NC, lo, hi);
+            for (int j = 0; j < NV; j++) {
+                *(vf *)(o + j * VW) = lo[j] * dg[j] + mg[j];
+                *(vf *)(o + NC + j * VW) = hi[j] * dg[j] + mg[j];
+            }
         }
     }
 }
 
 static void dequant8(const int8_t *q, const float *d, int k0, int k1, float *buf) {
-    const v8f d0 = LOAD(d), d1 = LOAD(d + 8);
+    vf dc[NV], w[NV];
+    for (int j = 0; j < NV; j++) dc[j] = LOAD(d + j * VW);
     for (int k = k0; k < k1; k++) {
-        float *o = buf + (k - k0) * NC;
-        *(v8f *)o = bytes(q + (int64_t)k * NC) * d0;
-        *(v8f *)(o + 8) = bytes(q + (int64_t)k * NC + 8) * d1;
+        bytes(q + (int64_t)k * NC, w);
+        for (int j = 0; j < NV; j++) *(vf *)(buf + (k - k0) * NC + j * VW) = w[j] * dc[j];
     }
 }
 
@@ -102,22 +129,23 @@ static void dequant8(const int8_t *q, const float *d, int k0, int k1, float *buf
    pf, one cache line of it is prefetched every 2^sh steps (see rows_f32). */
 static inline __attribute__((always_inline)) void micro(int mr, const float *x, int64_t ldx, const float *buf, int kn,
                                                         float *y, int64_t ldy, int first, const char *pf, int sh) {
-    v8f acc[MR][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = (v8f){0};
+    vf acc[MR][NV];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
     for (int k = 0; k < kn; k++) {
         if (pf && (k & ((1 << sh) - 1)) == 0) __builtin_prefetch(pf + (k >> sh) * 64, 0, 3);
-        const v8f w0 = *(const v8f *)(buf + k * NC), w1 = *(const v8f *)(buf + k * NC + 8);
+        vf w[NV];
+        for (int j = 0; j < NV; j++) w[j] = *(const vf *)(buf + k * NC + j * VW);
         for (int i = 0; i < mr; i++) {
-            const v8f xb = splat(x + i * ldx + k);
-            acc[i][0] += xb * w0;
-            acc[i][1] += xb * w1;
+            const vf xb = splat(x + i * ldx + k);
+            for (int j = 0; j < NV; j++) acc[i][j] += xb * w[j];
         }
     }
-    for (int i = 0; i < mr; i++) {
-        v8fu *o0 = (v8fu *)(y + i * ldy), *o1 = (v8fu *)(y + i * ldy + 8);
-        *o0 = first ? acc[i][0] : *o0 + acc[i][0];
-        *o1 = first ? acc[i][1] : *o1 + acc[i][1];
-    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NV; j++) {
+            vfu *o = (vfu *)(y + i * ldy + j * VW);
+            *o = first ? acc[i][j] : *o + acc[i][j];
+        }
 }
 
 /* Every row through one block, MR rows a call; a call's pf line range is its share of `next`'s bytes. */
@@ -131,14 +159,16 @@ static inline __attribute__((always_inline)) void rows_pf(int M, const float *x,
     for (; i + MR <= M; i += MR, c++)
         micro(MR, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first, next ? next + (int64_t)c * per * 64 : 0, sh);
     const char *pf = next ? next + (int64_t)c * per * 64 : 0;
+    x += i * ldx, y += i * ldy;
+#define TAIL(r) case r: micro(r, x, ldx, buf, kn, y, ldy, first, pf, sh); break;
     switch (M - i) {  /* constant row counts, so each call unrolls */
-        case 5: micro(5, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first, pf, sh); break;
-        case 4: micro(4, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first, pf, sh); break;
-        case 3: micro(3, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first, pf, sh); break;
-        case 2: micro(2, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first, pf, sh); break;
-        case 1: micro(1, x + i * ldx, ldx, buf, kn, y + i * ldy, ldy, first, pf, sh); break;
+#if MR > 6
+        TAIL(11) TAIL(10) TAIL(9) TAIL(8) TAIL(7) TAIL(6)
+#endif
+        TAIL(5) TAIL(4) TAIL(3) TAIL(2) TAIL(1)
         default: break;
     }
+#undef TAIL
 }
 
 /* Quantized weights: buf is the dequantized tile in L1, nothing to prefetch (a branch in the loop
@@ -150,54 +180,64 @@ static void rows(int M, const float *x, int64_t ldx, const float *buf, int kn, f
 /* Float32 weights stream from memory into the micro-kernel as they lie: the first MR rows of a block
    would stall on it while the others find it in L1, so the next block (the next 16 KB, contiguous:
    also across tiles) is prefetched a line at a time, spread over the calls. Measured in C over the
-   model's 120 GEMMs on 2 threads: 8 rows 39 -> 32 ms, 16 rows 56 -> 40 ms. */
+   model's 120 GEMMs on 2 threads (AVX2): 8 rows 39 -> 32 ms, 16 rows 56 -> 40 ms. */
 static void rows_f32(int M, const float *x, int64_t ldx, const float *w, int kn, float *y, int64_t ldy, int first) {
     rows_pf(M, x, ldx, w, kn, y, ldy, first, (const char *)(w + (int64_t)kn * NC), KB * NC * 4);
 }
 
-/* One or two rows: the weight is dequantized into registers and used at once. */
+/* One or two rows: the weight is widened into registers and used at once. Within a group of 32 input
+   values w = q * d + m, so sum x * w = d * sum x * q + m * sum x: the products take the nibbles as they
+   are (no per-value dequantization), each group's sums are scaled once, and sx holds each row's sum of
+   x over each group (computed once per call). With one vector a tile row (AVX-512), two steps run
+   interleaved into separate accumulators: one chain of dependent FMAs would set the pace. */
+#define U (NV == 1 ? 2 : 1)
 static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t *nib, const uint16_t *d,
                                                           const uint16_t *m, const float *x, int64_t ldx, int K,
-                                                          float *y, int64_t ldy) {
-    v8f acc[2][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = (v8f){0};
+                                                          const float *sx, float *y, int64_t ldy) {
+    vf out[2][NV], a[2][U][2][NV], lo[NV], hi[NV], dg[NV], mg[NV];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NV; j++) out[i][j] = (vf){0};
     for (int g = 0; g < K / 32; g++) {
-        const v8f d0 = halfs(d + g * NC), d1 = halfs(d + g * NC + 8), m0 = halfs(m + g * NC), m1 = halfs(m + g * NC + 8);
-        for (int kp = 0; kp < 16; kp++) {
-            const uint8_t *b = nib + ((int64_t)g * 16 + kp) * NC;
-            const int k = g * 32 + 2 * kp;
-            const v8f a0 = nibbles(b, 0) * d0 + m0, a1 = nibbles(b + 8, 0) * d1 + m1;
-            const v8f b0 = nibbles(b, 1) * d0 + m0, b1 = nibbles(b + 8, 1) * d1 + m1;
-            for (int i = 0; i < mr; i++) {
-                const v8f xa = splat(x + i * ldx + k), xb = splat(x + i * ldx + k + 1);
-                acc[i][0] += xa * a0 + xb * b0;
-                acc[i][1] += xa * a1 + xb * b1;
+        for (int i = 0; i < mr; i++)
+            for (int u = 0; u < U; u++)
+                for (int j = 0; j < NV; j++) a[i][u][0][j] = a[i][u][1][j] = (vf){0};
+        for (int kp = 0; kp < 16; kp += U)
+            for (int u = 0; u < U; u++) {
+                const int k = g * 32 + 2 * (kp + u);
+                nibbles(nib + ((int64_t)g * 16 + kp + u) * NC, lo, hi);
+                for (int i = 0; i < mr; i++) {
+                    const vf xa = splat(x + i * ldx + k), xb = splat(x + i * ldx + k + 1);
+                    for (int j = 0; j < NV; j++) a[i][u][0][j] += xa * lo[j], a[i][u][1][j] += xb * hi[j];
+                }
+            }
+        halfs(d + g * NC, dg), halfs(m + g * NC, mg);
+        for (int i = 0; i < mr; i++) {
+            const vf s = splat(sx + i * (K / 32) + g);
+            for (int j = 0; j < NV; j++) {
+                vf t = a[i][0][0][j] + a[i][0][1][j];
+                for (int u = 1; u < U; u++) t += a[i][u][0][j] + a[i][u][1][j];
+                out[i][j] += t * dg[j] + s * mg[j];
             }
         }
     }
-    for (int i = 0; i < mr; i++) {
-        *(v8fu *)(y + i * ldy) = acc[i][0];
-        *(v8fu *)(y + i * ldy + 8) = acc[i][1];
-    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NV; j++) *(vfu *)(y + i * ldy + j * VW) = out[i][j];
 }
 
 static inline __attribute__((always_inline)) void direct8(int mr, const int8_t *q, const float *d, const float *x,
                                                           int64_t ldx, int K, float *y, int64_t ldy) {
-    v8f acc[2][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = (v8f){0};
+    vf acc[2][NV], w[NV];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
     for (int k = 0; k < K; k++) {
-        const v8f w0 = bytes(q + (int64_t)k * NC), w1 = bytes(q + (int64_t)k * NC + 8);
+        bytes(q + (int64_t)k * NC, w);
         for (int i = 0; i < mr; i++) {
-            const v8f xb = splat(x + i * ldx + k);
-            acc[i][0] += xb * w0;
-            acc[i][1] += xb * w1;
+            const vf xb = splat(x + i * ldx + k);
+            for (int j = 0; j < NV; j++) acc[i][j] += xb * w[j];
         }
     }
-    const v8f d0 = LOAD(d), d1 = LOAD(d + 8);  /* the channel's scale once, at the end */
-    for (int i = 0; i < mr; i++) {
-        *(v8fu *)(y + i * ldy) = acc[i][0] * d0;
-        *(v8fu *)(y + i * ldy + 8) = acc[i][1] * d1;
-    }
+    for (int i = 0; i < mr; i++)   /* the channel's scale once, at the end */
+        for (int j = 0; j < NV; j++) *(vfu *)(y + i * ldy + j * VW) = acc[i][j] * LOAD(d + j * VW);
 }
 
 /* bits: 4, 8 or 32 (the layouts above; d and m float16 for 4, d float for 8). A small product (one row
@@ -205,6 +245,14 @@ static inline __attribute__((always_inline)) void direct8(int mr, const int8_t *
 void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,
               int64_t ldy, int M, int N, int K, int threads) {
     const int64_t work = (int64_t)M * N * K;
+    float sx[2 * (K / 32) + 1];   /* one or two rows through int4: each row's sum over each group of 32 */
+    if (bits == 4 && M <= 2)
+        for (int i = 0; i < M; i++)
+            for (int g = 0; g < K / 32; g++) {
+                float s = 0.0f;
+                for (int k = g * 32; k < g * 32 + 32; k++) s += x[i * ldx + k];
+                sx[i * (K / 32) + g] = s;
+            }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work >= (1 << 17))
     for (int t = 0; t < N / NC; t++) {
         float *yt = y + t * NC;
@@ -219,8 +267,8 @@ void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float
             continue;
         }
         if (M <= 2) {
-            if (bits == 4 && M == 1) direct4(1, t4, td, tm, x, ldx, K, yt, ldy);
-            else if (bits == 4) direct4(2, t4, td, tm, x, ldx, K, yt, ldy);
+            if (bits == 4 && M == 1) direct4(1, t4, td, tm, x, ldx, K, sx, yt, ldy);
+            else if (bits == 4) direct4(2, t4, td, tm, x, ldx, K, sx, yt, ldy);
             else if (M == 1) direct8(1, t8, ts, x, ldx, K, yt, ldy);
             else direct8(2, t8, ts, x, ldx, K, yt, ldy);
             continue;
