@@ -184,3 +184,21 @@ def test_a_step_beside_a_busy_worker_runs_at_the_measured_contended_speed():
     assert slow[1].ttft > 1.05 * alone[1].ttft
     with pytest.raises(ProfileError, match="contended"):
         StepCosts.from_dict(json.loads(synthetic(contended_decode=0.5).to_json()))
+
+
+def test_the_served_calibration_prompt_is_a_profiled_row_and_its_overhead_leaves_out_the_steps():
+    from pdserve.planner.serving import overheads, remote_prompt_tokens
+    c = synthetic()                       # prefill rows 16, 64, 256, 1024
+    assert remote_prompt_tokens(c, 64, 512) == 256          # the shortest row a prefill worker takes in one step
+    assert remote_prompt_tokens(c, 32, 512) == 64
+    assert remote_prompt_tokens(c, 300, 512) == 316         # no row fits: a prompt past the local limit
+    # Served medians = the profiled steps + 3 ms a step + 40 ms a request: the overheads come back out.
+    decode_1 = sum(c.decode_s(1, 32 + i) for i in range(1, 48)) / 47
+    step = 0.003
+    pd = {"tpot": decode_1 + step, "short": c.prefill_s(32, 0) + step + 0.04,
+          "long": c.prefill_s(256, 0) + step + c.exposed_transfer_s(256) + c.decode_s(1, 256) + step + 0.04}
+    s = overheads(c, pd, {"tpot": decode_1, "short": c.prefill_s(32, 0) + 0.01}, 32, 256, 512)
+    assert s.pd_step_s == pytest.approx(step) and s.mixed_step_s == pytest.approx(0.0, abs=1e-12)
+    assert s.pd_local_overhead_s == pytest.approx(0.04) and s.mixed_overhead_s == pytest.approx(0.01)
+    # The decode step the loaded request joins is the simulator's, not part of the overhead.
+    assert s.pd_remote_overhead_s == pytest.approx(0.04)
