@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata, DecodeKernel, paged_attention
 from pdserve.model.kernels.decode_attention import decode_attention_kernel
-from pdserve.model.kernels.layer import FusedLayer, FusedStep, silu_mul
+from pdserve.model.kernels.layer import FusedLayer, FusedStack, FusedStep, silu_mul
 from pdserve.model.linear import linear
 from pdserve.model.kernels.norm import native_rms_norm
 from pdserve.model.kernels.qgemm import TiledFloat
@@ -148,7 +148,7 @@ class LlamaModel:
             layer.decode_kernel = self.decode_kernel
         self.fused = self._fuse() if self.decode_kernel is not None else None
 
-    def _fuse(self) -> list[FusedLayer] | None:
+    def _fuse(self) -> FusedStack | None:
         """Every layer as layer.c runs it in a decode-only step, or None where one cannot (q/k norms,
         a MoE block, a product that does not run qgemm.c)."""
         fused = []
@@ -161,7 +161,7 @@ class LlamaModel:
             if f is None:
                 return None
             fused.append(f)
-        return fused
+        return FusedStack(fused) if fused else None
 
     def _pack(self, w, mode: str | None = None):
         return pack(w, self.quantization if mode is None else mode, self.dtype, self.device, self.native_gemm)
@@ -204,11 +204,13 @@ class LlamaModel:
         cos, sin = self.rotary.tables(positions)
         n = x.shape[0]
         if self.fused is not None and FusedStep.applies(meta, n):
-            step = FusedStep(meta, cos, sin, n, self.fused[0].scratch_per_row)
+            step = FusedStep(meta, cos, sin, n, self.fused.scratch_per_row)
             x = x.contiguous() if inputs_embeds is None else x.clone(memory_format=torch.contiguous_format)
-            for i, f in enumerate(self.fused):
-                step.run(f, x, kv_cache[i, 0], kv_cache[i, 1])       # x in place
-                if layer_done is not None:
+            if layer_done is None:
+                step.run_all(self.fused, x, kv_cache)                  # x in place
+            else:
+                for i, f in enumerate(self.fused.layers):
+                    step.run(f, x, kv_cache[i, 0], kv_cache[i, 1])
                     layer_done(i)
         else:
             for i, layer in enumerate(self.layers):

@@ -69,11 +69,33 @@ def test_fused_decode_step_is_the_op_by_op_step_bit_for_bit(name, quantization, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])      # 3 on 2 cores: barriers wait on descheduled threads
+def test_one_call_for_the_stack_per_layer_calls_and_any_thread_count_agree(threads):
+    """The whole stack in one parallel region, the per-layer calls a layer hook needs, and the
+    op-by-op step: the same logits and cache, whatever the number of threads sharing the work."""
+    model = _model("tiny-qwen2", "int4")
+    ids, positions, meta, kv = _step(model, [2, 17, 40, 41, 100, 300, 33, 64, 5, 9, 12])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, got_kv, want, want_kv = _both(model, ids, positions, meta, kv)
+        done: list[int] = []
+        hooked_kv = kv.clone()
+        hooked = model.forward(ids, positions, meta, hooked_kv, torch.arange(len(ids)), layer_done=done.append)
+    finally:
+        torch.set_num_threads(before)
+    assert done == list(range(model.arch.num_layers))
+    assert torch.equal(got, want) and torch.equal(hooked, want)
+    assert torch.equal(got_kv, want_kv) and torch.equal(hooked_kv, want_kv)
+
+
+@needs_kernel
 def test_steps_with_a_prefill_run_op_by_op(monkeypatch):
     model = _model("tiny-llama", "none")
     ids, positions, meta, kv = _step(model, [4, 30], prefill=20)
     assert not fused_kernels.FusedStep.applies(meta, len(ids))
     monkeypatch.setattr(fused_kernels.FusedStep, "run", lambda *a: pytest.fail("fused on a prefill step"))
+    monkeypatch.setattr(fused_kernels.FusedStep, "run_all", lambda *a: pytest.fail("fused on a prefill step"))
     model.forward(ids, positions, meta, kv, torch.arange(len(ids)))
 
 

@@ -1,4 +1,5 @@
-/* One decoder layer of a decode-only step in a single call: RMSNorm, the fused QKV product (+ bias),
+/* The decoder layers of a decode-only step in a single call (one parallel region, see `team`), each:
+   RMSNorm, the fused QKV product (+ bias),
    rotary embedding, the KV cache write, paged decode attention, the output product and residual,
    RMSNorm, the gate/up product, SiLU * up, the down product and residual.
 
@@ -9,18 +10,21 @@
    product as torch's separate multiply and add do (no FMA contraction there), and the op-by-op path
    takes its SiLU * up from pd_silu_mul below too.
 
-   x [n, hidden] is updated in place. kc, vc: the layer's cache [slots, KVH, D]. */
+   x [n, hidden] is updated in place. A layer's cache: keys and values [slots, KVH, D] each. */
+#include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include "vec.h"
 
-void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,
-              int64_t ldy, int M, int N, int K, int threads);
-void pd_rms_norm(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo, int rows, int n, float eps,
-                 int threads);
-void pd_decode_attention(const float *q, int64_t q_row, const float *kc, const float *vc, const int64_t *tables,
-                         int64_t tstride, const int64_t *first, const int64_t *ctx, float *out, int n, int H, int KVH,
-                         int D, int bs, float scale, int threads);
+void pd_qgemm_sums(int bits, const float *x, int64_t ldx, int M, int K, float *sx);
+void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,
+                    int64_t ldy, int M, int K, const float *sx, int t0, int t1);
+void pd_rms_norm_row(const float *xr, const float *w, float *o, int n, float eps);
+void pd_attend_task(const float *q, int64_t q_row, const float *kc, const float *vc, const int64_t *tables,
+                    int64_t tstride, const int64_t *first, const int64_t *ctx, float *out, int H, int KVH, int D,
+                    int bs, float scale, int task);
 
 typedef struct {              /* a weight in qgemm.c's tile layout: bits 32, 8 or 4 */
     int bits, n, k;
@@ -49,30 +53,31 @@ typedef struct {              /* one step, shared by every layer */
     pd_group groups[MAX_GROUPS];
 } pd_step;
 
-/* silu(g) * u for gu = [g | u] rows of 2 * inter: out [rows, inter]. silu(g) = g * sigmoid(g), with
-   e^-|g| so the exponential's argument is never positive. */
+/* silu(g) * u over one row of `inter` values. silu(g) = g * sigmoid(g), with e^-|g| so the
+   exponential's argument is never positive. */
+__attribute__((noinline)) static void silu_mul_row(const float *g, const float *u, float *o, int inter) {
+    int j = 0;
+    const v8f one = (v8f){0} + 1.0f;
+    for (; j + 8 <= inter; j += 8) {
+        const v8f x = LD(g + j);
+        const v8i neg = x < (v8f){0};
+        const v8f t = vexp((v8f)((v8i)x | (int)0x80000000));           /* e^-|x|: the sign bit set */
+        const v8f p = one / (one + t);                                  /* sigmoid(|x|) */
+        const v8f sig = (v8f)((neg & (v8i)(t * p)) | (~neg & (v8i)p));  /* sigmoid(-|x|) = t * p */
+        *(v8fu *)(o + j) = (x * sig) * LD(u + j);
+    }
+    for (; j < inter; j++) {
+        const float x = g[j];
+        const float t[8] = {x < 0 ? x : -x};
+        const float e = vexp(LD(t))[0], p = 1.0f / (1.0f + e);
+        o[j] = (x * (x < 0 ? e * p : p)) * u[j];
+    }
+}
+
+/* silu(g) * u for gu = [g | u] rows of 2 * inter: out [rows, inter]. */
 void pd_silu_mul(const float *gu, int64_t ld, float *out, int64_t ldo, int rows, int inter, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (int64_t)rows * inter >= (1 << 16))
-    for (int r = 0; r < rows; r++) {
-        const float *g = gu + r * ld, *u = g + inter;
-        float *o = out + r * ldo;
-        int j = 0;
-        const v8f one = (v8f){0} + 1.0f;
-        for (; j + 8 <= inter; j += 8) {
-            const v8f x = LD(g + j);
-            const v8i neg = x < (v8f){0};
-            const v8f t = vexp((v8f)((v8i)x | (int)0x80000000));           /* e^-|x|: the sign bit set */
-            const v8f p = one / (one + t);                                  /* sigmoid(|x|) */
-            const v8f sig = (v8f)((neg & (v8i)(t * p)) | (~neg & (v8i)p));  /* sigmoid(-|x|) = t * p */
-            *(v8fu *)(o + j) = (x * sig) * LD(u + j);
-        }
-        for (; j < inter; j++) {
-            const float x = g[j];
-            const float t[8] = {x < 0 ? x : -x};
-            const float e = vexp(LD(t))[0], p = 1.0f / (1.0f + e);
-            o[j] = (x * (x < 0 ? e * p : p)) * u[j];
-        }
-    }
+    for (int r = 0; r < rows; r++) silu_mul_row(gu + r * ld, gu + r * ld + inter, out + r * ldo, inter);
 }
 
 /* The rotary embedding of one head's halves, each product rounded on its own as torch's ops do. */
@@ -85,18 +90,84 @@ __attribute__((optimize("fp-contract=off"))) static void rope(float *h, const fl
     }
 }
 
-static void product(const pd_weight *w, const float *x, int64_t ldx, float *y, int M, int threads) {
-    pd_qgemm(w->bits, w->w, w->d, w->m, x, ldx, y, w->n, M, w->n, w->k, threads);
+/* The threads of one parallel region, working through a step's phases (norm, product, attention ...)
+   with a barrier between phases. Under OMP_WAIT_POLICY=PASSIVE (cli.py: workers share their cores)
+   every OpenMP region and barrier puts the idle thread to sleep and wakes it again, ~35 us each on
+   a VM; a decode step ran ~150 regions, and a batch-1 int4 step measured 10.5 ms against 5.0 with
+   spinning threads. Here a step is one region. Its barriers spin, yielding the core every few
+   pauses: a thread whose peer was descheduled by another process gives way to it. Work is handed
+   out from a shared counter, so a thread that ran late takes fewer pieces instead of holding the
+   others up. Measured (Zen 4, batch-1 int4 step, 2 threads): idle cores 10.5 -> 5.8-7.0 ms; with a
+   busy process on one core 10.3-11.1 -> 9.3-9.9 ms (yielding every 256 pauses: 10.6-11.3; sleeping
+   on a futex after ~50 us of spinning: 15-30). */
+typedef struct {
+    atomic_int arrived, gen, next[2];
+} team;
+
+typedef struct {
+    team *tm;
+    int T, phase;
+} member;
+
+#define YIELD_EVERY 32
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
 }
 
-void pd_decode_layer(const pd_layer *L, const pd_step *s, float *x, float *kc, float *vc) {
+/* Waits for every member; the last to arrive readies the next phase's counter and releases them. */
+static void sync_phase(member *me) {
+    team *tm = me->tm;
+    const int g = atomic_load(&tm->gen);
+    if (atomic_fetch_add(&tm->arrived, 1) == me->T - 1) {
+        atomic_store_explicit(&tm->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&tm->next[(me->phase + 1) & 1], 0, memory_order_relaxed);
+        atomic_store(&tm->gen, g + 1);
+    } else {
+        for (int spins = 0; atomic_load(&tm->gen) == g;)
+            if (++spins % YIELD_EVERY == 0) sched_yield(); else relax();
+    }
+    me->phase++;
+}
+
+/* The next `chunk` pieces of this phase's work: its first index (>= the total when none is left). */
+static inline int grab(member *me, int chunk) {
+    return atomic_fetch_add_explicit(&me->tm->next[me->phase & 1], chunk, memory_order_relaxed);
+}
+
+static void product(member *me, const pd_weight *w, const float *x, int64_t ldx, float *y, int M) {
+    float sx[2 * (w->k / 32) + 1];
+    pd_qgemm_sums(w->bits, x, ldx, M, w->k, sx);
+    const int tiles = w->n / 16, chunk = tiles / (8 * me->T) > 1 ? tiles / (8 * me->T) : 1;
+    for (int t; (t = grab(me, chunk)) < tiles;)
+        pd_qgemm_tiles(w->bits, w->w, w->d, w->m, x, ldx, y, w->n, M, w->k, sx, t, t + chunk < tiles ? t + chunk : tiles);
+    sync_phase(me);
+}
+
+static void norm_rows(member *me, const float *x, const float *w, float *out, int n, int hd, float eps) {
+    for (int r; (r = grab(me, 1)) < n;) pd_rms_norm_row(x + (int64_t)r * hd, w, out + (int64_t)r * hd, hd, eps);
+    sync_phase(me);
+}
+
+static void add_into(member *me, float *x, const float *o, int64_t len) {
+    const int64_t chunk = 4096;
+    for (int c; (c = grab(me, 1)) * chunk < len;) {
+        const int64_t end = (c + 1) * chunk < len ? (c + 1) * chunk : len;
+        for (int64_t i = c * chunk; i < end; i++) x[i] = x[i] + o[i];
+    }
+    sync_phase(me);
+}
+
+static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, float *kc, float *vc) {
     const int n = s->n, hd = L->hidden, D = L->head_dim, H = L->heads, KVH = L->kv_heads, nq = L->qkv.n;
     float *h = s->scratch, *qkv = h + (int64_t)n * hd, *att = qkv + (int64_t)n * nq, *o = att + (int64_t)n * H * D;
     float *gu = o + (int64_t)n * hd, *act = gu + (int64_t)n * 2 * L->inter;
 
-    pd_rms_norm(x, hd, L->input_norm, h, hd, n, hd, L->eps, s->threads);
-    product(&L->qkv, h, hd, qkv, n, s->threads);
-    for (int r = 0; r < n; r++) {
+    norm_rows(me, x, L->input_norm, h, n, hd, L->eps);
+    product(me, &L->qkv, h, hd, qkv, n);
+    for (int r; (r = grab(me, 1)) < n;) {
         float *row = qkv + (int64_t)r * nq;
         if (L->qkv_bias)
             for (int j = 0; j < nq; j++) row[j] = row[j] + L->qkv_bias[j];
@@ -105,17 +176,44 @@ void pd_decode_layer(const pd_layer *L, const pd_step *s, float *x, float *kc, f
         memcpy(kc + slot, row + H * D, sizeof(float) * KVH * D);
         memcpy(vc + slot, row + (H + KVH) * D, sizeof(float) * KVH * D);
     }
-    for (int g = 0; g < s->ngroups; g++) {
+    sync_phase(me);
+    int tasks = 0;   /* every group's (sequence, KV head) pairs, one counter */
+    for (int g = 0; g < s->ngroups; g++) tasks += s->groups[g].n * KVH;
+    for (int t; (t = grab(me, 1)) < tasks;) {
+        int g = 0, local = t;
+        while (local >= s->groups[g].n * KVH) local -= s->groups[g++].n * KVH;
         const pd_group *G = &s->groups[g];
-        pd_decode_attention(qkv + (int64_t)G->start * nq, nq, kc, vc, G->table, G->tstride, G->first, G->ctx,
-                            att + (int64_t)G->start * H * D, G->n, H, KVH, D, s->block_size, L->scale, s->threads);
+        pd_attend_task(qkv + (int64_t)G->start * nq, nq, kc, vc, G->table, G->tstride, G->first, G->ctx,
+                       att + (int64_t)G->start * H * D, H, KVH, D, s->block_size, L->scale, local);
     }
-    product(&L->o, att, H * D, o, n, s->threads);
-    for (int64_t i = 0; i < (int64_t)n * hd; i++) x[i] = x[i] + o[i];
+    sync_phase(me);
+    product(me, &L->o, att, H * D, o, n);
+    add_into(me, x, o, (int64_t)n * hd);
 
-    pd_rms_norm(x, hd, L->post_norm, h, hd, n, hd, L->eps, s->threads);
-    product(&L->gate_up, h, hd, gu, n, s->threads);
-    pd_silu_mul(gu, 2 * L->inter, act, L->inter, n, L->inter, s->threads);
-    product(&L->down, act, L->inter, o, n, s->threads);
-    for (int64_t i = 0; i < (int64_t)n * hd; i++) x[i] = x[i] + o[i];
+    norm_rows(me, x, L->post_norm, h, n, hd, L->eps);
+    product(me, &L->gate_up, h, hd, gu, n);
+    for (int r; (r = grab(me, 1)) < n;)
+        silu_mul_row(gu + (int64_t)r * 2 * L->inter, gu + (int64_t)r * 2 * L->inter + L->inter,
+                     act + (int64_t)r * L->inter, L->inter);
+    sync_phase(me);
+    product(me, &L->down, act, L->inter, o, n);
+    add_into(me, x, o, (int64_t)n * hd);
+}
+
+/* Layers [0, nl) of a decode-only step in one parallel region; layer l's cache is kv + l * layer_stride
+   (keys) and that + v_offset (values). x [n, hidden] is updated in place. */
+void pd_decode_layers(const pd_layer *L, int nl, const pd_step *s, float *x, float *kv, int64_t layer_stride,
+                      int64_t v_offset) {
+    team tm = {0};
+#pragma omp parallel num_threads(s->threads) if (s->threads > 1)
+    {
+        member me = {&tm, omp_get_num_threads(), 0};
+        for (int l = 0; l < nl; l++)
+            layer(&me, &L[l], s, x, kv + l * layer_stride, kv + l * layer_stride + v_offset);
+    }
+}
+
+/* One layer (the step's layers one call each, where the caller acts between layers). */
+void pd_decode_layer(const pd_layer *L, const pd_step *s, float *x, float *kc, float *vc) {
+    pd_decode_layers(L, 1, s, x, kc, 0, vc - kc);
 }

@@ -1,5 +1,6 @@
-"""A decode-only step's layers through layer.c, one native call a layer (see the C file for why), and
-the SiLU * up that the op-by-op path shares with it."""
+"""A decode-only step's layers through layer.c, one native call for the whole stack (or one a layer
+where the caller acts between layers; see the C file for why), and the SiLU * up that the op-by-op
+path shares with it."""
 from __future__ import annotations
 
 import ctypes
@@ -35,7 +36,10 @@ class Step(ctypes.Structure):
 @lru_cache(maxsize=1)
 def _fns():
     layer = function("layer", "pd_decode_layer", [_P, _P, _P, _P, _P])
-    return None if layer is None else (layer, function("layer", "pd_silu_mul", [_P, _I64, _P, _I64, _I, _I, _I]))
+    if layer is None:
+        return None
+    return (layer, function("layer", "pd_silu_mul", [_P, _I64, _P, _I64, _I, _I, _I]),
+            function("layer", "pd_decode_layers", [_P, _I, _P, _P, _P, _I64, _I64]))
 
 
 def available() -> bool:
@@ -88,6 +92,15 @@ class FusedLayer:
         return cls(s, per_row)
 
 
+class FusedStack:
+    """Every layer's struct in one array, for a step's single call (the layers keep the tensors alive)."""
+
+    def __init__(self, layers: list[FusedLayer]) -> None:
+        self.layers = layers
+        self.array = (Layer * len(layers))(*[f.struct for f in layers])
+        self.scratch_per_row = layers[0].scratch_per_row
+
+
 class FusedStep:
     """A decode-only step's shared inputs (positions' rotary rows, cache slots, block tables) and its
     scratch, built once and read by every layer's call."""
@@ -120,3 +133,11 @@ class FusedStep:
         fns = _fns()
         assert fns is not None
         fns[0](ctypes.byref(layer.struct), self._ref, x.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
+
+    def run_all(self, stack: FusedStack, x: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """Every layer, in one native call and one parallel region. kv_cache [layers, 2, slots, KVH, D]
+        contiguous past its first two dims (each layer's keys and values are)."""
+        fns = _fns()
+        assert fns is not None
+        fns[2](stack.array, len(stack.layers), self._ref, x.data_ptr(), kv_cache.data_ptr(),
+               kv_cache.stride(0), kv_cache.stride(1))

@@ -240,12 +240,8 @@ static inline __attribute__((always_inline)) void direct8(int mr, const int8_t *
         for (int j = 0; j < NV; j++) *(vfu *)(y + i * ldy + j * VW) = acc[i][j] * LOAD(d + j * VW);
 }
 
-/* bits: 4, 8 or 32 (the layouts above; d and m float16 for 4, d float for 8). A small product (one row
-   through a small matrix) runs on the calling thread: waking the pool costs more than the work. */
-void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,
-              int64_t ldy, int M, int N, int K, int threads) {
-    const int64_t work = (int64_t)M * N * K;
-    float sx[2 * (K / 32) + 1];   /* one or two rows through int4: each row's sum over each group of 32 */
+/* One or two rows through int4: each row's sum over each group of 32 input values, sx [M][K/32]. */
+void pd_qgemm_sums(int bits, const float *x, int64_t ldx, int M, int K, float *sx) {
     if (bits == 4 && M <= 2)
         for (int i = 0; i < M; i++)
             for (int g = 0; g < K / 32; g++) {
@@ -253,8 +249,13 @@ void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float
                 for (int k = g * 32; k < g * 32 + 32; k++) s += x[i * ldx + k];
                 sx[i * (K / 32) + g] = s;
             }
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work >= (1 << 17))
-    for (int t = 0; t < N / NC; t++) {
+}
+
+/* Output tiles [t0, t1) (16 channels each) of the product; sx from pd_qgemm_sums. A tile's result
+   does not depend on which thread computes it or with which others. */
+void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,
+                    int64_t ldy, int M, int K, const float *sx, int t0, int t1) {
+    for (int t = t0; t < t1; t++) {
         float *yt = y + t * NC;
         const uint8_t *t4 = (const uint8_t *)w + (int64_t)t * (K / 2) * NC;
         const int8_t *t8 = (const int8_t *)w + (int64_t)t * K * NC;
@@ -281,4 +282,15 @@ void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float
             rows(M, x + k0, ldx, buf, k1 - k0, yt, ldy, k0 == 0);
         }
     }
+}
+
+/* bits: 4, 8 or 32 (the layouts above; d and m float16 for 4, d float for 8). A small product (one row
+   through a small matrix) runs on the calling thread: waking the pool costs more than the work. */
+void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,
+              int64_t ldy, int M, int N, int K, int threads) {
+    const int64_t work = (int64_t)M * N * K;
+    float sx[2 * (K / 32) + 1];
+    pd_qgemm_sums(bits, x, ldx, M, K, sx);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work >= (1 << 17))
+    for (int t = 0; t < N / NC; t++) pd_qgemm_tiles(bits, w, d, m, x, ldx, y, ldy, M, K, sx, t, t + 1);
 }
