@@ -150,8 +150,7 @@ class LoadBalancerConfig:
 class RouterConfig:
     workers: list[dict] = field(default_factory=list)   # static workers: [{url: ..., role: prefill|decode|mixed}]
     api_keys: list[str] = field(default_factory=list)   # also PDSERVE_API_KEYS (comma-separated); none: open
-    # Keys for /admin/* (also PDSERVE_ADMIN_KEYS); once any key is set, /admin/* takes only these.
-    admin_keys: list[str] = field(default_factory=list)
+    admin_keys: list[str] = field(default_factory=list)  # /admin/* keys (also PDSERVE_ADMIN_KEYS); set: only these
     ip_allowlist: list[str] = field(default_factory=list)   # CIDRs; empty: everyone
     requests_per_minute: int | None = None   # per API key (per client IP without keys)
     tokens_per_minute: int | None = None     # prompt + completion tokens, per API key
@@ -171,6 +170,7 @@ class RouterConfig:
     breaker_cooldown_s: float = 5.0          # open this long, then one probe request (half-open)
     migration: bool = True                   # a decode worker dying mid-stream: continue on another one
     max_migrations: int = 2                  # per request
+    hold_prefill: bool = False               # hold prompts until a prefill worker has room (router/prefill_hold.py)
     encoder_workers: int = 1                 # processes that apply chat templates and tokenize
     health_period_s: float = 1.0
     heartbeat_timeout_s: float = 5.0         # a self-registered worker silent this long is unhealthy

@@ -28,7 +28,7 @@ import httpx
 
 from pdserve.cache.prefix_cache import prompt_hashes
 from pdserve.common.images import ImageInput
-from pdserve.config import Config
+from pdserve.config import Config, for_role
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.errors import InvalidParam
 from pdserve.common.outputs import RequestOutput, TokenLogprob
@@ -42,6 +42,7 @@ from pdserve.router.accounting import Charge, Route, remote_prefill_tokens
 from pdserve.router.admission import Admission
 from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prefill_hold import PrefillHold
 from pdserve.router.registry import Registry, Worker
 from pdserve.router.security import arrived_at, current_key
 from pdserve.router.stream_watch import WorkerSilent, unless_silent, watched
@@ -74,6 +75,11 @@ class RemoteBackend:
         self._rr = {"prefill": 0, "decode": 0}
         self._rng = random.Random(0)
         self.canary: policies.Canary | None = None     # during a rollout (PUT /admin/canary, router/rollout_api.py)
+        self.hold = PrefillHold(for_role(config, "prefill").scheduler.max_num_batched_tokens, self.rc.queue_timeout_s) \
+            if self.rc.hold_prefill else None
+
+    def held_prefill_tokens(self) -> int:
+        return self.hold.held_tokens if self.hold else 0
 
     # ------------------------------------------------------------------ validation (before any work)
 
@@ -170,7 +176,9 @@ class RemoteBackend:
                     remaining = None if params.max_tokens is None else params.max_tokens - len(generated)
                     context = prompt_token_ids + generated      # what the chosen worker will hold
                     with tracing.span("router.route", attempt=attempts):
-                        route, reason = self.route(context, remaining or 16, cache_salt, failed, images)
+                        def pick() -> tuple[Route | None, str]:
+                            return self.route(context, remaining or 16, cache_salt, failed, images)
+                        route, reason = await self.hold.route(pick, len(context)) if self.hold else pick()
                     if route is None:
                         cause = f"; the last one failed it: {last_error}" if last_error else ""
                         raise APIError(503, f"no decode worker can take this request ({reason}){cause}",

@@ -106,10 +106,10 @@ class PrefillBacklog:
 
     def __init__(self, keep: int = 8) -> None:
         self.samples: deque[tuple[float, int]] = deque(maxlen=keep)
-        self.last: dict[str, tuple[int, int]] = {}
+        self.last: dict[str, tuple[int, float]] = {}
         self.at: float | None = None
 
-    def update(self, now: float, workers: dict[str, tuple[int, int]]) -> float | None:
+    def update(self, now: float, workers: dict[str, tuple[int, float]]) -> float | None:
         """workers: each prefill worker's (prompt tokens computed so far, prompt tokens queued at it).
         Returns seconds, or None before any busy interval was measured."""
         if self.at is not None:
@@ -162,7 +162,8 @@ class DecodeForecast:
 class Controller:
     def __init__(self, config: Config, registry: Registry, client: httpx.AsyncClient, ttft: Histogram,
                  itl: Histogram, fleet: Fleet | None, metrics: CollectorRegistry,
-                 oldest_wait: Callable[[float], float | None] = lambda now: None) -> None:
+                 oldest_wait: Callable[[float], float | None] = lambda now: None,
+                 held_prefill_tokens: Callable[[], int] = lambda: 0) -> None:
         self.cc = config.controller
         # Off (controller.enabled false): it still reads the fleet and exports the pressure gauges,
         # for an HPA to act on (deploy/k8s/hpa.yaml), but decides and does nothing.
@@ -171,6 +172,7 @@ class Controller:
         self.registry, self.client = registry, client
         self.ttft, self.itl = ttft, itl
         self.oldest_wait = oldest_wait          # seconds the oldest request without a first token has waited
+        self.held_prefill_tokens = held_prefill_tokens      # prompts the router holds (router.hold_prefill)
         self.fleet: Fleet = fleet or NoFleet()
         self.state = State()
         self.decisions: deque[ControllerDecision] = deque(maxlen=1000)
@@ -200,14 +202,18 @@ class Controller:
         health = [w.health for w in pre + dec if w.health is not None]
         dec_usage = [w.health.kv_usage for w in dec if w.health is not None]
         wait = self.oldest_wait(now)
-        backlog = self.backlog.update(now, {w.worker_id: (w.health.prefill_tokens_computed, w.queued_prefill_tokens)
+        # Prompts held at the router wait too, shared out over the pool that will take them.
+        held = self.held_prefill_tokens() / max(1, len(pre))
+        backlog = self.backlog.update(now, {w.worker_id: (w.health.prefill_tokens_computed,
+                                                          w.queued_prefill_tokens + held)
                                             for w in pre if w.health is not None})
         streams = [w.health.running for w in dec if w.health is not None]
         forecast = self.forecast.update(now, sum(streams) / len(streams), None if itl is None else itl * 1000) \
             if streams else None
         return Reading(now, len(pre), len(dec), None if ttft is None else ttft * 1000, None if itl is None else itl * 1000,
                        sum(dec_usage) / len(dec_usage) if dec_usage else 0.0,
-                       sum(w.queued_prefill_tokens for w in pre + dec), sum(h.running for h in health),
+                       sum(w.queued_prefill_tokens for w in pre + dec) + self.held_prefill_tokens(),
+                       sum(h.running for h in health),
                        sum(h.waiting for h in health),
                        self.fleet.starting({w.url for w in self.registry.workers.values() if w.healthy}),
                        None if wait is None else wait * 1000, None if backlog is None else backlog * 1000, forecast)

@@ -79,7 +79,8 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
         fleet = KubernetesFleet(config.controller)
     # Off, it still exports each pool's pressure (for an HPA); on, it acts.
     controller = Controller(config, registry, client, server_metrics.ttft, server_metrics.itl, fleet,
-                            server_metrics.registry, timer.oldest_wait)
+                            server_metrics.registry, timer.oldest_wait,
+                            backend.held_prefill_tokens)
     handlers = OpenAIHandlers(backend, tokenizer, model_name, timer, encoder=encoder)
     handlers.vision, handlers.vision_limits = image_slots(config.model.name), config.vision   # None: text only
 

@@ -61,8 +61,10 @@ def test_scale_down_empties_the_worker_first(tmp_path):
             pool_at_start(w["url"])
         # At min_workers: it holds from now on, whatever the figures say.
         assert len(workers(url)) == 2 and len(_actions(url)) == 1
-        holds = admin(url, "GET", "/admin/controller").json()
-        assert holds[-1]["action"] == "hold" and holds[-1]["time"] >= removed["time"]
+        # The reading after the removal may not have come yet (interval 0.5 s): wait for it.
+        last = wait_for(lambda: [d for d in admin(url, "GET", "/admin/controller").json()
+                                 if d["time"] > removed["time"]], "no reading after the scale-down", timeout=30)
+        assert {d["action"] for d in last} == {"hold"}
         metrics = httpx.get(url + "/metrics").text
         assert 'pdserve_controller_actions_total{action="remove_decode",outcome="ok"} 1.0' in metrics
 
