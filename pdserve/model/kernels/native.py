@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 # Detected feature -> compiler flag (only features that change code generation).
 _MFLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c", "avx512f": "-mavx512f", "avx512bw": "-mavx512bw",
-           "avx512vl": "-mavx512vl"}
+           "avx512vl": "-mavx512vl", "avx512_bf16": "-mavx512bf16"}
 # Never -ffast-math: linking a shared library with it pulls in crtfastmath, which sets flush-to-zero
 # for the whole process as the library loads (caught by a test: subnormal floats vanished elsewhere).
 # The reductions vectorize through `omp simd` instead.

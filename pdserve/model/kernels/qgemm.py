@@ -23,6 +23,17 @@ def available() -> bool:
     return _fn() is not None
 
 
+@lru_cache(maxsize=1)
+def bf16_rows() -> int:
+    """From how many rows int4 and int8 products run on bfloat16 pairs (AVX512-BF16 CPUs; see the
+    C file); 0 where they never do."""
+    fn = function("qgemm", "pd_qgemm_bf16_rows", [])
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    return int(fn())
+
+
 def tile_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q [N, K] in 0..15, scale and zero [N, K/32] -> nib [N/16, K/2, 16] uint8, d and m [N/16, K/32, 16]
     float16 (GGUF's own precision; quant.quantize rounds them so)."""
