@@ -9,7 +9,10 @@ phase `--phase-s` seconds of Poisson arrivals. The same workload (same seeds) ru
 split with the most decode workers.
 
 Each phase loads one pool past what one worker of it serves and within what two serve, so that
-each static split is wrong for some phase (on a 2-core AMD EPYC, one thread a worker: a 300-token
+each static split is wrong for some phase. On an AMD EPYC Zen 4 (AVX-512, 2 cores; 2026-12-01) a
+300-token prefill takes ~0.75 s and a batch-1 decode step ~28 ms: at the old rates (1 and 2 req/s)
+the static 2:1 met 30/60/30 of 30/60/30, so the defaults are 2 and 3 req/s (2:1 met 50/12/40, 1:2
+9/90/15 of 60/90/60). (On the AVX2 EPYC before, one thread a worker: a 300-token
 prefill takes ~1.25-1.5 s, so 1 req/s is ~1.5 prefill workers' worth; 2 req/s of 144-token
 replies piles streams on one decode worker until its gap is well past the TPOT SLO, and two keep
 it: at 1.75 req/s two decode workers' TPOT p90 was 0.55-0.67x the SLO, one worker's met 13 and 34
@@ -71,7 +74,9 @@ def phases(args) -> list[tuple[str, list[Session], float]]:
 
 
 def deployment(args, tmp: Path, name: str, prefill: int, decode: int, controller: dict | None) -> ServerProcess:
-    cfg = {"router": {"health_period_s": 0.5}, "disagg": {"local_prefill_max_tokens": args.short_prompt + 32}}
+    # hold_prefill for every deployment: the router setting under comparison, not the controller's.
+    cfg = {"router": {"health_period_s": 0.5, "hold_prefill": args.hold_prefill},
+           "disagg": {"local_prefill_max_tokens": args.short_prompt + 32}}
     if controller:
         cfg["controller"] = controller
     path = tmp / f"{name}.yaml"
@@ -117,8 +122,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--phase-s", type=float, default=30.0)
-    ap.add_argument("--prompt-rate", type=float, default=1.0, help="requests/s in the prompt-heavy phases")
-    ap.add_argument("--gen-rate", type=float, default=2.0, help="requests/s in the generation-heavy phase")
+    ap.add_argument("--prompt-rate", type=float, default=2.0, help="requests/s in the prompt-heavy phases")
+    ap.add_argument("--gen-rate", type=float, default=3.0, help="requests/s in the generation-heavy phase")
     ap.add_argument("--long-prompt", type=int, default=300)
     ap.add_argument("--short-reply", type=int, default=4)
     ap.add_argument("--short-prompt", type=int, default=24)
@@ -126,14 +131,24 @@ def main() -> None:
     ap.add_argument("--slo-x", type=float, default=4.0, help="SLOs as this multiple of the unloaded TTFT and TPOT")
     ap.add_argument("--interval-s", type=float, default=2.0, help="controller.interval_s")
     ap.add_argument("--calibrate", type=int, default=5, help="unloaded requests of each kind the SLOs are the median of")
+    ap.add_argument("--no-hold-prefill", dest="hold_prefill", action="store_false",
+                    help="router.hold_prefill off: a prompt is bound to its prefill worker on arrival")
+    ap.add_argument("--deployments", help="comma-separated names (1P2D, 2P1D, controller; default all): one at "
+                                          "a time, so each holds the benchmark lock for one deployment")
+    ap.add_argument("--slo-ms", help="TTFT,TPOT SLOs in ms (from an earlier run's JSON) instead of calibrating")
     args = ap.parse_args()
     n = args.workers
     work = phases(args)
     tmp = Path(tempfile.mkdtemp(prefix="autoscale-"))
     splits = [(p, n - p) for p in range(1, n)]
     runs: dict[str, dict] = {}
-    slo: dict[str, float] = {}
-    for name, p, d in [(f"{p}P{d}D", p, d) for p, d in splits] + [("controller", 1, n - 1)]:
+    slo: dict = {}
+    if args.slo_ms:
+        t, g = (float(x) for x in args.slo_ms.split(","))
+        slo = {"ttft_ms": t, "tpot_ms": g, "given": True}
+    every = [(f"{p}P{d}D", p, d) for p, d in splits] + [("controller", 1, n - 1)]
+    picked = args.deployments.split(",") if args.deployments else [name for name, _, _ in every]
+    for name, p, d in [x for x in every if x[0] in picked]:
         controller = None
         if name == "controller":
             controller = {"enabled": True, "interval_s": args.interval_s, "sustain_intervals": 2,
@@ -169,13 +184,14 @@ def main() -> None:
                 (tmp / "controller-decisions.json").write_text(json.dumps(decisions, indent=1))
                 runs[name]["decision_log"] = str(tmp / "controller-decisions.json")
     static = [v["goodput_req_s"] for k, v in runs.items() if k != "controller"]
-    ctl = runs["controller"]["goodput_req_s"]
+    ctl = runs["controller"]["goodput_req_s"] if "controller" in runs else None
     out = {"benchmark": "autoscale", "model": args.model, "workers": n, "phase_s": args.phase_s,
-           "rates": {"prompt": args.prompt_rate, "gen": args.gen_rate}, "slo": slo, "runs": runs,
-           "controller_vs_best_static": round(ctl / max(static), 3) if max(static) else None,
-           "controller_vs_worst_static": round(ctl / min(static), 3) if min(static) else None,
+           "rates": {"prompt": args.prompt_rate, "gen": args.gen_rate}, "hold_prefill": args.hold_prefill,
+           "slo": slo, "runs": runs,
+           "controller_vs_best_static": round(ctl / max(static), 3) if ctl and static and max(static) else None,
+           "controller_vs_worst_static": round(ctl / min(static), 3) if ctl and static and min(static) else None,
            "failed_total": sum(v["failed"] for v in runs.values()), "cpu": describe()}
-    if not runs["controller"].get("actions"):
+    if "controller" in runs and not runs["controller"].get("actions"):
         out["note"] = ("the controller took no action: its run is one more static split, and any ratio is "
                        "noise; raise the rates (or lower --slo-x) until the static splits miss their SLOs")
     print(json.dumps(out))
