@@ -179,16 +179,33 @@ class OpenAIHandlers:
                 raise APIError(499, "client disconnected")
         task.result()
 
-    def _stream(self, base_id: str, choices: list[Choice], make_chunk, include_usage: bool,
-                object_name: str) -> StreamingResponse:
+    async def _stream(self, base_id: str, choices: list[Choice], make_chunk, include_usage: bool,
+                      object_name: str) -> StreamingResponse:
         # Errors that need no engine work (e.g. shutting down) are raised before the stream starts.
         if not self.engine.accepting:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"})
+        # The first output comes before the response starts: a request refused before any token (no
+        # decode worker can take it, the queue is full) gets its status and Retry-After, which a
+        # client can act on, not a 200 whose stream carries the error.
+        events = self._events(base_id, choices)
+        try:
+            head = await anext(events)
+        except StopAsyncIteration:
+            head = None
+        except BaseException:
+            await events.aclose()
+            raise
+
+        async def outputs() -> AsyncIterator[tuple[Choice, RequestOutput]]:
+            if head is not None:
+                yield head
+                async for item in events:
+                    yield item
 
         async def body() -> AsyncIterator[str]:
             try:
                 first = {c.index: True for c in choices}
-                async for c, out in self._events(base_id, choices):
+                async for c, out in outputs():
                     chunk = make_chunk(c, out, first[c.index])
                     first[c.index] = False
                     if chunk is not None:
@@ -200,6 +217,8 @@ class OpenAIHandlers:
                     yield f"data: {json.dumps(final)}\n\n"
             except APIError as e:
                 yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
+            finally:
+                await events.aclose()      # a client gone mid-stream aborts its requests
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream",
@@ -229,7 +248,7 @@ class OpenAIHandlers:
                 "finish_reason": out.finish_reason if out.finished else None}])
 
         if req.stream:
-            return self._stream(base_id, choices, completion_chunk,
+            return await self._stream(base_id, choices, completion_chunk,
                                 bool(req.stream_options and req.stream_options.include_usage), "text_completion")
         await self._collect(http, base_id, choices)
         return JSONResponse(self._envelope(base_id, "text_completion", choices=[
@@ -280,7 +299,7 @@ class OpenAIHandlers:
                 "finish_reason": out.finish_reason if out.finished else None}])
 
         if req.stream:
-            return self._stream(base_id, choices, chat_chunk,
+            return await self._stream(base_id, choices, chat_chunk,
                                 bool(req.stream_options and req.stream_options.include_usage), "chat.completion.chunk")
         await self._collect(http, base_id, choices)
         return JSONResponse(self._envelope(base_id, "chat.completion", choices=[
