@@ -125,6 +125,16 @@ static void dequant8(const int8_t *q, const float *d, int k0, int k1, float *buf
     }
 }
 
+/* Input values [k0, k1) of tile t of a quantized weight (bits 4 or 8), dequantized into buf. */
+static void dequant_tile(int bits, const void *w, const void *d, const void *m, int K, int t, int k0, int k1,
+                         float *buf) {
+    if (bits == 4)
+        dequant4((const uint8_t *)w + (int64_t)t * (K / 2) * NC, (const uint16_t *)d + (int64_t)t * (K / 32) * NC,
+                 (const uint16_t *)m + (int64_t)t * (K / 32) * NC, k0, k1, buf);
+    else
+        dequant8((const int8_t *)w + (int64_t)t * K * NC, (const float *)d + t * NC, k0, k1, buf);
+}
+
 /* rows x [mr, kn] (ldx apart) times buf [kn][16] into y [mr, 16] (ldy apart), added unless first. With
    pf, one cache line of it is prefetched every 2^sh steps (see rows_f32). */
 static inline __attribute__((always_inline)) void micro(int mr, const float *x, int64_t ldx, const float *buf, int kn,
@@ -277,8 +287,7 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
         float buf[KB * NC] __attribute__((aligned(64)));
         for (int k0 = 0; k0 < K; k0 += KB) {
             const int k1 = k0 + KB < K ? k0 + KB : K;
-            if (bits == 4) dequant4(t4, td, tm, k0, k1, buf);
-            else dequant8(t8, ts, k0, k1, buf);
+            dequant_tile(bits, w, d, m, K, t, k0, k1, buf);
             rows(M, x + k0, ldx, buf, k1 - k0, yt, ldy, k0 == 0);
         }
     }
@@ -340,13 +349,9 @@ static void tile_bf16(int bits, const void *w, const void *d, const void *m, con
                       int64_t ldy, int M, int K, int t) {
     float buf[KB * NC] __attribute__((aligned(64)));
     uint32_t wb[KB / 2 * NC] __attribute__((aligned(64)));
-    const uint8_t *t4 = (const uint8_t *)w + (int64_t)t * (K / 2) * NC;
-    const int8_t *t8 = (const int8_t *)w + (int64_t)t * K * NC;
-    const uint16_t *td = (const uint16_t *)d + (int64_t)t * (K / 32) * NC, *tm = (const uint16_t *)m + (int64_t)t * (K / 32) * NC;
     for (int k0 = 0; k0 < K; k0 += KB) {
         const int k1 = k0 + KB < K ? k0 + KB : K;
-        if (bits == 4) dequant4(t4, td, tm, k0, k1, buf);
-        else dequant8(t8, (const float *)d + t * NC, k0, k1, buf);
+        dequant_tile(bits, w, d, m, K, t, k0, k1, buf);
         bf16_pairs(buf, k1 - k0, wb);
         rows_bf16(M, xb + k0, K, wb, (k1 - k0) / 2, y + t * NC, ldy, k0 == 0);
     }
