@@ -203,16 +203,16 @@ class Controller:
         dec_usage = [w.health.kv_usage for w in dec if w.health is not None]
         wait = self.oldest_wait(now)
         # Prompts held at the router wait too, shared out over the pool that will take them.
-        held = self.held_prefill_tokens() / max(1, len(pre))
+        held = self.held_prefill_tokens()
         backlog = self.backlog.update(now, {w.worker_id: (w.health.prefill_tokens_computed,
-                                                          w.queued_prefill_tokens + held)
+                                                          w.queued_prefill_tokens + held / max(1, len(pre)))
                                             for w in pre if w.health is not None})
         streams = [w.health.running for w in dec if w.health is not None]
         forecast = self.forecast.update(now, sum(streams) / len(streams), None if itl is None else itl * 1000) \
             if streams else None
         return Reading(now, len(pre), len(dec), None if ttft is None else ttft * 1000, None if itl is None else itl * 1000,
                        sum(dec_usage) / len(dec_usage) if dec_usage else 0.0,
-                       sum(w.queued_prefill_tokens for w in pre + dec) + self.held_prefill_tokens(),
+                       sum(w.queued_prefill_tokens for w in pre + dec) + held,
                        sum(h.running for h in health),
                        sum(h.waiting for h in health),
                        self.fleet.starting({w.url for w in self.registry.workers.values() if w.healthy}),

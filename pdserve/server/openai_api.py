@@ -181,12 +181,9 @@ class OpenAIHandlers:
 
     async def _stream(self, base_id: str, choices: list[Choice], make_chunk, include_usage: bool,
                       object_name: str) -> StreamingResponse:
-        # Errors that need no engine work (e.g. shutting down) are raised before the stream starts.
-        if not self.engine.accepting:
-            raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"})
-        # The first output comes before the response starts: a request refused before any token (no
-        # decode worker can take it, the queue is full) gets its status and Retry-After, which a
-        # client can act on, not a 200 whose stream carries the error.
+        # The first output comes before the response starts: a request refused before any token
+        # (shutting down, no decode worker can take it, the queue is full) gets its status and
+        # Retry-After, which a client can act on, not a 200 whose stream carries the error.
         events = self._events(base_id, choices)
         try:
             head = await anext(events)
