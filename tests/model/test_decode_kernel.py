@@ -49,6 +49,24 @@ def test_kernel_matches_torch(window, heads, lens):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dim", [64, 40, 128])
+def test_outputs_do_not_depend_on_how_heads_are_split_into_tasks(dim):
+    """A task covers one KV head of a sequence or all of them (pd_attend_heads: all once there are
+    4 sequences a thread); either way, and on any number of threads, the same bits."""
+    q, k, v, kc, vc, meta = _case(LARGE, None, dim=dim)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 16):       # 32 sequences: whole sequences up to 8 threads, heads at 16
+            torch.set_num_threads(threads)
+            outs.append(paged_attention(q, k, v, kc.clone(), vc.clone(), meta, dim ** -0.5, kernel))
+    finally:
+        torch.set_num_threads(before)
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+@needs_kernel
 @pytest.mark.parametrize("dim", [36, 40, 128])    # scalar loops, 8-wide without the 64 path, 8-wide
 def test_kernel_matches_torch_at_other_head_dims(dim):
     q, k, v, kc, vc, meta = _case(LARGE, None, dim=dim)

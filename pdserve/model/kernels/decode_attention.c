@@ -18,11 +18,27 @@
 /* Head dimensions that are a multiple of 8 take the vector paths (vec.h); others the scalar loops. */
 #include "vec.h"
 
-/* Scores of G heads against one key row, for D % 8 == 0. */
+/* Scores of G heads against one key row, for D % 8 == 0: two chains of FMAs, a over the even
+   eights of the row and b over the odd ones, summed as hsum(a + b). With AVX-512 (D % 16 == 0) one
+   16-float chain holds a in its low half and b in its high half: the same sums, half the
+   instructions. */
 static inline void scores8(const float *qh, const float *k, int G, int D, float scale, float *s, int64_t stride) {
+#ifdef __AVX512F__
+    if (D % 16 == 0) {
+        for (int g = 0; g < G; g++) {
+            const float *qg = qh + g * D;
+            v16f c = (v16f){0};
+            for (int d = 0; d < D; d += 16) c += LD16(qg + d) * LD16(k + d);
+            const v8f a = __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7);
+            const v8f b = __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
+            s[g * stride] = hsum(a + b) * scale;
+        }
+        return;
+    }
+#endif
     for (int g = 0; g < G; g++) {
         const float *qg = qh + g * D;
-        v8f a = (v8f){0}, b = (v8f){0};   /* two chains of FMAs */
+        v8f a = (v8f){0}, b = (v8f){0};
         for (int d = 0; d < D; d += 16) {
             a += LD(qg + d) * LD(k + d);
             if (d + 8 < D) b += LD(qg + d + 8) * LD(k + d + 8);
@@ -31,63 +47,95 @@ static inline void scores8(const float *qh, const float *k, int G, int D, float 
     }
 }
 
-/* out[0:64] = sum over positions [lo, hi) of p[pos - lo] * v[pos] for head h of a 64-wide cache. */
-static void pv64(const float *p, const int64_t *table, int64_t lo, int64_t hi, const float *vc, int KVH, int h, int bs,
-                 float *out) {
-    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-    for (int64_t pos = lo; pos < hi;) {
-        const int64_t blk = table[pos / bs], off = pos % bs;
-        const int64_t stop = pos - off + bs < hi ? pos - off + bs : hi;
-        const float *v = vc + ((blk * bs + off) * KVH + h) * (int64_t)64;
-        for (; pos < stop; pos++, v += (int64_t)KVH * 64) {
-            const float w = p[pos - lo];
-            a0 += w * LD(v), a1 += w * LD(v + 8), a2 += w * LD(v + 16), a3 += w * LD(v + 24);
-            a4 += w * LD(v + 32), a5 += w * LD(v + 40), a6 += w * LD(v + 48), a7 += w * LD(v + 56);
-        }
+/* acc[0:64] += sum over the n rows v (vstride apart) of p[u] * v[u] (rows of one block), acc
+   held in eight registers meanwhile: the context's sum is built a block at a time, in position order,
+   so it is the same sum as one pass over the context would give. */
+static inline void pv64(const float *p, int64_t n, const float *v, int64_t vstride, float *acc) {
+#ifdef __AVX512F__   /* the same sums per element, four 16-float registers */
+    v16fu *o = (v16fu *)acc;
+    v16f a0 = o[0], a1 = o[1], a2 = o[2], a3 = o[3];
+    for (int64_t u = 0; u < n; u++, v += vstride) {
+        const float w = p[u];
+        a0 += w * LD16(v), a1 += w * LD16(v + 16), a2 += w * LD16(v + 32), a3 += w * LD16(v + 48);
     }
-    v8fu *o = (v8fu *)out;
+    o[0] = a0, o[1] = a1, o[2] = a2, o[3] = a3;
+#else
+    v8fu *o = (v8fu *)acc;
+    v8f a0 = o[0], a1 = o[1], a2 = o[2], a3 = o[3], a4 = o[4], a5 = o[5], a6 = o[6], a7 = o[7];
+    for (int64_t u = 0; u < n; u++, v += vstride) {
+        const float w = p[u];
+        a0 += w * LD(v), a1 += w * LD(v + 8), a2 += w * LD(v + 16), a3 += w * LD(v + 24);
+        a4 += w * LD(v + 32), a5 += w * LD(v + 40), a6 += w * LD(v + 48), a7 += w * LD(v + 56);
+    }
     o[0] = a0, o[1] = a1, o[2] = a2, o[3] = a3, o[4] = a4, o[5] = a5, o[6] = a6, o[7] = a7;
+#endif
 }
 
-/* One (sequence i, KV head h) pair of the step, task = i * KVH + h: its G query heads' outputs. Each
-   task's result depends on nothing but its own inputs, whichever thread runs it. */
-__attribute__((noinline)) void pd_attend_task(const float *q, int64_t q_row, const float *kc, const float *vc, const int64_t *tables,
-                    int64_t tstride, const int64_t *first, const int64_t *ctx, float *out, int H, int KVH, int D,
-                    int bs, float scale, int task) {
-    const int G = H / KVH, vec = D % 8 == 0;
-    const int i = task / KVH, h = task % KVH;
-    const int64_t lo = first[i], len = ctx[i] - first[i];
+/* The cache row of `pos` (its block from the table): slot * KVH * D floats into a layer's cache. */
+static inline int64_t row_of(const int64_t *table, int64_t pos, int bs) { return table[pos / bs] * bs + pos % bs; }
+
+/* Prefetches heads [h0, h1) of cache row r (every line of them) into the cache. */
+static inline void fetch_row(const float *c, int64_t r, int KVH, int D, int h0, int h1) {
+    const char *p = (const char *)(c + (r * KVH + h0) * (int64_t)D), *e = p + (int64_t)(h1 - h0) * D * 4;
+    for (; p < e; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
+/* A thread's scratch for scores and accumulators, kept between calls: a fresh malloc of a long
+   context's scores is an mmap and its page faults on every call. */
+static float *scratch(size_t floats) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (floats > cap) {
+        free(buf);
+        cap = floats + floats / 2;
+        buf = (float *)malloc(sizeof(float) * cap);
+    }
+    return buf;
+}
+
+/* Sequence i's KV heads [h0, h1): their G query heads' outputs. The context is walked a block at a
+   time, and every head of the range reads the same rows, so a task reads a block's keys (values)
+   as one contiguous stretch (KVH = h1 - h0) or one head's slice of it; the next block's rows are
+   prefetched meanwhile (the blocks are scattered, so the hardware cannot guess them). Each head's
+   arithmetic is the same whatever range it is computed in and whichever thread runs it: its
+   outputs depend on its own inputs only. */
+static void attend(const float *q, int64_t q_row, const float *kc, const float *vc, const int64_t *table,
+                   int64_t lo, int64_t hi, float *out, int i, int H, int KVH, int D, int bs, float scale, int h0, int h1) {
+    const int G = H / KVH, vec = D % 8 == 0, nh = h1 - h0;
+    const int64_t len = hi - lo, rs = (int64_t)KVH * D;
+    float *ob = out + ((int64_t)i * H + h0 * G) * D;
     if (len <= 0) {
-        for (int g = 0; g < G; g++)
-            for (int d = 0; d < D; d++) out[((int64_t)i * H + h * G + g) * D + d] = 0.0f;
+        for (int d = 0; d < nh * G * D; d++) ob[d] = 0.0f;
         return;
     }
-    float *s = (float *)malloc(sizeof(float) * (size_t)(len * G + G * D));
-    float *acc = s + len * G;
-    const float *qh = q + i * q_row + (int64_t)h * G * D;
-    const int64_t *table = tables + i * tstride;
-    /* Walk the table block by block (no division per position); each key row is read once for
-       the G query heads that share it. */
-    for (int64_t pos = lo; pos < ctx[i];) {
-        const int64_t blk = table[pos / bs], off = pos % bs;
-        const int64_t stop = pos - off + bs < ctx[i] ? pos - off + bs : ctx[i];
-        const float *k = kc + ((blk * bs + off) * KVH + h) * (int64_t)D;
-        for (; pos < stop; pos++, k += (int64_t)KVH * D) {
-            if (vec) {
-                scores8(qh, k, G, D, scale, s + (pos - lo), len);
-                continue;
-            }
-            for (int g = 0; g < G; g++) {
-                const float *qg = qh + g * D;
-                float dot = 0.0f;
+    float *s = scratch((size_t)(len * G * nh + nh * G * D));   /* scores [nh][G][len], then acc [nh][G][D] */
+    float *acc = s + len * G * nh;
+    const float *qb = q + i * q_row + (int64_t)h0 * G * D;
+    for (int64_t pos = lo; pos < hi;) {
+        const int64_t off = pos % bs, stop = pos - off + bs < hi ? pos - off + bs : hi;
+        const int64_t nextb = pos - off + bs < hi ? table[pos / bs + 1] : -1;
+        for (; pos < stop; pos++) {
+            const float *k = kc + row_of(table, pos, bs) * rs;
+            if (nextb >= 0) fetch_row(kc, nextb * bs + pos % bs, KVH, D, h0, h1);
+            for (int h = h0; h < h1; h++) {
+                const float *qh = qb + (int64_t)(h - h0) * G * D, *kh = k + (int64_t)h * D;
+                float *sh = s + (int64_t)(h - h0) * G * len + (pos - lo);
+                if (vec) {
+                    scores8(qh, kh, G, D, scale, sh, len);
+                    continue;
+                }
+                for (int g = 0; g < G; g++) {
+                    const float *qg = qh + g * D;
+                    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < D; d++) dot += qg[d] * k[d];
-                s[g * len + (pos - lo)] = dot * scale;
+                    for (int d = 0; d < D; d++) dot += qg[d] * kh[d];
+                    sh[g * len] = dot * scale;
+                }
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        float *sg = s + g * len, m = sg[0], sum = 0.0f;
+    for (int hg = 0; hg < nh * G; hg++) {
+        float *sg = s + hg * len, m = sg[0], sum = 0.0f;
         for (int64_t t = 1; t < len; t++) m = sg[t] > m ? sg[t] : m;
         int64_t t = 0;
         v8f vs = (v8f){0};
@@ -103,34 +151,50 @@ __attribute__((noinline)) void pd_attend_task(const float *q, int64_t q_row, con
         }
         const float inv = 1.0f / sum;
         for (int64_t u = 0; u < len; u++) sg[u] *= inv;
-        for (int d = 0; d < D; d++) acc[g * D + d] = 0.0f;
+        for (int d = 0; d < D; d++) acc[hg * D + d] = 0.0f;
     }
-    if (D == 64) {   /* a head's output in eight registers over the whole context */
-        for (int g = 0; g < G; g++)
-            pv64(s + g * len, table, lo, ctx[i], vc, KVH, h, bs, out + ((int64_t)i * H + h * G + g) * D);
-        free(s);
-        return;
-    }
-    for (int64_t pos = lo; pos < ctx[i];) {
-        const int64_t blk = table[pos / bs], off = pos % bs;
-        const int64_t stop = pos - off + bs < ctx[i] ? pos - off + bs : ctx[i];
-        const float *v = vc + ((blk * bs + off) * KVH + h) * (int64_t)D;
-        for (; pos < stop; pos++, v += (int64_t)KVH * D) {
-            for (int g = 0; g < G; g++) {
-                const float p = s[g * len + (pos - lo)];
-                float *a = acc + g * D;
+    fetch_row(vc, row_of(table, lo, bs), KVH, D, h0, h1);
+    for (int64_t pos = lo; pos < hi;) {
+        const int64_t off = pos % bs, stop = pos - off + bs < hi ? pos - off + bs : hi;
+        const float *v = vc + row_of(table, pos, bs) * rs;
+        if (stop < hi)   /* the next block's rows, while this one's are summed */
+            for (int64_t r = 0, nb = table[stop / bs] * bs; r < bs && stop + r < hi; r++) fetch_row(vc, nb + r, KVH, D, h0, h1);
+        for (int hg = 0; hg < nh * G; hg++) {
+            const float *p = s + hg * len + (pos - lo), *vh = v + (int64_t)(h0 + hg / G) * D;
+            float *a = acc + hg * D;
+            if (D == 64) {
+                pv64(p, stop - pos, vh, rs, a);
+                continue;
+            }
+            for (int64_t u = 0; u < stop - pos; u++, vh += rs) {
                 if (vec) {
-                    for (int d = 0; d < D; d += 8) *(v8fu *)(a + d) += p * LD(v + d);
+                    for (int d = 0; d < D; d += 8) *(v8fu *)(a + d) += p[u] * LD(vh + d);
                     continue;
                 }
 #pragma omp simd
-                for (int d = 0; d < D; d++) a[d] += p * v[d];
+                for (int d = 0; d < D; d++) a[d] += p[u] * vh[d];
             }
         }
+        pos = stop;
     }
-    for (int g = 0; g < G; g++)
-        for (int d = 0; d < D; d++) out[((int64_t)i * H + h * G + g) * D + d] = acc[g * D + d];
-    free(s);
+    for (int d = 0; d < nh * G * D; d++) ob[d] = acc[d];
+}
+
+/* How many KV heads a task covers: every head of a sequence when there are sequences enough to keep
+   `threads` busy (a task then reads each cache row whole), else one (a batch of one is still split
+   across threads). */
+int pd_attend_heads(int n, int KVH, int threads) {
+    return n >= 4 * threads ? KVH : 1;
+}
+
+/* Task `task` of a step's n * KVH / hp tasks: sequence task / (KVH / hp), heads from (task % (KVH /
+   hp)) * hp, hp of them (pd_attend_heads). */
+__attribute__((noinline)) void pd_attend_task(const float *q, int64_t q_row, const float *kc, const float *vc,
+                                              const int64_t *tables, int64_t tstride, const int64_t *first,
+                                              const int64_t *ctx, float *out, int H, int KVH, int D, int bs,
+                                              float scale, int hp, int task) {
+    const int per = KVH / hp, i = task / per, h0 = (task % per) * hp;
+    attend(q, q_row, kc, vc, tables + i * tstride, first[i], ctx[i], out, i, H, KVH, D, bs, scale, h0, h0 + hp);
 }
 
 void pd_decode_attention(const float *q, int64_t q_row, const float *kc, const float *vc,
@@ -140,7 +204,8 @@ void pd_decode_attention(const float *q, int64_t q_row, const float *kc, const f
        than the work. */
     int64_t work = 0;
     for (int i = 0; i < n; i++) work += (ctx[i] - first[i]) * (int64_t)H;
+    const int hp = pd_attend_heads(n, KVH, threads);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && work >= 4096)
-    for (int task = 0; task < n * KVH; task++)
-        pd_attend_task(q, q_row, kc, vc, tables, tstride, first, ctx, out, H, KVH, D, bs, scale, task);
+    for (int task = 0; task < n * (KVH / hp); task++)
+        pd_attend_task(q, q_row, kc, vc, tables, tstride, first, ctx, out, H, KVH, D, bs, scale, hp, task);
 }

@@ -22,9 +22,10 @@ void pd_qgemm_sums(int bits, const float *x, int64_t ldx, int M, int K, float *s
 void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,
                     int64_t ldy, int M, int K, const float *sx, int t0, int t1);
 void pd_rms_norm_row(const float *xr, const float *w, float *o, int n, float eps);
+int pd_attend_heads(int n, int KVH, int threads);
 void pd_attend_task(const float *q, int64_t q_row, const float *kc, const float *vc, const int64_t *tables,
                     int64_t tstride, const int64_t *first, const int64_t *ctx, float *out, int H, int KVH, int D,
-                    int bs, float scale, int task);
+                    int bs, float scale, int hp, int task);
 
 typedef struct {              /* a weight in qgemm.c's tile layout: bits 32, 8 or 4 */
     int bits, n, k;
@@ -177,14 +178,16 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, flo
         memcpy(vc + slot, row + (H + KVH) * D, sizeof(float) * KVH * D);
     }
     sync_phase(me);
-    int tasks = 0;   /* every group's (sequence, KV head) pairs, one counter */
-    for (int g = 0; g < s->ngroups; g++) tasks += s->groups[g].n * KVH;
+    /* every group's (sequence, KV heads) tasks, one counter */
+    const int hp = pd_attend_heads(n, KVH, me->T), per = KVH / hp;
+    int tasks = 0;
+    for (int g = 0; g < s->ngroups; g++) tasks += s->groups[g].n * per;
     for (int t; (t = grab(me, 1)) < tasks;) {
         int g = 0, local = t;
-        while (local >= s->groups[g].n * KVH) local -= s->groups[g++].n * KVH;
+        while (local >= s->groups[g].n * per) local -= s->groups[g++].n * per;
         const pd_group *G = &s->groups[g];
         pd_attend_task(qkv + (int64_t)G->start * nq, nq, kc, vc, G->table, G->tstride, G->first, G->ctx,
-                       att + (int64_t)G->start * H * D, H, KVH, D, s->block_size, L->scale, local);
+                       att + (int64_t)G->start * H * D, H, KVH, D, s->block_size, L->scale, hp, local);
     }
     sync_phase(me);
     product(me, &L->o, att, H * D, o, n);
