@@ -209,6 +209,7 @@ class ControllerConfig:
     min_workers: int = 2
     max_workers: int = 4
     drain_timeout_s: float = 30.0        # a draining worker's requests may finish this long, then move elsewhere
+    rebalance: bool = True               # after a switch to decode, workers over the pool's mean hand the excess streams on
     backend: str = "local"               # local: start and stop worker processes; kubernetes: scale Deployments
     namespace: str = "default"           # kubernetes: where the pools' Deployments live
     prefill_deployment: str = "pdserve-prefill"

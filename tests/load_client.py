@@ -21,9 +21,9 @@ def prompt(i: int) -> list[int]:
 PROMPTS = [prompt(i) for i in range(12)]
 
 
-def offline_outputs(prompts: list[list[int]] = PROMPTS) -> list[str]:
+def offline_outputs(prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[str]:
     from pdserve import LLM, SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.text for o in LLM(model=MODEL).generate(prompts, params)]
 
 
@@ -46,8 +46,9 @@ def wait_for(cond, what: str, timeout: float = 60.0):
 class Load:
     """Client threads streaming greedy completions until stopped; records every text and error."""
 
-    def __init__(self, url: str, threads: int = 4, prompts: list[list[int]] = PROMPTS) -> None:
-        self.prompts = prompts
+    def __init__(self, url: str, threads: int = 4, prompts: list[list[int]] = PROMPTS,
+                 max_tokens: int = MAX_TOKENS) -> None:
+        self.prompts, self.max_tokens = prompts, max_tokens
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         self.done: list[tuple[int, str]] = []
         self.errors: list[str] = []
@@ -61,7 +62,7 @@ class Load:
         while not self.stop.is_set():
             try:
                 stream = self.client.completions.create(model=MODEL, prompt=self.prompts[i % len(self.prompts)], temperature=0,
-                                                        max_tokens=MAX_TOKENS, stream=True,
+                                                        max_tokens=self.max_tokens, stream=True,
                                                         extra_body={"ignore_eos": True})
                 self.done.append((i % len(self.prompts), "".join(c.choices[0].text for c in stream)))
             except Exception as e:  # noqa: BLE001 - every failure is a finding

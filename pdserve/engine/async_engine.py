@@ -20,8 +20,15 @@ from pdserve.common.images import ImageInput
 from pdserve.common.outputs import RequestOutput
 from pdserve.common.sampling import SamplingParams
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import Request
 
 log = logging.getLogger(__name__)
+
+
+def tokens_to_go(req: Request) -> int:
+    """Output tokens a request may still generate (its max_tokens, else its context's room)."""
+    limit = req.params.max_tokens
+    return (limit - len(req.output_token_ids)) if limit is not None else 1 << 30
 
 
 # What other threads post to the engine thread.
@@ -114,11 +121,17 @@ class AsyncEngine:
         self._post(CallOnEngine(fn, fut))
         return fut
 
-    def evacuate(self, reason: str) -> concurrent.futures.Future:
+    def evacuate(self, reason: str, count: int | None = None) -> concurrent.futures.Future:
         """Give up every request on this engine: streams get RequestMoved (their router continues
-        them elsewhere), requests without a stream (prefill jobs) are aborted, which tells their peer."""
+        them elsewhere), requests without a stream (prefill jobs) are aborted, which tells their peer.
+        With `count`: only that many streams that are generating, those with the most tokens still
+        to go first (a pool evening out its streams: they gain the most from a less loaded worker)."""
         def run(engine: LLMEngine) -> int:
             rids = list(engine.requests)
+            if count is not None:
+                rids = sorted((rid for rid, r in engine.requests.items()
+                               if rid in self._streams and r.output_token_ids and not r.is_finished),
+                              key=lambda rid: -tokens_to_go(engine.requests[rid]))[:max(0, count)]
             for rid in rids:
                 engine.abort_request(rid)
                 self._deliver(rid, RequestMoved(reason))

@@ -24,6 +24,13 @@ class LeaveRequest(BaseModel):
     drain_timeout_s: float | None = Field(default=None, ge=0)
 
 
+class ShedRequest(BaseModel):
+    """Body of `POST /internal/shed`: the worker gives up `count` of its generating streams, for
+    the router to continue on less loaded workers (the controller evens the decode pool out)."""
+    model_config = ConfigDict(extra="forbid")
+    count: int = Field(ge=1)
+
+
 class RoleChanged(BaseModel):
     """A worker's answer to `POST /internal/role`: its role and KV endpoint now."""
     role: str
@@ -35,7 +42,8 @@ class RoleChanged(BaseModel):
 class ControllerDecision(BaseModel):
     """One entry of `GET /admin/controller`: what the controller did, to which worker, and why."""
     time: float                     # unix seconds
-    action: str                     # switch_to_prefill | switch_to_decode | add_prefill | add_decode | remove | hold
+    action: str                     # switch_to_prefill | switch_to_decode | add_prefill | add_decode | remove |
+                                    # rebalance | hold
     worker: str | None = None
     reason: str
     inputs: dict[str, float] = Field(default_factory=dict)

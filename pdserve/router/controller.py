@@ -6,7 +6,8 @@ health, queued prefill tokens from the router's accounting, the longest wait for
 backlog ahead of a new prompt at the prefill pool's measured rate, the gap forecast for a new
 decode stream from the streams a decode worker holds and how fast they grow),
 asks the pure policy (router/scaling_policy.py) what to do, and does it: a role switch through the
-router (drain, switch in place: router/role_switch.py), or a worker added or removed through a
+router (drain, switch in place: router/role_switch.py; after a switch to decode the streams piled
+on the other decode workers move over to even the pool out), or a worker added or removed through a
 `Fleet` (local processes: pdserve/local_fleet.py; Kubernetes Deployments: router/k8s_fleet.py). A removal empties
 the worker first, so no request is lost. Every decision, holds included, is kept with its inputs
 and reason for `GET /admin/controller`; actions are counted in /metrics. With controller.enabled
@@ -26,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pdserve.config import Config
 from pdserve.protocol.control import ControllerDecision
 from pdserve.router.registry import Registry, Worker
-from pdserve.router.role_switch import SwitchRefused, empty_worker, switch_role
+from pdserve.router.role_switch import SwitchRefused, empty_worker, even_out, switch_role
 from pdserve.router.scaling_policy import Decision, Params, Reading, State, decide, pressures
 
 log = logging.getLogger(__name__)
@@ -239,7 +240,26 @@ class Controller:
             ok, reason = False, f"{decision.reason}; failed: {e}"
             log.warning("controller: %s failed: %s", decision.action, e)
         self.m_actions.labels(decision.action, "ok" if ok else "failed").inc()
-        return self._record(decision, worker, reason, ok)
+        entry = self._record(decision, worker, reason, ok)
+        if ok and decision.action == "switch_to_decode" and self.cc.rebalance:
+            await self._even_out(worker)
+        return entry
+
+    async def _even_out(self, joined: str | None) -> None:
+        """After a worker joined the decode pool: the streams piled on the others move over, each
+        recorded as a `rebalance` decision of the worker that gave them up."""
+        try:
+            moved = await even_out(self.registry, self.client)
+        except (SwitchRefused, httpx.HTTPError) as e:
+            log.warning("controller: evening out the decode pool failed: %s", e)
+            self.m_actions.labels("rebalance", "failed").inc()
+            self._record(Decision("rebalance", f"evening out the decode pool after {joined} joined it", {}),
+                         None, f"failed: {e}", False)
+            return
+        for wid, n in moved.items():
+            self.m_actions.labels("rebalance", "ok").inc()
+            why = f"{wid} held more streams than the decode pool's mean after {joined} joined it: {n} moved"
+            self._record(Decision("rebalance", why, {"moved": float(n)}), wid, why, True)
 
     def _record(self, d: Decision, worker: str | None, reason: str, ok: bool) -> ControllerDecision:
         entry = ControllerDecision(time=time.time(), action=d.action, worker=worker, reason=reason, inputs=d.inputs,

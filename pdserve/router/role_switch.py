@@ -1,7 +1,8 @@
 """The router's side of a role switch and of a drain: stop routing to the worker, let its requests
 finish (or have the worker hand them back to be continued elsewhere), then tell it to switch.
 
-Used by `POST /admin/workers/{id}/role` and by the controller (router/controller.py).
+Used by `POST /admin/workers/{id}/role` and by the controller (router/controller.py), which also
+evens out the decode pool after a worker joins it (`even_out`).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import httpx
 
-from pdserve.protocol.control import RoleChanged
+from pdserve.protocol.control import RoleChanged, ShedRequest
 from pdserve.router.registry import Registry, Worker
 
 log = logging.getLogger(__name__)
@@ -102,4 +103,36 @@ async def empty_worker(registry: Registry, client: httpx.AsyncClient, w: Worker,
     moved = RoleChanged.model_validate(r.json()).moved
     await drain(w, time.monotonic() + 10.0)         # the moved streams' last lines
     log.info("worker %s emptied in %.2fs (%d requests moved)", w.worker_id, time.monotonic() - t0, moved)
+    return moved
+
+
+def excess_streams(loads: dict[str, int]) -> dict[str, int]:
+    """Streams each worker should hand on for the pool to hold about the same number everywhere:
+    what it holds over the pool's mean, rounded down, where that is at least 2 (one stream more or
+    less is not worth a move)."""
+    if len(loads) < 2:
+        return {}
+    mean = sum(loads.values()) / len(loads)
+    return {wid: int(n - mean) for wid, n in loads.items() if n - mean >= 2}
+
+
+async def even_out(registry: Registry, client: httpx.AsyncClient) -> dict[str, int]:
+    """Workers of the decode pool holding more streams than its mean (the router's count of what
+    is in flight at each) give the excess up; their router continues each on the least loaded
+    worker (what was generated goes along; greedy outputs are unchanged). Returns the streams
+    each worker gave up. A worker that joined the pool by a switch starts with none, while the
+    streams started before stay where they are until they finish."""
+    pool = {w.worker_id: w for w in serving_decode(registry)}
+    moved = {}
+    for wid, count in excess_streams({wid: w.in_flight for wid, w in pool.items()}).items():
+        w = pool[wid]
+        try:
+            r = await client.post(w.url + "/internal/shed", json=ShedRequest(count=count).model_dump(),
+                                  headers=registry.headers, timeout=30.0)
+        except httpx.HTTPError as e:
+            raise SwitchRefused(502, f"worker {wid!r} did not answer: {e}", "worker_failed") from e
+        if r.status_code != 200:
+            raise SwitchRefused(502, f"worker {wid!r} did not give streams up: {r.text[:200]}", "worker_failed")
+        moved[wid] = RoleChanged.model_validate(r.json()).moved
+        log.info("worker %s gave up %d of its %d streams to even out the decode pool", wid, moved[wid], w.in_flight)
     return moved

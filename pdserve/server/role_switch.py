@@ -8,6 +8,8 @@ on the engine thread with nothing in flight, the old role's KV connector closes 
 opens on the same pool. The KV endpoint changes; the reply and /health carry the new one.
 
 `POST /internal/leave` empties a worker the same way before it is stopped (a scale-down).
+`POST /internal/shed` gives up only some of its generating streams, at once: the controller evens
+out the decode pool after a worker joined it, and the streams continue on the new one.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from fastapi import FastAPI
 from pdserve.config import Config
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
-from pdserve.protocol.control import LeaveRequest, RoleChange, RoleChanged
+from pdserve.protocol.control import LeaveRequest, RoleChange, RoleChanged, ShedRequest
 from pdserve.server.errors import APIError
 from pdserve.server.roles import build_connector, kv_pool_in_shm
 
@@ -113,6 +115,17 @@ class RoleSwitch:
         self.moved_total += moved
         return self.describe(moved=moved)
 
+    async def shed(self, count: int) -> dict:
+        """Give up to `count` generating streams to the router, to be continued elsewhere."""
+        if self.role not in ("decode", "mixed"):
+            raise APIError(409, f"a {self.role} worker holds no streams to give up", "count", "not_streaming")
+        if self.switching or self.leaving:
+            raise APIError(409, "the worker is already giving up its requests", "count", "switching")
+        moved = await asyncio.wrap_future(self.engine.evacuate("the decode pool is evening out its streams", count))
+        self.moved_total += moved
+        log.info("gave up %d of its streams (asked for %d)", moved, count)
+        return self.describe(moved=moved)
+
     def _swap(self, engine: LLMEngine, role: str) -> bool:
         """On the engine thread: close the old connector and open the new one; False while busy."""
         if engine.has_unfinished():
@@ -133,6 +146,10 @@ def install_role_route(app: FastAPI, switch: RoleSwitch) -> None:
     async def set_role(change: RoleChange):
         drain = change.drain_timeout_s if change.drain_timeout_s is not None else switch.config.server.shutdown_timeout_s
         return RoleChanged(**await switch.switch(change.role, drain)).model_dump()
+
+    @app.post("/internal/shed")
+    async def shed(req: ShedRequest):
+        return RoleChanged(**await switch.shed(req.count)).model_dump()
 
     @app.post("/internal/leave")
     async def leave(req: LeaveRequest):

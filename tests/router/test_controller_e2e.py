@@ -3,7 +3,9 @@ local) while four clients stream:
 - scale-down: with the fleet far under its SLOs it removes a worker down to min_workers, emptying
   it first: no request fails, outputs equal the offline engine's, the process is gone;
 - scale-up: with every request over the SLOs it starts a worker up to max_workers, which registers
-  itself and takes requests.
+  itself and takes requests;
+- a switch to decode evens the pool out: the streams piled on the one decode worker move over to
+  the worker that joined, mid-generation, and their outputs do not change.
 Every decision is at GET /admin/controller (newest last, with time, action, worker, reason) and
 the actions are counted in /metrics."""
 from __future__ import annotations
@@ -13,12 +15,14 @@ import os
 import httpx
 import pytest
 import yaml
-from load_client import ADMIN, MODEL, Load, admin, offline_outputs, pool_at_start, prompt, wait_for, workers
+from load_client import (ADMIN, MODEL, Load, admin, counter_sum, offline_outputs, pool_at_start, prompt, wait_for,
+                         workers)
 
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 
 pytestmark = pytest.mark.slow
 FRESH = [prompt(i) for i in range(100, 108)]
+LONG = 256      # replies long enough that a decode worker's requests are mostly generating
 
 
 def _deployment(tmp_path, name: str, prefill: int, decode: int, controller: dict) -> ServerProcess:
@@ -97,6 +101,37 @@ def test_scale_up_starts_a_worker_that_takes_requests(tmp_path):
         assert load.errors == [] and fresh.errors == []
         assert load.wrong(want) == [] and fresh.wrong(want_fresh) == []
         assert len(workers(url)) == 3 and len(_actions(url)) == 1     # at max_workers: holds
+        for w in workers(url).values():
+            pool_at_start(w["url"])
+
+
+def test_switch_to_decode_moves_streams_onto_the_new_decode_worker(tmp_path):
+    want = offline_outputs(max_tokens=LONG)
+    # Decode over its SLO, prefill far under it, the fleet at its size: one prefill worker switches
+    # to decode, once (the cooldown outlasts the test).
+    with _deployment(tmp_path, "even", 2, 1, {"slo_ttft_ms": 1e7, "slo_tpot_ms": 0.001, "min_workers": 3,
+                                                "max_workers": 3, "cooldown_s": 1000.0}) as srv:
+        srv.wait_ready(timeout=300)
+        url = srv.url
+        [d1] = [i for i, w in workers(url).items() if w["role"] == "decode"]
+        load = Load(url, threads=8, max_tokens=LONG)     # eight streams on the one decode worker
+        try:
+            wait_for(lambda: workers(url)[d1]["load"]["in_flight"] >= 6, "the streams never piled up on d1")
+            acts = wait_for(lambda: [a for a in _actions(url) if a["action"] == "rebalance"] and _actions(url),
+                            "no rebalance after the switch", timeout=120)
+            load.progress(8, "no progress after the rebalance")
+        finally:
+            load.finish()
+        switch, rebalance = acts[0], acts[1]
+        assert switch["action"] == "switch_to_decode" and switch["ok"], switch
+        joined = switch["worker"]
+        assert rebalance["worker"] == d1 and rebalance["ok"] and rebalance["inputs"]["moved"] >= 1, rebalance
+        assert load.errors == []
+        assert load.wrong(want) == [], "a moved stream's output differs from the offline engine's"
+        assert workers(url)[joined]["requests"] > 0
+        moved = counter_sum(httpx.get(url + "/metrics").text, "pdserve_router_worker_moved_total")
+        assert moved >= rebalance["inputs"]["moved"]
+        assert 'pdserve_controller_actions_total{action="rebalance",outcome="ok"} 1.0' in httpx.get(url + "/metrics").text
         for w in workers(url).values():
             pool_at_start(w["url"])
 
