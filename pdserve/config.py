@@ -193,9 +193,8 @@ class VisionConfig:
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    # The autoscaler in the router (router/controller.py), off by default: every interval_s it reads
-    # the fleet's figures against the SLOs and switches a worker's role, or starts or stops a worker,
-    # keeping between min_workers and max_workers. See README "Control plane".
+    # The autoscaler in the router (router/controller.py), off by default: every interval_s it reads the fleet's
+    # figures against the SLOs and switches a role, or starts or stops a worker (README "Control plane").
     enabled: bool = False
     interval_s: float = 5.0
     slo_ttft_ms: float = 2000.0          # time to first token the deployment promises (p90 over an interval)
