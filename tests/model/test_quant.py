@@ -48,7 +48,7 @@ def test_gguf_q4_blocks_load_exactly():
 
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 16, 100, 300])   # 1-2: registers, 3+: tiles of 6 rows; 300: large
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 100, 300])   # 1-8: registers with AVX-512 (1-2 else); then tiles; 300: large
 def test_kernel_matches_dequantized_product(mode, rows, native):
     if native and not qgemm.available():
         pytest.skip("no C compiler here")

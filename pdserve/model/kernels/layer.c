@@ -139,7 +139,7 @@ static inline int grab(member *me, int chunk) {
 }
 
 static void product(member *me, const pd_weight *w, const float *x, int64_t ldx, float *y, int M) {
-    float sx[2 * (w->k / 32) + 1];
+    float sx[8 * (w->k / 32) + 1];    /* qgemm.c's direct rows: at most 8 */
     pd_qgemm_sums(w->bits, x, ldx, M, w->k, sx);
     const int tiles = w->n / 16, chunk = tiles / (8 * me->T) > 1 ? tiles / (8 * me->T) : 1;
     for (int t; (t = grab(me, chunk)) < tiles;)

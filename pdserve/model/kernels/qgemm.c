@@ -195,24 +195,28 @@ static void rows_f32(int M, const float *x, int64_t ldx, const float *w, int kn,
     rows_pf(M, x, ldx, w, kn, y, ldy, first, (const char *)(w + (int64_t)kn * NC), KB * NC * 4);
 }
 
-/* One or two rows: the weight is widened into registers and used at once. Within a group of 32 input
+/* A few rows (DIRECT_ROWS): the weight is widened into registers and used at once. Within a group of 32 input
    values w = q * d + m, so sum x * w = d * sum x * q + m * sum x: the products take the nibbles as they
    are (no per-value dequantization), each group's sums are scaled once, and sx holds each row's sum of
    x over each group (computed once per call). With one vector a tile row (AVX-512), two steps run
    interleaved into separate accumulators: one chain of dependent FMAs would set the pace. */
 #define U (NV == 1 ? 2 : 1)
+/* Rows that skip the buffer: with one vector a tile row (AVX-512) up to 8 rows' accumulators fit
+   the 32 registers (2 a row and its output, one chain: the rows interleave instead), else 2. */
+#define DIRECT_ROWS (NV == 1 ? 8 : 2)
 static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t *nib, const uint16_t *d,
                                                           const uint16_t *m, const float *x, int64_t ldx, int K,
                                                           const float *sx, float *y, int64_t ldy) {
-    vf out[2][NV], a[2][U][2][NV], lo[NV], hi[NV], dg[NV], mg[NV];
+    const int un = mr <= 2 ? U : 1;
+    vf out[DIRECT_ROWS][NV], a[DIRECT_ROWS][U][2][NV], lo[NV], hi[NV], dg[NV], mg[NV];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NV; j++) out[i][j] = (vf){0};
     for (int g = 0; g < K / 32; g++) {
         for (int i = 0; i < mr; i++)
-            for (int u = 0; u < U; u++)
+            for (int u = 0; u < un; u++)
                 for (int j = 0; j < NV; j++) a[i][u][0][j] = a[i][u][1][j] = (vf){0};
-        for (int kp = 0; kp < 16; kp += U)
-            for (int u = 0; u < U; u++) {
+        for (int kp = 0; kp < 16; kp += un)
+            for (int u = 0; u < un; u++) {
                 const int k = g * 32 + 2 * (kp + u);
                 nibbles(nib + ((int64_t)g * 16 + kp + u) * NC, lo, hi);
                 for (int i = 0; i < mr; i++) {
@@ -225,7 +229,7 @@ static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t 
             const vf s = splat(sx + i * (K / 32) + g);
             for (int j = 0; j < NV; j++) {
                 vf t = a[i][0][0][j] + a[i][0][1][j];
-                for (int u = 1; u < U; u++) t += a[i][u][0][j] + a[i][u][1][j];
+                for (int u = 1; u < un; u++) t += a[i][u][0][j] + a[i][u][1][j];
                 out[i][j] += t * dg[j] + s * mg[j];
             }
         }
@@ -236,7 +240,7 @@ static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t 
 
 static inline __attribute__((always_inline)) void direct8(int mr, const int8_t *q, const float *d, const float *x,
                                                           int64_t ldx, int K, float *y, int64_t ldy) {
-    vf acc[2][NV], w[NV];
+    vf acc[DIRECT_ROWS][NV], w[NV];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
     for (int k = 0; k < K; k++) {
@@ -250,9 +254,25 @@ static inline __attribute__((always_inline)) void direct8(int mr, const int8_t *
         for (int j = 0; j < NV; j++) *(vfu *)(y + i * ldy + j * VW) = acc[i][j] * LOAD(d + j * VW);
 }
 
-/* One or two rows through int4: each row's sum over each group of 32 input values, sx [M][K/32]. */
+/* Up to DIRECT_ROWS rows of int4 or int8, each row count its own unrolled copy. */
+static void direct(int bits, int M, const uint8_t *t4, const int8_t *t8, const uint16_t *td, const uint16_t *tm,
+                   const float *ts, const float *x, int64_t ldx, int K, const float *sx, float *y, int64_t ldy) {
+#define ROWS(r) case r: if (bits == 4) direct4(r, t4, td, tm, x, ldx, K, sx, y, ldy); \
+                        else direct8(r, t8, ts, x, ldx, K, y, ldy); break;
+    switch (M) {
+        ROWS(1) ROWS(2)
+#if DIRECT_ROWS > 2
+        ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#endif
+        default: break;
+    }
+#undef ROWS
+}
+
+/* Up to DIRECT_ROWS rows through int4: each row's sum over each group of 32 input values, sx [M][K/32]
+   (callers size sx for 8 rows). */
 void pd_qgemm_sums(int bits, const float *x, int64_t ldx, int M, int K, float *sx) {
-    if (bits == 4 && M <= 2)
+    if (bits == 4 && M <= DIRECT_ROWS)
         for (int i = 0; i < M; i++)
             for (int g = 0; g < K / 32; g++) {
                 float s = 0.0f;
@@ -277,11 +297,8 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
                 rows_f32(M, x + k0, ldx, tf + (int64_t)k0 * NC, (k0 + KB < K ? KB : K - k0), yt, ldy, k0 == 0);
             continue;
         }
-        if (M <= 2) {
-            if (bits == 4 && M == 1) direct4(1, t4, td, tm, x, ldx, K, sx, yt, ldy);
-            else if (bits == 4) direct4(2, t4, td, tm, x, ldx, K, sx, yt, ldy);
-            else if (M == 1) direct8(1, t8, ts, x, ldx, K, yt, ldy);
-            else direct8(2, t8, ts, x, ldx, K, yt, ldy);
+        if (M <= DIRECT_ROWS) {
+            direct(bits, M, t4, t8, td, tm, ts, x, ldx, K, sx, yt, ldy);
             continue;
         }
         float buf[KB * NC] __attribute__((aligned(64)));
@@ -384,7 +401,7 @@ int pd_qgemm_bf16_rows(void) {
 void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,
               int64_t ldy, int M, int N, int K, int threads) {
     const int64_t work = (int64_t)M * N * K;
-    float sx[2 * (K / 32) + 1];
+    float sx[8 * (K / 32) + 1];
     pd_qgemm_sums(bits, x, ldx, M, K, sx);
 #ifdef __AVX512BF16__
     uint16_t *xb = bf16_rows(bits, x, ldx, M, K);
