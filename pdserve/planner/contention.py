@@ -9,6 +9,7 @@ contended_prefill), and the simulator applies them to a step that starts while a
 """
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import time
 from collections.abc import Callable
@@ -72,7 +73,7 @@ def _timed_steps(engine, make: Callable[[int], list[str]], steps: int, skip: int
 
 
 def neighbour_slowdown(engine, prompt: list[int], vocab: int, chunk: int = 128) -> tuple[float, float]:
-    """(decode, prefill): median step time with a neighbour computing / alone."""
+    """(decode, prefill): least step time with a neighbour computing / alone (at least 1)."""
     import dataclasses
 
     from pdserve import SamplingParams
@@ -80,16 +81,24 @@ def neighbour_slowdown(engine, prompt: list[int], vocab: int, chunk: int = 128) 
     sched = engine.scheduler
     base = sched.cfg
 
+    # Every request of every timing its own prompt: one seen before (the alone timing's, in the
+    # neighbour's) would hit the prefix cache and time a shorter step.
+    fresh = itertools.count()
+
+    def unique(tokens: list[int]) -> tuple[int, list[int]]:
+        k = next(fresh)
+        return k, [(t + k * 7919) % (vocab - 3) + 3 for t in tokens]
+
     def decode_batch(i: int) -> list[str]:
-        rid = f"profile-contention-decode-{i}"
-        engine.add_request(rid, prompt[:16], SamplingParams(max_tokens=STEPS, ignore_eos=True, detokenize=False))
+        k, ids = unique(prompt[:16])
+        rid = f"profile-contention-decode-{k}"
+        engine.add_request(rid, ids, SamplingParams(max_tokens=STEPS, ignore_eos=True, detokenize=False))
         return [rid]
 
     def prefill_chunk(i: int) -> list[str]:
-        rid = f"profile-contention-prefill-{i}"
-        # a fresh prompt (no prefix hit), one chunk a step
-        engine.add_request(rid, [(t + i * 7919) % (vocab - 3) + 3 for t in prompt[:chunk * 2]],
-                           SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+        k, ids = unique(prompt[:chunk * 2])
+        rid = f"profile-contention-prefill-{k}"
+        engine.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))   # a chunk a step
         return [rid]
 
     sched.cfg = dataclasses.replace(base, max_num_batched_tokens=chunk)
