@@ -113,10 +113,11 @@ static void attend(const float *q, int64_t q_row, const float *kc, const float *
     const float *qb = q + i * q_row + (int64_t)h0 * G * D;
     for (int64_t pos = lo; pos < hi;) {
         const int64_t off = pos % bs, stop = pos - off + bs < hi ? pos - off + bs : hi;
-        const int64_t nextb = pos - off + bs < hi ? table[pos / bs + 1] : -1;
-        for (; pos < stop; pos++) {
-            const float *k = kc + row_of(table, pos, bs) * rs;
-            if (nextb >= 0) fetch_row(kc, nextb * bs + pos % bs, KVH, D, h0, h1);
+        /* the rows of this block from pos on, and the same rows of the next block (-1: none) */
+        const int64_t row = row_of(table, pos, bs), next = stop < hi ? table[stop / bs] * bs + off : -1;
+        const float *k = kc + row * rs;
+        for (int64_t r = 0; pos < stop; pos++, r++, k += rs) {
+            if (next >= 0) fetch_row(kc, next + r, KVH, D, h0, h1);
             for (int h = h0; h < h1; h++) {
                 const float *qh = qb + (int64_t)(h - h0) * G * D, *kh = k + (int64_t)h * D;
                 float *sh = s + (int64_t)(h - h0) * G * len + (pos - lo);
