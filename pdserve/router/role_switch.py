@@ -84,6 +84,19 @@ async def switch_role(registry: Registry, client: httpx.AsyncClient, w: Worker, 
         w.draining = False
 
 
+async def _ask(registry: Registry, client: httpx.AsyncClient, w: Worker, path: str, body: dict, timeout: float,
+               refused: str) -> RoleChanged:
+    """POST `body` to the worker's internal `path`; its RoleChanged answer, or a 502 SwitchRefused
+    (`refused` says what a non-200 answer means)."""
+    try:
+        r = await client.post(w.url + path, json=body, headers=registry.headers, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise SwitchRefused(502, f"worker {w.worker_id!r} did not answer: {e}", "worker_failed") from e
+    if r.status_code != 200:
+        raise SwitchRefused(502, f"worker {w.worker_id!r} {refused}: {r.text[:200]}", "worker_failed")
+    return RoleChanged.model_validate(r.json())
+
+
 async def empty_worker(registry: Registry, client: httpx.AsyncClient, w: Worker, drain_timeout_s: float) -> int:
     """Before a scale-down stops `w`: no new work, its requests finish until the deadline, the rest
     move to other workers. `w` stays draining (it is about to go). Returns how many moved."""
@@ -93,14 +106,8 @@ async def empty_worker(registry: Registry, client: httpx.AsyncClient, w: Worker,
     w.draining = True
     await drain(w, t0 + drain_timeout_s)
     left = max(0.0, t0 + drain_timeout_s - time.monotonic())
-    try:
-        r = await client.post(w.url + "/internal/leave", json={"drain_timeout_s": left}, headers=registry.headers,
-                              timeout=left + 120.0)
-    except httpx.HTTPError as e:
-        raise SwitchRefused(502, f"worker {w.worker_id!r} did not answer: {e}", "worker_failed") from e
-    if r.status_code != 200:
-        raise SwitchRefused(502, f"worker {w.worker_id!r} could not empty itself: {r.text[:200]}", "worker_failed")
-    moved = RoleChanged.model_validate(r.json()).moved
+    moved = (await _ask(registry, client, w, "/internal/leave", {"drain_timeout_s": left}, left + 120.0,
+                        "could not empty itself")).moved
     await drain(w, time.monotonic() + 10.0)         # the moved streams' last lines
     log.info("worker %s emptied in %.2fs (%d requests moved)", w.worker_id, time.monotonic() - t0, moved)
     return moved
@@ -126,13 +133,7 @@ async def even_out(registry: Registry, client: httpx.AsyncClient) -> dict[str, i
     moved = {}
     for wid, count in excess_streams({wid: w.in_flight for wid, w in pool.items()}).items():
         w = pool[wid]
-        try:
-            r = await client.post(w.url + "/internal/shed", json=ShedRequest(count=count).model_dump(),
-                                  headers=registry.headers, timeout=30.0)
-        except httpx.HTTPError as e:
-            raise SwitchRefused(502, f"worker {wid!r} did not answer: {e}", "worker_failed") from e
-        if r.status_code != 200:
-            raise SwitchRefused(502, f"worker {wid!r} did not give streams up: {r.text[:200]}", "worker_failed")
-        moved[wid] = RoleChanged.model_validate(r.json()).moved
+        moved[wid] = (await _ask(registry, client, w, "/internal/shed", ShedRequest(count=count).model_dump(), 30.0,
+                                 "did not give streams up")).moved
         log.info("worker %s gave up %d of its %d streams to even out the decode pool", wid, moved[wid], w.in_flight)
     return moved
