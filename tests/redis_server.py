@@ -14,11 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.procs import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ping(port: int, timeout: float) -> bool:

@@ -6,6 +6,7 @@ Each server runs in its own process group so that stopping it also stops any wor
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,10 +21,37 @@ class ServerStartError(RuntimeError):
     """The server exited or never became healthy; the message ends with its log's tail."""
 
 
+_given: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now and stays free until its server binds it.
+
+    A port the kernel picks with bind(0) lies in the ephemeral range, where any outgoing
+    connection (the router's to its workers, say) may take it before the server binds it. So the
+    port is drawn from below that range, and never twice from one process.
+    """
+    low = max(_ephemeral_low(), 12000)
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10000, low)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free port below the ephemeral range ({low})")
 
 
 def pdserve_cmd() -> list[str]:

@@ -10,10 +10,8 @@ from pdserve.router.kv_index_feed import IndexFeed
 
 
 def _free_endpoint() -> str:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    from pdserve.bench.procs import free_port
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def _until(pred, what: str, timeout: float = 10.0) -> None:
