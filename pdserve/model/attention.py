@@ -88,15 +88,22 @@ def _slots(block_table: list[int], start: int, end: int, block_size: int) -> tor
 def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
                    sliding_window: int | None, device: torch.device | str) -> AttentionMetadata:
     """seqs: (block_table, num_computed, num_new) per sequence, decodes (num_new == 1) first,
-    sorted by ascending context length."""
-    slot_parts, decodes, prefills = [], [], []
+    sorted by ascending context length. A decode's slot, block row, mask and bounds are built from
+    Python lists, a few tensors a group: per-sequence torch ops cost ~0.3 ms of a 6 ms batch-1 step."""
+    parts: list[torch.Tensor] = []
+    decode_slots: list[int] = []           # consecutive decodes' slots, one tensor when a prefill follows
+    decodes, prefills = [], []
     q_start = 0
     for block_table, computed, new in seqs:
         ctx = computed + new
-        slot_parts.append(_slots(block_table, computed, ctx, block_size))
         if new == 1 and computed > 0:
+            decode_slots.append(block_table[computed // block_size] * block_size + computed % block_size)
             decodes.append((block_table, ctx))
         else:
+            if decode_slots:
+                parts.append(torch.tensor(decode_slots, dtype=torch.long))
+                decode_slots = []
+            parts.append(_slots(block_table, computed, ctx, block_size))
             if computed == 0 and sliding_window is None:
                 prefills.append(PrefillChunk(q_start, new, ctx, None, None))
             elif sliding_window is None and new >= MIN_QUERIES and torch.device(device).type == "cpu":
@@ -113,18 +120,24 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
                 blocks = torch.tensor(block_table[:nblk], dtype=torch.long)
                 prefills.append(PrefillChunk(q_start, new, ctx, blocks.to(device), mask.to(device)))
         q_start += new
-    meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(device), block_size=block_size,
-                             prefills=prefills)
+    if decode_slots:
+        parts.append(torch.tensor(decode_slots, dtype=torch.long))
+    meta = AttentionMetadata(slot_mapping=(parts[0] if len(parts) == 1 else torch.cat(parts)).to(device),
+                             block_size=block_size, prefills=prefills)
     for lo, hi in group_by_length([ctx for _, ctx in decodes]):
-        bmax = -(-max(ctx for _, ctx in decodes[lo:hi]) // block_size)
-        idx = torch.zeros(hi - lo, bmax, dtype=torch.long)
-        mask = torch.zeros(hi - lo, bmax * block_size, dtype=torch.bool)
-        for i, (table, ctx) in enumerate(decodes[lo:hi]):
-            first = max(0, ctx - sliding_window) if sliding_window is not None else 0
+        group = decodes[lo:hi]
+        bmax = -(-max(ctx for _, ctx in group) // block_size)
+        rows = []
+        for table, ctx in group:
             nblk = -(-ctx // block_size)
-            idx[i, :nblk] = torch.tensor(table[:nblk], dtype=torch.long)
-            mask[i, first:ctx] = True
-        meta.decode_groups.append(DecodeGroup(lo, idx.to(device), mask.view(hi - lo, 1, 1, -1).to(device)))
+            rows.append(table[:nblk] + [0] * (bmax - nblk))
+        ctxs = torch.tensor([ctx for _, ctx in group], dtype=torch.long)
+        firsts = (ctxs - sliding_window).clamp_(min=0) if sliding_window is not None else torch.zeros_like(ctxs)
+        pos = torch.arange(bmax * block_size)
+        mask = (pos >= firsts[:, None]) & (pos < ctxs[:, None])
+        meta.decode_groups.append(DecodeGroup(lo, torch.tensor(rows, dtype=torch.long).to(device),
+                                              mask.view(hi - lo, 1, 1, -1).to(device),
+                                              (firsts.to(device), ctxs.to(device))))
     return meta
 
 
