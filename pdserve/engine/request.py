@@ -33,7 +33,9 @@ def draw_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-@dataclass
+# Identity, not value, equality: `in` and `remove` over the scheduler's queues compared every field,
+# token lists included, ~0.7 ms a step at 32 streams.
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

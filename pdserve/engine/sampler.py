@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.request import Request, TokenLogprob
+from pdserve.model.kernels.argmax import argmax_rows
 
 
 def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
@@ -56,7 +57,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[T
     tokens: list[int] = [0] * len(reqs)
     greedy_rows = [i for i, r in enumerate(reqs) if r.params.greedy and not r.params.has_penalties]
     if greedy_rows:
-        picked = logits[greedy_rows].argmax(-1).tolist()
+        picked = argmax_rows(logits if len(greedy_rows) == len(reqs) else logits[greedy_rows])
         for i, t in zip(greedy_rows, picked):
             tokens[i] = t
     greedy_set = set(greedy_rows)
