@@ -112,6 +112,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, IncrementalDetokenizer | NoText] = {}
         self.num_steps = 0
+        self.step_counts = {"decode": 0, "prefill": 0}
+        self.step_seconds = {"decode": 0.0, "prefill": 0.0}
         self.prefill_tokens_total = 0       # prompt tokens run through the model (prefix hits excluded)
         self.generation_tokens_total = 0
         self.preemptions_total = 0
@@ -236,6 +238,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         c, tiers = self.connector, self.tiers
         outputs = self._apply(c.poll(self))
         if self.images is not None:
@@ -258,6 +261,7 @@ class LLMEngine:
             elif not outputs:
                 c.wait(0.005)               # only peers can make progress now
             return outputs
+        decode_only = all(n == 1 and req.num_computed_tokens > 0 for req, n in step.scheduled)
         planned = c.begin_step(step.scheduled)
         sampled = self.runner.execute(step.scheduled, (lambda i: c.on_layer(planned, i)) if planned else None)
         c.end_step(planned)
@@ -273,6 +277,10 @@ class LLMEngine:
                     outputs.append(out)
         for rid in c.failed_requests():
             self.abort_request(rid)
+        # Served step times, the quantity `pdserve profile` measures offline (planner/serving.py reads both).
+        kind = "decode" if decode_only else "prefill"
+        self.step_counts[kind] += 1
+        self.step_seconds[kind] += time.perf_counter() - t0
         return outputs
 
     def _poll_images(self) -> list[RequestOutput]:
@@ -348,6 +356,10 @@ class LLMEngine:
             "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens if self.prefix_cache else 0,
             "prefix_cache_blocks": len(self.prefix_cache) if self.prefix_cache else 0,
             "loading": len(self.scheduler.loading),
+            "decode_steps_total": self.step_counts["decode"],
+            "decode_step_seconds_total": self.step_seconds["decode"],
+            "prefill_steps_total": self.step_counts["prefill"],
+            "prefill_step_seconds_total": self.step_seconds["prefill"],
             **self.connector.stats(),
             **(self.swap.stats() if self.swap else {}),
             **(self.images.stats() if self.images else {}),

@@ -39,11 +39,15 @@ class ProfileGrid:
     decode_contexts: tuple[int, ...] = (32, 512, 1024)
     transfer_tokens: tuple[int, ...] = (64, 256, 1024)
     decode_steps: int = 9
-    repeats: int = 1
+    # Passes over the whole grid, each point's steps pooled across them: a VM's speed drifts from one
+    # minute to the next. With one pass, four profiles of one day put the batch-1 decode step at 32
+    # tokens at 29.5-37.8 ms, one measured a 1024-token context faster than a 512-token one, and
+    # plan_accuracy's every prediction moved with its profile (session 11).
+    passes: int = 3
 
 
 QUICK = ProfileGrid(prefill_chunks=(16, 64), prefill_contexts=(0, 64), decode_batches=(1, 4),
-                    decode_contexts=(16, 64), transfer_tokens=(16, 64), decode_steps=2, repeats=1)
+                    decode_contexts=(16, 64), transfer_tokens=(16, 64), decode_steps=2, passes=1)
 
 
 def _engine(config: Config, role: str, grid: ProfileGrid):
@@ -70,18 +74,18 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def _prefill_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log: Callable[[str], None]) -> Grid:
     """Each row from every step of its prompts: a step's time is close to linear in its context (the
-    attention part), so a line through all of them is steadier than one step per grid point."""
+    attention part), so a line through all of them is steadier than one step per grid point. One
+    prompt a row in each pass over the grid (see ProfileGrid.passes)."""
     from pdserve import SamplingParams
     sched = engine.scheduler
     base = sched.cfg
     top = max(grid.prefill_contexts)
-    rows = []
-    for chunk in grid.prefill_chunks:
-        ctxs: list[float] = []
-        times: list[float] = []
-        sched.cfg = dataclasses.replace(base, max_num_batched_tokens=chunk)
-        try:
-            for rep in range(grid.repeats):
+    points: dict[int, tuple[list[float], list[float]]] = {c: ([], []) for c in grid.prefill_chunks}
+    for rep in range(grid.passes):
+        for chunk in grid.prefill_chunks:
+            ctxs, times = points[chunk]
+            sched.cfg = dataclasses.replace(base, max_num_batched_tokens=chunk)
+            try:
                 prompt = [rng.randrange(3, vocab) for _ in range(top + chunk)]
                 rid = f"profile-prefill-{chunk}-{rep}"
                 engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
@@ -92,8 +96,11 @@ def _prefill_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log
                     times.append(time.perf_counter() - t)
                     ctxs.append(ctx)
                     ctx += chunk
-        finally:
-            sched.cfg = base
+            finally:
+                sched.cfg = base
+    rows = []
+    for chunk in grid.prefill_chunks:
+        ctxs, times = points[chunk]
         a, b = _line(ctxs, times) if len(set(ctxs)) > 1 else (statistics.median(times), 0.0)
         row = [max(a + b * c, min(times)) for c in grid.prefill_contexts]
         rows.append(row)
@@ -103,32 +110,29 @@ def _prefill_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log
 
 def _decode_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log: Callable[[str], None]) -> Grid:
     from pdserve import SamplingParams
-    rows = []
     # One prompt per context, shared by every batch: the prefix cache computes it once.
     prompts = {ctx: [rng.randrange(3, vocab) for _ in range(ctx)] for ctx in grid.decode_contexts}
-    for batch in grid.decode_batches:
-        row = []
-        for ctx in grid.decode_contexts:
-            times = []
-            for rep in range(grid.repeats):
-                prompt = prompts[ctx]
+    times: dict[tuple[int, int], list[float]] = {(b, c): [] for b in grid.decode_batches for c in grid.decode_contexts}
+    for rep in range(grid.passes):
+        for batch in grid.decode_batches:
+            for ctx in grid.decode_contexts:
                 p = SamplingParams(max_tokens=grid.decode_steps + 8, ignore_eos=True, detokenize=False)
                 ids = [f"profile-decode-{batch}-{ctx}-{rep}-{i}" for i in range(batch)]
                 for rid in ids:
-                    engine.add_request(rid, prompt, p)
+                    engine.add_request(rid, prompts[ctx], p)
                 reqs = [engine.requests[rid] for rid in ids]
                 while any(not r.output_token_ids for r in reqs):
                     engine.step()
                 for _ in range(grid.decode_steps):
                     t = time.perf_counter()
                     engine.step()
-                    times.append(time.perf_counter() - t)
+                    times[batch, ctx].append(time.perf_counter() - t)
                 for rid in ids:
                     engine.abort_request(rid)
                 while engine.has_unfinished():
                     engine.step()
-            row.append(statistics.median(times))
-        rows.append(row)
+    rows = [[statistics.median(times[b, c]) for c in grid.decode_contexts] for b in grid.decode_batches]
+    for batch, row in zip(grid.decode_batches, rows):
         log(f"decode batch {batch}: " + ", ".join(f"ctx {c} {s * 1000:.1f} ms" for c, s in zip(grid.decode_contexts, row)))
     return Grid(list(grid.decode_batches), list(grid.decode_contexts), rows)
 
@@ -163,7 +167,7 @@ def _transfer(cfg: Config, engine, grid: ProfileGrid, log: Callable[[str], None]
             runs = coalesce(blocks, blocks)
             send(runs)                       # warm up
             times = []
-            for _ in range(max(3, grid.repeats)):
+            for _ in range(3 * grid.passes):
                 t = time.perf_counter()
                 send(runs)
                 times.append(time.perf_counter() - t)
@@ -226,7 +230,7 @@ def profile(config: Config, role: str = "decode", grid: ProfileGrid | None = Non
         log(f"profiling {cfg.model.name} ({cfg.model.dtype}, quantization {cfg.model.quantization}, "
             f"{cfg.server.threads} threads) on {describe()}")
         _decode_grid(engine, dataclasses.replace(grid, decode_batches=grid.decode_batches[:1],
-                                                 decode_contexts=grid.decode_contexts[:1], repeats=1),
+                                                 decode_contexts=grid.decode_contexts[:1], passes=1),
                      rng, vocab, lambda s: None)      # warm up: first steps pay allocations
         prefill = _prefill_grid(engine, grid, rng, vocab, log)
         decode = _decode_grid(engine, grid, rng, vocab, log)

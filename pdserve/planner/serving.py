@@ -13,6 +13,13 @@ mixed server, and sends single requests one at a time through the bench client (
   was put 13% above its step, which left a remote overhead of 0).
 The median of five repeats, as the profile's decode steps are medians (the overhead is a difference
 of the two); run it on a quiet machine (the benchmark lock).
+
+The steps subtracted are the served workers' own, read from their /metrics around each request
+(pdserve_{decode,prefill}_step_seconds_total, engine.step() timed in the worker), where they can be
+read; else the profile's. A VM's speed drifts between the profile and this calibration minutes
+later, and a difference against the profile's steps took that drift for overhead: the per-request
+overheads of four profiles of one day read +10 to +45 ms, and the per-step one was clamped at 0 in
+two of them (the served TPOT below the profiled step).
 """
 from __future__ import annotations
 
@@ -36,29 +43,93 @@ def _serve(cmd_tail: list[str], tmp: Path, name: str):
     return ServerProcess(pdserve_cmd() + ["serve", "--port", str(port), *cmd_tail], port, tmp / f"{name}.log")
 
 
-def _one(url: str, prompt_tokens: int, max_tokens: int, rng: random.Random) -> tuple[float, float | None]:
+_STEP_KEYS = ("decode_steps", "decode_step_seconds", "prefill_steps", "prefill_step_seconds")
+
+
+def _step_counters(url: str) -> dict[str, float] | None:
+    """A worker's served step counters (protocol/stats.py), None when its /metrics lacks them."""
+    import httpx
+    try:
+        return parse_step_counters(httpx.get(url + "/metrics", timeout=10).text)
+    except httpx.HTTPError:
+        return None
+
+
+def parse_step_counters(text: str) -> dict[str, float] | None:
+    got = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("pdserve_") and name.endswith("_total") and name[8:-6] in _STEP_KEYS:
+            got[name[8:-6]] = float(value)
+    return got if len(got) == len(_STEP_KEYS) else None
+
+
+def workers(url: str, mixed: bool) -> dict[str, str]:
+    """role -> URL of the served workers whose steps are read: the server itself when mixed, else
+    the router's registered workers (its admin API, open without keys); empty when unreadable."""
+    if mixed:
+        return {"decode": url, "prefill": url}
+    import httpx
+    try:
+        r = httpx.get(url + "/admin/workers", timeout=10)
+        listed = r.json().get("workers", []) if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return {w["role"]: w["url"] for w in listed if w.get("role") in ("prefill", "decode") and w.get("url")}
+
+
+def _one(url: str, prompt_tokens: int, max_tokens: int, rng: random.Random,
+         steps_of: dict[str, str] | None = None) -> tuple[float, float | None, dict[str, dict[str, float]]]:
+    """(TTFT, TPOT, per role the served step counters' increase over the request: empty where unread)."""
     from pdserve.bench.client import ClientConfig, run_load
     from pdserve.bench.workloads import Session, Turn, words
+    before = {role: _step_counters(u) for role, u in (steps_of or {}).items()}
     cfg = ClientConfig(url, api="completions", ignore_eos=True)
     # sentences=False: n words of the list are n tokens for the default model's tokenizer
     recs, _ = asyncio.run(run_load(cfg, [Session(0, [Turn(words(rng, prompt_tokens, sentences=False), max_tokens)])]))
     r = recs[0]
     if not r.ok or r.ttft is None:
         raise RuntimeError(f"a calibration request failed: {r.error} {r.error_detail}")
-    return r.ttft, r.tpot
+    served = {}
+    for role, u in (steps_of or {}).items():
+        after = _step_counters(u)
+        if before[role] is not None and after is not None:
+            served[role] = {k: after[k] - before[role][k] for k in _STEP_KEYS}   # type: ignore[index]
+    return r.ttft, r.tpot, served
 
 
-def _measure(url: str, short: int, long: int | None, rng: random.Random) -> dict[str, float]:
+def _measure(url: str, short: int, long: int | None, rng: random.Random,
+             steps_of: dict[str, str] | None = None) -> dict[str, float]:
+    """Medians of TTFT and TPOT, and of the served steps they contain where the workers' counters
+    were read: decode_step (a decode step of the TPOT request), short_prefill (the short prompt's
+    prefill steps), long_prefill and long_decode_step (the long prompt's, on the prefill worker,
+    and the decode step its first token joins)."""
     _one(url, short, 4, rng)                         # warm up
-    out: dict[str, list[float]] = {"tpot": [], "short": [], "long": []}
+    out: dict[str, list[float]] = {}
+
+    def add(key: str, value: float | None) -> None:
+        if value is not None:
+            out.setdefault(key, []).append(value)
+
+    def mean_decode(d: dict[str, float] | None) -> float | None:
+        return d["decode_step_seconds"] / d["decode_steps"] if d and d["decode_steps"] > 0 else None
+
     for _ in range(REPEATS):
-        _, tpot = _one(url, short, REPLY, rng)
-        out["tpot"].append(tpot or 0.0)
-        out["short"].append(_one(url, short, 2, rng)[0])
+        _, tpot, served = _one(url, short, REPLY, rng, steps_of)
+        add("tpot", tpot or 0.0)
+        add("decode_step", mean_decode(served.get("decode")))
+        ttft, _, served = _one(url, short, 2, rng, steps_of)
+        add("short", ttft)
+        d = served.get("decode")
+        add("short_prefill", d["prefill_step_seconds"] if d and d["prefill_steps"] > 0 else None)
         if long:
-            out["long"].append(_one(url, long, 2, rng)[0])
+            ttft, _, served = _one(url, long, 2, rng, steps_of)
+            add("long", ttft)
+            p = served.get("prefill")
+            add("long_prefill", p["prefill_step_seconds"] if p and p["prefill_steps"] > 0 else None)
+            add("long_decode_step", mean_decode(served.get("decode")))
     # Medians, like the profiled steps these are compared with.
-    return {k: statistics.median(v) for k, v in out.items() if v}
+    return {k: statistics.median(v) for k, v in out.items() if len(v) == REPEATS}
 
 
 def _prefill_steps(costs: StepCosts, tokens: int, chunk: int, step_s: float) -> float:
@@ -79,17 +150,28 @@ def remote_prompt_tokens(costs: StepCosts, local_prefill_max_tokens: int, prefil
 
 def overheads(costs: StepCosts, pd: dict[str, float], mixed: dict[str, float], short: int, long: int,
               prefill_chunk: int) -> Serving:
-    """The serving figures from the medians measured (tpot, short and long TTFT, in seconds)."""
+    """The serving figures from the medians measured (tpot, short and long TTFT, in seconds), less
+    the served steps where _measure read them (else the profile's)."""
     decode_1 = statistics.mean(costs.decode_s(1, short + i) for i in range(1, REPLY))
-    pd_step = max(0.0, pd["tpot"] - decode_1)
-    mixed_step = max(0.0, mixed["tpot"] - decode_1)
+    pd_step = max(0.0, pd["tpot"] - pd.get("decode_step", decode_1))
+    mixed_step = max(0.0, mixed["tpot"] - mixed.get("decode_step", decode_1))
+
+    def local_steps(m: dict[str, float], step: float) -> float:
+        if "short_prefill" in m:
+            return m["short_prefill"] + step
+        return _prefill_steps(costs, short, 1 << 30, step)
+
     # A remote first token goes out with the outputs of the decode step its request joins.
-    remote_steps = (_prefill_steps(costs, long, prefill_chunk, pd_step) + costs.exposed_transfer_s(long)
-                    + costs.decode_s(1, long) + pd_step)
-    return Serving(pd_local_overhead_s=max(0.0, pd["short"] - _prefill_steps(costs, short, 1 << 30, pd_step)),
+    if "long_prefill" in pd and "long_decode_step" in pd:
+        remote_prefill = pd["long_prefill"] + pd_step * -(-long // prefill_chunk)
+        joined = pd["long_decode_step"]
+    else:
+        remote_prefill, joined = _prefill_steps(costs, long, prefill_chunk, pd_step), costs.decode_s(1, long)
+    remote_steps = remote_prefill + costs.exposed_transfer_s(long) + joined + pd_step
+    return Serving(pd_local_overhead_s=max(0.0, pd["short"] - local_steps(pd, pd_step)),
                    pd_remote_overhead_s=max(0.0, pd["long"] - remote_steps),
                    pd_step_s=pd_step,
-                   mixed_overhead_s=max(0.0, mixed["short"] - _prefill_steps(costs, short, 1 << 30, mixed_step)),
+                   mixed_overhead_s=max(0.0, mixed["short"] - local_steps(mixed, mixed_step)),
                    mixed_step_s=mixed_step)
 
 
@@ -102,13 +184,15 @@ def measure_serving(config: Config, config_file: str, costs: StepCosts, prefill_
     base = ["--config", config_file]
     with _serve(base + ["--prefill", "1", "--decode", "1"], tmp, "pd") as srv:
         srv.wait_ready(timeout=600)
-        pd = _measure(srv.url, short, long, rng)
+        pd = _measure(srv.url, short, long, rng, workers(srv.url, mixed=False))
     with _serve(base + ["--mode", "mixed", "--threads", str(costs.threads)], tmp, "mixed") as srv:
         srv.wait_ready(timeout=600)
-        mixed = _measure(srv.url, short, None, rng)
+        mixed = _measure(srv.url, short, None, rng, workers(srv.url, mixed=True))
     s = overheads(costs, pd, mixed, short, long, prefill_chunk)
-    log(f"serving: PD TPOT {pd['tpot'] * 1000:.1f} ms (+{s.pd_step_s * 1000:.1f} ms a step), TTFT {short} tokens "
-        f"{pd['short'] * 1000:.0f} ms (+{s.pd_local_overhead_s * 1000:.0f}), {long} tokens {pd['long'] * 1000:.0f} ms "
+    served = "served" if "decode_step" in pd and "decode_step" in mixed else "profiled"
+    log(f"serving (less the {served} steps): PD TPOT {pd['tpot'] * 1000:.1f} ms (+{s.pd_step_s * 1000:.1f} ms a step), "
+        f"TTFT {short} tokens {pd['short'] * 1000:.0f} ms (+{s.pd_local_overhead_s * 1000:.0f}), "
+        f"{long} tokens {pd['long'] * 1000:.0f} ms "
         f"(+{s.pd_remote_overhead_s * 1000:.0f}); mixed TPOT {mixed['tpot'] * 1000:.1f} ms (+{s.mixed_step_s * 1000:.1f}), "
         f"TTFT {mixed['short'] * 1000:.0f} ms (+{s.mixed_overhead_s * 1000:.0f})")
     return s

@@ -50,6 +50,8 @@ _declare("counter", "prefix_cache_queried_tokens", help_text="Prompt tokens look
 _declare("counter", "prefix_cache_hit_tokens", help_text="Prompt tokens found in the prefix cache")
 _gauges("weight_bytes", "loading")
 _counters("preemptions_total", "recomputed_tokens_total")
+# A step with any prompt tokens counts as a prefill step; the seconds are engine.step()'s, end to end.
+_counters("decode_steps_total", "decode_step_seconds_total", "prefill_steps_total", "prefill_step_seconds_total")
 
 # ------------------------------------------------------------------ swap space (cache/swap.py)
 _counters("swapped_out_total", "swapped_in_total", "swap_fallbacks_total", "swap_discarded_total",

@@ -202,3 +202,47 @@ def test_the_served_calibration_prompt_is_a_profiled_row_and_its_overhead_leaves
     assert s.pd_local_overhead_s == pytest.approx(0.04) and s.mixed_overhead_s == pytest.approx(0.01)
     # The decode step the loaded request joins is the simulator's, not part of the overhead.
     assert s.pd_remote_overhead_s == pytest.approx(0.04)
+
+
+def test_the_overheads_leave_out_the_served_steps_where_the_workers_report_them():
+    """The served steps, not the profile's, come off: a machine running 20% slower than at profile
+    time leaves the same overheads."""
+    from pdserve.planner.serving import overheads
+    c = synthetic()
+    slow = 1.2
+    dec, pre, long_pre = c.decode_s(1, 40) * slow, c.prefill_s(32, 0) * slow, c.prefill_s(256, 0) * slow
+    step = 0.002
+    pd = {"tpot": dec + step, "decode_step": dec, "short": pre + step + 0.03, "short_prefill": pre,
+          "long": long_pre + step + c.exposed_transfer_s(256) + dec + step + 0.05,
+          "long_prefill": long_pre, "long_decode_step": dec}
+    mixed = {"tpot": dec + 0.001, "decode_step": dec, "short": pre + 0.001 + 0.02, "short_prefill": pre}
+    s = overheads(c, pd, mixed, 32, 256, 512)
+    assert s.pd_step_s == pytest.approx(step) and s.mixed_step_s == pytest.approx(0.001)
+    assert s.pd_local_overhead_s == pytest.approx(0.03) and s.mixed_overhead_s == pytest.approx(0.02)
+    assert s.pd_remote_overhead_s == pytest.approx(0.05)
+    # Against the profile's steps the drift reads as overhead (the old calibration).
+    profiled = overheads(c, {k: pd[k] for k in ("tpot", "short", "long")},
+                         {k: mixed[k] for k in ("tpot", "short")}, 32, 256, 512)
+    assert profiled.pd_step_s > step + 0.1 * dec and profiled.pd_remote_overhead_s > 0.05 + 0.1 * long_pre
+
+
+def test_a_worker_reports_its_served_step_times():
+    """The engine counts and times its decode and prefill steps, /metrics exports them, and the
+    calibration's parser reads them back."""
+    from pdserve import SamplingParams
+    from pdserve.config import load_config
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.planner.serving import parse_step_counters
+    from pdserve.server.metrics import ServerMetrics
+    engine = LLMEngine(load_config(None, {"model.name": "tiny-qwen2", "cache.block_size": 4}))
+    try:
+        metrics = ServerMetrics(engine.stats)
+        assert parse_step_counters(metrics.render().decode()) == {
+            "decode_steps": 0, "decode_step_seconds": 0, "prefill_steps": 0, "prefill_step_seconds": 0}
+        engine.add_request("r", list(range(5, 40)), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        list(engine.run_until_idle())
+        got = parse_step_counters(metrics.render().decode())
+        assert got is not None and got["prefill_steps"] == 1 and got["decode_steps"] == 5
+        assert got["prefill_step_seconds"] > 0 and got["decode_step_seconds"] > 0
+    finally:
+        engine.close()
