@@ -76,14 +76,15 @@ def test_kernel_matches_dequantized_product(mode, rows, native):
         torch.testing.assert_close(qw.rows(ids, torch.float32), st.dequantize()[ids], rtol=1e-6, atol=1e-6)
 
 
-def test_native_kernel_reads_strided_rows_and_keeps_threads_apart():
+@pytest.mark.parametrize("rows", [24, 40])     # float32 activations; bfloat16 from qgemm.bf16_rows() on
+def test_native_kernel_reads_strided_rows_and_keeps_threads_apart(rows):
     """A view with a row stride (a slice of a wider activation) and one thread or two give the same."""
     if not qgemm.available():
         pytest.skip("no C compiler here")
     g = torch.Generator().manual_seed(3)
     st = quantize(torch.randn(64, 256, generator=g), "int4")
     qw = QuantizedWeight(st, native=True)
-    wide = torch.randn(40, 300, generator=g)
+    wide = torch.randn(rows, 300, generator=g)
     x = wide[:, 10:266]
     assert not x.is_contiguous()
     want = linear(x.contiguous(), qw)
@@ -94,7 +95,11 @@ def test_native_kernel_reads_strided_rows_and_keeps_threads_apart():
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(one, want, rtol=0, atol=0)
-    torch.testing.assert_close(want, x @ st.dequantize().t(), rtol=1e-5, atol=1e-4)
+    ref = x @ st.dequantize().t()
+    if 0 < qgemm.bf16_rows() <= rows:
+        assert (want - ref).abs().max() <= 0.02 * ref.abs().max()
+    else:
+        torch.testing.assert_close(want, ref, rtol=1e-5, atol=1e-4)
 
 
 def test_fused_rows_keep_their_groups_and_odd_shapes_stay_float():

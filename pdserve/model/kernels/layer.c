@@ -21,6 +21,10 @@
 void pd_qgemm_sums(int bits, const float *x, int64_t ldx, int M, int K, float *sx);
 void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,
                     int64_t ldy, int M, int K, const float *sx, int t0, int t1);
+uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K);
+void pd_qgemm_bf16_free(uint16_t *xb);
+void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
+                         int64_t ldy, int M, int K, int t0, int t1);
 void pd_rms_norm_row(const float *xr, const float *w, float *o, int n, float eps);
 int pd_attend_heads(int n, int KVH, int threads);
 void pd_attend_task(const float *q, int64_t q_row, const float *kc, const float *vc, const int64_t *tables,
@@ -141,9 +145,15 @@ static inline int grab(member *me, int chunk) {
 static void product(member *me, const pd_weight *w, const float *x, int64_t ldx, float *y, int M) {
     float sx[8 * (w->k / 32) + 1];    /* qgemm.c's direct rows: at most 8 */
     pd_qgemm_sums(w->bits, x, ldx, M, w->k, sx);
+    /* Each thread rounds its own copy of the rows (M x K, a few microseconds): no phase for it. */
+    uint16_t *xb = pd_qgemm_bf16_x(w->bits, x, ldx, M, w->k);
     const int tiles = w->n / 16, chunk = tiles / (8 * me->T) > 1 ? tiles / (8 * me->T) : 1;
-    for (int t; (t = grab(me, chunk)) < tiles;)
-        pd_qgemm_tiles(w->bits, w->w, w->d, w->m, x, ldx, y, w->n, M, w->k, sx, t, t + chunk < tiles ? t + chunk : tiles);
+    for (int t; (t = grab(me, chunk)) < tiles;) {
+        const int t1 = t + chunk < tiles ? t + chunk : tiles;
+        if (xb) pd_qgemm_bf16_tiles(w->bits, w->w, w->d, w->m, xb, y, w->n, M, w->k, t, t1);
+        else pd_qgemm_tiles(w->bits, w->w, w->d, w->m, x, ldx, y, w->n, M, w->k, sx, t, t1);
+    }
+    pd_qgemm_bf16_free(xb);
     sync_phase(me);
 }
 

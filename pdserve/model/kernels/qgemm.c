@@ -329,9 +329,11 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
    and the dequantized tile are rounded to bfloat16 and multiplied in pairs (vdpbf16ps: 32 products
    into float32 sums per instruction, twice the float32 FMA's), where the float32 kernel sits at the
    cores' FMA peak. Weights quantized to 4 or 8 bits lose far more than bfloat16's 8-bit mantissa does
-   to either operand; float32 weights keep the float32 kernel. Decode steps (fewer rows) keep
-   float32 activations. */
-#define BF16_ROWS 64
+   to either operand; float32 weights keep the float32 kernel. A decode step of 32 or more rows
+   takes it too (layer.c's products and the head): it was GEMM-bound the same way (int4, 32 rows:
+   the layers' products ~35 of a 65 ms step), and quant_quality's agreement is measured through
+   this path (it scores whole sequences, a prefill). Fewer rows keep float32 activations. */
+#define BF16_ROWS 32
 #define MRB 12
 
 /* The f32 block buf [kn][16] as bf16 pairs along k: wb[p][c] = bf16(w[2p][c]) | bf16(w[2p + 1][c]) << 16. */
@@ -397,6 +399,25 @@ static uint16_t *bf16_rows(int bits, const float *x, int64_t ldx, int M, int K) 
             _mm256_storeu_si256((__m256i *)(xb + (int64_t)i * K + k),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i * ldx + k)));
     return xb;
+}
+
+/* For layer.c's products, which hand out tiles themselves: x as bfloat16 rows where this product
+   runs on bfloat16 pairs (free it with pd_qgemm_bf16_free), else NULL; then its tiles [t0, t1). */
+uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) { return bf16_rows(bits, x, ldx, M, K); }
+void pd_qgemm_bf16_free(uint16_t *xb) { free(xb); }
+void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
+                         int64_t ldy, int M, int K, int t0, int t1) {
+    for (int t = t0; t < t1; t++) tile_bf16(bits, w, d, m, xb, y, ldy, M, K, t);
+}
+#else
+uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
+    (void)bits, (void)x, (void)ldx, (void)M, (void)K;
+    return 0;
+}
+void pd_qgemm_bf16_free(uint16_t *xb) { (void)xb; }
+void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
+                         int64_t ldy, int M, int K, int t0, int t1) {
+    (void)bits, (void)w, (void)d, (void)m, (void)xb, (void)y, (void)ldy, (void)M, (void)K, (void)t0, (void)t1;
 }
 #endif
 
