@@ -5,7 +5,10 @@ Two bandwidths are measured here, in this process, with the same thread count:
   - copy: `torch.Tensor.copy_` of 1 GiB (bytes of the buffer per second), the issue's definition;
   - read: a float32 matrix-vector product over a 1 GiB matrix, which is what a decode step does and
     the stricter floor.
-Prints one JSON line with the fraction of each roofline reached (goal: >= 0.6).
+The VM's memory speed drifts from second to second (batch-1 int4 steps of one process moved
+between 6.6 and 8.1 ms over a minute), so the step and the bandwidths are measured in rounds, each
+round's fraction from its own figures, and the median round is reported with the spread.
+Prints one JSON line with the fraction of each roofline reached (goal: >= 0.8).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ def _best(fn, repeats: int) -> float:
     return min(times)
 
 
-def bandwidths(gib: float = 1.0, repeats: int = 5) -> tuple[float, float]:
+def bandwidths(gib: float = 1.0, repeats: int = 3) -> tuple[float, float]:
     import torch
 
     n = int(gib * (1 << 30)) // 4
@@ -61,7 +64,8 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps a round")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                     help="the roofline counts the bytes this format reads")
     args = ap.parse_args()
@@ -74,18 +78,26 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     llm = LLM(model="smollm2-135m", threads=args.threads, quantization=args.quantization)
     decode_step_seconds(llm, 8)                      # warm-up
-    step = decode_step_seconds(llm, args.steps)
-    copy_bw, read_bw = bandwidths()
     weight_bytes = llm.engine.model.weight_bytes()
+    rounds = []
+    for _ in range(args.rounds):
+        step = decode_step_seconds(llm, args.steps)
+        copy_bw, read_bw = bandwidths()
+        rounds.append({"decode_step_ms": round(step * 1e3, 2), "copy_bw_gb_s": round(copy_bw / 1e9, 2),
+                       "read_bw_gb_s": round(read_bw / 1e9, 2),
+                       "fraction_of_copy_roofline": round(weight_bytes / copy_bw / step, 3),
+                       "fraction_of_read_roofline": round(weight_bytes / read_bw / step, 3)})
+    mid = sorted(rounds, key=lambda r: r["fraction_of_copy_roofline"])[len(rounds) // 2]
+    step = mid["decode_step_ms"] / 1e3
     print(json.dumps({
         "benchmark": "decode_roofline", "threads": args.threads, "quantization": args.quantization,
-        "cpu": describe(), "weight_bytes": weight_bytes,
-        "decode_step_ms": round(step * 1e3, 2), "tok_s": round(1 / step, 1),
-        "copy_bw_gb_s": round(copy_bw / 1e9, 2), "read_bw_gb_s": round(read_bw / 1e9, 2),
-        "copy_roofline_ms": round(weight_bytes / copy_bw * 1e3, 2),
-        "read_roofline_ms": round(weight_bytes / read_bw * 1e3, 2),
-        "fraction_of_copy_roofline": round(weight_bytes / copy_bw / step, 3),
-        "fraction_of_read_roofline": round(weight_bytes / read_bw / step, 3), "goal": ">= 0.8",
+        "cpu": describe(), "weight_bytes": weight_bytes, **mid, "tok_s": round(1 / step, 1),
+        "copy_roofline_ms": round(weight_bytes / (mid["copy_bw_gb_s"] * 1e9) * 1e3, 2),
+        "read_roofline_ms": round(weight_bytes / (mid["read_bw_gb_s"] * 1e9) * 1e3, 2),
+        "copy_fraction_range": [min(r["fraction_of_copy_roofline"] for r in rounds),
+                                max(r["fraction_of_copy_roofline"] for r in rounds)],
+        "step_ms_range": [min(r["decode_step_ms"] for r in rounds), max(r["decode_step_ms"] for r in rounds)],
+        "rounds": rounds, "goal": ">= 0.8",
     }))
     return 0
 
