@@ -16,15 +16,12 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include "qgemm.h"
 #include "vec.h"
 
 void pd_qgemm_sums(int bits, const float *x, int64_t ldx, int M, int K, float *sx);
 void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,
                     int64_t ldy, int M, int K, const float *sx, int t0, int t1);
-uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K);
-void pd_qgemm_bf16_free(uint16_t *xb);
-void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
-                         int64_t ldy, int M, int K, int t0, int t1);
 void pd_rms_norm_row(const float *xr, const float *w, float *o, int n, float eps);
 int pd_attend_heads(int n, int KVH, int threads);
 void pd_attend_task(const float *q, int64_t q_row, const float *kc, const float *vc, const int64_t *tables,

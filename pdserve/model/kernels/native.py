@@ -43,7 +43,7 @@ def _compiler() -> str | None:
 
 
 # Libraries that link other kernels' sources in beside their own (the fused decode layer calls them).
-LINKED = {"layer": ["qgemm", "norm", "decode_attention"]}
+LINKED = {"qgemm": ["qgemm_bf16"], "layer": ["qgemm", "qgemm_bf16", "norm", "decode_attention"]}
 
 
 def build(name: str) -> Path:

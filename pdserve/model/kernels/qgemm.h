@@ -1,0 +1,19 @@
+/* What qgemm.c and qgemm_bf16.c share, and what layer.c calls of them: the tile shape and the
+   bfloat16 products' entry points. */
+#ifndef PD_QGEMM_H
+#define PD_QGEMM_H
+#include <stdint.h>
+
+#define NC 16   /* output channels per tile */
+#define KB 256  /* input values per buffered block: 16 KB of floats, in L1 */
+
+/* qgemm.c: input values [k0, k1) of tile t of a quantized weight (bits 4 or 8), as floats in buf [k1 - k0][16]. */
+void pd_dequant_tile(int bits, const void *w, const void *d, const void *m, int K, int t, int k0, int k1, float *buf);
+
+/* qgemm_bf16.c: x as bfloat16 rows where a product of M rows runs on bfloat16 pairs (free it with
+   pd_qgemm_bf16_free), else NULL; then its output tiles [t0, t1). */
+uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K);
+void pd_qgemm_bf16_free(uint16_t *xb);
+void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
+                         int64_t ldy, int M, int K, int t0, int t1);
+#endif
