@@ -108,11 +108,14 @@ def run_profile(argv: list[str]) -> int:
         from pdserve.planner.serving import measure_serving
         chunk = for_role(config, "prefill").scheduler.max_num_batched_tokens
         try:
-            serving = measure_serving(config, _served_config(args), costs, chunk, log=lambda s: print(s, file=sys.stderr))
+            serving, (dec, pre) = measure_serving(config, _served_config(args), costs, chunk,
+                                                  log=lambda s: print(s, file=sys.stderr))
         except RuntimeError as e:
             print(f"pdserve profile: timing served requests failed: {e}", file=sys.stderr)
             return 1
-        costs = replace(costs, serving=serving)
+        # The plan predicts served steps: the grids as the served workers ran them (served_scales).
+        costs = replace(costs, serving=serving, decode=costs.decode.scaled(dec), prefill=costs.prefill.scaled(pre),
+                        notes={**costs.notes, "served_scale": {"decode": round(dec, 4), "prefill": round(pre, 4)}})
     costs.save(args.output)
     print(f"pdserve profile: wrote {args.output} ({costs.cpu}; {costs.model}, {costs.threads} threads, "
           f"quantization {costs.quantization})")

@@ -175,8 +175,23 @@ def overheads(costs: StepCosts, pd: dict[str, float], mixed: dict[str, float], s
                    mixed_step_s=mixed_step)
 
 
+def served_scales(costs: StepCosts, pd: dict[str, float], mixed: dict[str, float], short: int,
+                  long: int) -> tuple[float, float]:
+    """(decode, prefill): the served workers' steps ÷ the profile's same steps, 1.0 where not read.
+    The profile times its steps in its own process; the served workers' steps of the same shape have
+    come out both faster and slower (three profiles of one day: a batch-1 decode step 20% slower in
+    the profile than served minutes later, and 4-7% faster), and the plan predicts served steps."""
+    decode_1 = statistics.mean(costs.decode_s(1, short + i) for i in range(1, REPLY))
+    dec = [m["decode_step"] / decode_1 for m in (pd, mixed) if "decode_step" in m]
+    pre = [m["short_prefill"] / costs.prefill_s(short, 0) for m in (pd, mixed) if "short_prefill" in m]
+    if "long_prefill" in pd:
+        pre.append(pd["long_prefill"] / costs.prefill_s(long, 0))
+    return (statistics.geometric_mean(dec) if dec else 1.0, statistics.geometric_mean(pre) if pre else 1.0)
+
+
 def measure_serving(config: Config, config_file: str, costs: StepCosts, prefill_chunk: int,
-                    log: Callable[[str], None] = print) -> Serving:
+                    log: Callable[[str], None] = print) -> tuple[Serving, tuple[float, float]]:
+    """The serving overheads, and served_scales' (decode, prefill) for the profile's grids."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
     rng = random.Random(1)
     short = max(4, config.disagg.local_prefill_max_tokens // 2)
@@ -195,4 +210,6 @@ def measure_serving(config: Config, config_file: str, costs: StepCosts, prefill_
         f"{long} tokens {pd['long'] * 1000:.0f} ms "
         f"(+{s.pd_remote_overhead_s * 1000:.0f}); mixed TPOT {mixed['tpot'] * 1000:.1f} ms (+{s.mixed_step_s * 1000:.1f}), "
         f"TTFT {mixed['short'] * 1000:.0f} ms (+{s.mixed_overhead_s * 1000:.0f})")
-    return s
+    scales = served_scales(costs, pd, mixed, short, long)
+    log(f"served steps ÷ profiled: decode x{scales[0]:.2f}, prefill x{scales[1]:.2f} (the grids are scaled by them)")
+    return s, scales

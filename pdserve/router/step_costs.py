@@ -39,6 +39,10 @@ class Grid:
         if any(not (isinstance(s, (int, float)) and s > 0) for r in self.seconds for s in r):
             raise ProfileError(f"{name}: every time must be a positive number of seconds")
 
+    def scaled(self, factor: float) -> Grid:
+        """Every time multiplied by `factor` (the profile's grids rescaled to served steps)."""
+        return Grid(list(self.rows), list(self.cols), [[v * factor for v in r] for r in self.seconds])
+
     def at(self, row: float, col: float) -> float:
         """Bilinear interpolation (linear extrapolation past the edges), never below 10% of the
         smallest measured time: an extrapolated step still costs something."""

@@ -85,6 +85,9 @@ def test_profile_of_a_tiny_model_feeds_a_plan(tmp_path):
     assert costs.prefill.rows == [16, 64] and costs.decode.rows == [1, 4] and costs.transport == "shm"
     assert all(s > 0 for row in costs.decode.seconds for s in row) and costs.kv_bytes_per_token > 0
     assert costs.serving is not None and costs.serving.pd_remote_overhead_s >= 0
+    # The calibration read the served workers' own step counters and scaled the grids to them.
+    assert "less the served steps" in run.stderr, run.stderr[-2000:]
+    assert all(costs.notes["served_scale"][k] > 0 for k in ("decode", "prefill"))
     plan = subprocess.run([sys.executable, "-m", "pdserve.cli", *PLAN, "--profile", str(out), "--json"],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert plan.returncode in (0, 1), plan.stderr[-2000:]

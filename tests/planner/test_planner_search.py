@@ -246,3 +246,18 @@ def test_a_worker_reports_its_served_step_times():
         assert got["prefill_step_seconds"] > 0 and got["decode_step_seconds"] > 0
     finally:
         engine.close()
+
+
+def test_the_profiles_grids_scale_to_the_served_steps():
+    """Served steps 20% slower than profiled (decode) and 10% faster (prefill) give those factors;
+    without served steps both stay 1; a scaled grid interpolates the scaled times."""
+    from pdserve.planner.serving import REPLY, served_scales
+    c = synthetic()
+    decode_1 = sum(c.decode_s(1, 32 + i) for i in range(1, REPLY)) / (REPLY - 1)
+    pd = {"decode_step": 1.2 * decode_1, "short_prefill": 0.9 * c.prefill_s(32, 0),
+          "long_prefill": 0.9 * c.prefill_s(256, 0)}
+    mixed = {"decode_step": 1.2 * decode_1, "short_prefill": 0.9 * c.prefill_s(32, 0)}
+    assert served_scales(c, pd, mixed, 32, 256) == (pytest.approx(1.2), pytest.approx(0.9))
+    assert served_scales(c, {"tpot": 0.03}, {"tpot": 0.03}, 32, 256) == (1.0, 1.0)
+    g = c.decode.scaled(1.2)
+    assert g.at(3, 100) == pytest.approx(1.2 * c.decode.at(3, 100)) and c.decode.scaled(1.0) == c.decode
