@@ -83,18 +83,20 @@ def _one(url: str, prompt_tokens: int, max_tokens: int, rng: random.Random,
     """(TTFT, TPOT, per role the served step counters' increase over the request: empty where unread)."""
     from pdserve.bench.client import ClientConfig, run_load
     from pdserve.bench.workloads import Session, Turn, words
-    before = {role: _step_counters(u) for role, u in (steps_of or {}).items()}
+    urls = set((steps_of or {}).values())           # a mixed server is both roles: read it once
+    before = {u: _step_counters(u) for u in urls}
     cfg = ClientConfig(url, api="completions", ignore_eos=True)
     # sentences=False: n words of the list are n tokens for the default model's tokenizer
     recs, _ = asyncio.run(run_load(cfg, [Session(0, [Turn(words(rng, prompt_tokens, sentences=False), max_tokens)])]))
     r = recs[0]
     if not r.ok or r.ttft is None:
         raise RuntimeError(f"a calibration request failed: {r.error} {r.error_detail}")
-    served = {}
-    for role, u in (steps_of or {}).items():
-        after = _step_counters(u)
-        if before[role] is not None and after is not None:
-            served[role] = {k: after[k] - before[role][k] for k in _STEP_KEYS}   # type: ignore[index]
+    delta = {}
+    for u in urls:
+        b, a = before[u], _step_counters(u)
+        if b is not None and a is not None:
+            delta[u] = {k: a[k] - b[k] for k in _STEP_KEYS}
+    served = {role: delta[u] for role, u in (steps_of or {}).items() if u in delta}
     return r.ttft, r.tpot, served
 
 
@@ -148,11 +150,16 @@ def remote_prompt_tokens(costs: StepCosts, local_prefill_max_tokens: int, prefil
     return min((r for r in costs.prefill.rows if floor <= r <= prefill_chunk), default=max(256, floor))
 
 
+def _profiled_decode_1(costs: StepCosts, short: int) -> float:
+    """The profile's batch-1 decode step over the calibration reply's contexts."""
+    return statistics.mean(costs.decode_s(1, short + i) for i in range(1, REPLY))
+
+
 def overheads(costs: StepCosts, pd: dict[str, float], mixed: dict[str, float], short: int, long: int,
               prefill_chunk: int) -> Serving:
     """The serving figures from the medians measured (tpot, short and long TTFT, in seconds), less
     the served steps where _measure read them (else the profile's)."""
-    decode_1 = statistics.mean(costs.decode_s(1, short + i) for i in range(1, REPLY))
+    decode_1 = _profiled_decode_1(costs, short)
     pd_step = max(0.0, pd["tpot"] - pd.get("decode_step", decode_1))
     mixed_step = max(0.0, mixed["tpot"] - mixed.get("decode_step", decode_1))
 
@@ -181,7 +188,7 @@ def served_scales(costs: StepCosts, pd: dict[str, float], mixed: dict[str, float
     The profile times its steps in its own process; the served workers' steps of the same shape have
     come out both faster and slower (three profiles of one day: a batch-1 decode step 20% slower in
     the profile than served minutes later, and 4-7% faster), and the plan predicts served steps."""
-    decode_1 = statistics.mean(costs.decode_s(1, short + i) for i in range(1, REPLY))
+    decode_1 = _profiled_decode_1(costs, short)
     dec = [m["decode_step"] / decode_1 for m in (pd, mixed) if "decode_step" in m]
     pre = [m["short_prefill"] / costs.prefill_s(short, 0) for m in (pd, mixed) if "short_prefill" in m]
     if "long_prefill" in pd:
