@@ -71,8 +71,9 @@ static void tile_bf16(int bits, const void *w, const void *d, const void *m, con
     }
 }
 
-/* x [M, K] as bf16 [M, K] (round to nearest even), or NULL where the float32 kernel runs. */
-static uint16_t *bf16_rows(int bits, const float *x, int64_t ldx, int M, int K) {
+/* The entry points (qgemm.h): pd_qgemm and layer.c's products, which hand out tiles themselves.
+   x [M, K] as bf16 [M, K] (round to nearest even), or NULL where the float32 kernel runs. */
+uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
     if (bits == 32 || M < BF16_ROWS) return NULL;
     uint16_t *xb = aligned_alloc(64, ((size_t)M * K * 2 + 63) / 64 * 64);
     if (xb == NULL) return NULL;
@@ -83,8 +84,6 @@ static uint16_t *bf16_rows(int bits, const float *x, int64_t ldx, int M, int K) 
     return xb;
 }
 
-/* The entry points (qgemm.h): pd_qgemm and layer.c's products, which hand out tiles themselves. */
-uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) { return bf16_rows(bits, x, ldx, M, K); }
 void pd_qgemm_bf16_free(uint16_t *xb) { free(xb); }
 void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
                          int64_t ldy, int M, int K, int t0, int t1) {
@@ -110,4 +109,3 @@ int pd_qgemm_bf16_rows(void) {
     return 0;
 #endif
 }
-
