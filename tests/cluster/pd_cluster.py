@@ -139,6 +139,22 @@ class PDCluster:
         srv = self.procs[name] = self.net.start(h, log, cmd, PORT, env=thread_env(1))
         return srv
 
+    def log_sizes(self) -> dict[str, int]:
+        """Where each current process's log ends now: a mark for `warnings_since`."""
+        return {n: srv.log_path.stat().st_size for n, srv in self.procs.items() if srv.log_path.exists()}
+
+    def warnings_since(self, mark: dict[str, int], names=tuple(ROLES)) -> list[str]:
+        """The WARNING/ERROR lines the named processes logged after `mark`: what a failed fault
+        assertion prints, so a CI log says why a transfer failed."""
+        lines = []
+        for n in names:
+            path = self.procs[n].log_path
+            with path.open("rb") as f:
+                f.seek(mark.get(n, 0))
+                lines += [f"{n}: {x}" for x in f.read().decode(errors="replace").splitlines()
+                          if " WARNING " in x or " ERROR " in x]
+        return lines
+
     # ------------------------------------------------------------------ the router's view
 
     def workers(self, router: str = "router") -> dict[str, dict]:

@@ -108,12 +108,19 @@ def test_follow_up_goes_to_the_decode_worker_holding_its_prefix(cluster):
     cluster.idle_pools()
 
 
-def _busy_decode(c: PDCluster) -> str:
-    """A decode host with streams in flight (the one with most)."""
-    ws = {n: w for n, w in c.workers().items() if n.startswith("decode")}
-    name = max(ws, key=lambda n: ws[n]["load"]["in_flight"])
-    assert ws[name]["load"]["in_flight"] > 0, ws
-    return name
+def _busy_decode(c: PDCluster, timeout: float = 10.0) -> str:
+    """A decode host with streams already decoding (the one with most). Read off the workers'
+    running batches, not the router's in-flight count: that one counts requests still waiting for
+    their prefill, and a fault that meets only those is a retry, not the migration a test wants."""
+    names = [n for n in ROLES if n.startswith("decode")]
+    deadline = time.monotonic() + timeout
+    while True:
+        running = {n: c.health(n)["running"] for n in names}
+        name = max(running, key=running.get)
+        if running[name] > 0:
+            return name
+        assert time.monotonic() < deadline, f"no decode host had a stream decoding within {timeout} s: {running}"
+        time.sleep(0.02)
 
 
 def _check(outs, first: int, deadline_s: float, max_tokens: int = MAX_TOKENS) -> tuple[int, int]:
@@ -329,7 +336,7 @@ def _slow_link_load(cluster, host: str, first: int, routers=("router",), headers
         pytest.skip(str(e))
     try:
         dec0 = [cluster.health(n) for n in ("decode-a", "decode-b")]
-        sent0 = cluster.health(host)["kv_send_bytes_total"]
+        sent0, mark = cluster.health(host)["kv_send_bytes_total"], cluster.log_sizes()
         outs = cluster.load(_long_prompts(first, 6), 48, routers=routers, headers=headers)
         for i, o in enumerate(outs, first):
             assert o.error is None and o.text == _want_long(i), (i, o)
@@ -340,7 +347,8 @@ def _slow_link_load(cluster, host: str, first: int, routers=("router",), headers
     d = {k: sum(b[k] - a[k] for a, b in zip(dec0, dec1)) for k in (
         "kv_transfers_failed_total", "kv_local_prefill_fallbacks_total", "kv_transfers_completed_total",
         "kv_transfer_seconds_total")}
-    assert d["kv_transfers_failed_total"] == 0 and d["kv_local_prefill_fallbacks_total"] == 0, d
+    assert d["kv_transfers_failed_total"] == 0 and d["kv_local_prefill_fallbacks_total"] == 0, \
+        (d, cluster.warnings_since(mark))
     assert d["kv_transfers_completed_total"] >= 6 and sent > 0, (d, sent)
     return cluster.leaked_blocks(), {"kv_bytes": sent, "job_s": d["kv_transfer_seconds_total"] / d["kv_transfers_completed_total"]}
 
