@@ -64,7 +64,7 @@ def test_kernel_matches_dequantized_product(mode, rows, native):
     # torch's kernels round activations to bfloat16: relative error ~ 2^-8 of the row's scale; so
     # does the native kernel from qgemm.bf16_rows() rows on (a prefill, on an AVX512-BF16 CPU);
     # below that it keeps float32 (only the order of the sums differs).
-    bf16 = native and 0 < qgemm.bf16_rows() <= rows
+    bf16 = native and 0 < qgemm.bf16_rows(mode) <= rows
     err = (got - want).abs().max() / want.abs().max()
     assert err <= (1e-5 if native and not bf16 else 0.02)
     if bf16:
@@ -76,7 +76,7 @@ def test_kernel_matches_dequantized_product(mode, rows, native):
         torch.testing.assert_close(qw.rows(ids, torch.float32), st.dequantize()[ids], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [24, 40])     # float32 activations; bfloat16 from qgemm.bf16_rows() on
+@pytest.mark.parametrize("rows", [24, 40])     # float32 activations; bfloat16 from qgemm.bf16_rows("int4") on
 def test_native_kernel_reads_strided_rows_and_keeps_threads_apart(rows):
     """A view with a row stride (a slice of a wider activation) and one thread or two give the same."""
     if not qgemm.available():
@@ -96,7 +96,7 @@ def test_native_kernel_reads_strided_rows_and_keeps_threads_apart(rows):
         torch.set_num_threads(before)
     torch.testing.assert_close(one, want, rtol=0, atol=0)
     ref = x @ st.dequantize().t()
-    if 0 < qgemm.bf16_rows() <= rows:
+    if 0 < qgemm.bf16_rows("int4") <= rows:
         assert (want - ref).abs().max() <= 0.02 * ref.abs().max()
     else:
         torch.testing.assert_close(want, ref, rtol=1e-5, atol=1e-4)

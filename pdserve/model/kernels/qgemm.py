@@ -23,15 +23,15 @@ def available() -> bool:
     return _fn() is not None
 
 
-@lru_cache(maxsize=1)
-def bf16_rows() -> int:
-    """From how many rows int4 and int8 products run on bfloat16 pairs (AVX512-BF16 CPUs; see the
-    C file); 0 where they never do."""
-    fn = function("qgemm", "pd_qgemm_bf16_rows", [])
+@lru_cache(maxsize=None)
+def bf16_rows(mode: str) -> int:
+    """From how many rows products of an "int4" or "int8" weight run on bfloat16 pairs (AVX512-BF16
+    CPUs; see qgemm_bf16.c); 0 where they never do."""
+    fn = function("qgemm", "pd_qgemm_bf16_rows", [_I])
     if fn is None:
         return 0
     fn.restype = ctypes.c_int
-    return int(fn())
+    return int(fn({"int4": 4, "int8": 8}[mode]))
 
 
 def tile_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
