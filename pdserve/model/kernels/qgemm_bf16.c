@@ -1,21 +1,21 @@
-/* int4 and int8 products on bfloat16 pairs (AVX512-BF16), split from qgemm.c: the tile is dequantized
-   there (pd_dequant_tile), rounded to pairs here and multiplied with vdpbf16ps. Without AVX512-BF16
-   every entry point says no (NULL rows), and the float32 kernel runs. */
+/* int4 and int8 products on bfloat16 pairs (AVX512-BF16), split from qgemm.c. int8, and int4 below 32
+   rows, widen their stored integers straight to pairs (exact); int4 from 32 rows dequantizes the tile
+   there (pd_dequant_tile) and rounds it to pairs here. All multiply with vdpbf16ps. Without
+   AVX512-BF16 every entry point says no (NULL rows), and the float32 kernel runs. */
 #include <stdint.h>
 #include "qgemm.h"
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #include <stdlib.h>
-/* Quantized weights from BF16_ROWS rows on (a prefill), on a CPU with AVX512-BF16: the activations
-   and the dequantized tile are rounded to bfloat16 and multiplied in pairs (vdpbf16ps: 32 products
-   into float32 sums per instruction, twice the float32 FMA's), where the float32 kernel sits at the
+/* int4 from BF16_ROWS rows on (a prefill), on a CPU with AVX512-BF16: the activations and the
+   dequantized tile are rounded to bfloat16 and multiplied in pairs (vdpbf16ps: 32 products into
+   float32 sums per instruction, twice the float32 FMA's), where the float32 kernel sits at the
    cores' FMA peak. Weights quantized to 4 or 8 bits lose far more than bfloat16's 8-bit mantissa does
    to either operand; float32 weights keep the float32 kernel. A decode step of 32 or more rows
-   takes it too (layer.c's products and the head): it was GEMM-bound the same way (int4, 32 rows:
-   the layers' products ~35 of a 65 ms step), and quant_quality's agreement is measured through
-   this path (it scores whole sequences, a prefill). Fewer rows keep float32 activations, but for
-   int4 from 9 rows (below). */
+   takes it too (layer.c's products): it was GEMM-bound the same way (int4, 32 rows: the layers'
+   products ~35 of a 65 ms step), and quant_quality's agreement is measured through this path (it
+   scores whole sequences, a prefill). Up to 8 rows keep float32 activations (qgemm.c). */
 #define BF16_ROWS 32
 #define MRB 12
 /* int4 from 9 to 31 rows (past qgemm.c's register rows, DIRECT_ROWS; a decode step of 9-31 streams):
@@ -47,19 +47,25 @@ static void bf16_pairs(const float *buf, int kn, uint32_t *wb) {
     }
 }
 
-/* rows xb [mr, 2 np] of bf16 (ldb apart) times wb [np][16] pairs into y [mr, 16], added unless first. */
-static inline __attribute__((always_inline)) void micro_bf16(int mr, const uint16_t *xb, int64_t ldb,
-                                                             const uint32_t *wb, int np, float *y, int64_t ldy,
-                                                             int first) {
-    __m512 acc[MRB];
+/* acc[i] = the sums of rows xb [mr] (ldb apart) times pairs [p0, p1) of wb [][16]. */
+static inline __attribute__((always_inline)) void dot_pairs(int mr, const uint16_t *xb, int64_t ldb,
+                                                            const uint32_t *wb, int p0, int p1, __m512 *acc) {
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
-    for (int p = 0; p < np; p++) {
+    for (int p = p0; p < p1; p++) {
         const __m512bh w = (__m512bh)_mm512_load_si512((const void *)(wb + p * NC));
         for (int i = 0; i < mr; i++) {
             const int32_t pair = *(const int32_t *)(xb + i * ldb + 2 * p);
             acc[i] = _mm512_dpbf16_ps(acc[i], w, (__m512bh)_mm512_set1_epi32(pair));
         }
     }
+}
+
+/* rows xb [mr, 2 np] of bf16 (ldb apart) times wb [np][16] pairs into y [mr, 16], added unless first. */
+static inline __attribute__((always_inline)) void micro_bf16(int mr, const uint16_t *xb, int64_t ldb,
+                                                             const uint32_t *wb, int np, float *y, int64_t ldy,
+                                                             int first) {
+    __m512 acc[MRB];
+    dot_pairs(mr, xb, ldb, wb, 0, np, acc);
     for (int i = 0; i < mr; i++) {
         float *o = y + i * ldy;
         _mm512_storeu_ps(o, first ? acc[i] : _mm512_add_ps(_mm512_loadu_ps(o), acc[i]));
@@ -79,10 +85,6 @@ static void rows_bf16(int M, const uint16_t *xb, int64_t ldb, const uint32_t *wb
 #undef TAIL
 }
 
-/* The rounded rows' stride: the layout of pd_qgemm_bf16_x's buffer (its rows, then tile_q4's sums)
-   in one place. (A cache line of padding, against rows 5 KB apart sharing L1 sets, measured no gain.) */
-static inline int64_t xb_ld(int K) { return K; }
-
 static void tile_bf16(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
                       int64_t ldy, int M, int K, int t) {
     float buf[KB * NC] __attribute__((aligned(64)));
@@ -91,7 +93,7 @@ static void tile_bf16(int bits, const void *w, const void *d, const void *m, con
         const int k1 = k0 + KB < K ? k0 + KB : K;
         pd_dequant_tile(bits, w, d, m, K, t, k0, k1, buf);
         bf16_pairs(buf, k1 - k0, wb);
-        rows_bf16(M, xb + k0, xb_ld(K), wb, (k1 - k0) / 2, y + t * NC, ldy, k0 == 0);
+        rows_bf16(M, xb + k0, K, wb, (k1 - k0) / 2, y + t * NC, ldy, k0 == 0);
     }
 }
 
@@ -122,14 +124,7 @@ static inline __attribute__((always_inline)) void micro_q4(int mr, const uint16_
     for (int i = 0; i < mr; i++) out[i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * ldy);
     for (int g = 0; g < ng; g++) {
         __m512 acc[MRB];
-        for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
-        for (int p = g * 16; p < g * 16 + 16; p++) {
-            const __m512bh w = (__m512bh)_mm512_load_si512((const void *)(wb + p * NC));
-            for (int i = 0; i < mr; i++) {
-                const int32_t pair = *(const int32_t *)(xb + i * ldb + 2 * p);
-                acc[i] = _mm512_dpbf16_ps(acc[i], w, (__m512bh)_mm512_set1_epi32(pair));
-            }
-        }
+        dot_pairs(mr, xb, ldb, wb, g * 16, g * 16 + 16, acc);
         const __m512 d = _mm512_load_ps(dg + g * NC), m = _mm512_load_ps(mg + g * NC);
         for (int i = 0; i < mr; i++)
             out[i] = _mm512_fmadd_ps(acc[i], d, _mm512_fmadd_ps(_mm512_set1_ps(sx[i * lds + g]), m, out[i]));
@@ -168,7 +163,7 @@ static void tile_q4(const void *w, const void *d, const void *m, const uint16_t 
             _mm512_store_ps(dg + g * NC, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + (k0 / 32 + g) * NC))));
             _mm512_store_ps(mg + g * NC, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tm + (k0 / 32 + g) * NC))));
         }
-        rows_q4(M, xb + k0, xb_ld(K), sx + k0 / 32, K / 32, wb, dg, mg, ng, y + t * NC, ldy, k0 == 0);
+        rows_q4(M, xb + k0, K, sx + k0 / 32, K / 32, wb, dg, mg, ng, y + t * NC, ldy, k0 == 0);
     }
 }
 #endif
@@ -194,27 +189,27 @@ static void tile_q8(const void *w, const void *d, const uint16_t *xb, float *y, 
     for (int k0 = 0; k0 < K; k0 += KB) {
         const int k1 = k0 + KB < K ? k0 + KB : K;
         q8_pairs(q + (int64_t)k0 * NC, k1 - k0, wb);
-        rows_bf16(M, xb + k0, xb_ld(K), wb, (k1 - k0) / 2, yt, ldy, k0 == 0);
+        rows_bf16(M, xb + k0, K, wb, (k1 - k0) / 2, yt, ldy, k0 == 0);
     }
     const __m512 dc = _mm512_loadu_ps((const float *)d + t * NC);
     for (int i = 0; i < M; i++) _mm512_storeu_ps(yt + i * ldy, _mm512_mul_ps(_mm512_loadu_ps(yt + i * ldy), dc));
 }
 
 /* Where pd_qgemm_bf16_x keeps the rows' float32 sums per group of 32 (int4): after the rounded rows. */
-static float *group_sums(uint16_t *xb, int M, int K) { return (float *)(xb + (size_t)M * xb_ld(K)); }
+static float *group_sums(uint16_t *xb, int M, int K) { return (float *)(xb + (size_t)M * K); }
 
 /* The entry points (qgemm.h): pd_qgemm and layer.c's products, which hand out tiles themselves.
    x [M, K] as bf16 [M, K] (round to nearest even), or NULL where the float32 kernel runs. */
 uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
     if (bits == 32 || M < (bits == 4 ? BF16_ROWS4 : BF16_ROWS8)) return NULL;
     const size_t sums = bits == 4 && M < BF16_ROWS ? (size_t)M * (K / 32) * 4 : 0;     /* tile_q4's */
-    uint16_t *xb = aligned_alloc(64, ((size_t)M * xb_ld(K) * 2 + sums + 63) / 64 * 64);
+    uint16_t *xb = aligned_alloc(64, ((size_t)M * K * 2 + sums + 63) / 64 * 64);
     if (xb == NULL) return NULL;
     float *sx = group_sums(xb, M, K);
     for (int i = 0; i < M; i++)
         for (int k = 0; k < K; k += 16) {
             const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i * ldx + k));
-            _mm256_storeu_si256((__m256i *)(xb + i * xb_ld(K) + k), r);
+            _mm256_storeu_si256((__m256i *)(xb + (int64_t)i * K + k), r);
             if (sums) {      /* of the rounded values: two halves of a group of 32 */
                 const float s = _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
                 if (k % 32) sx[i * (K / 32) + k / 32] += s; else sx[i * (K / 32) + k / 32] = s;
