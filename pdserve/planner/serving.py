@@ -30,6 +30,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from pdserve.config import Config
 from pdserve.router.step_costs import Serving, StepCosts
 
@@ -56,11 +58,9 @@ def _step_counters(url: str) -> dict[str, float] | None:
 
 
 def parse_step_counters(text: str) -> dict[str, float] | None:
-    got = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("pdserve_") and name.endswith("_total") and name[8:-6] in _STEP_KEYS:
-            got[name[8:-6]] = float(value)
+    wanted = {f"pdserve_{k}_total": k for k in _STEP_KEYS}
+    got = {wanted[s.name]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+           if s.name in wanted}
     return got if len(got) == len(_STEP_KEYS) else None
 
 
