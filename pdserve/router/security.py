@@ -1,5 +1,5 @@
 """Router security: API keys (stored hashed, compared in constant time), per-key token buckets for
-requests and tokens per minute, an IP allowlist, and one audit log line per request.
+requests and tokens per minute (rate_limit.py), an IP allowlist, and one audit log line per request.
 
 Who may call which route (client keys, admin keys, the internal token) is decided in access.py.
 """
@@ -9,7 +9,6 @@ import contextvars
 import ipaddress
 import logging
 import time
-from dataclasses import dataclass
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -17,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve.common import tracing
 from pdserve.protocol import INTERNAL_TOKEN_HEADER
 from pdserve.router.access import Access, KeyStore, hash_key, key_id, path_kind  # noqa: F401 (re-exported)
+from pdserve.router.rate_limit import Bucket, RateLimiter  # noqa: F401 (re-exported)
 from pdserve.server.errors import error_response
 
 audit = logging.getLogger("pdserve.audit")
@@ -24,62 +24,6 @@ audit = logging.getLogger("pdserve.audit")
 current_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdserve_key", default=None)
 # When the request reached the router (perf_counter), for the router-overhead histogram.
 arrived_at: contextvars.ContextVar[float | None] = contextvars.ContextVar("pdserve_arrived", default=None)
-
-
-@dataclass
-class Bucket:
-    """A token bucket refilled continuously at `per_minute / 60` per second, holding at most `per_minute`."""
-    per_minute: float
-    level: float
-    updated: float
-
-    def refill(self, now: float) -> None:
-        self.level = min(self.per_minute, self.level + (now - self.updated) * self.per_minute / 60.0)
-        self.updated = now
-
-    def seconds_until(self, amount: float) -> float:
-        return max(0.0, (amount - self.level) * 60.0 / self.per_minute)
-
-
-class RateLimiter:
-    """Requests per minute are taken at admission; tokens per minute are charged when a request ends
-    (its size is known then) and a key whose bucket is empty waits for it to refill."""
-
-    def __init__(self, rpm: int | None, tpm: int | None) -> None:
-        self.rpm, self.tpm = rpm, tpm
-        self.requests: dict[str, Bucket] = {}
-        self.tokens: dict[str, Bucket] = {}
-
-    def _bucket(self, table: dict[str, Bucket], who: str, per_minute: float, now: float) -> Bucket:
-        b = table.get(who)
-        if b is None:
-            if len(table) > 100_000:        # bounded: forget idle full buckets first
-                for k in [k for k, v in table.items() if v.level >= v.per_minute][:50_000]:
-                    del table[k]
-            b = table[who] = Bucket(per_minute, per_minute, now)
-        b.refill(now)
-        return b
-
-    def admit(self, who: str, now: float) -> float:
-        """0 when admitted, else the seconds to wait (for Retry-After)."""
-        if self.tpm:
-            t = self._bucket(self.tokens, who, self.tpm, now)
-            if t.level <= 0:
-                return t.seconds_until(1)
-        if self.rpm:
-            r = self._bucket(self.requests, who, self.rpm, now)
-            if r.level < 1:
-                return r.seconds_until(1)
-            r.level -= 1
-        return 0.0
-
-    async def check(self, who: str, now: float) -> float:
-        """admit() as the middleware calls it (shared_limits.py decides in Redis instead)."""
-        return self.admit(who, now)
-
-    def charge_tokens(self, who: str, n: int, now: float) -> None:
-        if self.tpm:
-            self._bucket(self.tokens, who, self.tpm, now).level -= n
 
 
 class Allowlist:

@@ -18,7 +18,7 @@ import hashlib
 import logging
 import time
 
-from pdserve.router.security import RateLimiter
+from pdserve.router.rate_limit import RateLimiter
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "pdserve:rl:"
