@@ -1,8 +1,9 @@
-"""The native decode-attention kernel against torch's path: same outputs on ragged contexts, sliding
-windows and grouped heads; each decode's attended range read off its mask; a
-machine without a compiler keeps the torch path."""
+"""The native decode-attention kernel and torch's path, each against a float64 reference within the
+rounding bound of its inputs, on ragged contexts, sliding windows and grouped heads; each decode's
+attended range read off its mask; a machine without a compiler keeps the torch path."""
 import pytest
 import torch
+from float_bounds import assert_within, attention64, attention_bound
 
 from pdserve.model.attention import build_metadata, paged_attention
 from pdserve.model.kernels import native
@@ -12,7 +13,9 @@ kernel = decode_attention_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here: the torch path runs instead")
 
 
-def _case(lens, window, heads=(9, 3), block=16, seed=0, dim=64):
+def _case(lens, window, heads=(9, 3), block=16, seed=0, dim=64, tables=None):
+    """A decode step over `lens`; `tables`, a list given, receives each sequence's block table."""
+    tables = [] if tables is None else tables
     g = torch.Generator().manual_seed(seed)
     h, kvh = heads
     blocks = 64 + sum(-(-n // block) for n in lens)
@@ -24,10 +27,46 @@ def _case(lens, window, heads=(9, 3), block=16, seed=0, dim=64):
         seqs.append((perm[p:p + nb], n - 1, 1))
         p += nb
     meta = build_metadata(seqs, block, window, "cpu")
+    tables[:] = [table for table, _, _ in seqs]
     t = len(lens)
     q = torch.randn(t, h + kvh, dim, generator=g)[:, :h]          # a strided view, as the model passes it
     k, v = torch.randn(t, kvh, dim, generator=g), torch.randn(t, kvh, dim, generator=g)
     return q, k, v, kc, vc, meta
+
+
+def _rows(q, k, v, kc, vc, lens, window, tables, block=16):
+    """Each (decode, head) as one query row with its own keys: the cache as the step leaves it, read
+    through the sequences' block tables."""
+    kc, vc = kc.clone(), vc.clone()
+    t, h = q.shape[0], q.shape[1]
+    kvh, dim = kc.shape[1], kc.shape[2]
+    width = max(lens)
+    keys, vals = torch.zeros(t, kvh, width, dim), torch.zeros(t, kvh, width, dim)
+    keep = torch.zeros(t, width, dtype=torch.bool)
+    for i, (n, table) in enumerate(zip(sorted(lens), tables)):
+        slots = torch.tensor([table[j // block] * block + j % block for j in range(n)])
+        kc[slots[-1]], vc[slots[-1]] = k[i], v[i]
+        keys[i, :, :n], vals[i, :, :n] = kc[slots].transpose(0, 1), vc[slots].transpose(0, 1)
+        keep[i, max(0, n - window) if window else 0:n] = True
+    group = h // kvh
+    rk = keys.repeat_interleave(group, 1).reshape(t * h, width, dim)
+    rv = vals.repeat_interleave(group, 1).reshape(t * h, width, dim)
+    return q.reshape(t * h, dim), rk, rv, keep.repeat_interleave(h, 0)
+
+
+def _check_both(lens, window=None, heads=(9, 3), dim=64, q_scale=1.0, kernel_scale=None, kernel_fn=kernel):
+    """torch's path and the kernel, each against float64 within the bound; returns nothing."""
+    tables = []
+    q, k, v, kc, vc, meta = _case(lens, window, heads, dim=dim, tables=tables)
+    q = q * q_scale
+    scale = dim ** -0.5
+    rq, rk, rv, keep = _rows(q, k, v, kc, vc, lens, window, tables)
+    want = attention64(rq, rk, rv, keep, scale).reshape(q.shape)
+    bound = attention_bound(rq, rk, rv, keep, scale).reshape(q.shape)
+    torch_out = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    assert_within(torch_out, want, bound, "torch's path")
+    got = paged_attention(q, k, v, kc, vc, meta, scale if kernel_scale is None else kernel_scale, kernel_fn)
+    assert_within(got, want, bound, "the kernel")
 
 
 # Decodes only (a context of 1 is a prefill). The small step runs on the calling thread, the large
@@ -40,12 +79,9 @@ LARGE = [130] * 24 + [5, 70, 300, 301, 16, 17, 32, 33]
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("lens", [SMALL, LARGE], ids=["small", "large"])
-def test_kernel_matches_torch(window, heads, lens):
-    q, k, v, kc, vc, meta = _case(lens, window, heads)
-    assert len(meta.decode_groups) > 1
-    want = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
-    got = paged_attention(q, k, v, kc, vc, meta, 0.125, kernel)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+def test_kernel_matches_float64(window, heads, lens):
+    assert len(_case(lens, window, heads)[5].decode_groups) > 1
+    _check_both(lens, window, heads)
 
 
 @needs_kernel
@@ -68,25 +104,37 @@ def test_outputs_do_not_depend_on_how_heads_are_split_into_tasks(dim):
 
 @needs_kernel
 @pytest.mark.parametrize("dim", [36, 40, 128])    # scalar loops, 8-wide without the 64 path, 8-wide
-def test_kernel_matches_torch_at_other_head_dims(dim):
-    q, k, v, kc, vc, meta = _case(LARGE, None, dim=dim)
-    want = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, dim ** -0.5)
-    got = paged_attention(q, k, v, kc, vc, meta, dim ** -0.5, kernel)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+def test_kernel_matches_float64_at_other_head_dims(dim):
+    _check_both(LARGE, dim=dim)
 
 
 @needs_kernel
 def test_kernel_softmax_over_wide_score_ranges():
-    """Scores spread over hundreds (the kernel's own exp, its underflow clamp) still match torch's."""
-    q, k, v, kc, vc, meta = _case(LARGE, None)
-    want = paged_attention(q * 40, k, v, kc.clone(), vc.clone(), meta, 0.125)
-    got = paged_attention(q * 40, k, v, kc, vc, meta, 0.125, kernel)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    """Scores spread over hundreds (the kernel's own exp, its underflow clamp) stay within the bound,
+    which grows with the scores' magnitudes: their last-bit differences are amplified by the exp."""
+    _check_both(LARGE, q_scale=40.0)
+
+
+def _skips_newest_key(q, kc, vc, block_idx, first, ctx, *rest):
+    return kernel(q, kc, vc, block_idx, first, ctx - 1, *rest)
+
+
+@needs_kernel
+@pytest.mark.parametrize("q_scale", [1.0, 40.0])
+def test_the_bound_rejects_a_kernel_error(q_scale):
+    """The bound is tight enough to catch real faults: a kernel that stops one key short (an
+    off-by-one in its range) fails it, and so, with ordinary scores, does a scale off by one part in a
+    thousand (with scores spread over hundreds the weights are one-hot and the scale barely counts)."""
+    with pytest.raises(AssertionError, match="the kernel"):
+        _check_both(LARGE, q_scale=q_scale, kernel_fn=_skips_newest_key)
+    if q_scale == 1.0:
+        with pytest.raises(AssertionError, match="the kernel"):
+            _check_both(LARGE, q_scale=q_scale, kernel_scale=64 ** -0.5 * 1.001)
 
 
 def test_bounds_read_off_the_mask():
     lens = [3, 40, 41, 90]
-    meta = _case(lens, 32)[-1]
+    meta = _case(lens, 32)[5]
     got = [x for g in meta.decode_groups for x in zip(*(t.tolist() for t in g.attended()))]
     assert got == [(max(0, n - 32), n) for n in sorted(lens)]
 

@@ -1,8 +1,11 @@
 """The fused decode layer (kernels/layer.c) against the op-by-op layer: the same logits and the same
 KV cache writes bit for bit, for every weight format and the architectures it takes; the steps and
 models it does not take run op by op."""
+import math
+
 import pytest
 import torch
+from float_bounds import U32, assert_within
 
 from pdserve.model.arch import TINY_CONFIGS
 from pdserve.model.attention import build_metadata
@@ -115,4 +118,8 @@ def test_silu_mul_matches_torch():
     gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
     gate, up = gu.chunk(2, dim=-1)
     got = fused_kernels.silu_mul(gu)
-    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=1e-30)
+    want = torch.nn.functional.silu(gate.double()) * up.double()
+    # exp (a few ulp), 1 + e, the division and the product: 16 roundings covers them with room. The
+    # kernel's exp clamps its argument at -87 (vec.h): below it silu(x) ~ x e^x is off by |x up| e^-87.
+    floor = 2 * math.exp(-87) * (gate.double() * up.double()).abs()
+    assert_within(got, want, 16 * U32 * want.abs() + floor, "silu(gate) * up")
