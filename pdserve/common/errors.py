@@ -14,6 +14,11 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class DuplicateRequestId(ValueError):
+    """A request id this worker is already running (a 409): the second caller must never read the
+    first one's tokens."""
+
+
 class RequestFailed(RuntimeError):
     """The engine ended one request with an error its client should read (RequestOutput.error)."""
 

@@ -1,9 +1,22 @@
 """Per-request sampling parameters (the vLLM/OpenAI set), validated with the offending param named."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pdserve.common.errors import InvalidParam
+
+# Below this a temperature divides logits into float32 overflow (inf, then NaN probabilities); vLLM
+# treats the same range as numerically unsafe. 0 is greedy decoding.
+MIN_TEMPERATURE = 1e-2
+# A repetition penalty outside this range scales logits into overflow or flattens them to nothing.
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+# Stop strings are matched against every decoded token: their number and length are bounded.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_CACHE_SALT_CHARS = 256
+MAX_CHOICES = 128           # n times the number of prompts of one request
 
 
 @dataclass
@@ -45,14 +58,17 @@ class SamplingParams:
             if cond:
                 raise InvalidParam(msg, param)
 
-        bad(self.temperature < 0, "temperature", f"temperature must be >= 0, got {self.temperature}")
+        temp = self.temperature
+        bad(not math.isfinite(temp) or (temp != 0 and not MIN_TEMPERATURE <= temp), "temperature",
+            f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temp}")
         bad(not 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         bad(self.top_k < -1, "top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         bad(not 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
         bad(self.max_tokens is not None and self.max_tokens < 1, "max_tokens",
             f"max_tokens must be at least 1, got {self.max_tokens}")
-        bad(self.repetition_penalty <= 0, "repetition_penalty",
-            f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        bad(not lo <= self.repetition_penalty <= hi, "repetition_penalty",
+            f"repetition_penalty must be in [{lo}, {hi}], got {self.repetition_penalty}")
         bad(not -2 <= self.frequency_penalty <= 2, "frequency_penalty",
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         bad(not -2 <= self.presence_penalty <= 2, "presence_penalty",
@@ -60,9 +76,30 @@ class SamplingParams:
         bad(self.logprobs is not None and not 0 <= self.logprobs <= 20, "logprobs",
             f"logprobs must be in [0, 20], got {self.logprobs}")
         bad(bool(self.stop) and not self.detokenize, "stop", "stop strings need detokenize")
+        bad(len(self.stop) > MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        bad(any(len(s) > MAX_STOP_CHARS for s in self.stop), "stop",
+            f"a stop string holds at most {MAX_STOP_CHARS} characters")
+        bad(len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS, "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         if vocab_size is not None:
             bad(any(not 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
                 "stop_token_ids must be valid token ids")
+
+
+def check_cache_salt(salt: str | None) -> None:
+    """The salt is hashed into the request's block hashes: its length is bounded."""
+    if salt is not None and len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidParam(f"cache_salt holds at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}",
+                           "cache_salt")
+
+
+def check_choices(n: int, num_prompts: int) -> None:
+    """n choices of each prompt: each is a request of its own, so the total is bounded."""
+    if n < 1 or n > 16:
+        raise InvalidParam("n must be between 1 and 16", "n")
+    if n * num_prompts > MAX_CHOICES:
+        raise InvalidParam(f"n times the number of prompts is {n * num_prompts}; at most {MAX_CHOICES} "
+                           "choices per request", "n" if num_prompts == 1 else "prompt")
 
 
 def check_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,

@@ -17,7 +17,7 @@ from pdserve.cache.prefix_cache import PrefixCache
 from pdserve.cache.swap import SwapSpace
 from pdserve.cache.tiers.manager import TieredKVStore
 from pdserve.common.detokenizer import IncrementalDetokenizer, NoText
-from pdserve.common.errors import InvalidParam
+from pdserve.common.errors import DuplicateRequestId, InvalidParam
 from pdserve.common.outputs import RequestOutput, TokenLogprob  # noqa: F401 (RequestOutput re-exported)
 from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.config import Config
@@ -144,7 +144,7 @@ class LLMEngine:
         they are recomputed with the prompt and count as output for max_tokens, penalties and
         seeded draws, so the request goes on exactly as it would have where it started."""
         if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id}")
+            raise DuplicateRequestId(f"request id {request_id!r} is already running on this worker")
         self.check_request(prompt_token_ids, params, output_token_ids, images)
         req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
                       output_token_ids=list(output_token_ids or ()), images=list(images or ()))
@@ -204,9 +204,7 @@ class LLMEngine:
     def fail_load(self, req: Request, held: list[int], error: str) -> RequestOutput:
         """The transfer failed in a way no retry mends (an incompatible peer): the request ends with
         `error`; `held` blocks stay allocated for the connector to free."""
-        out = self._finish(req, "error", held=held)
-        out.error = error
-        return out
+        return self._finish(req, "error", held=held, error=error)
 
     def retry_load(self, req: Request, held: list[int]) -> None:
         """The transfer failed: requeue the request (next prefill peer, or a local prefill)."""
@@ -263,18 +261,27 @@ class LLMEngine:
             return outputs
         decode_only = all(n == 1 and req.num_computed_tokens > 0 for req, n in step.scheduled)
         planned = c.begin_step(step.scheduled)
-        sampled = self.runner.execute(step.scheduled, (lambda i: c.on_layer(planned, i)) if planned else None)
+        sampled, failed = self.runner.execute(step.scheduled, (lambda i: c.on_layer(planned, i)) if planned else None)
         c.end_step(planned)
         self.num_steps += 1
         prefilled, recomputed = self.scheduler.update(step)
         self.prefill_tokens_total += prefilled
         self.recomputed_tokens_total += recomputed
         for req, _ in step.scheduled:
-            if req.request_id in sampled:
-                token, logprob = sampled[req.request_id]
-                out = self._on_token(req, token, logprob)
-                if req.kv_sink is None:         # a prefill job's token goes to its decode worker instead
-                    outputs.append(out)
+            rid = req.request_id
+            if rid in failed:
+                log.warning("request %s: sampling failed: %s", rid, failed[rid])
+                out = self._fail(req, f"sampling failed: {failed[rid]}")
+            elif rid in sampled:
+                try:
+                    out = self._on_token(req, *sampled[rid])
+                except Exception as e:  # noqa: BLE001 - one request's bad token or text fails it alone
+                    log.exception("request %s failed", rid)
+                    out = self._fail(req, f"{type(e).__name__}: {e}")
+            else:
+                continue
+            if req.kv_sink is None:         # a prefill job's token goes to its decode worker instead
+                outputs.append(out)
         for rid in c.failed_requests():
             self.abort_request(rid)
         # Served step times, the quantity `pdserve profile` measures offline (planner/serving.py reads both).
@@ -328,15 +335,23 @@ class LLMEngine:
         return RequestOutput(req.request_id, [token], detok.take(False), False, None, req.num_prompt_tokens,
                              len(req.output_token_ids), [logprob] if logprob else [])
 
+    def _fail(self, req: Request, error: str) -> RequestOutput:
+        """End one request with `error` (its blocks freed); the engine and the batch go on."""
+        if req.request_id not in self.requests:       # it had finished before the error
+            return RequestOutput(req.request_id, [], "", True, "error", req.num_prompt_tokens,
+                                 len(req.output_token_ids), [], error=error)
+        return self._finish(req, "error", error=error)
+
     def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None,
-                new_logprobs: list[TokenLogprob] | None = None, held: list[int] | None = None) -> RequestOutput:
+                new_logprobs: list[TokenLogprob] | None = None, held: list[int] | None = None,
+                error: str | None = None) -> RequestOutput:
         self.scheduler.finish(req, reason, held)
         if self.images is not None:
             self.images.drop(req.request_id)
         detok = self.detoks.pop(req.request_id)
         del self.requests[req.request_id]
         out = RequestOutput(req.request_id, new_tokens or [], detok.take(True), True, reason,
-                            req.num_prompt_tokens, len(req.output_token_ids), new_logprobs or [])
+                            req.num_prompt_tokens, len(req.output_token_ids), new_logprobs or [], error=error)
         if req.kv_sink is not None:
             self.connector.on_finished(req, out)
         return out

@@ -20,9 +20,9 @@ class ModelRunner:
         self.device = model.device
 
     def execute(self, scheduled: list[tuple[Request, int]], layer_done: Callable[[int], None] | None = None,
-                ) -> dict[str, tuple[int, TokenLogprob | None]]:
+                ) -> tuple[dict[str, tuple[int, TokenLogprob | None]], dict[str, str]]:
         """Compute the scheduled tokens; returns a sampled token for each request whose chunk
-        reaches the end of its known tokens."""
+        reaches the end of its known tokens, and the requests whose sampling failed (with why)."""
         # Decodes first, shortest context first: the attention batches them in groups of
         # similar length (see model/attention.py).
         def order(rn: tuple[Request, int]) -> tuple[bool, int]:
@@ -54,6 +54,7 @@ class ModelRunner:
                                     self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=dev),
                                     layer_done, **extra)
         if not samplers:
-            return {}
-        tokens, logprobs = sample(logits.cpu(), samplers)
-        return {r.request_id: (t, lp) for r, t, lp in zip(samplers, tokens, logprobs)}
+            return {}, {}
+        tokens, logprobs, failed = sample(logits.cpu(), samplers)
+        return ({r.request_id: (t, lp) for i, (r, t, lp) in enumerate(zip(samplers, tokens, logprobs))
+                 if i not in failed}, {samplers[i].request_id: why for i, why in failed.items()})

@@ -52,9 +52,24 @@ def _logprob_entry(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(token, lp, rank, top)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: float32 [n, V], one row per request in `reqs`."""
+def _draw(row: torch.Tensor, req: Request) -> int:
+    """One non-greedy row: penalties, temperature, filters, then the seeded draw."""
+    p = req.params
+    if p.has_penalties:
+        row = apply_penalties(row, req)
+    if p.greedy:
+        return int(row.argmax())
+    row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
+    # multinomial raises on NaN or inf probabilities (an overflowing temperature or penalty).
+    return int(torch.multinomial(row.softmax(-1), 1, generator=req.draw_generator()))
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]
+           ) -> tuple[list[int], list[TokenLogprob | None], dict[int, str]]:
+    """logits: float32 [n, V], one row per request in `reqs`. The third value: the rows that could
+    not be sampled, with why; their request fails alone, the others of the batch go on."""
     tokens: list[int] = [0] * len(reqs)
+    failed: dict[int, str] = {}
     greedy_rows = [i for i, r in enumerate(reqs) if r.params.greedy and not r.params.has_penalties]
     if greedy_rows:
         picked = argmax_rows(logits if len(greedy_rows) == len(reqs) else logits[greedy_rows])
@@ -64,19 +79,16 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[T
     for i, req in enumerate(reqs):
         if i in greedy_set:
             continue
-        p = req.params
-        row = logits[i].clone()
-        if p.has_penalties:
-            row = apply_penalties(row, req)
-        if p.greedy:
-            tokens[i] = int(row.argmax())
-            continue
-        row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
-        probs = row.softmax(-1)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=req.draw_generator()))
+        try:
+            tokens[i] = _draw(logits[i].clone(), req)
+        except Exception as e:  # noqa: BLE001 - this request's values broke its draw; the batch goes on
+            failed[i] = f"{type(e).__name__}: {e}"
     out_logprobs: list[TokenLogprob | None] = [None] * len(reqs)
     for i, req in enumerate(reqs):
-        if req.params.logprobs is not None:
+        if req.params.logprobs is not None and i not in failed:
             # Logprobs of the model's own distribution, before penalties and filters.
-            out_logprobs[i] = _logprob_entry(logits[i].log_softmax(-1), tokens[i], req.params.logprobs)
-    return tokens, out_logprobs
+            try:
+                out_logprobs[i] = _logprob_entry(logits[i].log_softmax(-1), tokens[i], req.params.logprobs)
+            except Exception as e:  # noqa: BLE001 - as above
+                failed[i] = f"{type(e).__name__}: {e}"
+    return tokens, out_logprobs, failed

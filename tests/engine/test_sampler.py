@@ -41,13 +41,13 @@ def test_penalties():
 def test_greedy_and_seeded_sampling_are_reproducible_and_batch_independent():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
-    greedy, _ = sample(logits, [_req(f"g{i}", temperature=0) for i in range(3)])
+    greedy, _, _ = sample(logits, [_req(f"g{i}", temperature=0) for i in range(3)])
     assert greedy == logits.argmax(-1).tolist()
 
     def run(logits: torch.Tensor, reqs: list, steps: int = 20) -> list[list[int]]:
         seq = []
         for _ in range(steps):
-            tokens, _ = sample(logits, reqs)
+            tokens, _, _ = sample(logits, reqs)
             for r, t in zip(reqs, tokens):
                 r.append_token(t)           # the next draw is the request's next output index
             seq.append(tokens)
@@ -77,7 +77,7 @@ def test_sampling_follows_the_distribution():
 
 def test_logprobs():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
-    _, lps = sample(logits, [_req(temperature=0, logprobs=2)])
+    _, lps, _ = sample(logits, [_req(temperature=0, logprobs=2)])
     lp = lps[0]
     expect = logits[0].log_softmax(-1)
     assert lp.token_id == 1 and lp.rank == 1 and math.isclose(lp.logprob, float(expect[1]), rel_tol=1e-6)
@@ -91,3 +91,21 @@ def test_validation_names_the_param(kw, param):
     with pytest.raises(InvalidParam) as e:
         SamplingParams(**kw).validate()
     assert e.value.param == param
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 1e-40), ("temperature", float("nan")),
+                                          ("repetition_penalty", 1e-40)])
+def test_a_row_that_cannot_be_sampled_fails_alone(field, value):
+    # Values validation refuses (set after it, as a bug or a bypass would): the row's probabilities
+    # are NaN, its draw raises; the other rows of the batch are sampled as they are without it.
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50) * 10
+    logits[1, 1:3] = 5.0        # the prompt's tokens: a repetition penalty divides positive logits
+    reqs = [_req("a", temperature=0.7, seed=5, logprobs=1), _req("bad", temperature=1.0, seed=6, logprobs=1),
+            _req("c", temperature=0, logprobs=1)]
+    setattr(reqs[1].params, field, value)
+    tokens, lps, failed = sample(logits, reqs)
+    assert set(failed) == {1} and "RuntimeError" in failed[1]
+    want, want_lps, none = sample(logits[[0, 2]], [_req("a", temperature=0.7, seed=5, logprobs=1),
+                                                   _req("c", temperature=0, logprobs=1)])
+    assert none == {} and [tokens[0], tokens[2]] == want and [lps[0], lps[2]] == want_lps and lps[1] is None
