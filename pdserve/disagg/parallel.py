@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.disagg.peer import process_gone
 from pdserve.disagg.split import pipeline_parts, split_points
+from pdserve.disagg.trust import done_problem
 from pdserve.disagg.state import Transfer
 from pdserve.engine.kv_connector import BlocksFreed, ConnectorEvent, LoadDone, LoadFailed, LoadRetry
 from pdserve.engine.request import TokenLogprob
@@ -113,7 +114,7 @@ class ParallelLoads:
         return (g is not None and any(p.transfer_id == msg.transfer_id for p in g.parts)) \
             or msg.transfer_id in self._held_by_tid
 
-    def on_message(self, msg: PDMessage, now: float) -> list[ConnectorEvent]:
+    def on_message(self, msg: PDMessage, now: float, vocab_size: int) -> list[ConnectorEvent]:
         tid = msg.transfer_id
         key = self._held_by_tid.get(tid)
         if key is not None:             # a cancelled part: only its acknowledgement matters
@@ -128,6 +129,8 @@ class ParallelLoads:
                 part.transfer.on("started", now)
             elif isinstance(msg, LayerWritten):
                 part.transfer.on("progress", now)
+            elif isinstance(msg, Done) and (bad := done_problem(msg, vocab_size)):
+                return [self._fail(g, part, f"prefill worker {part.peer} sent {bad}", now, fatal=True)]
             elif isinstance(msg, Done):
                 part.transfer.on("done", now)
                 part.done = True
@@ -138,15 +141,15 @@ class ParallelLoads:
                     del self.groups[g.req.request_id]
                     self.conn.counters["kv_transfers_completed_total"] += 1
                     self.conn.counters["kv_transfer_seconds_total"] += now - g.parts[0].transfer.started_at
-                    assert g.token is not None
+                    assert g.token is not None          # every part's Done was checked
                     return [LoadDone(g.req, g.token, g.logprob)]
             elif isinstance(msg, Failed):
                 return [self._fail(g, part, f"prefill worker {part.peer} failed a chunk: {msg.reason}", now,
                                    fatal=msg.code in (PD_INCOMPATIBLE, PD_TOO_LONG))]
             else:
                 return [self._fail(g, part, f"unexpected {msg.TYPE} message for a chunk", now)]
-        except ValueError as e:         # an out-of-order peer fails its group
-            return [self._fail(g, part, str(e), now)]
+        except Exception as e:  # noqa: BLE001 - an out-of-order or broken peer fails its group, not the engine
+            return [self._fail(g, part, f"{type(e).__name__}: {e}", now)]
         return []
 
     def tick(self, now: float, check_pids: bool) -> list[ConnectorEvent]:

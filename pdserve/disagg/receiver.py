@@ -28,12 +28,13 @@ from pdserve.config import Config
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
 from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint, endpoint_host
-from pdserve.disagg.trust import BAD_TOKEN, ThrottledLog, compat_info
+from pdserve.disagg.reply_sockets import ReplySockets
+from pdserve.disagg.trust import BAD_TOKEN, ThrottledLog, compat_info, done_problem, kv_frame_limit
 from pdserve.disagg.write_gate import WriteGate, drain
 from pdserve.engine.kv_connector import BlocksFreed, ConnectorEvent, KVConnector, LoadDone, LoadFailed, LoadRetry
 from pdserve.engine.request import TokenLogprob
 from pdserve.disagg.parallel import ParallelLoads
-from pdserve.protocol import PD_ACCEPTED, PD_INCOMPATIBLE, PD_LAYER, PD_STARTED, PD_TOO_LONG, PD_UNAUTHORIZED
+from pdserve.protocol import PD_ACCEPTED, PD_INCOMPATIBLE, PD_LAYER, PD_STARTED, PD_TOO_LONG
 from pdserve.protocol import PrefillJob, pack, unpack
 from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerFrames, PDMessage, decode_pd
 from pdserve.utils.net import with_host
@@ -100,6 +101,9 @@ class DecodeConnector(KVConnector):
         self._ctx = zmq.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        # Past a legitimate frame's size ZeroMQ drops the frame and the connection, before any HMAC check.
+        self._pull.setsockopt(zmq.MAXMSGSIZE, kv_frame_limit(self.raw.shape[2], self.raw.shape[3] * self.raw.shape[4],
+                                                             self.block_size, max_model_len))
         self._pull.bind(bind_endpoint)
         self.endpoint = with_host(self._pull.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         # mooncake, nixl: prefill workers write into the registered pool one-sidedly; nothing here
@@ -123,23 +127,19 @@ class DecodeConnector(KVConnector):
     # ------------------------------------------------------------------ I/O thread
 
     def _io_loop(self) -> None:
-        socks: dict[str, zmq.Socket] = {}
+        socks = ReplySockets(self._ctx)         # to prefill peers, which the router may name
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         poller.register(self._out_in, zmq.POLLIN)
         while not self._stop.is_set():
             ready = dict(poller.poll(100))
+            socks.sweep()
             if self._out_in in ready:
                 endpoint, payload = self._out_in.recv_multipart()
                 ep = endpoint.decode()
-                s = socks.get(ep)
-                if s is None:
-                    s = socks[ep] = self._ctx.socket(zmq.PUSH)
-                    s.setsockopt(zmq.LINGER, 0)
-                    s.connect(ep)
                 try:
-                    s.send(payload, zmq.NOBLOCK)
-                except zmq.Again:
+                    socks.get(ep).send(payload, zmq.NOBLOCK)
+                except (zmq.Again, zmq.ZMQError, ValueError):
                     sent = unpack(payload)          # a job or a cancel of ours
                     self._inbox.put(Failed(sent["request_id"], sent["transfer_id"], f"cannot send to {ep}"))
             if self._pull in ready:
@@ -150,16 +150,12 @@ class DecodeConnector(KVConnector):
                     self._log_io(logging.WARNING, "dropping a malformed message: %s", e)
                 self._event.set()
                 self.wake()
-        for s in socks.values():
-            s.close(0)
+        socks.close()
 
     def _receive(self) -> None:
         raw = unpack(self._pull.recv())
         msg = decode_pd(raw)        # ValueError for a malformed one (ids must be strings: the engine keys on them)
-        # A refusal for a bad token comes unsigned (the peer cannot sign for our token): taken only
-        # as a failure of the named live transfer, which at worst falls back to a local prefill.
-        refusal = isinstance(msg, Failed) and msg.code == PD_UNAUTHORIZED
-        if not (verified(raw, self.key) or refusal):
+        if not verified(raw, self.key):
             drain(self._pull)
             self._count("kv_messages_rejected_total")
             self._log_io(logging.ERROR, "dropping a %s message for %s: %s", msg.TYPE, msg.request_id, BAD_TOKEN)
@@ -302,7 +298,7 @@ class DecodeConnector(KVConnector):
             msg: PDMessage = self._inbox.get_nowait()
             rid, tid, t = msg.request_id, msg.transfer_id, msg.TYPE
             if self.parallel.owns(msg):
-                events += self.parallel.on_message(msg, now)
+                events += self.parallel.on_message(msg, now, engine.arch.vocab_size)
                 continue
             if isinstance(msg, CancelAck) and tid in self.quarantine:
                 self._release(events, tid)
@@ -320,6 +316,9 @@ class DecodeConnector(KVConnector):
                     pend.transfer.on(_EVENT_FOR[t], now)
                     if isinstance(msg, LayerFrames):
                         self.counters["kv_recv_tcp_bytes_total"] += msg.received_bytes
+                elif isinstance(msg, Done) and (bad := done_problem(msg, engine.arch.vocab_size)):
+                    # Its KV is as suspect as its token: the request ends, its blocks go back.
+                    events.append(self._fail_request(pend, f"prefill worker {pend.peer} sent {bad}", now))
                 elif isinstance(msg, Done):
                     pend.transfer.on("done", now)
                     del self.pending[rid]
@@ -334,8 +333,6 @@ class DecodeConnector(KVConnector):
                     events.append(self._fail_request(pend, f"prefill worker {pend.peer} refused the "
                                                            f"request: {msg.reason}", now))
                 elif isinstance(msg, Failed):
-                    if msg.code == PD_UNAUTHORIZED:
-                        log.error("prefill worker %s refused a job: %s", pend.peer, BAD_TOKEN)
                     events.append(self._fail(pend, f"prefill worker failed: {msg.reason}", now))
             except Exception as e:  # noqa: BLE001 - an out-of-order peer fails its transfer
                 events.append(self._fail(pend, str(e), now))
@@ -345,7 +342,9 @@ class DecodeConnector(KVConnector):
             if dead:
                 events.append(self._fail(pend, "prefill worker died", now))
             elif pend.transfer.expired(now):
-                events.append(self._fail(pend, f"no answer in state {pend.transfer.state.value}", now))
+                # A prefill worker answers no job it cannot verify: silence at bootstrap may be a token mismatch.
+                hint = f" (if it logs a bad token: {BAD_TOKEN})" if pend.transfer.state == TransferState.BOOTSTRAPPING else ""
+                events.append(self._fail(pend, f"no answer in state {pend.transfer.state.value}{hint}", now))
         for tid, (_, deadline, pend) in list(self.quarantine.items()):
             if now > deadline or (check_pids and process_gone(pend.peer_pid, pend.peer_host)):
                 self._release(events, tid)

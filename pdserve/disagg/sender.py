@@ -27,7 +27,8 @@ from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.sink import (Barrier, CloseWriter, KVSink, SenderOp, SendMessage, StopSender, WriteLayer,
                                  WriterFactory)
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
-from pdserve.disagg.trust import BAD_TOKEN, JobRefused, SeenIds, ThrottledLog, check_job, compat_info, unsigned_refusal
+from pdserve.disagg.reply_sockets import ReplySockets
+from pdserve.disagg.trust import BAD_TOKEN, JobRefused, SeenIds, ThrottledLog, check_job, compat_info, job_bytes_limit
 from pdserve.disagg.pipeline import ChunkPipeline
 from pdserve.disagg.sender_loop import sender_loop
 from pdserve.disagg.transport import (MooncakeEndpoint, NixlEndpoint, Throttle, coalesce, endpoint_host,
@@ -89,8 +90,12 @@ class PrefillConnector(KVConnector):
                          "kv_send_tail_lag_seconds_total": 0.0, "kv_send_steps_total": 0,
                          "kv_prefill_jobs_total": 0, "kv_prefill_jobs_failed_total": 0,
                          "kv_prefill_jobs_refused_total": 0, "kv_messages_rejected_total": 0}
+        self.reply_sockets = ReplySockets(self._ctx, configure=lambda s: s.setsockopt(zmq.SNDHWM, 100_000))  # sender thread
         self._bootstrap = self._ctx.socket(zmq.PULL)
         self._bootstrap.setsockopt(zmq.LINGER, 0)
+        # A peer may not stream more than a legitimate job can be before the HMAC is even checked:
+        # past this, ZeroMQ drops the frame and the connection. A job is no longer than this pool.
+        self._bootstrap.setsockopt(zmq.MAXMSGSIZE, job_bytes_limit(kv_cache.shape[2], self.block_size, config.vision))
         self._bootstrap.bind(bootstrap_endpoint)
         self.endpoint = with_host(self._bootstrap.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         # Started here so a missing package fails the worker at start, not each job; used by the
@@ -136,14 +141,13 @@ class PrefillConnector(KVConnector):
             self.wake()
 
     def _refuse_unsigned(self, msg: dict[str, Any]) -> None:
-        """Never run, never act on; a job is answered so a misconfigured decode worker learns at once."""
+        """Never run, never act on, never answered: an answer would go where an unauthenticated sender
+        chose (a socket, a connection to any host). A misconfigured decode worker learns from its
+        bootstrap deadline, and this worker's log says why."""
         with self.stats_lock:
             self.counters["kv_messages_rejected_total"] += 1
-        self._log_refused(logging.ERROR, "refusing a %s message (request %s): %s", msg["type"],
+        self._log_refused(logging.ERROR, "ignoring a %s message (request %s): %s", msg["type"],
                           msg.get("request_id"), BAD_TOKEN)
-        reply = unsigned_refusal(msg)
-        if reply is not None:
-            self._outbox.put(SendMessage(reply[0], reply[1].to_wire()))
 
     def _send(self, job: PrefillJob, kind: type[PDMessage], **fields: Any) -> None:
         self._reply(job.reply_endpoint, kind(job.request_id, job.transfer_id, **fields))
@@ -330,6 +334,7 @@ class PrefillConnector(KVConnector):
         with self.stats_lock:
             out = dict(self.counters)
         out["kv_prefill_jobs_active"] = len(self.sinks)
+        out["kv_reply_sockets_open"] = len(self.reply_sockets)
         # Derived gauges (Prometheus can also take rates of the counters).
         secs, layers = out["kv_send_seconds_total"], out["kv_send_layers_total"]
         out["kv_send_gbps"] = out["kv_send_bytes_total"] / secs / 1e9 if secs else 0.0

@@ -3,6 +3,7 @@ writer, and does the writes and messages of the outbox in order, so that `done` 
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from typing import TYPE_CHECKING
 
@@ -19,32 +20,27 @@ log = logging.getLogger("pdserve.disagg.sender")
 
 def sender_loop(c: PrefillConnector) -> None:
     """The pd-sender thread: every write and outbound message of connector `c`, in its outbox's order."""
-    socks: dict[str, zmq.Socket] = {}
+    socks = c.reply_sockets
     dirty: set[str] = set()             # sinks whose writer needs a flush at the next barrier
     last_write_at = 0.0
 
-    def sock_for(endpoint: str) -> zmq.Socket:
-        s = socks.get(endpoint)
-        if s is None:
-            s = socks[endpoint] = c._ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, 100_000)
-            s.connect(endpoint)
-        return s
-
     while True:
-        item: SenderOp = c._outbox.get()
+        socks.sweep()                   # idle reply sockets go, busy or not
+        try:
+            item: SenderOp = c._outbox.get(timeout=1.0)
+        except queue.Empty:
+            continue
         if isinstance(item, StopSender):
             break
         try:
             if isinstance(item, SendMessage):
-                sock_for(item.endpoint).send(pack(item.wire), zmq.NOBLOCK)
+                socks.get(item.endpoint).send(pack(item.wire), zmq.NOBLOCK)
             elif isinstance(item, WriteLayer):
                 sink, computed_at = item.sink, item.computed_at
                 if sink.cancelled or sink.error:
                     continue
                 if sink.writer is None:
-                    sink.writer = c._writers.make(sink.job, sock_for)
+                    sink.writer = c._writers.make(sink.job, socks)
                 t0 = time.monotonic()
                 n = sink.writer.write_layer(sink.job.request_id, item.layer, item.runs)
                 c.throttle.consume(n)
@@ -83,5 +79,4 @@ def sender_loop(c: PrefillConnector) -> None:
                 for sink in item.sinks:
                     sink.fail(f"flush failed: {e}")
                 item.done.set()
-    for s in socks.values():
-        s.close(0)
+    socks.close()

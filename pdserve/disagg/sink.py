@@ -6,16 +6,16 @@ nixl), a shared-memory pool on the same host (shm), or KV frames over its contro
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import zmq
 
 from pdserve.disagg.peer import HOST
+from pdserve.disagg.reply_sockets import ReplySockets
 from pdserve.disagg.state import Transfer
 from pdserve.disagg.transport import (
     KVWriter,
@@ -109,7 +109,7 @@ class WriterFactory:
         self.mooncake = mooncake
         self.nixl = nixl
 
-    def make(self, job: PrefillJob, sock_for: Callable[[str], zmq.Socket]) -> KVWriter:
+    def make(self, job: PrefillJob, sockets: ReplySockets) -> KVWriter:
         if self.mooncake is not None:
             if not job.mooncake_session:
                 raise ValueError("transfer.backend is mooncake but the decode worker registered no pool "
@@ -128,8 +128,10 @@ class WriterFactory:
             if not job.shm_path:
                 raise ValueError("transfer.backend is shm but the decode worker has no shared pool")
             return ShmWriter(self.src, self.block_size, job.shm_path, job.kv_shape, job.elem_size)
-        return TcpWriter(self.src, self.block_size, sock_for(job.reply_endpoint), self.key, job.transfer_id,
-                         flush_timeout_s=self.transfer_s)
+        # The socket stays open while the writer lives (closing it would drop the frames in flight).
+        sock = sockets.pin(job.reply_endpoint)
+        return TcpWriter(self.src, self.block_size, sock, self.key, job.transfer_id, flush_timeout_s=self.transfer_s,
+                         release=functools.partial(sockets.unpin, job.reply_endpoint))
 
     def close(self) -> None:
         """Only once no write is in flight."""

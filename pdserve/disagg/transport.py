@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -126,12 +127,14 @@ class TcpWriter(KVWriter):
     name = "tcp"
 
     def __init__(self, src: np.ndarray, block_size: int, sock: zmq.Socket, key: bytes | None = None,
-                 transfer_id: str = "", flush_timeout_s: float = 30.0) -> None:
+                 transfer_id: str = "", flush_timeout_s: float = 30.0, release: Callable[[], None] | None = None) -> None:
         """`key`: the internal token the header is signed with (the KV bytes are not: the signed
         header names the transfer and the blocks they may land in). `flush_timeout_s`: how long a
-        flush waits for a peer that takes no bytes (a partition) before it fails this transfer."""
+        flush waits for a peer that takes no bytes (a partition) before it fails this transfer.
+        `release`: called once at close (the socket's owner may close it from then on)."""
         super().__init__(src, block_size)
         self.sock = sock
+        self._release = release
         self.key, self.transfer_id = key, transfer_id
         self.flush_timeout_s = flush_timeout_s
         self._trackers: list[zmq.MessageTracker] = []
@@ -165,6 +168,11 @@ class TcpWriter(KVWriter):
         finally:
             self._trackers.clear()
         return waited
+
+    def close(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 def endpoint_host(endpoint: str) -> str:

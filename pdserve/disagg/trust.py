@@ -7,7 +7,11 @@
   layout and pdserve version; a prefill worker refuses a job whose values differ from its own.
 - Freshness: transfer ids are random per job; a prefill worker refuses one it has seen (a replay),
   and, when signing, a job issued too long ago.
-- Bounds: a job may name only the decode worker's own shm pool and blocks inside it.
+- Bounds: a job may name only the decode worker's own shm pool and blocks inside it; no socket
+  takes a frame larger than a legitimate message can be (`job_bytes_limit`, `kv_frame_limit`);
+  a peer's token ids must lie in the vocabulary (`done_problem`).
+- Silence: a message that fails the HMAC check is never answered (the answer would go where an
+  unauthenticated sender chose).
 """
 from __future__ import annotations
 
@@ -20,15 +24,11 @@ from typing import Any
 
 from pdserve import __version__
 from pdserve.cache.kv_cache import SHM_DIR, is_pool_path
-from pdserve.protocol import (
-    PD_BAD_JOB,
-    PD_INCOMPATIBLE,
-    PD_PREFILL,
-    PD_TOO_LONG,
-    PD_UNAUTHORIZED,
-    PrefillJob,
-)
-from pdserve.protocol.pd import Failed
+from pdserve.common.outputs import TokenLogprob
+from pdserve.config import VisionConfig
+from pdserve.protocol import PD_BAD_JOB, PD_INCOMPATIBLE, PD_TOO_LONG, PrefillJob
+from pdserve.protocol.pd import Done
+from pdserve.utils.signing import CONTROL_BYTES
 
 # A signed job older (or newer) than this by the prefill worker's clock is refused: past it, its
 # transfer id may have left the replay memory. Generous, so clock skew between hosts is no issue.
@@ -39,14 +39,39 @@ BAD_TOKEN = ("no or a wrong internal token; every worker needs the same server.i
              "(PDSERVE_INTERNAL_TOKEN)")
 
 
-def unsigned_refusal(msg: dict[str, Any]) -> tuple[str, Failed] | None:
-    """(endpoint, PD_FAILED) answering a job that failed `verified`. Unsigned: a peer whose token
-    differs could not check a signature anyway. Only to tcp/ipc endpoints, as the sender is unknown."""
-    ep = msg.get("reply_endpoint")
-    if msg.get("type") != PD_PREFILL or not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://")):
-        return None
-    return ep, Failed(msg.get("request_id"), msg.get("transfer_id"), f"the prefill worker refused the job: {BAD_TOKEN}",
-                      PD_UNAUTHORIZED)
+_INT_BYTES = 9                  # the most msgpack spends on one integer
+
+
+def job_bytes_limit(max_tokens: int, block_size: int, vision: VisionConfig) -> int:
+    """The largest frame a prefill worker's bootstrap socket takes: a job of `max_tokens` token ids
+    (prompt and earlier output) with one block id per block, at most vision.max_images images of
+    vision.max_image_bytes, and the control fields."""
+    ids = max_tokens + -(-max_tokens // block_size)
+    return _INT_BYTES * ids + vision.max_images * vision.max_image_bytes + CONTROL_BYTES
+
+
+def kv_frame_limit(pool_slots: int, slot_bytes: int, block_size: int, max_model_len: int) -> int:
+    """The largest frame a decode worker's socket takes: one tcp KV frame is one run of one layer's K
+    or V, which cannot span more than this pool, nor more blocks than a request of its context has
+    (`max_model_len` 0: unknown); or a control message."""
+    slots = pool_slots if max_model_len <= 0 else min(pool_slots, -(-max_model_len // block_size) * block_size)
+    return max(slots * slot_bytes, CONTROL_BYTES)
+
+
+def done_problem(msg: Done, vocab_size: int) -> str | None:
+    """What makes a peer's PD_DONE unusable (its token would index the embedding table), or None."""
+    token = msg.token
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+        return f"a first token {token!r} outside the vocabulary (0..{vocab_size - 1})"
+    entry = msg.logprob
+    if entry is not None:
+        try:
+            lp = TokenLogprob.from_wire(entry)
+        except (TypeError, ValueError):
+            return "a malformed logprob entry"
+        if lp.token_id != token or any(not 0 <= t < vocab_size for t, _ in lp.top):
+            return "a logprob entry of other tokens or of tokens outside the vocabulary"
+    return None
 
 
 def compat_info(model: str, dtype: str, quantization: str, block_size: int, kv_shape: list[int],

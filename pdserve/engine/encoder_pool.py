@@ -19,7 +19,7 @@ import zmq
 
 from pdserve.common.images import ImageInput
 from pdserve.config import Config
-from pdserve.utils.signing import sign, verified
+from pdserve.utils.signing import CONTROL_BYTES, sign, verified
 from pdserve.engine.encoder_worker import EMBEDS, ENCODE, encoder_key, run_encoder
 from pdserve.protocol import pack, unpack
 
@@ -42,10 +42,13 @@ class _Job:
 
 class EncoderPool:
     def __init__(self, endpoints: list[str], timeout_s: float, processes: list[Any] | None = None,
-                 key: bytes | None = None) -> None:
+                 key: bytes | None = None, shape: tuple[int, int] = (0, 0), max_images: int = 0) -> None:
+        """`shape`: (tokens, hidden) of one image's embeddings, which an answer must have (and
+        `max_images` of them at most bound the size of a frame an encoder may send)."""
         if not endpoints:
             raise ValueError("an encoder pool needs at least one encoder")
         self.endpoints = endpoints
+        self.shape = tuple(shape)
         self.timeout_s = timeout_s
         self.key = key                          # HMAC of jobs and answers (encoder_worker.encoder_key)
         self.processes = processes or []        # encoder processes this pool spawned (ends them on close)
@@ -55,6 +58,8 @@ class EncoderPool:
         for ep in endpoints:
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            if self.shape[0] and max_images:    # one image's float32 rows per frame, the map around them
+                s.setsockopt(zmq.MAXMSGSIZE, max_images * self.shape[0] * self.shape[1] * 4 + CONTROL_BYTES)
             s.connect(ep)
             self.socks.append(s)
             self.poller.register(s, zmq.POLLIN)
@@ -66,12 +71,13 @@ class EncoderPool:
         self.failures_total = 0
 
     @classmethod
-    def from_config(cls, config: Config) -> EncoderPool:
-        """Remote encoders (vision.encoder_endpoints), else vision.encoder_processes spawned here."""
+    def from_config(cls, config: Config, shape: tuple[int, int] = (0, 0)) -> EncoderPool:
+        """Remote encoders (vision.encoder_endpoints), else vision.encoder_processes spawned here;
+        `shape`: (tokens, hidden) of one image's embeddings."""
         vc = config.vision
         key = encoder_key(config)
         if vc.encoder_endpoints:
-            return cls(list(vc.encoder_endpoints), vc.encode_timeout_s, key=key)
+            return cls(list(vc.encoder_endpoints), vc.encode_timeout_s, key=key, shape=shape, max_images=vc.max_images)
         mc = config.model
         overrides = {"model.name": mc.name, "model.seed": mc.seed, "model.dtype": mc.dtype, "model.device": mc.device,
                      "server.threads": config.server.threads or 1, "vision.max_image_pixels": vc.max_image_pixels,
@@ -84,7 +90,7 @@ class EncoderPool:
             p.start()
             endpoints.append(ep)
             procs.append(p)
-        return cls(endpoints, vc.encode_timeout_s, procs, key)
+        return cls(endpoints, vc.encode_timeout_s, procs, key, shape, vc.max_images)
 
     def submit(self, request_id: str, images: list[ImageInput]) -> None:
         i = pick_encoder(self.outstanding, self.last)
@@ -130,13 +136,10 @@ class EncoderPool:
                 job = self._end(str(msg.get("job"))) if msg.get("type") == EMBEDS else None
                 if job is None:
                     continue                    # cancelled, timed out, or not ours
-                embeds = msg.get("embeds") or []
-                if msg.get("error") is not None or len(embeds) != job.images:
+                result = self._embeddings(msg, job)
+                if isinstance(result, str):
                     self.failures_total += 1
-                    out.append((job.request_id, str(msg.get("error") or "the encoder answered the wrong image count")))
-                    continue
-                shape = tuple(int(x) for x in msg["shape"])
-                out.append((job.request_id, [np.frombuffer(e, np.float32).reshape(shape).copy() for e in embeds]))
+                out.append((job.request_id, result))
         now = time.monotonic()
         for job_id, job in list(self.jobs.items()):
             if now > job.deadline:
@@ -145,6 +148,27 @@ class EncoderPool:
                 out.append((job.request_id, f"no answer from encoder {self.endpoints[job.encoder]} within "
                                             f"{self.timeout_s:g} s (vision.encode_timeout_s)"))
         return out
+
+    def _embeddings(self, msg: dict[str, Any], job: _Job) -> list[np.ndarray] | str:
+        """An answer's embeddings, or why they are unusable: its values reach the engine thread, so
+        their count, shape, size and finiteness are checked here (the answer is signed, not right)."""
+        embeds = msg.get("embeds")
+        if msg.get("error") is not None:
+            return str(msg["error"])[:1000]
+        if not isinstance(embeds, list) or len(embeds) != job.images:
+            return "the encoder answered the wrong image count"
+        shape = msg.get("shape")
+        if self.shape[0] and shape != list(self.shape):
+            return f"the encoder answered embeddings of shape {str(shape)[:100]}, not {list(self.shape)}"
+        if not (isinstance(shape, list) and len(shape) == 2 and all(type(x) is int and x > 0 for x in shape)):
+            return "the encoder answered a malformed shape"
+        if msg.get("dtype", "float32") != "float32" or \
+                not all(isinstance(e, bytes) and len(e) == shape[0] * shape[1] * 4 for e in embeds):
+            return "the encoder answered embeddings of the wrong size or type"
+        arrays = [np.frombuffer(e, np.float32).reshape(shape).copy() for e in embeds]
+        if not all(np.isfinite(a).all() for a in arrays):
+            return "the encoder answered non-finite embeddings"
+        return arrays
 
     def wait(self, timeout: float) -> None:
         self.poller.poll(int(timeout * 1000))

@@ -7,8 +7,9 @@ Wire (one msgpack map with a "type" per message, nothing pickled; encoder_pool.p
   encoder -> engine: {"type": "embeds", "job", "shape": [tokens, hidden], "dtype": "float32",
                       "embeds": [raw float32 bytes per image], "error": None or why}
 With an internal token (server.internal_token or PDSERVE_INTERNAL_TOKEN) both directions carry the
-KV plane's HMAC (disagg/trust.py): an encoder answers only signed jobs and an engine takes only
-signed embeddings, which the prefix cache would otherwise keep under the image's digest.
+KV plane's HMAC (disagg/trust.py): an encoder answers only signed jobs (an unsigned one gets no
+answer at all) and an engine takes only signed embeddings, which the prefix cache would otherwise
+keep under the image's digest. Neither socket takes a frame larger than a legitimate message.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import zmq
 
 from pdserve.common.images import ImageError, open_image
 from pdserve.config import Config
-from pdserve.utils.signing import sign, token_key, verified
+from pdserve.utils.signing import CONTROL_BYTES, sign, token_key, verified
 from pdserve.protocol import pack, unpack
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,10 @@ class EncoderWorker:
         self.bundle = bundle
         self.encoder = bundle.encoder(torch_dtype(mc.dtype), mc.device)
         self.max_pixels = config.vision.max_image_pixels
+        self.max_job_bytes = config.vision.max_images * config.vision.max_image_bytes + CONTROL_BYTES
         self.key = encoder_key(config)
         self.jobs_total = 0
+        self.rejected_total = 0
 
     def encode(self, images: list[bytes]) -> np.ndarray:
         """[images, tokens, hidden] float32; ImageError for an image that cannot be read."""
@@ -58,11 +61,15 @@ class EncoderWorker:
                               for d in images])
         return self.encoder(pixels).float().cpu().numpy()
 
-    def answer(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """The reply to one request message."""
+    def answer(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """The reply to one request message; None for one not signed with the internal token, which
+        is never answered (nor encoded)."""
         job = msg.get("job")
         if not verified(msg, self.key):
-            return {"type": EMBEDS, "job": job, "error": "unauthorized: the job is not signed with the internal token"}
+            self.rejected_total += 1
+            log.log(logging.ERROR if self.rejected_total == 1 else logging.DEBUG,
+                    "ignoring an encode job not signed with the internal token (server.internal_token)")
+            return None
         if msg.get("type") != ENCODE or not isinstance(msg.get("images"), list):
             return {"type": EMBEDS, "job": job, "error": f"unknown message {msg.get('type')!r}"}
         try:
@@ -77,6 +84,7 @@ class EncoderWorker:
         """Answer jobs on `endpoint` (bound here) until SIGTERM or `stop()` is true."""
         sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_job_bytes)   # no more than max_images images of max_image_bytes
         sock.bind(endpoint)
         log.info("encoder worker for %s on %s", self.bundle.spec.kind, endpoint)
         try:
@@ -89,7 +97,9 @@ class EncoderWorker:
                     msg = unpack(body)
                 except Exception as e:  # noqa: BLE001 - a malformed message is answered, not fatal
                     msg = {"type": f"malformed ({e})"}
-                sock.send_multipart([ident, pack(sign(self.answer(msg), self.key))])
+                reply = self.answer(msg)
+                if reply is not None:
+                    sock.send_multipart([ident, pack(sign(reply, self.key))])
         finally:
             sock.close()
 

@@ -47,7 +47,8 @@ def image_embeddings(bundle: Any, config: Config) -> ImageEmbeddings:
     pool = None
     if vc.encoder_endpoints or vc.encoder_processes:
         from pdserve.engine.encoder_pool import EncoderPool
-        pool = EncoderPool.from_config(config)
+        spec = bundle.spec
+        pool = EncoderPool.from_config(config, (spec.tokens_per_image, spec.text_hidden_size))
     return ImageEmbeddings(bundle, vc, torch_dtype(mc.dtype), mc.device, pool)
 
 

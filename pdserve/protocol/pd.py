@@ -6,6 +6,8 @@ map back into its type. The job itself, decode -> prefill, is `PrefillJob` (prot
 """
 from __future__ import annotations
 
+import types
+import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -39,7 +41,39 @@ class PDMessage:
             raise ValueError(f"a {msg.get('type')} message lacks {missing}")
         if not (isinstance(msg["request_id"], str) and isinstance(msg["transfer_id"], str)):
             raise ValueError("a PD message names its request and transfer by strings")
+        hints = _hints(cls)
+        wrong = [f.name for f in wired if f.name in msg and not _conforms(msg[f.name], hints[f.name])]
+        if wrong:       # the engine thread does arithmetic and /proc lookups with these
+            raise ValueError(f"a {msg.get('type')} message has {wrong} of the wrong type")
         return cls(**{f.name: msg[f.name] for f in wired if f.name in msg})
+
+
+_HINTS: dict[str, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls.__name__)
+    if hints is None:
+        hints = _HINTS[cls.__name__] = typing.get_type_hints(cls)
+    return hints
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether an unpacked msgpack value has the declared field type (the few shapes used here)."""
+    if hint is Any:
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_conforms(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)
 
 
 @dataclass

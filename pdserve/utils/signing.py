@@ -7,6 +7,11 @@ from typing import Any
 
 from pdserve.protocol import AUTH_FIELD, pack
 
+# What a control map's own fields (ids, sampling parameters, stop strings, a failure's reason, top
+# logprobs) take at most, with room to spare: the headroom of every socket's frame limit, above the
+# bulk a message may carry (token ids, images, KV, embeddings), which each limit derives.
+CONTROL_BYTES = 1 << 20
+
 
 def _mac(key: bytes, msg: dict[str, Any]) -> str:
     body = {k: v for k, v in msg.items() if k != AUTH_FIELD}

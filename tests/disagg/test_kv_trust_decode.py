@@ -114,10 +114,12 @@ def test_signed_pd_equals_mixed(loaded, backend):
 
 def test_a_wrong_token_never_runs_a_job_and_the_request_is_prefilled_locally(loaded):
     want = mixed_outputs([PROMPT], GREEDY, loaded)["r0"]
-    # The refusal comes unsigned and the cancel is refused in turn: the decode worker cannot know that
-    # nothing was written, so it holds the blocks until the quarantine deadline.
+    # The prefill worker answers neither the job nor the cancel: the decode worker gives up on it
+    # at the bootstrap deadline and, not knowing that nothing was written, holds the blocks until
+    # the quarantine deadline.
     with pd_pair(prefill_config=pd_config("prefill", overrides={"server.internal_token": "prefill's"}),
-                 decode_overrides={"server.internal_token": "decode's"}, quarantine_timeout_s=0.5) as (prefill, decode):
+                 decode_overrides={"server.internal_token": "decode's"}, quarantine_timeout_s=0.5,
+                 bootstrap_timeout_s=1.0) as (prefill, decode):
         decode.run([PROMPT], GREEDY)
         assert decode.outputs["r0"] == want
         s = decode.engine.stats()

@@ -1,6 +1,7 @@
 """The prefill worker trusts no job it cannot check: a real prefill engine and its bootstrap socket,
-hand-made jobs sent over real ZeroMQ sockets. A refused job is answered with PD_FAILED and a code,
-never runs (no job counted, no token computed), and leaves the pool as it found it."""
+hand-made jobs sent over real ZeroMQ sockets. A job without the internal token is never answered;
+a refused signed job is answered with PD_FAILED and a code; neither runs (no job counted, no token
+computed), and the pool stays as it was."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ from kv_peers import DecodePeer
 from pd_harness import Loop, pd_config, prompts
 
 from pdserve.cache.kv_cache import SHM_DIR
-from pdserve.protocol import PD_ACCEPTED, PD_BAD_JOB, PD_DONE, PD_FAILED, PD_TOO_LONG, PD_UNAUTHORIZED
+from pdserve.protocol import PD_ACCEPTED, PD_BAD_JOB, PD_DONE, PD_FAILED, PD_TOO_LONG
 from pdserve.server.roles import build_engine
 
 TOKEN = "s3cret-internal-token"
@@ -44,22 +45,24 @@ def signed_prefill():
     prefill.stop()
 
 
-def test_a_job_without_the_token_or_with_a_wrong_one_is_refused(signed_prefill):
+def test_a_job_without_the_token_or_with_a_wrong_one_is_never_answered(signed_prefill):
     prefill, peer = signed_prefill
-    # A forged cancel is dropped too (it would abort someone's job); the socket keeps order, so the
-    # jobs' replies below come after it was handled.
+    # A forged cancel is dropped too (it would abort someone's job), and neither job is answered:
+    # an answer would go to an endpoint an unauthenticated sender chose.
     peer.send({"type": "cancel", "request_id": "x", "transfer_id": "y", "reply_endpoint": peer.endpoint})
     for key in (None, b"not-the-token"):
-        reply = _refused(peer, peer.job(PROMPT), PD_UNAUTHORIZED, key)
-        assert "internal token" in reply["reason"]
-    _never_ran(prefill)
-    assert prefill.engine.stats()["kv_messages_rejected_total"] == 3
-    # The control: the same job signed with the token runs, and its replies are signed.
+        peer.send(peer.job(PROMPT), key)
+    # The control: the same job signed with the token runs, and its replies are signed. The socket
+    # keeps order, so the first reply to come is this job's: the ones before got none.
     job = peer.job(PROMPT)
     peer.send(job, TOKEN.encode())
     replies = peer.until((PD_DONE, PD_FAILED))
+    assert {r["transfer_id"] for r in replies} == {job["transfer_id"]}, replies
     assert [r["type"] for r in replies][0] == PD_ACCEPTED and replies[-1]["type"] == PD_DONE, replies
     assert all(r.get("auth") for r in replies)
+    s = prefill.engine.stats()
+    assert s["kv_messages_rejected_total"] == 3 and s["kv_prefill_jobs_total"] == 1
+    assert s["kv_reply_sockets_open"] == 1          # the signed job's endpoint only
     prefill.wait_idle()
 
 

@@ -117,8 +117,9 @@ def test_with_an_internal_token_encoders_answer_only_signed_jobs():
     config = load_config(None, {"model.name": "tiny-llava", "server.internal_token": "s3cret"})
     worker, key = EncoderWorker(config), encoder_key(config)
     job = {"type": "encode", "job": "j1", "images": [image_bytes(1)]}
-    assert "unauthorized" in worker.answer(job)["error"]
-    assert "unauthorized" in worker.answer(sign(job, encoder_key(load_config(None, {"server.internal_token": "x"}))))["error"]
+    assert worker.answer(job) is None           # never answered, never encoded
+    assert worker.answer(sign(job, encoder_key(load_config(None, {"server.internal_token": "x"})))) is None
+    assert worker.jobs_total == 0 and worker.rejected_total == 2
     ok = worker.answer(sign(job, key))
     assert ok["error"] is None and ok["shape"] == [16, 64] and len(ok["embeds"]) == 1
     assert verified(sign(ok, key), key) and not verified(ok | {"auth": "0" * 64}, key)
