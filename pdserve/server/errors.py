@@ -66,22 +66,3 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
         _count(500)
         return error_response(500, f"internal error: {type(exc).__name__}")
 
-
-class BodySizeLimit:
-    """Pure ASGI middleware (Starlette's BaseHTTPMiddleware would hide client disconnects)."""
-
-    def __init__(self, app, max_bytes: int, on_reject=None) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.on_reject = on_reject
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            length = dict(scope.get("headers") or []).get(b"content-length", b"")
-            if length.isdigit() and int(length) > self.max_bytes:
-                if self.on_reject is not None:
-                    self.on_reject()
-                resp = error_response(413, f"the request body exceeds {self.max_bytes} bytes", code="body_too_large")
-                await resp(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

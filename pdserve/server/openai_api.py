@@ -20,7 +20,8 @@ from pdserve.common.tokenizer import TokenizerWrapper
 from pdserve.config import VisionConfig
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_card, new_id, now
 from pdserve.chat_content import chat_inputs, chat_messages
-from pdserve.server.errors import APIError, BodySizeLimit, error_body, install_error_handlers
+from pdserve.server.body_limit import install_body_limit
+from pdserve.server.errors import APIError, error_body, install_error_handlers
 from pdserve.server.metrics import RequestTimer, ServerMetrics
 
 _DISCONNECT_POLL_S = 0.5
@@ -346,7 +347,7 @@ def install_openai_api(app: FastAPI, handlers: OpenAIHandlers, metrics: ServerMe
     """The OpenAI routes with their error bodies, the body-size limit and /metrics: the same on a
     worker and on the router (middleware added after this wraps outside the size limit)."""
     install_error_handlers(app, on_error=lambda status: metrics.errors.labels(str(status)).inc())
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, on_reject=lambda: metrics.errors.labels("413").inc())
+    install_body_limit(app, max_body_bytes, on_reject=lambda: metrics.errors.labels("413").inc())
 
     @app.get("/metrics")
     async def prometheus():
