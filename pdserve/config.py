@@ -5,13 +5,13 @@ derives its own copy with `derive`, and nothing changes a config another part al
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from pdserve.config_rules import ConfigError, check
+from pdserve.config_yaml import leaves_of, nest_dotted, read_yaml, set_leaves
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,10 @@ class VisionConfig:
     max_image_bytes: int = 3 << 20      # one image file (after base64 decoding; server.max_body_bytes bounds the body)
     max_image_pixels: int = 4096 * 4096     # width x height of one decoded image
     allow_remote_urls: bool = False     # fetch http(s) image URLs; off: only data: URLs
-    remote_timeout_s: float = 10.0      # deadline of one remote image fetch
+    remote_timeout_s: float = 10.0      # deadline of one remote image fetch, redirects and all
+    # Networks remote image URLs may reach although not public (an image store of your own, e.g.
+    # 10.1.0.0/16); any other private, loopback or link-local address is refused.
+    remote_url_allow_networks: list[str] = field(default_factory=list)
     # Encoder workers running the vision tower and projector: endpoints of `pdserve worker --role
     # encoder` processes (tcp://host:port), or this many local ones; neither: in the engine process.
     encoder_endpoints: list[str] = field(default_factory=list)
@@ -265,65 +268,6 @@ ROLE_SETTINGS = {
     "threads": "server.threads",
 }
 
-# Other names of keys, as seed 003's sample writes them (examples/seed_003.yaml); an alias sets every
-# key it names, so the loaded Config has one place for each value.
-ALIASES = {
-    "deployment.cache.prefix_cache": ("cache.prefix_cache",),
-    "deployment.cache.transfer_bandwidth_limit": ("transfer.bandwidth_limit",),
-    "cache.transfer_bandwidth_limit": ("transfer.bandwidth_limit",),
-    "deployment.load_balancer.strategy": ("load_balancer.prefill", "load_balancer.decode"),
-    "load_balancer.strategy": ("load_balancer.prefill", "load_balancer.decode"),
-}
-_ALIAS_PARENTS = {a.rsplit(".", 1)[0] for a in ALIASES}
-
-
-def _leaves(obj: Any, data: dict, prefix: str, out: list, problems: list) -> None:
-    """(key, value, key as written) for every value in the nested mapping `data`, aliases resolved."""
-    known = {f.name for f in fields(obj)} if obj is not None else set()
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if path in ALIASES:
-            out.extend((target, value, path) for target in ALIASES[path])
-        elif key in known and dataclasses.is_dataclass(getattr(obj, key)):
-            if isinstance(value, dict):
-                _leaves(getattr(obj, key), value, path + ".", out, problems)
-            else:
-                problems.append((path, f"must be a mapping of keys, not {value!r}"))
-        elif key in known:
-            out.append((path, value, path))
-        elif path in _ALIAS_PARENTS and isinstance(value, dict):
-            _leaves(None, value, path + ".", out, problems)
-        else:
-            here = known | {a[len(prefix):].split(".")[0] for a in ALIASES if a.startswith(prefix)}
-            problems.append((path, f"unknown key; known here: {', '.join(sorted(here))}"))
-
-
-def _set_leaves(cfg: Config, leaves: list, problems: list) -> set[str]:
-    """Sets each leaf; two names of one key that disagree within one source are an error."""
-    seen: dict[str, tuple[Any, str]] = {}
-    for key, value, written in leaves:
-        if key in seen and seen[key][0] != value:
-            problems.append((written, f"{value!r} conflicts with {seen[key][1]}: {seen[key][0]!r} (set one of them)"))
-            continue
-        seen[key] = (value, written)
-        *parents, leaf = key.split(".")
-        obj = cfg
-        for p in parents:
-            obj = getattr(obj, p)
-        object.__setattr__(obj, leaf, value)        # building a fresh Config: frozen once load_config returns
-    return set(seen)
-
-
-def _read_yaml(path: str | Path) -> dict:
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError([(str(path), f"cannot read the config file: {e}")]) from None
-    if not isinstance(data, dict):
-        raise ConfigError([(str(path), "the top level must be a mapping of sections (model:, cache:, ...)")])
-    return data
-
-
 def apply_role(cfg: Config, role: str, keep: set[str] | frozenset[str] = frozenset()) -> Config:
     """A copy of cfg with deployment.<role>'s settings (ROLE_SETTINGS) in place of the global keys they
     name, except those in `keep`. Roles without a deployment entry (mixed) are left alone."""
@@ -361,20 +305,6 @@ def for_role(cfg: Config, role: str) -> Config:
     return apply_role(cfg, role)
 
 
-def nest_dotted(overrides: dict[str, Any], into: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Dotted keys ("cache.block_size": 32) into a nested mapping (`into` or a new one); None (a flag not given) skipped."""
-    nested: dict[str, Any] = {} if into is None else into
-    for dotted, value in overrides.items():
-        if value is None:
-            continue
-        *parents, leaf = dotted.split(".")
-        node = nested
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return nested
-
-
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
                 role: str | None = None) -> Config:
     """Defaults, then the YAML file, then overrides given as dotted keys ("cache.block_size": 32; None
@@ -384,17 +314,22 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
     cfg = Config()
     problems: list[tuple[str, str]] = []
+    written_as: dict[str, str] = {}
     if path is not None:
         leaves: list = []
-        _leaves(cfg, _read_yaml(path), "", leaves, problems)
-        _set_leaves(cfg, leaves, problems)
+        leaves_of(cfg, read_yaml(path), "", leaves, problems)
+        set_leaves(cfg, leaves, problems, written_as)
     nested = nest_dotted(overrides or {})
     leaves = []
-    _leaves(cfg, nested, "", leaves, problems)
-    given = _set_leaves(cfg, leaves, problems)
+    leaves_of(cfg, nested, "", leaves, problems)
+    given = set_leaves(cfg, leaves, problems, written_as)
     if problems:
         raise ConfigError(problems)
-    check(cfg)
+    try:
+        check(cfg)
+    except ConfigError as e:      # name the key as the user wrote it, once for all the keys it sets
+        renamed = [(written_as.get(key, key), msg) for key, msg in e.problems]
+        raise ConfigError(list(dict.fromkeys(renamed))) from None
     if role is not None:
         cfg = apply_role(cfg, role, given)
     return cfg

@@ -76,7 +76,9 @@ def test_cli_exits_2_on_a_bad_worker_flag_and_names_it():
     ({"disagg.parallel_prefill_attention_weight": -0.5}, "disagg.parallel_prefill_attention_weight", "at least 0"),
     ({"router.tls_cert": "c.pem"}, "router.tls_key", "both or neither"),
     ({"cache.blok_size": 4}, "cache.blok_size", "block_size"),
-    ({"load_balancer.strategy": "fastest"}, "load_balancer.prefill", "least_load"),
+    ({"load_balancer.strategy": "fastest"}, "load_balancer.strategy", "least_load"),     # the name written
+    ({"deployment.load_balancer.strategy": "fastest"}, "deployment.load_balancer.strategy", "least_load"),
+    ({"load_balancer.prefill": "fastest"}, "load_balancer.prefill", "least_load"),
 ])
 def test_types_ranges_and_formats(overrides, key, needle):
     with pytest.raises(ConfigError) as e:

@@ -127,7 +127,7 @@ def _served_config(args: argparse.Namespace) -> str:
     import tempfile
 
     import yaml
-    from pdserve.config import nest_dotted
+    from pdserve.config_yaml import nest_dotted
 
     data = nest_dotted(flag_overrides(args), (yaml.safe_load(open(args.config).read()) or {}) if args.config else {})
     f = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pdserve-profile-", delete=False)
