@@ -22,24 +22,35 @@ CacheListener = Callable[[KVEventType, bytes, bytes | None], None]
 EvictHook = Callable[[int, bytes], None]
 
 
-def block_hash(parent: bytes | None, token_ids: list[int], salt: str | None = None, extra: bytes | None = None) -> bytes:
-    """Stable across processes and machines (Python's hash() is salted per process). `extra`: what
-    else the block's KV depends on, the digests of the images it overlaps (common/images.block_extra)."""
+def salt_key(salt: str | bytes | None) -> bytes | None:
+    """A tenant's salt as it enters block hashes: digested once per request, not once per block."""
+    if not salt or isinstance(salt, bytes):
+        return salt or None
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"pdserve-salt").digest()
+
+
+def block_hash(parent: bytes | None, token_ids: list[int], salt: str | bytes | None = None,
+               extra: bytes | None = None) -> bytes:
+    """Stable across processes and machines (Python's hash() is salted per process). `salt`: the
+    tenant's salt, or its `salt_key` (what a caller hashing many blocks passes). `extra`: what else
+    the block's KV depends on, the digests of the images it overlaps (common/images.block_extra)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"\0" * 16)
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    if salt:
-        h.update(b"salt:" + salt.encode())
+    key = salt_key(salt)
+    if key:
+        h.update(b"salt:" + key)
     if extra:
         h.update(b"extra:" + extra)
     return h.digest()
 
 
-def prompt_hashes(token_ids: list[int], block_size: int, salt: str | None = None,
+def prompt_hashes(token_ids: list[int], block_size: int, salt: str | bytes | None = None,
                   images: Sequence[ImageInput] = ()) -> list[bytes]:
     """Chained hashes of every full block of `token_ids` (with `images`: of a VLM prompt's)."""
     out: list[bytes] = []
     parent = None
+    salt = salt_key(salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         extra = block_extra(list(images), start, start + block_size) if images else None
         parent = block_hash(parent, token_ids[start:start + block_size], salt, extra)

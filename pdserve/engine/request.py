@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pdserve.cache.prefix_cache import salt_key
 from pdserve.common.images import ImageInput
 from pdserve.common.outputs import TokenLogprob  # noqa: F401 (re-exported: engine code imports it from here)
 from pdserve.common.sampling import SamplingParams
@@ -53,6 +54,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     sample_seed: int | None = None      # None when greedy; see `draw_generator`
     cache_salt: str | None = None       # tenants with different salts never share cached blocks
+    salt_key: bytes | None = field(init=False, default=None)     # the salt as block hashes take it
     block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks so far
     num_cached_blocks: int = 0          # leading blocks already registered in the prefix cache
     swapped_tokens: int = 0             # preempted: tokens whose KV waits in host swap space (cache/swap.py)
@@ -71,6 +73,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.salt_key = salt_key(self.cache_salt)
         if not self.params.greedy:
             self.sample_seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
 

@@ -111,7 +111,7 @@ class Scheduler:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else None
             extra = block_extra(req.images, i * bs, (i + 1) * bs) if req.images else None
-            req.block_hashes.append(block_hash(parent, req.all_token_ids[i * bs:(i + 1) * bs], req.cache_salt, extra))
+            req.block_hashes.append(block_hash(parent, req.all_token_ids[i * bs:(i + 1) * bs], req.salt_key, extra))
         return req.block_hashes[:num_blocks]
 
     def _match_prefix(self, req: Request) -> list[int]:

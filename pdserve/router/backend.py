@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import httpx
 
-from pdserve.cache.prefix_cache import prompt_hashes
+from pdserve.cache.prefix_cache import prompt_hashes, salt_key
 from pdserve.common.images import ImageInput
 from pdserve.config import Config, for_role
 from pdserve.common.detokenizer import IncrementalDetokenizer
@@ -106,7 +106,7 @@ class RemoteBackend:
                 capacity=w.capacity, version=w.version))
         return out
 
-    def route(self, context: list[int], max_tokens: int, salt: str | None,
+    def route(self, context: list[int], max_tokens: int, salt: str | bytes | None,
               exclude: set[str], images: Sequence[ImageInput] = ()) -> tuple[Route | None, str]:
         """The decode worker, then the prefill worker it will ask (None: no prefill pool), and the
         prompt tokens that prefill worker is expected to compute: 0 when the decode worker's cache
@@ -169,6 +169,7 @@ class RemoteBackend:
             failed: set[str] = set()
             last_error: WorkerFailed | None = None      # told to the client when no worker is left
             migration_span = None       # tracing: from a stream's failure to its first token on the next worker
+            salt = salt_key(cache_salt)     # digested once, not per block of every attempt's routing
             versions = self.metrics.versions.request()
             n_prompt = len(prompt_token_ids)
             try:
@@ -177,7 +178,7 @@ class RemoteBackend:
                     context = prompt_token_ids + generated      # what the chosen worker will hold
                     with tracing.span("router.route", attempt=attempts):
                         def pick() -> tuple[Route | None, str]:
-                            return self.route(context, remaining or 16, cache_salt, failed, images)
+                            return self.route(context, remaining or 16, salt, failed, images)
                         route, reason = await self.hold.route(pick, len(context)) if self.hold else pick()
                     if route is None:
                         cause = f"; the last one failed it: {last_error}" if last_error else ""

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed
 from pdserve.common.images import ImageInput, ImageSlots, expand_image_tokens
 from pdserve.common.outputs import RequestOutput, TokenLogprob
-from pdserve.common.sampling import SamplingParams
+from pdserve.common.sampling import SamplingParams, check_cache_salt, check_choices
 from pdserve.common.tokenizer import TokenizerWrapper
 from pdserve.config import VisionConfig
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_card, new_id, now
@@ -53,9 +53,17 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
         ignore_eos=req.ignore_eos, repetition_penalty=req.repetition_penalty or 1.0,
         frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
         logprobs=logprobs)
-    if req.n < 1 or req.n > 16:
-        raise InvalidParam("n must be between 1 and 16", "n")
     return p
+
+
+def check_sizes(req: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> None:
+    """The per-request work a client sets (choices, the salt hashed into every block), bounded
+    before any prompt is tokenized."""
+    try:
+        check_choices(req.n, num_prompts)
+        check_cache_salt(req.cache_salt)
+    except InvalidParam as e:
+        raise APIError(400, str(e), e.param, "invalid_value") from e
 
 
 class InlineEncoder:
@@ -226,6 +234,7 @@ class OpenAIHandlers:
 
     async def completions(self, req: CompletionRequest, http: Request):
         self._check_model(req.model)
+        check_sizes(req, _num_prompts(req.prompt))
         prompts = await _prompt_lists(req.prompt, self.encoder)
         try:
             params = sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
@@ -258,6 +267,7 @@ class OpenAIHandlers:
 
     async def chat(self, req: ChatCompletionRequest, http: Request):
         self._check_model(req.model)
+        check_sizes(req, 1)
         images: list[ImageInput] = []
         if self.vision is None:
             messages = chat_messages(req.messages, self.model_name)
@@ -304,6 +314,11 @@ class OpenAIHandlers:
             {"index": c.index, "message": {"role": "assistant", "content": c.text},
              "logprobs": {"content": _chat_logprobs(c.logprobs, tok)} if req.logprobs else None,
              "finish_reason": c.finish_reason} for c in choices], usage=_usage(choices)))
+
+
+def _num_prompts(prompt: Any) -> int:
+    """Prompts in a completion request's `prompt`: a string or a list of token ids is one."""
+    return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
 
 
 async def _prompt_lists(prompt: Any, encoder: InlineEncoder) -> list[list[int]]:

@@ -122,3 +122,32 @@ def test_cache_salt_separates_tenants():
     assert run("b", "tenant-b") == 0          # same tokens, other tenant: no hit
     assert run("c", "tenant-a") > 0           # same tenant: hit
     eng.pool.check_integrity()
+
+
+class _CountedSalt(str):
+    """A salt that counts how often it is read for hashing."""
+    reads = 0
+
+    def encode(self, *args, **kwargs) -> bytes:
+        type(self).reads += 1
+        return super().encode(*args, **kwargs)
+
+
+def test_a_salt_is_hashed_once_per_request_not_per_block():
+    from pdserve.cache.prefix_cache import salt_key
+    from pdserve.engine.request import Request
+    from pdserve.engine.scheduler import Scheduler
+    from pdserve.config import SchedulerConfig
+    tokens = list(range(400))           # 100 blocks of 4
+    salt = _CountedSalt("t" * 256)
+    hashes = prompt_hashes(tokens, 4, salt)
+    assert _CountedSalt.reads == 1 and len(hashes) == 100
+    # The same chain from the salt's key, from the engine's side, and never the unsalted one.
+    assert hashes == prompt_hashes(tokens, 4, salt_key("t" * 256)) != prompt_hashes(tokens, 4)
+    assert hashes[0] == block_hash(None, tokens[:4], "t" * 256)
+    _CountedSalt.reads = 0
+    req = Request("r", tokens + [1], SamplingParams(max_tokens=1), cache_salt=salt)
+    sched = Scheduler(SchedulerConfig(), BlockPool(128, PrefixCache(4)), 4)
+    for n in range(1, 101):             # the scheduler extends the chain as blocks fill
+        assert sched._hashes(req, n) == hashes[:n]
+    assert _CountedSalt.reads == 1
