@@ -9,10 +9,10 @@ never saw.
 """
 from __future__ import annotations
 
-import urllib.request
 from dataclasses import dataclass, field
 
 from pdserve.common.images import ImageError, decode_data_url, image_digest, open_image
+from pdserve.common.remote_images import fetch_image, parse_networks
 from pdserve.config import VisionConfig
 from pdserve.protocol import ChatMessage
 from pdserve.common.errors import APIError
@@ -89,11 +89,5 @@ def _image(image_url: object, where: str, count: int, limits: VisionConfig) -> t
 
 
 def _fetch(url: str, limits: VisionConfig) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=limits.remote_timeout_s) as r:    # noqa: S310 - http(s) only
-            data = r.read(limits.max_image_bytes + 1)
-    except OSError as e:
-        raise ImageError(f"could not fetch the image ({e})") from None
-    if len(data) > limits.max_image_bytes:
-        raise ImageError(f"the image is larger than {limits.max_image_bytes} bytes")
-    return data
+    return fetch_image(url, limits.max_image_bytes, limits.remote_timeout_s,
+                       parse_networks(limits.remote_url_allow_networks))

@@ -188,7 +188,8 @@ FORMATS: dict[str, Callable[[Any], str | None]] = {
     "cache.kv_events_endpoint": _zmq_endpoint, "cache.kv_events_snapshot_endpoint": _zmq_endpoint,
     "server.router_url": _router_url, "server.otlp_endpoint": _http_url, "disagg.prefill_endpoints": _zmq_endpoints,
     "transfer.bandwidth_limit": _bandwidth, "deployment.pd_ratio": _pd_ratio,
-    "router.workers": _workers, "router.ip_allowlist": _cidrs, "vision.encoder_endpoints": _zmq_endpoints,
+    "router.workers": _workers, "router.ip_allowlist": _cidrs, "vision.remote_url_allow_networks": _cidrs,
+    "vision.encoder_endpoints": _zmq_endpoints,
     **_per_role({"deployment.<role>.cpu_affinity": _cores}),
 }
 

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*?)(?P<b64>;base64)?,", re.I)
 _MIMES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")
+# What Pillow may open: the formats above. Any other plugin is never consulted (EPS would run
+# Ghostscript where it is installed; each plugin is parser code a client could aim at).
+PIL_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 # Wider or taller than this is refused: resizing the short edge to a tower's size would blow the
 # long one up (a 1 x 10^6 image becomes 336 x 336 000 000 pixels).
 MAX_ASPECT = 50
@@ -58,7 +61,7 @@ def open_image(data: bytes, max_pixels: int) -> Any:
     from PIL import Image
 
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=PIL_FORMATS)
         if img.width * img.height > max_pixels:
             raise ImageError(f"the image has {img.width}x{img.height} pixels; at most {max_pixels} are allowed")
         if max(img.width, img.height) > MAX_ASPECT * max(1, min(img.width, img.height)):
