@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pdserve.config import Config
 from pdserve.protocol.control import ControllerDecision
 from pdserve.router.registry import Registry, Worker
-from pdserve.router.role_switch import SwitchRefused, empty_worker, even_out, switch_role
+from pdserve.router.role_switch import SwitchRefused, back_into_service, empty_worker, even_out, switch_role
 from pdserve.router.scaling_policy import Decision, Params, Reading, State, decide, pressures
 
 log = logging.getLogger(__name__)
@@ -288,7 +288,7 @@ class Controller:
         try:
             await self.fleet.remove(w)
         except BaseException:
-            w.draining = False                  # still running: back into service
+            await back_into_service(self.registry, self.client, w)      # still running
             raise
         self.registry.deregister(w.worker_id)
         return w.worker_id

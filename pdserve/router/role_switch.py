@@ -104,13 +104,31 @@ async def empty_worker(registry: Registry, client: httpx.AsyncClient, w: Worker,
         raise SwitchRefused(409, f"worker {w.worker_id!r} is the last decode worker taking requests", "last_decode")
     t0 = time.monotonic()
     w.draining = True
-    await drain(w, t0 + drain_timeout_s)
-    left = max(0.0, t0 + drain_timeout_s - time.monotonic())
-    moved = (await _ask(registry, client, w, "/internal/leave", {"drain_timeout_s": left}, left + 120.0,
-                        "could not empty itself")).moved
+    try:
+        await drain(w, t0 + drain_timeout_s)
+        left = max(0.0, t0 + drain_timeout_s - time.monotonic())
+        moved = (await _ask(registry, client, w, "/internal/leave", {"drain_timeout_s": left}, left + 120.0,
+                            "could not empty itself")).moved
+    except BaseException:
+        await back_into_service(registry, client, w)
+        raise
     await drain(w, time.monotonic() + 10.0)         # the moved streams' last lines
     log.info("worker %s emptied in %.2fs (%d requests moved)", w.worker_id, time.monotonic() - t0, moved)
     return moved
+
+
+async def back_into_service(registry: Registry, client: httpx.AsyncClient, w: Worker) -> bool:
+    """Undo empty_worker when the worker is not stopped after all: it takes new work again
+    (`POST /internal/rejoin`), and only then does the router send it some. A worker that cannot be told
+    stays out of service (draining, as /admin/workers shows): sent requests, it would only hand them back."""
+    try:
+        await _ask(registry, client, w, "/internal/rejoin", {}, 30.0, "could not rejoin")
+    except SwitchRefused as e:
+        log.warning("worker %s stays out of service: %s", w.worker_id, e)
+        return False
+    w.draining = False
+    log.info("worker %s is back in service", w.worker_id)
+    return True
 
 
 def excess_streams(loads: dict[str, int]) -> dict[str, int]:

@@ -25,7 +25,7 @@ from pdserve.protocol.control import CanarySetting, LeaveRequest, StartWorker
 from pdserve.router import policies
 from pdserve.router.backend import RemoteBackend
 from pdserve.router.registry import Registry, Worker
-from pdserve.router.role_switch import SwitchRefused, empty_worker
+from pdserve.router.role_switch import SwitchRefused, back_into_service, empty_worker
 from pdserve.server.errors import error_response
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def install_rollout_routes(app: FastAPI, config: Config, registry: Registry, cli
             rfleet.remember(w)
             await rfleet.remove(w)
         except (SwitchRefused, RuntimeError) as e:
-            w.draining = False                  # still running: back into service
+            await back_into_service(registry, client, w)        # still running (empty_worker undoes its own)
             status, code = (e.status, e.code) if isinstance(e, SwitchRefused) else (409, "not_in_fleet")
             return error_response(status, str(e), code=code)
         registry.deregister(worker_id)

@@ -7,7 +7,9 @@ each stream on another worker; a prefill job's decode worker falls back to anoth
 on the engine thread with nothing in flight, the old role's KV connector closes and the new one
 opens on the same pool. The KV endpoint changes; the reply and /health carry the new one.
 
-`POST /internal/leave` empties a worker the same way before it is stopped (a scale-down).
+`POST /internal/leave` empties a worker the same way before it is stopped (a scale-down);
+`POST /internal/rejoin` undoes it when the scale-down does not go through. Each transition is all or
+nothing: a new connector that cannot be built gives the old role's back (still that role, a 503).
 `POST /internal/shed` gives up only some of its generating streams, at once: the controller evens
 out the decode pool after a worker joined it, and the streams continue on the new one.
 """
@@ -29,6 +31,12 @@ from pdserve.server.roles import build_connector, kv_pool_in_shm
 log = logging.getLogger(__name__)
 SWITCHABLE = ("prefill", "decode")
 _POLL_S = 0.02
+
+
+class SwapFailed(RuntimeError):
+    def __init__(self, message: str, fatal: bool) -> None:
+        super().__init__(message)
+        self.fatal = fatal
 
 
 class RoleSwitch:
@@ -78,7 +86,7 @@ class RoleSwitch:
         try:
             moved = await self._empty(drain_timeout_s, f"worker switching to {role}")
             deadline = time.monotonic() + self.config.disagg.quarantine_timeout_s + 5.0
-            while not await asyncio.wrap_future(self.engine.call(lambda e: self._swap(e, role))):
+            while not await self._swap_on_engine(role):
                 # A peer's job came in over the KV plane meanwhile (HTTP work is refused): hand it back too.
                 if time.monotonic() > deadline:
                     raise APIError(503, "the worker kept receiving work over its KV plane", code="drain_timeout")
@@ -108,12 +116,29 @@ class RoleSwitch:
                            code="drain_timeout")
         return moved
 
+    async def _swap_on_engine(self, role: str) -> bool:
+        try:
+            return await asyncio.wrap_future(self.engine.call(lambda e: self._swap(e, role)))
+        except SwapFailed as e:
+            if e.fatal:     # no connector at all: out of service for good, not a healthy-looking worker
+                self.engine.dead = e
+            raise APIError(503, str(e), code="switch_failed") from e
+
     async def leave(self, drain_timeout_s: float) -> dict:
         """Empty the worker before it stops (a scale-down): from now on it refuses new work for good."""
         self.leaving = True
         moved = await self._empty(drain_timeout_s, "worker leaving")
         self.moved_total += moved
         return self.describe(moved=moved)
+
+    async def rejoin(self) -> dict:
+        """Undo `leave` (its scale-down failed or was called off): new work is taken again."""
+        if self.switching:
+            raise APIError(409, "a role switch is under way", code="switching")
+        if self.leaving:
+            log.info("back in service: the scale-down did not go through")
+        self.leaving = False
+        return self.describe(moved=0)
 
     async def shed(self, count: int) -> dict:
         """Give up to `count` generating streams to the router, to be continued elsewhere."""
@@ -131,9 +156,20 @@ class RoleSwitch:
         if engine.has_unfinished():
             return False
         wake = engine.connector.wake
-        engine.connector.close()
-        build_connector(self.config, role, engine)
-        engine.connector.wake = wake
+        engine.connector.close()        # first: a fixed worker.kv_port is bound again by the new one
+        try:
+            build_connector(self.config, role, engine)
+        except Exception as e:  # noqa: BLE001 - any failure: the old role's connector back
+            log.exception("the %s KV connector could not be built; reopening the %s one", role, self.role)
+            try:
+                build_connector(self.config, self.role, engine)
+            except Exception as again:  # noqa: BLE001
+                raise SwapFailed(f"the {role} KV connector could not be built ({e}), nor the {self.role} one "
+                                 f"again ({again})", fatal=True) from again
+            raise SwapFailed(f"the {role} KV connector could not be built ({e}); the worker is still "
+                             f"{self.role}", fatal=False) from e
+        finally:
+            engine.connector.wake = wake
         return True
 
     def describe(self, moved: int) -> dict:
@@ -155,3 +191,7 @@ def install_role_route(app: FastAPI, switch: RoleSwitch) -> None:
     async def leave(req: LeaveRequest):
         drain = req.drain_timeout_s if req.drain_timeout_s is not None else switch.config.server.shutdown_timeout_s
         return RoleChanged(**await switch.leave(drain)).model_dump()
+
+    @app.post("/internal/rejoin")
+    async def rejoin():
+        return RoleChanged(**await switch.rejoin()).model_dump()
