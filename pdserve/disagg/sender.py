@@ -60,7 +60,7 @@ class PrefillConnector(KVConnector):
         self.compat = compat_info(self.model, config.model.dtype, getattr(config.model, "quantization", "none"),
                                   self.block_size, list(kv_cache.shape), kv_cache.element_size())
         self._seen = SeenIds()                   # engine thread only
-        self._log_refused = ThrottledLog(log)    # bootstrap thread only
+        self._log_refused, self._log_rejected = ThrottledLog(log), ThrottledLog(log)   # bootstrap, engine thread
         d = config.disagg
         self.deadlines = Deadlines(d.bootstrap_timeout_s, d.queue_timeout_s, d.transfer_timeout_s)
         self._keepalive = LivenessClock(d.transfer_timeout_s / 3)     # re-acks of queued jobs
@@ -231,7 +231,8 @@ class PrefillConnector(KVConnector):
     def _refuse(self, msg: dict, e: Exception) -> None:
         """A job this worker or its engine will not run: the decode worker hears why."""
         code = e.code if isinstance(e, JobRefused) else None
-        log.log(logging.ERROR if code else logging.WARNING, "rejecting prefill job %s: %s", msg.get("request_id"), e)
+        self._log_rejected(logging.ERROR if code else logging.WARNING, "rejecting prefill job %s: %s",
+                           msg.get("request_id"), e)
         if code:
             with self.stats_lock:
                 self.counters["kv_prefill_jobs_refused_total"] += 1
