@@ -1,12 +1,9 @@
 """The engine: scheduler + model runner + KV pool, stepped by its owner (offline API or server loop)."""
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +26,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, blocks_needed
 from pdserve.engine.tier_fetch import TierFetcher
+from pdserve.engine.tier_identity import tier_key, tier_namespace
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
 from pdserve.utils.runtime import trim_heap, tune_malloc
 
@@ -36,17 +34,6 @@ if TYPE_CHECKING:
     from pdserve.cache.kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
-
-
-def tier_namespace(config: Config, max_model_len: int) -> str:
-    """Names this model's blocks on a shared disk or Redis: block hashes cover token ids only, so
-    everything else that shapes the KV (weights, dtype, RoPE fixed at the served length) goes here."""
-    mc = config.model
-    base = re.sub(r"[^A-Za-z0-9._-]", "_", Path(mc.name).name) or "model"
-    key = f"{Path(mc.name).name}|{mc.seed}|{mc.dtype}|{max_model_len}"
-    if mc.quantization != "none":       # other weights compute other KV: never share blocks with float
-        key += f"|{mc.quantization}"
-    return f"{base}-{hashlib.blake2b(key.encode(), digest_size=4).hexdigest()}"
 
 
 class LLMEngine:
@@ -64,6 +51,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(mc.max_model_len or loaded.arch.max_position_embeddings,
                                  loaded.arch.max_position_embeddings)
+        namespace = tier_namespace(config, self.max_model_len, loaded.weights)    # before packing takes them
         self.model = build_model(loaded, mc.dtype, mc.device, self.max_model_len, mc)
         self.weight_bytes = getattr(self.model, "resident_weight_bytes", self.model.weight_bytes)()
         self.images = image_embeddings(loaded.vision, config) if loaded.vision is not None else None
@@ -88,7 +76,7 @@ class LLMEngine:
         if ep:
             self.model.share_kv_cache(self.kv_cache, shm_path)
         # Lower tiers hold what the prefix cache evicts, named by the same hashes: no use without it.
-        store = TieredKVStore.from_config(cc, namespace=tier_namespace(config, self.max_model_len),
+        store = TieredKVStore.from_config(cc, namespace=namespace, key=tier_key(config),
                                           listener=kv_events.on_tier if kv_events else None) \
             if cc.prefix_cache else None
         self.tiers = TierFetcher(store, self.kv_cache, cc.block_size, cc.load_timeout_s) if store else None

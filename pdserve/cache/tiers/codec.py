@@ -4,7 +4,9 @@ Layout (little-endian):
     magic "PDKV" | version u16 | dtype u8 | ndim u8 | shape u32*ndim | hash_len u8 | hash |
     payload_len u64 | checksum (blake2b-128 of everything before it, then of the payload) | payload
 The checksum covers the header too, so a flipped bit anywhere is caught; the block hash inside
-catches a file that was renamed or a key that was overwritten with another block's bytes.
+catches a file that was renamed or a key that was overwritten with another block's bytes. With a key
+(derived from the internal token) the checksum is a MAC: whoever can write to the disk or Redis but
+lacks the token cannot plant a block that workers would load.
 """
 from __future__ import annotations
 
@@ -30,13 +32,13 @@ class CorruptBlock(ValueError):
     """The bytes are not a valid encoding of the block that was asked for."""
 
 
-def _checksum(header: bytes, payload: memoryview | bytes) -> bytes:
-    h = hashlib.blake2b(header, digest_size=_CHECKSUM_LEN)
+def _checksum(header: bytes, payload: memoryview | bytes, key: bytes | None) -> bytes:
+    h = hashlib.blake2b(header, digest_size=_CHECKSUM_LEN, key=key or b"")
     h.update(payload)
     return h.digest()
 
 
-def encode_block(block_hash: bytes, block: torch.Tensor) -> bytes:
+def encode_block(block_hash: bytes, block: torch.Tensor, key: bytes | None = None) -> bytes:
     """`block` is one block's KV, [layers, 2, block_size, kv_heads, head_dim], on any device."""
     if block.dtype not in _CODES:
         raise ValueError(f"unsupported KV dtype {block.dtype}")
@@ -48,11 +50,12 @@ def encode_block(block_hash: bytes, block: torch.Tensor) -> bytes:
               + struct.pack(f"<{data.dim()}I", *data.shape)
               + struct.pack("<B", len(block_hash)) + block_hash
               + struct.pack("<Q", payload.nbytes))
-    return b"".join((header, _checksum(header, payload), payload.tobytes()))
+    return b"".join((header, _checksum(header, payload, key), payload.tobytes()))
 
 
 def decode_block(data: bytes | bytearray | memoryview, expected_hash: bytes | None = None, *,
-                 shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                 shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
+                 key: bytes | None = None) -> torch.Tensor:
     """The block's tensor (CPU). Raises CorruptBlock on any mismatch; checks shape/dtype when given."""
     view = memoryview(data)
     try:
@@ -88,7 +91,7 @@ def decode_block(data: bytes | bytearray | memoryview, expected_hash: bytes | No
     if len(view) != pos + _CHECKSUM_LEN + payload_len:
         raise CorruptBlock(f"length {len(view)}, expected {pos + _CHECKSUM_LEN + payload_len}")
     payload = view[pos + _CHECKSUM_LEN:]
-    if bytes(view[pos:pos + _CHECKSUM_LEN]) != _checksum(bytes(view[:pos]), payload):
+    if bytes(view[pos:pos + _CHECKSUM_LEN]) != _checksum(bytes(view[:pos]), payload, key):
         raise CorruptBlock("bad checksum")
     if shape is not None and tuple(got_shape) != tuple(shape):
         raise CorruptBlock(f"shape {tuple(got_shape)}, expected {tuple(shape)}")

@@ -32,8 +32,10 @@ RemoveFn = Callable[[list[bytes]], None]
 
 class DiskTier:
     def __init__(self, directory: str | os.PathLike, budget_bytes: int,
-                 on_remove: RemoveFn | None = None) -> None:
+                 on_remove: RemoveFn | None = None, key: bytes | None = None) -> None:
+        """`key`: the blocks' checksum key (codec.py), the same that wrote them."""
         self.directory = Path(directory)
+        self.mac_key = key
         self.budget_bytes = int(budget_bytes)
         self.on_remove = on_remove
         self.stats = TierStats()
@@ -132,7 +134,7 @@ class DiskTier:
         path = self.path(block_hash)
         try:
             data = path.read_bytes()
-            block = decode_block(data, block_hash, shape=shape, dtype=dtype)
+            block = decode_block(data, block_hash, shape=shape, dtype=dtype, key=self.mac_key)
         except FileNotFoundError:
             self.stats.add(misses=1, errors=1)
             self._forget(block_hash)

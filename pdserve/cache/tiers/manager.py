@@ -61,9 +61,11 @@ class TieredKVStore:
     def __init__(self, block_size: int, *, host_bytes: int = 0, disk_dir: str | Path | None = None,
                  disk_bytes: int = 0, remote: str | None = None, remote_ttl_s: int | None = None,
                  namespace: str | None = None, load_timeout_s: float = 5.0,
-                 listener: TierListener | None = None, max_pending_bytes: int = 256 << 20) -> None:
-        """`namespace` (e.g. the model name) keeps caches of different models apart on a shared
-        disk or Redis: block hashes cover token ids only."""
+                 listener: TierListener | None = None, max_pending_bytes: int = 256 << 20,
+                 key: bytes | None = None) -> None:
+        """`namespace` (engine/tier_identity.py) keeps caches of different models apart on a shared
+        disk or Redis: block hashes cover token ids only. `key` keys the blocks' checksum (codec.py)."""
+        self.mac_key = key
         self.block_size = block_size
         self.load_timeout_s = load_timeout_s     # default deadline of load_async
         self.listener = listener
@@ -72,8 +74,8 @@ class TieredKVStore:
         self.disk = None
         if disk_dir is not None and disk_bytes > 0:
             d = Path(disk_dir) / namespace if namespace else Path(disk_dir)
-            self.disk = DiskTier(d, disk_bytes, lambda hs: self._emit("removed", hs, "disk"))
-        self.remote = RedisTier(remote, ttl_s=remote_ttl_s, namespace=namespace) if remote else None
+            self.disk = DiskTier(d, disk_bytes, lambda hs: self._emit("removed", hs, "disk"), key=key)
+        self.remote = RedisTier(remote, ttl_s=remote_ttl_s, namespace=namespace, key=key) if remote else None
         self._lock = threading.Lock()
         self._pending: dict[bytes, torch.Tensor] = {}       # left host, not yet on disk
         self._queued_bytes = 0
@@ -94,7 +96,7 @@ class TieredKVStore:
             self._emit("stored", self.disk.keys(), "disk")
 
     @classmethod
-    def from_config(cls, cc: CacheConfig, *, namespace: str | None = None,
+    def from_config(cls, cc: CacheConfig, *, namespace: str | None = None, key: bytes | None = None,
                     listener: TierListener | None = None) -> TieredKVStore | None:
         """None when every tier is off."""
         host = int(cc.host_cache_gb * (1 << 30))
@@ -103,7 +105,7 @@ class TieredKVStore:
             return None
         return cls(cc.block_size, host_bytes=host, disk_dir=cc.disk_cache_dir, disk_bytes=disk,
                    remote=cc.remote, remote_ttl_s=cc.remote_ttl_s, namespace=namespace,
-                   load_timeout_s=cc.load_timeout_s, listener=listener)
+                   load_timeout_s=cc.load_timeout_s, listener=listener, key=key)
 
     # ------------------------------------------------------------------ offload (engine thread)
 
@@ -159,11 +161,11 @@ class TieredKVStore:
             try:
                 data = None
                 if to_disk and self.disk is not None and h not in self.disk:
-                    data = encode_block(h, block)
+                    data = encode_block(h, block, self.mac_key)
                     if self.disk.put(h, data):
                         self._emit("stored", [h], "disk")
                 if to_remote and self.remote is not None:
-                    data = data if data is not None else encode_block(h, block)
+                    data = data if data is not None else encode_block(h, block, self.mac_key)
                     if self.remote.put(h, data):
                         self._remember_remote(h)
                         self._emit("stored", [h], "remote")

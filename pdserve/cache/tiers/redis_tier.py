@@ -28,8 +28,10 @@ T = TypeVar("T")
 
 class RedisTier:
     def __init__(self, url: str, *, ttl_s: int | None = None, namespace: str | None = None,
-                 timeout_s: float = 0.5, retry_after_s: float = 2.0) -> None:
+                 timeout_s: float = 0.5, retry_after_s: float = 2.0, key: bytes | None = None) -> None:
+        """`key`: the blocks' checksum key (codec.py), the same that wrote them."""
         self.url = url
+        self.mac_key = key
         self.ttl_s = ttl_s
         self.prefix = KEY_PREFIX + (f"{namespace}:" if namespace else "")
         self.retry_after_s = retry_after_s
@@ -76,7 +78,7 @@ class RedisTier:
             self.stats.add(misses=1)
             return None
         try:
-            block = decode_block(data, block_hash, shape=shape, dtype=dtype)
+            block = decode_block(data, block_hash, shape=shape, dtype=dtype, key=self.mac_key)
         except CorruptBlock as e:
             log.warning("remote tier: dropping %s: %s", self.key(block_hash), e)
             self.stats.add(misses=1, corrupt=1)
