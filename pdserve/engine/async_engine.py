@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from pdserve.common.errors import EngineDeadError, RequestFailed, RequestMoved  # noqa: F401 (re-exported)
+from pdserve.common.errors import (DuplicateRequestId, EngineDeadError, RequestFailed,  # noqa: F401 (re-exported)
+                                   RequestMoved)
 from pdserve.common.images import ImageInput
 from pdserve.common.outputs import RequestOutput
 from pdserve.common.sampling import SamplingParams
@@ -84,6 +85,8 @@ class AsyncEngine:
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
         self.engine.check_request(prompt_token_ids, params, output_token_ids)   # pure check, raises InvalidParam
+        if self.has_stream(request_id):     # its stream would get this one's outputs, or the reverse
+            raise DuplicateRequestId(f"request id {request_id!r} is already running on this worker")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._post(AddRequest(request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prefill_peer,
@@ -103,6 +106,10 @@ class AsyncEngine:
             if not finished:
                 log.info("request %s aborted: its consumer went away", request_id)
                 self._post(AbortRequest(request_id))
+
+    def has_stream(self, request_id: str) -> bool:
+        """Whether a consumer reads `request_id` now (read from the event loop)."""
+        return request_id in self._streams
 
     def open_streams(self) -> int:
         """Requests whose consumer still reads (read from the event loop)."""

@@ -18,9 +18,9 @@ from fastapi.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.common import tracing
-from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed, RequestMoved
+from pdserve.common.errors import DuplicateRequestId, EngineDeadError, InvalidParam, RequestFailed, RequestMoved
 from pdserve.common.images import ImageInput
-from pdserve.common.sampling import SamplingParams
+from pdserve.common.sampling import SamplingParams, check_cache_salt
 from pdserve.protocol import INTERNAL_TOKEN_HEADER, InternalGenerateRequest
 from pdserve.protocol.stream import TokenLine
 from pdserve.server.errors import APIError, error_body, error_response
@@ -70,12 +70,16 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
         except ValueError as e:
             raise APIError(400, str(e), "images", "invalid_value") from e
         try:
+            check_cache_salt(req.cache_salt)
             params = SamplingParams(**req.sampling)
             engine.engine.check_request(req.prompt_token_ids, params, req.output_token_ids, images)
         except TypeError as e:
             raise APIError(400, f"bad sampling parameters: {e}", "sampling", "invalid_value") from e
         except InvalidParam as e:
             raise APIError(400, str(e), e.param, "invalid_value") from e
+        if engine.has_stream(req.request_id):
+            raise APIError(409, f"request id {req.request_id!r} is already running on this worker", "request_id",
+                           "duplicate_request_id")
         peer = http.headers.get(PREFILL_HEADER)
         timer.start(req.request_id, time.monotonic())
         trace = http.headers.get(tracing.TRACEPARENT)      # the router's attempt: this worker's spans join it
@@ -98,6 +102,8 @@ def install_internal_routes(app: FastAPI, engine: AsyncEngine, timer: RequestTim
                     yield TokenLine(out.new_token_ids, [lp.to_wire() for lp in out.new_logprobs] or None,
                                     out.finished, out.finish_reason, out.num_prompt_tokens,
                                     out.prefilled_by, out.prefill_failures).encode()
+            except DuplicateRequestId as e:      # came in while this handler was starting the stream
+                yield json.dumps(error_body(409, str(e), "request_id", "duplicate_request_id")) + "\n"
             except InvalidParam as e:
                 yield json.dumps(error_body(400, str(e), e.param, "invalid_value")) + "\n"
             except EngineDeadError as e:
