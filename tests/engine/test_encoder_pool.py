@@ -123,3 +123,102 @@ def test_with_an_internal_token_encoders_answer_only_signed_jobs():
     ok = worker.answer(sign(job, key))
     assert ok["error"] is None and ok["shape"] == [16, 64] and len(ok["embeds"]) == 1
     assert verified(sign(ok, key), key) and not verified(ok | {"auth": "0" * 64}, key)
+
+
+class _FakeEncoder:
+    """An encoder endpoint played by hand: answers each job with what `answer(job)` returns."""
+
+    def __init__(self, answer) -> None:
+        import threading
+
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.answer, self.stop = answer, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from pdserve.protocol import pack, unpack
+
+        while not self.stop.is_set():
+            if self.sock.poll(50):
+                ident, body = self.sock.recv_multipart()
+                job = unpack(body)
+                self.sock.send_multipart([ident, pack(self.answer(job))])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+
+
+@pytest.mark.parametrize("bad", ["shape", "size", "nan", "types"])
+def test_an_encoder_answer_of_the_wrong_shape_or_values_fails_the_request_not_the_engine(loaded, bad):
+    import numpy as np
+
+    tokens, hidden = loaded.vision.spec.tokens_per_image, loaded.vision.spec.text_hidden_size
+    mode = {"bad": bad}
+
+    def answer(job):
+        n, bad = len(job["images"]), mode["bad"]
+        rows = np.zeros((tokens, hidden), np.float32)
+        if bad == "nan":
+            rows[0, 0] = np.nan
+        shape = {"shape": [tokens * 2, hidden // 2]}.get(bad, [tokens, hidden])
+        embeds = [rows.tobytes()[:-4] if bad == "size" else rows.tobytes()] * n
+        if bad == "types":
+            shape, embeds = ["x", None], [1] * n
+        return {"type": "embeds", "job": job["job"], "shape": shape, "dtype": "float32", "error": None,
+                "embeds": embeds}
+
+    enc = _FakeEncoder(answer)
+    try:
+        llm = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256,
+                  vision__encoder_endpoints=[enc.endpoint])
+        _, errors = _run(llm, {"r": llm._chat_prompt(image_chat(1))})
+        assert "the encoder answered" in errors["r"], errors
+        assert llm.engine.pool.num_free == llm.engine.pool.num_blocks and not llm.engine.images.pending
+        # The engine lives on: the same encoder's sound answer serves the next request.
+        mode["bad"] = "none"
+        got, errors = _run(llm, {"r2": llm._chat_prompt(image_chat(1))})
+        assert not errors and len(got["r2"]) == GREEDY.max_tokens
+    finally:
+        enc.close()
+
+
+def test_an_encoder_takes_no_frame_larger_than_its_images_can_be():
+    import threading
+
+    from vlm_images import image_bytes
+
+    from pdserve.config import load_config
+    from pdserve.engine.encoder_worker import EncoderWorker
+    from pdserve.protocol import pack, unpack
+
+    config = load_config(None, {"model.name": "tiny-llava", "vision.max_images": 1, "vision.max_image_bytes": 4096})
+    worker, stop = EncoderWorker(config), threading.Event()
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    sock.close(0)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    t = threading.Thread(target=worker.serve, args=(endpoint, stop.is_set), daemon=True)
+    t.start()
+    try:
+        limit = 4096 + (1 << 20)        # one image of max_image_bytes and the control headroom
+        for job, images in (("big", [b"\0" * (limit + 10)]), ("ok", [image_bytes(1)])):
+            dealer = zmq.Context.instance().socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(endpoint)
+            dealer.send(pack({"type": "encode", "job": job, "images": images}))
+            # Dropped with its connection before anything reads it; the sound job is answered.
+            answered = dealer.poll(3000 if job == "big" else 60000)
+            if job == "big":
+                assert not answered
+            else:
+                assert answered and unpack(dealer.recv())["error"] is None
+            dealer.close(0)
+        assert worker.jobs_total == 1
+    finally:
+        stop.set()
+        t.join(5)
