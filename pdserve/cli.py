@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from pdserve.plan import format_plan, make_plan
             plan = make_plan(config)        # the model's architecture against the deployment
+        if args.command == "router" or (args.command == "serve" and config.deployment.mode == "pd"):
+            from pdserve.router.access import check_admin_exposure
+            check_admin_exposure(config)    # before any worker starts
     except ConfigError as e:
         flags = {k for k, v in overrides.items() if v is not None}
         for key, problem in e.problems:

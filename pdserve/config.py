@@ -151,6 +151,7 @@ class RouterConfig:
     workers: list[dict] = field(default_factory=list)   # static workers: [{url: ..., role: prefill|decode|mixed}]
     api_keys: list[str] = field(default_factory=list)   # also PDSERVE_API_KEYS (comma-separated); none: open
     admin_keys: list[str] = field(default_factory=list)  # /admin/* keys (also PDSERVE_ADMIN_KEYS); set: only these
+    insecure_admin: bool = False             # start off loopback without an admin key (README "Security")
     ip_allowlist: list[str] = field(default_factory=list)   # CIDRs; empty: everyone
     requests_per_minute: int | None = None   # per API key (per client IP without keys)
     tokens_per_minute: int | None = None     # prompt + completion tokens, per API key

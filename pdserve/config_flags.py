@@ -20,6 +20,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     cli: bool = True                        # False: an LLM keyword only
     negative: bool = False                  # a switch that is on by default: the flag is --no-<name>
+    switch: bool = False                    # a switch that is off by default: the flag alone turns it on
 
 
 FLAGS: dict[str, Flag] = {
@@ -53,6 +54,8 @@ FLAGS: dict[str, Flag] = {
     "expert_parallel": Flag("model.expert_parallel", "MoE models: processes sharing the experts (EP ranks)", int),
     "host": Flag("server.host", "address to bind (0.0.0.0: every interface)"),
     "port": Flag("server.port", type=int),
+    "insecure_admin": Flag("router.insecure_admin", "let a router listen off loopback without an admin key",
+                           switch=True),
     "advertise_host": Flag("server.advertise_host", "address the router and peers reach this worker at, when "
                            "--host binds every interface (default: PDSERVE_ADVERTISE_HOST, else this machine's)"),
     "transfer_backend": Flag("transfer.backend", "how KV moves from prefill to decode (mooncake, nixl: optional "
@@ -69,6 +72,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         dashed = name.replace("_", "-")
         if f.negative:
             parser.add_argument(f"--no-{dashed}", dest=name, action="store_false", default=None, help=f.help)
+        elif f.switch:
+            parser.add_argument(f"--{dashed}", dest=name, action="store_true", default=None, help=f.help)
         else:
             parser.add_argument(f"--{dashed}", type=f.type, choices=f.choices, help=f.help)
 

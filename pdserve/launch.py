@@ -61,6 +61,11 @@ def _local_controller(config: Config) -> bool:
     return config.controller.enabled and config.controller.backend == "local"
 
 
+def _keyed(config: Config) -> bool:
+    from pdserve.router.access import KeyStore
+    return KeyStore(config.router.api_keys).enabled or KeyStore(config.router.admin_keys, "PDSERVE_ADMIN_KEYS").enabled
+
+
 def _local_fleet(config: Config, workers: list[WorkerProcess], log_dir: Path):
     """The router's way to start and stop this deployment's workers: the controller's (unless it
     scales Kubernetes Deployments instead) and a rollout's (router/rollout_api.py)."""
@@ -77,9 +82,11 @@ def serve_pd(config: Config, sock=None) -> None:
     from pdserve.server.serving import run_uvicorn
 
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
-    if _local_controller(config) and not (config.server.internal_token or os.environ.get("PDSERVE_INTERNAL_TOKEN")):
+    if (_local_controller(config) and _keyed(config)
+            and not (config.server.internal_token or os.environ.get("PDSERVE_INTERNAL_TOKEN"))):
         # Workers the controller starts register themselves, which takes the internal token once the
         # router has keys; the router and every worker (started with this environment) share one.
+        # Without keys none is made: a token closes the admin API to all but admin keys.
         os.environ["PDSERVE_INTERNAL_TOKEN"] = secrets.token_hex(16)
     workers = start_workers(config, log_dir)
     log.info("worker logs in %s", log_dir)

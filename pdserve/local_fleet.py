@@ -20,6 +20,7 @@ from pdserve.config import Config, for_role, load_config
 from pdserve.version import config_digest
 from pdserve.worker_process import WorkerProcess, write_worker_config
 from pdserve.router.registry import Worker
+from pdserve.router.rollout_keys import rollout_worker_config
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,11 @@ class LocalFleet:
         return n
 
     def write_config(self, data: dict) -> tuple[Path, Config]:
-        """Check `data` as a config file (ConfigError names each bad key) and write it as this
-        deployment's workers read it."""
+        """Check `data` as a config file (ConfigError names each bad key, and each key that is the
+        deployment's to set: router/rollout_keys.py) and write it as this deployment's workers read it."""
         raw = self.log_dir / f"rollout-{next(self._index)}.yaml"
         raw.write_text(yaml.safe_dump(data))
-        config = load_config(raw)
+        config = rollout_worker_config(self.config, load_config(raw))
         return write_worker_config(config, self.log_dir / f"deployment-{config_digest(config)}.yaml"), config
 
     def version_file(self, version: str) -> Path | None:

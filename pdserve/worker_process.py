@@ -14,11 +14,17 @@ from pdserve.config import Config, derive
 from pdserve.utils.process import die_with_parent
 
 
+# The router's secrets a worker has no use for: it takes the internal token, never a client or admin key.
+ROUTER_SECRETS = ("PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEYS", "PDSERVE_ADMIN_KEY")
+
+
 def write_worker_config(config: Config, path: Path) -> Path:
     """The config file a one-machine deployment's workers read: they listen on loopback only (the
-    router alone listens on server.host) and publish KV events on free ports (shown in their /health)."""
+    router alone listens on server.host) and publish KV events on free ports (shown in their /health).
+    The router's client and admin keys are left out."""
     workers = derive(config, {"deployment.mode": "pd", "server.advertise_host": None,
-                              "cache.kv_events_endpoint": config.cache.kv_events_endpoint or "tcp://127.0.0.1:*"})
+                              "cache.kv_events_endpoint": config.cache.kv_events_endpoint or "tcp://127.0.0.1:*",
+                              "router.api_keys": [], "router.admin_keys": []})
     path.write_text(yaml.safe_dump(workers.to_dict()))
     return path
 
@@ -43,7 +49,7 @@ class WorkerProcess:
         self.port: int | None = None
         cmd = [sys.executable, "-m", "pdserve.cli", "worker", "--role", role, "--config", str(config_file),
                "--host", host, "--port", "0", "--port-file", str(self.port_file), *extra]
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in ROUTER_SECRETS}
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env[k] = str(threads)
         self.log_path = log_dir / f"{role}-{index}.log"

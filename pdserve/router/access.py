@@ -5,11 +5,13 @@ credentials presented:
 - registration: `POST /admin/workers/register` and `.../{id}/heartbeat`: the internal token (what
   self-registering workers send) or an admin key; never a client key, which would let a tenant
   register a worker of its own and receive other tenants' prompts.
-- admin: the rest of `/admin/*`: an admin key once any key (client or admin) is configured.
+- admin: the rest of `/admin/*`: an admin key once any key or the internal token is configured.
+  `/health` shows the workers' detail (URLs, pids, KV endpoints) only to those who may call it.
 - client: everything else (the OpenAI API): a client or an admin key once client keys are configured.
 
-With no key and no token at all everything is open: the laptop default, loudly warned about when
-the router listens on more than loopback (exposure_warnings).
+With no key and no token at all everything is open: the laptop default. A router that listens on
+more than loopback without an admin key refuses to start (admin_exposure) unless told otherwise
+(router.insecure_admin), and an open one is loudly warned about (exposure_warnings).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 from starlette.responses import Response
 
+from pdserve.config import Config, ConfigError
 from pdserve.server.errors import error_response
 
 OPEN_PATHS = ("/health", "/metrics")
@@ -57,6 +60,11 @@ class KeyStore:
         return found
 
 
+def bearer_key(authorization: str) -> str:
+    """The key of an `Authorization: Bearer <key>` header ("" when there is none)."""
+    return authorization[7:].strip() if authorization.lower().startswith("bearer ") else ""
+
+
 def path_kind(path: str) -> str:
     """open | registration | admin | client (the path as the router routes it: already decoded)."""
     if path in OPEN_PATHS:
@@ -83,6 +91,15 @@ class Access:
     def keyed(self) -> bool:
         return self.clients.enabled or self.admins.enabled
 
+    @property
+    def admin_open(self) -> bool:
+        """Whether the admin API takes calls without an admin key: only with no key and no token at
+        all (a token alone must not leave it open: a worker started through it inherits the token)."""
+        return not (self.keyed or self.token)
+
+    def admin_allowed(self, bearer: str) -> bool:
+        return self.admin_open or bool(bearer and self.admins.identify(bearer))
+
     def check(self, path: str, bearer: str, token: bytes) -> Verdict:
         """bearer: the presented API key ("" when none); token: the internal-token header (b"" when none)."""
         kind = path_kind(path)
@@ -102,7 +119,7 @@ class Access:
             return Verdict(error_response(401, "registering a worker needs the internal token "
                                                "(x-pdserve-internal-token) or an admin key", code="internal_token"))
         if kind == "admin":
-            if admin or not self.keyed:
+            if admin or self.admin_open:
                 return Verdict(key=admin)
             if client:
                 return Verdict(error_response(403, "this API key is not an admin key (see router.admin_keys)",
@@ -122,6 +139,24 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False            # a host name or an empty host: assume it is reachable from elsewhere
+
+
+def check_admin_exposure(config: Config) -> None:
+    """Raise ConfigError (naming router.admin_keys) when a router with this config must not start."""
+    admins = KeyStore(config.router.admin_keys, "PDSERVE_ADMIN_KEYS").enabled
+    problem = admin_exposure(config.server.host, admins, config.router.insecure_admin)
+    if problem:
+        raise ConfigError([("router.admin_keys", problem)])
+
+
+def admin_exposure(host: str, admin_keys: bool, insecure_admin: bool) -> str | None:
+    """Why a router must not start listening on `host` (None: it may): off loopback it needs an admin
+    key, unless router.insecure_admin says the admin API may be open or unusable."""
+    if admin_keys or insecure_admin or _loopback(host):
+        return None
+    return (f"the router listens on {host} with no admin key: set router.admin_keys (or PDSERVE_ADMIN_KEYS), "
+            "bind 127.0.0.1, or accept an admin API that is open to anyone who can reach it when no key or token "
+            "is set (router.insecure_admin: true, flag --insecure-admin)")
 
 
 def exposure_warnings(host: str, client_keys: bool, admin_keys: bool, token: bool,

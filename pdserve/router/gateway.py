@@ -11,7 +11,7 @@ import time
 from contextlib import asynccontextmanager
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from pdserve.common.images import image_slots
 from pdserve.common import tracing
@@ -21,7 +21,7 @@ from pdserve.protocol import (
     WorkerRegistration,
 )
 from pdserve.protocol.control import RoleChange
-from pdserve.router.access import Access, KeyStore, exposure_warnings
+from pdserve.router.access import Access, KeyStore, bearer_key, check_admin_exposure, exposure_warnings
 from pdserve.router.admission import Admission
 from pdserve.router.backend import RemoteBackend
 from pdserve.router.controller import Controller, Fleet
@@ -46,6 +46,7 @@ _SUMMED = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_ca
 def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     """`fleet`: how the controller starts and stops workers (pdserve serve passes its local one)."""
     rc = config.router
+    check_admin_exposure(config)
     tracing.setup("pdserve-router", config.server.otlp_endpoint)
     token = internal_token(config.server.internal_token)
     registry = Registry(rc.breaker_failures, rc.breaker_cooldown_s, rc.heartbeat_timeout_s,
@@ -121,10 +122,12 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
                        limiter=limiter, on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         decode = [w for w in registry.pool("decode") if w.healthy and not w.draining]
         if not decode:
             return error_response(503, "no healthy decode worker", code="no_workers")
+        if not access.admin_allowed(bearer_key(request.headers.get("authorization", ""))):
+            return {"status": "ok"}     # probes; the workers' URLs, pids and KV endpoints are the admin API's
         return {"status": "ok", "workers": [w.describe() for w in registry.workers.values()]}
 
     # ------------------------------------------------------------------ admin (who may call: access.py)

@@ -22,6 +22,7 @@ from pdserve.bench.procs import ServerProcess, pdserve_cmd, thread_env
 
 MODEL = "tiny-qwen2"     # random weights, fast; greedy output depends on the KV (tiny-llama's does not)
 TOKEN = "cluster-internal-token"
+ADMIN = "cluster-admin-key"      # routers listen off loopback: they need one (and /admin/* takes only it)
 PORT, KV_PORT, EVENTS_PORT, REDIS_PORT = 8000, 5556, 5557, 6379
 ROLES = {"prefill-a": "prefill", "prefill-b": "prefill", "decode-a": "decode", "decode-b": "decode"}
 # prefill-b sends KV at this rate (transfer.bandwidth_limit): a slow link, and a transfer long enough
@@ -35,7 +36,7 @@ CONFIG = {
     # Short deadlines keep the faults quick; generous enough for a loaded 2-core machine.
     "disagg": {"bootstrap_timeout_s": 4, "transfer_timeout_s": 6, "queue_timeout_s": 30, "peer_retry_s": 5,
                "local_prefill_max_tokens": 16},
-    "router": {"health_period_s": 0.5, "heartbeat_timeout_s": 3, "connect_timeout_s": 2, "max_retries": 3,
+    "router": {"admin_keys": [ADMIN], "health_period_s": 0.5, "heartbeat_timeout_s": 3, "connect_timeout_s": 2, "max_retries": 3,
                "breaker_failures": 3, "breaker_cooldown_s": 2},
 }
 
@@ -161,7 +162,8 @@ class PDCluster:
         """A router's /admin/workers keyed by host name (a worker's URL names its host's address)."""
         by_ip = {h.ip: n for n, h in self.net.hosts.items()}
         out = {}
-        for w in httpx.get(self.procs[router].url + "/admin/workers", timeout=5).json()["workers"]:
+        for w in httpx.get(self.procs[router].url + "/admin/workers", timeout=5,
+                           headers={"Authorization": f"Bearer {ADMIN}"}).json()["workers"]:
             out[by_ip[httpx.URL(w["url"]).host]] = w
         return out
 

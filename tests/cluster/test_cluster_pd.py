@@ -14,7 +14,7 @@ import httpx
 import pytest
 from cluster.cluster_hosts import ShapingUnavailable, unavailable, wait_until
 from cluster.figures import record, timed
-from cluster.pd_cluster import CONFIG, MODEL, ROLES, SLOW_PREFILL, TOKEN, PDCluster, prompt, recovery_s
+from cluster.pd_cluster import ADMIN, CONFIG, MODEL, ROLES, SLOW_PREFILL, TOKEN, PDCluster, prompt, recovery_s
 from cluster.traces import check_migrated_trace, check_one_trace
 
 from pdserve.protocol import INTERNAL_TOKEN_HEADER
@@ -358,7 +358,8 @@ def test_slow_link_layerwise(cluster):
     times out. (Whether layer-wise writes beat writing after the forward is measured on the real
     model by benchmarks/slow_link.py: with this 2-layer model the link alone sets both.)"""
     ws = cluster.workers()
-    assert httpx.post(f"{cluster.router.url}/admin/workers/{ws['prefill-b']['id']}/drain", timeout=5).status_code == 200
+    assert httpx.post(f"{cluster.router.url}/admin/workers/{ws['prefill-b']['id']}/drain", timeout=5,
+                      headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
     leaked, f = _slow_link_load(cluster, "prefill-a", 70)
     record("a slow link: a prefill host at 8 Mbit/s, layer-wise writes", 6, 0, None, leaked,
            f"{f['kv_bytes'] / 1e6:.1f} MB of KV; decode-side job {f['job_s']:.2f} s mean; no transfer failed")

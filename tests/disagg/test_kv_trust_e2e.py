@@ -15,6 +15,7 @@ from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 
 MODEL = "tiny-qwen2"
 TOKEN = "kv-plane-secret"
+ADMIN = "kv-trust-admin"        # with the internal token set, /admin/* takes only admin keys
 pytestmark = pytest.mark.slow
 
 
@@ -42,10 +43,11 @@ def test_an_incompatible_prefill_worker_and_a_too_long_prompt_reach_the_client_a
         prefill.wait_ready(timeout=120)
         decode.wait_ready(timeout=120)
         with _proc(tmp_path, "router", ["router", "--worker", f"prefill={prefill.url}", "--worker",
-                                        f"decode={decode.url}"], {}) as router:
+                                        f"decode={decode.url}"], {"router": {"admin_keys": [ADMIN]}}) as router:
             router.wait_ready(timeout=120)
             deadline = time.monotonic() + 60        # both workers seen healthy by the router
-            while not all(w["healthy"] for w in httpx.get(router.url + "/admin/workers").json()["workers"]):
+            while not all(w["healthy"] for w in httpx.get(router.url + "/admin/workers",
+                                                          headers={"Authorization": f"Bearer {ADMIN}"}).json()["workers"]):
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
             client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=60)

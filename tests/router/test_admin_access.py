@@ -109,6 +109,54 @@ def test_without_a_token_registration_needs_an_admin_key_once_keys_are_set():
     assert call("POST", "/admin/workers/register", token=TOKEN, json=REG).status_code == 200
 
 
+def test_the_internal_token_alone_closes_the_admin_api():
+    """A router with only the internal token (as the launcher made one for the local controller):
+    the admin API takes nobody, not even the token's holders (a worker started through it inherits
+    the token); registration still takes the token, and the OpenAI API stays open (no client keys)."""
+    call = _calls(token=TOKEN)
+    for method, path, body in (("PUT", "/admin/canary", {"version": "v", "weight": 1.0}), ("GET", "/admin/workers", None),
+                               ("GET", "/admin/canary", None), ("GET", "/admin/controller", None),
+                               ("POST", "/admin/workers", {"role": "decode", "config": {"server": {"router_url": "http://x"}}}),
+                               ("POST", "/admin/workers/w-1/drain", None), ("DELETE", "/admin/workers/w-1", None)):
+        assert _error(call(method, path, json=body), 401)["code"] == "invalid_api_key", (method, path)
+        _error(call(method, path, token=TOKEN, json=body), 401)
+    assert call("POST", "/admin/workers/register", token=TOKEN, json=REG).status_code == 200
+    assert call("GET", "/v1/models").status_code == 200
+
+
+def test_a_router_off_loopback_needs_an_admin_key_to_start(monkeypatch):
+    from pdserve.config import ConfigError
+    for host in ("0.0.0.0", "::", "192.168.1.7"):
+        for token in (None, TOKEN):
+            with pytest.raises(ConfigError) as e:
+                _calls({"api_keys": [CLIENT]}, token=token, host=host)
+            [(key, problem)] = e.value.problems
+            assert key == "router.admin_keys" and "PDSERVE_ADMIN_KEYS" in problem and "--insecure-admin" in problem
+        _calls({"admin_keys": [ADMIN]}, host=host)
+        _calls({"insecure_admin": True}, host=host)
+    _calls(host="127.0.0.1")                # the laptop default needs nothing
+    monkeypatch.setenv("PDSERVE_ADMIN_KEYS", ADMIN)
+    _calls(host="0.0.0.0")
+
+
+def test_the_command_line_exits_2_naming_the_setting(tmp_path):
+    """`pdserve router` and `pdserve serve` refuse before anything starts; loopback needs no flag."""
+    import os
+    import subprocess
+
+    from pdserve.bench.procs import pdserve_cmd
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(pdserve_cmd() + [*args, "--model", "tiny-qwen2"], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=tmp_path)
+    for args in (["router", "--host", "0.0.0.0", "--port", "0"], ["serve", "--host", "0.0.0.0", "--dry-run"]):
+        out = run(*args)
+        assert out.returncode == 2 and "router.admin_keys" in out.stderr and "--insecure-admin" in out.stderr, out
+    assert run("serve", "--host", "0.0.0.0", "--insecure-admin", "--dry-run").returncode == 0
+    assert run("serve", "--dry-run").returncode == 0
+
+
 def test_nothing_configured_is_open():
     call = _calls()
     assert call("POST", "/admin/workers/register", json=REG).status_code == 200
@@ -148,7 +196,7 @@ def test_an_open_router_on_a_public_address_warns(host, loud):
 
 def test_the_router_logs_the_warning_when_it_starts(caplog):
     with caplog.at_level(logging.WARNING, logger="pdserve.router"):
-        _calls(host="0.0.0.0")
+        _calls({"insecure_admin": True}, host="0.0.0.0")
     assert any(r.levelno == logging.WARNING and "anyone" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pdserve.router"):

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from api_errors import openai_error as _error
-from pdserve.config import load_config
+from pdserve.config import ConfigError, load_config
 from pdserve.local_fleet import LocalFleet
 
 ADMIN = "sk-admin-r"
@@ -81,3 +81,51 @@ def test_a_start_is_refused_before_any_process_when_its_config_is_wrong(tmp_path
     err = _error(call("POST", "/admin/workers", json={"role": "prefill", "version": "0.1.0+000000000000"}), 404)
     assert err["code"] == "unknown_version"
     assert not list(tmp_path.glob("*.log"))         # no worker was started
+
+
+def test_a_start_cannot_point_a_worker_elsewhere(tmp_path):
+    """A new worker holds the internal token and the deployment's KV and prompts: the admin API may
+    not choose its router, peers, encoders, remote tier, trace collector, image fetches or secrets."""
+    call = _router(tmp_path)
+    hostile = {"model": {"name": "tiny-qwen2"},
+               "server": {"router_url": "http://203.0.113.9:8000", "otlp_endpoint": "http://203.0.113.9:4318",
+                          "internal_token": "mine"},
+               "cache": {"remote": "redis://203.0.113.9:6379/0", "kv_events_endpoint": "tcp://0.0.0.0:5557",
+                         "disk_cache_dir": str(tmp_path / "elsewhere")},
+               "disagg": {"prefill_endpoints": ["tcp://203.0.113.9:7000"]},
+               "vision": {"encoder_endpoints": ["tcp://203.0.113.9:7100"], "allow_remote_urls": True}}
+    err = _error(call("POST", "/admin/workers", json={"role": "decode", "config": hostile, "timeout_s": 60}), 400)
+    named = {"server.router_url", "server.otlp_endpoint", "server.internal_token", "cache.remote",
+             "cache.kv_events_endpoint", "cache.disk_cache_dir", "disagg.prefill_endpoints",
+             "vision.encoder_endpoints", "vision.allow_remote_urls"}
+    assert err["param"] == "config" and all(k in err["message"] for k in named), err["message"]
+    assert not list(tmp_path.glob("*.log"))         # no worker was started
+
+
+def test_a_new_version_changes_what_a_worker_computes_and_keeps_the_rest(tmp_path):
+    """What `pdserve rollout` sends (a whole config: another max_num_seqs, its own rollout settings,
+    defaults for the process's ports) is taken; the worker's file has the deployment's endpoints and
+    token, and neither the client nor the admin keys."""
+    import yaml
+
+    from pdserve.router.rollout_keys import rollout_worker_config
+    deployment = load_config(overrides={
+        "model.name": "tiny-qwen2", "server.host": "0.0.0.0", "server.port": 9000, "server.internal_token": "tok",
+        "server.otlp_endpoint": "http://collector:4318", "cache.remote": "redis://kv:6379/0",
+        "router.api_keys": ["sk-client"], "router.admin_keys": [ADMIN], "rollout.window_s": 5.0})
+    new = load_config(overrides={"model.name": "tiny-qwen2", "scheduler.max_num_seqs": 7, "rollout.window_s": 9.0,
+                                 "server.otlp_endpoint": "http://collector:4318", "cache.remote": "redis://kv:6379/0"})
+    got = rollout_worker_config(deployment, new)
+    assert got.scheduler.max_num_seqs == 7 and got.router == deployment.router and got.rollout == deployment.rollout
+    assert (got.server.internal_token, got.server.host, got.cache.remote) == ("tok", "0.0.0.0", "redis://kv:6379/0")
+    # A remote tier or collector the deployment has and the new version leaves out changes what runs: said.
+    with pytest.raises(ConfigError, match="cache.remote"):
+        rollout_worker_config(deployment, load_config(overrides={"model.name": "tiny-qwen2",
+                                                                 "server.otlp_endpoint": "http://collector:4318"}))
+    fleet = LocalFleet(deployment, [], tmp_path / "deployment.yaml", tmp_path, "http://127.0.0.1:1")
+    path, written = fleet.write_config(new.to_dict())
+    text = path.read_text()
+    assert "sk-client" not in text and ADMIN not in text
+    data = yaml.safe_load(text)
+    assert data["router"]["api_keys"] == data["router"]["admin_keys"] == []
+    assert data["scheduler"]["max_num_seqs"] == 7 and data["cache"]["remote"] == "redis://kv:6379/0"

@@ -18,7 +18,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 
 MODEL = "tiny-qwen2"
-KEY, OTHER_KEY = "sk-test-7c1d9", "sk-other-42aa"
+KEY, OTHER_KEY, ADMIN = "sk-test-7c1d9", "sk-other-42aa", "sk-admin-31f0"
 TOKEN = "internal-secret"
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,8 @@ def router(tmp_path_factory, worker):
     tmp = tmp_path_factory.mktemp("router")
     srv = _start(tmp, "router", ["router", "--worker", f"mixed={worker.url}"], {
         "server": {"internal_token": TOKEN},
-        "router": {"api_keys": [KEY, OTHER_KEY], "max_concurrent": 1, "max_queue": 2, "queue_timeout_s": 0.3}})
+        "router": {"api_keys": [KEY, OTHER_KEY], "admin_keys": [ADMIN], "max_concurrent": 1, "max_queue": 2,
+                   "queue_timeout_s": 0.3}})
     srv.wait_ready(timeout=120)
     yield srv
     srv.stop()
@@ -102,6 +103,16 @@ def test_keys_and_parity_through_the_router(router):
         openai.OpenAI(base_url=router.url + "/v1", api_key="nope", max_retries=0).models.list()
     log = router.log_path.read_text()
     assert "key=key-" in log and KEY not in log and OTHER_KEY not in log
+
+
+def test_health_shows_the_workers_to_admin_keys_only(router, worker):
+    """Probes get a plain status; the workers' URLs, pids and KV endpoints are for admin keys."""
+    for headers in ({}, _auth(), _auth("sk-wrong"), {"x-pdserve-internal-token": TOKEN}):
+        r = httpx.get(router.url + "/health", headers=headers)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, headers
+        assert worker.url not in r.text
+    [w] = httpx.get(router.url + "/health", headers=_auth(ADMIN)).json()["workers"]
+    assert w["url"] == worker.url and w["pid"] == worker.proc.pid and w["healthy"]
 
 
 def test_stop_strings_are_applied_at_the_router(router):
@@ -280,18 +291,20 @@ def test_retries_on_another_worker_and_the_breaker_opens(tmp_path, worker):
         srv = _start(tmp_path, "retry-router", ["router", "--worker", f"mixed=http://127.0.0.1:{broken.port}",
                                                 "--worker", f"mixed={worker.url}"],
                      {"server": {"internal_token": TOKEN},
-                      "router": {"breaker_failures": 3, "breaker_cooldown_s": 60, "retry_backoff_s": 0.01},
+                      "router": {"breaker_failures": 3, "breaker_cooldown_s": 60, "retry_backoff_s": 0.01,
+                                 "admin_keys": [ADMIN]},
                       "load_balancer": {"decode": "round_robin", "prefill": "round_robin"}})
         with srv:
             srv.wait_ready(timeout=60)
             deadline = time.monotonic() + 20
-            while len([w for w in httpx.get(srv.url + "/admin/workers").json()["workers"] if w["healthy"]]) < 2:
+            while len([w for w in httpx.get(srv.url + "/admin/workers", headers=_auth(ADMIN)).json()["workers"]
+                       if w["healthy"]]) < 2:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
             for _ in range(8):       # every request succeeds: the broken worker's 503s are retried elsewhere
                 r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
                 assert r.status_code == 200, r.text
-            workers = {w["url"]: w for w in httpx.get(srv.url + "/admin/workers").json()["workers"]}
+            workers = {w["url"]: w for w in httpx.get(srv.url + "/admin/workers", headers=_auth(ADMIN)).json()["workers"]}
             bad = workers[f"http://127.0.0.1:{broken.port}"]
             assert bad["breaker"] == "open" and bad["retries"] == 3 and broken.calls == 3   # open: no more tries
             assert workers[worker.url]["breaker"] == "closed"

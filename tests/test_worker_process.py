@@ -1,0 +1,37 @@
+"""What a one-machine deployment hands its worker processes (pdserve/worker_process.py): the internal
+token, which they need, and never the router's client or admin keys, in their config file or their
+environment (a real worker process, its environment read from /proc)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from pdserve.config import load_config
+from pdserve.worker_process import WorkerProcess, write_worker_config
+
+
+def test_workers_get_the_internal_token_and_none_of_the_routers_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_API_KEYS", "sk-client-env")
+    monkeypatch.setenv("PDSERVE_ADMIN_KEYS", "sk-admin-env")
+    monkeypatch.setenv("PDSERVE_ADMIN_KEY", "sk-admin-cli")
+    monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", "tok-env")
+    config = load_config(overrides={"model.name": "tiny-qwen2", "router.api_keys": ["sk-client-file"],
+                                    "router.admin_keys": ["sk-admin-file"], "server.internal_token": "tok-file"})
+    path = write_worker_config(config, tmp_path / "deployment.yaml")
+    text = path.read_text()
+    assert "sk-client-file" not in text and "sk-admin-file" not in text
+    data = yaml.safe_load(text)
+    assert data["server"]["internal_token"] == "tok-file" and data["router"]["admin_keys"] == []
+
+    proc = WorkerProcess("decode", 0, path, "127.0.0.1", 1, None, tmp_path, [])
+    try:
+        # Popen returns once the child has exec'd: its environment is the worker's from here on.
+        raw = Path(f"/proc/{proc.proc.pid}/environ").read_bytes().decode(errors="replace")
+    finally:
+        proc.stop()
+        proc.wait(30)
+    env = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+    assert env.get("PDSERVE_INTERNAL_TOKEN") == "tok-env"
+    assert not {"PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEYS", "PDSERVE_ADMIN_KEY"} & set(env)
+    assert "sk-admin" not in raw and "sk-client" not in raw
