@@ -7,9 +7,16 @@ event with seq <= the snapshot's is already in it, and a gap in seq (PUB drops o
 worker restart) marks the worker for a fresh snapshot. Publishing never blocks the engine: events
 go to an in-memory queue that a thread owning the sockets drains; past its bound they are dropped
 (counted, and the gap shows up at the routers).
+
+Block hashes are a cache-probing oracle (hash a guessed prompt, watch for it), so both sockets are
+for the router only: a one-machine deployment binds them on loopback (worker_process.py), and with
+an internal token they are CurveZMQ servers whose keys derive from the token, accepting only
+clients that hold it: events and snapshots are encrypted, and nobody else can subscribe or ask.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import threading
@@ -19,6 +26,7 @@ from typing import Any
 
 import msgpack
 import zmq
+from zmq.utils import z85
 
 from pdserve.cache.kv_index import TIER_RANK, KVIndex, hash_hex
 from pdserve.protocol import KV_TIERS, KVEvent, KVEventBatch, KVSnapshot
@@ -53,20 +61,49 @@ def _bind(sock: zmq.Socket, endpoint: str, wait_s: float = 3.0) -> None:
             time.sleep(0.05)
 
 
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"      # where libzmq asks who may connect (one per context)
+
+
+def curve_keys(token: str, side: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 CurveZMQ keys of `side` (b"server" or b"client"), derived from the token."""
+    secret = z85.encode(hmac.new(token.encode(), b"pdserve kv-events " + side, hashlib.sha256).digest())
+    return zmq.curve_public(secret), secret
+
+
+def _curve_client(sock: zmq.Socket, token: str) -> None:
+    sock.curve_serverkey = curve_keys(token, b"server")[0]
+    sock.curve_publickey, sock.curve_secretkey = curve_keys(token, b"client")
+
+
 class KVEventPublisher:
     def __init__(self, endpoint: str, worker_id: str, snapshot_endpoint: str | None = None, *,
                  max_pending: int = 100_000, sndhwm: int = 10_000, max_batch: int = 1000,
-                 context: zmq.Context | None = None, advertise_host: str | None = None) -> None:
+                 context: zmq.Context | None = None, advertise_host: str | None = None,
+                 token: str | None = None) -> None:
         """Binds both sockets now (errors surface here); tcp://host:* picks a free port, see .endpoint
-        (named with `advertise_host` when given: what subscribers on other machines connect to)."""
+        (named with `advertise_host` when given: what subscribers on other machines connect to).
+        With `token` (the internal token) only subscribers holding it connect; the publisher then
+        has a context of its own, whose ZAP handler (one per context) it is."""
         self.worker_id = worker_id
         self.max_pending = max_pending
         self.max_batch = max_batch
-        ctx = context or zmq.Context.instance()
+        self._own_ctx = zmq.Context() if token else None
+        ctx = self._own_ctx or context or zmq.Context.instance()
+        self._zap = None
+        if token:
+            self._zap = ctx.socket(zmq.REP)
+            self._zap.setsockopt(zmq.LINGER, 0)
+            self._zap.bind(_ZAP_ENDPOINT)
+            self._client_key = z85.decode(curve_keys(token, b"client")[0])
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, sndhwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._snap = ctx.socket(zmq.ROUTER) if snapshot_endpoint is not None else None
+        for sock in (self._pub, self._snap):
+            if token and sock is not None:
+                sock.curve_server = True
+                sock.curve_secretkey = curve_keys(token, b"server")[1]
+                sock.zap_domain = b"pdserve-kv-events"
         try:
             _bind(self._pub, endpoint)
             self.endpoint = with_host(self._pub.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
@@ -76,9 +113,11 @@ class KVEventPublisher:
                 _bind(self._snap, snapshot_endpoint)
                 self.snapshot_endpoint = with_host(self._snap.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         except zmq.ZMQError:
-            self._pub.close()
-            if self._snap is not None:
-                self._snap.close()
+            for sock in (self._pub, self._snap, self._zap):
+                if sock is not None:
+                    sock.close()
+            if self._own_ctx is not None:
+                self._own_ctx.term()
             raise
         # A pipe wakes the socket thread: zmq polls raw fds, and pipe writes are thread-safe.
         self._wake_r, self._wake_w = os.pipe()
@@ -94,6 +133,7 @@ class KVEventPublisher:
         self.published = 0
         self.dropped = 0
         self.snapshots_served = 0
+        self.refused = 0                             # peers without the token's key
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -188,11 +228,14 @@ class KVEventPublisher:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
-        if self._snap is not None:
-            poller.register(self._snap, zmq.POLLIN)
+        for sock in (self._snap, self._zap):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
         try:
             while not self._closing:
                 ready = dict(poller.poll())
+                if self._zap is not None and self._zap in ready:
+                    self._authenticate()
                 if self._wake_r in ready:
                     self._send_pending()
                 if self._snap is not None and self._snap in ready:
@@ -201,9 +244,24 @@ class KVEventPublisher:
         except Exception:
             log.exception("KV event publisher stopped")
         finally:
-            self._pub.close()
-            if self._snap is not None:
-                self._snap.close()
+            for sock in (self._pub, self._snap, self._zap):
+                if sock is not None:
+                    sock.close()
+
+    def _authenticate(self) -> None:
+        """Answers libzmq's ZAP request for a connecting peer: only the token's client key gets in."""
+        zap = self._zap
+        assert zap is not None
+        frames = zap.recv_multipart()
+        request_id = frames[1] if len(frames) > 1 else b""
+        key = frames[6] if len(frames) > 6 and frames[5] == b"CURVE" else b""
+        ok = hmac.compare_digest(key, self._client_key)
+        if not ok:
+            self.refused += 1
+            if self.refused & (self.refused - 1) == 0:       # 1, 2, 4, ...: a retrying peer cannot flood the log
+                log.warning("KV events: refused a subscriber without the internal token (%d so far)", self.refused)
+        zap.send_multipart([b"1.0", request_id, b"200" if ok else b"400",
+                                  b"OK" if ok else b"not the internal token's key", b"", b""])
 
     def _send_pending(self) -> None:
         try:
@@ -256,14 +314,18 @@ class KVEventPublisher:
         self._thread.join(timeout)
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self._own_ctx is not None and not self._thread.is_alive():
+            self._own_ctx.term()
 
 
 class KVEventSubscriber:
     """A router's view of one worker: SUB to its events, REQ for its snapshot."""
 
     def __init__(self, endpoint: str, snapshot_endpoint: str | None = None, *,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, token: str | None = None) -> None:
+        """`token`: the internal token, when the workers have one (their sockets then take only its key)."""
         self._ctx = context or zmq.Context.instance()
+        self._token = token
         self.snapshot_endpoint = snapshot_endpoint
         self.worker_id: str | None = None       # known after the first snapshot
         self.malformed = 0
@@ -271,6 +333,8 @@ class KVEventSubscriber:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
         self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        if token:
+            _curve_client(self._sub, token)
         self._sub.connect(endpoint)
 
     def snapshot(self, timeout: float = 5.0) -> KVSnapshot:
@@ -279,6 +343,8 @@ class KVEventSubscriber:
             raise ValueError("no snapshot endpoint")
         req = self._ctx.socket(zmq.REQ)     # one per call: a REQ that timed out cannot send again
         req.setsockopt(zmq.LINGER, 0)
+        if self._token:
+            _curve_client(req, self._token)
         try:
             req.connect(self.snapshot_endpoint)
             req.send(_SNAPSHOT_REQUEST)

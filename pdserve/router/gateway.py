@@ -69,7 +69,7 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     limiter = rate_limiter(rc.requests_per_minute, rc.tokens_per_minute, rc.shared_limits)
     encoder = EncoderPool(config.model.name, rc.encoder_workers)
     tokenizer = encoder.local or load_tokenizer(config.model.name)     # for detokenizing the streams
-    feed = IndexFeed()
+    feed = IndexFeed(token)
     client = httpx.AsyncClient(timeout=httpx.Timeout(rc.request_timeout_s, connect=rc.connect_timeout_s),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
     admission = Admission(rc.max_concurrent, rc.max_queue, rc.queue_timeout_s)

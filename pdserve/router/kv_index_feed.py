@@ -27,7 +27,9 @@ SNAPSHOT_RETRY_S = 5.0
 
 
 class IndexFeed:
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
+        """`token`: the internal token, which the workers' event sockets take (cache/kv_events.py)."""
+        self.token = token
         self.index = KVIndex()
         self.lock = threading.Lock()
         self._subs: dict[str, KVEventSubscriber] = {}      # event endpoint -> subscriber (kv-index thread)
@@ -71,7 +73,7 @@ class IndexFeed:
                 self._retry_at.pop(ep, None)
             for ep, snap in list(self._wanted.items()):
                 if ep not in self._subs:
-                    self._subs[ep] = KVEventSubscriber(ep, snap)
+                    self._subs[ep] = KVEventSubscriber(ep, snap, token=self.token)
             busy = False
             for ep, sub in list(self._subs.items()):
                 try:

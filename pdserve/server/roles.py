@@ -1,6 +1,7 @@
 """A worker's role: which engine it builds and which KV connector plugs into its loop."""
 from __future__ import annotations
 
+import ipaddress
 import logging
 
 from pdserve.cache.kv_cache import new_shm_path
@@ -40,9 +41,23 @@ def kv_event_publisher(config: Config):
         ep = cc.kv_events_endpoint
         snapshot = ep.rsplit(":", 1)[0] + ":*" if ep.startswith("tcp://") else ep + "-snapshot"
     worker_id = worker_name(config)
-    pub = KVEventPublisher(cc.kv_events_endpoint, worker_id, snapshot, advertise_host=public_host(config))
+    pub = KVEventPublisher(cc.kv_events_endpoint, worker_id, snapshot, advertise_host=public_host(config),
+                           token=internal_token(config.server.internal_token))
     log.info("KV events on %s, snapshots on %s", pub.endpoint, pub.snapshot_endpoint)
+    if not internal_token(config.server.internal_token) and not _loopback_endpoint(cc.kv_events_endpoint):
+        log.warning("KV events on %s without an internal token: anyone who reaches it reads this worker's block "
+                    "hashes and can probe its cache; set PDSERVE_INTERNAL_TOKEN or bind 127.0.0.1", cc.kv_events_endpoint)
     return pub
+
+
+def _loopback_endpoint(endpoint: str) -> bool:
+    if not endpoint.startswith("tcp://"):
+        return True             # ipc:// and inproc:// stay on this machine
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def kv_pool_in_shm(config: Config, role: str) -> bool:

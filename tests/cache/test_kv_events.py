@@ -231,3 +231,39 @@ def test_index_match_equals_its_definition_under_random_events():
                 index.remove_worker(w)
         q = hs[:rng.randint(0, 12)]
         assert index.match(q) == _reference_match(index, q)
+
+
+def test_with_the_internal_token_only_its_holders_read_events_and_snapshots(tmp_path):
+    """Block hashes are a cache-probing oracle: with a token, a peer without it (plain, with another
+    token, or knowing the server's key but not the client's) gets no event and no snapshot, on a
+    wildcard bind too; the router's subscriber, which holds it, gets both."""
+    from pdserve.cache.kv_events import curve_keys
+    pub = KVEventPublisher("tcp://0.0.0.0:*", "w", "tcp://0.0.0.0:*", advertise_host="127.0.0.1", token="tok-1")
+    router = KVEventSubscriber(pub.endpoint, pub.snapshot_endpoint, token="tok-1")
+    strangers = [KVEventSubscriber(pub.endpoint, pub.snapshot_endpoint),
+                 KVEventSubscriber(pub.endpoint, pub.snapshot_endpoint, token="tok-2")]
+    leaked = zmq.Context.instance().socket(zmq.SUB)     # the server's key leaked; the client's did not
+    leaked.setsockopt(zmq.LINGER, 0)
+    leaked.setsockopt(zmq.SUBSCRIBE, b"")
+    leaked.curve_serverkey = curve_keys("tok-1", b"server")[0]
+    leaked.curve_publickey, leaked.curve_secretkey = zmq.curve_keypair()
+    leaked.connect(pub.endpoint)
+    try:
+        _connected(pub, router)
+        pub.stored(["secret-prefix"])
+        seen: list[KVEvent] = []
+        deadline = time.monotonic() + WAIT
+        while not any(e.block_hashes == ["secret-prefix"] for e in seen):
+            assert time.monotonic() < deadline
+            seen += router.poll(0.05)
+        assert "secret-prefix" in router.snapshot(timeout=WAIT).blocks
+        for s in strangers:
+            assert s.poll(1.0) == []
+            with pytest.raises(TimeoutError):
+                s.snapshot(timeout=1.0)
+        assert not leaked.poll(1000) and pub.refused >= 1 and pub.snapshots_served == 1
+    finally:
+        for s in (router, *strangers):
+            s.close()
+        leaked.close()
+        pub.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from pdserve.cache.kv_events import KVEventPublisher
 from pdserve.router.kv_index_feed import IndexFeed
 
@@ -21,10 +23,12 @@ def _until(pred, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_a_restarted_worker_drops_its_stale_blocks_and_rebuilds_from_its_snapshot():
+@pytest.mark.parametrize("token", [None, "internal-tok"])
+def test_a_restarted_worker_drops_its_stale_blocks_and_rebuilds_from_its_snapshot(token):
+    """With the internal token the workers' event sockets take only its holders: the feed holds it."""
     events = _free_endpoint()
-    feed = IndexFeed()
-    first = KVEventPublisher(events, "w", "tcp://127.0.0.1:*")
+    feed = IndexFeed(token)
+    first = KVEventPublisher(events, "w", "tcp://127.0.0.1:*", token=token)
     second = None
     try:
         first.stored(["a1", "a2", "a3"])
@@ -32,7 +36,7 @@ def test_a_restarted_worker_drops_its_stale_blocks_and_rebuilds_from_its_snapsho
         _until(lambda: feed.blocks_of("w") == 3, "the first process's blocks")
         first.close()
         # Same name and event endpoint, a new process: it holds one block, the old ones are gone.
-        second = KVEventPublisher(events, "w", "tcp://127.0.0.1:*")
+        second = KVEventPublisher(events, "w", "tcp://127.0.0.1:*", token=token)
         second.stored(["b1"])
         feed.watch(second.endpoint, second.snapshot_endpoint, "w", (2, second.snapshot_endpoint))
         assert feed.blocks_of("w") in (0, 1)            # dropped at once, before any event arrives
