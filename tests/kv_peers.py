@@ -33,16 +33,17 @@ def _recv(sock: zmq.Socket, timeout: float) -> dict[str, Any]:
 class DecodePeer:
     """Sends jobs and cancels to a prefill worker's bootstrap socket; collects its replies."""
 
-    def __init__(self, prefill_engine) -> None:
+    def __init__(self, prefill_engine, endpoint: str | None = None) -> None:
+        """`endpoint`: the bootstrap socket of a prefill worker configured like `prefill_engine`
+        (a worker process), instead of that engine's own."""
         ctx = zmq.Context.instance()
         self.engine = prefill_engine
-        prefill_connector = prefill_engine.connector
         self.replies = ctx.socket(zmq.PULL)
         self.replies.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://127.0.0.1:{self.replies.bind_to_random_port('tcp://127.0.0.1')}"
         self.push = ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 0)
-        self.push.connect(prefill_connector.endpoint)
+        self.push.setsockopt(zmq.LINGER, 1000)      # what a test sent goes out before close
+        self.push.connect(endpoint or prefill_engine.connector.endpoint)
 
     def job(self, prompt: list[int], **changes) -> dict[str, Any]:
         """A well-formed job for a decode pool shaped like the prefill worker's own (its blocks
