@@ -25,7 +25,7 @@ from pdserve.disagg.trust import done_problem
 from pdserve.disagg.state import Transfer
 from pdserve.engine.kv_connector import BlocksFreed, ConnectorEvent, LoadDone, LoadFailed, LoadRetry
 from pdserve.engine.request import TokenLogprob
-from pdserve.protocol import PD_INCOMPATIBLE, PD_TOO_LONG
+from pdserve.protocol import PD_INCOMPATIBLE, PD_REQUEST_FAILED, PD_TOO_LONG
 from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerWritten, PDMessage, Started
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ class ParallelLoads:
                     return [LoadDone(g.req, g.token, g.logprob)]
             elif isinstance(msg, Failed):
                 return [self._fail(g, part, f"prefill worker {part.peer} failed a chunk: {msg.reason}", now,
-                                   fatal=msg.code in (PD_INCOMPATIBLE, PD_TOO_LONG))]
+                                   fatal=msg.code in (PD_INCOMPATIBLE, PD_TOO_LONG, PD_REQUEST_FAILED))]
             else:
                 return [self._fail(g, part, f"unexpected {msg.TYPE} message for a chunk", now)]
         except Exception as e:  # noqa: BLE001 - an out-of-order or broken peer fails its group, not the engine

@@ -34,7 +34,7 @@ from pdserve.disagg.write_gate import WriteGate, drain
 from pdserve.engine.kv_connector import BlocksFreed, ConnectorEvent, KVConnector, LoadDone, LoadFailed, LoadRetry
 from pdserve.engine.request import TokenLogprob
 from pdserve.disagg.parallel import ParallelLoads
-from pdserve.protocol import PD_ACCEPTED, PD_INCOMPATIBLE, PD_LAYER, PD_STARTED, PD_TOO_LONG
+from pdserve.protocol import PD_ACCEPTED, PD_INCOMPATIBLE, PD_LAYER, PD_REQUEST_FAILED, PD_STARTED, PD_TOO_LONG
 from pdserve.protocol import PrefillJob, pack, unpack
 from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerFrames, PDMessage, decode_pd
 from pdserve.utils.net import with_host
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 _EVENT_FOR = {PD_ACCEPTED: "accepted", PD_STARTED: "started", PD_LAYER: "progress"}
 # A peer that refuses a job for these reasons would refuse it from any decode worker alike: the
 # request fails with the reason instead of being retried or prefilled here behind a config error.
-_FATAL = (PD_INCOMPATIBLE, PD_TOO_LONG)
+_FATAL = (PD_INCOMPATIBLE, PD_TOO_LONG, PD_REQUEST_FAILED)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from pdserve.disagg.transport import (MooncakeEndpoint, NixlEndpoint, Throttle, 
                                       measure_memcpy_bytes_per_s, parse_bandwidth_limit)
 from pdserve.engine.kv_connector import AbortJob, AddJob, ConnectorEvent, KVConnector
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.protocol import PD_CANCEL, PD_CHUNK_LAYER, PD_PREFILL, PrefillJob, unpack
+from pdserve.protocol import PD_CANCEL, PD_CHUNK_LAYER, PD_PREFILL, PD_REQUEST_FAILED, PrefillJob, unpack
 from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerWritten, PDMessage, Started
 from pdserve.utils.net import with_host
 from pdserve.utils.signing import sign, token_key, verified
@@ -325,11 +325,13 @@ class PrefillConnector(KVConnector):
             self._send(sink.job, Done, token=out.new_token_ids[0], logprob=None if lp is None else lp.to_wire(),
                        bytes=sink.bytes_sent, seconds=now - sink.transfer.started_at)
         else:
-            reason = sink.error or sink.transfer.reason or f"prefill ended: {out.finish_reason}"
+            reason = sink.error or sink.transfer.reason or out.error or f"prefill ended: {out.finish_reason}"
+            # out.error without a transfer error: the request's own step failed (engine._fail).
+            own = out.error is not None and sink.error is None and sink.transfer.reason is None
             sink.transfer.fail(reason, now)
             with self.stats_lock:
                 self.counters["kv_prefill_jobs_failed_total"] += 1
-            self._send(sink.job, Failed, reason=reason)
+            self._send(sink.job, Failed, reason=reason, code=PD_REQUEST_FAILED if own else None)
 
     def stats(self) -> dict[str, float]:
         with self.stats_lock:

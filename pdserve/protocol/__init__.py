@@ -132,6 +132,9 @@ PD_UNAUTHORIZED = "unauthorized"    # no or a wrong internal token
 PD_INCOMPATIBLE = "incompatible"    # the compatibility digests differ
 PD_TOO_LONG = "too_long"            # the prompt does not fit the decode worker's context
 PD_BAD_JOB = "bad_job"              # a duplicate transfer id, a pool path it did not create, ...
+# The job ran and its own step failed (its sampling values, say): another peer would fail it too,
+# and the peer is no less healthy for it, so the decode worker ends the request.
+PD_REQUEST_FAILED = "request_failed"
 
 
 @dataclass
