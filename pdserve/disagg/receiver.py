@@ -29,7 +29,7 @@ from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
 from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint, endpoint_host
 from pdserve.disagg.reply_sockets import ReplySockets
-from pdserve.disagg.trust import BAD_TOKEN, ThrottledLog, compat_info, done_problem, kv_frame_limit
+from pdserve.disagg.trust import BAD_TOKEN, ThrottledLog, compat_info, done_problem, kv_frame_limit, warn_if_open
 from pdserve.disagg.write_gate import WriteGate, drain
 from pdserve.engine.kv_connector import BlocksFreed, ConnectorEvent, KVConnector, LoadDone, LoadFailed, LoadRetry
 from pdserve.engine.request import TokenLogprob
@@ -105,6 +105,7 @@ class DecodeConnector(KVConnector):
         self._pull.setsockopt(zmq.MAXMSGSIZE, kv_frame_limit(self.raw.shape[2], self.raw.shape[3] * self.raw.shape[4],
                                                              self.block_size, max_model_len))
         self._pull.bind(bind_endpoint)
+        warn_if_open(self._pull.getsockopt_string(zmq.LAST_ENDPOINT), self.key)
         self.endpoint = with_host(self._pull.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         # mooncake, nixl: prefill workers write into the registered pool one-sidedly; nothing here
         # receives those bytes, PD_DONE still says when they are all in.

@@ -28,7 +28,8 @@ from pdserve.disagg.sink import (Barrier, CloseWriter, KVSink, SenderOp, SendMes
                                  WriterFactory)
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
 from pdserve.disagg.reply_sockets import ReplySockets
-from pdserve.disagg.trust import BAD_TOKEN, JobRefused, SeenIds, ThrottledLog, check_job, compat_info, job_bytes_limit
+from pdserve.disagg.trust import (BAD_TOKEN, JobRefused, SeenIds, ThrottledLog, check_job, compat_info,
+                                  job_bytes_limit, warn_if_open)
 from pdserve.disagg.pipeline import ChunkPipeline
 from pdserve.disagg.sender_loop import sender_loop
 from pdserve.disagg.transport import (MooncakeEndpoint, NixlEndpoint, Throttle, coalesce, endpoint_host,
@@ -97,6 +98,7 @@ class PrefillConnector(KVConnector):
         # past this, ZeroMQ drops the frame and the connection. A job is no longer than this pool.
         self._bootstrap.setsockopt(zmq.MAXMSGSIZE, job_bytes_limit(kv_cache.shape[2], self.block_size, config.vision))
         self._bootstrap.bind(bootstrap_endpoint)
+        warn_if_open(self._bootstrap.getsockopt_string(zmq.LAST_ENDPOINT), self.key)
         self.endpoint = with_host(self._bootstrap.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         # Started here so a missing package fails the worker at start, not each job; used by the
         # sender thread only from then on.

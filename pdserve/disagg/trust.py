@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import stat
@@ -72,6 +73,22 @@ def done_problem(msg: Done, vocab_size: int) -> str | None:
         if lp.token_id != token or any(not 0 <= t < vocab_size for t, _ in lp.top):
             return "a logprob entry of other tokens or of tokens outside the vocabulary"
     return None
+
+
+log = logging.getLogger(__name__)
+
+
+def warn_if_open(bound_endpoint: str, key: bytes | None) -> None:
+    """Without a token nothing on the KV plane is authenticated: right on loopback (the default bind,
+    `pdserve serve`), worth a warning on any other address."""
+    host = bound_endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost" or not bound_endpoint.startswith("tcp://")
+    if key is None and not loopback:
+        log.warning("the KV socket %s takes jobs and KV from any host that reaches it: no internal token is "
+                    "set (server.internal_token or PDSERVE_INTERNAL_TOKEN, the same on every worker)", bound_endpoint)
 
 
 def compat_info(model: str, dtype: str, quantization: str, block_size: int, kv_shape: list[int],

@@ -211,3 +211,13 @@ def test_a_pipelined_chunk_whose_done_is_out_of_range_fails_the_request_not_the_
         decode.stop()
         for p in peers:
             p.close()
+
+
+@pytest.mark.parametrize("host, token, warned", [("127.0.0.1", None, False), ("0.0.0.0", None, True),
+                                                  ("0.0.0.0", TOKEN, False)])
+def test_a_kv_socket_open_beyond_loopback_without_a_token_is_warned_about(caplog, host, token, warned):
+    engine = build_engine(pd_config("prefill", "tcp", overrides={"server.host": host, "server.internal_token": token}))
+    try:
+        assert any("no internal token is set" in r.getMessage() for r in caplog.records) == warned
+    finally:
+        engine.connector.close()
