@@ -38,8 +38,10 @@ def _replicas(tmp):
         net.start(redis, "redis", ["redis-server", "--bind", redis.ip, "--port", "6379", "--save", "", "--appendonly",
                                    "no", "--protected-mode", "no", "--dir", str(tmp)], 6379)
         cfg = tmp / "router.yaml"
+        # Off loopback a router needs an admin key to start.
         cfg.write_text(yaml.safe_dump({"model": {"name": "tiny-qwen2"}, "router": {
-            "api_keys": KEYS, "requests_per_minute": RPM, "shared_limits": f"redis://{redis.ip}:6379/0"}}))
+            "api_keys": KEYS, "admin_keys": ["cluster-admin"], "requests_per_minute": RPM,
+            "shared_limits": f"redis://{redis.ip}:6379/0"}}))
         routers = [net.start(net.hosts[n], n, pdserve_cmd() + ["router", "--config", str(cfg), "--host",
                                                                net.hosts[n].ip, "--port", "8000"],
                              8000, env=thread_env(1), health_path="/metrics") for n in ("router-a", "router-b")]
