@@ -14,6 +14,10 @@ Rank 0 also runs the expert balancer (eplb/balancer.py) and drives the weight mo
 a new placement is announced with FLAG_PREPARE (each rank builds it in the background) and switched
 to with FLAG_COMMIT at the start of a later step, on all ranks at the same step boundary.
 
+Exposure: the ranks meet through a file store in a private directory and gloo connects them over
+loopback only; nothing listens beyond this host (a TCP store and gloo's default device would listen
+on every interface, unauthenticated, for the engine's lifetime).
+
 Failure: any collective has a deadline. A worker that hears nothing from rank 0 (no step, no
 heartbeat) for WORKER_IDLE_TIMEOUT_S, whose connection to rank 0 breaks, or whose parent process
 disappears, exits. Rank 0 raises on a dead worker, which fails the engine instead of hanging it.
@@ -22,7 +26,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import weakref
@@ -62,7 +68,16 @@ def _process_group(store, rank: int, world: int, device: torch.device):
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=OP_TIMEOUT_S)
         return dist.ProcessGroupNCCL(store, rank, world, opts)
-    return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=OP_TIMEOUT_S))
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=OP_TIMEOUT_S)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]     # ranks share one host
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
+def _file_store(path: str, world: int):
+    store = dist.FileStore(path, world)
+    store.set_timeout(timedelta(seconds=OP_TIMEOUT_S))
+    return store
 
 
 @dataclass
@@ -74,7 +89,7 @@ class _WorkerSpec:
     phy2log: torch.Tensor
     rank: int
     world: int
-    store_port: int
+    store_path: str
     threads: int
     parent_pid: int
 
@@ -99,7 +114,7 @@ class ExpertParallelModel:
             weights = {k: v.to(dtype if v.is_floating_point() else v.dtype).share_memory_()
                        for k, v in weights.items()}
             self._ranks.start(world, _WorkerSpec(arch, dtype, device, max_model_len or arch.max_position_embeddings,
-                                                 phy2log, 0, world, 0, torch.get_num_threads(), os.getpid()),
+                                                 phy2log, 0, world, "", torch.get_num_threads(), os.getpid()),
                               weights, _rank_device(device, 0, world))
         comm = self._ranks.comm
         self.model = MoEModel(arch, weights, dtype, _rank_device(device, 0, world), max_model_len, phy2log=phy2log,
@@ -192,13 +207,15 @@ class _Ranks:
         self._closed = threading.Event()
         self._last_send = time.monotonic()
         self._store = None
+        self._store_dir: str | None = None
 
     def start(self, world: int, spec: _WorkerSpec, weights: dict, device: torch.device) -> None:
-        self._store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=OP_TIMEOUT_S),
-                                    wait_for_workers=False)
+        self._store_dir = tempfile.mkdtemp(prefix="pdserve-ep-")       # mode 0700: this user's processes only
+        path = os.path.join(self._store_dir, "store")
+        self._store = _file_store(path, world)
         ctx = mp.get_context("spawn")
         for rank in range(1, world):
-            s = _WorkerSpec(**{**spec.__dict__, "rank": rank, "store_port": self._store.port})
+            s = _WorkerSpec(**{**spec.__dict__, "rank": rank, "store_path": path})
             p = ctx.Process(target=worker_loop, args=(s, weights), name=f"pdserve-ep{rank}", daemon=True)
             p.start()
             self.procs.append(p)
@@ -272,6 +289,8 @@ class _Ranks:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        if self._store_dir is not None:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- ranks 1..N-1
@@ -295,7 +314,7 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
     device = _rank_device(spec.device, spec.rank, spec.world)
     if device.type == "cuda":
         torch.cuda.set_device(device)          # NCCL binds a rank's communicator to its current device
-    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, False, timeout=timedelta(seconds=OP_TIMEOUT_S))
+    store = _file_store(spec.store_path, spec.world)
     comm = Comm(_process_group(store, spec.rank, spec.world, device), spec.rank, spec.world, device, OP_TIMEOUT_S)
     model = MoEModel(spec.arch, weights, spec.dtype, device, spec.max_model_len, phy2log=spec.phy2log,
                      rank=spec.rank, world=spec.world, combine=comm.all_reduce)
