@@ -108,3 +108,28 @@ def test_the_served_engine_stays_alive(llm):
         assert llm.engine.pool.num_free == free
     finally:
         eng.shutdown()
+
+
+def test_an_error_handling_one_requests_token_fails_that_request_alone(llm):
+    # After sampling: its text (a detokenizer that raises stands for any per-request bug there).
+    eng = llm.engine
+    prompt = llm.tokenizer.encode("text that cannot be made")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([prompt], params)[0].token_ids
+    free = eng.pool.num_free
+    eng.add_request("good", prompt, params)
+    eng.add_request("bad", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+
+    def broken(token: int) -> str | None:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    eng.detoks["bad"].add = broken
+    ends, got = {}, []
+    for out in eng.run_until_idle():
+        if out.request_id == "good":
+            got.extend(out.new_token_ids)
+        if out.finished:
+            ends[out.request_id] = (out.finish_reason, out.error)
+    assert ends["bad"][0] == "error" and "UnicodeDecodeError" in ends["bad"][1]
+    assert ends["good"] == ("length", None) and got == alone
+    assert eng.pool.num_free == free
+    eng.pool.check_integrity()
