@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from pdserve.disagg.sink import Barrier, CloseWriter, SenderOp, SendMessage, StopSender, WriteLayer
+from pdserve.disagg.trust import ThrottledLog
 from pdserve.protocol import pack
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ def sender_loop(c: PrefillConnector) -> None:
     socks = c.reply_sockets
     dirty: set[str] = set()             # sinks whose writer needs a flush at the next barrier
     last_write_at = 0.0
+    warn = ThrottledLog(log)            # a reply to an endpoint a peer made up fails here, once per message
 
     while True:
         socks.sweep()                   # idle reply sockets go, busy or not
@@ -72,7 +74,7 @@ def sender_loop(c: PrefillConnector) -> None:
                 item.sink.writer.close()
                 item.sink.writer = None
         except Exception as e:  # noqa: BLE001 - a failed write fails its request, not the worker
-            log.warning("KV transfer %s failed: %s", type(item).__name__, e)
+            warn(logging.WARNING, "KV transfer %s failed: %s", type(item).__name__, e)
             if isinstance(item, WriteLayer):
                 item.sink.fail(f"{type(e).__name__}: {e}")
             elif isinstance(item, Barrier):
