@@ -7,11 +7,15 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from pdserve.protocol import unsupported
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI-compatible servers do.
+    # Unknown fields are accepted and ignored, as OpenAI-compatible servers do; the known fields
+    # this server does not implement are refused (protocol/unsupported.py).
     model_config = ConfigDict(extra="ignore")
 
 
@@ -44,6 +48,17 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _implemented(cls, data: Any) -> Any:
+        unsupported.refuse_unsupported(data, {**unsupported.COMMON, **unsupported.COMPLETION})
+        if isinstance(data, dict) and data.get("echo") is True and data.get("logprobs") is not None:
+            # The echoed prompt's tokens would carry no logprobs: a harness would score garbage.
+            raise PydanticCustomError(unsupported.UNSUPPORTED_TYPE, "{param}: {what}",
+                                      {"param": "echo", "what": "echo with logprobs (the prompt's logprobs) "
+                                       "is not supported by this server"})
+        return data
 
 
 class ImageURL(OpenAIModel):
@@ -78,6 +93,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _implemented(cls, data: Any) -> Any:
+        unsupported.refuse_unsupported(data, {**unsupported.COMMON, **unsupported.CHAT})
+        return data
 
 
 class Usage(BaseModel):

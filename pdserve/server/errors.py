@@ -8,6 +8,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.common import tracing
 from pdserve.common.errors import APIError
+from pdserve.protocol.unsupported import UNSUPPORTED_TYPE
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -27,17 +28,19 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def _describe(exc: RequestValidationError) -> tuple[str, str | None]:
+def _describe(exc: RequestValidationError) -> tuple[str, str | None, str]:
     errs = exc.errors()
     if not errs:
-        return "invalid request", None
+        return "invalid request", None, "invalid_value"
     first = errs[0]
     if first.get("type") == "json_invalid":
-        return "the request body is not valid JSON", None
+        return "the request body is not valid JSON", None, "invalid_value"
+    if first.get("type") == UNSUPPORTED_TYPE:      # a known field this server does not implement
+        return str(first.get("msg")), str((first.get("ctx") or {}).get("param")), UNSUPPORTED_TYPE
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = loc[0] if loc else None
     where = ".".join(loc) or "body"
-    return f"{where}: {first.get('msg', 'invalid value')}", param
+    return f"{where}: {first.get('msg', 'invalid value')}", param, "invalid_value"
 
 
 def install_error_handlers(app: FastAPI, on_error=None) -> None:
@@ -47,9 +50,9 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _describe(exc)
+        message, param, code = _describe(exc)
         _count(400)
-        return error_response(400, message, param, "invalid_value")
+        return error_response(400, message, param, code)
 
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
