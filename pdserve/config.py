@@ -37,9 +37,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = 16                # tokens per KV block
     device_memory_gb: float = 1.0       # KV pool budget; ignored when device_blocks is set
-    device_blocks: int | None = None
+    device_blocks: int | None = None    # KV pool size in blocks (overrides device_memory_gb)
     prefix_cache: bool = True           # reuse the KV of cached prompt prefixes (radix tree)
     host_cache_gb: float = 0.0          # RAM tier for blocks evicted from the device pool; 0 = off
     disk_cache_dir: str | None = None   # disk tier directory (one file per block); None = off
@@ -53,14 +53,14 @@ class CacheConfig:
     # KV events (ZMQ PUB) for a router's global KV index, e.g. tcp://127.0.0.1:5557 (:* = a free port);
     # None = off. Snapshots are served on kv_events_snapshot_endpoint (None: same host, a free port).
     kv_events_endpoint: str | None = None
-    kv_events_snapshot_endpoint: str | None = None
+    kv_events_snapshot_endpoint: str | None = None   # where snapshot requests are answered
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64              # cap on running requests (the decode batch cap)
     max_num_batched_tokens: int = 512   # per-step token budget; prompts longer than it are chunked
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = True  # chunk prompts longer than the step budget
     watermark_blocks: int = 1           # free blocks kept back at admission so decodes rarely preempt
 
 
@@ -119,8 +119,8 @@ class RoleConfig:
     instances: int | None = None
     threads: int | None = None           # torch threads per worker (None: server.threads, else ROLE_THREADS)
     cpu_affinity: list[int] | None = None   # cores the role's workers are pinned to (None: no pinning)
-    # Per-role model and engine settings (seed 003: prefill EP 8, decode EP 64); None: the global key
-    # of the same name (ROLE_SETTINGS below names it) applies.
+    # Per-role model and engine settings (examples/seed_003.yaml: prefill EP 8, decode EP 64); None: the
+    # global key of the same name (ROLE_SETTINGS below names it) applies.
     expert_parallel: int | None = None
     quantization: str | None = None
     max_num_seqs: int | None = None
@@ -151,7 +151,7 @@ class RouterConfig:
     workers: list[dict] = field(default_factory=list)   # static workers: [{url: ..., role: prefill|decode|mixed}]
     api_keys: list[str] = field(default_factory=list)   # also PDSERVE_API_KEYS (comma-separated); none: open
     admin_keys: list[str] = field(default_factory=list)  # /admin/* keys (also PDSERVE_ADMIN_KEYS); set: only these
-    insecure_admin: bool = False             # start off loopback without an admin key (README "Security")
+    insecure_admin: bool = False             # start off loopback without an admin key (docs/security.md)
     ip_allowlist: list[str] = field(default_factory=list)   # CIDRs; empty: everyone
     requests_per_minute: int | None = None   # per API key (per client IP without keys)
     tokens_per_minute: int | None = None     # prompt + completion tokens, per API key
@@ -198,7 +198,7 @@ class VisionConfig:
 @dataclass(frozen=True)
 class ControllerConfig:
     # The autoscaler in the router (router/controller.py), off by default: every interval_s it reads the fleet's
-    # figures against the SLOs and switches a role, or starts or stops a worker (README "Control plane").
+    # figures against the SLOs and switches a role, or starts or stops a worker (docs/control-plane.md).
     enabled: bool = False
     interval_s: float = 5.0
     slo_ttft_ms: float = 2000.0          # time to first token the deployment promises (p90 over an interval)
@@ -221,7 +221,7 @@ class ControllerConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    # `pdserve rollout --config NEW` reads these from NEW (router/rollout.py; README "Rollout").
+    # `pdserve rollout --config NEW` reads these from NEW (router/rollout.py; docs/control-plane.md).
     canary_weight: float = 0.1           # share of new requests sent to the new version first; widens per worker
     window_s: float = 30.0               # after each new worker: its version's figures over this long
     slo_ttft_ms: float | None = None     # TTFT p90 the new version must keep (None: controller.slo_ttft_ms)
