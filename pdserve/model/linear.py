@@ -11,9 +11,9 @@ from pdserve.utils.cpu import cpu_flags
 
 def small_batch_rows(flags: frozenset[str]) -> int:
     """Up to how many rows w @ x.T beats F.linear on this CPU (tuned per vector ISA, see `linear`).
-    AVX2 only (AMD EPYC, 2 threads, SmolLM2's 30 layers + head, each weight distinct so none stays
-    in cache): 8 rows 78 vs 99 ms, 32 rows 104 vs 155, 64 rows 167 vs 185, 128 rows 335 vs 315.
-    With AVX-512 (measured on an earlier machine) F.linear was as fast or faster from 12 rows."""
+    With AVX2 only it wins up to about 100 rows (timed over the 30 layers + head, each weight distinct
+    so none stays in cache); with AVX-512 F.linear was as fast or faster from 12 rows
+    (docs/benchmarks.md)."""
     return 11 if "avx512f" in flags else 96
 
 
@@ -22,10 +22,8 @@ SMALL_BATCH_ROWS = small_batch_rows(cpu_flags())
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T. On CPU, up to SMALL_BATCH_ROWS rows (every decode step of a small batch) run as
-    w @ x.T: MKL streams the weight through a faster kernel that way. Measured here over the 30
-    layers' GEMMs: 2 rows 14 vs 60 ms as F.linear, 4 rows 21 vs 47, 8 rows 34 vs 41 (from 12 rows
-    on, F.linear is as fast or faster). One row takes a slower matrix-vector path either way, so
-    it is padded to two: 14 vs 26 ms. How far up this holds depends on the CPU (small_batch_rows).
+    w @ x.T: MKL streams the weight through a faster kernel that way. One row takes a slower
+    matrix-vector path either way, so it is padded to two. How far up this holds depends on the CPU (small_batch_rows).
     A quantized weight, or a float32 one in pdserve's tile layout, runs its own kernel (model/quant.py)."""
     if isinstance(w, (QuantizedWeight, TiledFloat)):
         return w.matmul(x)

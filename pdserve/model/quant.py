@@ -1,7 +1,7 @@
 """Weight-only quantization of the linear layers: int8 (one scale per output channel) and int4
 (groups of GROUP input values, each with a scale and an offset).
 
-Schemes (documented in the README):
+Schemes (documented in docs/models.md):
 - int8: w[n, k] = q[n, k] * s[n], q in [-127, 127], s = max|w[n, :]| / 127 (symmetric per row, the
   format of `torch._weight_int8pack_mm`).
 - int4: w[n, k] = q[n, k] * d[n, g] + m[n, g] over groups g of GROUP values along k, q in [0, 15]
@@ -10,9 +10,8 @@ Schemes (documented in the README):
 
 On CPU with float32 activations the products run through pdserve's own kernel (kernels/qgemm.c:
 the weight dequantized a tile at a time in L1, float32 FMAs, activations not rounded) where it
-builds. AMD EPYC (AVX2 only, 2 threads), SmolLM2's 30 layers in int4, 1 / 8 / 32 / 512 rows:
-9 / 30 / 69 / 1145 ms, against torch's int4 kernel 13 / 48 / 160 / 1633 and float32 39 / 81 / 124
-/ 1368. Otherwise (`model.gemm_kernel: torch`, no compiler) PyTorch's weight-only kernels run; their
+builds: faster than torch's int4 kernel and MKL's float32 GEMM from 1 to 512 rows
+(docs/benchmarks.md). Otherwise (`model.gemm_kernel: torch`, no compiler) PyTorch's weight-only kernels run; their
 fast x86 paths take bfloat16 activations (float32 falls back to a scalar loop 10-100x slower), so
 activations are rounded to bfloat16 for the product; at 32 rows they only tie float32 and at 512
 rows they lose, so large products dequantize the weight and run the float32 GEMM. Elsewhere than
@@ -30,8 +29,8 @@ from pdserve.model.kernels import qgemm
 GROUP = 32
 MODES = QUANTIZATIONS     # the config's allowed values (config_rules.py)
 # Above this many rows a product dequantizes and runs float32 (see the module docstring): the
-# int4 kernel's time grows linearly with the rows. SmolLM2's gate+up product, 1 thread, AMD EPYC
-# AVX2: kernel 11.2 ms at 96 rows, 18.6 at 128, 30.6 at 256; dequantize + float32 12.7, 12.9, 24.8.
+# int4 kernel's time grows linearly with the rows, and dequantizing once for the float32 GEMM overtakes
+# it near 100 rows (docs/benchmarks.md).
 INT8_KERNEL_MAX_ROWS = 64
 INT4_KERNEL_MAX_ROWS = 100
 
@@ -174,7 +173,7 @@ class QuantizedWeight:
         if not self.on_cpu:
             return self.staged.dequantize()
         # Nibbles land in the float buffer as two strided copies (the cast rides on the copy) and one
-        # in-place addcmul scales them: 3.5x faster than stack + float + addcmul, and the same values.
+        # in-place addcmul scales them: faster than stack + float + addcmul, and the same values.
         n, half = self.nibbles.shape
         out = torch.empty(n, half, 2, device=self.device)
         out[..., 0].copy_(self.nibbles & 0x0F)

@@ -2,8 +2,8 @@
 
 A decode worker hands its request's prompt to the prefill worker the router named on arrival, and
 the prompt then waits in that worker's queue however the pool changes: after a role switch adds a
-prefill worker, the prompts already queued on the busy one stay there (autoscale runs lost up to 9
-requests a prompt phase so). Held here instead, a prompt is routed only once some prefill worker has
+prefill worker, the prompts already queued on the busy one stay there (benchmarks/autoscale.py lost
+requests in its prompt phases so). Held here instead, a prompt is routed only once some prefill worker has
 less than a step's budget (deployment.prefill.max_num_batched_tokens) of prompt tokens queued by the
 router's own figures, so a new prefill worker takes the held prompts at once. Held prompts leave in
 arrival order; one held longer than router.queue_timeout_s goes to the route it gets then.

@@ -4,7 +4,7 @@
    RMSNorm, the gate/up product, SiLU * up, the down product and residual.
 
    The Python layer (model/llama.py) runs each of these as its own op: about 15 torch ops and native
-   calls a layer, 450 a step, whose dispatch cost as much as a fifth of a decode step at 8 streams.
+   calls a layer, 450 a step, whose dispatch was a large share of a decode step at 8 streams.
    Here the same kernels run back to back from C (qgemm.c, norm.c, decode_attention.c are linked in),
    so a step's outputs are those of the op-by-op path bit for bit: the rotary embedding rounds each
    product as torch's separate multiply and add do (no FMA contraction there), and the op-by-op path
@@ -94,14 +94,12 @@ __attribute__((optimize("fp-contract=off"))) static void rope(float *h, const fl
 
 /* The threads of one parallel region, working through a step's phases (norm, product, attention ...)
    with a barrier between phases. Under OMP_WAIT_POLICY=PASSIVE (cli.py: workers share their cores)
-   every OpenMP region and barrier puts the idle thread to sleep and wakes it again, ~35 us each on
-   a VM; a decode step ran ~150 regions, and a batch-1 int4 step measured 10.5 ms against 5.0 with
-   spinning threads. Here a step is one region. Its barriers spin, yielding the core every few
+   every OpenMP region and barrier puts the idle thread to sleep and wakes it again; a decode step
+   ran ~150 regions, each paying a wake-up, which spinning threads avoid. Here a step is one region. Its barriers spin, yielding the core every few
    pauses: a thread whose peer was descheduled by another process gives way to it. Work is handed
    out from a shared counter, so a thread that ran late takes fewer pieces instead of holding the
-   others up. Measured (Zen 4, batch-1 int4 step, 2 threads): idle cores 10.5 -> 5.8-7.0 ms; with a
-   busy process on one core 10.3-11.1 -> 9.3-9.9 ms (yielding every 256 pauses: 10.6-11.3; sleeping
-   on a futex after ~50 us of spinning: 15-30). */
+   others up. Yielding less often, or sleeping on a futex after a short spin, ran slower beside a
+   busy process (figures: docs/benchmarks.md). */
 typedef struct {
     atomic_int arrived, gen, next[2];
 } team;

@@ -9,7 +9,7 @@
    the weight streamed, the activations broadcast) multiplies every row by it: a weight byte is read
    from memory once per product whatever the number of rows, and the arithmetic is float32 FMAs.
    One or two rows skip the buffer (dequantized into registers, used once). A float32 weight in the
-   same tiled layout runs the same micro-kernel (MKL's small-M paths read it 2-3x slower here).
+   same tiled layout runs the same micro-kernel (MKL's small-M paths read it more slowly).
    Written with GCC vector extensions over VW-float vectors (16 with AVX-512, else 8; FMA from the
    build's -m flags, native.py), so the same source builds anywhere; the intrinsics only widen
    bytes, convert halves and broadcast.
@@ -188,8 +188,8 @@ static void rows(int M, const float *x, int64_t ldx, const float *buf, int kn, f
 
 /* Float32 weights stream from memory into the micro-kernel as they lie: the first MR rows of a block
    would stall on it while the others find it in L1, so the next block (the next 16 KB, contiguous:
-   also across tiles) is prefetched a line at a time, spread over the calls. Measured in C over the
-   model's 120 GEMMs on 2 threads (AVX2): 8 rows 39 -> 32 ms, 16 rows 56 -> 40 ms. */
+   also across tiles) is prefetched a line at a time, spread over the calls (the gain at 8 and 16
+   rows: docs/benchmarks.md). */
 static void rows_f32(int M, const float *x, int64_t ldx, const float *w, int kn, float *y, int64_t ldy, int first) {
     rows_pf(M, x, ldx, w, kn, y, ldy, first, (const char *)(w + (int64_t)kn * NC), KB * NC * 4);
 }
@@ -203,8 +203,7 @@ static void rows_f32(int M, const float *x, int64_t ldx, const float *w, int kn,
 /* Groups of 32 input values ahead that direct4 prefetches: a tile's groups follow each other and
    tiles follow each other, so the hardware prefetcher should find this stream, but a thread's
    chunks of tiles interleave with its peer's and each product of a decode step is small (0.2-1 MB),
-   so it kept restarting. Measured (Zen 4, batch-1 int4 step, 2 threads, three paired runs): the
-   layers 4.8/6.1/4.5 -> 4.3/5.1/3.6 ms; 4 and 12 groups ahead gained less. */
+   so it kept restarting. 8 groups ahead gained more than 4 or 12 (docs/benchmarks.md). */
 #define PF_GROUPS 8
 static inline void prefetch_group(const uint8_t *nib, const uint16_t *d, const uint16_t *m, int64_t g) {
     for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch(nib + g * 16 * NC + b, 0, 3);

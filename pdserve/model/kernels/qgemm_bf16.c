@@ -13,8 +13,8 @@
    float32 sums per instruction, twice the float32 FMA's), where the float32 kernel sits at the
    cores' FMA peak. Weights quantized to 4 or 8 bits lose far more than bfloat16's 8-bit mantissa does
    to either operand; float32 weights keep the float32 kernel. A decode step of 32 or more rows
-   takes it too (layer.c's products): it was GEMM-bound the same way (int4, 32 rows: the layers'
-   products ~35 of a 65 ms step), and quant_quality's agreement is measured through this path (it
+   takes it too (layer.c's products): it is GEMM-bound the same way (at 32 rows the layers' products
+   are most of the step), and quant_quality's agreement is measured through this path (it
    scores whole sequences, a prefill). Up to 8 rows keep float32 activations (qgemm.c). */
 #define BF16_ROWS 32
 #define MRB 12
@@ -24,10 +24,9 @@
    activations are rounded, and sum x is of the rounded x too, so their rounding meets the centred w,
    not q in 0..15 (relative error of a 960 x 960 product: 1.7e-3, against 2.4e-3 with the weight
    rounded as well). A nibble pair widens straight into a bfloat16 pair (vpermw over a table of 0..15):
-   no float32 tile between. Measured (Zen 4, 2 threads, the four products of one layer of the
-   default model): 12 rows 1.6 -> 1.1 ms, 16 rows 2.1 -> 1.4, 24 rows 2.8 -> 1.9 against the float32
-   kernel. From 32 rows it ran no faster than the rounded tile below and a 1,024-row prefill 12-20%
-   slower (two FMAs a row per group of 32 to scale the sums), so those keep the tile. */
+   no float32 tile between. It beats the float32 kernel from 9 rows; from 32 rows it ran no faster
+   than the rounded tile below and slower on long prefills (two FMAs a row per group of 32 to scale
+   the sums), so those keep the tile (figures: docs/benchmarks.md). */
 #if defined(__AVX512BW__)
 #define BF16_ROWS4 9
 #else
