@@ -26,3 +26,10 @@ def test_docs_link_only_inside_the_repository():
     assert not outside, f"references outside the repository: {outside}"
     assert not dead, f"links to files that do not exist: {dead}"
     assert (ROOT / "docs" / "architecture.md").exists()
+
+
+def test_every_doc_is_linked_from_the_readme_and_has_a_title():
+    readme = (ROOT / "README.md").read_text()
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        assert f"](docs/{doc.name}" in readme, f"README.md does not link docs/{doc.name}"
+        assert doc.read_text().startswith("# "), f"docs/{doc.name} does not start with a # title"
