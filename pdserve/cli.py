@@ -8,7 +8,7 @@ import sys
 
 # Set before torch loads OpenMP: on a 2-core machine shared with a router and other workers,
 # spinning OpenMP threads collapse throughput (a 10x slowdown was measured under load). Whoever
-# sets a spin count (GOMP_SPINCOUNT) or a policy of their own keeps it; see README.
+# sets a spin count (GOMP_SPINCOUNT) or a policy of their own keeps it; see docs/deploying.md.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 

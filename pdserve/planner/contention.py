@@ -1,7 +1,7 @@
 """How much slower a worker's step runs while another worker computes on another core of the machine.
 
 Workers of one machine share its memory system: a memory-bound decode step slows when a GEMM runs
-beside it (README: up to 2x measured on 2 cores), and a prefill step slows less. `pdserve profile`
+beside it (docs/benchmarks.md: up to 2x on 2 cores), and a prefill step slows less. `pdserve profile`
 times a decode step (batch 1) and a prefill step (one chunk of 128) alone and with a neighbour thread
 on another core running the other role's kind of work (large GEMMs beside the decode, weight-streaming
 matrix-vector products beside the prefill), in a process of its own as a worker is; the ratios go into StepCosts (contended_decode,

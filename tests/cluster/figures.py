@@ -1,5 +1,5 @@
 """The cluster tests' figure per fault, gathered while they run and printed as one table at the end
-of the session (tests/cluster/conftest.py), for the README.
+of the session (tests/cluster/conftest.py), for docs/testing.md.
 
 Per fault: requests that completed with the fault-free output, requests that failed with a clear
 error, the time to recover (pd_cluster.recovery_s: from the fault until every stream still running
