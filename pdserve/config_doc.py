@@ -7,6 +7,7 @@ the comments beside and above its field in config.py, which are its documentatio
 
 tests/test_config_doc.py regenerates it and compares it with the committed file.
 """
+
 from __future__ import annotations
 
 import ast
@@ -131,7 +132,7 @@ def generate() -> str:
         cls = type(_default(section))
         doc = (cls.__doc__ or "").strip()
         out.append(f"## `{section.name}`\n")
-        if doc and not doc.startswith(cls.__name__ + "("):     # dataclasses invent a docstring when none is written
+        if doc and not doc.startswith(cls.__name__ + "("):  # dataclasses invent a docstring when none is written
             out.append(doc + "\n")
         out.append("| key | type | default | flag | meaning |")
         out.append("|---|---|---|---|---|")

@@ -1,5 +1,6 @@
 """docs/configuration.md is generated from the config's dataclasses; regenerating it must give the
 committed file, so a key added, renamed or re-defaulted in config.py cannot leave the reference behind."""
+
 import dataclasses
 from pathlib import Path
 
@@ -21,8 +22,7 @@ def _keys(obj, prefix=""):
 
 
 def test_the_committed_reference_is_what_the_generator_writes():
-    assert DOC.read_text() == generate(), (
-        "docs/configuration.md is stale: run `python -m pdserve.config_doc > docs/configuration.md`")
+    assert DOC.read_text() == generate(), "docs/configuration.md is stale: run `python -m pdserve.config_doc > docs/configuration.md`"
 
 
 def test_every_key_has_a_row_with_its_default():
