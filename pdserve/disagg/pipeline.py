@@ -189,7 +189,11 @@ class ChunkPipeline:
             if not self.board.wait(st.job.transfer_id, layer + 1, self.wait_s):
                 sink.fail(f"layer {layer} of the earlier chunks did not arrive within {self.wait_s:g} s")
                 continue
-            self.copy_in(st, layer)
+            try:
+                self.copy_in(st, layer)
+            except (OSError, ValueError) as e:      # the pool the job names is not what it claims: this job fails
+                sink.fail(f"cannot read the earlier chunks' KV: {e}")
+                continue
             st.copied_upto = layer + 1
 
     def copy_in(self, st: ChunkState, layer: int) -> None:

@@ -185,8 +185,15 @@ def _refusal(job: PrefillJob, compat: dict[str, Any], signed: bool, seen: SeenId
     if job.shm_path and not (is_pool_path(job.shm_path, job.decode_pid) and _plain_or_absent(job.shm_path)):
         return PD_BAD_JOB, (f"{job.shm_path!r} is not a KV pool the decode worker created "
                             f"({SHM_DIR}/pdserve-kv-<its pid>-<hex>)")
-    slots = job.kv_shape[2] if len(job.kv_shape) == 5 else 0
-    if any(not 0 <= b < slots // job.block_size for b in job.dst_block_ids):
+    shape = job.kv_shape
+    if not (isinstance(shape, list) and len(shape) == 5 and all(type(x) is int and x > 0 for x in shape)
+            and [shape[0], shape[1], shape[3], shape[4], job.elem_size, job.block_size]
+            == [compat["kv_layers"], 2, compat["kv_heads"], compat["head_dim"], compat["kv_elem_size"],
+                compat["block_size"]]):
+        # The pool the job's blocks and KV writes are measured against: the compat digest alone could differ.
+        return PD_BAD_JOB, f"the job's decode pool shape {str(shape)[:80]} does not fit this model's KV"
+    if any(type(b) is not int or not 0 <= b < shape[2] // job.block_size for b in job.dst_block_ids) \
+            or not 0 <= job.dst_start_block <= len(job.dst_block_ids) or not 0 <= job.upstream_tokens:
         return PD_BAD_JOB, "the job names blocks outside the decode pool"
     if not seen.add(job.transfer_id):
         return PD_BAD_JOB, f"transfer id {job.transfer_id} was used before"

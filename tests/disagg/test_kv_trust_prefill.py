@@ -138,3 +138,25 @@ def test_a_prompt_longer_than_the_decode_context_is_refused_before_any_prefill()
     finally:
         peer.close()
         prefill.stop()
+
+
+@pytest.mark.parametrize("change", ["heads", "slots", "layers", "elem_size", "start_block", "block_type"])
+def test_a_job_whose_decode_pool_does_not_fit_this_model_is_refused(change):
+    # The compatibility digest is the peer's word; the pool shape is what blocks and copies are
+    # measured against (a pipelined chunk maps it on the engine thread).
+    prefill = _prefill()
+    peer = DecodePeer(prefill.engine)
+    try:
+        job = peer.job(PROMPT)
+        shape = list(job["kv_shape"])
+        bad = {"heads": {"kv_shape": [*shape[:3], shape[3] * 2, shape[4]]},
+               "slots": {"kv_shape": [*shape[:2], 0, *shape[3:]]},
+               "layers": {"kv_shape": [shape[0] + 1, *shape[1:]]},
+               "elem_size": {"elem_size": job["elem_size"] * 2},
+               "start_block": {"dst_start_block": len(job["dst_block_ids"]) + 1},
+               "block_type": {"dst_block_ids": [0, 1, 2, 3, 4.0]}}[change]
+        _refused(peer, {**job, **bad}, PD_BAD_JOB)
+        _never_ran(prefill)
+    finally:
+        peer.close()
+        prefill.stop()
