@@ -38,6 +38,7 @@ __all__ = ["KVEventPublisher", "KVEventSubscriber", "KVIndex"]
 
 TOPIC = b"kv"
 _SNAPSHOT_REQUEST = b"snapshot"
+_SNAPSHOT_REQUEST_MAX = 4096     # the request, or a CurveZMQ handshake command (a few hundred bytes)
 
 
 def _check_tier(tier: str) -> None:
@@ -110,6 +111,8 @@ class KVEventPublisher:
             self.snapshot_endpoint = None
             if self._snap is not None:
                 self._snap.setsockopt(zmq.LINGER, 0)
+                # It takes one short request: a peer streaming more is cut off before it is buffered.
+                self._snap.setsockopt(zmq.MAXMSGSIZE, _SNAPSHOT_REQUEST_MAX)
                 _bind(self._snap, snapshot_endpoint)
                 self.snapshot_endpoint = with_host(self._snap.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         except zmq.ZMQError:

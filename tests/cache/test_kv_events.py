@@ -267,3 +267,22 @@ def test_with_the_internal_token_only_its_holders_read_events_and_snapshots(tmp_
             s.close()
         leaked.close()
         pub.close()
+
+
+def test_an_oversized_frame_to_the_snapshot_socket_is_cut_off(endpoints):
+    """The snapshot socket takes one short request: a peer sending megabytes is disconnected by
+    ZeroMQ before the frame is buffered, and the worker keeps answering real requests."""
+    pub = KVEventPublisher(endpoints[0], "worker-1", endpoints[1])
+    sub = KVEventSubscriber(pub.endpoint, pub.snapshot_endpoint)
+    rogue = zmq.Context.instance().socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    try:
+        assert 0 < pub._snap.getsockopt(zmq.MAXMSGSIZE) <= 4096
+        rogue.connect(pub.snapshot_endpoint)
+        for _ in range(3):
+            rogue.send_multipart([b"", b"x" * (8 << 20)])
+        assert sub.snapshot(timeout=WAIT).worker_id == "worker-1"
+    finally:
+        rogue.close()
+        sub.close()
+        pub.close()
