@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.planner.cli import main as planner_main
         return planner_main(argv)
     if argv[:1] == ["rollout"]:
-        from pdserve.router.rollout import main as rollout_main
+        from pdserve.control.rollout import main as rollout_main
         return rollout_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

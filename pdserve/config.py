@@ -197,7 +197,7 @@ class VisionConfig:
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    # The autoscaler in the router (router/controller.py), off by default: every interval_s it reads the fleet's
+    # The autoscaler in the router (control/controller.py), off by default: every interval_s it reads the fleet's
     # figures against the SLOs and switches a role, or starts or stops a worker (docs/control-plane.md).
     enabled: bool = False
     interval_s: float = 5.0
@@ -221,7 +221,7 @@ class ControllerConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    # `pdserve rollout --config NEW` reads these from NEW (router/rollout.py; docs/control-plane.md).
+    # `pdserve rollout --config NEW` reads these from NEW (control/rollout.py; docs/control-plane.md).
     canary_weight: float = 0.1           # share of new requests sent to the new version first; widens per worker
     window_s: float = 30.0               # after each new worker: its version's figures over this long
     slo_ttft_ms: float | None = None     # TTFT p90 the new version must keep (None: controller.slo_ttft_ms)

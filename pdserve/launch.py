@@ -68,10 +68,10 @@ def _keyed(config: Config) -> bool:
 
 def _local_fleet(config: Config, workers: list[WorkerProcess], log_dir: Path):
     """The router's way to start and stop this deployment's workers: the controller's (unless it
-    scales Kubernetes Deployments instead) and a rollout's (router/rollout_api.py)."""
+    scales Kubernetes Deployments instead) and a rollout's (control/rollout_api.py)."""
     if config.controller.enabled and not _local_controller(config):
         return None
-    from pdserve.local_fleet import LocalFleet
+    from pdserve.control.local_fleet import LocalFleet
     host = config.server.host if config.server.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
     scheme = "https" if config.router.tls_cert else "http"
     return LocalFleet(config, workers, log_dir / "deployment.yaml", log_dir, f"{scheme}://{host}:{config.server.port}")

@@ -5,7 +5,7 @@ started from, before its role's settings are applied, so that the prefill and de
 one deployment config carry one version, and without what names the process rather than what it
 runs (ports, hosts, its role, the router it registers with, the router's and controller's own
 sections, instance counts, secrets). Two workers with equal labels run the same code and settings;
-`pdserve rollout` (router/rollout.py) replaces workers until every label is the new config's.
+`pdserve rollout` (control/rollout.py) replaces workers until every label is the new config's.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Control-plane messages: role switches (router admin API -> router -> worker), the controller's
-decisions (`GET /admin/controller`), and a rollout's canary and worker starts (router/rollout_api.py)."""
+decisions (`GET /admin/controller`), and a rollout's canary and worker starts (control/rollout_api.py)."""
 from __future__ import annotations
 
 from typing import Literal

@@ -74,12 +74,16 @@ class RemoteBackend:
         self.max_model_len = config.model.max_model_len or 0     # learnt from the workers when unset
         self._rr = {"prefill": 0, "decode": 0}
         self._rng = random.Random(0)
-        self.canary: policies.Canary | None = None     # during a rollout (PUT /admin/canary, router/rollout_api.py)
+        self.canary: policies.Canary | None = None     # during a rollout (PUT /admin/canary, control/rollout_api.py)
         self.hold = PrefillHold(for_role(config, "prefill").scheduler.max_num_batched_tokens, self.rc.queue_timeout_s) \
             if self.rc.hold_prefill else None
 
     def held_prefill_tokens(self) -> int:
         return self.hold.held_tokens if self.hold else 0
+
+    def set_canary(self, version: str, weight: float) -> None:
+        """This share (0..1) of new requests goes to workers of `version` first (PUT /admin/canary)."""
+        self.canary = policies.Canary(version, weight)
 
     # ------------------------------------------------------------------ validation (before any work)
 

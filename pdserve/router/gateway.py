@@ -24,13 +24,13 @@ from pdserve.protocol.control import RoleChange
 from pdserve.router.access import Access, KeyStore, bearer_key, check_admin_exposure, exposure_warnings
 from pdserve.router.admission import Admission
 from pdserve.router.backend import RemoteBackend
-from pdserve.router.controller import Controller, Fleet
+from pdserve.control.controller import Controller, Fleet
 from pdserve.router.encoder import EncoderPool, load_tokenizer
 from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Registry
-from pdserve.router.role_switch import SwitchRefused, switch_role
-from pdserve.router.rollout_api import install_rollout_routes
+from pdserve.control.role_switch import SwitchRefused, switch_role
+from pdserve.control.rollout_api import install_rollout_routes
 from pdserve.router.security import Allowlist, SecurityMiddleware
 from pdserve.router.shared_limits import rate_limiter
 from pdserve.server.errors import error_response
@@ -76,7 +76,7 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     backend = RemoteBackend(config, registry, tokenizer, client, metrics, feed, admission,
                             lambda who, n: limiter.charge_tokens(who, n, time.monotonic()), timer.on_output)
     if config.controller.enabled and fleet is None and config.controller.backend == "kubernetes":
-        from pdserve.router.k8s_fleet import KubernetesFleet
+        from pdserve.control.k8s_fleet import KubernetesFleet
         fleet = KubernetesFleet(config.controller)
     # Off, it still exports each pool's pressure (for an HPA); on, it acts.
     controller = Controller(config, registry, client, server_metrics.ttft, server_metrics.itl, fleet,

@@ -1,5 +1,5 @@
 """The router's figures per worker version (pdserve/version.py): what `pdserve rollout` judges a
-new version by (router/rollout.py reads them from /metrics over its window).
+new version by (control/rollout.py reads them from /metrics over its window).
 
 A request counts for every version it touched: its decode workers', and its prefill worker's when
 that one computed part of the prompt. TTFT runs from the request's start at the router (after

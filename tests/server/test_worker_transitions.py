@@ -86,7 +86,7 @@ def _worker(tmp_path, name: str) -> ServerProcess:
 
 @pytest.mark.slow
 def test_a_failed_scale_down_puts_the_worker_back_into_service(tmp_path):
-    from pdserve.local_fleet import LocalFleet
+    from pdserve.control.local_fleet import LocalFleet
     from pdserve.router.gateway import create_router_app
 
     with _worker(tmp_path, "a") as a, _worker(tmp_path, "b") as b:

@@ -2,7 +2,7 @@
 the version label in GET /admin/workers, the canary API, and the refusals of POST /admin/workers
 and retire (no fleet, a bad config naming its key, another model, an unknown version or worker),
 each an admin route with an OpenAI-style error body. Starting and retiring real workers:
-tests/router/test_rollout_e2e.py."""
+tests/control/test_rollout_e2e.py."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,7 @@ import pytest
 
 from api_errors import openai_error as _error
 from pdserve.config import ConfigError, load_config
-from pdserve.local_fleet import LocalFleet
+from pdserve.control.local_fleet import LocalFleet
 
 ADMIN = "sk-admin-r"
 REG = {"worker_id": "w-1", "role": "decode", "model": "tiny-qwen2", "url": "http://127.0.0.1:1", "pid": 1,
@@ -108,7 +108,7 @@ def test_a_new_version_changes_what_a_worker_computes_and_keeps_the_rest(tmp_pat
     token, and neither the client nor the admin keys."""
     import yaml
 
-    from pdserve.router.rollout_keys import rollout_worker_config
+    from pdserve.control.rollout_keys import rollout_worker_config
     deployment = load_config(overrides={
         "model.name": "tiny-qwen2", "server.host": "0.0.0.0", "server.port": 9000, "server.internal_token": "tok",
         "server.otlp_endpoint": "http://collector:4318", "cache.remote": "redis://kv:6379/0",

@@ -5,7 +5,7 @@ and applies each action to the fleet's counts, as the controller would once it i
 from __future__ import annotations
 
 from pdserve.config import ControllerConfig
-from pdserve.router.scaling_policy import ACTIONS, Decision, Params, Reading, State, decide
+from pdserve.control.scaling_policy import ACTIONS, Decision, Params, Reading, State, decide
 
 P = Params.from_config(ControllerConfig(slo_ttft_ms=1000, slo_tpot_ms=100, high=1.0, low=0.5, sustain_intervals=3,
                                         cooldown_s=20, min_workers=2, max_workers=4, kv_usage_high=0.9, imbalance=3.0))
@@ -213,7 +213,7 @@ def test_a_wait_for_a_first_token_past_the_slo_is_prefill_pressure_before_any_fi
 def test_the_controller_reads_the_mean_gap_and_the_oldest_wait_for_a_first_token():
     from prometheus_client import CollectorRegistry, Histogram
 
-    from pdserve.router.controller import sum_count
+    from pdserve.control.controller import sum_count
     from pdserve.server.metrics import RequestTimer, ServerMetrics
     h = Histogram("gaps_seconds", "gaps", buckets=(0.1, 1.0), registry=CollectorRegistry())
     before = sum_count(h)
@@ -260,7 +260,7 @@ def test_a_prefill_backlog_past_the_slo_is_pressure_before_any_request_waited_it
 
 
 def test_the_prefill_backlog_is_the_least_queue_at_the_measured_rate():
-    from pdserve.router.controller import PrefillBacklog
+    from pdserve.control.controller import PrefillBacklog
     b = PrefillBacklog()
     assert b.update(0.0, {"p1": (0, 900)}) is None                 # nothing measured yet
     # Busy throughout (queued at both readings): 600 tokens in 2 s, then 300 in 2 s -> 4 s / 900 tokens.
@@ -298,7 +298,7 @@ def test_a_decode_forecast_past_the_slo_is_pressure_before_the_gap_crosses_it():
 
 
 def test_the_decode_forecast_is_the_measured_step_cost_at_the_streams_to_come():
-    from pdserve.router.controller import DecodeForecast
+    from pdserve.control.controller import DecodeForecast
     f = DecodeForecast(horizon_s=10.0)
     # Gaps follow 50 ms + 5 ms a stream exactly; streams per worker grow by 1 a second (2 a reading).
     got = [f.update(2.0 * i, 2.0 * i + 1, 50.0 + 5.0 * (2.0 * i + 1)) for i in range(6)]

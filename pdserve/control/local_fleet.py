@@ -1,8 +1,8 @@
 """The router's hands on one machine: start and stop local worker processes (`pdserve serve`).
 
 A worker the controller adds registers itself with the router (`--router-url`) and is routed to once
-healthy; one a rollout starts (router/rollout_api.py) runs the config it was given and is added by
-the router once it answers. One it stops has been emptied first (router/role_switch.py
+healthy; one a rollout starts (control/rollout_api.py) runs the config it was given and is added by
+the router once it answers. One it stops has been emptied first (control/role_switch.py
 empty_worker), so its SIGTERM finds nothing left to finish. It keeps the config file of every
 version it ran, so that a rollback can start the old version again.
 """
@@ -13,14 +13,17 @@ import itertools
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from pdserve.config import Config, for_role, load_config
 from pdserve.version import config_digest
 from pdserve.worker_process import WorkerProcess, write_worker_config
-from pdserve.router.registry import Worker
-from pdserve.router.rollout_keys import rollout_worker_config
+from pdserve.control.rollout_keys import rollout_worker_config
+
+if TYPE_CHECKING:      # the router hands these in; at run time the control plane imports no router module
+    from pdserve.router.registry import Worker
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +41,9 @@ class LocalFleet:
 
     async def add(self, role: str) -> str:
         rc = getattr(self.config.deployment, role)
+        # A prefill or decode role's config always has its threads (config.apply_role: ROLE_THREADS).
         proc = WorkerProcess(role, next(self._index), self.config_file, "127.0.0.1",
-                             for_role(self.config, role).server.threads, rc.cpu_affinity, self.log_dir,
+                             for_role(self.config, role).server.threads, rc.cpu_affinity, self.log_dir,  # type: ignore[arg-type]
                              ["--router-url", self.router_url])
         self.workers.append(proc)
         self._added.append(proc)
@@ -64,7 +68,7 @@ class LocalFleet:
 
     def write_config(self, data: dict) -> tuple[Path, Config]:
         """Check `data` as a config file (ConfigError names each bad key, and each key that is the
-        deployment's to set: router/rollout_keys.py) and write it as this deployment's workers read it."""
+        deployment's to set: control/rollout_keys.py) and write it as this deployment's workers read it."""
         raw = self.log_dir / f"rollout-{next(self._index)}.yaml"
         raw.write_text(yaml.safe_dump(data))
         config = rollout_worker_config(self.config, load_config(raw))
@@ -83,7 +87,7 @@ class LocalFleet:
         """Start a worker of `role` reading `config_file`; its URL once it answers /health. One that
         exits or stays silent past `timeout_s` is stopped, and the RuntimeError carries its log's tail."""
         config = load_config(config_file, role=role)
-        proc = WorkerProcess(role, next(self._index), config_file, "127.0.0.1", config.server.threads,
+        proc = WorkerProcess(role, next(self._index), config_file, "127.0.0.1", config.server.threads,  # type: ignore[arg-type]
                              getattr(config.deployment, role).cpu_affinity, self.log_dir, [])
         self.workers.append(proc)
         log.info("started a %s worker with %s (pid %d, log %s)", role, config_file.name, proc.proc.pid, proc.log_path)

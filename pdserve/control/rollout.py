@@ -2,7 +2,7 @@
 config, one at a time, canary first; roll the replaced ones back on a failed health check or an
 SLO breach.
 
-It runs where the operator runs it, as a client of the router's admin API (router/rollout_api.py):
+It runs where the operator runs it, as a client of the router's admin API (control/rollout_api.py):
 the router owns the traffic (canary weight, drains) and its fleet the processes, and the state of a
 rollout is the fleet itself (each worker's version in GET /admin/workers), so a rollout that was
 interrupted is resumed by running it again, and undone by a rollout of the old config. Per worker
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pdserve.config import Config, ConfigError, load_config
-from pdserve.router.rollout_check import Reading, Slo, Verdict, canary_weight, judge, read
+from pdserve.control.rollout_check import Reading, Slo, Verdict, canary_weight, judge, read
 from pdserve.version import config_digest, version_label
 
 log = logging.getLogger(__name__)

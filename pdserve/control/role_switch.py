@@ -1,7 +1,7 @@
 """The router's side of a role switch and of a drain: stop routing to the worker, let its requests
 finish (or have the worker hand them back to be continued elsewhere), then tell it to switch.
 
-Used by `POST /admin/workers/{id}/role` and by the controller (router/controller.py), which also
+Used by `POST /admin/workers/{id}/role` and by the controller (control/controller.py), which also
 evens out the decode pool after a worker joins it (`even_out`).
 """
 from __future__ import annotations
@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import httpx
 
 from pdserve.protocol.control import RoleChanged, ShedRequest
-from pdserve.router.registry import Registry, Worker
+
+if TYPE_CHECKING:      # the router hands these in; at run time the control plane imports no router module
+    from pdserve.router.registry import Registry, Worker
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.02

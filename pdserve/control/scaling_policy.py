@@ -1,5 +1,5 @@
 """The autoscaler's decisions: a pure function of one reading of the fleet, the state carried from
-the readings before, and the parameters (controller: config). The controller (router/controller.py)
+the readings before, and the parameters (controller: config). The controller (control/controller.py)
 reads the fleet, calls `decide` and carries out what it returns; tests replay metric traces through
 `decide` alone.
 

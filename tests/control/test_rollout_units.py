@@ -1,6 +1,6 @@
 """The pure parts of a rollout: the version label's digest, canary routing (router/policies.py
 canary_pool), the SLO verdict read from the router's real /metrics exposition
-(router/version_stats.py -> router/rollout_check.py), the canary weight's widening, and the
+(router/version_stats.py -> control/rollout_check.py), the canary weight's widening, and the
 rollout config's rules."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pdserve.router import policies
 from pdserve.router.accounting import Route
 from pdserve.router.policies import Canary, RouteRequest, WorkerState, canary_pool, choose
 from pdserve.router.registry import Breaker, Worker
-from pdserve.router.rollout_check import Reading, Slo, canary_weight, judge, read
+from pdserve.control.rollout_check import Reading, Slo, canary_weight, judge, read
 from pdserve.router.version_stats import VersionStats
 from pdserve.version import config_digest, version_label
 
@@ -155,7 +155,7 @@ def test_the_canary_weight_widens_from_its_first_value_to_one():
 
 def test_rollout_cli_exits_2_on_a_bad_config_and_1_when_the_router_is_unreachable(tmp_path, capsys):
     from pdserve.bench.procs import free_port
-    from pdserve.router.rollout import main
+    from pdserve.control.rollout import main
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout: {canary_weight: 2}\n")
     assert main(["--config", str(bad)]) == 2

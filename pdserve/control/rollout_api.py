@@ -1,4 +1,4 @@
-"""The router's side of a rollout: the admin routes `pdserve rollout` (router/rollout.py) drives.
+"""The router's side of a rollout: the admin routes `pdserve rollout` (control/rollout.py) drives.
 
 - `GET|PUT|DELETE /admin/canary`: `{"version": V, "weight": W}` sends a share W of new requests to
   workers of version V first (router/policies.py canary_pool); the rest go to the other versions.
@@ -7,7 +7,7 @@
 - `POST /admin/workers/{id}/retire`: no new work, its requests finish or move to other workers
   (as a scale-down: role_switch.empty_worker), then the fleet stops it and the router forgets it.
 
-Only a router that can start workers takes the last two (`pdserve serve`: pdserve/local_fleet.py);
+Only a router that can start workers takes the last two (`pdserve serve`: pdserve/control/local_fleet.py);
 elsewhere they answer 501 (on Kubernetes a Deployment's rolling update replaces pods).
 """
 from __future__ import annotations
@@ -15,24 +15,25 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 from fastapi import FastAPI
 
 from pdserve.config import Config, ConfigError
 from pdserve.protocol.control import CanarySetting, LeaveRequest, StartWorker
-from pdserve.router import policies
-from pdserve.router.backend import RemoteBackend
-from pdserve.router.registry import Registry, Worker
-from pdserve.router.role_switch import SwitchRefused, back_into_service, empty_worker
+from pdserve.control.role_switch import SwitchRefused, back_into_service, empty_worker
 from pdserve.server.errors import error_response
+
+if TYPE_CHECKING:      # the router hands these in; at run time the control plane imports no router module
+    from pdserve.router.backend import RemoteBackend
+    from pdserve.router.registry import Registry, Worker
 
 log = logging.getLogger(__name__)
 
 
 class RolloutFleet(Protocol):
-    """What a fleet needs for rollouts (pdserve/local_fleet.py LocalFleet has it)."""
+    """What a fleet needs for rollouts (pdserve/control/local_fleet.py LocalFleet has it)."""
 
     def write_config(self, data: dict) -> tuple[Path, Config]: ...
 
@@ -65,7 +66,7 @@ def install_rollout_routes(app: FastAPI, config: Config, registry: Registry, cli
 
     @app.put("/admin/canary")
     async def set_canary(body: CanarySetting):
-        backend.canary = policies.Canary(body.version, body.weight)
+        backend.set_canary(body.version, body.weight)
         log.info("canary: %.0f%% of new requests to version %s first", body.weight * 100, body.version)
         return canary()
 

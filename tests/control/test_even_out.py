@@ -1,5 +1,5 @@
 """How many streams each decode worker hands on when the controller evens the pool out."""
-from pdserve.router.role_switch import excess_streams
+from pdserve.control.role_switch import excess_streams
 
 
 def test_the_excess_over_the_mean_moves():

@@ -5,10 +5,10 @@ interval from the router's own histograms, decode KV usage, running and waiting 
 health, queued prefill tokens from the router's accounting, the longest wait for a first token, the
 backlog ahead of a new prompt at the prefill pool's measured rate, the gap forecast for a new
 decode stream from the streams a decode worker holds and how fast they grow),
-asks the pure policy (router/scaling_policy.py) what to do, and does it: a role switch through the
-router (drain, switch in place: router/role_switch.py; after a switch to decode the streams piled
+asks the pure policy (control/scaling_policy.py) what to do, and does it: a role switch through the
+router (drain, switch in place: control/role_switch.py; after a switch to decode the streams piled
 on the other decode workers move over to even the pool out), or a worker added or removed through a
-`Fleet` (local processes: pdserve/local_fleet.py; Kubernetes Deployments: router/k8s_fleet.py). A removal empties
+`Fleet` (local processes: pdserve/control/local_fleet.py; Kubernetes Deployments: control/k8s_fleet.py). A removal empties
 the worker first, so no request is lost. Every decision, holds included, is kept with its inputs
 and reason for `GET /admin/controller`; actions are counted in /metrics. With controller.enabled
 false it only reads and exports each pool's pressure, for an HPA (deploy/k8s/hpa.yaml).
@@ -19,16 +19,18 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.config import Config
 from pdserve.protocol.control import ControllerDecision
-from pdserve.router.registry import Registry, Worker
-from pdserve.router.role_switch import SwitchRefused, back_into_service, empty_worker, even_out, switch_role
-from pdserve.router.scaling_policy import Decision, Params, Reading, State, decide, pressures
+from pdserve.control.role_switch import SwitchRefused, back_into_service, empty_worker, even_out, switch_role
+from pdserve.control.scaling_policy import Decision, Params, Reading, State, decide, pressures
+
+if TYPE_CHECKING:      # the router hands these in; at run time the control plane imports no router module
+    from pdserve.router.registry import Registry, Worker
 
 log = logging.getLogger(__name__)
 

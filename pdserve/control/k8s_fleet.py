@@ -3,7 +3,7 @@ decode pools' Deployments through the API with the official `kubernetes` client 
 'pdserve[kubernetes]'; RBAC in deploy/k8s/controller-rbac.yaml).
 
 - add: the pool's Deployment scale goes up by one; the new pod registers itself with the router.
-- remove: the controller has emptied the worker (router/role_switch.py empty_worker); its pod,
+- remove: the controller has emptied the worker (control/role_switch.py empty_worker); its pod,
   found by IP among the Deployments' pods (after a role switch it may belong to the other pool's),
   gets the lowest `controller.kubernetes.io/pod-deletion-cost`, so that scaling its Deployment down
   by one deletes that pod and not a busy one.
@@ -14,10 +14,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from pdserve.config import ControllerConfig
-from pdserve.router.registry import Worker
+
+if TYPE_CHECKING:      # the router hands these in; at run time the control plane imports no router module
+    from pdserve.router.registry import Worker
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 START_TIMEOUT_S = 600.0          # a pod that has not registered by then is no longer waited for

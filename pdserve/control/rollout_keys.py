@@ -1,4 +1,4 @@
-"""What `POST /admin/workers` may set in a new worker's config (router/rollout_api.py: a rollout's
+"""What `POST /admin/workers` may set in a new worker's config (control/rollout_api.py: a rollout's
 new version), and what the deployment keeps.
 
 A caller of the admin API chooses what a worker computes: the model's and the engine's settings,

@@ -1,4 +1,4 @@
-"""The pure parts of a rollout (router/rollout.py): the canary weight of each step, and the SLO
+"""The pure parts of a rollout (control/rollout.py): the canary weight of each step, and the SLO
 verdict on the new version over a window, from two readings of the router's /metrics
 (router/version_stats.py: TTFT and TPOT histograms, requests and failed attempts by version).
 """
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.router.controller import quantile_between
+from pdserve.control.controller import quantile_between
 
 _PREFIX = "pdserve_router_version_"
 

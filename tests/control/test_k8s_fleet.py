@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from pdserve.config import ControllerConfig
-from pdserve.router.k8s_fleet import DELETION_COST, KubernetesFleet
+from pdserve.control.k8s_fleet import DELETION_COST, KubernetesFleet
 from pdserve.router.registry import Breaker, Worker
 
 pytest.importorskip("kubernetes")
