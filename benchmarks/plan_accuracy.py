@@ -1,5 +1,5 @@
 """The planner's predictions against measurement: TTFT p50/p90 and TPOT p50 predicted by the PD
-simulator (pdserve plan's, router/pd_simulate.py) on this machine's profile (pdserve profile), and
+simulator (pdserve plan's, planner/pd_simulate.py) on this machine's profile (pdserve profile), and
 measured on real `pdserve serve` deployments driven by the pdserve bench client with the same
 requests at the same Poisson arrivals. Prints, per deployment and workload, predicted / measured
 for each figure (the issue's goal: within 20%, i.e. 0.8-1.2), and one JSON line with everything
@@ -32,8 +32,8 @@ from pdserve.bench.metrics import percentile
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 from pdserve.bench.workloads import Session, Turn, make_workload
 from pdserve.planner.search import predict, workload_requests
-from pdserve.router.pd_simulate import PDFleet, RoleSettings
-from pdserve.router.step_costs import StepCosts
+from pdserve.planner.pd_simulate import PDFleet, RoleSettings
+from pdserve.planner.step_costs import StepCosts
 from pdserve.utils.cpu import describe
 
 DEPLOYMENTS = {"1P1D": (1, 1, 512), "1P1D-c128": (1, 1, 128), "mixed": (0, 0, 512)}

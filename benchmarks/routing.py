@@ -3,7 +3,7 @@ router's decision time over a 1000-worker index.
 
 Part 1 replays one seeded multi-tenant trace (Zipf-popular system prompts per tenant, a fresh user
 suffix per request, 5% long documents, Poisson arrivals) through a simulated fleet of mixed
-workers (pdserve/router/simulate.py): each holds a real PrefixCache over a real BlockPool with
+workers (pdserve/planner/simulate.py): each holds a real PrefixCache over a real BlockPool with
 LRU eviction and feeds a real KVIndex through KV events, one step late. Per policy:
   hit_rate        hit tokens / prompt tokens, from each worker's true cache when the prefill starts
   vs_oracle       hit_rate / the oracle's; the oracle reads every cache directly and picks, among
@@ -38,7 +38,7 @@ from pdserve.cache.kv_index import KVIndex
 from pdserve.cache.prefix_cache import prompt_hashes
 from pdserve.protocol import KVEvent
 from pdserve.router.policies import RouteRequest, WorkerState, cost
-from pdserve.router.simulate import FleetConfig, TraceConfig, multi_tenant_trace, oracle, policy, simulate
+from pdserve.planner.simulate import FleetConfig, TraceConfig, multi_tenant_trace, oracle, policy, simulate
 
 STEP_MS = 20.0
 POLICIES = ["cost", "cache_aware", "round_robin", "least_load", "power_of_two"]

@@ -140,8 +140,8 @@ def run_plan(argv: list[str]) -> int:
     from pdserve.config import ConfigError, load_config
     from pdserve.planner.report import format_plan
     from pdserve.planner.search import SearchSpace, plan, workload_requests
-    from pdserve.router.pd_simulate import PDFleet, RoleSettings
-    from pdserve.router.step_costs import ProfileError, StepCosts
+    from pdserve.planner.pd_simulate import PDFleet, RoleSettings
+    from pdserve.planner.step_costs import ProfileError, StepCosts
     parser = plan_parser()
     args = parser.parse_args(argv)
     try:

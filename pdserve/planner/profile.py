@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.config import Config, derive, for_role
-from pdserve.router.step_costs import Grid, StepCosts
+from pdserve.planner.step_costs import Grid, StepCosts
 from pdserve.utils.cpu import describe
 
 

@@ -6,7 +6,7 @@ import argparse
 import yaml
 
 from pdserve.planner.search import Plan, Prediction
-from pdserve.router.step_costs import StepCosts
+from pdserve.planner.step_costs import StepCosts
 
 
 def config_snippet(p: Prediction) -> dict:

@@ -1,5 +1,5 @@
 """`pdserve plan`: the P:D split and per-role settings that maximise goodput under the SLOs, found by
-running the PD simulator (router/pd_simulate.py) on a machine's measured step costs.
+running the PD simulator (planner/pd_simulate.py) on a machine's measured step costs.
 
 Workloads are the benchmark's own (pdserve/bench/workloads.py) with the bench client's Poisson
 arrivals (bench/client.poisson_arrivals, same seed), so a plan and `pdserve bench` see the same
@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from pdserve.bench.client import poisson_arrivals
 from pdserve.bench.metrics import percentile
 from pdserve.bench.workloads import make_workload
-from pdserve.router.pd_simulate import PDFleet, PDRequest, RoleSettings, simulate_pd
-from pdserve.router.step_costs import StepCosts
+from pdserve.planner.pd_simulate import PDFleet, PDRequest, RoleSettings, simulate_pd
+from pdserve.planner.step_costs import StepCosts
 
 
 def text_tokens(text: str) -> int:

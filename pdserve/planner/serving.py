@@ -33,7 +33,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.config import Config
-from pdserve.router.step_costs import Serving, StepCosts
+from pdserve.planner.step_costs import Serving, StepCosts
 
 REPLY = 48
 REPEATS = 5

@@ -2,7 +2,7 @@
 
 The gateway owns every piece of state (the round-robin counter, the RNG, the worker states and
 the global KV index); a policy only reads what it is given, so tests and the simulator
-(`pdserve/router/simulate.py`) call the same functions the gateway does, without a network.
+(`pdserve/planner/simulate.py`) call the same functions the gateway does, without a network.
 
 Exact ties (an idle fleet, equal loads, no cache hit) rotate with the gateway's counter instead of
 going to the first worker: requests that each finish before the next arrives still spread over

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.planner.cli import main
-from pdserve.router.step_costs import StepCosts
+from pdserve.planner.step_costs import StepCosts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_planner_search import synthetic  # noqa: E402

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from pdserve.planner.search import SearchSpace, plan, predict, served, text_tokens, workload_requests
-from pdserve.router.pd_simulate import PDFleet, PDRequest, RoleSettings, simulate_pd
-from pdserve.router.step_costs import FORMAT, Grid, ProfileError, Serving, StepCosts
+from pdserve.planner.pd_simulate import PDFleet, PDRequest, RoleSettings, simulate_pd
+from pdserve.planner.step_costs import FORMAT, Grid, ProfileError, Serving, StepCosts
 
 
 def synthetic(**kw) -> StepCosts:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pdserve.protocol import KV_TIERS
 from pdserve.router.policies import (POLICIES, CostParams, RouteRequest, WorkerState, cache_aware, choose,
                                      cost, eligible, least_load, power_of_two, round_robin)
-from pdserve.router.simulate import FleetConfig, TraceConfig, multi_tenant_trace, oracle, policy, simulate
+from pdserve.planner.simulate import FleetConfig, TraceConfig, multi_tenant_trace, oracle, policy, simulate
 
 BS = 16
 

@@ -1,8 +1,8 @@
 """An event-driven simulator of a PD fleet in seconds, for the planner (`pdserve plan`).
 
-Where router/simulate.py compares routing policies in abstract steps, this one predicts latencies:
+Where planner/simulate.py compares routing policies in abstract steps, this one predicts latencies:
 each worker runs engine steps whose durations come from a machine's measured costs
-(router/step_costs.py), with the engine's own scheduling rules and the router's own policies
+(planner/step_costs.py), with the engine's own scheduling rules and the router's own policies
 (router/policies.py, through the same RouteRequest/WorkerState figures the gateway keeps, see
 router/accounting.py):
 
@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.router.policies import RouteRequest, WorkerState, choose
-from pdserve.router.step_costs import StepCosts
+from pdserve.planner.step_costs import StepCosts
 
 
 @dataclass

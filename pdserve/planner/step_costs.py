@@ -1,9 +1,9 @@
 """A machine's measured step costs (what `pdserve profile` writes) and the cost model read from them.
 
-Torch-free on purpose: the planner's simulator (router/pd_simulate.py) and the router's controller
-read it without loading a model. The figures are raw measurements on grids; between grid points the
-model interpolates linearly, and beyond them it extrapolates from the last two points, so a plan for
-a longer context than was profiled degrades gracefully instead of failing.
+Torch-free on purpose: the planner's simulator (planner/pd_simulate.py) reads it without loading a
+model. The figures are raw measurements on grids; between grid points the model interpolates
+linearly, and beyond them it extrapolates from the last two points, so a plan for a longer context
+than was profiled degrades gracefully instead of failing.
 
 Units: seconds, tokens, bytes.
 """
