@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         # A worker's version names the deployment config it came from, before its role's settings.
         digest = config_digest(load_config(args.config, overrides)) if args.command == "worker" else None
         if args.command == "serve":
-            from pdserve.plan import format_plan, make_plan
+            from pdserve.deployment_plan import format_plan, make_plan
             plan = make_plan(config)        # the model's architecture against the deployment
         if args.command == "router" or (args.command == "serve" and config.deployment.mode == "pd"):
             from pdserve.router.access import check_admin_exposure

@@ -133,7 +133,7 @@ class RoleConfig:
 class DeploymentConfig:
     mode: str = "pd"                     # pd (router + prefill + decode workers) | mixed (one process)
     # "P:D": prefill to decode devices (instances x expert_parallel), e.g. "1:2"; sets the instance counts
-    # not given; instances that are given win (a ratio they do not match is a warning, see plan.py).
+    # not given; instances that are given win (a ratio they do not match is a warning, see deployment_plan.py).
     pd_ratio: str | None = None
     prefill: RoleConfig = field(default_factory=RoleConfig)
     decode: RoleConfig = field(default_factory=RoleConfig)

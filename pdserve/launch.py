@@ -14,14 +14,14 @@ import time
 from pathlib import Path
 
 from pdserve.config import Config, derive, for_role
-from pdserve.plan import pd_counts
+from pdserve.deployment_plan import pd_counts
 from pdserve.worker_process import WorkerProcess, write_worker_config
 
 log = logging.getLogger(__name__)
 
 
 def instance_counts(config: Config) -> tuple[int, int]:
-    """(prefill, decode) workers: deployment.<role>.instances, else from deployment.pd_ratio (plan.py)."""
+    """(prefill, decode) workers: deployment.<role>.instances, else from deployment.pd_ratio (deployment_plan.py)."""
     n_prefill, n_decode, _ = pd_counts(config)
     return n_prefill, n_decode
 

@@ -101,7 +101,7 @@ def compat_info(model: str, dtype: str, quantization: str, block_size: int, kv_s
 
 
 # Carried but allowed to differ: weight quantization changes no KV layout or dtype, and seed 004
-# quantizes the decode role alone (plan.py accepts per-role quantization).
+# quantizes the decode role alone (deployment_plan.py accepts per-role quantization).
 _MAY_DIFFER = frozenset({"quantization"})
 
 

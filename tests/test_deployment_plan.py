@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.config import ConfigError, load_config
-from pdserve.plan import make_plan, pd_counts
+from pdserve.deployment_plan import make_plan, pd_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "examples" / "seed_003.yaml"
