@@ -1,4 +1,4 @@
-"""Import contracts: the router (and its encoder processes) never load torch, the engine or the model.
+"""Import contracts: the router (and its tokenizer pool processes) never load torch, the engine or the model.
 
 The router's footprint is its imports: with torch it took ~300 MB resident, without ~100 MB
 (tests/router/test_router_memory_e2e.py measures the real process). Two checks: a fresh
@@ -18,13 +18,13 @@ PKG = Path(pdserve.__file__).parent
 FORBIDDEN = ("torch", "pdserve.engine", "pdserve.model")
 
 # What the `pdserve router` process runs: cli.main's router branch (bind_socket, create_router_app,
-# run_uvicorn), a request's path through the handlers, and an encoder process's start.
+# run_uvicorn), a request's path through the handlers, and a tokenizer pool process's start.
 _ROUTER_PATH = r"""
 import json, sys
 from pdserve.cli import build_parser
 from pdserve.config import load_config
 from pdserve.router.gateway import create_router_app
-from pdserve.router import encoder
+from pdserve.router import tokenizer_pool
 from pdserve.server.serving import bind_socket, run_uvicorn
 import pdserve.launch, pdserve.protocol, pdserve.chat_content, pdserve.server.openai_api
 from pdserve import SamplingParams
@@ -32,8 +32,8 @@ from pdserve import SamplingParams
 build_parser().parse_args(["router", "--model", "tiny-qwen2"])
 config = load_config(None, {"model.name": "tiny-qwen2", "router.encoder_workers": 0})
 app = create_router_app(config)                 # loads the router's own tokenizer
-encoder._init("tiny-qwen2")                     # what each encoder process runs at start
-assert encoder._encode_chat([{"role": "user", "content": "hi"}])
+tokenizer_pool._init("tiny-qwen2")              # what each pool process runs at start
+assert tokenizer_pool._encode_chat([{"role": "user", "content": "hi"}])
 SamplingParams(max_tokens=3).validate(100)
 bad = sorted(m for m in sys.modules if any(m == f or m.startswith(f + ".") for f in %r))
 print(json.dumps(bad))

@@ -1,6 +1,6 @@
 """The router's HTTP front: the OpenAI API over the workers, admin routes, health and metrics.
 
-Requests are tokenized by the encoder pool, routed by the policies over the registry and the
+Requests are tokenized by the tokenizer pool, routed by the policies over the registry and the
 global KV index, streamed from a decode worker as token ids, and detokenized here.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pdserve.router.access import Access, KeyStore, bearer_key, check_admin_expo
 from pdserve.router.admission import Admission
 from pdserve.router.backend import RemoteBackend
 from pdserve.control.controller import Controller, Fleet
-from pdserve.router.encoder import EncoderPool, load_tokenizer
+from pdserve.router.tokenizer_pool import TokenizerPool, load_tokenizer
 from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Registry
@@ -67,8 +67,8 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     metrics = RouterMetrics(server_metrics.registry, registry)
     timer = RequestTimer(server_metrics)
     limiter = rate_limiter(rc.requests_per_minute, rc.tokens_per_minute, rc.shared_limits)
-    encoder = EncoderPool(config.model.name, rc.encoder_workers)
-    tokenizer = encoder.local or load_tokenizer(config.model.name)     # for detokenizing the streams
+    tokenizer_pool = TokenizerPool(config.model.name, rc.encoder_workers)
+    tokenizer = tokenizer_pool.local or load_tokenizer(config.model.name)     # for detokenizing the streams
     feed = IndexFeed(token)
     client = httpx.AsyncClient(timeout=httpx.Timeout(rc.request_timeout_s, connect=rc.connect_timeout_s),
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
@@ -82,7 +82,7 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     controller = Controller(config, registry, client, server_metrics.ttft, server_metrics.itl, fleet,
                             server_metrics.registry, timer.oldest_wait,
                             backend.held_prefill_tokens)
-    handlers = OpenAIHandlers(backend, tokenizer, model_name, timer, encoder=encoder)
+    handlers = OpenAIHandlers(backend, tokenizer, model_name, timer, encoder=tokenizer_pool)
     handlers.vision, handlers.vision_limits = image_slots(config.model.name), config.vision   # None: text only
 
     async def health_loop() -> None:
@@ -102,14 +102,14 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     async def lifespan(_: FastAPI):
         task = asyncio.create_task(health_loop())
         control = asyncio.create_task(controller.run())
-        await encoder.warm_up()
+        await tokenizer_pool.warm_up()
         yield
         backend.accepting = False
         task.cancel()
         control.cancel()
         await client.aclose()
         feed.close()
-        encoder.close()
+        tokenizer_pool.close()
 
     app = FastAPI(title="pdserve router", version="0.1.0", lifespan=lifespan)
     app.state.registry = registry

@@ -1,4 +1,4 @@
-"""The encoder pool: chat templating and tokenization in worker processes ("Encoder" balancer of seed 003).
+"""The tokenizer pool: chat templating and tokenization in worker processes ("Encoder" balancer of seed 003).
 
 Templating and tokenizing a long prompt takes milliseconds of CPU that would otherwise stall the
 router's event loop. Each pool process loads the tokenizer once. The router keeps a tokenizer of
@@ -30,7 +30,7 @@ def _init(model: str) -> None:
 
 def _pool_tokenizer() -> TokenizerWrapper:
     if _tokenizer is None:
-        raise RuntimeError("encoder function called outside an initialised pool process")
+        raise RuntimeError("tokenizer pool function called outside an initialised pool process")
     return _tokenizer
 
 
@@ -42,7 +42,7 @@ def _encode_chat(messages: list[dict[str, Any]]) -> list[int]:
     return _pool_tokenizer().encode_chat(messages)
 
 
-class EncoderPool:
+class TokenizerPool:
     def __init__(self, model: str, processes: int) -> None:
         self.processes = processes
         # Spawned, not forked: a fork of the router would inherit its threads and signal handlers.
