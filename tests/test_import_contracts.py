@@ -1,9 +1,16 @@
-"""Import contracts: the router (and its tokenizer pool processes) never load torch, the engine or the model.
+"""Import contracts between the rooms of the package.
 
-The router's footprint is its imports: with torch it took ~300 MB resident, without ~100 MB
-(tests/router/test_router_memory_e2e.py measures the real process). Two checks: a fresh
-interpreter that walks the router's real start-up path, and a static walk over every import in
-the router's modules, including those inside functions, which start-up alone may not reach."""
+The router process holds two rooms: the data plane (pdserve/router: HTTP front, tokenizer pool,
+registry and health, policies, KV index, retries, auth) and the control plane (pdserve/control:
+controller, scaling policy, role switch, rollout, fleets), over the torch-free shared layer
+(pdserve/common, pdserve/protocol and the server's HTTP pieces). The planner's simulators and step
+costs (pdserve/planner) run the router's policies offline. None of these loads torch, the engine or
+the model: the router's footprint is its imports (with torch it took ~300 MB resident, without
+~100 MB; tests/router/test_router_memory_e2e.py measures the real process). Two checks: a fresh
+interpreter that walks the router's real start-up path, and a static walk over every import in each
+room's modules, including those inside functions, which start-up alone may not reach. Imports
+between the rooms flow one way: the data plane wires the control plane in only in its app factory,
+and no package imports another that imports it back."""
 from __future__ import annotations
 
 import ast
@@ -11,6 +18,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import pdserve
 
@@ -27,6 +36,7 @@ from pdserve.router.gateway import create_router_app
 from pdserve.router import tokenizer_pool
 from pdserve.server.serving import bind_socket, run_uvicorn
 import pdserve.launch, pdserve.protocol, pdserve.chat_content, pdserve.server.openai_api
+import pdserve.control.local_fleet, pdserve.control.k8s_fleet   # the fleets `serve` and Kubernetes give it
 from pdserve import SamplingParams
 
 build_parser().parse_args(["router", "--model", "tiny-qwen2"])
@@ -48,15 +58,15 @@ def test_the_router_start_up_path_loads_no_torch_engine_or_model():
 
 
 def test_the_offline_api_still_imports_from_pdserve():
-    """Names that moved to pdserve.common are still where users and engine code import them."""
+    """Users import the offline API from pdserve; the names the engine and the router share live in
+    pdserve.common, where both import them."""
     code = ("from pdserve import LLM, SamplingParams\n"
-            "from pdserve.engine.engine import RequestOutput\n"
-            "from pdserve.engine.request import TokenLogprob\n"
-            "from pdserve.engine.sampling_params import InvalidParam, check_prompt\n"
-            "from pdserve.engine.async_engine import EngineDeadError, RequestFailed\n"
-            "from pdserve.model.loader import DEFAULT_MODEL, default_gguf_path, load_gguf_tokenizer\n"
-            "from pdserve.model.tokenizer import TokenizerWrapper\n"
-            "from pdserve.server.app import bind_socket, run_uvicorn\n"
+            "from pdserve.common.outputs import RequestOutput, TokenLogprob\n"
+            "from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed\n"
+            "from pdserve.common.sampling import check_prompt\n"
+            "from pdserve.common.detokenizer import IncrementalDetokenizer\n"
+            "from pdserve.common.tokenizer import DEFAULT_MODEL, TokenizerWrapper, default_gguf_path, load_gguf_tokenizer\n"
+            "from pdserve.server.serving import bind_socket, run_uvicorn\n"
             "import pdserve.common.sampling as s\n"
             "assert SamplingParams is s.SamplingParams\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -134,15 +144,37 @@ def _chain(seen: dict[str, str], m: str) -> str:
     return " <- ".join(out)
 
 
-def test_no_router_module_imports_the_engine_the_model_or_torch_anywhere():
+# The torch-free rooms: each one's modules, walked with everything they import.
+ROOMS = {
+    "data plane": ("pdserve.router.",),
+    "control plane": ("pdserve.control.",),
+    "shared layer": ("pdserve.common.", "pdserve.protocol", "pdserve.server.openai_api", "pdserve.server.internal_api",
+                     "pdserve.server.serving", "pdserve.chat_content", "pdserve.server.errors", "pdserve.server.metrics"),
+    "planner's simulators": ("pdserve.planner.simulate", "pdserve.planner.pd_simulate", "pdserve.planner.step_costs"),
+}
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_no_torch_free_room_imports_the_engine_the_model_or_torch_anywhere(room):
     graph = _graph()
-    roots = sorted(m for m in graph if m.startswith(("pdserve.router.", "pdserve.common.")))
-    roots += ["pdserve.protocol", "pdserve.server.openai_api", "pdserve.server.internal_api",
-              "pdserve.server.serving", "pdserve.chat_content", "pdserve.server.errors",
-              "pdserve.server.metrics"]
+    roots = sorted(m for m in graph if m.startswith(ROOMS[room]))
+    assert roots, f"no module in the {room}"
     seen = _reach(graph, roots)
     bad = [_chain(seen, m) for m in sorted(seen) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
-    assert not bad, "\n".join(bad)
+    assert not bad, f"the {room} imports:\n" + "\n".join(bad)
+
+
+def test_the_data_plane_wires_the_control_plane_in_only_in_its_app_factory():
+    """router/gateway.py builds the router's app and installs the controller and the admin routes of
+    rollouts and role switches; no other data-plane module imports the control plane, and the
+    control plane names the router's classes for types only (no package cycle, below)."""
+    graph = _graph()
+    bad = {m: sorted(d for d in deps if _unit(d) == "pdserve.control")
+           for m, deps in graph.items() if _unit(m) == "pdserve.router" and m != "pdserve.router.gateway"}
+    assert not any(bad.values()), bad
+    back = {m: sorted(d for d in deps if _unit(d) == "pdserve.router")
+            for m, deps in graph.items() if _unit(m) == "pdserve.control"}
+    assert not any(back.values()), back
 
 
 def test_the_common_layer_imports_nothing_above_it():

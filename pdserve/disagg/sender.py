@@ -35,7 +35,7 @@ from pdserve.disagg.sender_loop import sender_loop
 from pdserve.disagg.transport import (MooncakeEndpoint, NixlEndpoint, Throttle, coalesce, endpoint_host,
                                       measure_memcpy_bytes_per_s, parse_bandwidth_limit)
 from pdserve.engine.kv_connector import AbortJob, AddJob, ConnectorEvent, KVConnector
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.protocol import PD_CANCEL, PD_CHUNK_LAYER, PD_PREFILL, PD_REQUEST_FAILED, PrefillJob, unpack
 from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerWritten, PDMessage, Started
 from pdserve.utils.net import with_host

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from pdserve.common.outputs import TokenLogprob
     from pdserve.engine.engine import LLMEngine, RequestOutput
     from pdserve.engine.request import Request
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.common.sampling import SamplingParams
 
 
 # What a connector's poll reports; LLMEngine.step applies each one on the engine thread, which owns

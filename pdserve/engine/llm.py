@@ -10,7 +10,7 @@ from pdserve.config import Config, load_config
 from pdserve.config_flags import keyword_key
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.model.loader import LoadedModel
 
 

@@ -15,8 +15,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.common import tracing
 from pdserve.protocol import INTERNAL_TOKEN_HEADER
-from pdserve.router.access import Access, KeyStore, hash_key, key_id, path_kind  # noqa: F401 (re-exported)
-from pdserve.router.rate_limit import Bucket, RateLimiter  # noqa: F401 (re-exported)
+from pdserve.router.access import Access, path_kind
+from pdserve.router.rate_limit import RateLimiter
 from pdserve.server.errors import error_response
 
 audit = logging.getLogger("pdserve.audit")

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.model.loader import default_gguf_path, load_gguf_tokenizer
 
 

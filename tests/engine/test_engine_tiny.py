@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.sampling_params import InvalidParam
+from pdserve.common.errors import InvalidParam
 
 
 @pytest.fixture(scope="module")

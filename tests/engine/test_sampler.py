@@ -8,7 +8,8 @@ import torch
 
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import apply_penalties, filter_logits, sample
-from pdserve.engine.sampling_params import InvalidParam, SamplingParams
+from pdserve.common.errors import InvalidParam
+from pdserve.common.sampling import SamplingParams
 
 
 def _req(rid="r", prompt=(1, 2), out=(), **kw) -> Request:

@@ -6,7 +6,7 @@ import pytest
 from pdserve.cache.block_pool import BlockPool, NoFreeBlocks
 from pdserve.config import SchedulerConfig
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 

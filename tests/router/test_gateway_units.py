@@ -7,7 +7,9 @@ import pytest
 
 from pdserve.router.admission import Admission
 from pdserve.router.registry import Breaker, BreakerState
-from pdserve.router.security import Allowlist, KeyStore, RateLimiter, hash_key, key_id
+from pdserve.router.access import KeyStore, hash_key, key_id
+from pdserve.router.rate_limit import RateLimiter
+from pdserve.router.security import Allowlist
 from pdserve.server.errors import APIError
 
 

@@ -4,7 +4,7 @@ holds more than its bound, and an admission looks at a constant number of bucket
 from __future__ import annotations
 
 from pdserve.router import rate_limit
-from pdserve.router.security import RateLimiter
+from pdserve.router.rate_limit import RateLimiter
 
 
 def test_buckets_that_refilled_are_dropped():

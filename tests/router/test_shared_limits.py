@@ -8,7 +8,7 @@ import time
 
 from redis_server import RedisServer
 
-from pdserve.router.security import RateLimiter
+from pdserve.router.rate_limit import RateLimiter
 from pdserve.router.shared_limits import SharedRateLimiter, rate_limiter
 
 
