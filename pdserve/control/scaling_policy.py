@@ -9,7 +9,7 @@ that) and the backlog a prompt sent now would wait behind (the queue of prompt t
 pool's measured rate: the TTFT to come, before any request has waited it) over slo_ttft_ms,
 the decode pool's the larger of the mean inter-token gap, the gap forecast for a stream sent now
 (the measured step cost at the streams a decode worker will hold by the time a worker asked for now
-lands and stays, if they keep growing as they have: router/controller.DecodeForecast; read as the
+lands and stays, if they keep growing as they have: control/controller.DecodeForecast; read as the
 streams pile up, before their gap crosses the SLO) over slo_tpot_ms, and
 decode KV usage / kv_usage_high. (TPOT is a per-request mean, so the mean gap is what its SLO
 bounds; a p90 of gaps, spiked by prefills sharing the CPU, reads ~1.3x over it: it calls a pool
