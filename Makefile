@@ -23,6 +23,7 @@ serve: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pdserve tests benchmarks
+	$(VENV)/bin/ruff format --check pdserve tests benchmarks
 
 # mypy on protocol, common, router, control, planner and engine (settings: pyproject's [tool.mypy]); ~20 s cold, ~1 s cached.
 typecheck: $(STAMP)
