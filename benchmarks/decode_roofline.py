@@ -10,6 +10,7 @@ between 6.6 and 8.1 ms over a minute), so the step and the bandwidths are measur
 round's fraction from its own figures, and the median round is reported with the spread.
 Prints one JSON line with the fraction of each roofline reached (goal: >= 0.8).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,12 @@ def decode_step_seconds(llm, steps: int) -> float:
     from pdserve import SamplingParams
 
     eng = llm.engine
-    eng.add_request("roofline", llm.tokenizer.encode("The history of the printing press"),
-                    SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-    eng.step()                                       # prefill
+    eng.add_request(
+        "roofline",
+        llm.tokenizer.encode("The history of the printing press"),
+        SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True),
+    )
+    eng.step()  # prefill
     times = []
     while eng.has_unfinished():
         t0 = time.perf_counter()
@@ -66,8 +70,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32, help="decode steps a round")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
-                    help="the roofline counts the bytes this format reads")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="the roofline counts the bytes this format reads",
+    )
     args = ap.parse_args()
 
     import torch
@@ -77,28 +85,48 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     llm = LLM(model="smollm2-135m", threads=args.threads, quantization=args.quantization)
-    decode_step_seconds(llm, 8)                      # warm-up
+    decode_step_seconds(llm, 8)  # warm-up
     weight_bytes = llm.engine.model.weight_bytes()
     rounds = []
     for _ in range(args.rounds):
         step = decode_step_seconds(llm, args.steps)
         copy_bw, read_bw = bandwidths()
-        rounds.append({"decode_step_ms": round(step * 1e3, 2), "copy_bw_gb_s": round(copy_bw / 1e9, 2),
-                       "read_bw_gb_s": round(read_bw / 1e9, 2),
-                       "fraction_of_copy_roofline": round(weight_bytes / copy_bw / step, 3),
-                       "fraction_of_read_roofline": round(weight_bytes / read_bw / step, 3)})
+        rounds.append(
+            {
+                "decode_step_ms": round(step * 1e3, 2),
+                "copy_bw_gb_s": round(copy_bw / 1e9, 2),
+                "read_bw_gb_s": round(read_bw / 1e9, 2),
+                "fraction_of_copy_roofline": round(weight_bytes / copy_bw / step, 3),
+                "fraction_of_read_roofline": round(weight_bytes / read_bw / step, 3),
+            }
+        )
     mid = sorted(rounds, key=lambda r: r["fraction_of_copy_roofline"])[len(rounds) // 2]
     step = mid["decode_step_ms"] / 1e3
-    print(json.dumps({
-        "benchmark": "decode_roofline", "threads": args.threads, "quantization": args.quantization,
-        "cpu": describe(), "weight_bytes": weight_bytes, **mid, "tok_s": round(1 / step, 1),
-        "copy_roofline_ms": round(weight_bytes / (mid["copy_bw_gb_s"] * 1e9) * 1e3, 2),
-        "read_roofline_ms": round(weight_bytes / (mid["read_bw_gb_s"] * 1e9) * 1e3, 2),
-        "copy_fraction_range": [min(r["fraction_of_copy_roofline"] for r in rounds),
-                                max(r["fraction_of_copy_roofline"] for r in rounds)],
-        "step_ms_range": [min(r["decode_step_ms"] for r in rounds), max(r["decode_step_ms"] for r in rounds)],
-        "rounds": rounds, "goal": ">= 0.8",
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "decode_roofline",
+                "threads": args.threads,
+                "quantization": args.quantization,
+                "cpu": describe(),
+                "weight_bytes": weight_bytes,
+                **mid,
+                "tok_s": round(1 / step, 1),
+                "copy_roofline_ms": round(weight_bytes / (mid["copy_bw_gb_s"] * 1e9) * 1e3, 2),
+                "read_roofline_ms": round(weight_bytes / (mid["read_bw_gb_s"] * 1e9) * 1e3, 2),
+                "copy_fraction_range": [
+                    min(r["fraction_of_copy_roofline"] for r in rounds),
+                    max(r["fraction_of_copy_roofline"] for r in rounds),
+                ],
+                "step_ms_range": [
+                    min(r["decode_step_ms"] for r in rounds),
+                    max(r["decode_step_ms"] for r in rounds),
+                ],
+                "rounds": rounds,
+                "goal": ">= 0.8",
+            }
+        )
+    )
     return 0
 
 

@@ -156,25 +156,39 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # tiny tensors: threads only add overhead on a shared machine
     L, E, P, R, T, period = (2, 32, 40, 4, 60, 10) if args.quick else (4, 64, 80, 8, 240, 20)
-    cfg = dict(layers=L, experts=E, physical=P, ranks=R, steps=T, period=period,
-               tokens=1024, topk=4, slack=args.slack, seeds=args.seeds)
+    cfg = dict(
+        layers=L,
+        experts=E,
+        physical=P,
+        ranks=R,
+        steps=T,
+        period=period,
+        tokens=1024,
+        topk=4,
+        slack=args.slack,
+        seeds=args.seeds,
+    )
     out = {"bench": "eplb", "config": cfg, "nodes1": {}, "nodes2": {}}
     for N, key in ((1, "nodes1"), (2, "nodes2")):
         for i, name in enumerate(("zipf", "drift", "coding")):
             # A few seeds: one phase switch landing on a lucky placement should not decide it.
-            runs = [run(name, 1000 + 10 * i + k, L, E, P, R, N, T, period, 1024, 4, args.slack)
-                    for k in range(args.seeds)]
-            out[key][name] = {m: {f: _mean([r[m][f] for r in runs]) for f in runs[0][m]}
-                              for m in runs[0]}
+            runs = [
+                run(name, 1000 + 10 * i + k, L, E, P, R, N, T, period, 1024, 4, args.slack)
+                for k in range(args.seeds)
+            ]
+            out[key][name] = {m: {f: _mean([r[m][f] for r in runs]) for f in runs[0][m]} for m in runs[0]}
     # Headline ratios, averaged over scenarios (single node): < 1 means ours is better.
     sc = out["nodes1"]
+
     def ratio(m, k):
         return round(float(np.mean([sc[s][m][k] / max(sc[s]["greedy"][k], 1e-9) for s in sc])), 4)
 
     for m in ("ours", f"ours_slack{args.slack:g}"):
-        out[f"{m}_vs_greedy"] = {"max_mean_ratio": ratio(m, "max_mean"),
-                                 "planned_max_mean_ratio": ratio(m, "planned_max_mean"),
-                                 "moved_per_rebalance_ratio": ratio(m, "moved_per_rebalance")}
+        out[f"{m}_vs_greedy"] = {
+            "max_mean_ratio": ratio(m, "max_mean"),
+            "planned_max_mean_ratio": ratio(m, "planned_max_mean"),
+            "moved_per_rebalance_ratio": ratio(m, "moved_per_rebalance"),
+        }
     print(json.dumps(out, separators=(",", ":")))
 
 

@@ -9,6 +9,7 @@ Goal: PD <= 1.3. In mixed mode each prompt chunk shares a step with the decodes;
 decode worker only receives KV (written into its memory by the prefill worker) and never
 computes a prompt.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,14 @@ MODEL = "smollm2-135m"
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> list[float]:
     """Arrival times of the stream's chunks (one token each)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     times = []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
@@ -53,8 +60,14 @@ async def phase(url: str, prompt_len: int, period: float, streams: int, max_toke
         while period > 0 and not all(t.done() for t in tasks):
             k += 1
             long_prompt = [(seed * 104729 + 13 * k + 7 * j) % 40000 + 100 for j in range(prompt_len)]
-            arrivals.append(asyncio.create_task(client.post(url + "/v1/completions", json={
-                "model": MODEL, "prompt": long_prompt, "max_tokens": 1, "temperature": 0})))
+            arrivals.append(
+                asyncio.create_task(
+                    client.post(
+                        url + "/v1/completions",
+                        json={"model": MODEL, "prompt": long_prompt, "max_tokens": 1, "temperature": 0},
+                    )
+                )
+            )
             await asyncio.sleep(period)
         results = await asyncio.gather(*tasks)
         for a in arrivals:
@@ -62,24 +75,37 @@ async def phase(url: str, prompt_len: int, period: float, streams: int, max_toke
         await asyncio.gather(*arrivals, return_exceptions=True)
     # The first gap of each stream is its time to first token, not an ITL.
     itls = [b - a for ts in results for a, b in zip(ts[1:], ts[2:])]
-    return {"p99_itl_ms": p99(itls) * 1e3, "median_itl_ms": statistics.median(itls) * 1e3,
-            "prompts_sent": len(arrivals)}
+    return {
+        "p99_itl_ms": p99(itls) * 1e3,
+        "median_itl_ms": statistics.median(itls) * 1e3,
+        "prompts_sent": len(arrivals),
+    }
 
 
 def measure(name: str, cmd: list[str], threads: int, args, out_dir: Path) -> dict:
     port = free_port()
-    with ServerProcess(cmd + ["--port", str(port)], port, out_dir / f"{name}.log", env=thread_env(threads)) as srv:
+    with ServerProcess(
+        cmd + ["--port", str(port)], port, out_dir / f"{name}.log", env=thread_env(threads)
+    ) as srv:
         srv.wait_ready(timeout=600)
         url = srv.url
-        asyncio.run(phase(url, 64, 0, 2, 8, 0))           # warm up
+        asyncio.run(phase(url, 64, 0, 2, 8, 0))  # warm up
         quiet = asyncio.run(phase(url, args.prompt_len, 0, args.streams, args.max_tokens, 1))
         busy = asyncio.run(phase(url, args.prompt_len, args.period, args.streams, args.max_tokens, 2))
     ratio = busy["p99_itl_ms"] / quiet["p99_itl_ms"]
-    print(f"{name}: p99 ITL {quiet['p99_itl_ms']:.1f} ms quiet, {busy['p99_itl_ms']:.1f} ms with prompts "
-          f"({busy['prompts_sent']} sent): {ratio:.2f}x", file=sys.stderr)
-    return {"ratio": round(ratio, 2), "quiet_p99_itl_ms": round(quiet["p99_itl_ms"], 1),
-            "busy_p99_itl_ms": round(busy["p99_itl_ms"], 1), "quiet_median_itl_ms": round(quiet["median_itl_ms"], 1),
-            "busy_median_itl_ms": round(busy["median_itl_ms"], 1), "prompts_sent": busy["prompts_sent"]}
+    print(
+        f"{name}: p99 ITL {quiet['p99_itl_ms']:.1f} ms quiet, {busy['p99_itl_ms']:.1f} ms with prompts "
+        f"({busy['prompts_sent']} sent): {ratio:.2f}x",
+        file=sys.stderr,
+    )
+    return {
+        "ratio": round(ratio, 2),
+        "quiet_p99_itl_ms": round(quiet["p99_itl_ms"], 1),
+        "busy_p99_itl_ms": round(busy["p99_itl_ms"], 1),
+        "quiet_median_itl_ms": round(quiet["median_itl_ms"], 1),
+        "busy_median_itl_ms": round(busy["median_itl_ms"], 1),
+        "prompts_sent": busy["prompts_sent"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,9 +121,21 @@ def main(argv: list[str] | None = None) -> int:
     base = pdserve_cmd() + ["serve", "--model", MODEL, "--max-model-len", "4096", "--no-prefix-cache"]
     pd = measure("pd", base + ["--mode", "pd"], 1, a, out_dir)
     mixed = measure("mixed", base + ["--mode", "mixed", "--threads", "2"], 2, a, out_dir)
-    print(json.dumps({"bench": "interference", "streams": a.streams, "prompt_len": a.prompt_len,
-                      "period_s": a.period, "pd_ratio": pd["ratio"], "mixed_ratio": mixed["ratio"],
-                      "pd": pd, "mixed": mixed, "goal_pd_ratio": 1.3}))
+    print(
+        json.dumps(
+            {
+                "bench": "interference",
+                "streams": a.streams,
+                "prompt_len": a.prompt_len,
+                "period_s": a.period,
+                "pd_ratio": pd["ratio"],
+                "mixed_ratio": mixed["ratio"],
+                "pd": pd,
+                "mixed": mixed,
+                "goal_pd_ratio": 1.3,
+            }
+        )
+    )
     return 0
 
 

@@ -16,6 +16,7 @@
    write done; divided by one layer's transfer time (goal <= 1.5). The same prompt with
    `transfer.layerwise: false` (the whole request sent after the forward) is the baseline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,8 @@ def _geometry(mib: int):
 
     from pdserve.cache.kv_cache import bytes_per_block
     from pdserve.model.arch import ModelArch
-    arch = ModelArch()          # the default model's shape
+
+    arch = ModelArch()  # the default model's shape
     num_blocks = (mib << 20) // bytes_per_block(arch, BLOCK, torch.float32)
     return arch, num_blocks
 
@@ -50,6 +52,7 @@ def _decode_process(mib: int, conn) -> None:
     from pdserve.config import load_config
     from pdserve.disagg.receiver import DecodeConnector
     from pdserve.protocol.pd import LayerFrames
+
     arch, nb = _geometry(mib)
     shm = new_shm_path()
     kv = allocate_kv_cache(arch, nb, BLOCK, torch.float32, "cpu", shm)
@@ -84,6 +87,7 @@ def _decode_process(mib: int, conn) -> None:
 def _optional_endpoint(backend: str, buf):
     """A Mooncake or NIXL endpoint over `buf`, or None when that optional extra is not installed."""
     from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint
+
     try:
         if backend == "mooncake":
             return MooncakeEndpoint("127.0.0.1", buf)
@@ -99,6 +103,7 @@ def bandwidth(mib: int, repeats: int) -> dict:
 
     from pdserve.cache.kv_cache import allocate_kv_cache, raw_bytes_view
     from pdserve.disagg.transport import MooncakeWriter, NixlWriter, ShmWriter, TcpWriter
+
     arch, nb = _geometry(mib)
     src_t = allocate_kv_cache(arch, nb, BLOCK, torch.float32)
     src_t.normal_()
@@ -136,7 +141,7 @@ def bandwidth(mib: int, repeats: int) -> dict:
         got = parent.recv()
         assert got == total, f"receiver got {got} of {total} bytes"
 
-    tcp_once()          # connect and warm up
+    tcp_once()  # connect and warm up
     tcp = total / best(tcp_once)
     one_sided: dict[str, float | None] = {"mooncake": None, "nixl": None}
     for backend in one_sided:
@@ -144,7 +149,9 @@ def bandwidth(mib: int, repeats: int) -> dict:
         if local is None:
             continue
         if backend == "mooncake":
-            w = MooncakeWriter(src, BLOCK, local, info["mooncake_session"], info["mooncake_base"], info["shape"], 4)
+            w = MooncakeWriter(
+                src, BLOCK, local, info["mooncake_session"], info["mooncake_base"], info["shape"], 4
+            )
         else:
             w = NixlWriter(src, BLOCK, local, info["nixl_metadata"], info["nixl_base"], info["shape"], 4)
 
@@ -153,18 +160,27 @@ def bandwidth(mib: int, repeats: int) -> dict:
                 w.write_layer("bench", layer, runs)
             w.flush()
 
-        shm_w.dst.fill(0)   # the same pool, mapped: check that every byte landed in place
-        once()              # handshake and warm up
+        shm_w.dst.fill(0)  # the same pool, mapped: check that every byte landed in place
+        once()  # handshake and warm up
         assert np.array_equal(shm_w.dst, src), f"the {backend} writes did not land in the decode pool"
         one_sided[backend] = total / best(once)
         local.close()
     parent.send("stop")
     proc.join(timeout=10)
     sock.close(0)
-    return {"bytes": total, "memcpy_gbps": round(memcpy / 1e9, 2), "shm_gbps": round(shm / 1e9, 2),
-            "shm_ratio": round(shm / memcpy, 3), "tcp_gbps": round(tcp / 1e9, 2), "tcp_ratio": round(tcp / memcpy, 3),
-            **{f"{k}_{unit}": None if v is None else round(v / div, nd) for k, v in one_sided.items()
-               for unit, div, nd in (("gbps", 1e9, 2), ("ratio", memcpy, 3))}}
+    return {
+        "bytes": total,
+        "memcpy_gbps": round(memcpy / 1e9, 2),
+        "shm_gbps": round(shm / 1e9, 2),
+        "shm_ratio": round(shm / memcpy, 3),
+        "tcp_gbps": round(tcp / 1e9, 2),
+        "tcp_ratio": round(tcp / memcpy, 3),
+        **{
+            f"{k}_{unit}": None if v is None else round(v / div, nd)
+            for k, v in one_sided.items()
+            for unit, div, nd in (("gbps", 1e9, 2), ("ratio", memcpy, 3))
+        },
+    }
 
 
 class _Loop:
@@ -191,14 +207,29 @@ def overlap(prompt_len: int, repeats: int) -> dict:
     from pdserve.config import load_config
     from pdserve.model.loader import load_model_files
     from pdserve.server.roles import build_engine
+
     torch.set_num_threads(1)
     loaded = load_model_files("smollm2-135m")
-    common = {"cache.prefix_cache": False, "cache.device_blocks": 256, "server.threads": 1,
-              "scheduler.max_num_batched_tokens": prompt_len, "transfer.backend": "shm",
-              "disagg.local_prefill_max_tokens": 1}
+    common = {
+        "cache.prefix_cache": False,
+        "cache.device_blocks": 256,
+        "server.threads": 1,
+        "scheduler.max_num_batched_tokens": prompt_len,
+        "transfer.backend": "shm",
+        "disagg.local_prefill_max_tokens": 1,
+    }
     prefill_engine = build_engine(load_config(None, {**common, "worker.role": "prefill"}), loaded)
-    decode_engine = build_engine(load_config(None, {**common, "worker.role": "decode", "disagg.prefill_endpoints":
-                                                    [prefill_engine.connector.endpoint]}), loaded)
+    decode_engine = build_engine(
+        load_config(
+            None,
+            {
+                **common,
+                "worker.role": "decode",
+                "disagg.prefill_endpoints": [prefill_engine.connector.endpoint],
+            },
+        ),
+        loaded,
+    )
     pl, dl = _Loop(prefill_engine), _Loop(decode_engine)
     conn = prefill_engine.connector
     params = SamplingParams(temperature=0, max_tokens=1)
@@ -228,9 +259,14 @@ def overlap(prompt_len: int, repeats: int) -> dict:
     layer = statistics.median(out["layer"])
     lw, whole = statistics.median(out["layerwise"]), statistics.median(out["whole"])
     assert decode_engine.stats()["kv_transfers_completed_total"] == 2 * repeats
-    return {"prompt_tokens": prompt_len, "layer_transfer_ms": round(layer * 1e3, 3),
-            "layerwise_lag_ms": round(lw * 1e3, 3), "overlap_ratio": round(lw / layer, 2),
-            "whole_request_lag_ms": round(whole * 1e3, 3), "whole_request_ratio": round(whole / layer, 2)}
+    return {
+        "prompt_tokens": prompt_len,
+        "layer_transfer_ms": round(layer * 1e3, 3),
+        "layerwise_lag_ms": round(lw * 1e3, 3),
+        "overlap_ratio": round(lw / layer, 2),
+        "whole_request_lag_ms": round(whole * 1e3, 3),
+        "whole_request_ratio": round(whole / layer, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,8 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompt-len", type=int, default=1024)
     a = p.parse_args(argv)
-    result = {"bench": "kv_transfer", **bandwidth(a.mib, a.repeats), **overlap(a.prompt_len, max(1, a.repeats // 2)),
-              "goal_shm_ratio": 0.5, "goal_overlap_ratio": 1.5}
+    result = {
+        "bench": "kv_transfer",
+        **bandwidth(a.mib, a.repeats),
+        **overlap(a.prompt_len, max(1, a.repeats // 2)),
+        "goal_shm_ratio": 0.5,
+        "goal_overlap_ratio": 1.5,
+    }
     print(json.dumps(result))
     return 0
 

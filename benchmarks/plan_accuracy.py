@@ -16,6 +16,7 @@ Workloads (the completions API, ignore_eos so each reply is its max_tokens):
 Run under the exclusive lock, one deployment at a time if the whole takes too long:
   flock -x /tmp/bench.lock .venv/bin/python benchmarks/plan_accuracy.py --profile prof.json --deployments 1P1D
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,8 @@ from pdserve.bench.client import ClientConfig, run_load
 from pdserve.bench.metrics import percentile
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 from pdserve.bench.workloads import Session, Turn, make_workload
-from pdserve.planner.search import predict, workload_requests
 from pdserve.planner.pd_simulate import PDFleet, RoleSettings
+from pdserve.planner.search import predict, workload_requests
 from pdserve.planner.step_costs import StepCosts
 from pdserve.utils.cpu import describe
 
@@ -43,20 +44,38 @@ WORKLOADS = {"chat": ("chat", 128, 32, 0.35), "gen": ("fixed", 32, 64, 0.4)}
 
 def fleet_of(name: str, costs: StepCosts) -> PDFleet:
     p, d, chunk = DEPLOYMENTS[name]
-    common = dict(decode_settings=RoleSettings(64, 512), threads=1, cores=costs.cores, block_size=costs.block_size)
+    common = dict(
+        decode_settings=RoleSettings(64, 512), threads=1, cores=costs.cores, block_size=costs.block_size
+    )
     if name == "mixed":
-        return PDFleet(prefill=0, decode=0, mixed=1, **common)   # type: ignore[arg-type]
-    return PDFleet(prefill=p, decode=d, prefill_settings=RoleSettings(64, chunk), **common)   # type: ignore[arg-type]
+        return PDFleet(prefill=0, decode=0, mixed=1, **common)  # type: ignore[arg-type]
+    return PDFleet(prefill=p, decode=d, prefill_settings=RoleSettings(64, chunk), **common)  # type: ignore[arg-type]
 
 
 def start(name: str, model: str, tmp: Path) -> ServerProcess:
     p, d, chunk = DEPLOYMENTS[name]
     port = free_port()
-    cfg = {"deployment": {"prefill": {"max_num_batched_tokens": chunk, "threads": 1}, "decode": {"threads": 1}}}
+    cfg = {
+        "deployment": {"prefill": {"max_num_batched_tokens": chunk, "threads": 1}, "decode": {"threads": 1}}
+    }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    cmd = pdserve_cmd() + ["serve", "--model", model, "--port", str(port), "--config", str(path), "--max-model-len", "2048"]
-    cmd += ["--mode", "mixed", "--threads", "1"] if name == "mixed" else ["--prefill", str(p), "--decode", str(d)]
+    cmd = pdserve_cmd() + [
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--config",
+        str(path),
+        "--max-model-len",
+        "2048",
+    ]
+    cmd += (
+        ["--mode", "mixed", "--threads", "1"]
+        if name == "mixed"
+        else ["--prefill", str(p), "--decode", str(d)]
+    )
     return ServerProcess(cmd, port, tmp / f"{name}.log")
 
 
@@ -71,18 +90,27 @@ def measured(url: str, workload: str, n: int, seed: int) -> dict:
     ok = [r for r in records if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     tpot = [r.tpot for r in ok if r.tpot is not None]
-    return {"ok": len(ok), "failed": len(records) - len(ok),
-            "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "tpot_p50": percentile(tpot, 50),
-            "prompt_tokens_mean": sum(r.prompt_tokens or 0 for r in ok) / max(1, len(ok)),
-            "loadavg": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
+    return {
+        "ok": len(ok),
+        "failed": len(records) - len(ok),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p90": percentile(ttft, 90),
+        "tpot_p50": percentile(tpot, 50),
+        "prompt_tokens_mean": sum(r.prompt_tokens or 0 for r in ok) / max(1, len(ok)),
+        "loadavg": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+    }
 
 
 def predicted(costs: StepCosts, deployment: str, workload: str, n: int, seed: int) -> dict:
     wl, input_len, max_tokens, rate = WORKLOADS[workload]
     reqs = workload_requests(wl, n, rate, seed, max_tokens, input_len)
     p = predict(costs, fleet_of(deployment, costs), reqs)
-    return {"ttft_p50": p.ttft_p50_s, "ttft_p90": p.ttft_p90_s, "tpot_p50": p.tpot_p50_s,
-            "prompt_tokens_mean": sum(r.prompt_tokens for r in reqs) / len(reqs)}
+    return {
+        "ttft_p50": p.ttft_p50_s,
+        "ttft_p90": p.ttft_p90_s,
+        "tpot_p50": p.tpot_p50_s,
+        "prompt_tokens_mean": sum(r.prompt_tokens for r in reqs) / len(reqs),
+    }
 
 
 def main() -> None:
@@ -104,22 +132,47 @@ def main() -> None:
                 pred = predicted(costs, dep, wl, args.num_requests, args.seed)
                 meas = measured(srv.url, wl, args.num_requests, args.seed)
                 ratios = {k: round(pred[k] / meas[k], 3) for k in ("ttft_p50", "ttft_p90", "tpot_p50")}
-                cell = {"deployment": dep, "workload": wl, "ratios": ratios,
-                        "within_20pct": {k: 0.8 <= v <= 1.2 for k, v in ratios.items()},
-                        "predicted_ms": {k: round(v * 1000, 1) for k, v in pred.items() if k != "prompt_tokens_mean"},
-                        "measured_ms": {k: round(v * 1000, 1) for k, v in meas.items()
-                                        if k in ("ttft_p50", "ttft_p90", "tpot_p50")},
-                        "prompt_tokens_mean": {"predicted": round(pred["prompt_tokens_mean"], 1),
-                                               "measured": round(meas["prompt_tokens_mean"], 1)},
-                        "failed": meas["failed"], "loadavg": meas["loadavg"]}
+                cell = {
+                    "deployment": dep,
+                    "workload": wl,
+                    "ratios": ratios,
+                    "within_20pct": {k: 0.8 <= v <= 1.2 for k, v in ratios.items()},
+                    "predicted_ms": {
+                        k: round(v * 1000, 1) for k, v in pred.items() if k != "prompt_tokens_mean"
+                    },
+                    "measured_ms": {
+                        k: round(v * 1000, 1)
+                        for k, v in meas.items()
+                        if k in ("ttft_p50", "ttft_p90", "tpot_p50")
+                    },
+                    "prompt_tokens_mean": {
+                        "predicted": round(pred["prompt_tokens_mean"], 1),
+                        "measured": round(meas["prompt_tokens_mean"], 1),
+                    },
+                    "failed": meas["failed"],
+                    "loadavg": meas["loadavg"],
+                }
                 cells.append(cell)
-                print(f"{dep:>10} {wl:>5}: predicted/measured TTFT p50 {ratios['ttft_p50']:.2f} "
-                      f"p90 {ratios['ttft_p90']:.2f} TPOT p50 {ratios['tpot_p50']:.2f} "
-                      f"(measured {cell['measured_ms']}, predicted {cell['predicted_ms']})", flush=True)
+                print(
+                    f"{dep:>10} {wl:>5}: predicted/measured TTFT p50 {ratios['ttft_p50']:.2f} "
+                    f"p90 {ratios['ttft_p90']:.2f} TPOT p50 {ratios['tpot_p50']:.2f} "
+                    f"(measured {cell['measured_ms']}, predicted {cell['predicted_ms']})",
+                    flush=True,
+                )
     within = sum(v for c in cells for v in c["within_20pct"].values())
-    print(json.dumps({"benchmark": "plan_accuracy", "model": args.model, "profile_cpu": costs.cpu, "cpu": describe(),
-                      "num_requests": args.num_requests, "cells": cells,
-                      "within_20pct": f"{within} of {3 * len(cells)}"}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "plan_accuracy",
+                "model": args.model,
+                "profile_cpu": costs.cpu,
+                "cpu": describe(),
+                "num_requests": args.num_requests,
+                "cells": cells,
+                "within_20pct": f"{within} of {3 * len(cells)}",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

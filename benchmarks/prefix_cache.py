@@ -19,6 +19,7 @@ Prints one JSON line:
     with the tier hits per tier, and cached / uncached on the burst (reported);
   - whether every reply was identical in all runs (greedy decoding must not see the cache).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,13 +43,14 @@ MODEL = "smollm2-135m"
 
 @dataclass
 class Conversation:
-    start_s: float              # when its first turn is sent, from the start of the run
-    turns: list[str]            # the user's messages
-    think_s: list[float]        # the pause before each turn after its previous reply (0 before the first)
+    start_s: float  # when its first turn is sent, from the start of the run
+    turns: list[str]  # the user's messages
+    think_s: list[float]  # the pause before each turn after its previous reply (0 before the first)
 
 
-def make_trace(seed: int, conversations: int, turns: int, start_gap_s: float = 0.0, think_s: float = 0.0
-               ) -> tuple[str, list[Conversation]]:
+def make_trace(
+    seed: int, conversations: int, turns: int, start_gap_s: float = 0.0, think_s: float = 0.0
+) -> tuple[str, list[Conversation]]:
     """The system prompt and the conversations. The texts depend on the seed only, so the timed
     trace and the burst carry the same prompts; a mean of 0 gives no gap and no think time."""
     rng = random.Random(seed)
@@ -66,7 +68,9 @@ def make_trace(seed: int, conversations: int, turns: int, start_gap_s: float = 0
     return system, convs
 
 
-async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
+async def _turn(
+    client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int
+) -> tuple[float, str]:
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     ttft, text = None, []
@@ -88,6 +92,7 @@ async def run_trace(url: str, system: str, convs: list[Conversation], max_tokens
     replies: list[str] = []
 
     async with httpx.AsyncClient(timeout=600) as client:
+
         async def conversation(conv: Conversation) -> None:
             await asyncio.sleep(conv.start_s)
             messages = [{"role": "system", "content": system}]
@@ -95,7 +100,7 @@ async def run_trace(url: str, system: str, convs: list[Conversation], max_tokens
                 await asyncio.sleep(pause)
                 messages.append({"role": "user", "content": text})
                 ttft, reply = await _turn(client, url, messages, max_tokens)
-                prompts.append(list(messages))      # recorded together: conversations interleave
+                prompts.append(list(messages))  # recorded together: conversations interleave
                 ttfts.append(ttft)
                 replies.append(reply)
                 messages.append({"role": "assistant", "content": reply})
@@ -121,8 +126,11 @@ def unique_prompt_tokens(token_lists: list[list[int]]) -> int:
 def serve_and_run(args, label: str, extra: list[str], system: str, convs, out_dir: Path):
     port = free_port()
     # One mixed process: its /health carries the engine's counters.
-    cmd = pdserve_cmd() + ["serve", "--mode", "mixed", "--model", MODEL, "--port", str(port),
-                           "--threads", str(args.threads)] + extra
+    cmd = (
+        pdserve_cmd()
+        + ["serve", "--mode", "mixed", "--model", MODEL, "--port", str(port), "--threads", str(args.threads)]
+        + extra
+    )
     with ServerProcess(cmd, port, out_dir / f"server-{label}.log") as srv:
         srv.wait_ready(timeout=300)
         prompts, ttfts, replies = asyncio.run(run_trace(srv.url, system, convs, args.max_tokens))
@@ -138,11 +146,19 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-gap-s", type=float, default=3.0, help="mean gap between conversation starts")
-    ap.add_argument("--think-s", type=float, default=12.0, help="mean pause between a reply and the next turn")
+    ap.add_argument(
+        "--think-s", type=float, default=12.0, help="mean pause between a reply and the next turn"
+    )
     ap.add_argument("--no-burst", action="store_true", help="skip the burst variant")
-    ap.add_argument("--tier-device-blocks", type=int, default=128,
-                    help="device pool of the tiered run, in 16-token blocks (the full trace needs ~280)")
-    ap.add_argument("--tier-host-gb", type=float, default=0.05, help="host tier of the tiered run (~70 blocks)")
+    ap.add_argument(
+        "--tier-device-blocks",
+        type=int,
+        default=128,
+        help="device pool of the tiered run, in 16-token blocks (the full trace needs ~280)",
+    )
+    ap.add_argument(
+        "--tier-host-gb", type=float, default=0.05, help="host tier of the tiered run (~70 blocks)"
+    )
     ap.add_argument("--tier-disk-gb", type=float, default=1.0, help="disk tier of the tiered run")
     ap.add_argument("--out-dir", default="bench-out/prefix_cache")
     args = ap.parse_args()
@@ -155,11 +171,24 @@ def main() -> int:
     trace_s = time.perf_counter() - t0
     uncached = serve_and_run(args, "uncached", ["--no-prefix-cache"], system, convs, out_dir)
     disk_dir = out_dir / "kv-disk"
-    shutil.rmtree(disk_dir, ignore_errors=True)         # hits must come from this run only
-    tiered = serve_and_run(args, "tiered", ["--device-blocks", str(args.tier_device_blocks),
-                                            "--host-cache-gb", str(args.tier_host_gb),
-                                            "--disk-cache-dir", str(disk_dir),
-                                            "--disk-cache-gb", str(args.tier_disk_gb)], system, convs, out_dir)
+    shutil.rmtree(disk_dir, ignore_errors=True)  # hits must come from this run only
+    tiered = serve_and_run(
+        args,
+        "tiered",
+        [
+            "--device-blocks",
+            str(args.tier_device_blocks),
+            "--host-cache-gb",
+            str(args.tier_host_gb),
+            "--disk-cache-dir",
+            str(disk_dir),
+            "--disk-cache-gb",
+            str(args.tier_disk_gb),
+        ],
+        system,
+        convs,
+        out_dir,
+    )
     shutil.rmtree(disk_dir, ignore_errors=True)
     runs = [cached, uncached, tiered]
     burst = {}
@@ -178,44 +207,72 @@ def main() -> int:
     def by_prompt(run) -> dict[str, str]:
         return {json.dumps(p): r for p, r in zip(run[0], run[2])}
 
-    first_turn_same = sum(by_prompt(cached).get(json.dumps(p)) == r for p, r in zip(uncached[0], uncached[2])
-                          if len(p) == 2)
+    first_turn_same = sum(
+        by_prompt(cached).get(json.dumps(p)) == r for p, r in zip(uncached[0], uncached[2]) if len(p) == 2
+    )
+
     def p50_ms(run) -> float:
         return round(statistics.median(run[1]) * 1e3, 1)
 
     ttft_ratio = statistics.median(cached[1]) / statistics.median(uncached[1])
     ts = tiered[3]
-    burst_figures = {} if not burst else {
-        "burst_ttft_p50_ms_cached": p50_ms(burst["cached"]), "burst_ttft_p50_ms_uncached": p50_ms(burst["uncached"]),
-        "burst_ttft_p50_ratio": round(statistics.median(burst["cached"][1]) / statistics.median(burst["uncached"][1]), 3),
-        "burst_computed_over_unique_cached": round(burst["cached"][3]["prefill_tokens_computed"] / unique, 3)}
-    print(json.dumps({
-        "benchmark": "prefix_cache", "requests": len(cached[1]), "threads": args.threads,
-        "start_gap_s": args.start_gap_s, "think_s": args.think_s, "trace_s": round(trace_s, 1),
-        "unique_prompt_tokens": unique, "prompt_tokens_sent": sum(map(len, token_lists)),
-        "prefill_tokens_cached": cached[3]["prefill_tokens_computed"],
-        "prefill_tokens_uncached": uncached[3]["prefill_tokens_computed"],
-        "computed_over_unique_cached": round(cached[3]["prefill_tokens_computed"] / unique, 3),
-        "computed_over_unique_uncached": round(uncached[3]["prefill_tokens_computed"] / unique, 3),
-        "prefix_hit_rate": round(cached[3]["prefix_cache_hit_tokens"]
-                                 / max(1, cached[3]["prefix_cache_queried_tokens"]), 3),
-        "ttft_p50_ms_cached": p50_ms(cached),
-        "ttft_p50_ms_uncached": p50_ms(uncached),
-        "ttft_p50_ratio": round(ttft_ratio, 3),
-        "tier_device_blocks": args.tier_device_blocks,
-        "ttft_p50_ms_tiered": p50_ms(tiered),
-        "ttft_p50_ratio_tiered": round(statistics.median(tiered[1]) / statistics.median(uncached[1]), 3),
-        "computed_over_unique_tiered": round(ts["prefill_tokens_computed"] / unique, 3),
-        "tiered_device_hit_tokens": ts["prefix_cache_hit_tokens"],
-        "tiered_fetched_tokens": ts.get("tier_fetched_tokens_total", 0),
-        "tiered_block_hits": {t: ts.get(f"tier_{t}_hits_total", 0) for t in ("host", "disk")},
-        "tiered_fetch_fallbacks": ts.get("tier_fetch_fallbacks_total", 0),
-        **burst_figures,
-        "replies_identical": all(by_prompt(r) == by_prompt(cached) for r in runs),
-        "first_turn_replies_identical": f"{first_turn_same}/{len(convs)}",
-        "goals": {"computed_over_unique_cached": "<= 1.05", "ttft_p50_ratio": "<= 0.25",
-                  "ttft_p50_ratio_tiered": "reported", "burst_ttft_p50_ratio": "reported"},
-    }))
+    burst_figures = (
+        {}
+        if not burst
+        else {
+            "burst_ttft_p50_ms_cached": p50_ms(burst["cached"]),
+            "burst_ttft_p50_ms_uncached": p50_ms(burst["uncached"]),
+            "burst_ttft_p50_ratio": round(
+                statistics.median(burst["cached"][1]) / statistics.median(burst["uncached"][1]), 3
+            ),
+            "burst_computed_over_unique_cached": round(
+                burst["cached"][3]["prefill_tokens_computed"] / unique, 3
+            ),
+        }
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "prefix_cache",
+                "requests": len(cached[1]),
+                "threads": args.threads,
+                "start_gap_s": args.start_gap_s,
+                "think_s": args.think_s,
+                "trace_s": round(trace_s, 1),
+                "unique_prompt_tokens": unique,
+                "prompt_tokens_sent": sum(map(len, token_lists)),
+                "prefill_tokens_cached": cached[3]["prefill_tokens_computed"],
+                "prefill_tokens_uncached": uncached[3]["prefill_tokens_computed"],
+                "computed_over_unique_cached": round(cached[3]["prefill_tokens_computed"] / unique, 3),
+                "computed_over_unique_uncached": round(uncached[3]["prefill_tokens_computed"] / unique, 3),
+                "prefix_hit_rate": round(
+                    cached[3]["prefix_cache_hit_tokens"] / max(1, cached[3]["prefix_cache_queried_tokens"]), 3
+                ),
+                "ttft_p50_ms_cached": p50_ms(cached),
+                "ttft_p50_ms_uncached": p50_ms(uncached),
+                "ttft_p50_ratio": round(ttft_ratio, 3),
+                "tier_device_blocks": args.tier_device_blocks,
+                "ttft_p50_ms_tiered": p50_ms(tiered),
+                "ttft_p50_ratio_tiered": round(
+                    statistics.median(tiered[1]) / statistics.median(uncached[1]), 3
+                ),
+                "computed_over_unique_tiered": round(ts["prefill_tokens_computed"] / unique, 3),
+                "tiered_device_hit_tokens": ts["prefix_cache_hit_tokens"],
+                "tiered_fetched_tokens": ts.get("tier_fetched_tokens_total", 0),
+                "tiered_block_hits": {t: ts.get(f"tier_{t}_hits_total", 0) for t in ("host", "disk")},
+                "tiered_fetch_fallbacks": ts.get("tier_fetch_fallbacks_total", 0),
+                **burst_figures,
+                "replies_identical": all(by_prompt(r) == by_prompt(cached) for r in runs),
+                "first_turn_replies_identical": f"{first_turn_same}/{len(convs)}",
+                "goals": {
+                    "computed_over_unique_cached": "<= 1.05",
+                    "ttft_p50_ratio": "<= 0.25",
+                    "ttft_p50_ratio_tiered": "reported",
+                    "burst_ttft_p50_ratio": "reported",
+                },
+            }
+        )
+    )
     return 0
 
 

@@ -10,6 +10,7 @@ Prints one JSON line per mode. Goal: int4 agreement >= 0.97.
 Then memory: the resident set of a fresh process holding the engine (weights and the same KV pool)
 for float32 and each mode. Goal: int4's at least 60% of float32's weight bytes below float32's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,12 +21,40 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-TOPICS = ["the water cycle", "how a bicycle works", "photosynthesis", "the French revolution", "black holes",
-          "how vaccines work", "the history of the internet", "why we sleep", "volcanoes", "the stock market",
-          "machine learning", "the Roman empire", "climate change", "how airplanes fly", "the human heart",
-          "the moon landing", "plate tectonics", "coffee", "the printing press", "electric cars",
-          "honey bees", "the Great Wall of China", "rainbows", "DNA", "the Olympic games", "chess",
-          "solar panels", "the piano", "earthquakes", "the Amazon rainforest", "recycling", "penguins"]
+TOPICS = [
+    "the water cycle",
+    "how a bicycle works",
+    "photosynthesis",
+    "the French revolution",
+    "black holes",
+    "how vaccines work",
+    "the history of the internet",
+    "why we sleep",
+    "volcanoes",
+    "the stock market",
+    "machine learning",
+    "the Roman empire",
+    "climate change",
+    "how airplanes fly",
+    "the human heart",
+    "the moon landing",
+    "plate tectonics",
+    "coffee",
+    "the printing press",
+    "electric cars",
+    "honey bees",
+    "the Great Wall of China",
+    "rainbows",
+    "DNA",
+    "the Olympic games",
+    "chess",
+    "solar panels",
+    "the piano",
+    "earthquakes",
+    "the Amazon rainforest",
+    "recycling",
+    "penguins",
+]
 
 
 _RSS_CHILD = """
@@ -40,6 +69,7 @@ print(json.dumps({"rss_bytes": rss * 1024, "weight_bytes": llm.engine.weight_byt
 
 def resident(mode: str) -> dict:
     import subprocess
+
     out = subprocess.run([sys.executable, "-c", _RSS_CHILD, mode], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -62,34 +92,62 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     llm = LLM(model="smollm2-135m", threads=args.threads, prefix_cache=False)
-    chats = [[{"role": "user", "content": f"Tell me about {t} in a short paragraph."}]
-             for t in TOPICS[:args.prompts]]
+    chats = [
+        [{"role": "user", "content": f"Tell me about {t} in a short paragraph."}]
+        for t in TOPICS[: args.prompts]
+    ]
     outs = llm.chat(chats, SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True))
     seqs = [(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids)) for o in outs]
     ref_model = llm.engine.model
     # Logits at positions p-1 .. end-1 predict the generated tokens.
-    ref = [sequence_logits(ref_model, ids)[n - 1:len(ids) - 1] for ids, n in seqs]
+    ref = [sequence_logits(ref_model, ids)[n - 1 : len(ids) - 1] for ids, n in seqs]
     del llm, ref_model
     for mode in args.modes.split(","):
         t0 = time.perf_counter()
-        model = build_model(load_model_files("smollm2-135m", quantization=mode), "float32",
-                            model_config=ModelConfig(quantization=mode))
-        got = [sequence_logits(model, ids)[n - 1:len(ids) - 1] for ids, n in seqs]
+        model = build_model(
+            load_model_files("smollm2-135m", quantization=mode),
+            "float32",
+            model_config=ModelConfig(quantization=mode),
+        )
+        got = [sequence_logits(model, ids)[n - 1 : len(ids) - 1] for ids, n in seqs]
         agree, kl = agreement_and_kl(torch.cat(ref), torch.cat(got))
-        print(json.dumps({"benchmark": "quant_quality", "mode": mode, "cpu": describe(), "prompts": len(seqs),
-                          "steps": args.steps, "top1_agreement": round(agree, 4), "mean_kl": round(kl, 5),
-                          "weight_bytes": model.weight_bytes(), "seconds": round(time.perf_counter() - t0, 1),
-                          "goal": ">= 0.97 agreement (int4)" if mode == "int4" else "reported"}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "benchmark": "quant_quality",
+                    "mode": mode,
+                    "cpu": describe(),
+                    "prompts": len(seqs),
+                    "steps": args.steps,
+                    "top1_agreement": round(agree, 4),
+                    "mean_kl": round(kl, 5),
+                    "weight_bytes": model.weight_bytes(),
+                    "seconds": round(time.perf_counter() - t0, 1),
+                    "goal": ">= 0.97 agreement (int4)" if mode == "int4" else "reported",
+                }
+            ),
+            flush=True,
+        )
         del model
     base = resident("none")
     for mode in args.modes.split(","):
         r = resident(mode)
         below = base["rss_bytes"] - r["rss_bytes"]
-        print(json.dumps({"benchmark": "quant_memory", "mode": mode, "cpu": describe(),
-                          "rss_mb": round(r["rss_bytes"] / 1e6), "float32_rss_mb": round(base["rss_bytes"] / 1e6),
-                          "below_float32_mb": round(below / 1e6),
-                          "fraction_of_float32_weight_bytes": round(below / base["weight_bytes"], 3),
-                          "goal": ">= 0.6 (int4)" if mode == "int4" else "reported"}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "benchmark": "quant_memory",
+                    "mode": mode,
+                    "cpu": describe(),
+                    "rss_mb": round(r["rss_bytes"] / 1e6),
+                    "float32_rss_mb": round(base["rss_bytes"] / 1e6),
+                    "below_float32_mb": round(below / 1e6),
+                    "fraction_of_float32_weight_bytes": round(below / base["weight_bytes"], 3),
+                    "goal": ">= 0.6 (int4)" if mode == "int4" else "reported",
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

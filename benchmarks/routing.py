@@ -21,6 +21,7 @@ its hit), 10% of replicas offloaded to host, plus unique per-worker suffix chain
 Python's collector is on while timing, as in a router; --gc-freeze freezes the built index first.
 Prints ONE JSON line. Usage: python benchmarks/routing.py [--quick] [--seed N] [--requests N] [--gc-freeze]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.cache.kv_index import KVIndex
 from pdserve.cache.prefix_cache import prompt_hashes
+from pdserve.planner.simulate import FleetConfig, TraceConfig, multi_tenant_trace, oracle, policy, simulate
 from pdserve.protocol import KVEvent
 from pdserve.router.policies import RouteRequest, WorkerState, cost
-from pdserve.planner.simulate import FleetConfig, TraceConfig, multi_tenant_trace, oracle, policy, simulate
 
 STEP_MS = 20.0
 POLICIES = ["cost", "cache_aware", "round_robin", "least_load", "power_of_two"]
@@ -58,23 +59,38 @@ def fleet_part(args) -> dict:
         make = (lambda ws: oracle(ws)) if name == "oracle" else (lambda ws, n=name: policy(n, seed=args.seed))
         r = simulate(trace, make, fc)
         ref = ref or r.hit_rate
-        out[name] = {"hit_rate": round(r.hit_rate, 4), "vs_oracle": round(r.hit_rate / ref, 3),
-                     "load_max_mean": round(r.load_max_mean, 3), "prompt_max_mean": round(r.prompt_max_mean, 3),
-                     "ttft_mean_ms": round(r.ttft_mean * STEP_MS, 1), "ttft_p99_ms": round(r.ttft_p99 * STEP_MS, 1)}
+        out[name] = {
+            "hit_rate": round(r.hit_rate, 4),
+            "vs_oracle": round(r.hit_rate / ref, 3),
+            "load_max_mean": round(r.load_max_mean, 3),
+            "prompt_max_mean": round(r.prompt_max_mean, 3),
+            "ttft_mean_ms": round(r.ttft_mean * STEP_MS, 1),
+            "ttft_p99_ms": round(r.ttft_p99 * STEP_MS, 1),
+        }
     return out
 
 
 def synthetic_index(rng: random.Random, workers: int, prompts: int, bs: int):
     weights = [1.0 / (k + 1) ** 1.1 for k in range(prompts)]
     total = sum(weights)
-    chains = [prompt_hashes([rng.randrange(50_000) for _ in range(rng.randint(256, 2048))], bs)
-              for _ in range(prompts)]
+    chains = [
+        prompt_hashes([rng.randrange(50_000) for _ in range(rng.randint(256, 2048))], bs)
+        for _ in range(prompts)
+    ]
     index, seq = KVIndex(), {}
 
     def store(wid: str, hashes: list[bytes], tier: str) -> None:
         seq[wid] = seq.get(wid, 0) + 1
-        index.apply(KVEvent(type="stored", block_hashes=[h.hex() for h in hashes], tier=tier,
-                            worker_id=wid, seq=seq[wid], ts=0.0))
+        index.apply(
+            KVEvent(
+                type="stored",
+                block_hashes=[h.hex() for h in hashes],
+                tier=tier,
+                worker_id=wid,
+                seq=seq[wid],
+                ts=0.0,
+            )
+        )
 
     holders = []
     for k, chain in enumerate(chains):
@@ -82,7 +98,7 @@ def synthetic_index(rng: random.Random, workers: int, prompts: int, bs: int):
         holders.append(copies)
         for w in rng.sample(range(workers), copies):
             store(f"w{w}", chain, "host" if rng.random() < 0.1 else "device")
-    for w in range(workers):             # each worker's own recent conversations
+    for w in range(workers):  # each worker's own recent conversations
         for _ in range(10):
             store(f"w{w}", [rng.randbytes(16) for _ in range(rng.randint(4, 40))], "device")
     return index, chains, weights, max(holders)
@@ -94,18 +110,28 @@ def decision_part(args) -> dict:
     t0 = time.perf_counter()
     index, chains, weights, max_holders = synthetic_index(rng, n_workers, 2000, bs)
     build_s = time.perf_counter() - t0
-    states = [WorkerState(f"w{i}", "mixed", healthy=rng.random() > 0.02, in_flight=rng.randint(0, 63),
-                          queued_prefill_tokens=rng.randint(0, 20_000), decode_tokens=rng.randint(0, 20_000),
-                          kv_usage=rng.random() * 0.97, kv_free_blocks=rng.randint(0, 8192),
-                          kv_total_blocks=8192) for i in range(n_workers)]
+    states = [
+        WorkerState(
+            f"w{i}",
+            "mixed",
+            healthy=rng.random() > 0.02,
+            in_flight=rng.randint(0, 63),
+            queued_prefill_tokens=rng.randint(0, 20_000),
+            decode_tokens=rng.randint(0, 20_000),
+            kv_usage=rng.random() * 0.97,
+            kv_free_blocks=rng.randint(0, 8192),
+            kv_total_blocks=8192,
+        )
+        for i in range(n_workers)
+    ]
     match_t, policy_t, total_t, hits = [], [], [], []
     gc.collect()
-    if args.gc_freeze:      # what a gateway can do after loading its index: full GCs skip it
+    if args.gc_freeze:  # what a gateway can do after loading its index: full GCs skip it
         gc.freeze()
     for _ in range(args.decisions):
         chain = rng.choices(chains, weights)[0]
         tail = rng.randint(1, 32) + (rng.randint(256, 512) if rng.random() < 0.05 else 0)
-        hashes = chain + [rng.randbytes(16) for _ in range(tail)]     # the gateway hashes tokens to bytes
+        hashes = chain + [rng.randbytes(16) for _ in range(tail)]  # the gateway hashes tokens to bytes
         n = (len(hashes) + 1) * bs - 3
         t1 = time.perf_counter()
         m = index.match(hashes)
@@ -117,14 +143,25 @@ def decision_part(args) -> dict:
         policy_t.append(t3 - t2)
         total_t.append(t3 - t1)
         hits.append(len(m))
+
     def ms(xs, q):
         return round(pct(xs, q) * 1e3, 3)
 
-    return {"workers": n_workers, "gc_freeze": args.gc_freeze, "indexed_blocks": len(index), "max_holders": max_holders,
-            "build_s": round(build_s, 1), "decisions": len(total_t), "mean_holders": round(sum(hits) / len(hits), 1),
-            "decision_p50_ms": ms(total_t, 0.5), "decision_p99_ms": ms(total_t, 0.99),
-            "match_p50_ms": ms(match_t, 0.5), "match_p99_ms": ms(match_t, 0.99),
-            "policy_p50_ms": ms(policy_t, 0.5), "policy_p99_ms": ms(policy_t, 0.99)}
+    return {
+        "workers": n_workers,
+        "gc_freeze": args.gc_freeze,
+        "indexed_blocks": len(index),
+        "max_holders": max_holders,
+        "build_s": round(build_s, 1),
+        "decisions": len(total_t),
+        "mean_holders": round(sum(hits) / len(hits), 1),
+        "decision_p50_ms": ms(total_t, 0.5),
+        "decision_p99_ms": ms(total_t, 0.99),
+        "match_p50_ms": ms(match_t, 0.5),
+        "match_p99_ms": ms(match_t, 0.99),
+        "policy_p50_ms": ms(policy_t, 0.5),
+        "policy_p99_ms": ms(policy_t, 0.99),
+    }
 
 
 def main() -> None:
@@ -144,9 +181,21 @@ def main() -> None:
     goals = {f"{p}_hit_ge_0.9_oracle": fleet[p]["vs_oracle"] >= 0.9 for p in ("cost", "cache_aware")}
     goals.update({f"{p}_load_le_1.2": fleet[p]["load_max_mean"] <= 1.2 for p in ("cost", "cache_aware")})
     goals["decision_p99_le_1ms"] = dec["decision_p99_ms"] <= 1.0
-    print(json.dumps({"benchmark": "routing", "workers": args.workers, "requests": args.requests, "seed": args.seed,
-                      "policies": fleet, "decision": dec, "goals": goals,
-                      "seconds": round(time.perf_counter() - t0, 1)}, separators=(",", ":")))
+    print(
+        json.dumps(
+            {
+                "benchmark": "routing",
+                "workers": args.workers,
+                "requests": args.requests,
+                "seed": args.seed,
+                "policies": fleet,
+                "decision": dec,
+                "goals": goals,
+                "seconds": round(time.perf_counter() - t0, 1),
+            },
+            separators=(",", ":"),
+        )
+    )
 
 
 if __name__ == "__main__":

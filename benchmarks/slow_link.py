@@ -20,6 +20,7 @@ be 0: nothing timed out) and the CPU. Needs root and iproute2; prints why and ex
 
 Usage: python benchmarks/slow_link.py [--requests 8] [--prompt-tokens 512] [--mbit N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))       # the namespace hosts live with the cluster tests
+sys.path.insert(0, str(ROOT / "tests"))  # the namespace hosts live with the cluster tests
 
 from cluster.cluster_hosts import Cluster, ShapingUnavailable, unavailable  # noqa: E402
 
@@ -48,21 +49,44 @@ from pdserve.utils.cpu import describe  # noqa: E402
 MODEL = "smollm2-135m"
 TOKEN = "slow-link-token"
 PORT, KV_PORT = 8000, 5556
-MODES = {"prefill-lw": True, "prefill-af": False}      # host -> transfer.layerwise
+MODES = {"prefill-lw": True, "prefill-af": False}  # host -> transfer.layerwise
 
 
 def start(net: Cluster, tmp: Path) -> dict[str, str]:
     """The three workers; returns each prefill host's KV endpoint."""
-    base = {"model": {"name": MODEL}, "server": {"internal_token": TOKEN}, "cache": {"device_blocks": 256},
-            "disagg": {"transfer_timeout_s": 60, "bootstrap_timeout_s": 30}}
+    base = {
+        "model": {"name": MODEL},
+        "server": {"internal_token": TOKEN},
+        "cache": {"device_blocks": 256},
+        "disagg": {"transfer_timeout_s": 60, "bootstrap_timeout_s": 30},
+    }
     procs = {}
     for name, role in [("decode", "decode"), *((h, "prefill") for h in MODES)]:
         cfg = tmp / f"{name}.yaml"
         cfg.write_text(yaml.safe_dump({**base, "transfer": {"layerwise": MODES.get(name, True)}}))
         h = net.hosts[name]
-        procs[name] = net.start(h, name, pdserve_cmd() + [
-            "worker", "--role", role, "--config", str(cfg), "--host", h.ip, "--port", str(PORT),
-            "--kv-port", str(KV_PORT), "--threads", "1"], PORT, env=thread_env(1))
+        procs[name] = net.start(
+            h,
+            name,
+            pdserve_cmd()
+            + [
+                "worker",
+                "--role",
+                role,
+                "--config",
+                str(cfg),
+                "--host",
+                h.ip,
+                "--port",
+                str(PORT),
+                "--kv-port",
+                str(KV_PORT),
+                "--threads",
+                "1",
+            ],
+            PORT,
+            env=thread_env(1),
+        )
     for srv in procs.values():
         srv.wait_ready(timeout=600)
     return {h: httpx.get(procs[h].url + "/health", timeout=10).json()["kv_endpoint"] for h in MODES}
@@ -70,7 +94,14 @@ def start(net: Cluster, tmp: Path) -> dict[str, str]:
 
 def ttft(decode_url: str, peer: str, prompt: list[int]) -> float:
     """Seconds from sending the request to the first streamed token."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     headers = {PREFILL_HEADER: peer, INTERNAL_TOKEN_HEADER: TOKEN}
     t0 = time.perf_counter()
     first = None
@@ -102,12 +133,12 @@ def run(args) -> dict:
         def rounds(n: int) -> dict[str, list[float]]:
             got: dict[str, list[float]] = {h: [] for h in MODES}
             for i in range(n):
-                order = list(MODES) if i % 2 == 0 else list(reversed(MODES))     # neither mode always goes first
+                order = list(MODES) if i % 2 == 0 else list(reversed(MODES))  # neither mode always goes first
                 for h in order:
                     got[h].append(ttft(url, peers[h], prompt()))
             return got
 
-        rounds(1)           # warm-up: first forwards, connections
+        rounds(1)  # warm-up: first forwards, connections
         sent0 = health(net, "prefill-lw")["kv_send_bytes_total"]
         fast = rounds(args.calibration)
         per_prompt = (health(net, "prefill-lw")["kv_send_bytes_total"] - sent0) / args.calibration
@@ -121,8 +152,13 @@ def run(args) -> dict:
         lw, af = (statistics.median(slow[h]) for h in MODES)
         wire_s = per_prompt * 8 / (mbit * 1e6)
         return {
-            "benchmark": "slow_link", "cpu": describe(), "model": MODEL, "prompt_tokens": args.prompt_tokens,
-            "requests_per_mode": args.requests, "kv_bytes_per_prompt": int(per_prompt), "link_mbit_s": mbit,
+            "benchmark": "slow_link",
+            "cpu": describe(),
+            "model": MODEL,
+            "prompt_tokens": args.prompt_tokens,
+            "requests_per_mode": args.requests,
+            "kv_bytes_per_prompt": int(per_prompt),
+            "link_mbit_s": mbit,
             "wire_s_per_prompt": round(wire_s, 3),
             "ttft_p50_unthrottled_s": {h: round(statistics.median(fast[h]), 3) for h in MODES},
             "ttft_p50_throttled_s": {h: round(statistics.median(slow[h]), 3) for h in MODES},

@@ -7,25 +7,32 @@ naming its part. Every other part, and an image for a text-only model, is refuse
 never dropped: a model that silently loses the image still answers, confidently, a question it
 never saw.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.common.errors import APIError
 from pdserve.common.images import ImageError, decode_data_url, image_digest, open_image
 from pdserve.common.remote_images import fetch_image, parse_networks
 from pdserve.config import VisionConfig
 from pdserve.protocol import ChatMessage
-from pdserve.common.errors import APIError
 
 # What each non-text part would need; any other type is simply unknown.
-_NEEDS = {"image_url": "vision encoder", "input_image": "vision encoder", "input_audio": "audio encoder",
-          "audio_url": "audio encoder", "video_url": "video encoder", "file": "file reader"}
+_NEEDS = {
+    "image_url": "vision encoder",
+    "input_image": "vision encoder",
+    "input_audio": "audio encoder",
+    "audio_url": "audio encoder",
+    "video_url": "video encoder",
+    "file": "file reader",
+}
 
 
 @dataclass
 class ChatInputs:
     messages: list[dict[str, str]]
-    images: list[tuple[bytes, bytes]] = field(default_factory=list)     # (digest, file bytes), in order
+    images: list[tuple[bytes, bytes]] = field(default_factory=list)  # (digest, file bytes), in order
 
 
 def chat_messages(messages: list[ChatMessage], model: str) -> list[dict[str, str]]:
@@ -34,8 +41,12 @@ def chat_messages(messages: list[ChatMessage], model: str) -> list[dict[str, str
     return chat_inputs(messages, model).messages
 
 
-def chat_inputs(messages: list[ChatMessage], model: str, placeholder: str | None = None,
-                limits: VisionConfig | None = None) -> ChatInputs:
+def chat_inputs(
+    messages: list[ChatMessage],
+    model: str,
+    placeholder: str | None = None,
+    limits: VisionConfig | None = None,
+) -> ChatInputs:
     """Messages and images; `placeholder` (a VLM's image text) None means a text-only model.
     Decodes the images (Pillow): call it off the event loop when images may come."""
     limits = limits or VisionConfig()
@@ -50,8 +61,12 @@ def chat_inputs(messages: list[ChatMessage], model: str, placeholder: str | None
             if part.type in ("text", "refusal"):
                 text = part.text if part.type == "text" else part.refusal
                 if not isinstance(text, str):
-                    raise APIError(400, f"{where}: a {part.type} part needs its {part.type!r} field",
-                                   where, "invalid_value")
+                    raise APIError(
+                        400,
+                        f"{where}: a {part.type} part needs its {part.type!r} field",
+                        where,
+                        "invalid_value",
+                    )
                 texts.append(text)
                 continue
             if part.type == "image_url" and placeholder is not None:
@@ -59,8 +74,11 @@ def chat_inputs(messages: list[ChatMessage], model: str, placeholder: str | None
                 texts.append(placeholder)
                 continue
             need = _NEEDS.get(part.type)
-            why = (f"the model {model!r} has no {need} for {part.type!r} parts" if need
-                   else f"unknown content part type {part.type!r}")
+            why = (
+                f"the model {model!r} has no {need} for {part.type!r} parts"
+                if need
+                else f"unknown content part type {part.type!r}"
+            )
             raise APIError(400, f"{where}: {why}; send text parts only", where, "unsupported_content")
         out.messages.append({"role": m.role, "content": "".join(texts)})
     return out
@@ -71,23 +89,28 @@ def _image(image_url: object, where: str, count: int, limits: VisionConfig) -> t
     if not isinstance(url, str) or not url:
         raise APIError(400, f"{where}: an image_url part needs its 'image_url.url'", where, "invalid_value")
     if count >= limits.max_images:
-        raise APIError(400, f"{where}: more than {limits.max_images} images in one request", where, "too_many_images")
+        raise APIError(
+            400, f"{where}: more than {limits.max_images} images in one request", where, "too_many_images"
+        )
     try:
         if url.startswith("data:"):
             data = decode_data_url(url, limits.max_image_bytes)
         elif url.startswith(("http://", "https://")):
             if not limits.allow_remote_urls:
-                raise ImageError("remote image URLs are off on this server (vision.allow_remote_urls); "
-                                 "send the image as a base64 data: URL")
+                raise ImageError(
+                    "remote image URLs are off on this server (vision.allow_remote_urls); "
+                    "send the image as a base64 data: URL"
+                )
             data = _fetch(url, limits)
         else:
             raise ImageError("not a data: or http(s) URL")
-        open_image(data, limits.max_image_pixels)           # decodable, and not too many pixels
+        open_image(data, limits.max_image_pixels)  # decodable, and not too many pixels
     except ImageError as e:
         raise APIError(400, f"{where}: {e}", where, "invalid_image") from e
     return image_digest(data), data
 
 
 def _fetch(url: str, limits: VisionConfig) -> bytes:
-    return fetch_image(url, limits.max_image_bytes, limits.remote_timeout_s,
-                       parse_networks(limits.remote_url_allow_networks))
+    return fetch_image(
+        url, limits.max_image_bytes, limits.remote_timeout_s, parse_networks(limits.remote_url_allow_networks)
+    )

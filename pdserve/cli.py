@@ -1,4 +1,5 @@
 """`pdserve serve|bench ...`: the command line."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,12 @@ def _overrides(args: argparse.Namespace) -> dict:
         "deployment.mode": getattr(args, "mode", None),
         "deployment.prefill.instances": getattr(args, "prefill", None),
         "deployment.decode.instances": getattr(args, "decode", None),
-        "worker.role": getattr(args, "role", None), "worker.kv_port": getattr(args, "kv_port", None),
+        "worker.role": getattr(args, "role", None),
+        "worker.kv_port": getattr(args, "kv_port", None),
         "server.router_url": getattr(args, "router_url", None),
-        "disagg.prefill_endpoints": (args.prefill_endpoints.split(",") if getattr(args, "prefill_endpoints", None)
-                                     else None),
+        "disagg.prefill_endpoints": (
+            args.prefill_endpoints.split(",") if getattr(args, "prefill_endpoints", None) else None
+        ),
     }
 
 
@@ -39,36 +42,60 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with PD disaggregation")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start a deployment serving the OpenAI API")
-    serve.add_argument("--mode", choices=MODES,
-                       help="pd (default): a router, prefill and decode workers; mixed: one process does both")
+    serve.add_argument(
+        "--mode",
+        choices=MODES,
+        help="pd (default): a router, prefill and decode workers; mixed: one process does both",
+    )
     serve.add_argument("--prefill", type=int, help="prefill workers (overrides the config file)")
     serve.add_argument("--decode", type=int, help="decode workers (overrides the config file)")
-    serve.add_argument("--dry-run", action="store_true",
-                       help="check the config against the model (read without its weights), print the deployment "
-                            "plan and exit: 0 if it is good, 2 naming each bad key")
+    serve.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the config against the model (read without its weights), print the deployment "
+        "plan and exit: 0 if it is good, 2 naming each bad key",
+    )
     _add_engine_flags(serve)
     router = sub.add_parser("router", help="the router alone, for workers started elsewhere")
-    router.add_argument("--worker", action="append", default=[], metavar="ROLE=URL",
-                        help="a static worker, e.g. decode=http://10.0.0.2:8001 (repeatable); workers can "
-                             "also register themselves with --router-url")
+    router.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="ROLE=URL",
+        help="a static worker, e.g. decode=http://10.0.0.2:8001 (repeatable); workers can "
+        "also register themselves with --router-url",
+    )
     _add_engine_flags(router)
     worker = sub.add_parser("worker", help="one worker process (pdserve serve starts these)")
     worker.add_argument("--role", choices=WORKER_ROLES, required=True)
     worker.add_argument("--kv-port", type=int, help="prefill: bootstrap port; decode: KV/control port")
-    worker.add_argument("--prefill-endpoints", help="decode: comma-separated bootstrap endpoints of prefill workers")
+    worker.add_argument(
+        "--prefill-endpoints", help="decode: comma-separated bootstrap endpoints of prefill workers"
+    )
     worker.add_argument("--router-url", help="register with this router and send it heartbeats")
     worker.add_argument("--port-file", help="write the bound HTTP port here once listening (with --port 0)")
     _add_engine_flags(worker)
-    encoder = sub.add_parser("encoder", help="an encoder worker: a vision-language model's vision tower, for the "
-                                             "engines that name it in vision.encoder_endpoints")
+    encoder = sub.add_parser(
+        "encoder",
+        help="an encoder worker: a vision-language model's vision tower, for the "
+        "engines that name it in vision.encoder_endpoints",
+    )
     encoder.add_argument("--bind", required=True, help="ZMQ endpoint to answer on, e.g. tcp://0.0.0.0:5600")
     _add_engine_flags(encoder)
     sub.add_parser("bench", help="load generator and report (pdserve bench --help)")
-    sub.add_parser("profile", help="measure this machine's step costs for the configured model (pdserve profile --help)")
-    sub.add_parser("plan", help="the P:D split and per-role settings that maximise goodput under SLOs, from a profile "
-                                "(pdserve plan --help)")
-    sub.add_parser("rollout", help="replace a running deployment's workers with a new config, canary first, rolled "
-                                   "back on an SLO breach (pdserve rollout --help)")
+    sub.add_parser(
+        "profile", help="measure this machine's step costs for the configured model (pdserve profile --help)"
+    )
+    sub.add_parser(
+        "plan",
+        help="the P:D split and per-role settings that maximise goodput under SLOs, from a profile "
+        "(pdserve plan --help)",
+    )
+    sub.add_parser(
+        "rollout",
+        help="replace a running deployment's workers with a new config, canary first, rolled "
+        "back on an SLO breach (pdserve rollout --help)",
+    )
     return parser
 
 
@@ -76,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         from pdserve.bench.cli import main as bench_main
+
         return bench_main(argv[1:])
     if argv[:1] in (["profile"], ["plan"]):
         from pdserve.planner.cli import main as planner_main
+
         return planner_main(argv)
     if argv[:1] == ["rollout"]:
         from pdserve.control.rollout import main as rollout_main
+
         return rollout_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -98,10 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         digest = config_digest(load_config(args.config, overrides)) if args.command == "worker" else None
         if args.command == "serve":
             from pdserve.deployment_plan import format_plan, make_plan
-            plan = make_plan(config)        # the model's architecture against the deployment
+
+            plan = make_plan(config)  # the model's architecture against the deployment
         if args.command == "router" or (args.command == "serve" and config.deployment.mode == "pd"):
             from pdserve.router.access import check_admin_exposure
-            check_admin_exposure(config)    # before any worker starts
+
+            check_admin_exposure(config)  # before any worker starts
     except ConfigError as e:
         flags = {k for k, v in overrides.items() if v is not None}
         for key, problem in e.problems:
@@ -109,26 +141,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pdserve: config error: {key}{where}: {problem}", file=sys.stderr)
         return 2
     if args.command == "serve" and args.dry_run:
-        print(f"pdserve serve --dry-run: {args.config or 'defaults'} is valid; nothing was started\n"
-              + format_plan(plan))
+        print(
+            f"pdserve serve --dry-run: {args.config or 'defaults'} is valid; nothing was started\n"
+            + format_plan(plan)
+        )
         return 0
-    if args.command == "encoder":       # no HTTP port: jobs come over ZeroMQ
+    if args.command == "encoder":  # no HTTP port: jobs come over ZeroMQ
         from pdserve.engine.encoder_worker import EncoderWorker
+
         EncoderWorker(config).serve(args.bind)
         return 0
     if args.command == "serve":
         for warning in plan.warnings:
             logging.getLogger("pdserve").warning("%s", warning)
     from pdserve.server.serving import bind_socket
+
     # Bind first: the port is ours before the seconds of model loading (see bind_socket).
     sock = bind_socket(config.server.host, config.server.port)
     config = derive(config, {"server.port": sock.getsockname()[1]})
     if args.command == "serve" and config.deployment.mode == "pd":
         from pdserve.launch import serve_pd
+
         serve_pd(config, sock)
     elif args.command == "serve":
         config = derive(config, {"worker.role": "mixed"})
         from pdserve.server.app import serve as run_server
+
         run_server(config, sock)
     elif args.command == "router":
         workers = list(config.router.workers)
@@ -140,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         config = derive(config, {"router.workers": workers})
         from pdserve.router.gateway import create_router_app
         from pdserve.server.serving import run_uvicorn
+
         run_uvicorn(create_router_app(config), config, tls=True, sock=sock)
     elif args.command == "worker":
         if args.port_file:
@@ -148,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(str(config.server.port))
             os.replace(tmp, args.port_file)
         from pdserve.server.app import serve as run_server
+
         run_server(config, sock, digest)
     return 0
 

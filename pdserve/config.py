@@ -2,6 +2,7 @@
 
 A loaded Config is frozen: a process that needs other values (its bound port, a worker's role)
 derives its own copy with `derive`, and nothing changes a config another part already holds."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,59 +10,58 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from pdserve.config_rules import ConfigError, check
 from pdserve.config_yaml import leaves_of, nest_dotted, read_yaml, set_leaves
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "smollm2-135m"          # a built-in name, a GGUF file or a Hugging Face directory
-    dtype: str = "float32"              # float32 (CPU default) or bfloat16
+    name: str = "smollm2-135m"  # a built-in name, a GGUF file or a Hugging Face directory
+    dtype: str = "float32"  # float32 (CPU default) or bfloat16
     # Weight-only quantization of the linear layers: none, int8 (per output channel) or int4
     # (groups of 32 with scale and offset; the default model's Q4_1 tensors load as they are).
     quantization: str = "none"
     # auto: native kernels (C, built with the system compiler on first use; torch's path where none builds)
-    attention_kernel: str = "auto"      # decode attention reading the paged KV in place (float32, CPU); or torch
-    gemm_kernel: str = "auto"           # quantized products, float32 activations not rounded (CPU); or torch
-    device: str = "cpu"                 # cpu or cuda
-    max_model_len: int | None = None    # defaults to the model's context length
-    seed: int = 0                       # weights of the tiny random models
+    attention_kernel: str = "auto"  # decode attention reading the paged KV in place (float32, CPU); or torch
+    gemm_kernel: str = "auto"  # quantized products, float32 activations not rounded (CPU); or torch
+    device: str = "cpu"  # cpu or cuda
+    max_model_len: int | None = None  # defaults to the model's context length
+    seed: int = 0  # weights of the tiny random models
     # MoE models: ranks (processes) sharing the experts; attention is replicated on every rank.
     expert_parallel: int = 1
-    num_redundant_experts: int = 0      # extra physical expert slots per MoE layer, for replicas of hot experts
-    eplb_interval: int = 32             # steps between imbalance checks of the expert balancer; 0 = off
-    eplb_window: int = 256              # steps in the expert-load heatmap
-    eplb_threshold: float = 1.2         # rebalance when max/mean rank load stays above this
+    num_redundant_experts: int = 0  # extra physical expert slots per MoE layer, for replicas of hot experts
+    eplb_interval: int = 32  # steps between imbalance checks of the expert balancer; 0 = off
+    eplb_window: int = 256  # steps in the expert-load heatmap
+    eplb_threshold: float = 1.2  # rebalance when max/mean rank load stays above this
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16                # tokens per KV block
-    device_memory_gb: float = 1.0       # KV pool budget; ignored when device_blocks is set
-    device_blocks: int | None = None    # KV pool size in blocks (overrides device_memory_gb)
-    prefix_cache: bool = True           # reuse the KV of cached prompt prefixes (radix tree)
-    host_cache_gb: float = 0.0          # RAM tier for blocks evicted from the device pool; 0 = off
-    disk_cache_dir: str | None = None   # disk tier directory (one file per block); None = off
-    disk_cache_gb: float = 0.0          # disk tier budget; 0 = off
-    remote: str | None = None           # shared remote tier, e.g. redis://127.0.0.1:6379/0; None = off
-    remote_ttl_s: int | None = None     # expiry of remote blocks; None keeps them until Redis evicts
-    load_timeout_s: float = 5.0         # deadline for a prefetch from lower tiers before recomputing
+    block_size: int = 16  # tokens per KV block
+    device_memory_gb: float = 1.0  # KV pool budget; ignored when device_blocks is set
+    device_blocks: int | None = None  # KV pool size in blocks (overrides device_memory_gb)
+    prefix_cache: bool = True  # reuse the KV of cached prompt prefixes (radix tree)
+    host_cache_gb: float = 0.0  # RAM tier for blocks evicted from the device pool; 0 = off
+    disk_cache_dir: str | None = None  # disk tier directory (one file per block); None = off
+    disk_cache_gb: float = 0.0  # disk tier budget; 0 = off
+    remote: str | None = None  # shared remote tier, e.g. redis://127.0.0.1:6379/0; None = off
+    remote_ttl_s: int | None = None  # expiry of remote blocks; None keeps them until Redis evicts
+    load_timeout_s: float = 5.0  # deadline for a prefetch from lower tiers before recomputing
     # Host RAM for the KV of preempted requests, so they resume instead of recomputing (taken per
     # swapped request, given back on resume); 0 = off: always recompute.
     swap_space_gb: float = 1.0
     # KV events (ZMQ PUB) for a router's global KV index, e.g. tcp://127.0.0.1:5557 (:* = a free port);
     # None = off. Snapshots are served on kv_events_snapshot_endpoint (None: same host, a free port).
     kv_events_endpoint: str | None = None
-    kv_events_snapshot_endpoint: str | None = None   # where snapshot requests are answered
+    kv_events_snapshot_endpoint: str | None = None  # where snapshot requests are answered
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64              # cap on running requests (the decode batch cap)
-    max_num_batched_tokens: int = 512   # per-step token budget; prompts longer than it are chunked
+    max_num_seqs: int = 64  # cap on running requests (the decode batch cap)
+    max_num_batched_tokens: int = 512  # per-step token budget; prompts longer than it are chunked
     enable_chunked_prefill: bool = True  # chunk prompts longer than the step budget
-    watermark_blocks: int = 1           # free blocks kept back at admission so decodes rarely preempt
+    watermark_blocks: int = 1  # free blocks kept back at admission so decodes rarely preempt
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,13 @@ class ServerConfig:
     # (None: PDSERVE_ADVERTISE_HOST, else this machine's address; see utils/net.py).
     advertise_host: str | None = None
     served_model_name: str | None = None
-    threads: int | None = None          # torch compute threads; None leaves torch's default
-    shutdown_timeout_s: float = 30.0    # SIGTERM: how long running requests may take to finish
+    threads: int | None = None  # torch compute threads; None leaves torch's default
+    shutdown_timeout_s: float = 30.0  # SIGTERM: how long running requests may take to finish
     max_body_bytes: int = 4 * 1024 * 1024
     # Shared secret between router and workers: a worker with one rejects every route but /health
     # without it. Also read from PDSERVE_INTERNAL_TOKEN.
     internal_token: str | None = None
-    router_url: str | None = None       # a worker registers itself there and sends heartbeats
+    router_url: str | None = None  # a worker registers itself there and sends heartbeats
     # OpenTelemetry collector (OTLP/HTTP, e.g. http://collector:4318) for request traces; unset: off
     # (also OTEL_EXPORTER_OTLP_ENDPOINT). See common/tracing.py.
     otlp_endpoint: str | None = None
@@ -88,12 +88,12 @@ class ServerConfig:
 class DisaggConfig:
     # The decode worker prefills itself when the uncached part of the prompt is shorter than this.
     local_prefill_max_tokens: int = 64
-    prefill_endpoints: list[str] = field(default_factory=list)   # bootstrap endpoints of prefill workers
-    bootstrap_timeout_s: float = 5.0     # a prefill worker must accept a job within this
-    queue_timeout_s: float = 60.0        # an accepted job must start transferring within this
-    transfer_timeout_s: float = 10.0     # longest silence allowed while transferring
-    quarantine_timeout_s: float = 30.0   # blocks of a failed shm transfer wait this long for a cancel ack
-    peer_retry_s: float = 10.0           # a prefill worker that failed is skipped this long
+    prefill_endpoints: list[str] = field(default_factory=list)  # bootstrap endpoints of prefill workers
+    bootstrap_timeout_s: float = 5.0  # a prefill worker must accept a job within this
+    queue_timeout_s: float = 60.0  # an accepted job must start transferring within this
+    transfer_timeout_s: float = 10.0  # longest silence allowed while transferring
+    quarantine_timeout_s: float = 30.0  # blocks of a failed shm transfer wait this long for a cancel ack
+    peer_retry_s: float = 10.0  # a prefill worker that failed is skipped this long
     # A prompt with at least this many uncached tokens is split into chunks prefilled by several prefill
     # workers in a layer-wise pipeline (disagg/pipeline.py; needs the decode pool in shared memory, one
     # host); 0: off. A chunk is computed in one step: give prefill workers a max_num_batched_tokens to match.
@@ -105,11 +105,11 @@ class DisaggConfig:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    backend: str = "auto"                # auto (shm on one host, else tcp) | shm | tcp | mooncake | nixl
+    backend: str = "auto"  # auto (shm on one host, else tcp) | shm | tcp | mooncake | nixl
     # mooncake, nixl: optional extras (pip install 'pdserve[mooncake]' / 'pdserve[nixl]'), one-sided
     # writes through Mooncake's transfer engine or NIXL; set on the prefill and decode workers alike.
-    bandwidth_limit: str | float | None = None   # bytes/s, or "50%" of the memcpy speed measured at start
-    layerwise: bool = True               # write each layer as soon as it is computed (False: after the forward)
+    bandwidth_limit: str | float | None = None  # bytes/s, or "50%" of the memcpy speed measured at start
+    layerwise: bool = True  # write each layer as soon as it is computed (False: after the forward)
 
 
 @dataclass(frozen=True)
@@ -117,21 +117,23 @@ class RoleConfig:
     # Workers of this role; None: from deployment.pd_ratio, else 1. Each instance with expert_parallel
     # N is N processes (devices).
     instances: int | None = None
-    threads: int | None = None           # torch threads per worker (None: server.threads, else ROLE_THREADS)
-    cpu_affinity: list[int] | None = None   # cores the role's workers are pinned to (None: no pinning)
+    threads: int | None = None  # torch threads per worker (None: server.threads, else ROLE_THREADS)
+    cpu_affinity: list[int] | None = None  # cores the role's workers are pinned to (None: no pinning)
     # Per-role model and engine settings (examples/seed_003.yaml: prefill EP 8, decode EP 64); None: the
     # global key of the same name (ROLE_SETTINGS below names it) applies.
     expert_parallel: int | None = None
     quantization: str | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
-    device_memory_gb: float | None = None   # this role's KV budget (replaces cache.device_memory_gb/device_blocks)
+    device_memory_gb: float | None = (
+        None  # this role's KV budget (replaces cache.device_memory_gb/device_blocks)
+    )
     device_blocks: int | None = None
 
 
 @dataclass(frozen=True)
 class DeploymentConfig:
-    mode: str = "pd"                     # pd (router + prefill + decode workers) | mixed (one process)
+    mode: str = "pd"  # pd (router + prefill + decode workers) | mixed (one process)
     # "P:D": prefill to decode devices (instances x expert_parallel), e.g. "1:2"; sets the instance counts
     # not given; instances that are given win (a ratio they do not match is a warning, see deployment_plan.py).
     pd_ratio: str | None = None
@@ -142,49 +144,56 @@ class DeploymentConfig:
 @dataclass(frozen=True)
 class LoadBalancerConfig:
     # round_robin | least_load | power_of_two | cache_aware | cost (see docs/routing.md)
-    prefill: str = "cost"                # how the router picks a prefill worker
-    decode: str = "cost"                 # how the router picks a decode worker
+    prefill: str = "cost"  # how the router picks a prefill worker
+    decode: str = "cost"  # how the router picks a decode worker
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    workers: list[dict] = field(default_factory=list)   # static workers: [{url: ..., role: prefill|decode|mixed}]
-    api_keys: list[str] = field(default_factory=list)   # also PDSERVE_API_KEYS (comma-separated); none: open
-    admin_keys: list[str] = field(default_factory=list)  # /admin/* keys (also PDSERVE_ADMIN_KEYS); set: only these
-    insecure_admin: bool = False             # start off loopback without an admin key (docs/security.md)
-    ip_allowlist: list[str] = field(default_factory=list)   # CIDRs; empty: everyone
-    requests_per_minute: int | None = None   # per API key (per client IP without keys)
-    tokens_per_minute: int | None = None     # prompt + completion tokens, per API key
+    workers: list[dict] = field(
+        default_factory=list
+    )  # static workers: [{url: ..., role: prefill|decode|mixed}]
+    api_keys: list[str] = field(default_factory=list)  # also PDSERVE_API_KEYS (comma-separated); none: open
+    admin_keys: list[str] = field(
+        default_factory=list
+    )  # /admin/* keys (also PDSERVE_ADMIN_KEYS); set: only these
+    insecure_admin: bool = False  # start off loopback without an admin key (docs/security.md)
+    ip_allowlist: list[str] = field(default_factory=list)  # CIDRs; empty: everyone
+    requests_per_minute: int | None = None  # per API key (per client IP without keys)
+    tokens_per_minute: int | None = None  # prompt + completion tokens, per API key
     # Redis URL where router replicas keep those buckets together (unset: each replica its own).
     shared_limits: str | None = None
-    max_prompt_tokens: int | None = None     # longer prompts get a 400 (the context limit applies anyway)
+    max_prompt_tokens: int | None = None  # longer prompts get a 400 (the context limit applies anyway)
     tls_cert: str | None = None
     tls_key: str | None = None
-    max_concurrent: int = 256                # requests in flight to workers; more wait in the admission queue
-    max_queue: int = 512                     # beyond this many waiting: 503 with Retry-After
-    queue_timeout_s: float = 30.0            # a request waiting longer gets a 503 with Retry-After
+    max_concurrent: int = 256  # requests in flight to workers; more wait in the admission queue
+    max_queue: int = 512  # beyond this many waiting: 503 with Retry-After
+    queue_timeout_s: float = 30.0  # a request waiting longer gets a 503 with Retry-After
     connect_timeout_s: float = 5.0
-    request_timeout_s: float = 600.0         # longest silence from a worker mid-request
-    max_retries: int = 2                     # before any token: connect errors, 5xx, 429
-    retry_backoff_s: float = 0.1             # doubled each retry, with jitter
-    breaker_failures: int = 5                # consecutive failures that open a worker's circuit breaker
-    breaker_cooldown_s: float = 5.0          # open this long, then one probe request (half-open)
-    migration: bool = True                   # a decode worker dying mid-stream: continue on another one
-    max_migrations: int = 2                  # per request
-    hold_prefill: bool = False               # hold prompts until a prefill worker has room (router/prefill_hold.py)
-    encoder_workers: int = 1                 # processes that apply chat templates and tokenize
+    request_timeout_s: float = 600.0  # longest silence from a worker mid-request
+    max_retries: int = 2  # before any token: connect errors, 5xx, 429
+    retry_backoff_s: float = 0.1  # doubled each retry, with jitter
+    breaker_failures: int = 5  # consecutive failures that open a worker's circuit breaker
+    breaker_cooldown_s: float = 5.0  # open this long, then one probe request (half-open)
+    migration: bool = True  # a decode worker dying mid-stream: continue on another one
+    max_migrations: int = 2  # per request
+    hold_prefill: bool = False  # hold prompts until a prefill worker has room (router/prefill_hold.py)
+    encoder_workers: int = 1  # processes that apply chat templates and tokenize
     health_period_s: float = 1.0
-    heartbeat_timeout_s: float = 5.0         # a self-registered worker silent this long is unhealthy
+    heartbeat_timeout_s: float = 5.0  # a self-registered worker silent this long is unhealthy
 
 
 @dataclass(frozen=True)
 class VisionConfig:
     """Images in chat requests (OpenAI `image_url` parts), for vision-language models."""
-    max_images: int = 4                 # image parts per request; 0 refuses every image
-    max_image_bytes: int = 3 << 20      # one image file (after base64 decoding; server.max_body_bytes bounds the body)
-    max_image_pixels: int = 4096 * 4096     # width x height of one decoded image
-    allow_remote_urls: bool = False     # fetch http(s) image URLs; off: only data: URLs
-    remote_timeout_s: float = 10.0      # deadline of one remote image fetch, redirects and all
+
+    max_images: int = 4  # image parts per request; 0 refuses every image
+    max_image_bytes: int = (
+        3 << 20
+    )  # one image file (after base64 decoding; server.max_body_bytes bounds the body)
+    max_image_pixels: int = 4096 * 4096  # width x height of one decoded image
+    allow_remote_urls: bool = False  # fetch http(s) image URLs; off: only data: URLs
+    remote_timeout_s: float = 10.0  # deadline of one remote image fetch, redirects and all
     # Networks remote image URLs may reach although not public (an image store of your own, e.g.
     # 10.1.0.0/16); any other private, loopback or link-local address is refused.
     remote_url_allow_networks: list[str] = field(default_factory=list)
@@ -192,7 +201,7 @@ class VisionConfig:
     # encoder` processes (tcp://host:port), or this many local ones; neither: in the engine process.
     encoder_endpoints: list[str] = field(default_factory=list)
     encoder_processes: int = 0
-    encode_timeout_s: float = 60.0      # deadline of one image's embeddings from an encoder worker
+    encode_timeout_s: float = 60.0  # deadline of one image's embeddings from an encoder worker
 
 
 @dataclass(frozen=True)
@@ -201,20 +210,26 @@ class ControllerConfig:
     # figures against the SLOs and switches a role, or starts or stops a worker (docs/control-plane.md).
     enabled: bool = False
     interval_s: float = 5.0
-    slo_ttft_ms: float = 2000.0          # time to first token the deployment promises (p90 over an interval)
-    slo_tpot_ms: float = 200.0           # time per output token (read as the mean inter-token gap over an interval)
-    kv_usage_high: float = 0.9           # decode KV usage counted as pressure as much as a TPOT at the SLO
-    high: float = 1.0                    # a pool is short of workers above this share of its SLO ...
-    low: float = 0.5                     # ... and has one to spare below it
-    sustain_intervals: int = 3           # readings of the last sustain_intervals + 1 a condition must hold to act (hysteresis)
-    cooldown_s: float = 30.0             # no action this long after the last one
-    imbalance: float = 3.0               # both pools over their SLOs at max_workers: move a worker to the one this x as far over
+    slo_ttft_ms: float = 2000.0  # time to first token the deployment promises (p90 over an interval)
+    slo_tpot_ms: float = 200.0  # time per output token (read as the mean inter-token gap over an interval)
+    kv_usage_high: float = 0.9  # decode KV usage counted as pressure as much as a TPOT at the SLO
+    high: float = 1.0  # a pool is short of workers above this share of its SLO ...
+    low: float = 0.5  # ... and has one to spare below it
+    sustain_intervals: int = (
+        3  # readings of the last sustain_intervals + 1 a condition must hold to act (hysteresis)
+    )
+    cooldown_s: float = 30.0  # no action this long after the last one
+    imbalance: float = (
+        3.0  # both pools over their SLOs at max_workers: move a worker to the one this x as far over
+    )
     min_workers: int = 2
     max_workers: int = 4
-    drain_timeout_s: float = 30.0        # a draining worker's requests may finish this long, then move elsewhere
-    rebalance: bool = True               # after a switch to decode, workers over the pool's mean hand the excess streams on
-    backend: str = "local"               # local: start and stop worker processes; kubernetes: scale Deployments
-    namespace: str = "default"           # kubernetes: where the pools' Deployments live
+    drain_timeout_s: float = 30.0  # a draining worker's requests may finish this long, then move elsewhere
+    rebalance: bool = (
+        True  # after a switch to decode, workers over the pool's mean hand the excess streams on
+    )
+    backend: str = "local"  # local: start and stop worker processes; kubernetes: scale Deployments
+    namespace: str = "default"  # kubernetes: where the pools' Deployments live
     prefill_deployment: str = "pdserve-prefill"
     decode_deployment: str = "pdserve-decode"
 
@@ -222,18 +237,18 @@ class ControllerConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     # `pdserve rollout --config NEW` reads these from NEW (control/rollout.py; docs/control-plane.md).
-    canary_weight: float = 0.1           # share of new requests sent to the new version first; widens per worker
-    window_s: float = 30.0               # after each new worker: its version's figures over this long
-    slo_ttft_ms: float | None = None     # TTFT p90 the new version must keep (None: controller.slo_ttft_ms)
-    slo_tpot_ms: float | None = None     # TPOT p90 (None: controller.slo_tpot_ms)
-    max_error_rate: float = 0.01         # share of the new version's requests that may fail
-    health_timeout_s: float = 300.0      # a new worker must be healthy within this
+    canary_weight: float = 0.1  # share of new requests sent to the new version first; widens per worker
+    window_s: float = 30.0  # after each new worker: its version's figures over this long
+    slo_ttft_ms: float | None = None  # TTFT p90 the new version must keep (None: controller.slo_ttft_ms)
+    slo_tpot_ms: float | None = None  # TPOT p90 (None: controller.slo_tpot_ms)
+    max_error_rate: float = 0.01  # share of the new version's requests that may fail
+    health_timeout_s: float = 300.0  # a new worker must be healthy within this
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    role: str = "mixed"                  # mixed | prefill | decode
-    kv_port: int | None = None           # prefill: bootstrap port; decode: KV/control port (None: free port)
+    role: str = "mixed"  # mixed | prefill | decode
+    kv_port: int | None = None  # prefill: bootstrap port; decode: KV/control port (None: free port)
     worker_id: str | None = None
 
 
@@ -263,11 +278,15 @@ ROLE_THREADS = 1
 
 # deployment.<role>.<key> -> the global key it replaces for the workers of that role.
 ROLE_SETTINGS = {
-    "expert_parallel": "model.expert_parallel", "quantization": "model.quantization",
-    "max_num_seqs": "scheduler.max_num_seqs", "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
-    "device_memory_gb": "cache.device_memory_gb", "device_blocks": "cache.device_blocks",
+    "expert_parallel": "model.expert_parallel",
+    "quantization": "model.quantization",
+    "max_num_seqs": "scheduler.max_num_seqs",
+    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "device_memory_gb": "cache.device_memory_gb",
+    "device_blocks": "cache.device_blocks",
     "threads": "server.threads",
 }
+
 
 def apply_role(cfg: Config, role: str, keep: set[str] | frozenset[str] = frozenset()) -> Config:
     """A copy of cfg with deployment.<role>'s settings (ROLE_SETTINGS) in place of the global keys they
@@ -282,7 +301,7 @@ def apply_role(cfg: Config, role: str, keep: set[str] | frozenset[str] = frozens
         if value is not None and target not in keep and hasattr(getattr(cfg, section), leaf):
             changes[target] = value
     if rc.device_memory_gb is not None and rc.device_blocks is None and "cache.device_blocks" not in keep:
-        changes["cache.device_blocks"] = None      # the role's budget replaces the global one, in blocks too
+        changes["cache.device_blocks"] = None  # the role's budget replaces the global one, in blocks too
     if changes.get("server.threads", cfg.server.threads) is None:
         changes["server.threads"] = ROLE_THREADS
     return derive(cfg, changes)
@@ -291,6 +310,7 @@ def apply_role(cfg: Config, role: str, keep: set[str] | frozenset[str] = frozens
 def derive(cfg: Config, changes: dict[str, Any]) -> Config:
     """A copy of cfg with these dotted keys set ("server.port": 8001); the sections not named are shared
     (they are frozen). Values are taken as given: load_config is where input is checked."""
+
     def put(obj: Any, parts: list[str], value: Any) -> Any:
         if len(parts) == 1:
             return dataclasses.replace(obj, **{parts[0]: value})
@@ -306,8 +326,9 @@ def for_role(cfg: Config, role: str) -> Config:
     return apply_role(cfg, role)
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
-                role: str | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None, role: str | None = None
+) -> Config:
     """Defaults, then the YAML file, then overrides given as dotted keys ("cache.block_size": 32; None
     values are skipped), every value checked (config_rules.py; ConfigError names each bad key). With
     `role`, deployment.<role>'s settings then replace the global keys they name, except the keys
@@ -328,7 +349,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(problems)
     try:
         check(cfg)
-    except ConfigError as e:      # name the key as the user wrote it, once for all the keys it sets
+    except ConfigError as e:  # name the key as the user wrote it, once for all the keys it sets
         renamed = [(written_as.get(key, key), msg) for key, msg in e.problems]
         raise ConfigError(list(dict.fromkeys(renamed))) from None
     if role is not None:

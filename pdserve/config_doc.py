@@ -120,7 +120,9 @@ def _rows(cls: type, prefix: str, comments: dict, flags: dict[str, str]) -> list
         if names:
             notes.append("Also written as " + ", ".join(f"`{a}`" for a in names) + ".")
         meaning = " ".join(n if n.endswith(".") else n + "." for n in notes if n)
-        rows.append(f"| `{key}` | `{_cell(str(f.type))}` | {_shown(default)} | {flags.get(key, '')} | {_cell(meaning)} |")
+        rows.append(
+            f"| `{key}` | `{_cell(str(f.type))}` | {_shown(default)} | {flags.get(key, '')} | {_cell(meaning)} |"
+        )
     return rows
 
 
@@ -132,7 +134,9 @@ def generate() -> str:
         cls = type(_default(section))
         doc = (cls.__doc__ or "").strip()
         out.append(f"## `{section.name}`\n")
-        if doc and not doc.startswith(cls.__name__ + "("):  # dataclasses invent a docstring when none is written
+        if doc and not doc.startswith(
+            cls.__name__ + "("
+        ):  # dataclasses invent a docstring when none is written
             out.append(doc + "\n")
         out.append("| key | type | default | flag | meaning |")
         out.append("|---|---|---|---|---|")

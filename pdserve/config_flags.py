@@ -2,6 +2,7 @@
 line (cli.py) and `name=` as a keyword of the offline `LLM(...)` (engine/llm.py). Defaults stay in
 config.py; this table only names keys.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,54 +15,80 @@ from pdserve.config_rules import ATTENTION_KERNELS, DTYPES, QUANTIZATIONS, TRANS
 
 @dataclass(frozen=True)
 class Flag:
-    key: str                                # the dotted config key
+    key: str  # the dotted config key
     help: str | None = None
-    type: Callable[[str], Any] | None = None    # argparse's conversion (None: the string)
+    type: Callable[[str], Any] | None = None  # argparse's conversion (None: the string)
     choices: tuple[str, ...] | None = None
-    cli: bool = True                        # False: an LLM keyword only
-    negative: bool = False                  # a switch that is on by default: the flag is --no-<name>
-    switch: bool = False                    # a switch that is off by default: the flag alone turns it on
+    cli: bool = True  # False: an LLM keyword only
+    negative: bool = False  # a switch that is on by default: the flag is --no-<name>
+    switch: bool = False  # a switch that is off by default: the flag alone turns it on
 
 
 FLAGS: dict[str, Flag] = {
     "model": Flag("model.name", "smollm2-135m (default), tiny-llama, a .gguf file or a HF directory"),
     "served_model_name": Flag("server.served_model_name", "the model id clients send (default: --model)"),
     "dtype": Flag("model.dtype", choices=tuple(DTYPES)),
-    "quantization": Flag("model.quantization", "weight-only quantization of the linear layers",
-                         choices=tuple(QUANTIZATIONS)),
-    "attention_kernel": Flag("model.attention_kernel", "decode attention: native kernel where it builds, or torch",
-                             choices=tuple(ATTENTION_KERNELS)),
-    "gemm_kernel": Flag("model.gemm_kernel", "quantized products: native kernel where it builds, or torch",
-                        choices=tuple(ATTENTION_KERNELS)),
+    "quantization": Flag(
+        "model.quantization", "weight-only quantization of the linear layers", choices=tuple(QUANTIZATIONS)
+    ),
+    "attention_kernel": Flag(
+        "model.attention_kernel",
+        "decode attention: native kernel where it builds, or torch",
+        choices=tuple(ATTENTION_KERNELS),
+    ),
+    "gemm_kernel": Flag(
+        "model.gemm_kernel",
+        "quantized products: native kernel where it builds, or torch",
+        choices=tuple(ATTENTION_KERNELS),
+    ),
     "device": Flag("model.device", "cpu or cuda"),
     "max_model_len": Flag("model.max_model_len", type=int),
     "block_size": Flag("cache.block_size", type=int),
     "device_memory_gb": Flag("cache.device_memory_gb", "KV cache budget", float),
     "device_blocks": Flag("cache.device_blocks", "KV blocks (overrides --device-memory-gb)", int),
     "prefix_cache": Flag("cache.prefix_cache", "turn off reuse of cached prompt prefixes", negative=True),
-    "host_cache_gb": Flag("cache.host_cache_gb", "host RAM tier for KV blocks evicted from the device", float),
-    "swap_space_gb": Flag("cache.swap_space_gb", "host RAM for preempted requests' KV (0: recompute them)", float),
-    "disk_cache_dir": Flag("cache.disk_cache_dir", "disk tier directory for KV blocks (with --disk-cache-gb)"),
+    "host_cache_gb": Flag(
+        "cache.host_cache_gb", "host RAM tier for KV blocks evicted from the device", float
+    ),
+    "swap_space_gb": Flag(
+        "cache.swap_space_gb", "host RAM for preempted requests' KV (0: recompute them)", float
+    ),
+    "disk_cache_dir": Flag(
+        "cache.disk_cache_dir", "disk tier directory for KV blocks (with --disk-cache-gb)"
+    ),
     "disk_cache_gb": Flag("cache.disk_cache_gb", "disk tier budget", float),
     "kv_remote": Flag("cache.remote", "shared remote KV tier, e.g. redis://127.0.0.1:6379/0"),
-    "kv_events_endpoint": Flag("cache.kv_events_endpoint",
-                               "publish KV events here (ZMQ PUB), e.g. tcp://127.0.0.1:5557"),
+    "kv_events_endpoint": Flag(
+        "cache.kv_events_endpoint", "publish KV events here (ZMQ PUB), e.g. tcp://127.0.0.1:5557"
+    ),
     "max_num_seqs": Flag("scheduler.max_num_seqs", "cap on running requests (the decode batch cap)", int),
     "max_num_batched_tokens": Flag("scheduler.max_num_batched_tokens", "per-step token budget", int),
     "enable_chunked_prefill": Flag("scheduler.enable_chunked_prefill", cli=False),
     "threads": Flag("server.threads", "torch compute threads", int),
     "seed": Flag("model.seed", "seed of tiny random model weights", int),
-    "expert_parallel": Flag("model.expert_parallel", "MoE models: processes sharing the experts (EP ranks)", int),
+    "expert_parallel": Flag(
+        "model.expert_parallel", "MoE models: processes sharing the experts (EP ranks)", int
+    ),
     "host": Flag("server.host", "address to bind (0.0.0.0: every interface)"),
     "port": Flag("server.port", type=int),
-    "insecure_admin": Flag("router.insecure_admin", "let a router listen off loopback without an admin key",
-                           switch=True),
-    "advertise_host": Flag("server.advertise_host", "address the router and peers reach this worker at, when "
-                           "--host binds every interface (default: PDSERVE_ADVERTISE_HOST, else this machine's)"),
-    "transfer_backend": Flag("transfer.backend", "how KV moves from prefill to decode (mooncake, nixl: optional "
-                             "extras)", choices=tuple(TRANSFER_BACKENDS)),
-    "local_prefill_max_tokens": Flag("disagg.local_prefill_max_tokens", "decode workers prefill locally when fewer "
-                                     "prompt tokens than this are uncached", int),
+    "insecure_admin": Flag(
+        "router.insecure_admin", "let a router listen off loopback without an admin key", switch=True
+    ),
+    "advertise_host": Flag(
+        "server.advertise_host",
+        "address the router and peers reach this worker at, when "
+        "--host binds every interface (default: PDSERVE_ADVERTISE_HOST, else this machine's)",
+    ),
+    "transfer_backend": Flag(
+        "transfer.backend",
+        "how KV moves from prefill to decode (mooncake, nixl: optional extras)",
+        choices=tuple(TRANSFER_BACKENDS),
+    ),
+    "local_prefill_max_tokens": Flag(
+        "disagg.local_prefill_max_tokens",
+        "decode workers prefill locally when fewer prompt tokens than this are uncached",
+        int,
+    ),
 }
 
 

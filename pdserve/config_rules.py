@@ -3,6 +3,7 @@ config.py's annotations, then the allowed values, the range or the format below.
 without a rule of its own must be >= 0. A bad value raises ConfigError naming its key, the value
 and what is allowed; the CLI turns that into exit status 2.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-if TYPE_CHECKING:       # config imports this module at load; the rules only read a Config's fields
+if TYPE_CHECKING:  # config imports this module at load; the rules only read a Config's fields
     from pdserve.config import Config
 
 
@@ -44,11 +45,16 @@ def _per_role(rules: dict[str, Any]) -> dict[str, Any]:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.dtype": DTYPES, "model.quantization": QUANTIZATIONS, "model.attention_kernel": ATTENTION_KERNELS,
+    "model.dtype": DTYPES,
+    "model.quantization": QUANTIZATIONS,
+    "model.attention_kernel": ATTENTION_KERNELS,
     "model.gemm_kernel": ATTENTION_KERNELS,
     "transfer.backend": TRANSFER_BACKENDS,
-    "deployment.mode": MODES, "load_balancer.prefill": POLICIES, "load_balancer.decode": POLICIES,
-    "worker.role": WORKER_ROLES, "controller.backend": CONTROLLER_BACKENDS,
+    "deployment.mode": MODES,
+    "load_balancer.prefill": POLICIES,
+    "load_balancer.decode": POLICIES,
+    "worker.role": WORKER_ROLES,
+    "controller.backend": CONTROLLER_BACKENDS,
     **_per_role({"deployment.<role>.quantization": QUANTIZATIONS}),
 }
 
@@ -57,7 +63,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 class Bound:
     low: float = 0
     high: float | None = None
-    above: bool = False             # `low` itself is not allowed
+    above: bool = False  # `low` itself is not allowed
 
     def ok(self, v: float) -> bool:
         return (v > self.low if self.above else v >= self.low) and (self.high is None or v <= self.high)
@@ -70,47 +76,87 @@ class Bound:
 
 _ONE, _POSITIVE, _PORT = Bound(1), Bound(0, above=True), Bound(0, 65535)
 BOUNDS: dict[str, Bound] = {
-    "model.max_model_len": _ONE, "model.expert_parallel": _ONE, "model.eplb_window": _ONE,
+    "model.max_model_len": _ONE,
+    "model.expert_parallel": _ONE,
+    "model.eplb_window": _ONE,
     "model.eplb_threshold": Bound(1.0),
-    "cache.block_size": _ONE, "cache.device_memory_gb": _POSITIVE, "cache.device_blocks": _ONE,
-    "cache.remote_ttl_s": _ONE, "cache.load_timeout_s": _POSITIVE,
-    "scheduler.max_num_seqs": _ONE, "scheduler.max_num_batched_tokens": _ONE,
-    "server.port": _PORT, "server.threads": _ONE, "server.max_body_bytes": _ONE,
-    "disagg.bootstrap_timeout_s": _POSITIVE, "disagg.queue_timeout_s": _POSITIVE,
-    "disagg.transfer_timeout_s": _POSITIVE, "disagg.quarantine_timeout_s": _POSITIVE,
-    "deployment.decode.instances": _ONE,        # a PD deployment needs a decode worker; prefill may be 0
-    **_per_role({"deployment.<role>.threads": _ONE, "deployment.<role>.expert_parallel": _ONE,
-                 "deployment.<role>.max_num_seqs": _ONE, "deployment.<role>.max_num_batched_tokens": _ONE,
-                 "deployment.<role>.device_memory_gb": _POSITIVE, "deployment.<role>.device_blocks": _ONE}),
-    "router.requests_per_minute": _ONE, "router.tokens_per_minute": _ONE, "router.max_prompt_tokens": _ONE,
-    "router.max_concurrent": _ONE, "router.queue_timeout_s": _POSITIVE, "router.connect_timeout_s": _POSITIVE,
-    "router.request_timeout_s": _POSITIVE, "router.breaker_failures": _ONE, "router.health_period_s": _POSITIVE,
+    "cache.block_size": _ONE,
+    "cache.device_memory_gb": _POSITIVE,
+    "cache.device_blocks": _ONE,
+    "cache.remote_ttl_s": _ONE,
+    "cache.load_timeout_s": _POSITIVE,
+    "scheduler.max_num_seqs": _ONE,
+    "scheduler.max_num_batched_tokens": _ONE,
+    "server.port": _PORT,
+    "server.threads": _ONE,
+    "server.max_body_bytes": _ONE,
+    "disagg.bootstrap_timeout_s": _POSITIVE,
+    "disagg.queue_timeout_s": _POSITIVE,
+    "disagg.transfer_timeout_s": _POSITIVE,
+    "disagg.quarantine_timeout_s": _POSITIVE,
+    "deployment.decode.instances": _ONE,  # a PD deployment needs a decode worker; prefill may be 0
+    **_per_role(
+        {
+            "deployment.<role>.threads": _ONE,
+            "deployment.<role>.expert_parallel": _ONE,
+            "deployment.<role>.max_num_seqs": _ONE,
+            "deployment.<role>.max_num_batched_tokens": _ONE,
+            "deployment.<role>.device_memory_gb": _POSITIVE,
+            "deployment.<role>.device_blocks": _ONE,
+        }
+    ),
+    "router.requests_per_minute": _ONE,
+    "router.tokens_per_minute": _ONE,
+    "router.max_prompt_tokens": _ONE,
+    "router.max_concurrent": _ONE,
+    "router.queue_timeout_s": _POSITIVE,
+    "router.connect_timeout_s": _POSITIVE,
+    "router.request_timeout_s": _POSITIVE,
+    "router.breaker_failures": _ONE,
+    "router.health_period_s": _POSITIVE,
     "router.heartbeat_timeout_s": _POSITIVE,
     "worker.kv_port": _PORT,
-    "controller.interval_s": _POSITIVE, "controller.slo_ttft_ms": _POSITIVE, "controller.slo_tpot_ms": _POSITIVE,
-    "controller.kv_usage_high": Bound(0, 1, above=True), "controller.high": _POSITIVE, "controller.low": _POSITIVE,
-    "controller.sustain_intervals": _ONE, "controller.min_workers": Bound(2), "controller.max_workers": Bound(2),
+    "controller.interval_s": _POSITIVE,
+    "controller.slo_ttft_ms": _POSITIVE,
+    "controller.slo_tpot_ms": _POSITIVE,
+    "controller.kv_usage_high": Bound(0, 1, above=True),
+    "controller.high": _POSITIVE,
+    "controller.low": _POSITIVE,
+    "controller.sustain_intervals": _ONE,
+    "controller.min_workers": Bound(2),
+    "controller.max_workers": Bound(2),
     "controller.imbalance": Bound(1, above=True),
-    "rollout.canary_weight": Bound(0, 1), "rollout.window_s": _POSITIVE, "rollout.slo_ttft_ms": _POSITIVE,
-    "rollout.slo_tpot_ms": _POSITIVE, "rollout.max_error_rate": Bound(0, 1), "rollout.health_timeout_s": _POSITIVE,
-    "vision.max_image_bytes": _ONE, "vision.max_image_pixels": _ONE, "vision.remote_timeout_s": _POSITIVE,
+    "rollout.canary_weight": Bound(0, 1),
+    "rollout.window_s": _POSITIVE,
+    "rollout.slo_ttft_ms": _POSITIVE,
+    "rollout.slo_tpot_ms": _POSITIVE,
+    "rollout.max_error_rate": Bound(0, 1),
+    "rollout.health_timeout_s": _POSITIVE,
+    "vision.max_image_bytes": _ONE,
+    "vision.max_image_pixels": _ONE,
+    "vision.remote_timeout_s": _POSITIVE,
     "vision.encode_timeout_s": _POSITIVE,
 }
 
 
 # ------------------------------------------------------------------ formats: value -> problem or None
 
+
 def _pd_ratio(v: Any) -> str | None:
-    if isinstance(v, int):      # YAML 1.1 reads an unquoted 1:1 as 61 (base 60)
-        return f"{v!r} is not a ratio: write it quoted, e.g. \"1:1\" (YAML reads an unquoted 1:1 as the number 61)"
+    if isinstance(v, int):  # YAML 1.1 reads an unquoted 1:1 as 61 (base 60)
+        return (
+            f'{v!r} is not a ratio: write it quoted, e.g. "1:1" (YAML reads an unquoted 1:1 as the number 61)'
+        )
     m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", v)
     if not m or int(m[1]) < 1 or int(m[2]) < 1:
-        return f"{v!r} is not a ratio; allowed: \"P:D\" with whole numbers >= 1, e.g. \"1:2\""
+        return f'{v!r} is not a ratio; allowed: "P:D" with whole numbers >= 1, e.g. "1:2"'
     return None
 
 
 def _bandwidth(v: Any) -> str | None:
-    allowed = "allowed: bytes per second (a number >= 0) or a percentage of the measured memcpy speed, e.g. \"50%\""
+    allowed = (
+        'allowed: bytes per second (a number >= 0) or a percentage of the measured memcpy speed, e.g. "50%"'
+    )
     if isinstance(v, str):
         text = v.strip()
         try:
@@ -156,7 +202,11 @@ def _router_url(v: str) -> str | None:
 
 
 def _http_url(v: str) -> str | None:
-    return None if re.fullmatch(r"https?://[^\s/]+.*", v) else f"{v!r} is not an http(s) URL; allowed: http://host:port"
+    return (
+        None
+        if re.fullmatch(r"https?://[^\s/]+.*", v)
+        else f"{v!r} is not an http(s) URL; allowed: http://host:port"
+    )
 
 
 def _cidrs(v: list[str]) -> str | None:
@@ -184,17 +234,27 @@ def _cores(v: list[int]) -> str | None:
 
 
 FORMATS: dict[str, Callable[[Any], str | None]] = {
-    "model.name": _non_empty, "model.device": _device, "cache.remote": _remote, "router.shared_limits": _remote,
-    "cache.kv_events_endpoint": _zmq_endpoint, "cache.kv_events_snapshot_endpoint": _zmq_endpoint,
-    "server.router_url": _router_url, "server.otlp_endpoint": _http_url, "disagg.prefill_endpoints": _zmq_endpoints,
-    "transfer.bandwidth_limit": _bandwidth, "deployment.pd_ratio": _pd_ratio,
-    "router.workers": _workers, "router.ip_allowlist": _cidrs, "vision.remote_url_allow_networks": _cidrs,
+    "model.name": _non_empty,
+    "model.device": _device,
+    "cache.remote": _remote,
+    "router.shared_limits": _remote,
+    "cache.kv_events_endpoint": _zmq_endpoint,
+    "cache.kv_events_snapshot_endpoint": _zmq_endpoint,
+    "server.router_url": _router_url,
+    "server.otlp_endpoint": _http_url,
+    "disagg.prefill_endpoints": _zmq_endpoints,
+    "transfer.bandwidth_limit": _bandwidth,
+    "deployment.pd_ratio": _pd_ratio,
+    "router.workers": _workers,
+    "router.ip_allowlist": _cidrs,
+    "vision.remote_url_allow_networks": _cidrs,
     "vision.encoder_endpoints": _zmq_endpoints,
     **_per_role({"deployment.<role>.cpu_affinity": _cores}),
 }
 
 
 # ------------------------------------------------------------------ types
+
 
 def _type_ok(v: Any, tp: Any) -> bool:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -214,7 +274,7 @@ def _type_ok(v: Any, tp: Any) -> bool:
         return isinstance(v, dict)
     if tp is list or origin is list:
         return isinstance(v, list) and all(_type_ok(x, args[0]) for x in v) if args else isinstance(v, list)
-    return True     # an annotation this checker does not know: left to the code that reads it
+    return True  # an annotation this checker does not know: left to the code that reads it
 
 
 def _type_name(tp: Any) -> str:
@@ -222,9 +282,17 @@ def _type_name(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in args)
     if origin is list:
-        return f"a list of {_type_name(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
-    return {type(None): "null", bool: "true or false", int: "an integer", float: "a number", str: "a string",
-            dict: "a mapping"}.get(tp, str(tp))
+        return (
+            f"a list of {_type_name(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
+        )
+    return {
+        type(None): "null",
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        dict: "a mapping",
+    }.get(tp, str(tp))
 
 
 def _check_value(key: str, v: Any, tp: Any) -> str | None:
@@ -263,14 +331,28 @@ def check(cfg: Config) -> None:
     found = problems(cfg)
     r = cfg.router
     if bool(r.tls_cert) != bool(r.tls_key):
-        found.append(("router.tls_cert" if not r.tls_cert else "router.tls_key",
-                      "router.tls_cert and router.tls_key go together: set both or neither"))
+        found.append(
+            (
+                "router.tls_cert" if not r.tls_cert else "router.tls_key",
+                "router.tls_cert and router.tls_key go together: set both or neither",
+            )
+        )
     c = cfg.controller
     if c.min_workers > c.max_workers:
-        found.append(("controller.min_workers", f"{c.min_workers} is above controller.max_workers ({c.max_workers}); "
-                      f"allowed: at most controller.max_workers"))
+        found.append(
+            (
+                "controller.min_workers",
+                f"{c.min_workers} is above controller.max_workers ({c.max_workers}); "
+                f"allowed: at most controller.max_workers",
+            )
+        )
     if c.low >= c.high:
-        found.append(("controller.low", f"{c.low:g} is not below controller.high ({c.high:g}); allowed: low < high "
-                      "(the gap between them is the hysteresis)"))
+        found.append(
+            (
+                "controller.low",
+                f"{c.low:g} is not below controller.high ({c.high:g}); allowed: low < high "
+                "(the gap between them is the hysteresis)",
+            )
+        )
     if found:
         raise ConfigError(found)

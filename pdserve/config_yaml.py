@@ -1,6 +1,7 @@
 """Reading config values as written: YAML files and dotted overrides into (key, value, name written)
 leaves, other names of keys (aliases) resolved, then set on a fresh Config. Checking the values is
 config_rules.py's job; the defaults live in config.py alone."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,7 +45,7 @@ def leaves_of(obj: Any, data: dict, prefix: str, out: list, problems: list) -> N
         elif path in _ALIAS_PARENTS and isinstance(value, dict):
             leaves_of(None, value, path + ".", out, problems)
         else:
-            here = known | {a[len(prefix):].split(".")[0] for a in ALIASES if a.startswith(prefix)}
+            here = known | {a[len(prefix) :].split(".")[0] for a in ALIASES if a.startswith(prefix)}
             problems.append((path, f"unknown key; known here: {', '.join(sorted(here))}"))
 
 
@@ -54,7 +55,9 @@ def set_leaves(cfg: Config, leaves: list, problems: list, written_as: dict[str, 
     seen: dict[str, tuple[Any, str]] = {}
     for key, value, written in leaves:
         if key in seen and seen[key][0] != value:
-            problems.append((written, f"{value!r} conflicts with {seen[key][1]}: {seen[key][0]!r} (set one of them)"))
+            problems.append(
+                (written, f"{value!r} conflicts with {seen[key][1]}: {seen[key][0]!r} (set one of them)")
+            )
             continue
         seen[key] = (value, written)
         if written != key:
@@ -65,7 +68,7 @@ def set_leaves(cfg: Config, leaves: list, problems: list, written_as: dict[str, 
         obj = cfg
         for p in parents:
             obj = getattr(obj, p)
-        object.__setattr__(obj, leaf, value)        # building a fresh Config: frozen once load_config returns
+        object.__setattr__(obj, leaf, value)  # building a fresh Config: frozen once load_config returns
     return set(seen)
 
 

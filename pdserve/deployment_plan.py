@@ -4,6 +4,7 @@ sizes, ports, checked against the model's architecture (read without its weights
 `pdserve serve --dry-run` prints it; `pdserve serve` checks it and logs its warnings before starting
 anything, and launch.py starts the workers it counts.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,9 +19,9 @@ PD_ROLES = ("prefill", "decode")
 
 @dataclass
 class RolePlan:
-    role: str                   # prefill | decode | mixed
+    role: str  # prefill | decode | mixed
     instances: int
-    config: Config              # what each worker of this role runs with (config.for_role)
+    config: Config  # what each worker of this role runs with (config.for_role)
 
     @property
     def expert_parallel(self) -> int:
@@ -35,13 +36,13 @@ class RolePlan:
 @dataclass
 class Plan:
     config: Config
-    arch: Any                   # model.arch.ModelArch
+    arch: Any  # model.arch.ModelArch
     roles: list[RolePlan]
     warnings: list[str] = field(default_factory=list)
 
 
 def _ratio(text: str) -> tuple[int, int]:
-    p, d = (int(x) for x in str(text).split(":"))     # its format was checked at load
+    p, d = (int(x) for x in str(text).split(":"))  # its format was checked at load
     return p, d
 
 
@@ -53,8 +54,11 @@ def pd_counts(config: Config) -> tuple[int, int, list[str]]:
     d = config.deployment
     given = {r: getattr(d, r).instances for r in PD_ROLES}
     if not d.pd_ratio:
-        return (given["prefill"] if given["prefill"] is not None else 1,
-                given["decode"] if given["decode"] is not None else 1, [])
+        return (
+            given["prefill"] if given["prefill"] is not None else 1,
+            given["decode"] if given["decode"] is not None else 1,
+            [],
+        )
     ep = {r: for_role(config, r).model.expert_parallel for r in PD_ROLES}
     share = dict(zip(PD_ROLES, _ratio(d.pd_ratio)))
     n = dict(given)
@@ -62,7 +66,7 @@ def pd_counts(config: Config) -> tuple[int, int, list[str]]:
         k = math.lcm(*(ep[r] // math.gcd(share[r], ep[r]) for r in PD_ROLES))
         n = {r: k * share[r] // ep[r] for r in PD_ROLES}
     for mine, other in (PD_ROLES, PD_ROLES[::-1]):
-        if n[mine] is None:         # the other count is given: this one follows the ratio, rounded up
+        if n[mine] is None:  # the other count is given: this one follows the ratio, rounded up
             devices = n[other] * ep[other] * share[mine] / share[other]
             n[mine] = max(1, math.ceil(devices / ep[mine]))
     warnings = []
@@ -73,7 +77,8 @@ def pd_counts(config: Config) -> tuple[int, int, list[str]]:
             f"deployment.pd_ratio {d.pd_ratio!r} asks for prefill:decode devices of {share['prefill']}:{share['decode']}, "
             f"but the instances give {dev['prefill']}:{dev['decode']} = {dev['prefill'] // g}:{dev['decode'] // g} "
             f"(prefill {n['prefill']} x EP {ep['prefill']}, decode {n['decode']} x EP {ep['decode']}); "
-            "the instance counts are used")
+            "the instance counts are used"
+        )
     return n["prefill"], n["decode"], warnings
 
 
@@ -84,14 +89,18 @@ def _check_model(config: Config, arch: Any, roles: list[RolePlan]) -> None:
         own = rp.role in PD_ROLES and getattr(config.deployment, rp.role).expert_parallel is not None
         key = f"deployment.{rp.role}.expert_parallel" if own else "model.expert_parallel"
         if ep > 1 and not arch.is_moe:
-            problems[key] = (f"{ep}: expert parallelism needs a MoE model, and {config.model.name} "
-                             f"({arch.architecture}, {arch.num_layers} layers) is dense; use a MoE model "
-                             "(model.name: tiny-mixtral or a Mixtral, Qwen-MoE or DeepSeek directory) or "
-                             "expert_parallel: 1")
+            problems[key] = (
+                f"{ep}: expert parallelism needs a MoE model, and {config.model.name} "
+                f"({arch.architecture}, {arch.num_layers} layers) is dense; use a MoE model "
+                "(model.name: tiny-mixtral or a Mixtral, Qwen-MoE or DeepSeek directory) or "
+                "expert_parallel: 1"
+            )
         elif arch.is_moe and ep > arch.num_experts + config.model.num_redundant_experts:
-            problems[key] = (f"{ep}: {arch.num_experts + config.model.num_redundant_experts} expert slots per "
-                             f"layer ({arch.num_experts} experts + model.num_redundant_experts) cannot be spread "
-                             f"over {ep} ranks")
+            problems[key] = (
+                f"{ep}: {arch.num_experts + config.model.num_redundant_experts} expert slots per "
+                f"layer ({arch.num_experts} experts + model.num_redundant_experts) cannot be spread "
+                f"over {ep} ranks"
+            )
     # Roles may quantize differently (seed 004: prefill in float, decode in int4): the KV they
     # exchange has the same layout and dtype either way, so the KV plane accepts it.
     for rp in roles:
@@ -99,15 +108,17 @@ def _check_model(config: Config, arch: Any, roles: list[RolePlan]) -> None:
         if quant != "none" and arch.is_moe:
             own = getattr(getattr(config.deployment, rp.role, None), "quantization", None) is not None
             key = f"deployment.{rp.role}.quantization" if own else "model.quantization"
-            problems[key] = (f"{quant}: weight quantization applies to dense models for now; {config.model.name} "
-                             "is MoE (use quantization: none)")
+            problems[key] = (
+                f"{quant}: weight quantization applies to dense models for now; {config.model.name} "
+                "is MoE (use quantization: none)"
+            )
     if problems:
         raise ConfigError(list(problems.items()))
 
 
 def make_plan(config: Config) -> Plan:
     """The plan of `config` (loaded, hence checked), its model read; ConfigError if they do not fit."""
-    from pdserve.model.describe import describe_model    # torch-free; lazily, as the router imports launch
+    from pdserve.model.describe import describe_model  # torch-free; lazily, as the router imports launch
 
     try:
         arch = describe_model(config.model.name)
@@ -121,8 +132,10 @@ def make_plan(config: Config) -> Plan:
         roles = [RolePlan("mixed", 1, config)]
         d = config.deployment
         if d.pd_ratio or any(v is not None for r in PD_ROLES for v in vars(getattr(d, r)).values()):
-            warnings.append("deployment.pd_ratio and deployment.prefill/decode apply to deployment.mode pd; "
-                            "mode mixed runs one process with the global settings")
+            warnings.append(
+                "deployment.pd_ratio and deployment.prefill/decode apply to deployment.mode pd; "
+                "mode mixed runs one process with the global settings"
+            )
     _check_model(config, arch, roles)
     return Plan(config, arch, roles, warnings)
 
@@ -133,36 +146,74 @@ def _kv(c: Config) -> str:
 
 def format_plan(plan: Plan) -> str:
     c, a = plan.config, plan.arch
-    moe = (f"MoE, {a.num_experts} experts top-{a.num_experts_per_tok} in {len(a.moe_layer_ids())} layers"
-           if a.is_moe else "dense")
-    out = [f"model: {c.model.name} ({a.architecture}, {a.num_layers} layers, {moe}, context "
-           f"{c.model.max_model_len or a.max_position_embeddings}); dtype {c.model.dtype}, device {c.model.device}"]
-    rows = [["role", "instances", "EP", "processes", "threads", "max_num_seqs", "max_batched_tokens", "KV budget",
-             "quantization", "cores"]]
+    moe = (
+        f"MoE, {a.num_experts} experts top-{a.num_experts_per_tok} in {len(a.moe_layer_ids())} layers"
+        if a.is_moe
+        else "dense"
+    )
+    out = [
+        f"model: {c.model.name} ({a.architecture}, {a.num_layers} layers, {moe}, context "
+        f"{c.model.max_model_len or a.max_position_embeddings}); dtype {c.model.dtype}, device {c.model.device}"
+    ]
+    rows = [
+        [
+            "role",
+            "instances",
+            "EP",
+            "processes",
+            "threads",
+            "max_num_seqs",
+            "max_batched_tokens",
+            "KV budget",
+            "quantization",
+            "cores",
+        ]
+    ]
     for rp in plan.roles:
         rc = rp.config
         cores = getattr(c.deployment, rp.role).cpu_affinity if rp.role in PD_ROLES else None
-        rows.append([rp.role, str(rp.instances), str(rp.expert_parallel), str(rp.processes),
-                     str(rc.server.threads or "torch default"), str(rc.scheduler.max_num_seqs),
-                     str(rc.scheduler.max_num_batched_tokens), _kv(rc), str(getattr(rc.model, "quantization", "none")),
-                     ",".join(map(str, cores)) if cores else "any"])
+        rows.append(
+            [
+                rp.role,
+                str(rp.instances),
+                str(rp.expert_parallel),
+                str(rp.processes),
+                str(rc.server.threads or "torch default"),
+                str(rc.scheduler.max_num_seqs),
+                str(rc.scheduler.max_num_batched_tokens),
+                _kv(rc),
+                str(getattr(rc.model, "quantization", "none")),
+                ",".join(map(str, cores)) if cores else "any",
+            ]
+        )
     host, port = c.server.host, c.server.port
     if c.deployment.mode == "pd":
         enc = c.router.encoder_workers
         n = 1 + enc + sum(rp.processes for rp in plan.roles)
-        out.append(f"mode: pd, {n} processes: a router with {enc} encoder process(es), "
-                   + " and ".join(f"{rp.instances} {rp.role} worker(s) of {rp.expert_parallel} EP rank(s)"
-                                  for rp in plan.roles))
-        out.append(f"routing: prefill {c.load_balancer.prefill}, decode {c.load_balancer.decode}; transfer "
-                   f"{c.transfer.backend}, bandwidth limit {c.transfer.bandwidth_limit or 'none'}; prefix cache "
-                   f"{'on' if c.cache.prefix_cache else 'off'}")
-        out.append(f"ports: router {host}:{port}; each worker binds free ports on 127.0.0.1 (HTTP, KV transfer, "
-                   "KV events; shown in its /health), each EP group a free port for its process group")
+        out.append(
+            f"mode: pd, {n} processes: a router with {enc} encoder process(es), "
+            + " and ".join(
+                f"{rp.instances} {rp.role} worker(s) of {rp.expert_parallel} EP rank(s)" for rp in plan.roles
+            )
+        )
+        out.append(
+            f"routing: prefill {c.load_balancer.prefill}, decode {c.load_balancer.decode}; transfer "
+            f"{c.transfer.backend}, bandwidth limit {c.transfer.bandwidth_limit or 'none'}; prefix cache "
+            f"{'on' if c.cache.prefix_cache else 'off'}"
+        )
+        out.append(
+            f"ports: router {host}:{port}; each worker binds free ports on 127.0.0.1 (HTTP, KV transfer, "
+            "KV events; shown in its /health), each EP group a free port for its process group"
+        )
     else:
         n = sum(rp.processes for rp in plan.roles)
-        out.append(f"mode: mixed, {n} process(es): one server that prefills and decodes"
-                   + (f", with {n - 1} more EP rank(s)" if n > 1 else ""))
-        out.append(f"ports: {host}:{port}" + ("; the EP ranks a free port for their process group" if n > 1 else ""))
+        out.append(
+            f"mode: mixed, {n} process(es): one server that prefills and decodes"
+            + (f", with {n - 1} more EP rank(s)" if n > 1 else "")
+        )
+        out.append(
+            f"ports: {host}:{port}" + ("; the EP ranks a free port for their process group" if n > 1 else "")
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     threads = sum(rp.processes * (rp.config.server.threads or 1) for rp in plan.roles)

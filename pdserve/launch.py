@@ -4,6 +4,7 @@ Each worker gets the deployment's config as a file, its role, its ports, its thr
 CPU affinity. The router waits for the workers, serves, and on exit stops them (SIGTERM, then
 SIGKILL after the shutdown timeout).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,9 +38,20 @@ def start_workers(config: Config, log_dir: Path) -> list[WorkerProcess]:
     # Each worker applies its role's settings (deployment.<role>) itself, from the file; the launcher
     # needs its threads (OpenMP reads them from the environment) and cores.
     # Decode workers learn prefill workers from the router (which names one per request).
-    return [WorkerProcess(role, i, config_file, host, for_role(config, role).server.threads,
-                          getattr(config.deployment, role).cpu_affinity, log_dir, [])
-            for role, n in (("prefill", n_prefill), ("decode", n_decode)) for i in range(n)]
+    return [
+        WorkerProcess(
+            role,
+            i,
+            config_file,
+            host,
+            for_role(config, role).server.threads,
+            getattr(config.deployment, role).cpu_affinity,
+            log_dir,
+            [],
+        )
+        for role, n in (("prefill", n_prefill), ("decode", n_decode))
+        for i in range(n)
+    ]
 
 
 def wait_healthy(workers: list[WorkerProcess], timeout: float = 600.0) -> None:
@@ -48,8 +60,10 @@ def wait_healthy(workers: list[WorkerProcess], timeout: float = 600.0) -> None:
     while pending:
         for w in list(pending):
             if w.proc.poll() is not None:
-                raise RuntimeError(f"{w.role} worker exited with {w.proc.returncode}; log: {w.log_path}\n"
-                                   + w.log_path.read_text(errors="replace")[-2000:])
+                raise RuntimeError(
+                    f"{w.role} worker exited with {w.proc.returncode}; log: {w.log_path}\n"
+                    + w.log_path.read_text(errors="replace")[-2000:]
+                )
             if w.healthy():
                 pending.remove(w)
         if pending and time.monotonic() > deadline:
@@ -63,7 +77,11 @@ def _local_controller(config: Config) -> bool:
 
 def _keyed(config: Config) -> bool:
     from pdserve.router.access import KeyStore
-    return KeyStore(config.router.api_keys).enabled or KeyStore(config.router.admin_keys, "PDSERVE_ADMIN_KEYS").enabled
+
+    return (
+        KeyStore(config.router.api_keys).enabled
+        or KeyStore(config.router.admin_keys, "PDSERVE_ADMIN_KEYS").enabled
+    )
 
 
 def _local_fleet(config: Config, workers: list[WorkerProcess], log_dir: Path):
@@ -72,9 +90,12 @@ def _local_fleet(config: Config, workers: list[WorkerProcess], log_dir: Path):
     if config.controller.enabled and not _local_controller(config):
         return None
     from pdserve.control.local_fleet import LocalFleet
+
     host = config.server.host if config.server.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
     scheme = "https" if config.router.tls_cert else "http"
-    return LocalFleet(config, workers, log_dir / "deployment.yaml", log_dir, f"{scheme}://{host}:{config.server.port}")
+    return LocalFleet(
+        config, workers, log_dir / "deployment.yaml", log_dir, f"{scheme}://{host}:{config.server.port}"
+    )
 
 
 def serve_pd(config: Config, sock=None) -> None:
@@ -82,8 +103,11 @@ def serve_pd(config: Config, sock=None) -> None:
     from pdserve.server.serving import run_uvicorn
 
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
-    if (_local_controller(config) and _keyed(config)
-            and not (config.server.internal_token or os.environ.get("PDSERVE_INTERNAL_TOKEN"))):
+    if (
+        _local_controller(config)
+        and _keyed(config)
+        and not (config.server.internal_token or os.environ.get("PDSERVE_INTERNAL_TOKEN"))
+    ):
         # Workers the controller starts register themselves, which takes the internal token once the
         # router has keys; the router and every worker (started with this environment) share one.
         # Without keys none is made: a token closes the admin API to all but admin keys.
@@ -92,11 +116,18 @@ def serve_pd(config: Config, sock=None) -> None:
     log.info("worker logs in %s", log_dir)
     try:
         wait_healthy(workers)
-        config = derive(config, {"router.workers": [*config.router.workers,
-                                                    *({"url": w.url, "role": w.role} for w in workers)]})
+        config = derive(
+            config,
+            {"router.workers": [*config.router.workers, *({"url": w.url, "role": w.role} for w in workers)]},
+        )
         app = create_router_app(config, _local_fleet(config, workers, log_dir))
-        log.info("serving %s on http://%s:%d (%d prefill, %d decode workers)", config.model.name,
-                 config.server.host, config.server.port, *instance_counts(config))
+        log.info(
+            "serving %s on http://%s:%d (%d prefill, %d decode workers)",
+            config.model.name,
+            config.server.host,
+            config.server.port,
+            *instance_counts(config),
+        )
         run_uvicorn(app, config, tls=True, sock=sock)
     finally:
         # Decode workers drain first: their requests still loading need the prefill workers.

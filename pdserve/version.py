@@ -7,6 +7,7 @@ runs (ports, hosts, its role, the router it registers with, the router's and con
 sections, instance counts, secrets). Two workers with equal labels run the same code and settings;
 `pdserve rollout` (control/rollout.py) replaces workers until every label is the new config's.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,7 +39,7 @@ def config_digest(cfg: Config) -> str:
 
 
 def version_label(digest: str | None, pdserve_version: str | None = __version__) -> str | None:
-    """"<pdserve version>+<config digest>", the label the router routes canaries by (None: unknown)."""
+    """ "<pdserve version>+<config digest>", the label the router routes canaries by (None: unknown)."""
     if digest is None:
         return None
     return f"{pdserve_version or 'unknown'}+{digest}"

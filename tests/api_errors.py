@@ -1,4 +1,5 @@
 """The OpenAI-style error body every 4xx carries, checked once for the tests that read one."""
+
 import httpx
 
 

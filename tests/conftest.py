@@ -1,4 +1,5 @@
 """Shared fixtures. The real default model and the HF reference load once per session."""
+
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def smollm_files():
     from pdserve.model.loader import load_model_files
+
     return load_model_files("smollm2-135m")
 
 
@@ -20,6 +22,7 @@ def smollm_files():
 def smollm_llm(smollm_files):
     """The offline engine on the real default model (float32)."""
     from pdserve import LLM
+
     return LLM(model="smollm2-135m", loaded=smollm_files)
 
 

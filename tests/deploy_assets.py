@@ -1,4 +1,5 @@
 """The deploy/ assets, read for tests: the manifests and the metric names rules and dashboard query."""
+
 from __future__ import annotations
 
 import json
@@ -28,6 +29,7 @@ def exported_metrics(exposition: str) -> set[str]:
     """The series names a /metrics page can serve, from its families: counters as name_total,
     histograms as name_bucket/_sum/_count (a labelled family with no sample yet counts too)."""
     from prometheus_client.parser import text_string_to_metric_families
+
     out: set[str] = set()
     for fam in text_string_to_metric_families(exposition):
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(fam.type, ("",))

@@ -1,6 +1,7 @@
 """An HTTP image server on a loopback address, for the remote image tests (pytest puts tests/ on the
 path): /img.png, /redirect?LOCATION, /loop (redirects to itself), /big and /big-chunked (over
 MAX bytes), /drip (the image a few bytes at a time, over seconds). `seen` lists (path, Host)."""
+
 from __future__ import annotations
 
 import http.server
@@ -11,16 +12,16 @@ from contextlib import contextmanager
 from vlm_images import image_bytes
 
 PNG = image_bytes(3)
-MAX = 4 * len(PNG)         # the tests' vision.max_image_bytes
+MAX = 4 * len(PNG)  # the tests' vision.max_image_bytes
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
-    def do_GET(self) -> None:       # noqa: N802 - http.server's name
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
         srv = self.server
-        srv.seen.append((self.path, self.headers.get("Host")))      # type: ignore[attr-defined]
+        srv.seen.append((self.path, self.headers.get("Host")))  # type: ignore[attr-defined]
         path, _, query = self.path.partition("?")
         if path == "/img.png":
             self._send(200, PNG)
@@ -43,13 +44,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             for _ in range(MAX // 1024 + 1):
                 self.wfile.write(b"400\r\n" + b"\0" * 1024 + b"\r\n")
             self.wfile.write(b"0\r\n\r\n")
-        elif path == "/drip":           # a whole image, a few bytes at a time, over seconds
+        elif path == "/drip":  # a whole image, a few bytes at a time, over seconds
             self.send_response(200)
             self.send_header("Content-Length", str(len(PNG)))
             self.end_headers()
             step = max(1, len(PNG) // 40)
             for i in range(0, len(PNG), step):
-                self.wfile.write(PNG[i:i + step])
+                self.wfile.write(PNG[i : i + step])
                 self.wfile.flush()
                 time.sleep(0.15)
         else:
@@ -67,7 +68,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 def image_server(host: str):
     srv = http.server.ThreadingHTTPServer((host, 0), _Handler)
     srv.daemon_threads = True
-    srv.seen = []                   # type: ignore[attr-defined]
+    srv.seen = []  # type: ignore[attr-defined]
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     try:

@@ -1,6 +1,7 @@
 """Stand-ins for one side of the KV plane, over real ZeroMQ sockets, for the trust tests: a decode
 peer that sends hand-made jobs to a real prefill worker, a prefill peer that answers a real decode
 worker's jobs with hand-made messages. (tests/ is on the path: pyproject pythonpath.)"""
+
 from __future__ import annotations
 
 import hmac
@@ -26,7 +27,7 @@ def sign(msg: dict[str, Any], key: bytes | None) -> dict[str, Any]:
 
 def _recv(sock: zmq.Socket, timeout: float) -> dict[str, Any]:
     assert sock.poll(int(timeout * 1000)), "no message from the peer"
-    frames = sock.recv_multipart()          # a tcp layer header comes with its KV frames
+    frames = sock.recv_multipart()  # a tcp layer header comes with its KV frames
     return unpack(frames[0])
 
 
@@ -42,7 +43,7 @@ class DecodePeer:
         self.replies.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://127.0.0.1:{self.replies.bind_to_random_port('tcp://127.0.0.1')}"
         self.push = ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 1000)      # what a test sent goes out before close
+        self.push.setsockopt(zmq.LINGER, 1000)  # what a test sent goes out before close
         self.push.connect(endpoint or prefill_engine.connector.endpoint)
 
     def job(self, prompt: list[int], **changes) -> dict[str, Any]:
@@ -52,13 +53,41 @@ class DecodePeer:
         kv, bs, mc = e.kv_cache, e.block_size, e.config.model
         nblocks = -(-len(prompt) // bs)
         model = e.config.server.served_model_name or mc.name
-        job = PrefillJob(f"req-{os.urandom(3).hex()}", prompt, {"temperature": 0.0}, None, list(range(nblocks)), 0,
-                         self.endpoint, os.getpid(), HOST, None, list(kv.shape), kv.element_size(), bs, model)
-        compat = {"model": model, "dtype": mc.dtype, "quantization": getattr(mc, "quantization", "none"),
-                  "block_size": bs, "kv_layers": kv.shape[0], "kv_heads": kv.shape[3], "head_dim": kv.shape[4],
-                  "kv_elem_size": kv.element_size(), "pdserve_version": pdserve.__version__}
-        return {**job.to_wire(), "transfer_id": os.urandom(8).hex(), "issued_at": time.time(),
-                "max_model_len": 4096, "compat": compat, **changes}
+        job = PrefillJob(
+            f"req-{os.urandom(3).hex()}",
+            prompt,
+            {"temperature": 0.0},
+            None,
+            list(range(nblocks)),
+            0,
+            self.endpoint,
+            os.getpid(),
+            HOST,
+            None,
+            list(kv.shape),
+            kv.element_size(),
+            bs,
+            model,
+        )
+        compat = {
+            "model": model,
+            "dtype": mc.dtype,
+            "quantization": getattr(mc, "quantization", "none"),
+            "block_size": bs,
+            "kv_layers": kv.shape[0],
+            "kv_heads": kv.shape[3],
+            "head_dim": kv.shape[4],
+            "kv_elem_size": kv.element_size(),
+            "pdserve_version": pdserve.__version__,
+        }
+        return {
+            **job.to_wire(),
+            "transfer_id": os.urandom(8).hex(),
+            "issued_at": time.time(),
+            "max_model_len": 4096,
+            "compat": compat,
+            **changes,
+        }
 
     def send(self, msg: dict[str, Any], key: bytes | None = None) -> None:
         self.push.send(pack(sign(msg, key)))
@@ -100,11 +129,27 @@ class PrefillPeer:
     def send(self, msg: dict[str, Any], key: bytes | None = None) -> None:
         self.out.send(pack(sign(msg, key)))
 
-    def send_layer(self, request_id: str, transfer_id: str, runs: list[tuple[int, int]], frame_bytes: int,
-                   fill: int, key: bytes | None = None) -> None:
+    def send_layer(
+        self,
+        request_id: str,
+        transfer_id: str,
+        runs: list[tuple[int, int]],
+        frame_bytes: int,
+        fill: int,
+        key: bytes | None = None,
+    ) -> None:
         """A tcp layer-0 write: per run of k blocks, a K and a V frame of `fill` bytes."""
-        header = sign({"type": PD_LAYER, "request_id": request_id, "transfer_id": transfer_id, "layer": 0,
-                       "runs": [list(r) for r in runs], "data": True}, key)
+        header = sign(
+            {
+                "type": PD_LAYER,
+                "request_id": request_id,
+                "transfer_id": transfer_id,
+                "layer": 0,
+                "runs": [list(r) for r in runs],
+                "data": True,
+            },
+            key,
+        )
         frames = [pack(header)] + [bytes([fill]) * frame_bytes * k for _, k in runs for _ in (0, 1)]
         self.out.send_multipart(frames)
 

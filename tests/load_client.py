@@ -1,6 +1,7 @@
 """Shared by the control-plane tests (role switch, controller): client threads streaming greedy
 completions through the official openai client, admin calls, and waiting for a worker's pool to
 return to its start. (pytest puts tests/ on the path.)"""
+
 from __future__ import annotations
 
 import threading
@@ -15,7 +16,7 @@ MAX_TOKENS = 48
 
 
 def prompt(i: int) -> list[int]:
-    return [(7919 * i + 31 * j) % 30000 + 100 for j in range(80 + i % 5)]    # long enough for a remote prefill
+    return [(7919 * i + 31 * j) % 30000 + 100 for j in range(80 + i % 5)]  # long enough for a remote prefill
 
 
 PROMPTS = [prompt(i) for i in range(12)]
@@ -23,6 +24,7 @@ PROMPTS = [prompt(i) for i in range(12)]
 
 def offline_outputs(prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[str]:
     from pdserve import LLM, SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.text for o in LLM(model=MODEL).generate(prompts, params)]
 
@@ -46,8 +48,9 @@ def wait_for(cond, what: str, timeout: float = 60.0):
 class Load:
     """Client threads streaming greedy completions until stopped; records every text and error."""
 
-    def __init__(self, url: str, threads: int = 4, prompts: list[list[int]] = PROMPTS,
-                 max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(
+        self, url: str, threads: int = 4, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS
+    ) -> None:
         self.prompts, self.max_tokens = prompts, max_tokens
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         self.done: list[tuple[int, str]] = []
@@ -61,9 +64,14 @@ class Load:
         i = k
         while not self.stop.is_set():
             try:
-                stream = self.client.completions.create(model=MODEL, prompt=self.prompts[i % len(self.prompts)], temperature=0,
-                                                        max_tokens=self.max_tokens, stream=True,
-                                                        extra_body={"ignore_eos": True})
+                stream = self.client.completions.create(
+                    model=MODEL,
+                    prompt=self.prompts[i % len(self.prompts)],
+                    temperature=0,
+                    max_tokens=self.max_tokens,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
                 self.done.append((i % len(self.prompts), "".join(c.choices[0].text for c in stream)))
             except Exception as e:  # noqa: BLE001 - every failure is a finding
                 self.errors.append(f"{type(e).__name__}: {e}")
@@ -85,12 +93,19 @@ class Load:
 
 def pool_at_start(worker_url: str) -> dict:
     """The worker's /health once nothing runs and every KV block is free (cached ones count as free)."""
+
     def idle():
         h = httpx.get(worker_url + "/health", timeout=10).json()
-        ok = (h["running"] == 0 and h["waiting"] == 0 and h.get("loading", 0) == 0
-              and h["kv_blocks_free"] == h["kv_blocks_total"] and not h.get("kv_blocks_quarantined")
-              and not h.get("kv_prefill_jobs_active"))
+        ok = (
+            h["running"] == 0
+            and h["waiting"] == 0
+            and h.get("loading", 0) == 0
+            and h["kv_blocks_free"] == h["kv_blocks_total"]
+            and not h.get("kv_blocks_quarantined")
+            and not h.get("kv_prefill_jobs_active")
+        )
         return h if ok else None
+
     return wait_for(idle, f"{worker_url}: pool not back to its start", timeout=60)
 
 

@@ -1,6 +1,7 @@
 """A real OTLP/HTTP trace receiver for tests: a small HTTP server taking the protobuf export
 requests that pdserve's processes send to `<endpoint>/v1/traces`, keeping every span's service,
 host, name, trace id and attributes."""
+
 from __future__ import annotations
 
 import threading
@@ -14,7 +15,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
 @dataclass(frozen=True)
 class Span:
     service: str
-    host: str           # the exporting process's host.name (its namespace's hostname in tests/cluster)
+    host: str  # the exporting process's host.name (its namespace's hostname in tests/cluster)
     name: str
     trace_id: str
     attrs: dict[str, Any]
@@ -31,7 +32,7 @@ class Receiver:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:      # noqa: N802 - http.server's name
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 req = pb.ExportTraceServiceRequest.FromString(body)
                 with outer.lock:
@@ -39,8 +40,15 @@ class Receiver:
                         res = {a.key: _value(a.value) for a in rs.resource.attributes}
                         for ss in rs.scope_spans:
                             for s in ss.spans:
-                                outer.spans.append(Span(res.get("service.name", "?"), res.get("host.name", "?"), s.name,
-                                                        s.trace_id.hex(), {a.key: _value(a.value) for a in s.attributes}))
+                                outer.spans.append(
+                                    Span(
+                                        res.get("service.name", "?"),
+                                        res.get("host.name", "?"),
+                                        s.name,
+                                        s.trace_id.hex(),
+                                        {a.key: _value(a.value) for a in s.attributes},
+                                    )
+                                )
                 out = pb.ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")

@@ -1,5 +1,6 @@
 """Logits of one sequence run through a model over a paged KV cache: chunked prefill, then decode
 steps. Shared by the parity tests against HF transformers. (pytest puts tests/ on the path.)"""
+
 from __future__ import annotations
 
 import torch
@@ -16,7 +17,10 @@ def paged_logits(model, ids: list[int], chunk: int, decode: int, block: int = 4)
     while done < len(ids):
         n = min(chunk, prompt_len - done) if done < prompt_len else 1
         meta = build_metadata([(blocks, done, n)], block, a.sliding_window, "cpu")
-        out.append(model.forward(torch.tensor(ids[done:done + n]), torch.arange(done, done + n), meta, kv,
-                                 torch.arange(n)))
+        out.append(
+            model.forward(
+                torch.tensor(ids[done : done + n]), torch.arange(done, done + n), meta, kv, torch.arange(n)
+            )
+        )
         done += n
     return torch.cat(out)

@@ -1,5 +1,6 @@
 """Shared by the in-process PD tests: configs, a thread that steps an engine, prompts, and the
 mixed engine's greedy outputs to compare against. (pytest puts tests/ on the path.)"""
+
 from __future__ import annotations
 
 import threading
@@ -15,16 +16,27 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.model.loader import LoadedModel
 from pdserve.server.roles import build_engine
 
-MODEL = "tiny-qwen2"   # tiny-llama's greedy output ignores its KV (it repeats the last token)
+MODEL = "tiny-qwen2"  # tiny-llama's greedy output ignores its KV (it repeats the last token)
 
 
-def pd_config(role: str, backend: str = "auto", device_blocks: int = 64, overrides: dict | None = None,
-              **disagg) -> Config:
+def pd_config(
+    role: str, backend: str = "auto", device_blocks: int = 64, overrides: dict | None = None, **disagg
+) -> Config:
     """`overrides`: more config keys ("server.internal_token": ...)."""
-    return load_config(None, {"model.name": MODEL, "cache.device_blocks": device_blocks, "cache.block_size": 4,
-                              "scheduler.max_num_batched_tokens": 16, "worker.role": role,
-                              "transfer.backend": backend, "disagg.local_prefill_max_tokens": 8,
-                              **{f"disagg.{k}": v for k, v in disagg.items()}, **(overrides or {})})
+    return load_config(
+        None,
+        {
+            "model.name": MODEL,
+            "cache.device_blocks": device_blocks,
+            "cache.block_size": 4,
+            "scheduler.max_num_batched_tokens": 16,
+            "worker.role": role,
+            "transfer.backend": backend,
+            "disagg.local_prefill_max_tokens": 8,
+            **{f"disagg.{k}": v for k, v in disagg.items()},
+            **(overrides or {}),
+        },
+    )
 
 
 class Loop:
@@ -34,7 +46,7 @@ class Loop:
         self.engine = engine
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
-        self.errors: dict[str, str] = {}        # finish_reason "error": the message for the client
+        self.errors: dict[str, str] = {}  # finish_reason "error": the message for the client
         self.lock = threading.Lock()
         self.commands: list = []
         self._stop = False
@@ -99,8 +111,9 @@ def prompts(n: int) -> list[list[int]]:
     return [[(7 * i + 3 * j) % 250 + 1 for j in range(10 + 5 * i)] for i in range(n)]
 
 
-def mixed_outputs(prompt_list: list[list[int]], params: SamplingParams,
-                  loaded: LoadedModel | None = None) -> dict[str, list[int]]:
+def mixed_outputs(
+    prompt_list: list[list[int]], params: SamplingParams, loaded: LoadedModel | None = None
+) -> dict[str, list[int]]:
     """Greedy tokens of the colocated engine, request ids r0, r1, ..."""
     mixed = LLMEngine(pd_config("mixed"), loaded)
     for i, p in enumerate(prompt_list):
@@ -113,17 +126,33 @@ def mixed_outputs(prompt_list: list[list[int]], params: SamplingParams,
 
 
 @contextmanager
-def pd_pair(backend: str = "auto", device_blocks: int = 64, prefill_config: Config | None = None,
-            decode_overrides: dict | None = None, peers_before: Sequence[str] = (),
-            decode_loop: type[Loop] = Loop, **decode_disagg) -> Iterator[tuple[Loop, Loop]]:
+def pd_pair(
+    backend: str = "auto",
+    device_blocks: int = 64,
+    prefill_config: Config | None = None,
+    decode_overrides: dict | None = None,
+    peers_before: Sequence[str] = (),
+    decode_loop: type[Loop] = Loop,
+    **decode_disagg,
+) -> Iterator[tuple[Loop, Loop]]:
     """A prefill and a decode engine stepping on their own threads, the decode one pointed at the
     prefill one, after any `peers_before` (`decode_disagg`: more of its disagg config,
     `decode_overrides`: other keys; `decode_loop`: a Loop subclass for it); both stopped afterwards."""
     prefill = Loop(build_engine(prefill_config or pd_config("prefill", backend, device_blocks)))
     try:
         endpoints = [*peers_before, prefill.engine.connector.endpoint]
-        decode = decode_loop(build_engine(pd_config("decode", backend, device_blocks, decode_overrides,
-                                                    prefill_endpoints=endpoints, **decode_disagg)))
+        decode = decode_loop(
+            build_engine(
+                pd_config(
+                    "decode",
+                    backend,
+                    device_blocks,
+                    decode_overrides,
+                    prefill_endpoints=endpoints,
+                    **decode_disagg,
+                )
+            )
+        )
         try:
             yield prefill, decode
         finally:
@@ -142,8 +171,9 @@ def silent_peer() -> Iterator[str]:
         sock.close(0)
 
 
-def check_failed_job_falls_back_to_local(prefill: Loop, decode: Loop, prompt: list[int],
-                                         params: SamplingParams, want: list[int]) -> None:
+def check_failed_job_falls_back_to_local(
+    prefill: Loop, decode: Loop, prompt: list[int], params: SamplingParams, want: list[int]
+) -> None:
     """With the decode pool made unwritable for the transport: the job fails, the request completes
     by local prefill with the same tokens, and the quarantined blocks come back on the cancel ack."""
     decode.submit(lambda e: e.add_request("a", prompt, params))
@@ -153,6 +183,6 @@ def check_failed_job_falls_back_to_local(prefill: Loop, decode: Loop, prompt: li
     assert (s["kv_transfers_failed_total"], s["kv_transfers_completed_total"]) == (1, 0)
     assert s["kv_local_prefill_fallbacks_total"] == 1
     assert prefill.engine.stats()["kv_prefill_jobs_failed_total"] == 1
-    decode.wait_idle()                  # released by the cancel ack, well before a long quarantine
+    decode.wait_idle()  # released by the cancel ack, well before a long quarantine
     prefill.wait_idle()
     assert decode.engine.stats()["kv_blocks_quarantined"] == 0

@@ -3,6 +3,7 @@
 Use it as a context manager (`with RedisServer() as srv: srv.url`); tests/cache/conftest.py wraps
 it in the `redis_server` fixture. Tests skip when no redis-server binary is installed.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -15,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.procs import free_port
-
 
 
 def _ping(port: int, timeout: float) -> bool:
@@ -42,9 +42,24 @@ class RedisServer:
         self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
         # No persistence: a test server starts empty and leaves nothing behind.
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self._dir.name, "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self._dir.name,
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + self.start_timeout
         while not _ping(self.port, 0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:

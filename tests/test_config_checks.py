@@ -1,5 +1,6 @@
 """Config values are checked at load: a bad value, key or type stops `pdserve` with exit status 2
 and a message naming the key, the value and what is allowed; the seed's aliases load."""
+
 from __future__ import annotations
 
 import subprocess
@@ -14,15 +15,18 @@ from pdserve.config_rules import BOUNDS, CHOICES, FORMATS, POLICIES
 ROOT = Path(__file__).resolve().parents[1]
 
 # The four values a review saw accepted silently, and what the message must name.
-BAD = [("transfer:\n  backend: tpc\n", "transfer.backend", "'tpc'", "tcp"),
-       ("deployment:\n  mode: pdd\n", "deployment.mode", "'pdd'", "mixed"),
-       ("model:\n  dtype: fp8\n", "model.dtype", "'fp8'", "bfloat16"),
-       ("load_balancer:\n  decode: costt\n", "load_balancer.decode", "'costt'", "least_load")]
+BAD = [
+    ("transfer:\n  backend: tpc\n", "transfer.backend", "'tpc'", "tcp"),
+    ("deployment:\n  mode: pdd\n", "deployment.mode", "'pdd'", "mixed"),
+    ("model:\n  dtype: fp8\n", "model.dtype", "'fp8'", "bfloat16"),
+    ("load_balancer:\n  decode: costt\n", "load_balancer.decode", "'costt'", "least_load"),
+]
 
 
 def pdserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
 
 
 @pytest.mark.parametrize("text,key,value,allowed", BAD)
@@ -52,34 +56,45 @@ def test_cli_exits_2_on_a_bad_worker_flag_and_names_it():
     assert r.returncode == 2
     assert "server.threads (a command-line flag): 0" in r.stderr and "at least 1" in r.stderr
     assert "scheduler.max_num_seqs (a command-line flag): -1" in r.stderr
-    r = pdserve("serve", "--dtype", "fp8", "--dry-run")                   # argparse's choices, from config_rules
+    r = pdserve("serve", "--dtype", "fp8", "--dry-run")  # argparse's choices, from config_rules
     assert r.returncode == 2 and "'fp8'" in r.stderr and "float16" in r.stderr
 
 
-@pytest.mark.parametrize("overrides,key,needle", [
-    ({"server.threads": "two"}, "server.threads", "an integer"),
-    ({"cache.block_size": True}, "cache.block_size", "an integer"),
-    ({"cache.device_memory_gb": 0}, "cache.device_memory_gb", "above 0"),
-    ({"server.port": 70000}, "server.port", "65535"),
-    ({"deployment.pd_ratio": 61}, "deployment.pd_ratio", "quoted"),        # YAML's reading of an unquoted 1:1
-    ({"deployment.pd_ratio": "1:0"}, "deployment.pd_ratio", "P:D"),
-    ({"deployment.decode.instances": 0}, "deployment.decode.instances", "at least 1"),
-    ({"deployment.prefill.quantization": "int3"}, "deployment.prefill.quantization", "int4"),
-    ({"transfer.bandwidth_limit": "180%"}, "transfer.bandwidth_limit", "50%"),
-    ({"router.ip_allowlist": ["10.0.0.0/33"]}, "router.ip_allowlist", "CIDR"),
-    ({"router.workers": [{"url": "http://a:1", "role": "decoder"}]}, "router.workers", "prefill"),
-    ({"cache.remote": "redis:/x"}, "cache.remote", "redis://"),
-    ({"model.device": "gpu"}, "model.device", "cuda"),
-    ({"disagg.transfer_timeout_s": 0}, "disagg.transfer_timeout_s", "above 0"),
-    ({"disagg.local_prefill_max_tokens": -1}, "disagg.local_prefill_max_tokens", "at least 0"),   # the default rule
-    ({"disagg.parallel_prefill_min_tokens": -1}, "disagg.parallel_prefill_min_tokens", "at least 0"),
-    ({"disagg.parallel_prefill_attention_weight": -0.5}, "disagg.parallel_prefill_attention_weight", "at least 0"),
-    ({"router.tls_cert": "c.pem"}, "router.tls_key", "both or neither"),
-    ({"cache.blok_size": 4}, "cache.blok_size", "block_size"),
-    ({"load_balancer.strategy": "fastest"}, "load_balancer.strategy", "least_load"),     # the name written
-    ({"deployment.load_balancer.strategy": "fastest"}, "deployment.load_balancer.strategy", "least_load"),
-    ({"load_balancer.prefill": "fastest"}, "load_balancer.prefill", "least_load"),
-])
+@pytest.mark.parametrize(
+    "overrides,key,needle",
+    [
+        ({"server.threads": "two"}, "server.threads", "an integer"),
+        ({"cache.block_size": True}, "cache.block_size", "an integer"),
+        ({"cache.device_memory_gb": 0}, "cache.device_memory_gb", "above 0"),
+        ({"server.port": 70000}, "server.port", "65535"),
+        ({"deployment.pd_ratio": 61}, "deployment.pd_ratio", "quoted"),  # YAML's reading of an unquoted 1:1
+        ({"deployment.pd_ratio": "1:0"}, "deployment.pd_ratio", "P:D"),
+        ({"deployment.decode.instances": 0}, "deployment.decode.instances", "at least 1"),
+        ({"deployment.prefill.quantization": "int3"}, "deployment.prefill.quantization", "int4"),
+        ({"transfer.bandwidth_limit": "180%"}, "transfer.bandwidth_limit", "50%"),
+        ({"router.ip_allowlist": ["10.0.0.0/33"]}, "router.ip_allowlist", "CIDR"),
+        ({"router.workers": [{"url": "http://a:1", "role": "decoder"}]}, "router.workers", "prefill"),
+        ({"cache.remote": "redis:/x"}, "cache.remote", "redis://"),
+        ({"model.device": "gpu"}, "model.device", "cuda"),
+        ({"disagg.transfer_timeout_s": 0}, "disagg.transfer_timeout_s", "above 0"),
+        (
+            {"disagg.local_prefill_max_tokens": -1},
+            "disagg.local_prefill_max_tokens",
+            "at least 0",
+        ),  # the default rule
+        ({"disagg.parallel_prefill_min_tokens": -1}, "disagg.parallel_prefill_min_tokens", "at least 0"),
+        (
+            {"disagg.parallel_prefill_attention_weight": -0.5},
+            "disagg.parallel_prefill_attention_weight",
+            "at least 0",
+        ),
+        ({"router.tls_cert": "c.pem"}, "router.tls_key", "both or neither"),
+        ({"cache.blok_size": 4}, "cache.blok_size", "block_size"),
+        ({"load_balancer.strategy": "fastest"}, "load_balancer.strategy", "least_load"),  # the name written
+        ({"deployment.load_balancer.strategy": "fastest"}, "deployment.load_balancer.strategy", "least_load"),
+        ({"load_balancer.prefill": "fastest"}, "load_balancer.prefill", "least_load"),
+    ],
+)
 def test_types_ranges_and_formats(overrides, key, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
@@ -91,7 +106,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
     f.write_text("model:\n  dtype: fp8\n  seed: -3\nscheduler:\n  max_num_seqs: 0\nnope: 1\n")
     with pytest.raises(ConfigError) as e:
         load_config(f)
-    assert [k for k, _ in e.value.problems] == ["nope"]      # unknown keys first: the rest may be misplaced
+    assert [k for k, _ in e.value.problems] == ["nope"]  # unknown keys first: the rest may be misplaced
     f.write_text("model:\n  dtype: fp8\n  seed: -3\nscheduler:\n  max_num_seqs: 0\n")
     with pytest.raises(ConfigError) as e:
         load_config(f)
@@ -111,11 +126,18 @@ def test_the_seed_sample_loads_with_its_aliases():
     cfg = load_config(ROOT / "examples" / "seed_003.yaml")
     d = cfg.deployment
     assert d.pd_ratio == "1:1"
-    assert (d.prefill.instances, d.prefill.expert_parallel, d.decode.instances, d.decode.expert_parallel) == (4, 8, 1, 64)
+    assert (d.prefill.instances, d.prefill.expert_parallel, d.decode.instances, d.decode.expert_parallel) == (
+        4,
+        8,
+        1,
+        64,
+    )
     assert cfg.cache.prefix_cache is True and cfg.transfer.bandwidth_limit == "80%"
     assert cfg.load_balancer.prefill == cfg.load_balancer.decode == "least_load"
     # the top-level spellings of the same keys, and the loaded config round-trips (workers reload it)
-    top = load_config(None, {"cache.transfer_bandwidth_limit": "50%", "load_balancer.strategy": "round_robin"})
+    top = load_config(
+        None, {"cache.transfer_bandwidth_limit": "50%", "load_balancer.strategy": "round_robin"}
+    )
     assert top.transfer.bandwidth_limit == "50%" and top.load_balancer.decode == "round_robin"
 
 
@@ -131,29 +153,45 @@ def test_two_spellings_that_disagree_are_an_error(tmp_path):
 
 def test_role_settings_replace_the_global_keys_for_that_role(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("scheduler:\n  max_num_seqs: 64\ncache:\n  device_blocks: 500\nserver:\n  threads: 2\n"
-                 "model:\n  quantization: none\n"
-                 "deployment:\n  decode:\n    max_num_seqs: 8\n    max_num_batched_tokens: 128\n"
-                 "    device_memory_gb: 0.5\n    quantization: int8\n    expert_parallel: 4\n    threads: 1\n")
+    f.write_text(
+        "scheduler:\n  max_num_seqs: 64\ncache:\n  device_blocks: 500\nserver:\n  threads: 2\n"
+        "model:\n  quantization: none\n"
+        "deployment:\n  decode:\n    max_num_seqs: 8\n    max_num_batched_tokens: 128\n"
+        "    device_memory_gb: 0.5\n    quantization: int8\n    expert_parallel: 4\n    threads: 1\n"
+    )
     base = load_config(f)
     dec, pre = for_role(base, "decode"), for_role(base, "prefill")
-    assert (dec.scheduler.max_num_seqs, dec.scheduler.max_num_batched_tokens, dec.model.expert_parallel) == (8, 128, 4)
+    assert (dec.scheduler.max_num_seqs, dec.scheduler.max_num_batched_tokens, dec.model.expert_parallel) == (
+        8,
+        128,
+        4,
+    )
     assert dec.model.quantization == "int8" and dec.server.threads == 1
-    assert dec.cache.device_memory_gb == 0.5 and dec.cache.device_blocks is None   # the role's budget, not 500 blocks
-    assert (pre.scheduler.max_num_seqs, pre.cache.device_blocks, pre.model.quantization, pre.server.threads) == \
-        (64, 500, "none", 2)
-    assert base.scheduler.max_num_seqs == 64        # for_role copies
+    assert (
+        dec.cache.device_memory_gb == 0.5 and dec.cache.device_blocks is None
+    )  # the role's budget, not 500 blocks
+    assert (
+        pre.scheduler.max_num_seqs,
+        pre.cache.device_blocks,
+        pre.model.quantization,
+        pre.server.threads,
+    ) == (64, 500, "none", 2)
+    assert base.scheduler.max_num_seqs == 64  # for_role copies
     # what `pdserve worker --role decode --config c.yaml [flags]` runs with: the role's settings, its own flags win
     from pdserve.cli import _overrides, build_parser
-    args = build_parser().parse_args(["worker", "--role", "decode", "--config", str(f), "--max-num-seqs", "3"])
+
+    args = build_parser().parse_args(
+        ["worker", "--role", "decode", "--config", str(f), "--max-num-seqs", "3"]
+    )
     w = load_config(args.config, _overrides(args), role=args.role)
     assert (w.scheduler.max_num_seqs, w.model.expert_parallel, w.model.quantization) == (3, 4, "int8")
-    assert load_config(None, role="prefill").server.threads == 1        # PD workers: 1 thread unless set
-    assert apply_role(load_config(None), "mixed").server.threads is None   # no deployment entry: untouched
+    assert load_config(None, role="prefill").server.threads == 1  # PD workers: 1 thread unless set
+    assert apply_role(load_config(None), "mixed").server.threads is None  # no deployment entry: untouched
 
 
 def test_rules_name_real_keys_and_the_routers_policies():
     from pdserve.router.policies import POLICIES as ROUTER_POLICIES
+
     assert set(POLICIES) == set(ROUTER_POLICIES)
     cfg = load_config(None)
     for key in [*CHOICES, *BOUNDS, *FORMATS]:

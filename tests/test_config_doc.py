@@ -22,7 +22,9 @@ def _keys(obj, prefix=""):
 
 
 def test_the_committed_reference_is_what_the_generator_writes():
-    assert DOC.read_text() == generate(), "docs/configuration.md is stale: run `python -m pdserve.config_doc > docs/configuration.md`"
+    assert DOC.read_text() == generate(), (
+        "docs/configuration.md is stale: run `python -m pdserve.config_doc > docs/configuration.md`"
+    )
 
 
 def test_every_key_has_a_row_with_its_default():

@@ -1,5 +1,6 @@
 """The README and docs/ stand on their own: every relative link and every path they name outside
 the repository would be dead for a reader who has only the repository."""
+
 import re
 from pathlib import Path
 

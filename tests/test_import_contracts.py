@@ -11,6 +11,7 @@ interpreter that walks the router's real start-up path, and a static walk over e
 room's modules, including those inside functions, which start-up alone may not reach. Imports
 between the rooms flow one way: the data plane wires the control plane in only in its app factory,
 and no package imports another that imports it back."""
+
 from __future__ import annotations
 
 import ast
@@ -60,20 +61,23 @@ def test_the_router_start_up_path_loads_no_torch_engine_or_model():
 def test_the_offline_api_still_imports_from_pdserve():
     """Users import the offline API from pdserve; the names the engine and the router share live in
     pdserve.common, where both import them."""
-    code = ("from pdserve import LLM, SamplingParams\n"
-            "from pdserve.common.outputs import RequestOutput, TokenLogprob\n"
-            "from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed\n"
-            "from pdserve.common.sampling import check_prompt\n"
-            "from pdserve.common.detokenizer import IncrementalDetokenizer\n"
-            "from pdserve.common.tokenizer import DEFAULT_MODEL, TokenizerWrapper, default_gguf_path, load_gguf_tokenizer\n"
-            "from pdserve.server.serving import bind_socket, run_uvicorn\n"
-            "import pdserve.common.sampling as s\n"
-            "assert SamplingParams is s.SamplingParams\n")
+    code = (
+        "from pdserve import LLM, SamplingParams\n"
+        "from pdserve.common.outputs import RequestOutput, TokenLogprob\n"
+        "from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed\n"
+        "from pdserve.common.sampling import check_prompt\n"
+        "from pdserve.common.detokenizer import IncrementalDetokenizer\n"
+        "from pdserve.common.tokenizer import DEFAULT_MODEL, TokenizerWrapper, default_gguf_path, load_gguf_tokenizer\n"
+        "from pdserve.server.serving import bind_socket, run_uvicorn\n"
+        "import pdserve.common.sampling as s\n"
+        "assert SamplingParams is s.SamplingParams\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- static import graph
+
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
@@ -82,8 +86,9 @@ def _module_name(path: Path) -> str:
 
 def _is_type_checking(node: ast.If) -> bool:
     t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
-        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
@@ -96,7 +101,7 @@ def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
                 visit(child)
             return
         if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
-            return      # a package's lazy names (pdserve.LLM): imported only when asked for; see LAZY
+            return  # a package's lazy names (pdserve.LLM): imported only when asked for; see LAZY
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -130,7 +135,7 @@ def _reach(graph: dict[str, set[str]], roots: list[str]) -> dict[str, str]:
         for dep in graph.get(m, ()):
             # `import a.b.c` runs a and a.b too: their __init__ modules count.
             for i in range(dep.count(".") + 1):
-                name = ".".join(dep.split(".")[:i + 1])
+                name = ".".join(dep.split(".")[: i + 1])
                 if name not in seen:
                     seen[name] = m
                     todo.append(name)
@@ -148,9 +153,21 @@ def _chain(seen: dict[str, str], m: str) -> str:
 ROOMS = {
     "data plane": ("pdserve.router.",),
     "control plane": ("pdserve.control.",),
-    "shared layer": ("pdserve.common.", "pdserve.protocol", "pdserve.server.openai_api", "pdserve.server.internal_api",
-                     "pdserve.server.serving", "pdserve.chat_content", "pdserve.server.errors", "pdserve.server.metrics"),
-    "planner's simulators": ("pdserve.planner.simulate", "pdserve.planner.pd_simulate", "pdserve.planner.step_costs"),
+    "shared layer": (
+        "pdserve.common.",
+        "pdserve.protocol",
+        "pdserve.server.openai_api",
+        "pdserve.server.internal_api",
+        "pdserve.server.serving",
+        "pdserve.chat_content",
+        "pdserve.server.errors",
+        "pdserve.server.metrics",
+    ),
+    "planner's simulators": (
+        "pdserve.planner.simulate",
+        "pdserve.planner.pd_simulate",
+        "pdserve.planner.step_costs",
+    ),
 }
 
 
@@ -169,19 +186,28 @@ def test_the_data_plane_wires_the_control_plane_in_only_in_its_app_factory():
     rollouts and role switches; no other data-plane module imports the control plane, and the
     control plane names the router's classes for types only (no package cycle, below)."""
     graph = _graph()
-    bad = {m: sorted(d for d in deps if _unit(d) == "pdserve.control")
-           for m, deps in graph.items() if _unit(m) == "pdserve.router" and m != "pdserve.router.gateway"}
+    bad = {
+        m: sorted(d for d in deps if _unit(d) == "pdserve.control")
+        for m, deps in graph.items()
+        if _unit(m) == "pdserve.router" and m != "pdserve.router.gateway"
+    }
     assert not any(bad.values()), bad
-    back = {m: sorted(d for d in deps if _unit(d) == "pdserve.router")
-            for m, deps in graph.items() if _unit(m) == "pdserve.control"}
+    back = {
+        m: sorted(d for d in deps if _unit(d) == "pdserve.router")
+        for m, deps in graph.items()
+        if _unit(m) == "pdserve.control"
+    }
     assert not any(back.values()), back
 
 
 def test_the_common_layer_imports_nothing_above_it():
     """pdserve.common is the bottom layer: the engine and the router import it, never the reverse."""
     graph = _graph()
-    bad = {m: sorted(d for d in deps if d.startswith("pdserve.") and not d.startswith("pdserve.common"))
-           for m, deps in graph.items() if m == "pdserve.common" or m.startswith("pdserve.common.")}
+    bad = {
+        m: sorted(d for d in deps if d.startswith("pdserve.") and not d.startswith("pdserve.common"))
+        for m, deps in graph.items()
+        if m == "pdserve.common" or m.startswith("pdserve.common.")
+    }
     assert not any(bad.values()), bad
 
 
@@ -222,7 +248,7 @@ def test_no_import_cycle_between_packages():
         stack.append(u)
         for v in sorted(edges.get(u, ())):
             if state.get(v) == 1:
-                return stack[stack.index(v):] + [v]
+                return stack[stack.index(v) :] + [v]
             if v not in state and (found := visit(v)):
                 return found
         state[u] = 2

@@ -1,5 +1,6 @@
 """Per-role settings reach the workers `pdserve serve` launches: real worker processes of a PD
 deployment, each asked what it runs with."""
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,12 @@ deployment:
         for w in workers:
             health = httpx.get(w.url + "/health", timeout=30).json()
             eplb = httpx.get(w.url + "/eplb", timeout=30).json()
-            seen[w.role] = (health["max_num_seqs"], health["kv_blocks_total"], eplb["num_ranks"],
-                            _environ(w.proc.pid)["OMP_NUM_THREADS"])
+            seen[w.role] = (
+                health["max_num_seqs"],
+                health["kv_blocks_total"],
+                eplb["num_ranks"],
+                _environ(w.proc.pid)["OMP_NUM_THREADS"],
+            )
     finally:
         for w in workers:
             w.stop()

@@ -1,6 +1,7 @@
 """What a one-machine deployment hands its worker processes (pdserve/worker_process.py): the internal
 token, which they need, and never the router's client or admin keys, in their config file or their
 environment (a real worker process, its environment read from /proc)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,8 +17,14 @@ def test_workers_get_the_internal_token_and_none_of_the_routers_keys(tmp_path, m
     monkeypatch.setenv("PDSERVE_ADMIN_KEYS", "sk-admin-env")
     monkeypatch.setenv("PDSERVE_ADMIN_KEY", "sk-admin-cli")
     monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", "tok-env")
-    config = load_config(overrides={"model.name": "tiny-qwen2", "router.api_keys": ["sk-client-file"],
-                                    "router.admin_keys": ["sk-admin-file"], "server.internal_token": "tok-file"})
+    config = load_config(
+        overrides={
+            "model.name": "tiny-qwen2",
+            "router.api_keys": ["sk-client-file"],
+            "router.admin_keys": ["sk-admin-file"],
+            "server.internal_token": "tok-file",
+        }
+    )
     path = write_worker_config(config, tmp_path / "deployment.yaml")
     text = path.read_text()
     assert "sk-client-file" not in text and "sk-admin-file" not in text

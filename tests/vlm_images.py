@@ -1,4 +1,5 @@
 """Small test images as data: URLs and chat messages for the VLM tests. (pytest puts tests/ on the path.)"""
+
 from __future__ import annotations
 
 import base64

@@ -1,4 +1,5 @@
 """`python -m pdserve.bench ...`, the same as `pdserve bench ...`."""
+
 import sys
 
 from .cli import main

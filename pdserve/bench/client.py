@@ -4,6 +4,7 @@ One asyncio loop drives every request over httpx, which keeps the client's own C
 shares a 2-core machine with the server under test). Failures of any kind become an error kind on
 the request's record; nothing a server does makes the benchmark raise.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -76,11 +77,16 @@ def _error_kind(e: BaseException) -> str:
     return "client_" + type(e).__name__
 
 
-def build_body(cfg: ClientConfig, model: str, messages: list[dict] | None, prompt: str | None,
-               max_tokens: int) -> dict:
-    body: dict = {"model": model, "stream": True, "max_tokens": max_tokens,
-                  "temperature": cfg.temperature,
-                  "stream_options": {"include_usage": True}}
+def build_body(
+    cfg: ClientConfig, model: str, messages: list[dict] | None, prompt: str | None, max_tokens: int
+) -> dict:
+    body: dict = {
+        "model": model,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": cfg.temperature,
+        "stream_options": {"include_usage": True},
+    }
     if messages is not None:
         body["messages"] = messages
     else:
@@ -92,9 +98,15 @@ def build_body(cfg: ClientConfig, model: str, messages: list[dict] | None, promp
     return body
 
 
-async def stream_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str,
-                     rec: RequestRecord, messages: list[dict] | None = None,
-                     prompt: str | None = None, max_tokens: int = 128) -> RequestRecord:
+async def stream_one(
+    client: httpx.AsyncClient,
+    cfg: ClientConfig,
+    model: str,
+    rec: RequestRecord,
+    messages: list[dict] | None = None,
+    prompt: str | None = None,
+    max_tokens: int = 128,
+) -> RequestRecord:
     """Send one streaming request and fill `rec` (times, tokens, text, or an error kind)."""
     path = "/v1/chat/completions" if messages is not None else "/v1/completions"
     body = build_body(cfg, model, messages, prompt, max_tokens)
@@ -102,8 +114,9 @@ async def stream_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str,
     done = False
     rec.start = time.perf_counter()
     try:
-        async with client.stream("POST", _root(cfg.base_url) + path, json=body,
-                                 headers=_headers(cfg)) as resp:
+        async with client.stream(
+            "POST", _root(cfg.base_url) + path, json=body, headers=_headers(cfg)
+        ) as resp:
             if resp.status_code != 200:
                 raw = await resp.aread()
                 rec.error = f"http_{resp.status_code}"
@@ -145,8 +158,13 @@ async def stream_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str,
     return rec
 
 
-async def run_session(client: httpx.AsyncClient, cfg: ClientConfig, model: str, s: Session,
-                      on_done: Callable[[RequestRecord], None]) -> list[RequestRecord]:
+async def run_session(
+    client: httpx.AsyncClient,
+    cfg: ClientConfig,
+    model: str,
+    s: Session,
+    on_done: Callable[[RequestRecord], None],
+) -> list[RequestRecord]:
     """Send a session's turns in order, each with the history and the server's real replies.
 
     When a turn fails the rest cannot be sent faithfully; they are recorded as failed with kind
@@ -167,8 +185,7 @@ async def run_session(client: httpx.AsyncClient, cfg: ClientConfig, model: str, 
             await stream_one(client, cfg, model, rec, prompt=prompt, max_tokens=turn.max_tokens)
         else:
             history.append({"role": "user", "content": turn.text})
-            await stream_one(client, cfg, model, rec, messages=list(history),
-                             max_tokens=turn.max_tokens)
+            await stream_one(client, cfg, model, rec, messages=list(history), max_tokens=turn.max_tokens)
             history.append({"role": "assistant", "content": rec.text})
         out.append(rec)
         on_done(rec)
@@ -185,10 +202,16 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def run_load(cfg: ClientConfig, sessions: list[Session], *, concurrency: int | None = None,
-                   request_rate: float | None = None, seed: int = 0,
-                   on_done: Callable[[RequestRecord], None] = lambda r: None,
-                   model: str | None = None) -> tuple[list[RequestRecord], float]:
+async def run_load(
+    cfg: ClientConfig,
+    sessions: list[Session],
+    *,
+    concurrency: int | None = None,
+    request_rate: float | None = None,
+    seed: int = 0,
+    on_done: Callable[[RequestRecord], None] = lambda r: None,
+    model: str | None = None,
+) -> tuple[list[RequestRecord], float]:
     """Run every session; returns (records in session order, wall seconds of the run).
 
     concurrency alone: a closed loop of that many sessions in flight. request_rate: sessions start
@@ -206,8 +229,9 @@ async def run_load(cfg: ClientConfig, sessions: list[Session], *, concurrency: i
             recs = []
             for s in sessions:
                 for i in range(len(s.turns)):
-                    r = RequestRecord(id=f"{s.id}.{i}", tag=s.tag, error=err,
-                                      error_detail=f"GET /v1/models: {e}"[:300])
+                    r = RequestRecord(
+                        id=f"{s.id}.{i}", tag=s.tag, error=err, error_detail=f"GET /v1/models: {e}"[:300]
+                    )
                     on_done(r)
                     recs.append(r)
             return recs, 0.0

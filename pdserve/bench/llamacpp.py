@@ -10,6 +10,7 @@ with AVX-512 forced on dies with "Illegal instruction" on an AVX2-only EPYC. Eve
 off: llama.cpp's AMX path died the same way on a CPU that reports AMX. Builds are cached per
 feature set (build-<features>/), so a cache shared by different CPUs holds one build for each.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,19 +30,32 @@ CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DGGML_NATIVE=OFF",
-    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+    "-DGGML_AMX_TILE=OFF",
+    "-DGGML_AMX_INT8=OFF",
+    "-DGGML_AMX_BF16=OFF",
     "-DGGML_CCACHE=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
     # No HTTPS or downloads: the server only reads a local file.
-    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_CURL=OFF",
 ]
 
 
 # GGML option -> the /proc/cpuinfo flag that must be present for it.
-_ISA_OPTIONS = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
-                "GGML_BMI2": "bmi2", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
-                "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+_ISA_OPTIONS = {
+    "GGML_AVX": "avx",
+    "GGML_AVX2": "avx2",
+    "GGML_FMA": "fma",
+    "GGML_F16C": "f16c",
+    "GGML_BMI2": "bmi2",
+    "GGML_AVX512": "avx512f",
+    "GGML_AVX512_VBMI": "avx512vbmi",
+    "GGML_AVX512_VNNI": "avx512_vnni",
+    "GGML_AVX512_BF16": "avx512_bf16",
+}
 
 
 def isa_flags(cpu_flags: frozenset[str]) -> list[str]:
@@ -82,8 +96,13 @@ def binaries(cache: Path | None = None) -> dict[str, Path] | None:
     return found if all(p.exists() for p in found.values()) else None
 
 
-def _run(cmd: list[str], log: Callable[[str], None], cwd: Path | None = None,
-         nice: int = 19, logfile: Path | None = None) -> None:
+def _run(
+    cmd: list[str],
+    log: Callable[[str], None],
+    cwd: Path | None = None,
+    nice: int = 19,
+    logfile: Path | None = None,
+) -> None:
     full = (["nice", "-n", str(nice)] if nice else []) + cmd
     log("$ " + " ".join(full))
     out = open(logfile, "ab") if logfile else subprocess.DEVNULL
@@ -106,9 +125,23 @@ def fetch_sources(cache: Path, log: Callable[[str], None] = print) -> Path:
     sdist_dir.mkdir(parents=True, exist_ok=True)
     tarballs = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
     if not tarballs:
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-              "llama-cpp-python", "-d", str(sdist_dir)], log, nice=0,
-             logfile=cache / "fetch.log")
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "llama-cpp-python",
+                "-d",
+                str(sdist_dir),
+            ],
+            log,
+            nice=0,
+            logfile=cache / "fetch.log",
+        )
         tarballs = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
         if not tarballs:
             raise BuildError("pip download gave no llama_cpp_python sdist")
@@ -131,8 +164,9 @@ def fetch_sources(cache: Path, log: Callable[[str], None] = print) -> Path:
     return src
 
 
-def build(cache: Path | None = None, jobs: int = 1, nice: int = 19,
-          log: Callable[[str], None] = print) -> dict[str, Path]:
+def build(
+    cache: Path | None = None, jobs: int = 1, nice: int = 19, log: Callable[[str], None] = print
+) -> dict[str, Path]:
     """Build llama-server and llama-quantize once; later calls return the cached binaries.
 
     nice 19 and one job by default: on a 2-core machine a build must not starve the work
@@ -149,30 +183,42 @@ def build(cache: Path | None = None, jobs: int = 1, nice: int = 19,
     bdir = build_dir(cache)
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     logfile = cache / f"{bdir.name}.log"
-    _run(["cmake", "-S", str(src), "-B", str(bdir), *gen, *CMAKE_FLAGS, *isa_flags(cpu_flags())], log, nice=nice,
-         logfile=logfile)
-    _run(["cmake", "--build", str(bdir), "--target", *TARGETS, "-j", str(jobs)], log,
-         nice=nice, logfile=logfile)
+    _run(
+        ["cmake", "-S", str(src), "-B", str(bdir), *gen, *CMAKE_FLAGS, *isa_flags(cpu_flags())],
+        log,
+        nice=nice,
+        logfile=logfile,
+    )
+    _run(
+        ["cmake", "--build", str(bdir), "--target", *TARGETS, "-j", str(jobs)],
+        log,
+        nice=nice,
+        logfile=logfile,
+    )
     found = binaries(cache)
     if not found:
         raise BuildError(f"build finished but {TARGETS} are not in {bdir / 'bin'}")
     return found
 
 
-def to_f32(quantize: Path, src: Path, dst: Path, log: Callable[[str], None] = print,
-           nice: int = 19) -> Path:
+def to_f32(quantize: Path, src: Path, dst: Path, log: Callable[[str], None] = print, nice: int = 19) -> Path:
     """Dequantize a GGUF to F32 with llama-quantize (same weights, llama.cpp's fastest fp path
     on this CPU); cached by name."""
     return convert(quantize, src, dst, "F32", log, nice)
 
 
-def convert(quantize: Path, src: Path, dst: Path, kind: str, log: Callable[[str], None] = print,
-            nice: int = 19) -> Path:
+def convert(
+    quantize: Path, src: Path, dst: Path, kind: str, log: Callable[[str], None] = print, nice: int = 19
+) -> Path:
     """Re-encode a GGUF's tensors as `kind` (F32, Q8_0, ...) with llama-quantize; cached by name."""
     if dst.exists():
         return dst
     tmp = dst.with_suffix(".partial")
-    _run([str(quantize), "--allow-requantize", str(src), str(tmp), kind], log, nice=nice,
-         logfile=dst.parent / "quantize.log")
+    _run(
+        [str(quantize), "--allow-requantize", str(src), str(tmp), kind],
+        log,
+        nice=nice,
+        logfile=dst.parent / "quantize.log",
+    )
     tmp.rename(dst)
     return dst

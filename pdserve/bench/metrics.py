@@ -13,10 +13,11 @@ Definitions (also in docs/bench.md):
 - Throughputs divide completed requests' tokens by the run's wall time.
 - Goodput: completed requests meeting every SLO given, per second.
 """
+
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from collections import Counter
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -141,8 +142,12 @@ def meets_slo(r: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | 
     return True
 
 
-def summarize(records: list[RequestRecord], duration_s: float,
-              slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict:
+def summarize(
+    records: list[RequestRecord],
+    duration_s: float,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+) -> dict:
     """The report's JSON body for one run (see the module docstring for each figure)."""
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
@@ -173,9 +178,11 @@ def summarize(records: list[RequestRecord], duration_s: float,
         s["by_tag"] = {}
         for t in tags:
             sub = [r for r in ok if r.tag == t]
-            block = {"completed": len(sub),
-                     "failed": sum(1 for r in failed if r.tag == t),
-                     "output_tokens": sum(r.output_tokens for r in sub)}
+            block = {
+                "completed": len(sub),
+                "failed": sum(1 for r in failed if r.tag == t),
+                "output_tokens": sum(r.output_tokens for r in sub),
+            }
             block.update(_latency_block(sub))
             s["by_tag"][t] = block
     return s

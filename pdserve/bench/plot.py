@@ -1,5 +1,6 @@
 """PNG plots. matplotlib is imported only here and only when a plot is asked for, so the load
 generator itself runs without it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,8 +17,9 @@ def _pyplot():
     return plt
 
 
-def plot_tradeoff(series: dict[str, list[dict]], path: str | Path,
-                  title: str = "throughput vs per-user speed") -> None:
+def plot_tradeoff(
+    series: dict[str, list[dict]], path: str | Path, title: str = "throughput vs per-user speed"
+) -> None:
     """Aggregate output tok/s (y) against per-user tok/s (x), one line per system, each point
     labelled with its concurrency: seed 003's throughput-versus-experience curve. Up and to the
     right is better; moving along a line is the knob documented in docs/bench.md."""
@@ -29,8 +31,13 @@ def plot_tradeoff(series: dict[str, list[dict]], path: str | Path,
         ys = [p["output_throughput_tok_s"] for p in pts]
         ax.plot(xs, ys, marker="o", label=name)
         for p, x, y in zip(pts, xs, ys):
-            ax.annotate(f"c={p.get('concurrency', '?')}", (x, y), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)
+            ax.annotate(
+                f"c={p.get('concurrency', '?')}",
+                (x, y),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+            )
     ax.set_xlabel("per-user tok/s (p50 of 1000/TPOT)")
     ax.set_ylabel("aggregate output tok/s")
     ax.set_title(title, fontsize=10)
@@ -63,15 +70,13 @@ def plot_run(records, path: str | Path, title: str = "latency") -> None:
     plt.close(fig)
 
 
-def plot_bars(names: list[str], values: list[float], path: str | Path, ylabel: str,
-              title: str) -> None:
+def plot_bars(names: list[str], values: list[float], path: str | Path, ylabel: str, title: str) -> None:
     """Side-by-side bars, one per system (benchmarks/compare.py)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(names)), 4.5))
     bars = ax.bar(names, values)
     for b, v in zip(bars, values):
-        ax.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center",
-                    va="bottom", fontsize=9)
+        ax.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=9)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()

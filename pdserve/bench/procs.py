@@ -3,6 +3,7 @@
 Each server runs in its own process group so that stopping it also stops any workers it forked
 (`pdserve serve --mode pd` starts several processes).
 """
+
 from __future__ import annotations
 
 import os
@@ -72,8 +73,15 @@ def thread_env(threads: int, base: dict | None = None) -> dict:
 
 
 class ServerProcess:
-    def __init__(self, cmd: list[str], port: int, log_path: str | Path,
-                 env: dict | None = None, health_path: str = "/health", nice: int = 0):
+    def __init__(
+        self,
+        cmd: list[str],
+        port: int,
+        log_path: str | Path,
+        env: dict | None = None,
+        health_path: str = "/health",
+        nice: int = 0,
+    ):
         self.cmd = cmd
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
@@ -83,9 +91,16 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         full = (["nice", "-n", str(nice)] if nice else []) + cmd
         from pdserve.utils.process import die_with_parent
+
         # Its own group (stop() signals the whole deployment), and gone if this process dies.
-        self.proc = subprocess.Popen(full, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            full,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
     def log_tail(self, n: int = 3000) -> str:
         try:
@@ -98,8 +113,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerStartError(f"{self.cmd[0]} exited with {self.proc.returncode}:\n"
-                                       + self.log_tail())
+                raise ServerStartError(
+                    f"{self.cmd[0]} exited with {self.proc.returncode}:\n" + self.log_tail()
+                )
             try:
                 if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
                     return

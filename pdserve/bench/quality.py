@@ -1,6 +1,7 @@
 """How far a quantized model's next-token distributions are from float32's: teacher-forced over the
 same token sequence (the float model's own greedy continuation), so both models see identical inputs
 at every step and one divergent token cannot compound."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Human-readable output: rich tables for the terminal and markdown for files."""
+
 from __future__ import annotations
 
 from rich.console import Console
@@ -22,8 +23,9 @@ def summary_table(s: dict, title: str = "pdserve bench") -> Table:
     t.add_row("requests/s", _f(s["request_throughput"], 3))
     t.add_row("output tok/s", _f(s["output_throughput_tok_s"]))
     t.add_row("total tok/s", _f(s["total_throughput_tok_s"]))
-    t.add_row("per-user tok/s (mean / p50)",
-              f"{_f(s['per_user_tok_s']['mean'])} / {_f(s['per_user_tok_s']['p50'])}")
+    t.add_row(
+        "per-user tok/s (mean / p50)", f"{_f(s['per_user_tok_s']['mean'])} / {_f(s['per_user_tok_s']['p50'])}"
+    )
     if "goodput_req_s" in s:
         t.add_row(f"goodput req/s ({s['slo']['met']} met SLO)", _f(s["goodput_req_s"], 3))
     for kind, n in sorted(s["errors"].items()):
@@ -49,14 +51,28 @@ def sweep_table(points: list[dict]) -> Table:
     """A concurrency sweep: each row one level, the throughput-versus-experience curve in numbers."""
     # Short headers: the table must stay readable in an 80-column terminal or CI log.
     t = Table(title="concurrency sweep (latencies in ms)", header_style="bold")
-    for c in ("conc", "ok/fail", "out tok/s", "total tok/s", "user tok/s", "TTFT p50",
-              "TPOT p50", "TPOT p99"):
+    for c in (
+        "conc",
+        "ok/fail",
+        "out tok/s",
+        "total tok/s",
+        "user tok/s",
+        "TTFT p50",
+        "TPOT p50",
+        "TPOT p99",
+    ):
         t.add_column(c, justify="right")
     for p in points:
-        t.add_row(str(p["concurrency"]), f"{p['completed']}/{p['failed']}",
-                  _f(p["output_throughput_tok_s"]), _f(p["total_throughput_tok_s"]),
-                  _f(p["per_user_tok_s"]["p50"]), _f(p["ttft_ms"]["p50"]),
-                  _f(p["tpot_ms"]["p50"]), _f(p["tpot_ms"]["p99"]))
+        t.add_row(
+            str(p["concurrency"]),
+            f"{p['completed']}/{p['failed']}",
+            _f(p["output_throughput_tok_s"]),
+            _f(p["total_throughput_tok_s"]),
+            _f(p["per_user_tok_s"]["p50"]),
+            _f(p["ttft_ms"]["p50"]),
+            _f(p["tpot_ms"]["p50"]),
+            _f(p["tpot_ms"]["p99"]),
+        )
     return t
 
 

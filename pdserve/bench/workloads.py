@@ -9,6 +9,7 @@ SmolLM2 (GPT-2 style BPE) tokenizer, so a prompt of W words is close to W tokens
 benchmark never trusts these estimates for its figures: token counts come from the server's
 `usage`. The distributions are documented in docs/bench.md; keep the two in step.
 """
+
 from __future__ import annotations
 
 import json
@@ -97,8 +98,9 @@ def words(rng: random.Random, n: int, sentences: bool = True) -> str:
     return " ".join(out) + "." if out else ""
 
 
-def _out_len(rng: random.Random, max_tokens: int | None, median: float, sigma: float,
-             lo: int, hi: int) -> int:
+def _out_len(
+    rng: random.Random, max_tokens: int | None, median: float, sigma: float, lo: int, hi: int
+) -> int:
     # --max-tokens fixes every request's budget; otherwise the workload's own distribution.
     return max_tokens if max_tokens else _lognormal_int(rng, median, sigma, lo, hi)
 
@@ -122,8 +124,12 @@ def multiturn(n: int, rng: random.Random, max_tokens: int | None) -> list[Sessio
     left = n
     while left > 0:
         k = min(left, rng.randint(2, 6))
-        turns = [Turn(words(rng, _lognormal_int(rng, 40, 0.7, 4, 400)),
-                      _out_len(rng, max_tokens, 96, 0.6, 16, 384)) for _ in range(k)]
+        turns = [
+            Turn(
+                words(rng, _lognormal_int(rng, 40, 0.7, 4, 400)), _out_len(rng, max_tokens, 96, 0.6, 16, 384)
+            )
+            for _ in range(k)
+        ]
         out.append(Session(len(out), turns, system=words(rng, rng.randint(20, 60))))
         left -= k
     return out
@@ -135,13 +141,15 @@ def longdoc(n: int, rng: random.Random, max_tokens: int | None) -> list[Session]
     out = []
     for i in range(n):
         doc = words(rng, _lognormal_int(rng, 1500, 0.5, 512, 6000))
-        out.append(Session(i, [Turn(doc + "\n\n" + rng.choice(_ASKS),
-                                    _out_len(rng, max_tokens, 64, 0.5, 16, 256))]))
+        out.append(
+            Session(i, [Turn(doc + "\n\n" + rng.choice(_ASKS), _out_len(rng, max_tokens, 64, 0.5, 16, 256))])
+        )
     return out
 
 
-def shared_prefix(n: int, rng: random.Random, max_tokens: int | None,
-                  num_prefixes: int = 4, prefix_words: int = 800) -> list[Session]:
+def shared_prefix(
+    n: int, rng: random.Random, max_tokens: int | None, num_prefixes: int = 4, prefix_words: int = 800
+) -> list[Session]:
     """Few long system prompts shared by many short questions, as behind an assistant product:
     4 system prompts of 800 words; each request picks one (uniform) and asks a question of median
     30 words (0.6, 4-200); reply median 64 (0.5, 16-256). Measures prefix-cache reuse."""
@@ -149,13 +157,15 @@ def shared_prefix(n: int, rng: random.Random, max_tokens: int | None,
     out = []
     for i in range(n):
         q = words(rng, _lognormal_int(rng, 30, 0.6, 4, 200))
-        out.append(Session(i, [Turn(q, _out_len(rng, max_tokens, 64, 0.5, 16, 256))],
-                           system=rng.choice(prefixes)))
+        out.append(
+            Session(i, [Turn(q, _out_len(rng, max_tokens, 64, 0.5, 16, 256))], system=rng.choice(prefixes))
+        )
     return out
 
 
-def interference(n: int, rng: random.Random, max_tokens: int | None,
-                 long_fraction: float = 0.2) -> list[Session]:
+def interference(
+    n: int, rng: random.Random, max_tokens: int | None, long_fraction: float = 0.2
+) -> list[Session]:
     """Decode-heavy requests mixed with prefill-heavy ones, tagged so the report splits them.
 
     80% `decode`: prompt median 32 words (0.5, 8-128), reply 256 tokens; 20% `prefill`: prompt
@@ -178,8 +188,7 @@ def fixed(n: int, rng: random.Random, max_tokens: int | None, input_len: int = 1
     """Every prompt input_len words, every reply max_tokens (default 128): the shape used to
     compare systems side by side, where equal work per request matters more than realism."""
     # No full stops, so input_len words are input_len tokens for SmolLM2's tokenizer.
-    return [Session(i, [Turn(words(rng, input_len, sentences=False), max_tokens or 128)])
-            for i in range(n)]
+    return [Session(i, [Turn(words(rng, input_len, sentences=False), max_tokens or 128)]) for i in range(n)]
 
 
 SYNTHETIC = {
@@ -192,8 +201,9 @@ SYNTHETIC = {
 }
 
 
-def load_jsonl(path: str | Path, n: int, max_tokens: int | None,
-               default_max_tokens: int = 128) -> list[Session]:
+def load_jsonl(
+    path: str | Path, n: int, max_tokens: int | None, default_max_tokens: int = 128
+) -> list[Session]:
     """Sessions from a JSONL file; the file is cycled when it has fewer lines than n requests.
 
     Each line is one of:
@@ -241,8 +251,9 @@ def load_jsonl(path: str | Path, n: int, max_tokens: int | None,
     return out
 
 
-def make_workload(name: str, n: int, seed: int = 0, max_tokens: int | None = None,
-                  input_len: int = 128) -> list[Session]:
+def make_workload(
+    name: str, n: int, seed: int = 0, max_tokens: int | None = None, input_len: int = 128
+) -> list[Session]:
     """The sessions for `name` (a synthetic workload or a .jsonl path), n requests in total."""
     if n <= 0:
         raise ValueError("the number of requests must be positive")

@@ -3,6 +3,7 @@
 With a prefix cache attached, a cached block whose last reference goes away is not freed: it
 stays evictable, and allocation evicts such blocks (LRU leaves first) once the free list is empty.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -44,7 +45,7 @@ class BlockPool:
             raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free} available")
         while len(self._free) < n:
             evicted = self.prefix_cache.evict_one() if self.prefix_cache else None
-            if evicted is None:   # unreferenced cached blocks that are not leaves cannot go first
+            if evicted is None:  # unreferenced cached blocks that are not leaves cannot go first
                 raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free after eviction")
             self._free.append(evicted)
         blocks = [self._free.popleft() for _ in range(n)]

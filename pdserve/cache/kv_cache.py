@@ -3,6 +3,7 @@
 One buffer so that a layer's blocks are contiguous runs of memory that another process can map
 (a decode worker's pool lives in a /dev/shm file that prefill workers write into directly).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -33,8 +34,14 @@ def kv_shape(arch: ModelArch, num_blocks: int, block_size: int) -> tuple[int, ..
     return (arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim)
 
 
-def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device | str = "cpu", shm_path: str | Path | None = None) -> torch.Tensor:
+def allocate_kv_cache(
+    arch: ModelArch,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    shm_path: str | Path | None = None,
+) -> torch.Tensor:
     shape = kv_shape(arch, num_blocks, block_size)
     if shm_path is not None:
         if torch.device(device).type != "cpu":

@@ -13,6 +13,7 @@ for the router only: a one-machine deployment binds them on loopback (worker_pro
 an internal token they are CurveZMQ servers whose keys derive from the token, accepting only
 clients that hold it: events and snapshots are encrypted, and nobody else can subscribe or ask.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,7 +39,7 @@ __all__ = ["KVEventPublisher", "KVEventSubscriber", "KVIndex"]
 
 TOPIC = b"kv"
 _SNAPSHOT_REQUEST = b"snapshot"
-_SNAPSHOT_REQUEST_MAX = 4096     # the request, or a CurveZMQ handshake command (a few hundred bytes)
+_SNAPSHOT_REQUEST_MAX = 4096  # the request, or a CurveZMQ handshake command (a few hundred bytes)
 
 
 def _check_tier(tier: str) -> None:
@@ -62,7 +63,7 @@ def _bind(sock: zmq.Socket, endpoint: str, wait_s: float = 3.0) -> None:
             time.sleep(0.05)
 
 
-_ZAP_ENDPOINT = "inproc://zeromq.zap.01"      # where libzmq asks who may connect (one per context)
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect (one per context)
 
 
 def curve_keys(token: str, side: bytes) -> tuple[bytes, bytes]:
@@ -77,10 +78,19 @@ def _curve_client(sock: zmq.Socket, token: str) -> None:
 
 
 class KVEventPublisher:
-    def __init__(self, endpoint: str, worker_id: str, snapshot_endpoint: str | None = None, *,
-                 max_pending: int = 100_000, sndhwm: int = 10_000, max_batch: int = 1000,
-                 context: zmq.Context | None = None, advertise_host: str | None = None,
-                 token: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        worker_id: str,
+        snapshot_endpoint: str | None = None,
+        *,
+        max_pending: int = 100_000,
+        sndhwm: int = 10_000,
+        max_batch: int = 1000,
+        context: zmq.Context | None = None,
+        advertise_host: str | None = None,
+        token: str | None = None,
+    ) -> None:
         """Binds both sockets now (errors surface here); tcp://host:* picks a free port, see .endpoint
         (named with `advertise_host` when given: what subscribers on other machines connect to).
         With `token` (the internal token) only subscribers holding it connect; the publisher then
@@ -114,7 +124,9 @@ class KVEventPublisher:
                 # It takes one short request: a peer streaming more is cut off before it is buffered.
                 self._snap.setsockopt(zmq.MAXMSGSIZE, _SNAPSHOT_REQUEST_MAX)
                 _bind(self._snap, snapshot_endpoint)
-                self.snapshot_endpoint = with_host(self._snap.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
+                self.snapshot_endpoint = with_host(
+                    self._snap.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host
+                )
         except zmq.ZMQError:
             for sock in (self._pub, self._snap, self._zap):
                 if sock is not None:
@@ -128,22 +140,23 @@ class KVEventPublisher:
         os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()
         self._queue: deque[dict[str, Any]] = deque()
-        self._open: dict[str, Any] | None = None     # last queued event, still extendable
-        self._blocks: dict[str, set[str]] = {}       # this worker's state, for snapshots
-        self._seq = time.time_ns() // 1000           # grows across restarts too
+        self._open: dict[str, Any] | None = None  # last queued event, still extendable
+        self._blocks: dict[str, set[str]] = {}  # this worker's state, for snapshots
+        self._seq = time.time_ns() // 1000  # grows across restarts too
         self._signaled = False
         self._closing = False
         self.published = 0
         self.dropped = 0
         self.snapshots_served = 0
-        self.refused = 0                             # peers without the token's key
+        self.refused = 0  # peers without the token's key
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ producers (any thread)
 
-    def stored(self, hashes: list[bytes] | list[str], parent: bytes | str | None = None,
-               tier: str = "device") -> None:
+    def stored(
+        self, hashes: list[bytes] | list[str], parent: bytes | str | None = None, tier: str = "device"
+    ) -> None:
         hexes = [hash_hex(h) for h in hashes]
         if not hexes:
             return
@@ -153,9 +166,14 @@ class KVEventPublisher:
             for h in hexes:
                 self._blocks.setdefault(h, set()).add(tier)
             ev = self._open
-            if (ev is not None and ev["type"] == "stored" and ev["tier"] == tier
-                    and parent_hex is not None and ev["block_hashes"][-1] == parent_hex):
-                ev["block_hashes"].extend(hexes)      # the chain goes on: one event, not one per block
+            if (
+                ev is not None
+                and ev["type"] == "stored"
+                and ev["tier"] == tier
+                and parent_hex is not None
+                and ev["block_hashes"][-1] == parent_hex
+            ):
+                ev["block_hashes"].extend(hexes)  # the chain goes on: one event, not one per block
                 return
             self._queue_event("stored", hexes, parent_hex, tier)
 
@@ -198,8 +216,15 @@ class KVEventPublisher:
             self.dropped += 1
             self._open = None
             return
-        ev = {"type": kind, "block_hashes": hexes, "parent_hash": parent, "tier": tier,
-              "worker_id": self.worker_id, "seq": self._seq, "ts": time.time()}
+        ev = {
+            "type": kind,
+            "block_hashes": hexes,
+            "parent_hash": parent,
+            "tier": tier,
+            "worker_id": self.worker_id,
+            "seq": self._seq,
+            "ts": time.time(),
+        }
         self._queue.append(ev)
         self._open = ev
         if not self._signaled:
@@ -215,16 +240,19 @@ class KVEventPublisher:
 
     def snapshot(self) -> KVSnapshot:
         with self._lock:
-            self._open = None         # events up to seq are final: the snapshot includes them
+            self._open = None  # events up to seq are final: the snapshot includes them
             blocks = {h: sorted(t, key=TIER_RANK.__getitem__) for h, t in self._blocks.items()}
             seq = self._seq
         return KVSnapshot(worker_id=self.worker_id, seq=seq, blocks=blocks)
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return {"kv_events_published_total": float(self.published), "kv_events_dropped_total": float(self.dropped),
-                    "kv_events_pending": float(len(self._queue)),
-                    "kv_snapshots_served_total": float(self.snapshots_served)}
+            return {
+                "kv_events_published_total": float(self.published),
+                "kv_events_dropped_total": float(self.dropped),
+                "kv_events_pending": float(len(self._queue)),
+                "kv_snapshots_served_total": float(self.snapshots_served),
+            }
 
     # ------------------------------------------------------------------ the socket thread
 
@@ -261,10 +289,20 @@ class KVEventPublisher:
         ok = hmac.compare_digest(key, self._client_key)
         if not ok:
             self.refused += 1
-            if self.refused & (self.refused - 1) == 0:       # 1, 2, 4, ...: a retrying peer cannot flood the log
-                log.warning("KV events: refused a subscriber without the internal token (%d so far)", self.refused)
-        zap.send_multipart([b"1.0", request_id, b"200" if ok else b"400",
-                                  b"OK" if ok else b"not the internal token's key", b"", b""])
+            if self.refused & (self.refused - 1) == 0:  # 1, 2, 4, ...: a retrying peer cannot flood the log
+                log.warning(
+                    "KV events: refused a subscriber without the internal token (%d so far)", self.refused
+                )
+        zap.send_multipart(
+            [
+                b"1.0",
+                request_id,
+                b"200" if ok else b"400",
+                b"OK" if ok else b"not the internal token's key",
+                b"",
+                b"",
+            ]
+        )
 
     def _send_pending(self) -> None:
         try:
@@ -278,7 +316,7 @@ class KVEventPublisher:
             events = list(self._queue)
             self._queue.clear()
         for i in range(0, len(events), self.max_batch):
-            chunk = events[i:i + self.max_batch]
+            chunk = events[i : i + self.max_batch]
             payload = msgpack.packb({"worker_id": self.worker_id, "events": chunk})
             try:
                 self._pub.send_multipart([TOPIC, payload], flags=zmq.NOBLOCK)
@@ -324,13 +362,19 @@ class KVEventPublisher:
 class KVEventSubscriber:
     """A router's view of one worker: SUB to its events, REQ for its snapshot."""
 
-    def __init__(self, endpoint: str, snapshot_endpoint: str | None = None, *,
-                 context: zmq.Context | None = None, token: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        snapshot_endpoint: str | None = None,
+        *,
+        context: zmq.Context | None = None,
+        token: str | None = None,
+    ) -> None:
         """`token`: the internal token, when the workers have one (their sockets then take only its key)."""
         self._ctx = context or zmq.Context.instance()
         self._token = token
         self.snapshot_endpoint = snapshot_endpoint
-        self.worker_id: str | None = None       # known after the first snapshot
+        self.worker_id: str | None = None  # known after the first snapshot
         self.malformed = 0
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -344,7 +388,7 @@ class KVEventSubscriber:
         """The worker's full state. Raises TimeoutError when it does not answer in time."""
         if self.snapshot_endpoint is None:
             raise ValueError("no snapshot endpoint")
-        req = self._ctx.socket(zmq.REQ)     # one per call: a REQ that timed out cannot send again
+        req = self._ctx.socket(zmq.REQ)  # one per call: a REQ that timed out cannot send again
         req.setsockopt(zmq.LINGER, 0)
         if self._token:
             _curve_client(req, self._token)
@@ -368,7 +412,7 @@ class KVEventSubscriber:
             frames = self._sub.recv_multipart()
             try:
                 batch = KVEventBatch.model_validate(msgpack.unpackb(frames[1]))
-            except (ValueError, TypeError, IndexError) as e:    # garbage must not stop the router
+            except (ValueError, TypeError, IndexError) as e:  # garbage must not stop the router
                 self.malformed += 1
                 log.warning("KV events: dropping a malformed batch: %s", e)
                 continue
@@ -379,7 +423,9 @@ class KVEventSubscriber:
         """Apply new events to `index`, taking a snapshot first when the index lacks or lost this
         worker's state. Returns how many events were applied."""
         applied = sum(index.apply(ev) for ev in self.poll(timeout))
-        if self.snapshot_endpoint is not None and (self.worker_id is None or self.worker_id in index.needs_snapshot):
+        if self.snapshot_endpoint is not None and (
+            self.worker_id is None or self.worker_id in index.needs_snapshot
+        ):
             index.apply_snapshot(self.snapshot())
         return applied
 

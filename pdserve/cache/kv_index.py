@@ -2,11 +2,12 @@
 
 Pure data, no sockets, so policies and simulators can use it directly.
 """
+
 from __future__ import annotations
 
 from pdserve.protocol import KV_TIERS, KVEvent, KVSnapshot
 
-TIER_RANK = {t: i for i, t in enumerate(KV_TIERS)}     # 0 = fastest
+TIER_RANK = {t: i for i, t in enumerate(KV_TIERS)}  # 0 = fastest
 
 
 def hash_hex(h: bytes | str) -> str:
@@ -15,13 +16,13 @@ def hash_hex(h: bytes | str) -> str:
 
 class KVIndex:
     def __init__(self) -> None:
-        self._blocks: dict[str, dict[str, set[str]]] = {}     # hash -> worker -> tiers
-        self._by_worker: dict[str, set[str]] = {}             # worker -> hashes
+        self._blocks: dict[str, dict[str, set[str]]] = {}  # hash -> worker -> tiers
+        self._by_worker: dict[str, set[str]] = {}  # worker -> hashes
         # hash -> {worker: fastest tier rank} for holders WITHOUT a device copy: match() intersects
         # holder sets (C speed) for lengths and consults only this small map for tiers.
         self._slow: dict[str, dict[str, int]] = {}
         self.last_seq: dict[str, int] = {}
-        self.needs_snapshot: set[str] = set()   # workers whose events had a gap (or no snapshot yet)
+        self.needs_snapshot: set[str] = set()  # workers whose events had a gap (or no snapshot yet)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -66,7 +67,7 @@ class KVIndex:
         if last is not None and event.seq <= last:
             return False
         if last is None or event.seq != last + 1:
-            self.needs_snapshot.add(worker)     # missed events: applied anyway, but resync soon
+            self.needs_snapshot.add(worker)  # missed events: applied anyway, but resync soon
         self.last_seq[worker] = event.seq
         for h in event.block_hashes:
             if event.type == "stored":

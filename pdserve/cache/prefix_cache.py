@@ -5,6 +5,7 @@ block's token ids, an optional per-tenant salt); looking a prompt up walks the t
 a time. Cached blocks are shared by reference count. A cached block that no request holds stays
 in memory, evictable: leaves go first, least recently used first.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,9 @@ def salt_key(salt: str | bytes | None) -> bytes | None:
     return hashlib.blake2b(salt.encode(), digest_size=16, person=b"pdserve-salt").digest()
 
 
-def block_hash(parent: bytes | None, token_ids: list[int], salt: str | bytes | None = None,
-               extra: bytes | None = None) -> bytes:
+def block_hash(
+    parent: bytes | None, token_ids: list[int], salt: str | bytes | None = None, extra: bytes | None = None
+) -> bytes:
     """Stable across processes and machines (Python's hash() is salted per process). `salt`: the
     tenant's salt, or its `salt_key` (what a caller hashing many blocks passes). `extra`: what else
     the block's KV depends on, the digests of the images it overlaps (common/images.block_extra)."""
@@ -45,15 +47,16 @@ def block_hash(parent: bytes | None, token_ids: list[int], salt: str | bytes | N
     return h.digest()
 
 
-def prompt_hashes(token_ids: list[int], block_size: int, salt: str | bytes | None = None,
-                  images: Sequence[ImageInput] = ()) -> list[bytes]:
+def prompt_hashes(
+    token_ids: list[int], block_size: int, salt: str | bytes | None = None, images: Sequence[ImageInput] = ()
+) -> list[bytes]:
     """Chained hashes of every full block of `token_ids` (with `images`: of a VLM prompt's)."""
     out: list[bytes] = []
     parent = None
     salt = salt_key(salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         extra = block_extra(list(images), start, start + block_size) if images else None
-        parent = block_hash(parent, token_ids[start:start + block_size], salt, extra)
+        parent = block_hash(parent, token_ids[start : start + block_size], salt, extra)
         out.append(parent)
     return out
 
@@ -66,15 +69,16 @@ class _Node:
 
 
 class PrefixCache:
-    def __init__(self, block_size: int, listener: CacheListener | None = None,
-                 on_evict: EvictHook | None = None) -> None:
+    def __init__(
+        self, block_size: int, listener: CacheListener | None = None, on_evict: EvictHook | None = None
+    ) -> None:
         self.block_size = block_size
-        self.listener = listener      # feeds KV events (the router's global index)
-        self.on_evict = on_evict      # lets the engine offload an evicted block's KV to a lower tier
+        self.listener = listener  # feeds KV events (the router's global index)
+        self.on_evict = on_evict  # lets the engine offload an evicted block's KV to a lower tier
         self.nodes: dict[bytes, _Node] = {}
-        self.hash_of: dict[int, bytes] = {}                  # block id -> its hash, for cached blocks
-        self.evictable: OrderedDict[int, None] = OrderedDict()   # unreferenced leaves, LRU first
-        self.unreferenced: set[int] = set()                  # cached blocks with refcount 0
+        self.hash_of: dict[int, bytes] = {}  # block id -> its hash, for cached blocks
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced leaves, LRU first
+        self.unreferenced: set[int] = set()  # cached blocks with refcount 0
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -104,13 +108,13 @@ class PrefixCache:
         if h in self.nodes or block_id in self.hash_of:
             return False
         if parent is not None and parent not in self.nodes:
-            return False                 # the trie stays rooted: no orphans
+            return False  # the trie stays rooted: no orphans
         self.nodes[h] = _Node(block_id, parent)
         self.hash_of[block_id] = h
         if parent is not None:
             parent_node = self.nodes[parent]
             parent_node.children += 1
-            self.evictable.pop(parent_node.block_id, None)    # no longer a leaf
+            self.evictable.pop(parent_node.block_id, None)  # no longer a leaf
         if self.listener is not None:
             self.listener("stored", h, parent)
         return True
@@ -169,6 +173,7 @@ class PrefixCache:
             assert node.children == children.get(h, 0), f"block {node.block_id} child count"
             unref = refcount[node.block_id] == 0
             assert unref == (node.block_id in self.unreferenced), f"block {node.block_id} reference state"
-            assert (unref and node.children == 0) == (node.block_id in self.evictable), \
+            assert (unref and node.children == 0) == (node.block_id in self.evictable), (
                 f"block {node.block_id} evictable state"
+            )
         assert len(self.hash_of) == len(self.nodes)

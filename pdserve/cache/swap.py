@@ -11,6 +11,7 @@ copy of that KV (the host tier may drop or spill what it holds at any time), and
 one request, not shared by hash. Memory is taken per swapped request and given back at once.
 The copies are synchronous, one gather or scatter per request: a few MB, well under a decode step.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,6 +22,7 @@ import torch
 
 class Request(Protocol):
     """What swapping reads of a request (engine/request.py's Request; the cache sits below the engine)."""
+
     @property
     def request_id(self) -> str: ...
     @property
@@ -35,11 +37,17 @@ class SwapSpace:
         self.block_bytes = kv_cache[:, :, :block_size].numel() * kv_cache.element_size()
         # Pinned host memory makes the device<->host copies DMA; plain memory on CPU.
         self._pin = kv_cache.device.type == "cuda"
-        self._held: dict[str, torch.Tensor] = {}       # request id -> [layers, 2, blocks * block_size, heads, dim]
+        self._held: dict[str, torch.Tensor] = {}  # request id -> [layers, 2, blocks * block_size, heads, dim]
         self.used_bytes = 0
-        self.counters = {"swapped_out_total": 0, "swapped_in_total": 0, "swap_fallbacks_total": 0,
-                         "swap_discarded_total": 0, "swap_out_blocks_total": 0, "swap_in_blocks_total": 0,
-                         "swap_seconds_total": 0.0}
+        self.counters = {
+            "swapped_out_total": 0,
+            "swapped_in_total": 0,
+            "swap_fallbacks_total": 0,
+            "swap_discarded_total": 0,
+            "swap_out_blocks_total": 0,
+            "swap_in_blocks_total": 0,
+            "swap_seconds_total": 0.0,
+        }
 
     def _slots(self, block_ids: list[int]) -> torch.Tensor:
         bs = self.block_size
@@ -72,7 +80,7 @@ class SwapSpace:
         bs = self.block_size
         n = data.shape[2] // bs
         if first < n:
-            src = data[:, :, first * bs:].to(self.kv_cache.device)
+            src = data[:, :, first * bs :].to(self.kv_cache.device)
             self.kv_cache.index_copy_(2, self._slots(req.block_ids[first:n]), src)
         self.counters["swapped_in_total"] += 1
         self.counters["swap_in_blocks_total"] += n - first
@@ -90,4 +98,8 @@ class SwapSpace:
         return data
 
     def stats(self) -> dict[str, float]:
-        return {**self.counters, "swap_used_bytes": float(self.used_bytes), "swapped_requests": len(self._held)}
+        return {
+            **self.counters,
+            "swap_used_bytes": float(self.used_bytes),
+            "swapped_requests": len(self._held),
+        }

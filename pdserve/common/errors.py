@@ -1,4 +1,5 @@
 """Errors a generation backend (the worker's AsyncEngine or the router's RemoteBackend) raises to the API."""
+
 from __future__ import annotations
 
 
@@ -31,8 +32,14 @@ class RequestMoved(RuntimeError):
 class APIError(Exception):
     """An HTTP error with an OpenAI-style body (server/errors.py renders it)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

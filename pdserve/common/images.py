@@ -6,6 +6,7 @@ token id; its embeddings replace those positions' token embeddings. The prefix c
 block by its token ids, which are the same for every image, so a block that overlaps an image
 also hashes the image's digest (`block_extra`): a repeated image hits the cache, another misses.
 """
+
 from __future__ import annotations
 
 import base64
@@ -44,8 +45,8 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
         raise ImageError(f"unsupported media type {mime or 'none'!r}; send image/png or image/jpeg")
     if not m.group("b64"):
         raise ImageError("the data: URL is not base64")
-    body = url[m.end():]
-    if len(body) > (max_bytes + 2) // 3 * 4 + 4:          # refuse before decoding it
+    body = url[m.end() :]
+    if len(body) > (max_bytes + 2) // 3 * 4 + 4:  # refuse before decoding it
         raise ImageError(f"the image is larger than {max_bytes} bytes")
     try:
         data = base64.b64decode(body, validate=True)
@@ -63,9 +64,13 @@ def open_image(data: bytes, max_pixels: int) -> Any:
     try:
         img = Image.open(io.BytesIO(data), formats=PIL_FORMATS)
         if img.width * img.height > max_pixels:
-            raise ImageError(f"the image has {img.width}x{img.height} pixels; at most {max_pixels} are allowed")
+            raise ImageError(
+                f"the image has {img.width}x{img.height} pixels; at most {max_pixels} are allowed"
+            )
         if max(img.width, img.height) > MAX_ASPECT * max(1, min(img.width, img.height)):
-            raise ImageError(f"the image is {img.width}x{img.height}: sides more than {MAX_ASPECT} times apart")
+            raise ImageError(
+                f"the image is {img.width}x{img.height}: sides more than {MAX_ASPECT} times apart"
+            )
         img.load()
     except ImageError:
         raise
@@ -82,12 +87,13 @@ def image_digest(data: bytes) -> bytes:
 class ImageProcessing:
     """How an image becomes pixels (HF CLIPImageProcessor / SiglipImageProcessor): resize (the
     shortest edge, or to height x width), center crop, scale to [0, 1], normalize per channel."""
+
     shortest_edge: int | None = 336
-    size: tuple[int, int] | None = None         # (height, width) when set, instead of shortest_edge
+    size: tuple[int, int] | None = None  # (height, width) when set, instead of shortest_edge
     crop: tuple[int, int] | None = (336, 336)
     mean: tuple[float, ...] = CLIP_MEAN
     std: tuple[float, ...] = CLIP_STD
-    resample: int = 3                           # PIL bicubic
+    resample: int = 3  # PIL bicubic
     rescale: float = 1 / 255
 
     @classmethod
@@ -96,15 +102,19 @@ class ImageProcessing:
         crop = cfg.get("crop_size") if cfg.get("do_center_crop", "crop_size" in cfg) else None
         if isinstance(crop, int):
             crop = {"height": crop, "width": crop}
-        return cls(shortest_edge=size.get("shortest_edge") if isinstance(size, dict) else size,
-                   size=(size["height"], size["width"]) if isinstance(size, dict) and "height" in size else None,
-                   crop=(crop["height"], crop["width"]) if crop else None,
-                   mean=tuple(cfg.get("image_mean", CLIP_MEAN)), std=tuple(cfg.get("image_std", CLIP_STD)),
-                   resample=cfg.get("resample", 3), rescale=cfg.get("rescale_factor", 1 / 255))
+        return cls(
+            shortest_edge=size.get("shortest_edge") if isinstance(size, dict) else size,
+            size=(size["height"], size["width"]) if isinstance(size, dict) and "height" in size else None,
+            crop=(crop["height"], crop["width"]) if crop else None,
+            mean=tuple(cfg.get("image_mean", CLIP_MEAN)),
+            std=tuple(cfg.get("image_std", CLIP_STD)),
+            resample=cfg.get("resample", 3),
+            rescale=cfg.get("rescale_factor", 1 / 255),
+        )
 
     def pixels(self, img: Any) -> np.ndarray:
         """float32 [3, H, W] for an RGB PIL image."""
-        import numpy as np      # not at import: the router's processes read data URLs without it
+        import numpy as np  # not at import: the router's processes read data URLs without it
 
         if self.size is not None:
             img = img.resize((self.size[1], self.size[0]), self.resample)
@@ -127,6 +137,7 @@ class ImageProcessing:
 class ImageSlots:
     """What the API needs to place a VLM's images in a prompt: the text standing for an image in the
     rendered chat (it tokenizes to `image_token_id`) and how many positions one image takes."""
+
     placeholder: str
     image_token_id: int
     tokens_per_image: int
@@ -135,11 +146,12 @@ class ImageSlots:
 @dataclass
 class ImageInput:
     """One image of a prompt: positions [offset, offset + length) hold its embeddings."""
+
     offset: int
     length: int
     digest: bytes
-    data: bytes                         # the image file, as the client sent it
-    embeds: Any = field(default=None, repr=False)       # [length, hidden] once encoded (engine side)
+    data: bytes  # the image file, as the client sent it
+    embeds: Any = field(default=None, repr=False)  # [length, hidden] once encoded (engine side)
 
     def to_wire(self) -> dict[str, Any]:
         return {"offset": self.offset, "length": self.length, "digest": self.digest, "data": self.data}
@@ -150,8 +162,12 @@ class ImageInput:
 
     def to_json(self) -> dict[str, Any]:
         """For the router's JSON request to a worker: digest in hex, file bytes in base64."""
-        return {"offset": self.offset, "length": self.length, "digest": self.digest.hex(),
-                "data": base64.b64encode(self.data).decode()}
+        return {
+            "offset": self.offset,
+            "length": self.length,
+            "digest": self.digest.hex(),
+            "data": base64.b64encode(self.data).decode(),
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ImageInput:
@@ -179,7 +195,9 @@ def image_slots(model: str) -> ImageSlots | None:
     if not cfg_path.is_file():
         return None
     cfg = json.loads(cfg_path.read_text())
-    if cfg.get("model_type") != "llava" and "LlavaForConditionalGeneration" not in (cfg.get("architectures") or []):
+    if cfg.get("model_type") != "llava" and "LlavaForConditionalGeneration" not in (
+        cfg.get("architectures") or []
+    ):
         return None
     vc = cfg.get("vision_config") or {}
     clip = "siglip" not in vc.get("model_type", "clip")
@@ -207,15 +225,18 @@ def block_extra(images: list[ImageInput], start: int, end: int) -> bytes | None:
     return b"".join(out) or None
 
 
-def expand_image_tokens(ids: list[int], image_token_id: int, tokens_per_image: int,
-                        images: list[tuple[bytes, bytes]]) -> tuple[list[int], list[ImageInput]]:
+def expand_image_tokens(
+    ids: list[int], image_token_id: int, tokens_per_image: int, images: list[tuple[bytes, bytes]]
+) -> tuple[list[int], list[ImageInput]]:
     """Each image token of a tokenized prompt becomes `tokens_per_image` of them; `images` are
     (digest, data) in prompt order. ImageError when the counts differ (text that spells the image
     token itself)."""
     found = ids.count(image_token_id)
     if found != len(images):
-        raise ImageError(f"the prompt holds {found} image tokens for {len(images)} images; the text must not "
-                         "contain the model's image token")
+        raise ImageError(
+            f"the prompt holds {found} image tokens for {len(images)} images; the text must not "
+            "contain the model's image token"
+        )
     out: list[int] = []
     placed: list[ImageInput] = []
     for t in ids:

@@ -1,4 +1,5 @@
 """What generation hands back per step, in the form it crosses processes (worker -> router)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     rank: int
-    top: list[tuple[int, float]]        # the top-k alternatives, best first
+    top: list[tuple[int, float]]  # the top-k alternatives, best first
 
     def to_wire(self) -> list[Any]:
         """A msgpack/JSON-friendly list, for worker-to-worker and worker-to-router messages."""
@@ -25,6 +26,7 @@ class TokenLogprob:
 @dataclass
 class RequestOutput:
     """What one step produced for one request: a delta, plus the totals so far."""
+
     request_id: str
     new_token_ids: list[int]
     new_text: str
@@ -33,7 +35,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    error: str | None = None        # finish_reason "error": why, for the client
+    error: str | None = None  # finish_reason "error": why, for the client
     # First output of a decode-role request only: the prefill worker that filled its KV, and
     # those that failed to (see Request.prefill_attempts).
     prefilled_by: str | None = None

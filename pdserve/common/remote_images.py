@@ -10,6 +10,7 @@ here, at most `MAX_REDIRECTS`, to http(s) only, each checked like the first URL.
 the whole fetch (lookups, connections, every read) and `max_bytes` the body. Whatever fails, the
 client reads one sentence (anything more would map the network for it); the log has the reason.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -46,7 +47,7 @@ def system_resolve(host: str, port: int) -> list[str]:
 def _embedded(ip: IPAddress) -> list[IPAddress]:
     """The address and the IPv4 addresses an IPv6 one carries to a v4 host."""
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return [ip.ipv4_mapped]         # an IPv4 address in IPv6 clothes: its own flags are the v4 ones
+        return [ip.ipv4_mapped]  # an IPv4 address in IPv6 clothes: its own flags are the v4 ones
     out: list[IPAddress] = [ip]
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.sixtofour is not None:
@@ -59,7 +60,14 @@ def _embedded(ip: IPAddress) -> list[IPAddress]:
 
 
 def _public(a: IPAddress) -> bool:
-    if a.is_private or a.is_loopback or a.is_link_local or a.is_multicast or a.is_reserved or a.is_unspecified:
+    if (
+        a.is_private
+        or a.is_loopback
+        or a.is_link_local
+        or a.is_multicast
+        or a.is_reserved
+        or a.is_unspecified
+    ):
         return False
     if isinstance(a, ipaddress.IPv6Address) and a.is_site_local:
         return False
@@ -68,7 +76,7 @@ def _public(a: IPAddress) -> bool:
 
 def address_allowed(address: str, allow_networks: Sequence[Network] = ()) -> bool:
     """A public unicast address, or one inside a network the operator allowed."""
-    ip = ipaddress.ip_address(address.split("%", 1)[0])       # an IPv6 zone (fe80::1%eth0) is link-local anyway
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone (fe80::1%eth0) is link-local anyway
     if any(ip in net for net in allow_networks):
         return True
     return all(_public(a) for a in _embedded(ip))
@@ -111,14 +119,14 @@ class _Socket:
         self.sock, self.deadline = sock, deadline
 
     def sendall(self, data: bytes) -> None:
-        self.sock.settimeout(self.deadline.left())      # since 3.5 the timeout bounds the whole sendall
+        self.sock.settimeout(self.deadline.left())  # since 3.5 the timeout bounds the whole sendall
         self.sock.sendall(data)
 
     def makefile(self, mode: str, *args, **kwargs) -> io.BufferedReader:
         return io.BufferedReader(_Reader(self.sock, self.deadline))
 
     def close(self) -> None:
-        pass        # http.client closes it before the body is read; _get closes the socket after
+        pass  # http.client closes it before the body is read; _get closes the socket after
 
 
 class _Pinned(http.client.HTTPConnection):
@@ -141,7 +149,7 @@ def _resolve(resolve: Resolver, host: str, port: int, deadline: _Deadline) -> li
     def run() -> None:
         try:
             box["addresses"] = list(resolve(host, port))
-        except Exception as e:      # noqa: BLE001 - handed to the caller
+        except Exception as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
         finally:
             done.set()
@@ -154,8 +162,13 @@ def _resolve(resolve: Resolver, host: str, port: int, deadline: _Deadline) -> li
     return box["addresses"]
 
 
-def checked_addresses(host: str, port: int, resolve: Resolver, allow_networks: Sequence[Network],
-                      deadline: _Deadline | None = None) -> list[str]:
+def checked_addresses(
+    host: str,
+    port: int,
+    resolve: Resolver,
+    allow_networks: Sequence[Network],
+    deadline: _Deadline | None = None,
+) -> list[str]:
     """`host`'s addresses when every one is allowed; _Refused otherwise."""
     addresses = _resolve(resolve, host, port, deadline or _Deadline(30.0))
     if not addresses:
@@ -176,8 +189,9 @@ def _connect(addresses: list[str], port: int, deadline: _Deadline) -> socket.soc
     raise _Refused(f"connecting to {addresses} port {port}: {last}")
 
 
-def _get(url: str, max_bytes: int, resolve: Resolver, allow_networks: Sequence[Network],
-         deadline: _Deadline) -> tuple[int, str | None, bytes]:
+def _get(
+    url: str, max_bytes: int, resolve: Resolver, allow_networks: Sequence[Network], deadline: _Deadline
+) -> tuple[int, str | None, bytes]:
     """One hop: (status, Location, body)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -193,8 +207,11 @@ def _get(url: str, max_bytes: int, resolve: Resolver, allow_networks: Sequence[N
             raw.settimeout(deadline.left())
             raw = ssl.create_default_context().wrap_socket(raw, server_hostname=host)
         conn = _Pinned(host, port, _Socket(raw, deadline))
-        conn.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
-                     headers={"User-Agent": "pdserve", "Accept": "image/*", "Connection": "close"})
+        conn.request(
+            "GET",
+            (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
+            headers={"User-Agent": "pdserve", "Accept": "image/*", "Connection": "close"},
+        )
         resp = conn.getresponse()
         if resp.status in _REDIRECTS:
             return resp.status, resp.getheader("Location"), b""
@@ -211,8 +228,13 @@ def _get(url: str, max_bytes: int, resolve: Resolver, allow_networks: Sequence[N
         raw.close()
 
 
-def fetch_image(url: str, max_bytes: int, timeout_s: float, allow_networks: Sequence[Network] = (),
-                resolve: Resolver = system_resolve) -> bytes:
+def fetch_image(
+    url: str,
+    max_bytes: int,
+    timeout_s: float,
+    allow_networks: Sequence[Network] = (),
+    resolve: Resolver = system_resolve,
+) -> bytes:
     """The bytes at `url`, or ImageError(FETCH_FAILED). `allow_networks`: networks reachable even
     though not public (an operator's own image store). Blocking: call it off the event loop."""
     deadline = _Deadline(timeout_s)

@@ -1,4 +1,5 @@
 """Per-request sampling parameters (the vLLM/OpenAI set), validated with the offending param named."""
+
 from __future__ import annotations
 
 import math
@@ -16,17 +17,17 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_CACHE_SALT_CHARS = 256
-MAX_CHOICES = 128           # n times the number of prompts of one request
+MAX_CHOICES = 128  # n times the number of prompts of one request
 
 
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0                      # 0 or -1: off
+    top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16         # None: up to the context length
+    max_tokens: int | None = 16  # None: up to the context length
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -34,7 +35,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logprobs: int | None = None         # top-k logprobs per sampled token (0 = the sampled token only)
+    logprobs: int | None = None  # top-k logprobs per sampled token (0 = the sampled token only)
     skip_special_tokens: bool = True
     # False: token ids only, no text and no stop strings (a worker behind the router, which
     # detokenizes the stream itself; the prefill job of such a request).
@@ -59,38 +60,70 @@ class SamplingParams:
                 raise InvalidParam(msg, param)
 
         temp = self.temperature
-        bad(not math.isfinite(temp) or (temp != 0 and not MIN_TEMPERATURE <= temp), "temperature",
-            f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temp}")
+        bad(
+            not math.isfinite(temp) or (temp != 0 and not MIN_TEMPERATURE <= temp),
+            "temperature",
+            f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temp}",
+        )
         bad(not 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
         bad(self.top_k < -1, "top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         bad(not 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        bad(self.max_tokens is not None and self.max_tokens < 1, "max_tokens",
-            f"max_tokens must be at least 1, got {self.max_tokens}")
+        bad(
+            self.max_tokens is not None and self.max_tokens < 1,
+            "max_tokens",
+            f"max_tokens must be at least 1, got {self.max_tokens}",
+        )
         lo, hi = REPETITION_PENALTY_RANGE
-        bad(not lo <= self.repetition_penalty <= hi, "repetition_penalty",
-            f"repetition_penalty must be in [{lo}, {hi}], got {self.repetition_penalty}")
-        bad(not -2 <= self.frequency_penalty <= 2, "frequency_penalty",
-            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        bad(not -2 <= self.presence_penalty <= 2, "presence_penalty",
-            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        bad(self.logprobs is not None and not 0 <= self.logprobs <= 20, "logprobs",
-            f"logprobs must be in [0, 20], got {self.logprobs}")
+        bad(
+            not lo <= self.repetition_penalty <= hi,
+            "repetition_penalty",
+            f"repetition_penalty must be in [{lo}, {hi}], got {self.repetition_penalty}",
+        )
+        bad(
+            not -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        bad(
+            not -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        bad(
+            self.logprobs is not None and not 0 <= self.logprobs <= 20,
+            "logprobs",
+            f"logprobs must be in [0, 20], got {self.logprobs}",
+        )
         bad(bool(self.stop) and not self.detokenize, "stop", "stop strings need detokenize")
-        bad(len(self.stop) > MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        bad(any(len(s) > MAX_STOP_CHARS for s in self.stop), "stop",
-            f"a stop string holds at most {MAX_STOP_CHARS} characters")
-        bad(len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS, "stop_token_ids",
-            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        bad(
+            len(self.stop) > MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}",
+        )
+        bad(
+            any(len(s) > MAX_STOP_CHARS for s in self.stop),
+            "stop",
+            f"a stop string holds at most {MAX_STOP_CHARS} characters",
+        )
+        bad(
+            len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
+        )
         if vocab_size is not None:
-            bad(any(not 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
-                "stop_token_ids must be valid token ids")
+            bad(
+                any(not 0 <= t < vocab_size for t in self.stop_token_ids),
+                "stop_token_ids",
+                "stop_token_ids must be valid token ids",
+            )
 
 
 def check_cache_salt(salt: str | None) -> None:
     """The salt is hashed into the request's block hashes: its length is bounded."""
     if salt is not None and len(salt) > MAX_CACHE_SALT_CHARS:
-        raise InvalidParam(f"cache_salt holds at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}",
-                           "cache_salt")
+        raise InvalidParam(
+            f"cache_salt holds at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}", "cache_salt"
+        )
 
 
 def check_choices(n: int, num_prompts: int) -> None:
@@ -98,12 +131,19 @@ def check_choices(n: int, num_prompts: int) -> None:
     if n < 1 or n > 16:
         raise InvalidParam("n must be between 1 and 16", "n")
     if n * num_prompts > MAX_CHOICES:
-        raise InvalidParam(f"n times the number of prompts is {n * num_prompts}; at most {MAX_CHOICES} "
-                           "choices per request", "n" if num_prompts == 1 else "prompt")
+        raise InvalidParam(
+            f"n times the number of prompts is {n * num_prompts}; at most {MAX_CHOICES} choices per request",
+            "n" if num_prompts == 1 else "prompt",
+        )
 
 
-def check_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                 max_model_len: int | None, output_token_ids: list[int] | None = None) -> None:
+def check_prompt(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int | None,
+    output_token_ids: list[int] | None = None,
+) -> None:
     """Raise InvalidParam for a request no engine of this model could run: the checks a worker and
     the router share (max_model_len None: not known yet, not checked). `output_token_ids`: tokens
     already generated (a migrated stream); they must leave room for at least one more."""
@@ -119,10 +159,14 @@ def check_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size
         if params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
             raise InvalidParam("output_token_ids already holds max_tokens tokens", "output_token_ids")
         if max_model_len and n + len(output_token_ids) >= max_model_len:
-            raise InvalidParam(f"prompt and output_token_ids fill the maximum context length ({max_model_len})",
-                               "output_token_ids")
+            raise InvalidParam(
+                f"prompt and output_token_ids fill the maximum context length ({max_model_len})",
+                "output_token_ids",
+            )
     max_tokens = params.max_tokens or 1
     if max_model_len and n + max_tokens > max_model_len:
-        raise InvalidParam(f"this model's maximum context length is {max_model_len} tokens; the request "
-                           f"asks for {n + max_tokens} ({n} in the prompt, {max_tokens} to generate)",
-                           "max_tokens" if n < max_model_len else "messages")
+        raise InvalidParam(
+            f"this model's maximum context length is {max_model_len} tokens; the request "
+            f"asks for {n + max_tokens} ({n} in the prompt, {max_tokens} to generate)",
+            "max_tokens" if n < max_model_len else "messages",
+        )

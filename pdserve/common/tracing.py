@@ -7,6 +7,7 @@ as do error bodies) and passes the W3C `traceparent` header to the decode worker
 the same trace. Without the optional packages (`pip install 'pdserve[tracing]'`) or an endpoint,
 every call here is a cheap no-op.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -35,16 +36,29 @@ def setup(service: str, endpoint: str | None) -> bool:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
     except ImportError as e:
-        log.warning("tracing: %s is set but OpenTelemetry is not installed (pip install 'pdserve[tracing]'): %s",
-                    endpoint, e)
+        log.warning(
+            "tracing: %s is set but OpenTelemetry is not installed (pip install 'pdserve[tracing]'): %s",
+            endpoint,
+            e,
+        )
         return False
     # host.name: which host a span came from, as a trace crosses hosts (several run one service).
-    provider = TracerProvider(resource=Resource.create({"service.name": service, "host.name": socket.gethostname()}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces"),
-                                                   schedule_delay_millis=500))
-    atexit.register(provider.shutdown)      # the last spans go out at exit
-    _state.update(on=True, tracer=provider.get_tracer("pdserve"), propagator=TraceContextTextMapPropagator(),
-                  trace=trace, provider=provider)
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service, "host.name": socket.gethostname()})
+    )
+    provider.add_span_processor(
+        BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces"), schedule_delay_millis=500
+        )
+    )
+    atexit.register(provider.shutdown)  # the last spans go out at exit
+    _state.update(
+        on=True,
+        tracer=provider.get_tracer("pdserve"),
+        propagator=TraceContextTextMapPropagator(),
+        trace=trace,
+        provider=provider,
+    )
     log.info("tracing: spans of %s go to %s", service, endpoint)
     return True
 
@@ -80,6 +94,7 @@ def end(s: Any, error: str | None = None) -> None:
         return
     if error:
         from opentelemetry.trace import Status, StatusCode
+
         s.set_status(Status(StatusCode.ERROR, error))
     s.end()
 

@@ -13,6 +13,7 @@ the worker first, so no request is lost. Every decision, holds included, is kept
 and reason for `GET /admin/controller`; actions are counted in /metrics. With controller.enabled
 false it only reads and exports each pool's pressure, for an HPA (deploy/k8s/hpa.yaml).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,11 +26,11 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.config import Config
-from pdserve.protocol.control import ControllerDecision
 from pdserve.control.role_switch import SwitchRefused, back_into_service, empty_worker, even_out, switch_role
 from pdserve.control.scaling_policy import Decision, Params, Reading, State, decide, pressures
+from pdserve.protocol.control import ControllerDecision
 
-if TYPE_CHECKING:      # the router hands these in; at run time the control plane imports no router module
+if TYPE_CHECKING:  # the router hands these in; at run time the control plane imports no router module
     from pdserve.router.registry import Registry, Worker
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,9 @@ class NoFleet:
     """Where nothing can start or stop workers: the controller only switches roles."""
 
     async def add(self, role: str) -> str:
-        raise RuntimeError("this router cannot start workers (run it with `pdserve serve`, or controller.backend "
-                           "kubernetes)")
+        raise RuntimeError(
+            "this router cannot start workers (run it with `pdserve serve`, or controller.backend kubernetes)"
+        )
 
     async def remove(self, w: Worker) -> None:
         raise RuntimeError("this router cannot stop workers")
@@ -67,17 +69,28 @@ class NoFleet:
 
 def buckets(hist: Histogram) -> list[tuple[float, float]]:
     """A histogram's cumulative (upper bound, count) pairs now."""
-    return [(float(s.labels["le"]), s.value) for m in hist.collect() for s in m.samples if s.name.endswith("_bucket")]
+    return [
+        (float(s.labels["le"]), s.value)
+        for m in hist.collect()
+        for s in m.samples
+        if s.name.endswith("_bucket")
+    ]
 
 
 def sum_count(hist: Histogram) -> tuple[float, float]:
     """A histogram's (sum, count) now."""
-    got = {s.name.rsplit("_", 1)[1]: s.value for m in hist.collect() for s in m.samples
-           if s.name.endswith(("_sum", "_count"))}
+    got = {
+        s.name.rsplit("_", 1)[1]: s.value
+        for m in hist.collect()
+        for s in m.samples
+        if s.name.endswith(("_sum", "_count"))
+    }
     return got.get("sum", 0.0), got.get("count", 0.0)
 
 
-def quantile_between(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float | None:
+def quantile_between(
+    before: list[tuple[float, float]], after: list[tuple[float, float]], q: float
+) -> float | None:
     """The q-quantile of what a cumulative histogram observed between two snapshots, interpolated
     within its bucket (as Prometheus' histogram_quantile); None when it observed nothing."""
     prev = dict(before)
@@ -153,8 +166,9 @@ class DecodeForecast:
         if len(ns) < 4 or max(ns) - min(ns) < self.spread:
             return None
         mean_n, mean_g = sum(ns) / len(ns), sum(g for _, g in self.samples) / len(ns)
-        per_stream = (sum((n - mean_n) * (g - mean_g) for n, g in self.samples)
-                      / sum((n - mean_n) ** 2 for n in ns))
+        per_stream = sum((n - mean_n) * (g - mean_g) for n, g in self.samples) / sum(
+            (n - mean_n) ** 2 for n in ns
+        )
         if per_stream <= 0:
             return None
         (t0, n0) = self.counts[0]
@@ -163,10 +177,18 @@ class DecodeForecast:
 
 
 class Controller:
-    def __init__(self, config: Config, registry: Registry, client: httpx.AsyncClient, ttft: Histogram,
-                 itl: Histogram, fleet: Fleet | None, metrics: CollectorRegistry,
-                 oldest_wait: Callable[[float], float | None] = lambda now: None,
-                 held_prefill_tokens: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self,
+        config: Config,
+        registry: Registry,
+        client: httpx.AsyncClient,
+        ttft: Histogram,
+        itl: Histogram,
+        fleet: Fleet | None,
+        metrics: CollectorRegistry,
+        oldest_wait: Callable[[float], float | None] = lambda now: None,
+        held_prefill_tokens: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.cc = config.controller
         # Off (controller.enabled false): it still reads the fleet and exports the pressure gauges,
         # for an HPA to act on (deploy/k8s/hpa.yaml), but decides and does nothing.
@@ -174,8 +196,8 @@ class Controller:
         self.params = Params.from_config(self.cc)
         self.registry, self.client = registry, client
         self.ttft, self.itl = ttft, itl
-        self.oldest_wait = oldest_wait          # seconds the oldest request without a first token has waited
-        self.held_prefill_tokens = held_prefill_tokens      # prompts the router holds (router.hold_prefill)
+        self.oldest_wait = oldest_wait  # seconds the oldest request without a first token has waited
+        self.held_prefill_tokens = held_prefill_tokens  # prompts the router holds (router.hold_prefill)
         self.fleet: Fleet = fleet or NoFleet()
         self.state = State()
         self.decisions: deque[ControllerDecision] = deque(maxlen=1000)
@@ -184,12 +206,24 @@ class Controller:
         # As far ahead as a worker asked for now takes to land and stay: the readings that sustain
         # the condition, then the cooldown during which the fleet cannot change again.
         self.forecast = DecodeForecast(self.cc.cooldown_s + self.cc.sustain_intervals * self.cc.interval_s)
-        self.m_actions = Counter("pdserve_controller_actions", "Controller actions carried out, by action and outcome",
-                                 ["action", "outcome"], registry=metrics)
-        self.m_pressure = Gauge("pdserve_controller_pressure", "Pool figure over its SLO at the last reading",
-                                ["pool"], registry=metrics)
-        self.m_workers = Gauge("pdserve_controller_workers", "Workers taking work, by role, at the last reading",
-                               ["role"], registry=metrics)
+        self.m_actions = Counter(
+            "pdserve_controller_actions",
+            "Controller actions carried out, by action and outcome",
+            ["action", "outcome"],
+            registry=metrics,
+        )
+        self.m_pressure = Gauge(
+            "pdserve_controller_pressure",
+            "Pool figure over its SLO at the last reading",
+            ["pool"],
+            registry=metrics,
+        )
+        self.m_workers = Gauge(
+            "pdserve_controller_workers",
+            "Workers taking work, by role, at the last reading",
+            ["role"],
+            registry=metrics,
+        )
 
     def serving(self, role: str) -> list[Worker]:
         return [w for w in self.registry.workers.values() if w.role == role and w.healthy and not w.draining]
@@ -207,19 +241,38 @@ class Controller:
         wait = self.oldest_wait(now)
         # Prompts held at the router wait too, shared out over the pool that will take them.
         held = self.held_prefill_tokens()
-        backlog = self.backlog.update(now, {w.worker_id: (w.health.prefill_tokens_computed,
-                                                          w.queued_prefill_tokens + held / max(1, len(pre)))
-                                            for w in pre if w.health is not None})
+        backlog = self.backlog.update(
+            now,
+            {
+                w.worker_id: (
+                    w.health.prefill_tokens_computed,
+                    w.queued_prefill_tokens + held / max(1, len(pre)),
+                )
+                for w in pre
+                if w.health is not None
+            },
+        )
         streams = [w.health.running for w in dec if w.health is not None]
-        forecast = self.forecast.update(now, sum(streams) / len(streams), None if itl is None else itl * 1000) \
-            if streams else None
-        return Reading(now, len(pre), len(dec), None if ttft is None else ttft * 1000, None if itl is None else itl * 1000,
-                       sum(dec_usage) / len(dec_usage) if dec_usage else 0.0,
-                       sum(w.queued_prefill_tokens for w in pre + dec) + held,
-                       sum(h.running for h in health),
-                       sum(h.waiting for h in health),
-                       self.fleet.starting({w.url for w in self.registry.workers.values() if w.healthy}),
-                       None if wait is None else wait * 1000, None if backlog is None else backlog * 1000, forecast)
+        forecast = (
+            self.forecast.update(now, sum(streams) / len(streams), None if itl is None else itl * 1000)
+            if streams
+            else None
+        )
+        return Reading(
+            now,
+            len(pre),
+            len(dec),
+            None if ttft is None else ttft * 1000,
+            None if itl is None else itl * 1000,
+            sum(dec_usage) / len(dec_usage) if dec_usage else 0.0,
+            sum(w.queued_prefill_tokens for w in pre + dec) + held,
+            sum(h.running for h in health),
+            sum(h.waiting for h in health),
+            self.fleet.starting({w.url for w in self.registry.workers.values() if w.healthy}),
+            None if wait is None else wait * 1000,
+            None if backlog is None else backlog * 1000,
+            forecast,
+        )
 
     async def step(self) -> ControllerDecision:
         reading = self.read(time.monotonic())
@@ -231,8 +284,9 @@ class Controller:
         self.m_workers.labels("decode").set(reading.n_decode)
         if not self.acting:
             self.state = State()
-            return ControllerDecision(time=time.time(), action="hold", reason="controller.enabled is false",
-                                      inputs=decision.inputs)
+            return ControllerDecision(
+                time=time.time(), action="hold", reason="controller.enabled is false", inputs=decision.inputs
+            )
         if decision.action == "hold":
             return self._record(decision, None, decision.reason, True)
         worker, ok, reason = None, True, decision.reason
@@ -255,8 +309,12 @@ class Controller:
         except (SwitchRefused, httpx.HTTPError) as e:
             log.warning("controller: evening out the decode pool failed: %s", e)
             self.m_actions.labels("rebalance", "failed").inc()
-            self._record(Decision("rebalance", f"evening out the decode pool after {joined} joined it", {}),
-                         None, f"failed: {e}", False)
+            self._record(
+                Decision("rebalance", f"evening out the decode pool after {joined} joined it", {}),
+                None,
+                f"failed: {e}",
+                False,
+            )
             return
         for wid, n in moved.items():
             self.m_actions.labels("rebalance", "ok").inc()
@@ -264,8 +322,9 @@ class Controller:
             self._record(Decision("rebalance", why, {"moved": float(n)}), wid, why, True)
 
     def _record(self, d: Decision, worker: str | None, reason: str, ok: bool) -> ControllerDecision:
-        entry = ControllerDecision(time=time.time(), action=d.action, worker=worker, reason=reason, inputs=d.inputs,
-                                   ok=ok)
+        entry = ControllerDecision(
+            time=time.time(), action=d.action, worker=worker, reason=reason, inputs=d.inputs, ok=ok
+        )
         self.decisions.append(entry)
         if d.action != "hold":
             log.info("controller: %s %s: %s", d.action, worker or "", reason)
@@ -285,12 +344,12 @@ class Controller:
             await switch_role(self.registry, self.client, w, role, drain_s)
             return w.worker_id
         if isinstance(self.fleet, NoFleet):
-            await self.fleet.remove(w)          # raises before the worker is emptied for nothing
+            await self.fleet.remove(w)  # raises before the worker is emptied for nothing
         await empty_worker(self.registry, self.client, w, drain_s)
         try:
             await self.fleet.remove(w)
         except BaseException:
-            await back_into_service(self.registry, self.client, w)      # still running
+            await back_into_service(self.registry, self.client, w)  # still running
             raise
         self.registry.deregister(w.worker_id)
         return w.worker_id

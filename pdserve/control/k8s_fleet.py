@@ -9,6 +9,7 @@ decode pools' Deployments through the API with the official `kubernetes` client 
   by one deletes that pod and not a busy one.
 The client's calls block, so they run in a thread.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,17 +20,18 @@ from urllib.parse import urlsplit
 
 from pdserve.config import ControllerConfig
 
-if TYPE_CHECKING:      # the router hands these in; at run time the control plane imports no router module
+if TYPE_CHECKING:  # the router hands these in; at run time the control plane imports no router module
     from pdserve.router.registry import Worker
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-START_TIMEOUT_S = 600.0          # a pod that has not registered by then is no longer waited for
+START_TIMEOUT_S = 600.0  # a pod that has not registered by then is no longer waited for
 
 
 class KubernetesFleet:
     def __init__(self, cc: ControllerConfig, api_client=None) -> None:
         """`api_client`: a kubernetes.client.ApiClient (None: the in-cluster config, else ~/.kube/config)."""
         from kubernetes import client, config
+
         if api_client is None:
             try:
                 config.load_incluster_config()
@@ -41,7 +43,7 @@ class KubernetesFleet:
         self.core = client.CoreV1Api(api_client)
         self.namespace = cc.namespace
         self.deployments = {"prefill": cc.prefill_deployment, "decode": cc.decode_deployment}
-        self._pending: list[tuple[int, float]] = []     # (workers registered when added, give-up time)
+        self._pending: list[tuple[int, float]] = []  # (workers registered when added, give-up time)
 
     def _scale_by(self, role: str, delta: int) -> int:
         name = self.deployments[role]
@@ -74,15 +76,26 @@ class KubernetesFleet:
             labels = dep.spec.selector.match_labels or {}
             selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
             pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
-            pod = next((p.metadata.name for p in pods if p.status is not None and p.status.pod_ip == ip
-                        and p.metadata is not None and p.metadata.name), None)
+            pod = next(
+                (
+                    p.metadata.name
+                    for p in pods
+                    if p.status is not None
+                    and p.status.pod_ip == ip
+                    and p.metadata is not None
+                    and p.metadata.name
+                ),
+                None,
+            )
             if pod is not None:
-                self.core.patch_namespaced_pod(pod, self.namespace,
-                                               {"metadata": {"annotations": {DELETION_COST: "-1000"}}})
+                self.core.patch_namespaced_pod(
+                    pod, self.namespace, {"metadata": {"annotations": {DELETION_COST: "-1000"}}}
+                )
                 self._scale_by(role, -1)
                 return
-        raise RuntimeError(f"no pod of {sorted(self.deployments.values())} has the address {ip} of worker "
-                           f"{w.worker_id!r}")
+        raise RuntimeError(
+            f"no pod of {sorted(self.deployments.values())} has the address {ip} of worker {w.worker_id!r}"
+        )
 
     async def remove(self, w: Worker) -> None:
         await asyncio.to_thread(self._mark_and_scale_down, w)

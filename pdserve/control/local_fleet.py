@@ -6,6 +6,7 @@ the router once it answers. One it stops has been emptied first (control/role_sw
 empty_worker), so its SIGTERM finds nothing left to finish. It keeps the config file of every
 version it ran, so that a rollback can start the old version again.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,33 +19,41 @@ from typing import TYPE_CHECKING
 import yaml
 
 from pdserve.config import Config, for_role, load_config
+from pdserve.control.rollout_keys import rollout_worker_config
 from pdserve.version import config_digest
 from pdserve.worker_process import WorkerProcess, write_worker_config
-from pdserve.control.rollout_keys import rollout_worker_config
 
-if TYPE_CHECKING:      # the router hands these in; at run time the control plane imports no router module
+if TYPE_CHECKING:  # the router hands these in; at run time the control plane imports no router module
     from pdserve.router.registry import Worker
 
 log = logging.getLogger(__name__)
 
 
 class LocalFleet:
-    def __init__(self, config: Config, workers: list[WorkerProcess], config_file: Path, log_dir: Path,
-                 router_url: str) -> None:
+    def __init__(
+        self, config: Config, workers: list[WorkerProcess], config_file: Path, log_dir: Path, router_url: str
+    ) -> None:
         """`workers`: the deployment's processes; the fleet adds to and removes from this list, so
         whoever stops the deployment stops the ones it started too."""
         self.config, self.workers = config, workers
         self.config_file, self.log_dir, self.router_url = config_file, log_dir, router_url
         self._index = itertools.count(100)
-        self._added: list[WorkerProcess] = []       # started here, not yet registered
-        self.versions: dict[str, Path] = {}         # version label -> the config file its workers read
+        self._added: list[WorkerProcess] = []  # started here, not yet registered
+        self.versions: dict[str, Path] = {}  # version label -> the config file its workers read
 
     async def add(self, role: str) -> str:
         rc = getattr(self.config.deployment, role)
         # A prefill or decode role's config always has its threads (config.apply_role: ROLE_THREADS).
-        proc = WorkerProcess(role, next(self._index), self.config_file, "127.0.0.1",
-                             for_role(self.config, role).server.threads, rc.cpu_affinity, self.log_dir,  # type: ignore[arg-type]
-                             ["--router-url", self.router_url])
+        proc = WorkerProcess(
+            role,
+            next(self._index),
+            self.config_file,
+            "127.0.0.1",
+            for_role(self.config, role).server.threads,
+            rc.cpu_affinity,
+            self.log_dir,  # type: ignore[arg-type]
+            ["--router-url", self.router_url],
+        )
         self.workers.append(proc)
         self._added.append(proc)
         log.info("started a %s worker (pid %d, log %s)", role, proc.proc.pid, proc.log_path)
@@ -54,8 +63,12 @@ class LocalFleet:
         n = 0
         for p in list(self._added):
             if p.proc.poll() is not None:
-                log.warning("the %s worker started by the controller exited with %d; log: %s", p.role,
-                            p.proc.returncode, p.log_path)
+                log.warning(
+                    "the %s worker started by the controller exited with %d; log: %s",
+                    p.role,
+                    p.proc.returncode,
+                    p.log_path,
+                )
                 self._added.remove(p)
                 continue
             if p.port is None and p.port_file.exists():
@@ -63,7 +76,7 @@ class LocalFleet:
             if p.port is None or p.url not in registered:
                 n += 1
             else:
-                self._added.remove(p)       # registered: counted with its pool from now on
+                self._added.remove(p)  # registered: counted with its pool from now on
         return n
 
     def write_config(self, data: dict) -> tuple[Path, Config]:
@@ -87,10 +100,24 @@ class LocalFleet:
         """Start a worker of `role` reading `config_file`; its URL once it answers /health. One that
         exits or stays silent past `timeout_s` is stopped, and the RuntimeError carries its log's tail."""
         config = load_config(config_file, role=role)
-        proc = WorkerProcess(role, next(self._index), config_file, "127.0.0.1", config.server.threads,  # type: ignore[arg-type]
-                             getattr(config.deployment, role).cpu_affinity, self.log_dir, [])
+        proc = WorkerProcess(
+            role,
+            next(self._index),
+            config_file,
+            "127.0.0.1",
+            config.server.threads,  # type: ignore[arg-type]
+            getattr(config.deployment, role).cpu_affinity,
+            self.log_dir,
+            [],
+        )
         self.workers.append(proc)
-        log.info("started a %s worker with %s (pid %d, log %s)", role, config_file.name, proc.proc.pid, proc.log_path)
+        log.info(
+            "started a %s worker with %s (pid %d, log %s)",
+            role,
+            config_file.name,
+            proc.proc.pid,
+            proc.log_path,
+        )
         deadline = time.monotonic() + timeout_s
         while not await asyncio.to_thread(proc.healthy):
             exited = proc.proc.poll()
@@ -98,9 +125,13 @@ class LocalFleet:
                 proc.stop()
                 await asyncio.to_thread(proc.wait, 10.0)
                 self.workers.remove(proc)
-                why = f"exited with {exited}" if exited is not None else f"was not healthy after {timeout_s:g}s"
-                raise RuntimeError(f"the new {role} worker {why}; log {proc.log_path}:\n"
-                                   + proc.log_path.read_text(errors="replace")[-1500:])
+                why = (
+                    f"exited with {exited}" if exited is not None else f"was not healthy after {timeout_s:g}s"
+                )
+                raise RuntimeError(
+                    f"the new {role} worker {why}; log {proc.log_path}:\n"
+                    + proc.log_path.read_text(errors="replace")[-1500:]
+                )
             await asyncio.sleep(0.2)
         return proc.url
 

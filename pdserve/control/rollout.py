@@ -17,6 +17,7 @@ A failure stops the rollout: the canary weight of the new version drops to 0, ea
 gets its old version back (started first, then the new one is retired the same way), the canary is
 cleared, and the command exits 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ from pdserve.control.rollout_check import Reading, Slo, Verdict, canary_weight, 
 from pdserve.version import config_digest, version_label
 
 log = logging.getLogger(__name__)
-_UNHEALTHY_POLLS = 3        # in a row: one slow health check under load is not a failed worker
+_UNHEALTHY_POLLS = 3  # in a row: one slow health check under load is not a failed worker
 
 
 class AdminError(Exception):
@@ -55,14 +56,17 @@ class Settings:
     window_s: float
     slo: Slo
     health_timeout_s: float
-    drain_timeout_s: float | None = None    # None: the router's controller.drain_timeout_s
+    drain_timeout_s: float | None = None  # None: the router's controller.drain_timeout_s
     poll_s: float = 0.5
 
     @classmethod
     def from_config(cls, cfg: Config, drain_timeout_s: float | None = None) -> Settings:
         r = cfg.rollout
-        slo = Slo(r.slo_ttft_ms or cfg.controller.slo_ttft_ms, r.slo_tpot_ms or cfg.controller.slo_tpot_ms,
-                  r.max_error_rate)
+        slo = Slo(
+            r.slo_ttft_ms or cfg.controller.slo_ttft_ms,
+            r.slo_tpot_ms or cfg.controller.slo_tpot_ms,
+            r.max_error_rate,
+        )
         return cls(r.canary_weight, r.window_s, slo, r.health_timeout_s, drain_timeout_s)
 
 
@@ -96,12 +100,19 @@ class Admin:
             raise AdminError(f"GET /metrics: {e}") from e
         return read(r.text, version)
 
-    def start(self, role: str, timeout_s: float, config: dict | None = None, version: str | None = None) -> dict:
-        return self.call("POST", "/admin/workers", json={"role": role, "config": config, "version": version,
-                                                         "timeout_s": timeout_s})
+    def start(
+        self, role: str, timeout_s: float, config: dict | None = None, version: str | None = None
+    ) -> dict:
+        return self.call(
+            "POST",
+            "/admin/workers",
+            json={"role": role, "config": config, "version": version, "timeout_s": timeout_s},
+        )
 
     def retire(self, worker_id: str, drain_timeout_s: float | None) -> dict:
-        return self.call("POST", f"/admin/workers/{worker_id}/retire", json={"drain_timeout_s": drain_timeout_s})
+        return self.call(
+            "POST", f"/admin/workers/{worker_id}/retire", json={"drain_timeout_s": drain_timeout_s}
+        )
 
     def canary(self, version: str | None, weight: float = 0.0) -> dict:
         if version is None:
@@ -111,8 +122,8 @@ class Admin:
 
 @dataclass
 class Step:
-    old: dict                       # the worker being replaced, as GET /admin/workers described it
-    new: dict | None = None         # its replacement, once started
+    old: dict  # the worker being replaced, as GET /admin/workers described it
+    new: dict | None = None  # its replacement, once started
     old_retired: bool = False
 
 
@@ -126,7 +137,9 @@ class Outcome:
 
 
 class Rollout:
-    def __init__(self, admin: Admin, config: Config, settings: Settings, say: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, admin: Admin, config: Config, settings: Settings, say: Callable[[str], None] = print
+    ) -> None:
         self.admin, self.config, self.s, self.say = admin, config, settings, say
         self.version = version_label(config_digest(config)) or ""
 
@@ -143,21 +156,27 @@ class Rollout:
         try:
             for i, old in enumerate(todo):
                 weight = canary_weight(i, len(todo), self.s.canary_weight)
-                self.say(f"[{i + 1}/{len(todo)}] replacing {old['id']} ({old['role']}, version {old.get('version')})")
+                self.say(
+                    f"[{i + 1}/{len(todo)}] replacing {old['id']} ({old['role']}, version {old.get('version')})"
+                )
                 steps.append(Step(old))
                 try:
                     new = self.admin.start(old["role"], self.s.health_timeout_s, config=self.config.to_dict())
                 except AdminError as e:
-                    if e.status != 502:         # refused (no fleet, a bad config): not the new worker's fault
+                    if e.status != 502:  # refused (no fleet, a bad config): not the new worker's fault
                         raise
                     raise RolloutFailed(f"health check: {e}") from e
                 steps[-1].new = new
                 new = self.known(new)
                 if new.get("version") != self.version:
-                    raise RolloutFailed(f"the new worker runs version {new.get('version')}, not {self.version}")
+                    raise RolloutFailed(
+                        f"the new worker runs version {new.get('version')}, not {self.version}"
+                    )
                 self.admin.canary(self.version, weight)
-                self.say(f"  {new['id']} is healthy; {weight:.0%} of new requests go to {self.version} first; "
-                         f"watching for {self.s.window_s:g}s")
+                self.say(
+                    f"  {new['id']} is healthy; {weight:.0%} of new requests go to {self.version} first; "
+                    f"watching for {self.s.window_s:g}s"
+                )
                 verdict = self.watch(new["id"])
                 verdicts.append(verdict)
                 self.say(f"  {verdict.reason}")
@@ -199,13 +218,15 @@ class Rollout:
         empties), newest first. Keeps going past a failed step and says so."""
         self.say(f"rolling back {sum(s.new is not None for s in steps)} new worker(s)")
         try:
-            self.admin.canary(self.version, 0.0)        # new requests to the old version from now on
+            self.admin.canary(self.version, 0.0)  # new requests to the old version from now on
         except AdminError as e:
             self.say(f"  could not turn the canary off: {e}")
         for step in reversed(steps):
             try:
                 if step.old_retired:
-                    back = self.admin.start(step.old["role"], self.s.health_timeout_s, version=step.old["version"])
+                    back = self.admin.start(
+                        step.old["role"], self.s.health_timeout_s, version=step.old["version"]
+                    )
                     self.say(f"  {back['id']} runs version {back.get('version')} again")
                 if step.new is not None:
                     self.admin.retire(step.new["id"], self.s.drain_timeout_s)
@@ -220,26 +241,54 @@ class Rollout:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve rollout", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="the new config (YAML); its rollout: section sets the defaults below")
+    p.add_argument(
+        "--config", required=True, help="the new config (YAML); its rollout: section sets the defaults below"
+    )
     p.add_argument("--router", default="http://127.0.0.1:8000", help="the router's URL")
-    p.add_argument("--admin-key", default=os.environ.get("PDSERVE_ADMIN_KEY"),
-                   help="an admin key of the router (default: $PDSERVE_ADMIN_KEY)")
-    p.add_argument("--canary-weight", type=float, help="share of new requests to the new version first (rollout.canary_weight)")
-    p.add_argument("--window-s", type=float, help="health and SLO check after each new worker (rollout.window_s)")
-    p.add_argument("--slo-ttft-ms", type=float, help="TTFT p90 the new version must keep (rollout.slo_ttft_ms)")
-    p.add_argument("--slo-tpot-ms", type=float, help="TPOT p90 the new version must keep (rollout.slo_tpot_ms)")
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("PDSERVE_ADMIN_KEY"),
+        help="an admin key of the router (default: $PDSERVE_ADMIN_KEY)",
+    )
+    p.add_argument(
+        "--canary-weight",
+        type=float,
+        help="share of new requests to the new version first (rollout.canary_weight)",
+    )
+    p.add_argument(
+        "--window-s", type=float, help="health and SLO check after each new worker (rollout.window_s)"
+    )
+    p.add_argument(
+        "--slo-ttft-ms", type=float, help="TTFT p90 the new version must keep (rollout.slo_ttft_ms)"
+    )
+    p.add_argument(
+        "--slo-tpot-ms", type=float, help="TPOT p90 the new version must keep (rollout.slo_tpot_ms)"
+    )
     p.add_argument("--max-error-rate", type=float, help="failed share allowed (rollout.max_error_rate)")
-    p.add_argument("--health-timeout-s", type=float, help="a new worker must be healthy within (rollout.health_timeout_s)")
-    p.add_argument("--drain-timeout-s", type=float, help="an old worker's requests may finish this long before they move "
-                                                         "(default: the router's controller.drain_timeout_s)")
+    p.add_argument(
+        "--health-timeout-s",
+        type=float,
+        help="a new worker must be healthy within (rollout.health_timeout_s)",
+    )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        help="an old worker's requests may finish this long before they move "
+        "(default: the router's controller.drain_timeout_s)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    flags = {"rollout.canary_weight": args.canary_weight, "rollout.window_s": args.window_s,
-             "rollout.slo_ttft_ms": args.slo_ttft_ms, "rollout.slo_tpot_ms": args.slo_tpot_ms,
-             "rollout.max_error_rate": args.max_error_rate, "rollout.health_timeout_s": args.health_timeout_s}
+    flags = {
+        "rollout.canary_weight": args.canary_weight,
+        "rollout.window_s": args.window_s,
+        "rollout.slo_ttft_ms": args.slo_ttft_ms,
+        "rollout.slo_tpot_ms": args.slo_tpot_ms,
+        "rollout.max_error_rate": args.max_error_rate,
+        "rollout.health_timeout_s": args.health_timeout_s,
+    }
     try:
         config = load_config(args.config, flags)
     except ConfigError as e:
@@ -250,8 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         print("pdserve rollout: --drain-timeout-s must be at least 0", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    rollout = Rollout(Admin(args.router, args.admin_key), config, Settings.from_config(config, args.drain_timeout_s),
-                      say=lambda line: print(f"{time.monotonic() - t0:7.1f}s  {line}", flush=True))
+    rollout = Rollout(
+        Admin(args.router, args.admin_key),
+        config,
+        Settings.from_config(config, args.drain_timeout_s),
+        say=lambda line: print(f"{time.monotonic() - t0:7.1f}s  {line}", flush=True),
+    )
     try:
         outcome = rollout.run()
     except AdminError as e:

@@ -10,6 +10,7 @@
 Only a router that can start workers takes the last two (`pdserve serve`: pdserve/control/local_fleet.py);
 elsewhere they answer 501 (on Kubernetes a Deployment's rolling update replaces pods).
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,11 +22,11 @@ import httpx
 from fastapi import FastAPI
 
 from pdserve.config import Config, ConfigError
-from pdserve.protocol.control import CanarySetting, LeaveRequest, StartWorker
 from pdserve.control.role_switch import SwitchRefused, back_into_service, empty_worker
+from pdserve.protocol.control import CanarySetting, LeaveRequest, StartWorker
 from pdserve.server.errors import error_response
 
-if TYPE_CHECKING:      # the router hands these in; at run time the control plane imports no router module
+if TYPE_CHECKING:  # the router hands these in; at run time the control plane imports no router module
     from pdserve.router.backend import RemoteBackend
     from pdserve.router.registry import Registry, Worker
 
@@ -47,12 +48,22 @@ class RolloutFleet(Protocol):
 
 
 def _no_fleet() -> Any:
-    return error_response(501, "this router cannot start or stop workers (run the deployment with `pdserve serve`; "
-                               "on Kubernetes roll the Deployments)", code="no_fleet")
+    return error_response(
+        501,
+        "this router cannot start or stop workers (run the deployment with `pdserve serve`; "
+        "on Kubernetes roll the Deployments)",
+        code="no_fleet",
+    )
 
 
-def install_rollout_routes(app: FastAPI, config: Config, registry: Registry, client: httpx.AsyncClient,
-                           backend: RemoteBackend, fleet: Any) -> None:
+def install_rollout_routes(
+    app: FastAPI,
+    config: Config,
+    registry: Registry,
+    client: httpx.AsyncClient,
+    backend: RemoteBackend,
+    fleet: Any,
+) -> None:
     can_start = all(hasattr(fleet, m) for m in ("write_config", "version_file", "remember", "start"))
     rfleet: RolloutFleet | None = fleet if can_start else None
 
@@ -80,21 +91,33 @@ def install_rollout_routes(app: FastAPI, config: Config, registry: Registry, cli
         if rfleet is None:
             return _no_fleet()
         if (body.config is None) == (body.version is None):
-            return error_response(400, "give one of config (a config mapping) or version (one this fleet ran)",
-                                  "config", "invalid_value")
+            return error_response(
+                400,
+                "give one of config (a config mapping) or version (one this fleet ran)",
+                "config",
+                "invalid_value",
+            )
         if body.config is not None:
             try:
                 path, new = rfleet.write_config(body.config)
             except ConfigError as e:
-                return error_response(400, "; ".join(f"{k}: {p}" for k, p in e.problems), "config", "invalid_value")
+                return error_response(
+                    400, "; ".join(f"{k}: {p}" for k, p in e.problems), "config", "invalid_value"
+                )
             if new.model.name != config.model.name:
-                return error_response(409, f"the config serves {new.model.name!r}, this router {config.model.name!r}; "
-                                           "a rollout keeps the model", "config", "model_mismatch")
+                return error_response(
+                    409,
+                    f"the config serves {new.model.name!r}, this router {config.model.name!r}; "
+                    "a rollout keeps the model",
+                    "config",
+                    "model_mismatch",
+                )
         else:
             found = rfleet.version_file(body.version or "")
             if found is None:
-                return error_response(404, f"this fleet never ran version {body.version!r}", "version",
-                                      "unknown_version")
+                return error_response(
+                    404, f"this fleet never ran version {body.version!r}", "version", "unknown_version"
+                )
             path = found
         timeout = body.timeout_s or config.rollout.health_timeout_s
         try:
@@ -113,7 +136,9 @@ def install_rollout_routes(app: FastAPI, config: Config, registry: Registry, cli
             return error_response(404, f"no worker {worker_id!r}", code="unknown_worker")
         if rfleet is None:
             return _no_fleet()
-        drain_s = body.drain_timeout_s if body.drain_timeout_s is not None else config.controller.drain_timeout_s
+        drain_s = (
+            body.drain_timeout_s if body.drain_timeout_s is not None else config.controller.drain_timeout_s
+        )
         try:
             try:
                 moved = await empty_worker(registry, client, w, drain_s)
@@ -127,7 +152,7 @@ def install_rollout_routes(app: FastAPI, config: Config, registry: Registry, cli
             rfleet.remember(w)
             await rfleet.remove(w)
         except (SwitchRefused, RuntimeError) as e:
-            await back_into_service(registry, client, w)        # still running (empty_worker undoes its own)
+            await back_into_service(registry, client, w)  # still running (empty_worker undoes its own)
             status, code = (e.status, e.code) if isinstance(e, SwitchRefused) else (409, "not_in_fleet")
             return error_response(status, str(e), code=code)
         registry.deregister(worker_id)

@@ -2,6 +2,7 @@
 verdict on the new version over a window, from two readings of the router's /metrics
 (router/version_stats.py: TTFT and TPOT histograms, requests and failed attempts by version).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,15 +16,16 @@ _PREFIX = "pdserve_router_version_"
 
 @dataclass(frozen=True)
 class Slo:
-    ttft_ms: float                  # p90 over the window
-    tpot_ms: float                  # p90 over the window
-    max_error_rate: float           # failed attempts / requests over the window
+    ttft_ms: float  # p90 over the window
+    tpot_ms: float  # p90 over the window
+    max_error_rate: float  # failed attempts / requests over the window
 
 
 @dataclass(frozen=True)
 class Reading:
     """One version's cumulative figures at one moment."""
-    ttft: list[tuple[float, float]] = field(default_factory=list)     # (upper bound s, count)
+
+    ttft: list[tuple[float, float]] = field(default_factory=list)  # (upper bound s, count)
     tpot: list[tuple[float, float]] = field(default_factory=list)
     requests: float = 0.0
     errors: float = 0.0
@@ -46,7 +48,7 @@ def read(metrics_text: str, version: str) -> Reading:
     for family in text_string_to_metric_families(metrics_text):
         if not family.name.startswith(_PREFIX):
             continue
-        kind = family.name[len(_PREFIX):].removesuffix("_seconds")
+        kind = family.name[len(_PREFIX) :].removesuffix("_seconds")
         for s in family.samples:
             if s.labels.get("version") != version:
                 continue

@@ -11,6 +11,7 @@ is refused, naming the key; so is one that differs from the default where the de
 (a key the version label leaves out, such as a port). The router's own sections (router,
 controller, rollout) are the router's, not the worker's: the deployment's are kept, whatever came.
 """
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -22,17 +23,40 @@ from pdserve.version import config_digest
 # Whole sections a new version may set.
 SECTIONS = ("model", "scheduler", "deployment", "load_balancer")
 # Single keys a new version may set; every other key of a worker's config is the deployment's.
-KEYS = frozenset({
-    "cache.block_size", "cache.device_memory_gb", "cache.device_blocks", "cache.prefix_cache", "cache.host_cache_gb",
-    "cache.disk_cache_gb", "cache.remote_ttl_s", "cache.load_timeout_s", "cache.swap_space_gb",
-    "server.served_model_name", "server.threads", "server.shutdown_timeout_s", "server.max_body_bytes",
-    "disagg.local_prefill_max_tokens", "disagg.bootstrap_timeout_s", "disagg.queue_timeout_s",
-    "disagg.transfer_timeout_s", "disagg.quarantine_timeout_s", "disagg.peer_retry_s",
-    "disagg.parallel_prefill_min_tokens", "disagg.parallel_prefill_attention_weight",
-    "transfer.backend", "transfer.bandwidth_limit", "transfer.layerwise",
-    "vision.max_images", "vision.max_image_bytes", "vision.max_image_pixels", "vision.remote_timeout_s",
-    "vision.encoder_processes", "vision.encode_timeout_s",
-})
+KEYS = frozenset(
+    {
+        "cache.block_size",
+        "cache.device_memory_gb",
+        "cache.device_blocks",
+        "cache.prefix_cache",
+        "cache.host_cache_gb",
+        "cache.disk_cache_gb",
+        "cache.remote_ttl_s",
+        "cache.load_timeout_s",
+        "cache.swap_space_gb",
+        "server.served_model_name",
+        "server.threads",
+        "server.shutdown_timeout_s",
+        "server.max_body_bytes",
+        "disagg.local_prefill_max_tokens",
+        "disagg.bootstrap_timeout_s",
+        "disagg.queue_timeout_s",
+        "disagg.transfer_timeout_s",
+        "disagg.quarantine_timeout_s",
+        "disagg.peer_retry_s",
+        "disagg.parallel_prefill_min_tokens",
+        "disagg.parallel_prefill_attention_weight",
+        "transfer.backend",
+        "transfer.bandwidth_limit",
+        "transfer.layerwise",
+        "vision.max_images",
+        "vision.max_image_bytes",
+        "vision.max_image_pixels",
+        "vision.remote_timeout_s",
+        "vision.encoder_processes",
+        "vision.encode_timeout_s",
+    }
+)
 ROUTER_SECTIONS = ("router", "controller", "rollout")
 
 
@@ -59,11 +83,17 @@ def rollout_worker_config(deployment: Config, new: Config) -> Config:
                 continue
             mine, theirs = _get(deployment, key), _get(new, key)
             kept[key] = mine
-            if theirs == mine or (theirs == _get(default, key)
-                                  and config_digest(derive(new, {key: mine})) == config_digest(new)):
+            if theirs == mine or (
+                theirs == _get(default, key) and config_digest(derive(new, {key: mine})) == config_digest(new)
+            ):
                 continue
-            problems.append((key, "is the deployment's to set, not the admin API's: a new version may change what "
-                                  "a worker computes, not where it connects or what it trusts"))
+            problems.append(
+                (
+                    key,
+                    "is the deployment's to set, not the admin API's: a new version may change what "
+                    "a worker computes, not where it connects or what it trusts",
+                )
+            )
     if problems:
         raise ConfigError(problems)
     return derive(new, kept)

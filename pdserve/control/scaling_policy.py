@@ -30,17 +30,26 @@ else a new worker below `max_workers`; at `max_workers` with both pools hot, a w
 one `imbalance` times as far over its SLO; when both pools stay cold, one worker goes (drained first)
 down to `min_workers`. Each pool keeps at least one worker.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-ACTIONS = ("hold", "switch_to_prefill", "switch_to_decode", "add_prefill", "add_decode", "remove_prefill",
-           "remove_decode")
+ACTIONS = (
+    "hold",
+    "switch_to_prefill",
+    "switch_to_decode",
+    "add_prefill",
+    "add_decode",
+    "remove_prefill",
+    "remove_decode",
+)
 
 
 @dataclass(frozen=True)
 class Params:
     """controller: config's policy keys (config.py holds their defaults and meaning)."""
+
     slo_ttft_ms: float
     slo_tpot_ms: float
     kv_usage_high: float
@@ -51,12 +60,22 @@ class Params:
     min_workers: int
     max_workers: int
     imbalance: float
-    window: int = 0                          # readings a condition is counted over; 0: sustain_intervals + 1
+    window: int = 0  # readings a condition is counted over; 0: sustain_intervals + 1
 
     @classmethod
     def from_config(cls, c) -> Params:
-        return cls(c.slo_ttft_ms, c.slo_tpot_ms, c.kv_usage_high, c.high, c.low, c.sustain_intervals, c.cooldown_s,
-                   c.min_workers, c.max_workers, c.imbalance)
+        return cls(
+            c.slo_ttft_ms,
+            c.slo_tpot_ms,
+            c.kv_usage_high,
+            c.high,
+            c.low,
+            c.sustain_intervals,
+            c.cooldown_s,
+            c.min_workers,
+            c.max_workers,
+            c.imbalance,
+        )
 
     @property
     def span(self) -> int:
@@ -66,19 +85,20 @@ class Params:
 @dataclass(frozen=True)
 class Reading:
     """The fleet over one interval. Latencies are None when no request produced one in it."""
-    time: float                              # monotonic seconds
+
+    time: float  # monotonic seconds
     n_prefill: int
     n_decode: int
     ttft_p90_ms: float | None = None
-    itl_mean_ms: float | None = None         # mean gap between a stream's tokens
-    decode_kv_usage: float = 0.0             # mean over the decode pool
-    queued_prefill_tokens: int = 0           # the router's figure, summed over the fleet
+    itl_mean_ms: float | None = None  # mean gap between a stream's tokens
+    decode_kv_usage: float = 0.0  # mean over the decode pool
+    queued_prefill_tokens: int = 0  # the router's figure, summed over the fleet
     running: int = 0
     waiting: int = 0
-    starting: int = 0                        # workers started and not yet registered
-    oldest_wait_ms: float | None = None      # the longest a request in flight has waited for its first token
-    backlog_ms: float | None = None          # the wait ahead of a prompt sent now to the least-queued prefill worker
-    itl_forecast_ms: float | None = None     # the mean gap forecast for a decode stream sent now
+    starting: int = 0  # workers started and not yet registered
+    oldest_wait_ms: float | None = None  # the longest a request in flight has waited for its first token
+    backlog_ms: float | None = None  # the wait ahead of a prompt sent now to the least-queued prefill worker
+    itl_forecast_ms: float | None = None  # the mean gap forecast for a decode stream sent now
 
 
 HOT, COLD, NEITHER = 1, -1, 0
@@ -96,12 +116,14 @@ def _run(seen: tuple[int, ...], mark: int) -> int:
 
 @dataclass(frozen=True)
 class State:
-    prefill_seen: tuple[int, ...] = ()       # the prefill pool at the last readings that knew it: HOT, COLD, NEITHER
+    prefill_seen: tuple[
+        int, ...
+    ] = ()  # the prefill pool at the last readings that knew it: HOT, COLD, NEITHER
     decode_seen: tuple[int, ...] = ()
     last_action_at: float | None = None
 
     @property
-    def prefill_hot(self) -> int:            # readings in a row with the prefill pool hot
+    def prefill_hot(self) -> int:  # readings in a row with the prefill pool hot
         return _run(self.prefill_seen, HOT)
 
     @property
@@ -127,7 +149,10 @@ class Decision:
 def pressures(r: Reading, p: Params) -> tuple[float, float]:
     """(prefill, decode) pressure: 1.0 is a pool exactly at its SLO."""
     pre = max(r.ttft_p90_ms or 0.0, r.oldest_wait_ms or 0.0, r.backlog_ms or 0.0) / p.slo_ttft_ms
-    dec = max(max(r.itl_mean_ms or 0.0, r.itl_forecast_ms or 0.0) / p.slo_tpot_ms, r.decode_kv_usage / p.kv_usage_high)
+    dec = max(
+        max(r.itl_mean_ms or 0.0, r.itl_forecast_ms or 0.0) / p.slo_tpot_ms,
+        r.decode_kv_usage / p.kv_usage_high,
+    )
     return pre, dec
 
 
@@ -137,21 +162,33 @@ def _mark(pressure: float, p: Params) -> int:
 
 def _held(seen: tuple[int, ...], mark: int, p: Params) -> bool:
     """`mark` in sustain_intervals of the last `span` readings, the newest among them."""
-    return bool(seen) and seen[-1] == mark and seen[-p.span:].count(mark) >= p.sustain_intervals
+    return bool(seen) and seen[-1] == mark and seen[-p.span :].count(mark) >= p.sustain_intervals
 
 
 def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
     pre, dec = pressures(r, p)
-    inputs = {"prefill_pressure": round(pre, 4), "decode_pressure": round(dec, 4), "n_prefill": r.n_prefill,
-              "n_decode": r.n_decode, "ttft_p90_ms": r.ttft_p90_ms or 0.0, "itl_mean_ms": r.itl_mean_ms or 0.0,
-              "decode_kv_usage": r.decode_kv_usage, "queued_prefill_tokens": r.queued_prefill_tokens,
-              "running": r.running, "waiting": r.waiting, "starting": r.starting,
-              "oldest_wait_ms": r.oldest_wait_ms or 0.0, "backlog_ms": round(r.backlog_ms or 0.0, 1),
-              "itl_forecast_ms": round(r.itl_forecast_ms or 0.0, 1)}
+    inputs = {
+        "prefill_pressure": round(pre, 4),
+        "decode_pressure": round(dec, 4),
+        "n_prefill": r.n_prefill,
+        "n_decode": r.n_decode,
+        "ttft_p90_ms": r.ttft_p90_ms or 0.0,
+        "itl_mean_ms": r.itl_mean_ms or 0.0,
+        "decode_kv_usage": r.decode_kv_usage,
+        "queued_prefill_tokens": r.queued_prefill_tokens,
+        "running": r.running,
+        "waiting": r.waiting,
+        "starting": r.starting,
+        "oldest_wait_ms": r.oldest_wait_ms or 0.0,
+        "backlog_ms": round(r.backlog_ms or 0.0, 1),
+        "itl_forecast_ms": round(r.itl_forecast_ms or 0.0, 1),
+    }
     last = s.last_action_at
     if last is not None and r.time - last < p.cooldown_s:
         # Readings while the last action settles count for nothing.
-        return Decision("hold", f"cooldown: {p.cooldown_s - (r.time - last):.0f}s left", inputs), State(last_action_at=last)
+        return Decision("hold", f"cooldown: {p.cooldown_s - (r.time - last):.0f}s left", inputs), State(
+            last_action_at=last
+        )
     if r.starting:
         # Figures without the new worker say nothing of the fleet with it: wait for it, from zero.
         return Decision("hold", f"{r.starting} worker(s) starting", inputs), State(last_action_at=last)
@@ -163,7 +200,7 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
     busy = r.running + r.waiting + r.queued_prefill_tokens > 0
     pre_known = r.ttft_p90_ms is not None or not busy or pre > p.high
     dec_known = r.itl_mean_ms is not None or not busy or dec > p.high
-    keep = max(p.span, 2 * p.sustain_intervals)             # enough for the scale-down's run of cold readings
+    keep = max(p.span, 2 * p.sustain_intervals)  # enough for the scale-down's run of cold readings
     if pre_known:
         s = replace(s, prefill_seen=(s.prefill_seen + (_mark(pre, p),))[-keep:])
     if dec_known:
@@ -179,23 +216,33 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
     n = p.sustain_intervals
     # A count carried through unknown readings acts only on a reading that knows that pool: the
     # figures an action weighs (and names) must be this interval's, not a guess of zero.
-    pre_short, dec_short = pre_known and _held(s.prefill_seen, HOT, p), dec_known and _held(s.decode_seen, HOT, p)
+    pre_short, dec_short = (
+        pre_known and _held(s.prefill_seen, HOT, p),
+        dec_known and _held(s.decode_seen, HOT, p),
+    )
     if pre_short and dec_short:
         role = "prefill" if pre >= dec else "decode"
         if total < p.max_workers:
-            return act(f"add_{role}", f"both pools over their SLOs in {n} of the last {p.span} intervals ({pre:.2f}, {dec:.2f}); "
-                                      f"the {role} pool more")
+            return act(
+                f"add_{role}",
+                f"both pools over their SLOs in {n} of the last {p.span} intervals ({pre:.2f}, {dec:.2f}); "
+                f"the {role} pool more",
+            )
         # At max_workers with both over: move a worker only when one pool is far worse off (a
         # factor of `imbalance` per worker), so the move cannot simply reverse the imbalance.
         hot, cool = (pre, dec) if role == "prefill" else (dec, pre)
         n_cool = r.n_decode if role == "prefill" else r.n_prefill
         if n_cool > 1 and hot >= p.imbalance * cool:
-            return act(f"switch_to_{role}", f"both pools over their SLOs at max_workers; the {role} pool "
-                                            f"{hot / max(cool, 1e-9):.1f}x as far over")
+            return act(
+                f"switch_to_{role}",
+                f"both pools over their SLOs at max_workers; the {role} pool "
+                f"{hot / max(cool, 1e-9):.1f}x as far over",
+            )
         return hold(f"both pools over their SLOs and the fleet is at max_workers ({p.max_workers})")
     for role, short, other_cold, n_other, pressure in (
-            ("prefill", pre_short, dec_known and _held(s.decode_seen, COLD, p), r.n_decode, pre),
-            ("decode", dec_short, pre_known and _held(s.prefill_seen, COLD, p), r.n_prefill, dec)):
+        ("prefill", pre_short, dec_known and _held(s.decode_seen, COLD, p), r.n_decode, pre),
+        ("decode", dec_short, pre_known and _held(s.prefill_seen, COLD, p), r.n_prefill, dec),
+    ):
         if not short:
             continue
         other = "decode" if role == "prefill" else "prefill"
@@ -205,10 +252,19 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
         if total < p.max_workers:
             return act(f"add_{role}", f"{what}; no spare {other} worker")
         return hold(f"{what}, but no spare {other} worker and the fleet is at max_workers ({p.max_workers})")
-    if pre_known and dec_known and s.prefill_cold >= 2 * n and s.decode_cold >= 2 * n and total > p.min_workers:
+    if (
+        pre_known
+        and dec_known
+        and s.prefill_cold >= 2 * n
+        and s.decode_cold >= 2 * n
+        and total > p.min_workers
+    ):
         # Scale-down waits twice as long as scale-up: a wrong removal costs a start-up to undo.
         role = "prefill" if r.n_prefill > 1 and (r.n_prefill >= r.n_decode or r.n_decode <= 1) else "decode"
         if (r.n_prefill if role == "prefill" else r.n_decode) > 1:
-            return act(f"remove_{role}", f"both pools under {p.low:g} for {2 * n} intervals; "
-                                         f"{total} workers > min_workers ({p.min_workers})")
+            return act(
+                f"remove_{role}",
+                f"both pools under {p.low:g} for {2 * n} intervals; "
+                f"{total} workers > min_workers ({p.min_workers})",
+            )
     return hold("within the SLOs")

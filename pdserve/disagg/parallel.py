@@ -12,6 +12,7 @@ quarantine deadline passes), since one may still write or read them, and the req
 the queue without the peer to blame: with two healthy peers left it is pipelined again, with one it
 is prefilled by that one alone, with none locally.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,8 @@ from typing import TYPE_CHECKING
 
 from pdserve.disagg.peer import process_gone
 from pdserve.disagg.split import pipeline_parts, split_points
-from pdserve.disagg.trust import done_problem
 from pdserve.disagg.state import Transfer
+from pdserve.disagg.trust import done_problem
 from pdserve.engine.kv_connector import BlocksFreed, ConnectorEvent, LoadDone, LoadFailed, LoadRetry
 from pdserve.engine.request import TokenLogprob
 from pdserve.protocol import PD_INCOMPATIBLE, PD_REQUEST_FAILED, PD_TOO_LONG
@@ -56,9 +57,10 @@ class Group:
 @dataclass
 class Held:
     """A failed group's blocks, held until no part's peer can touch them."""
+
     blocks: list[int]
     deadline: float
-    waiting: dict[str, Part] = field(default_factory=dict)     # transfer id -> a part not acknowledged yet
+    waiting: dict[str, Part] = field(default_factory=dict)  # transfer id -> a part not acknowledged yet
 
 
 class ParallelLoads:
@@ -66,11 +68,14 @@ class ParallelLoads:
         self.conn = conn
         self.min_tokens = min_tokens
         self.weight = attention_weight
-        self.groups: dict[str, Group] = {}              # request id -> (engine thread only)
-        self.held: dict[str, Held] = {}                 # the group's first transfer id ->
-        self._held_by_tid: dict[str, str] = {}          # a waiting part's transfer id -> its `held` key
-        self.counters = {"kv_parallel_prefills_total": 0, "kv_parallel_prefill_chunks_total": 0,
-                         "kv_parallel_prefills_failed_total": 0}
+        self.groups: dict[str, Group] = {}  # request id -> (engine thread only)
+        self.held: dict[str, Held] = {}  # the group's first transfer id ->
+        self._held_by_tid: dict[str, str] = {}  # a waiting part's transfer id -> its `held` key
+        self.counters = {
+            "kv_parallel_prefills_total": 0,
+            "kv_parallel_prefill_chunks_total": 0,
+            "kv_parallel_prefills_failed_total": 0,
+        }
 
     def busy(self) -> bool:
         return bool(self.groups or self.held)
@@ -89,35 +94,47 @@ class ParallelLoads:
         cuts = split_points(start, req.num_tokens, parts, bs, self.weight)
         if len(cuts) < 3:
             return False
-        peers = req.prefill_peers[:len(cuts) - 1]
+        peers = req.prefill_peers[: len(cuts) - 1]
         tids = [os.urandom(8).hex() for _ in peers]
-        group = Group(req, [Part(p, Transfer(req.request_id, c.deadlines, now), t) for p, t in zip(peers, tids)])
+        group = Group(
+            req, [Part(p, Transfer(req.request_id, c.deadlines, now), t) for p, t in zip(peers, tids)]
+        )
         self.groups[req.request_id] = group
         for k, (peer, tid) in enumerate(zip(peers, tids)):
             lo, hi = cuts[k], cuts[k + 1]
             last = k == len(peers) - 1
-            job = c.job_for(req, tid, upstream_tokens=lo if k else 0,
-                            downstream_endpoint=None if last else peers[k + 1],
-                            downstream_transfer_id="" if last else tids[k + 1])
+            job = c.job_for(
+                req,
+                tid,
+                upstream_tokens=lo if k else 0,
+                downstream_endpoint=None if last else peers[k + 1],
+                downstream_transfer_id="" if last else tids[k + 1],
+            )
             job.prompt_token_ids = job.prompt_token_ids[:hi]
-            job.dst_block_ids = job.dst_block_ids[:-(-hi // bs)]
+            job.dst_block_ids = job.dst_block_ids[: -(-hi // bs)]
             job.dst_start_block = max(job.dst_start_block, lo // bs)
             c._post_out(peer, job)
         self.counters["kv_parallel_prefills_total"] += 1
         self.counters["kv_parallel_prefill_chunks_total"] += len(peers)
-        log.info("request %s: %d prompt tokens prefilled by %d workers, cut at %s", req.request_id,
-                 req.num_tokens - start, len(peers), cuts[1:-1])
+        log.info(
+            "request %s: %d prompt tokens prefilled by %d workers, cut at %s",
+            req.request_id,
+            req.num_tokens - start,
+            len(peers),
+            cuts[1:-1],
+        )
         return True
 
     def owns(self, msg: PDMessage) -> bool:
         g = self.groups.get(msg.request_id)
-        return (g is not None and any(p.transfer_id == msg.transfer_id for p in g.parts)) \
-            or msg.transfer_id in self._held_by_tid
+        return (
+            g is not None and any(p.transfer_id == msg.transfer_id for p in g.parts)
+        ) or msg.transfer_id in self._held_by_tid
 
     def on_message(self, msg: PDMessage, now: float, vocab_size: int) -> list[ConnectorEvent]:
         tid = msg.transfer_id
         key = self._held_by_tid.get(tid)
-        if key is not None:             # a cancelled part: only its acknowledgement matters
+        if key is not None:  # a cancelled part: only its acknowledgement matters
             return self._acked(key, tid) if isinstance(msg, CancelAck) else []
         g = self.groups[msg.request_id]
         part = next(p for p in g.parts if p.transfer_id == tid)
@@ -136,16 +153,26 @@ class ParallelLoads:
                 part.done = True
                 self.conn.counters["kv_transfer_bytes_total"] += msg.bytes
                 if part is g.parts[-1]:
-                    g.token, g.logprob = msg.token, None if msg.logprob is None else TokenLogprob.from_wire(msg.logprob)
+                    g.token, g.logprob = (
+                        msg.token,
+                        None if msg.logprob is None else TokenLogprob.from_wire(msg.logprob),
+                    )
                 if all(p.done for p in g.parts):
                     del self.groups[g.req.request_id]
                     self.conn.counters["kv_transfers_completed_total"] += 1
                     self.conn.counters["kv_transfer_seconds_total"] += now - g.parts[0].transfer.started_at
-                    assert g.token is not None          # every part's Done was checked
+                    assert g.token is not None  # every part's Done was checked
                     return [LoadDone(g.req, g.token, g.logprob)]
             elif isinstance(msg, Failed):
-                return [self._fail(g, part, f"prefill worker {part.peer} failed a chunk: {msg.reason}", now,
-                                   fatal=msg.code in (PD_INCOMPATIBLE, PD_TOO_LONG, PD_REQUEST_FAILED))]
+                return [
+                    self._fail(
+                        g,
+                        part,
+                        f"prefill worker {part.peer} failed a chunk: {msg.reason}",
+                        now,
+                        fatal=msg.code in (PD_INCOMPATIBLE, PD_TOO_LONG, PD_REQUEST_FAILED),
+                    )
+                ]
             else:
                 return [self._fail(g, part, f"unexpected {msg.TYPE} message for a chunk", now)]
         except Exception as e:  # noqa: BLE001 - an out-of-order or broken peer fails its group, not the engine
@@ -163,12 +190,16 @@ class ParallelLoads:
                     events.append(self._fail(g, part, f"prefill worker {part.peer} died", now))
                     break
                 if part.transfer.expired(now):
-                    events.append(self._fail(g, part, f"no answer from {part.peer} in state "
-                                                      f"{part.transfer.state.value}", now))
+                    events.append(
+                        self._fail(
+                            g, part, f"no answer from {part.peer} in state {part.transfer.state.value}", now
+                        )
+                    )
                     break
         for key, h in list(self.held.items()):
-            if now > h.deadline or (check_pids and all(process_gone(p.peer_pid, p.peer_host)
-                                                       for p in h.waiting.values())):
+            if now > h.deadline or (
+                check_pids and all(process_gone(p.peer_pid, p.peer_host) for p in h.waiting.values())
+            ):
                 events += self._release(key)
         return events
 
@@ -203,7 +234,7 @@ class ParallelLoads:
                 continue
             c._post_out(p.peer, Cancel(g.req.request_id, p.transfer_id, c.endpoint))
             waiting[p.transfer_id] = p
-        blocks = g.req.block_ids[g.req.num_cached_blocks:]
+        blocks = g.req.block_ids[g.req.num_cached_blocks :]
         if not waiting or not blocks:
             return []
         key = g.parts[0].transfer_id

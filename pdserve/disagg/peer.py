@@ -1,5 +1,6 @@
 """Whether a peer worker's process is gone. On one host its pid answers at once, long before any
 deadline would; for a peer on another host only the deadlines can tell."""
+
 from __future__ import annotations
 
 import socket

@@ -13,6 +13,7 @@ Threads: the bootstrap thread records arrivals on the `ChunkBoard`; the engine t
 earlier layer has not arrived yet is parked here, not added to the engine, so that waiting for a
 busy peer never stalls this worker's other requests.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,7 @@ from pdserve.utils.shm import attach_shared_kv
 if TYPE_CHECKING:
     from pdserve.engine.request import Request
 
-_MAX_UNCLAIMED = 1024           # arrivals remembered for jobs not (yet) here
+_MAX_UNCLAIMED = 1024  # arrivals remembered for jobs not (yet) here
 
 
 class ChunkBoard:
@@ -45,7 +46,7 @@ class ChunkBoard:
         self._cond = threading.Condition()
         self._layers: OrderedDict[str, int] = OrderedDict()
         self._cancelled: set[str] = set()
-        self.changed = threading.Event()            # something arrived: the engine's idle wait ends
+        self.changed = threading.Event()  # something arrived: the engine's idle wait ends
 
     def arrived(self, transfer_id: str, layer: int) -> None:
         with self._cond:
@@ -85,11 +86,12 @@ class ChunkBoard:
 @dataclass
 class ChunkState:
     """One pipelined job's state on the engine thread (KVSink.chunk)."""
+
     job: PrefillJob
-    decode_pool: np.ndarray | None = None        # the decode worker's pool, mapped at the first copy
-    copies: list[Run] = field(default_factory=list)     # this step: (own block, decode block, n) to copy
-    copied_upto: int = 0                         # layers of `copies` done in this step
-    signal: bool = False                         # this step completes the chunk: tell the next worker per layer
+    decode_pool: np.ndarray | None = None  # the decode worker's pool, mapped at the first copy
+    copies: list[Run] = field(default_factory=list)  # this step: (own block, decode block, n) to copy
+    copied_upto: int = 0  # layers of `copies` done in this step
+    signal: bool = False  # this step completes the chunk: tell the next worker per layer
 
 
 @dataclass
@@ -107,7 +109,7 @@ class ChunkPipeline:
         self.block_size = block_size
         self.wait_s, self.queue_s = wait_s, queue_s
         self.board = ChunkBoard()
-        self.parked: dict[str, Parked] = {}          # engine thread only; request id ->
+        self.parked: dict[str, Parked] = {}  # engine thread only; request id ->
 
     # ------------------------------------------------------------------ engine thread: jobs
 
@@ -117,11 +119,14 @@ class ChunkPipeline:
         in it (before the last): only through shared memory on this host, where a write is in once done."""
         if not (job.upstream_tokens or job.downstream_endpoint):
             return
-        if backend not in ("auto", "shm") or not (job.decode_host == HOST and job.shm_path
-                                                  and os.path.exists(job.shm_path)):
+        if backend not in ("auto", "shm") or not (
+            job.decode_host == HOST and job.shm_path and os.path.exists(job.shm_path)
+        ):
             raise ValueError("a pipelined chunk needs the decode worker's pool in shared memory on this host")
         if job.upstream_tokens % job.block_size or job.upstream_tokens >= len(job.prompt_token_ids):
-            raise ValueError(f"upstream_tokens {job.upstream_tokens} is not a block boundary inside the prompt")
+            raise ValueError(
+                f"upstream_tokens {job.upstream_tokens} is not a block boundary inside the prompt"
+            )
 
     def admit(self, event: AddJob, sink: KVSink, now: float) -> AddJob | None:
         """The job's AddJob now, or None: parked until the earlier chunk's first layer is in."""
@@ -142,7 +147,9 @@ class ChunkPipeline:
             if self.board.layers(p.sink.job.transfer_id) > 0:
                 ready.append(p.event)
             elif now - p.since > self.queue_s:
-                expired.append((p.sink, f"the earlier chunk's first layer did not arrive within {self.queue_s:g} s"))
+                expired.append(
+                    (p.sink, f"the earlier chunk's first layer did not arrive within {self.queue_s:g} s")
+                )
             else:
                 continue
             del self.parked[rid]
@@ -177,7 +184,10 @@ class ChunkPipeline:
             up = req.upstream_tokens // bs
             if req.upstream_tokens and start <= req.upstream_tokens and req.num_cached_blocks < up:
                 # The first step of this admission: the earlier chunks' blocks not hit in this worker's cache.
-                st.copies = coalesce(req.block_ids[req.num_cached_blocks:up], st.job.dst_block_ids[req.num_cached_blocks:up])
+                st.copies = coalesce(
+                    req.block_ids[req.num_cached_blocks : up],
+                    st.job.dst_block_ids[req.num_cached_blocks : up],
+                )
 
     def before_layer(self, planned: list[Request], layer: int) -> None:
         """Wait until `layer` of the earlier chunks is in the decode pool, then copy it in."""
@@ -191,7 +201,7 @@ class ChunkPipeline:
                 continue
             try:
                 self.copy_in(st, layer)
-            except (OSError, ValueError) as e:      # the pool the job names is not what it claims: this job fails
+            except (OSError, ValueError) as e:  # the pool the job names is not what it claims: this job fails
                 sink.fail(f"cannot read the earlier chunks' KV: {e}")
                 continue
             st.copied_upto = layer + 1
@@ -202,7 +212,7 @@ class ChunkPipeline:
             st.decode_pool = attach_shared_kv(st.job.shm_path or "", tuple(st.job.kv_shape), st.job.elem_size)
         bs, src = self.block_size, st.decode_pool
         for own, dst, k in st.copies:
-            np.copyto(self.src[layer, :, own * bs:(own + k) * bs], src[layer, :, dst * bs:(dst + k) * bs])
+            np.copyto(self.src[layer, :, own * bs : (own + k) * bs], src[layer, :, dst * bs : (dst + k) * bs])
 
     @staticmethod
     def signal(sink: KVSink, layer: int) -> ChunkLayer | None:

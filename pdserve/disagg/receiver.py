@@ -9,6 +9,7 @@ Blocks of a failed shm, mooncake or nixl transfer (one-sided writes) are quarant
 that is slow rather than dead could still write into them, so they stay allocated until it
 acknowledges the cancel, its process is gone, or the quarantine deadline passes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,17 +26,40 @@ import zmq
 from pdserve.cache.kv_cache import raw_bytes_view
 from pdserve.common import tracing
 from pdserve.config import Config
+from pdserve.disagg.parallel import ParallelLoads
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
+from pdserve.disagg.reply_sockets import ReplySockets
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
 from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint, endpoint_host
-from pdserve.disagg.reply_sockets import ReplySockets
-from pdserve.disagg.trust import BAD_TOKEN, ThrottledLog, compat_info, done_problem, kv_frame_limit, warn_if_open
+from pdserve.disagg.trust import (
+    BAD_TOKEN,
+    ThrottledLog,
+    compat_info,
+    done_problem,
+    kv_frame_limit,
+    warn_if_open,
+)
 from pdserve.disagg.write_gate import WriteGate, drain
-from pdserve.engine.kv_connector import BlocksFreed, ConnectorEvent, KVConnector, LoadDone, LoadFailed, LoadRetry
+from pdserve.engine.kv_connector import (
+    BlocksFreed,
+    ConnectorEvent,
+    KVConnector,
+    LoadDone,
+    LoadFailed,
+    LoadRetry,
+)
 from pdserve.engine.request import TokenLogprob
-from pdserve.disagg.parallel import ParallelLoads
-from pdserve.protocol import PD_ACCEPTED, PD_INCOMPATIBLE, PD_LAYER, PD_REQUEST_FAILED, PD_STARTED, PD_TOO_LONG
-from pdserve.protocol import PrefillJob, pack, unpack
+from pdserve.protocol import (
+    PD_ACCEPTED,
+    PD_INCOMPATIBLE,
+    PD_LAYER,
+    PD_REQUEST_FAILED,
+    PD_STARTED,
+    PD_TOO_LONG,
+    PrefillJob,
+    pack,
+    unpack,
+)
 from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerFrames, PDMessage, decode_pd
 from pdserve.utils.net import with_host
 from pdserve.utils.signing import sign, token_key, verified
@@ -59,13 +83,21 @@ class Pending:
     transfer_id: str
     peer_pid: int | None = None
     peer_host: str | None = None
-    span: Any = None                # the transfer's trace span (tracing on)
+    span: Any = None  # the transfer's trace span (tracing on)
 
 
 class DecodeConnector(KVConnector):
-    def __init__(self, config: Config, kv_cache: torch.Tensor, shm_path: str | None, bind_endpoint: str,
-                 advertise_host: str | None = None, internal_token: str | None = None,
-                 max_model_len: int = 0, attention_weight: float = 0.0) -> None:
+    def __init__(
+        self,
+        config: Config,
+        kv_cache: torch.Tensor,
+        shm_path: str | None,
+        bind_endpoint: str,
+        advertise_host: str | None = None,
+        internal_token: str | None = None,
+        max_model_len: int = 0,
+        attention_weight: float = 0.0,
+    ) -> None:
         """`advertise_host`: the host prefill workers reach this one at (see utils/net.py).
         `internal_token`: jobs are signed with it and peers' messages must be (None: nothing is).
         `max_model_len`: this engine's context, which a prefill worker checks the prompt against.
@@ -77,33 +109,52 @@ class DecodeConnector(KVConnector):
         self.elem_size = kv_cache.element_size()
         self.key = token_key(internal_token)
         self.max_model_len = max_model_len
-        self.compat = compat_info(self.model, config.model.dtype, getattr(config.model, "quantization", "none"),
-                                  self.block_size, self.kv_shape, self.elem_size)
+        self.compat = compat_info(
+            self.model,
+            config.model.dtype,
+            getattr(config.model, "quantization", "none"),
+            self.block_size,
+            self.kv_shape,
+            self.elem_size,
+        )
         self.raw = raw_bytes_view(kv_cache)
         self.shm_path = shm_path
         d = config.disagg
         # A queued job's peer keeps it alive; silent for a transfer's deadline, it is gone.
-        self.deadlines = Deadlines(d.bootstrap_timeout_s, d.queue_timeout_s, d.transfer_timeout_s,
-                                   silence_s=d.transfer_timeout_s)
+        self.deadlines = Deadlines(
+            d.bootstrap_timeout_s, d.queue_timeout_s, d.transfer_timeout_s, silence_s=d.transfer_timeout_s
+        )
         self.peers = list(d.prefill_endpoints)
-        self.pending: dict[str, Pending] = {}            # engine thread only
-        self.quarantine: dict[str, tuple[list[int], float, Pending]] = {}   # transfer id -> (blocks, deadline, pend)
+        self.pending: dict[str, Pending] = {}  # engine thread only
+        self.quarantine: dict[
+            str, tuple[list[int], float, Pending]
+        ] = {}  # transfer id -> (blocks, deadline, pend)
         self.peer_down_until: dict[str, float] = {}
-        self.counters = {"kv_transfers_completed_total": 0, "kv_transfers_failed_total": 0,
-                         "kv_transfer_bytes_total": 0, "kv_transfer_seconds_total": 0.0,
-                         "kv_recv_tcp_bytes_total": 0, "kv_local_prefill_fallbacks_total": 0,
-                         # Unsigned or wrongly signed; for a transfer not live (or blocks not its own).
-                         "kv_messages_rejected_total": 0, "kv_messages_dropped_total": 0}
+        self.counters = {
+            "kv_transfers_completed_total": 0,
+            "kv_transfers_failed_total": 0,
+            "kv_transfer_bytes_total": 0,
+            "kv_transfer_seconds_total": 0.0,
+            "kv_recv_tcp_bytes_total": 0,
+            "kv_local_prefill_fallbacks_total": 0,
+            # Unsigned or wrongly signed; for a transfer not live (or blocks not its own).
+            "kv_messages_rejected_total": 0,
+            "kv_messages_dropped_total": 0,
+        }
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._event = threading.Event()
-        self._gate = WriteGate()                             # which blocks tcp frames may fill (both threads)
-        self._log_io, self._log_engine = ThrottledLog(log), ThrottledLog(log)   # one per thread
+        self._gate = WriteGate()  # which blocks tcp frames may fill (both threads)
+        self._log_io, self._log_engine = ThrottledLog(log), ThrottledLog(log)  # one per thread
         self._ctx = zmq.Context.instance()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         # Past a legitimate frame's size ZeroMQ drops the frame and the connection, before any HMAC check.
-        self._pull.setsockopt(zmq.MAXMSGSIZE, kv_frame_limit(self.raw.shape[2], self.raw.shape[3] * self.raw.shape[4],
-                                                             self.block_size, max_model_len))
+        self._pull.setsockopt(
+            zmq.MAXMSGSIZE,
+            kv_frame_limit(
+                self.raw.shape[2], self.raw.shape[3] * self.raw.shape[4], self.block_size, max_model_len
+            ),
+        )
         self._pull.bind(bind_endpoint)
         warn_if_open(self._pull.getsockopt_string(zmq.LAST_ENDPOINT), self.key)
         self.endpoint = with_host(self._pull.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
@@ -118,17 +169,17 @@ class DecodeConnector(KVConnector):
         self._out_addr = f"inproc://pd-decode-out-{id(self)}"
         self._out_in = self._ctx.socket(zmq.PULL)
         self._out_in.bind(self._out_addr)
-        self._out: zmq.Socket | None = None              # created on the engine thread at first use
+        self._out: zmq.Socket | None = None  # created on the engine thread at first use
         self._stop = threading.Event()
         self._liveness = LivenessClock()
-        self.parallel = ParallelLoads(self, d.parallel_prefill_min_tokens, attention_weight)   # engine thread
+        self.parallel = ParallelLoads(self, d.parallel_prefill_min_tokens, attention_weight)  # engine thread
         self._thread = threading.Thread(target=self._io_loop, name="pd-decode-io", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ I/O thread
 
     def _io_loop(self) -> None:
-        socks = ReplySockets(self._ctx)         # to prefill peers, which the router may name
+        socks = ReplySockets(self._ctx)  # to prefill peers, which the router may name
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         poller.register(self._out_in, zmq.POLLIN)
@@ -141,7 +192,7 @@ class DecodeConnector(KVConnector):
                 try:
                     socks.get(ep).send(payload, zmq.NOBLOCK)
                 except (zmq.Again, zmq.ZMQError, ValueError):
-                    sent = unpack(payload)          # a job or a cancel of ours
+                    sent = unpack(payload)  # a job or a cancel of ours
                     self._inbox.put(Failed(sent["request_id"], sent["transfer_id"], f"cannot send to {ep}"))
             if self._pull in ready:
                 try:
@@ -155,11 +206,13 @@ class DecodeConnector(KVConnector):
 
     def _receive(self) -> None:
         raw = unpack(self._pull.recv())
-        msg = decode_pd(raw)        # ValueError for a malformed one (ids must be strings: the engine keys on them)
+        msg = decode_pd(raw)  # ValueError for a malformed one (ids must be strings: the engine keys on them)
         if not verified(raw, self.key):
             drain(self._pull)
             self._count("kv_messages_rejected_total")
-            self._log_io(logging.ERROR, "dropping a %s message for %s: %s", msg.TYPE, msg.request_id, BAD_TOKEN)
+            self._log_io(
+                logging.ERROR, "dropping a %s message for %s: %s", msg.TYPE, msg.request_id, BAD_TOKEN
+            )
             return
         if isinstance(msg, LayerFrames):
             n = self._receive_frames(msg)
@@ -172,15 +225,16 @@ class DecodeConnector(KVConnector):
         """Write the KV frames that follow a tcp layer header straight into the destination blocks:
         only a live transfer's, only the blocks it was given (None: dropped, nothing written)."""
         rid, tid = msg.request_id, msg.transfer_id
-        n, unknown = self._gate.fill(self._pull, self.raw, self.block_size, self.kv_shape[0], rid, tid,
-                                     msg.layer, msg.runs)
+        n, unknown = self._gate.fill(
+            self._pull, self.raw, self.block_size, self.kv_shape[0], rid, tid, msg.layer, msg.runs
+        )
         drain(self._pull)
         if n is None:
             self._drop_log(self._log_io, "tcp KV", rid, tid, unknown)
         return n
 
     def _count(self, name: str) -> None:
-        with self._gate.lock:           # both threads count these
+        with self._gate.lock:  # both threads count these
             self.counters[name] += 1
 
     def _drop_log(self, logger: ThrottledLog, kind: str, rid, tid, unknown: bool) -> None:
@@ -188,8 +242,14 @@ class DecodeConnector(KVConnector):
         started, or naming blocks not its own (a broken or hostile peer) is dropped."""
         self._count("kv_messages_dropped_total")
         if unknown:
-            logger(logging.WARNING, "dropping a %s message for request %s: transfer %s is not one this worker "
-                   "started, or the blocks are not its own", kind, rid, tid)
+            logger(
+                logging.WARNING,
+                "dropping a %s message for request %s: transfer %s is not one this worker "
+                "started, or the blocks are not its own",
+                kind,
+                rid,
+                tid,
+            )
         else:
             log.debug("dropping a late %s message for request %s: transfer %s ended", kind, rid, tid)
 
@@ -223,27 +283,53 @@ class DecodeConnector(KVConnector):
 
     def start_load(self, req: Request) -> None:
         now = time.monotonic()
-        if self.parallel.start(req, now):       # a long prompt: chunks on several peers
+        if self.parallel.start(req, now):  # a long prompt: chunks on several peers
             return
         peer = req.prefill_peers[0]
         tid = os.urandom(8).hex()
-        span = tracing.start("kv.transfer", tracing.recall(req.request_id), peer=peer, transfer_id=tid,
-                             blocks=len(req.block_ids) - req.num_cached_blocks)
+        span = tracing.start(
+            "kv.transfer",
+            tracing.recall(req.request_id),
+            peer=peer,
+            transfer_id=tid,
+            blocks=len(req.block_ids) - req.num_cached_blocks,
+        )
         job = self.job_for(req, tid, traceparent=tracing.traceparent_of(span))
-        self.pending[req.request_id] = Pending(req, peer, Transfer(req.request_id, self.deadlines, now), tid,
-                                               span=span)
-        self.accept_writes(req.request_id, req.block_ids[req.num_cached_blocks:], tid)   # cached ones are shared
+        self.pending[req.request_id] = Pending(
+            req, peer, Transfer(req.request_id, self.deadlines, now), tid, span=span
+        )
+        self.accept_writes(
+            req.request_id, req.block_ids[req.num_cached_blocks :], tid
+        )  # cached ones are shared
         self._post_out(peer, job)
 
     def job_for(self, req: Request, tid: str, **fields: Any) -> PrefillJob:
         """The job asking a prefill worker to fill `req`'s blocks (`fields`: PrefillJob's optional ones)."""
         sampling = {k: (list(v) if isinstance(v, list) else v) for k, v in req.params.__dict__.items()}
-        return PrefillJob(req.request_id, list(req.prompt_token_ids), sampling, req.cache_salt, list(req.block_ids),
-                          req.num_cached_blocks, self.endpoint, os.getpid(), HOST, self.shm_path, self.kv_shape,
-                          self.elem_size, self.block_size, self.model,
-                          **self._pool_fields(), output_token_ids=list(req.output_token_ids), transfer_id=tid,
-                          issued_at=time.time(), max_model_len=self.max_model_len, compat=self.compat,
-                          images=[im.to_wire() for im in req.images], **fields)
+        return PrefillJob(
+            req.request_id,
+            list(req.prompt_token_ids),
+            sampling,
+            req.cache_salt,
+            list(req.block_ids),
+            req.num_cached_blocks,
+            self.endpoint,
+            os.getpid(),
+            HOST,
+            self.shm_path,
+            self.kv_shape,
+            self.elem_size,
+            self.block_size,
+            self.model,
+            **self._pool_fields(),
+            output_token_ids=list(req.output_token_ids),
+            transfer_id=tid,
+            issued_at=time.time(),
+            max_model_len=self.max_model_len,
+            compat=self.compat,
+            images=[im.to_wire() for im in req.images],
+            **fields,
+        )
 
     def _pool_fields(self) -> dict:
         ep = self.pool_endpoint
@@ -277,8 +363,8 @@ class DecodeConnector(KVConnector):
         if not dead:
             self._post_out(pend.peer, Cancel(rid, pend.transfer_id, self.endpoint))
         if dead or not (self.shm_path or self.pool_endpoint):
-            return []       # over tcp nothing lands once the rid leaves _live; a dead peer writes nothing
-        held = pend.req.block_ids[pend.req.num_cached_blocks:]
+            return []  # over tcp nothing lands once the rid leaves _live; a dead peer writes nothing
+        held = pend.req.block_ids[pend.req.num_cached_blocks :]
         if held:
             self.quarantine[pend.transfer_id] = (held, now + self.config.disagg.quarantine_timeout_s, pend)
         return held
@@ -307,7 +393,7 @@ class DecodeConnector(KVConnector):
             pend = self.pending.get(rid)
             if pend is None or pend.transfer_id != tid or isinstance(msg, CancelAck):
                 ended = self._gate.ended(tid)
-                if not (ended and isinstance(msg, CancelAck)):      # an ack of a transfer that held nothing back
+                if not (ended and isinstance(msg, CancelAck)):  # an ack of a transfer that held nothing back
                     self._drop_log(self._log_engine, t, rid, tid, not ended)
                 continue
             try:
@@ -331,8 +417,11 @@ class DecodeConnector(KVConnector):
                     tracing.end(pend.span)
                     events.append(LoadDone(pend.req, msg.token, _logprob_or_none(msg.logprob)))
                 elif isinstance(msg, Failed) and msg.code in _FATAL:
-                    events.append(self._fail_request(pend, f"prefill worker {pend.peer} refused the "
-                                                           f"request: {msg.reason}", now))
+                    events.append(
+                        self._fail_request(
+                            pend, f"prefill worker {pend.peer} refused the request: {msg.reason}", now
+                        )
+                    )
                 elif isinstance(msg, Failed):
                     events.append(self._fail(pend, f"prefill worker failed: {msg.reason}", now))
             except Exception as e:  # noqa: BLE001 - an out-of-order peer fails its transfer
@@ -344,7 +433,11 @@ class DecodeConnector(KVConnector):
                 events.append(self._fail(pend, "prefill worker died", now))
             elif pend.transfer.expired(now):
                 # A prefill worker answers no job it cannot verify: silence at bootstrap may be a token mismatch.
-                hint = f" (if it logs a bad token: {BAD_TOKEN})" if pend.transfer.state == TransferState.BOOTSTRAPPING else ""
+                hint = (
+                    f" (if it logs a bad token: {BAD_TOKEN})"
+                    if pend.transfer.state == TransferState.BOOTSTRAPPING
+                    else ""
+                )
                 events.append(self._fail(pend, f"no answer in state {pend.transfer.state.value}{hint}", now))
         for tid, (_, deadline, pend) in list(self.quarantine.items()):
             if now > deadline or (check_pids and process_gone(pend.peer_pid, pend.peer_host)):
@@ -380,9 +473,12 @@ class DecodeConnector(KVConnector):
         out: dict[str, float] = dict(self.counters)
         for state in TransferState:
             if state not in (TransferState.DONE, TransferState.FAILED):
-                out[f"kv_transfers_{state.value}"] = sum(1 for p in self.pending.values()
-                                                         if p.transfer.state == state)
-        out["kv_blocks_quarantined"] = sum(len(b) for b, _, _ in self.quarantine.values()) + self.parallel.held_blocks()
+                out[f"kv_transfers_{state.value}"] = sum(
+                    1 for p in self.pending.values() if p.transfer.state == state
+                )
+        out["kv_blocks_quarantined"] = (
+            sum(len(b) for b, _, _ in self.quarantine.values()) + self.parallel.held_blocks()
+        )
         return {**out, **self.parallel.stats()}
 
     def close(self) -> None:

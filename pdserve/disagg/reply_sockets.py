@@ -9,6 +9,7 @@ is still queued (linger 0): a peer that takes nothing must not hold the worker u
 
 Both are bounds on a resource, not on traffic: a decode worker gets one socket, reused by every
 job, so the capacity only matters when many peers (or a hostile one) name endpoints."""
+
 from __future__ import annotations
 
 import time
@@ -17,18 +18,24 @@ from collections.abc import Callable
 
 import zmq
 
-CAPACITY = 64           # more decode workers than one prefill worker answers at a time
-IDLE_S = 60.0           # reconnecting costs one handshake; a socket unused this long goes
+CAPACITY = 64  # more decode workers than one prefill worker answers at a time
+IDLE_S = 60.0  # reconnecting costs one handshake; a socket unused this long goes
 
 
 class ReplySockets:
     """Not thread-safe: one owner thread (the pd-sender thread, the decode worker's I/O thread)."""
 
-    def __init__(self, ctx: zmq.Context, capacity: int = CAPACITY, idle_s: float = IDLE_S,
-                 configure: Callable[[zmq.Socket], None] | None = None, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        capacity: int = CAPACITY,
+        idle_s: float = IDLE_S,
+        configure: Callable[[zmq.Socket], None] | None = None,
+        clock=time.monotonic,
+    ) -> None:
         self.ctx, self.capacity, self.idle_s, self.clock = ctx, capacity, idle_s, clock
         self.configure = configure
-        self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()      # least recently used first
+        self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
         self._used: dict[str, float] = {}
         self._pins: dict[str, int] = {}
         self._swept = clock()
@@ -85,7 +92,7 @@ class ReplySockets:
 
     def _evict(self) -> None:
         over = len(self._socks) - self.capacity
-        for ep in [ep for ep in self._socks if ep not in self._pins][:max(0, over)]:
+        for ep in [ep for ep in self._socks if ep not in self._pins][: max(0, over)]:
             self._close(ep)
 
     def _close(self, endpoint: str) -> None:

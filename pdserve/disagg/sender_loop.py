@@ -1,5 +1,6 @@
 """The prefill worker's sender thread (see sender.py): it owns every outbound socket and every KV
 writer, and does the writes and messages of the outbox in order, so that `done` never overtakes a layer."""
+
 from __future__ import annotations
 
 import logging
@@ -22,12 +23,12 @@ log = logging.getLogger("pdserve.disagg.sender")
 def sender_loop(c: PrefillConnector) -> None:
     """The pd-sender thread: every write and outbound message of connector `c`, in its outbox's order."""
     socks = c.reply_sockets
-    dirty: set[str] = set()             # sinks whose writer needs a flush at the next barrier
+    dirty: set[str] = set()  # sinks whose writer needs a flush at the next barrier
     last_write_at = 0.0
-    warn = ThrottledLog(log)            # a reply to an endpoint a peer made up fails here, once per message
+    warn = ThrottledLog(log)  # a reply to an endpoint a peer made up fails here, once per message
 
     while True:
-        socks.sweep()                   # idle reply sockets go, busy or not
+        socks.sweep()  # idle reply sockets go, busy or not
         try:
             item: SenderOp = c._outbox.get(timeout=1.0)
         except queue.Empty:
@@ -55,7 +56,9 @@ def sender_loop(c: PrefillConnector) -> None:
                     k["kv_send_seconds_total"] += t1 - t0
                     k["kv_send_layers_total"] += 1
                     k["kv_send_layer_lag_seconds_total"] += t1 - computed_at
-                    k["kv_send_layer_lag_seconds_max"] = max(k["kv_send_layer_lag_seconds_max"], t1 - computed_at)
+                    k["kv_send_layer_lag_seconds_max"] = max(
+                        k["kv_send_layer_lag_seconds_max"], t1 - computed_at
+                    )
             elif isinstance(item, Barrier):
                 # Writes that complete asynchronously (tcp) are only known done after the flush.
                 done_at = last_write_at

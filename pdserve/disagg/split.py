@@ -5,6 +5,7 @@ attention over the positions before it (growing with its position). Cutting at e
 would leave the last chunk, which attends to the whole prompt, the slowest stage of the pipeline;
 the cuts here give every chunk about the same estimated compute instead, on block boundaries.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,11 @@ def attention_weight(arch: ModelArch, efficiency: float = 1.0) -> float:
     QK^T and PV per head against the projections and MLP of every layer. `efficiency` scales it
     (attention kernels run at another FLOP rate than GEMMs: disagg.parallel_prefill_attention_weight)."""
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    ffn = arch.intermediate_size if not arch.num_experts else arch.moe_intermediate_size * arch.num_experts_per_tok
+    ffn = (
+        arch.intermediate_size
+        if not arch.num_experts
+        else arch.moe_intermediate_size * arch.num_experts_per_tok
+    )
     linear = arch.hidden_size * (q + 2 * kv) + q * arch.hidden_size + 3 * arch.hidden_size * ffn
     return efficiency * 2 * q / linear
 
@@ -34,7 +39,7 @@ def split_points(start: int, end: int, parts: int, block_size: int, weight: floa
     total = span_cost(start, end, weight)
     cuts = [start]
     for k in range(1, parts):
-        target = span_cost(0, start, weight) + total * k / parts      # cumulative cost from position 0
+        target = span_cost(0, start, weight) + total * k / parts  # cumulative cost from position 0
         # Solve x + weight * x (x + 1) / 2 = target for x (cost from 0 to x), then round to a block.
         a, b = weight / 2, 1 + weight / 2
         x = target / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * target)) / (2 * a)

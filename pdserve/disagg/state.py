@@ -3,6 +3,7 @@
 Every non-terminal state has a deadline; `expired` tells the owner to fail the transfer. Pure: the
 owner passes the clock in, so tests drive it without sleeping.
 """
+
 from __future__ import annotations
 
 import enum
@@ -10,9 +11,9 @@ from dataclasses import dataclass, field
 
 
 class TransferState(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"   # the job is sent (decode) or the destination is being attached (prefill)
-    WAITING = "waiting"               # the prefill worker has queued the job
-    TRANSFERRING = "transferring"     # layers are being written
+    BOOTSTRAPPING = "bootstrapping"  # the job is sent (decode) or the destination is being attached (prefill)
+    WAITING = "waiting"  # the prefill worker has queued the job
+    TRANSFERRING = "transferring"  # layers are being written
     DONE = "done"
     FAILED = "failed"
 
@@ -24,7 +25,7 @@ _NEXT = {
     (TransferState.BOOTSTRAPPING, "accepted"): TransferState.WAITING,
     (TransferState.BOOTSTRAPPING, "started"): TransferState.TRANSFERRING,
     (TransferState.WAITING, "started"): TransferState.TRANSFERRING,
-    (TransferState.WAITING, "accepted"): TransferState.WAITING,      # a queued job's keepalive
+    (TransferState.WAITING, "accepted"): TransferState.WAITING,  # a queued job's keepalive
     (TransferState.TRANSFERRING, "progress"): TransferState.TRANSFERRING,
     (TransferState.WAITING, "progress"): TransferState.TRANSFERRING,
     (TransferState.TRANSFERRING, "done"): TransferState.DONE,
@@ -44,8 +45,11 @@ class Deadlines:
 
     def for_state(self, state: TransferState) -> float | None:
         waiting = self.queue_s if self.silence_s is None else min(self.queue_s, self.silence_s)
-        return {TransferState.BOOTSTRAPPING: self.bootstrap_s, TransferState.WAITING: waiting,
-                TransferState.TRANSFERRING: self.transfer_s}.get(state)
+        return {
+            TransferState.BOOTSTRAPPING: self.bootstrap_s,
+            TransferState.WAITING: waiting,
+            TransferState.TRANSFERRING: self.transfer_s,
+        }.get(state)
 
 
 class InvalidTransition(ValueError):
@@ -60,7 +64,7 @@ class Transfer:
     state: TransferState = TransferState.BOOTSTRAPPING
     started_at: float = 0.0
     deadline: float | None = None
-    reason: str | None = None                  # why it failed
+    reason: str | None = None  # why it failed
     waiting_since: float = 0.0
     history: list[TransferState] = field(default_factory=list)
 
@@ -81,9 +85,11 @@ class Transfer:
         nxt = _NEXT.get((self.state, event))
         if nxt is None:
             raise InvalidTransition(f"{self.request_id}: {event!r} in state {self.state.value}")
-        if nxt == self.state == TransferState.WAITING:     # keepalive: renew the silence limit only
+        if nxt == self.state == TransferState.WAITING:  # keepalive: renew the silence limit only
             if self.deadlines.silence_s is not None:
-                self.deadline = min(self.waiting_since + self.deadlines.queue_s, now + self.deadlines.silence_s)
+                self.deadline = min(
+                    self.waiting_since + self.deadlines.queue_s, now + self.deadlines.silence_s
+                )
             return nxt
         if nxt == TransferState.WAITING:
             self.waiting_since = now

@@ -10,6 +10,7 @@
 - nixl (optional extra): the same with NIXL agents over UCX; the decode worker's agent metadata
   travels in the job, and each layer's write is posted asynchronously and waited for in flush().
 """
+
 from __future__ import annotations
 
 import os
@@ -22,12 +23,12 @@ from typing import Any
 import numpy as np
 import zmq
 
-from pdserve.utils.shm import attach_shared_kv
-from pdserve.utils.signing import sign
 from pdserve.protocol import pack
 from pdserve.protocol.pd import LayerFrames
+from pdserve.utils.shm import attach_shared_kv
+from pdserve.utils.signing import sign
 
-Run = tuple[int, int, int]      # (first source block, first destination block, number of blocks)
+Run = tuple[int, int, int]  # (first source block, first destination block, number of blocks)
 
 
 def coalesce(src_blocks: list[int], dst_blocks: list[int]) -> list[Run]:
@@ -57,7 +58,7 @@ class Throttle:
         ahead = self._sent / self.rate - (self.clock() - self._start)
         if ahead > 0:
             self.sleep(ahead)
-        elif ahead < -1.0:          # idle for a while: don't let a burst through afterwards
+        elif ahead < -1.0:  # idle for a while: don't let a burst through afterwards
             self._start, self._sent = self.clock(), 0
 
 
@@ -72,7 +73,7 @@ def parse_bandwidth_limit(value: str | float | None, measured_bytes_per_s: float
 def measure_memcpy_bytes_per_s(nbytes: int = 64 << 20) -> float:
     a = np.ones(nbytes, dtype=np.uint8)
     b = np.empty_like(a)
-    np.copyto(b, a)                 # fault the pages in first
+    np.copyto(b, a)  # fault the pages in first
     t = time.perf_counter()
     np.copyto(b, a)
     return nbytes / (time.perf_counter() - t)
@@ -106,19 +107,19 @@ class ShmWriter(KVWriter):
     def __init__(self, src: np.ndarray, block_size: int, path: str, shape: list[int], elem_size: int) -> None:
         super().__init__(src, block_size)
         self.dst = attach_shared_kv(path, tuple(shape), elem_size)
-        if self.dst.shape[:2] != src.shape[:2] or self.dst.shape[3:] != src.shape[3:]:   # slots may differ
+        if self.dst.shape[:2] != src.shape[:2] or self.dst.shape[3:] != src.shape[3:]:  # slots may differ
             raise ValueError(f"decode pool {self.dst.shape} does not match this pool {src.shape}")
 
     def write_layer(self, request_id: str, layer: int, runs: list[Run]) -> int:
         bs, n = self.bs, 0
         for s, d, k in runs:
-            src = self.src[layer, :, s * bs:(s + k) * bs]
-            np.copyto(self.dst[layer, :, d * bs:(d + k) * bs], src)
+            src = self.src[layer, :, s * bs : (s + k) * bs]
+            np.copyto(self.dst[layer, :, d * bs : (d + k) * bs], src)
             n += src.nbytes
         return n
 
     def close(self) -> None:
-        self.dst = None             # the mapping goes with the last reference
+        self.dst = None  # the mapping goes with the last reference
 
 
 class TcpWriter(KVWriter):
@@ -126,8 +127,16 @@ class TcpWriter(KVWriter):
 
     name = "tcp"
 
-    def __init__(self, src: np.ndarray, block_size: int, sock: zmq.Socket, key: bytes | None = None,
-                 transfer_id: str = "", flush_timeout_s: float = 30.0, release: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        src: np.ndarray,
+        block_size: int,
+        sock: zmq.Socket,
+        key: bytes | None = None,
+        transfer_id: str = "",
+        flush_timeout_s: float = 30.0,
+        release: Callable[[], None] | None = None,
+    ) -> None:
         """`key`: the internal token the header is signed with (the KV bytes are not: the signed
         header names the transfer and the blocks they may land in). `flush_timeout_s`: how long a
         flush waits for a peer that takes no bytes (a partition) before it fails this transfer.
@@ -145,7 +154,7 @@ class TcpWriter(KVWriter):
         frames: list[Any] = [pack(sign(header.to_wire(), self.key))]
         for s, _, k in runs:
             for kv in (0, 1):
-                view = self.src[layer, kv, s * bs:(s + k) * bs]
+                view = self.src[layer, kv, s * bs : (s + k) * bs]
                 frames.append(memoryview(view.reshape(-1)))
                 n += view.nbytes
         tracker = self.sock.send_multipart(frames, copy=False, track=True)
@@ -163,8 +172,9 @@ class TcpWriter(KVWriter):
                     # The frames still reference the source blocks, which the engine will reuse: the
                     # transfer fails (its "failed" goes after them on this socket, and the decode side
                     # drops frames of a transfer that ended).
-                    raise TimeoutError(f"tcp KV writes not taken by the decode worker within "
-                                       f"{self.flush_timeout_s:.0f} s") from None
+                    raise TimeoutError(
+                        f"tcp KV writes not taken by the decode worker within {self.flush_timeout_s:.0f} s"
+                    ) from None
         finally:
             self._trackers.clear()
         return waited
@@ -185,8 +195,16 @@ class RemoteWriter(KVWriter):
     """One-sided writes into a registered remote pool (Mooncake, NIXL): checks the two pools agree
     and turns a layer's runs into (local address, remote address, bytes) segments, K and V apart."""
 
-    def __init__(self, src: np.ndarray, block_size: int, local_base: int, local_length: int, remote_base: int,
-                 shape: list[int], elem_size: int) -> None:
+    def __init__(
+        self,
+        src: np.ndarray,
+        block_size: int,
+        local_base: int,
+        local_length: int,
+        remote_base: int,
+        shape: list[int],
+        elem_size: int,
+    ) -> None:
         super().__init__(src, block_size)
         if local_base != src.ctypes.data or local_length != src.nbytes:
             raise ValueError(f"the local {self.name} endpoint must have this pool registered")
@@ -197,7 +215,7 @@ class RemoteWriter(KVWriter):
         self.remote_base = remote_base
         self.remote_slots = slots
         self.src_slots = src.shape[2]
-        self.row = src.shape[3] * src.shape[4]      # bytes of one slot (token) of one layer's K or V
+        self.row = src.shape[3] * src.shape[4]  # bytes of one slot (token) of one layer's K or V
 
     def segments(self, layer: int, runs: list[Run]) -> list[tuple[int, int, int]]:
         bs, row, out = self.bs, self.row, []
@@ -205,22 +223,27 @@ class RemoteWriter(KVWriter):
             if (d + k) * bs > self.remote_slots or (s + k) * bs > self.src_slots:
                 raise ValueError(f"run {(s, d, k)} lies outside a pool")
             for kv in (0, 1):
-                out.append((self.local_base + ((layer * 2 + kv) * self.src_slots + s * bs) * row,
-                            self.remote_base + ((layer * 2 + kv) * self.remote_slots + d * bs) * row,
-                            k * bs * row))
+                out.append(
+                    (
+                        self.local_base + ((layer * 2 + kv) * self.src_slots + s * bs) * row,
+                        self.remote_base + ((layer * 2 + kv) * self.remote_slots + d * bs) * row,
+                        k * bs * row,
+                    )
+                )
         return out
 
 
 def _mooncake_engine_class():
     # Imported only when transfer.backend is mooncake: the base install never needs the package.
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")    # its INFO lines would drown the worker's log
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # its INFO lines would drown the worker's log
     try:
         from mooncake.engine import TransferEngine
     except ImportError as e:
         raise ImportError(
             "transfer.backend: mooncake needs the Mooncake transfer engine: pip install 'pdserve[mooncake]' "
             "(mooncake-transfer-engine-non-cuda; on CUDA hosts mooncake-transfer-engine) and the system "
-            f"library libibverbs1 (apt-get install libibverbs1). Import failed: {e}") from e
+            f"library libibverbs1 (apt-get install libibverbs1). Import failed: {e}"
+        ) from e
     return TransferEngine
 
 
@@ -237,7 +260,7 @@ class MooncakeEndpoint:
         if rc != 0:
             raise RuntimeError(f"Mooncake transfer engine failed to start on {host} (rc {rc})")
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
-        self._buf = buf                     # registered memory must outlive the registration
+        self._buf = buf  # registered memory must outlive the registration
         self.base = buf.ctypes.data
         self.length = buf.nbytes
         rc = self.engine.register_memory(self.base, self.length)
@@ -258,15 +281,27 @@ class MooncakeWriter(RemoteWriter):
 
     name = "mooncake"
 
-    def __init__(self, src: np.ndarray, block_size: int, local: MooncakeEndpoint, session_id: str,
-                 remote_base: int, shape: list[int], elem_size: int) -> None:
+    def __init__(
+        self,
+        src: np.ndarray,
+        block_size: int,
+        local: MooncakeEndpoint,
+        session_id: str,
+        remote_base: int,
+        shape: list[int],
+        elem_size: int,
+    ) -> None:
         super().__init__(src, block_size, local.base, local.length, remote_base, shape, elem_size)
         self.local = local
         self.session_id = session_id
 
     def write_layer(self, request_id: str, layer: int, runs: list[Run]) -> int:
         segments = self.segments(layer, runs)
-        local, remote, lengths = [a for a, _, _ in segments], [b for _, b, _ in segments], [n for _, _, n in segments]
+        local, remote, lengths = (
+            [a for a, _, _ in segments],
+            [b for _, b, _ in segments],
+            [n for _, _, n in segments],
+        )
         engine = self.local.engine
         if engine is None:
             raise RuntimeError("the Mooncake endpoint is closed")
@@ -283,7 +318,9 @@ def _nixl_api():
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as e:
-        raise ImportError(f"transfer.backend: nixl needs NIXL: pip install 'pdserve[nixl]'. Import failed: {e}") from e
+        raise ImportError(
+            f"transfer.backend: nixl needs NIXL: pip install 'pdserve[nixl]'. Import failed: {e}"
+        ) from e
     return nixl_agent, nixl_agent_config
 
 
@@ -301,7 +338,7 @@ class NixlEndpoint:
         self.length = buf.nbytes
         self._reg = self.agent.register_memory([(self.base, self.length, 0, "")], "DRAM")
         self.metadata: bytes = self.agent.get_agent_metadata()
-        self._peers: dict[bytes, str] = {}          # remote agent metadata -> its name
+        self._peers: dict[bytes, str] = {}  # remote agent metadata -> its name
 
     def peer(self, metadata: bytes) -> str:
         """The remote agent's name, loading its metadata the first time (sender thread only)."""
@@ -330,8 +367,17 @@ class NixlWriter(RemoteWriter):
 
     name = "nixl"
 
-    def __init__(self, src: np.ndarray, block_size: int, local: NixlEndpoint, peer_metadata: bytes,
-                 remote_base: int, shape: list[int], elem_size: int, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        src: np.ndarray,
+        block_size: int,
+        local: NixlEndpoint,
+        peer_metadata: bytes,
+        remote_base: int,
+        shape: list[int],
+        elem_size: int,
+        timeout_s: float = 30.0,
+    ) -> None:
         super().__init__(src, block_size, local.base, local.length, remote_base, shape, elem_size)
         self.local = local
         self.peer = local.peer(peer_metadata)
@@ -343,8 +389,9 @@ class NixlWriter(RemoteWriter):
         local = [(a, n, 0) for a, _, n in segments]
         remote = [(b, n, 0) for _, b, n in segments]
         agent = self.local.agent
-        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
-                                       agent.get_xfer_descs(remote, "DRAM"), self.peer)
+        handle = agent.initialize_xfer(
+            "WRITE", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), self.peer
+        )
         self._handles.append(handle)
         if agent.transfer(handle) == "ERR":
             raise RuntimeError(f"NIXL write of layer {layer} to {self.peer} failed")
@@ -359,7 +406,7 @@ class NixlWriter(RemoteWriter):
                 while (state := agent.check_xfer_state(h)) == "PROC":
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"NIXL writes to {self.peer} unfinished after {self.timeout_s} s")
-                    time.sleep(0.0001)      # UCX's progress thread moves the bytes meanwhile
+                    time.sleep(0.0001)  # UCX's progress thread moves the bytes meanwhile
                 if state != "DONE":
                     raise RuntimeError(f"NIXL write to {self.peer} failed ({state})")
         finally:
@@ -372,6 +419,6 @@ class NixlWriter(RemoteWriter):
     def close(self) -> None:
         if self._handles:
             try:
-                self.flush()        # a failed or cancelled job may still have writes in flight
+                self.flush()  # a failed or cancelled job may still have writes in flight
             except (RuntimeError, TimeoutError):
-                pass                # its blocks stay quarantined on the decode side until its deadline
+                pass  # its blocks stay quarantined on the decode side until its deadline

@@ -13,6 +13,7 @@
 - Silence: a message that fails the HMAC check is never answered (the answer would go where an
   unauthenticated sender chose).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -36,11 +37,12 @@ from pdserve.utils.signing import CONTROL_BYTES
 REPLAY_WINDOW_S = 600.0
 
 
-BAD_TOKEN = ("no or a wrong internal token; every worker needs the same server.internal_token "
-             "(PDSERVE_INTERNAL_TOKEN)")
+BAD_TOKEN = (
+    "no or a wrong internal token; every worker needs the same server.internal_token (PDSERVE_INTERNAL_TOKEN)"
+)
 
 
-_INT_BYTES = 9                  # the most msgpack spends on one integer
+_INT_BYTES = 9  # the most msgpack spends on one integer
 
 
 def job_bytes_limit(max_tokens: int, block_size: int, vision: VisionConfig) -> int:
@@ -55,7 +57,9 @@ def kv_frame_limit(pool_slots: int, slot_bytes: int, block_size: int, max_model_
     """The largest frame a decode worker's socket takes: one tcp KV frame is one run of one layer's K
     or V, which cannot span more than this pool, nor more blocks than a request of its context has
     (`max_model_len` 0: unknown); or a control message."""
-    slots = pool_slots if max_model_len <= 0 else min(pool_slots, -(-max_model_len // block_size) * block_size)
+    slots = (
+        pool_slots if max_model_len <= 0 else min(pool_slots, -(-max_model_len // block_size) * block_size)
+    )
     return max(slots * slot_bytes, CONTROL_BYTES)
 
 
@@ -87,17 +91,29 @@ def warn_if_open(bound_endpoint: str, key: bytes | None) -> None:
     except ValueError:
         loopback = host == "localhost" or not bound_endpoint.startswith("tcp://")
     if key is None and not loopback:
-        log.warning("the KV socket %s takes jobs and KV from any host that reaches it: no internal token is "
-                    "set (server.internal_token or PDSERVE_INTERNAL_TOKEN, the same on every worker)", bound_endpoint)
+        log.warning(
+            "the KV socket %s takes jobs and KV from any host that reaches it: no internal token is "
+            "set (server.internal_token or PDSERVE_INTERNAL_TOKEN, the same on every worker)",
+            bound_endpoint,
+        )
 
 
-def compat_info(model: str, dtype: str, quantization: str, block_size: int, kv_shape: list[int],
-                elem_size: int) -> dict[str, Any]:
+def compat_info(
+    model: str, dtype: str, quantization: str, block_size: int, kv_shape: list[int], elem_size: int
+) -> dict[str, Any]:
     """What both ends of a transfer must agree on for the bytes to mean the same KV."""
     layers, _, _, kv_heads, head_dim = kv_shape
-    return {"model": model, "dtype": dtype, "quantization": quantization, "block_size": block_size,
-            "kv_layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "kv_elem_size": elem_size,
-            "pdserve_version": __version__}
+    return {
+        "model": model,
+        "dtype": dtype,
+        "quantization": quantization,
+        "block_size": block_size,
+        "kv_layers": layers,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "kv_elem_size": elem_size,
+        "pdserve_version": __version__,
+    }
 
 
 # Carried but allowed to differ: weight quantization changes no KV layout or dtype, and seed 004
@@ -109,8 +125,11 @@ def compat_mismatch(mine: dict[str, Any], theirs: Any) -> str | None:
     """A readable list of the differences, or None when the two agree."""
     if not isinstance(theirs, dict):
         return "the job carries no compatibility information (a pdserve version without it?)"
-    diffs = [f"{k} {theirs.get(k)!r} (decode) != {v!r} (prefill)" for k, v in mine.items()
-             if k not in _MAY_DIFFER and theirs.get(k) != v]
+    diffs = [
+        f"{k} {theirs.get(k)!r} (decode) != {v!r} (prefill)"
+        for k, v in mine.items()
+        if k not in _MAY_DIFFER and theirs.get(k) != v
+    ]
     return "; ".join(diffs) or None
 
 
@@ -158,7 +177,7 @@ class ThrottledLog:
 class JobRefused(Exception):
     def __init__(self, code: str, reason: str) -> None:
         super().__init__(reason)
-        self.code = code            # PD_FAILED's code
+        self.code = code  # PD_FAILED's code
 
 
 def check_job(job: PrefillJob, compat: dict[str, Any], signed: bool, seen: SeenIds, now_wall: float) -> None:
@@ -169,31 +188,52 @@ def check_job(job: PrefillJob, compat: dict[str, Any], signed: bool, seen: SeenI
         raise JobRefused(*refused)
 
 
-def _refusal(job: PrefillJob, compat: dict[str, Any], signed: bool, seen: SeenIds,
-             now_wall: float) -> tuple[str, str] | None:
+def _refusal(
+    job: PrefillJob, compat: dict[str, Any], signed: bool, seen: SeenIds, now_wall: float
+) -> tuple[str, str] | None:
     if not job.transfer_id or not isinstance(job.transfer_id, str):
         return PD_BAD_JOB, "the job has no transfer id"
     if signed and abs(now_wall - job.issued_at) > REPLAY_WINDOW_S:
-        return PD_BAD_JOB, (f"the job was issued {now_wall - job.issued_at:.0f} s from now: expired "
-                            "(or the two hosts' clocks are far apart)")
+        return PD_BAD_JOB, (
+            f"the job was issued {now_wall - job.issued_at:.0f} s from now: expired "
+            "(or the two hosts' clocks are far apart)"
+        )
     diff = compat_mismatch(compat, job.compat)
     if diff:
         return PD_INCOMPATIBLE, f"prefill and decode workers are incompatible: {diff}"
     n = len(job.prompt_token_ids) + len(job.output_token_ids)
     if job.max_model_len and n >= job.max_model_len:
-        return PD_TOO_LONG, f"the context ({n} tokens) leaves no room in the decode worker's {job.max_model_len}"
+        return (
+            PD_TOO_LONG,
+            f"the context ({n} tokens) leaves no room in the decode worker's {job.max_model_len}",
+        )
     if job.shm_path and not (is_pool_path(job.shm_path, job.decode_pid) and _plain_or_absent(job.shm_path)):
-        return PD_BAD_JOB, (f"{job.shm_path!r} is not a KV pool the decode worker created "
-                            f"({SHM_DIR}/pdserve-kv-<its pid>-<hex>)")
+        return PD_BAD_JOB, (
+            f"{job.shm_path!r} is not a KV pool the decode worker created "
+            f"({SHM_DIR}/pdserve-kv-<its pid>-<hex>)"
+        )
     shape = job.kv_shape
-    if not (isinstance(shape, list) and len(shape) == 5 and all(type(x) is int and x > 0 for x in shape)
-            and [shape[0], shape[1], shape[3], shape[4], job.elem_size, job.block_size]
-            == [compat["kv_layers"], 2, compat["kv_heads"], compat["head_dim"], compat["kv_elem_size"],
-                compat["block_size"]]):
+    if not (
+        isinstance(shape, list)
+        and len(shape) == 5
+        and all(type(x) is int and x > 0 for x in shape)
+        and [shape[0], shape[1], shape[3], shape[4], job.elem_size, job.block_size]
+        == [
+            compat["kv_layers"],
+            2,
+            compat["kv_heads"],
+            compat["head_dim"],
+            compat["kv_elem_size"],
+            compat["block_size"],
+        ]
+    ):
         # The pool the job's blocks and KV writes are measured against: the compat digest alone could differ.
         return PD_BAD_JOB, f"the job's decode pool shape {str(shape)[:80]} does not fit this model's KV"
-    if any(type(b) is not int or not 0 <= b < shape[2] // job.block_size for b in job.dst_block_ids) \
-            or not 0 <= job.dst_start_block <= len(job.dst_block_ids) or not 0 <= job.upstream_tokens:
+    if (
+        any(type(b) is not int or not 0 <= b < shape[2] // job.block_size for b in job.dst_block_ids)
+        or not 0 <= job.dst_start_block <= len(job.dst_block_ids)
+        or not 0 <= job.upstream_tokens
+    ):
         return PD_BAD_JOB, "the job names blocks outside the decode pool"
     if not seen.add(job.transfer_id):
         return PD_BAD_JOB, f"transfer id {job.transfer_id} was used before"

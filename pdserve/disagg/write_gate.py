@@ -6,6 +6,7 @@ holds the same lock while checking and writing. So once `close` returns no byte 
 lands any more, and the engine may free or reuse its blocks. A closed transfer's id is remembered,
 so a late frame is told apart from one for a transfer this worker never started.
 """
+
 from __future__ import annotations
 
 import threading
@@ -18,9 +19,9 @@ from pdserve.disagg.trust import SeenIds
 
 class WriteGate:
     def __init__(self) -> None:
-        self.lock = threading.Lock()         # also guards the counters both threads bump
-        self._live: dict[str, tuple[str, set[int]]] = {}     # rid -> (transfer id, blocks frames may fill)
-        self._ended = SeenIds()                              # transfer ids that ended
+        self.lock = threading.Lock()  # also guards the counters both threads bump
+        self._live: dict[str, tuple[str, set[int]]] = {}  # rid -> (transfer id, blocks frames may fill)
+        self._ended = SeenIds()  # transfer ids that ended
 
     # ------------------------------------------------------------------ engine thread
 
@@ -39,8 +40,17 @@ class WriteGate:
 
     # ------------------------------------------------------------------ I/O thread
 
-    def fill(self, sock: zmq.Socket, raw: torch.Tensor, block_size: int, num_layers: int,
-             rid: str, tid: str, layer: int, runs: list[list[int]]) -> tuple[int | None, bool]:
+    def fill(
+        self,
+        sock: zmq.Socket,
+        raw: torch.Tensor,
+        block_size: int,
+        num_layers: int,
+        rid: str,
+        tid: str,
+        layer: int,
+        runs: list[list[int]],
+    ) -> tuple[int | None, bool]:
         """Receive the frames of one tcp layer header from `sock` straight into `raw`, if the live
         transfer `tid` of request `rid` owns every block in `runs`. Returns (bytes written, or None
         when refused and nothing was written; whether the transfer is unknown rather than ended).
@@ -48,14 +58,17 @@ class WriteGate:
         n = 0
         with self.lock:
             tid_live, blocks = self._live.get(rid, (None, set()))
-            ok = tid_live == tid and 0 <= layer < num_layers and \
-                all(b in blocks for d, k in runs for b in range(d, d + k))
+            ok = (
+                tid_live == tid
+                and 0 <= layer < num_layers
+                and all(b in blocks for d, k in runs for b in range(d, d + k))
+            )
             unknown = tid_live == tid or tid not in self._ended
             for d, k in runs if ok else ():
                 for kv in (0, 1):
                     if not sock.getsockopt(zmq.RCVMORE):
                         raise ValueError("a KV frame is missing")
-                    view = raw[layer, kv, d * block_size:(d + k) * block_size]
+                    view = raw[layer, kv, d * block_size : (d + k) * block_size]
                     got = sock.recv_into(view.reshape(-1))
                     if got != view.nbytes:
                         raise ValueError(f"KV frame of {got} bytes, expected {view.nbytes}")

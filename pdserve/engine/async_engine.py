@@ -4,6 +4,7 @@ Torch releases the GIL inside its kernels, so the HTTP event loop stays responsi
 engine thread computes. All engine calls happen on the engine thread; other threads only post
 commands to it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from pdserve.common.errors import (DuplicateRequestId, EngineDeadError, RequestFailed,  # noqa: F401 (re-exported)
-                                   RequestMoved)
+from pdserve.common.errors import DuplicateRequestId, EngineDeadError, RequestFailed, RequestMoved  # noqa: F401 (re-exported)
 from pdserve.common.images import ImageInput
 from pdserve.common.outputs import RequestOutput
 from pdserve.common.sampling import SamplingParams
@@ -60,10 +60,11 @@ Command = AddRequest | AbortRequest | CallOnEngine
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine,
-                 on_output: Callable[[RequestOutput, float], None] | None = None) -> None:
+    def __init__(
+        self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None
+    ) -> None:
         self.engine = engine
-        self.on_output = on_output          # metrics hook, called on the engine thread
+        self.on_output = on_output  # metrics hook, called on the engine thread
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -71,26 +72,44 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.dead: BaseException | None = None
         self.accepting = True
-        engine.connector.wake = self._wake.set      # a peer's message wakes an idle loop
+        engine.connector.wake = self._wake.set  # a peer's message wakes an idle loop
 
     def start(self) -> None:
         self._thread.start()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None, prefill_peer: str | None = None,
-                       output_token_ids: list[int] | None = None,
-                       images: list[ImageInput] | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        prefill_peer: str | None = None,
+        output_token_ids: list[int] | None = None,
+        images: list[ImageInput] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes. Cancelling the consumer aborts the request.
         `output_token_ids`: see LLMEngine.add_request."""
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
-        self.engine.check_request(prompt_token_ids, params, output_token_ids)   # pure check, raises InvalidParam
-        if self.has_stream(request_id):     # its stream would get this one's outputs, or the reverse
+        self.engine.check_request(
+            prompt_token_ids, params, output_token_ids
+        )  # pure check, raises InvalidParam
+        if self.has_stream(request_id):  # its stream would get this one's outputs, or the reverse
             raise DuplicateRequestId(f"request id {request_id!r} is already running on this worker")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._post(AddRequest(request_id, prompt_token_ids, params, time.monotonic(), cache_salt, prefill_peer,
-                              output_token_ids, images))
+        self._post(
+            AddRequest(
+                request_id,
+                prompt_token_ids,
+                params,
+                time.monotonic(),
+                cache_salt,
+                prefill_peer,
+                output_token_ids,
+                images,
+            )
+        )
         finished = False
         try:
             while True:
@@ -133,16 +152,23 @@ class AsyncEngine:
         them elsewhere), requests without a stream (prefill jobs) are aborted, which tells their peer.
         With `count`: only that many streams that are generating, those with the most tokens still
         to go first (a pool evening out its streams: they gain the most from a less loaded worker)."""
+
         def run(engine: LLMEngine) -> int:
             rids = list(engine.requests)
             if count is not None:
-                rids = sorted((rid for rid, r in engine.requests.items()
-                               if rid in self._streams and r.output_token_ids and not r.is_finished),
-                              key=lambda rid: -tokens_to_go(engine.requests[rid]))[:max(0, count)]
+                rids = sorted(
+                    (
+                        rid
+                        for rid, r in engine.requests.items()
+                        if rid in self._streams and r.output_token_ids and not r.is_finished
+                    ),
+                    key=lambda rid: -tokens_to_go(engine.requests[rid]),
+                )[: max(0, count)]
             for rid in rids:
                 engine.abort_request(rid)
                 self._deliver(rid, RequestMoved(reason))
             return len(rids)
+
         return self.call(run)
 
     def _post(self, cmd: Command) -> None:
@@ -155,7 +181,7 @@ class AsyncEngine:
             loop, q = stream
             try:
                 loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:        # the consumer's loop is closed
+            except RuntimeError:  # the consumer's loop is closed
                 pass
 
     def _drain_commands(self) -> None:
@@ -165,13 +191,19 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, AddRequest):
-                if cmd.request_id not in self._streams:        # cancelled before it reached the engine
+                if cmd.request_id not in self._streams:  # cancelled before it reached the engine
                     continue
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                            arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt,
-                                            prefill_peer=cmd.prefill_peer, output_token_ids=cmd.output_token_ids,
-                                            images=cmd.images)
+                    self.engine.add_request(
+                        cmd.request_id,
+                        cmd.prompt_token_ids,
+                        cmd.params,
+                        arrival_time=cmd.arrival_time,
+                        cache_salt=cmd.cache_salt,
+                        prefill_peer=cmd.prefill_peer,
+                        output_token_ids=cmd.output_token_ids,
+                        images=cmd.images,
+                    )
                 except Exception as e:  # noqa: BLE001 - delivered to the request's consumer
                     self._deliver(cmd.request_id, e)
             elif isinstance(cmd, AbortRequest):

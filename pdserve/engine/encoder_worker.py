@@ -11,6 +11,7 @@ KV plane's HMAC (disagg/trust.py): an encoder answers only signed jobs (an unsig
 answer at all) and an engine takes only signed embeddings, which the prefix cache would otherwise
 keep under the image's digest. Neither socket takes a frame larger than a legitimate message.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,8 @@ import zmq
 
 from pdserve.common.images import ImageError, open_image
 from pdserve.config import Config
-from pdserve.utils.signing import CONTROL_BYTES, sign, token_key, verified
 from pdserve.protocol import pack, unpack
+from pdserve.utils.signing import CONTROL_BYTES, sign, token_key, verified
 
 log = logging.getLogger(__name__)
 ENCODE, EMBEDS = "encode", "embeds"
@@ -44,7 +45,7 @@ class EncoderWorker:
         mc = config.model
         if config.server.threads:
             torch.set_num_threads(config.server.threads)
-        bundle = load_vision(mc.name, mc.seed)          # the decoder's weights are not read
+        bundle = load_vision(mc.name, mc.seed)  # the decoder's weights are not read
         if bundle is None:
             raise ValueError(f"the model {mc.name!r} has no vision tower to serve")
         self.bundle = bundle
@@ -57,8 +58,9 @@ class EncoderWorker:
 
     def encode(self, images: list[bytes]) -> np.ndarray:
         """[images, tokens, hidden] float32; ImageError for an image that cannot be read."""
-        pixels = torch.stack([torch.from_numpy(self.bundle.processing.pixels(open_image(d, self.max_pixels)))
-                              for d in images])
+        pixels = torch.stack(
+            [torch.from_numpy(self.bundle.processing.pixels(open_image(d, self.max_pixels))) for d in images]
+        )
         return self.encoder(pixels).float().cpu().numpy()
 
     def answer(self, msg: dict[str, Any]) -> dict[str, Any] | None:
@@ -67,8 +69,10 @@ class EncoderWorker:
         job = msg.get("job")
         if not verified(msg, self.key):
             self.rejected_total += 1
-            log.log(logging.ERROR if self.rejected_total == 1 else logging.DEBUG,
-                    "ignoring an encode job not signed with the internal token (server.internal_token)")
+            log.log(
+                logging.ERROR if self.rejected_total == 1 else logging.DEBUG,
+                "ignoring an encode job not signed with the internal token (server.internal_token)",
+            )
             return None
         if msg.get("type") != ENCODE or not isinstance(msg.get("images"), list):
             return {"type": EMBEDS, "job": job, "error": f"unknown message {msg.get('type')!r}"}
@@ -77,14 +81,22 @@ class EncoderWorker:
         except (ImageError, ValueError, RuntimeError) as e:
             return {"type": EMBEDS, "job": job, "error": str(e)}
         self.jobs_total += 1
-        return {"type": EMBEDS, "job": job, "shape": list(out.shape[1:]), "dtype": "float32", "error": None,
-                "embeds": [np.ascontiguousarray(e).tobytes() for e in out]}
+        return {
+            "type": EMBEDS,
+            "job": job,
+            "shape": list(out.shape[1:]),
+            "dtype": "float32",
+            "error": None,
+            "embeds": [np.ascontiguousarray(e).tobytes() for e in out],
+        }
 
     def serve(self, endpoint: str, stop: Any = None) -> None:
         """Answer jobs on `endpoint` (bound here) until SIGTERM or `stop()` is true."""
         sock: zmq.Socket = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_job_bytes)   # no more than max_images images of max_image_bytes
+        sock.setsockopt(
+            zmq.MAXMSGSIZE, self.max_job_bytes
+        )  # no more than max_images images of max_image_bytes
         sock.bind(endpoint)
         log.info("encoder worker for %s on %s", self.bundle.spec.kind, endpoint)
         try:

@@ -1,4 +1,5 @@
 """The engine: scheduler + model runner + KV pool, stepped by its owner (offline API or server loop)."""
+
 from __future__ import annotations
 
 import logging
@@ -15,13 +16,20 @@ from pdserve.cache.swap import SwapSpace
 from pdserve.cache.tiers.manager import TieredKVStore
 from pdserve.common.detokenizer import IncrementalDetokenizer, NoText
 from pdserve.common.errors import DuplicateRequestId, InvalidParam
+from pdserve.common.images import ImageInput
 from pdserve.common.outputs import RequestOutput, TokenLogprob  # noqa: F401 (RequestOutput re-exported)
 from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.config import Config
-from pdserve.common.images import ImageInput
 from pdserve.engine.image_inputs import image_embeddings
-from pdserve.engine.kv_connector import (AbortJob, AddJob, ConnectorEvent, KVConnector, LoadDone, LoadFailed,
-                                         LoadRetry)
+from pdserve.engine.kv_connector import (
+    AbortJob,
+    AddJob,
+    ConnectorEvent,
+    KVConnector,
+    LoadDone,
+    LoadFailed,
+    LoadRetry,
+)
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, blocks_needed
@@ -37,8 +45,13 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: Config, loaded: LoadedModel | None = None, shm_path: str | None = None,
-                 kv_events: KVEventPublisher | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        loaded: LoadedModel | None = None,
+        shm_path: str | None = None,
+        kv_events: KVEventPublisher | None = None,
+    ) -> None:
         """`kv_events` publishes the blocks this engine holds, per tier (the router's KV index)."""
         self.config = config
         mc, cc = config.model, config.cache
@@ -49,22 +62,33 @@ class LLMEngine:
         self.model_name = mc.name
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(mc.max_model_len or loaded.arch.max_position_embeddings,
-                                 loaded.arch.max_position_embeddings)
-        namespace = tier_namespace(config, self.max_model_len, loaded.weights)    # before packing takes them
+        self.max_model_len = min(
+            mc.max_model_len or loaded.arch.max_position_embeddings, loaded.arch.max_position_embeddings
+        )
+        namespace = tier_namespace(config, self.max_model_len, loaded.weights)  # before packing takes them
         self.model = build_model(loaded, mc.dtype, mc.device, self.max_model_len, mc)
         self.weight_bytes = getattr(self.model, "resident_weight_bytes", self.model.weight_bytes)()
         self.images = image_embeddings(loaded.vision, config) if loaded.vision is not None else None
         del loaded
         trim_heap()
-        log.info("model %s: %s weights, quantization %s, %.1f MB of weights", mc.name, mc.dtype, mc.quantization,
-                 self.weight_bytes / 1e6)
+        log.info(
+            "model %s: %s weights, quantization %s, %.1f MB of weights",
+            mc.name,
+            mc.dtype,
+            mc.quantization,
+            self.weight_bytes / 1e6,
+        )
         dtype = torch_dtype(mc.dtype)
-        num_blocks = cc.device_blocks or num_blocks_for_budget(self.arch, cc.block_size, dtype, cc.device_memory_gb)
+        num_blocks = cc.device_blocks or num_blocks_for_budget(
+            self.arch, cc.block_size, dtype, cc.device_memory_gb
+        )
         self.block_size = cc.block_size
         self.kv_events = kv_events
-        self.prefix_cache = PrefixCache(cc.block_size, kv_events.on_prefix_cache if kv_events else None) \
-            if cc.prefix_cache else None
+        self.prefix_cache = (
+            PrefixCache(cc.block_size, kv_events.on_prefix_cache if kv_events else None)
+            if cc.prefix_cache
+            else None
+        )
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         # A decode worker's pool lives in shared memory (shm_path) so that prefill workers write into it,
         # and so does an expert-parallel worker's on CPU: every rank maps it (model/expert_parallel.py).
@@ -72,60 +96,95 @@ class LLMEngine:
         if ep and shm_path is None and torch.device(mc.device).type == "cpu":
             shm_path = str(new_shm_path())
         self.kv_cache = allocate_kv_cache(self.arch, num_blocks, cc.block_size, dtype, mc.device, shm_path)
-        self.kv_shm_path = shm_path         # where other processes map the pool (None: private memory)
+        self.kv_shm_path = shm_path  # where other processes map the pool (None: private memory)
         if ep:
             self.model.share_kv_cache(self.kv_cache, shm_path)
         # Lower tiers hold what the prefix cache evicts, named by the same hashes: no use without it.
-        store = TieredKVStore.from_config(cc, namespace=namespace, key=tier_key(config),
-                                          listener=kv_events.on_tier if kv_events else None) \
-            if cc.prefix_cache else None
+        store = (
+            TieredKVStore.from_config(
+                cc,
+                namespace=namespace,
+                key=tier_key(config),
+                listener=kv_events.on_tier if kv_events else None,
+            )
+            if cc.prefix_cache
+            else None
+        )
         self.tiers = TierFetcher(store, self.kv_cache, cc.block_size, cc.load_timeout_s) if store else None
-        if self.tiers is not None and self.prefix_cache is not None:     # tiers exist only with a prefix cache
+        if self.tiers is not None and self.prefix_cache is not None:  # tiers exist only with a prefix cache
             self.prefix_cache.on_evict = self.tiers.offload
         if ep and shm_path is None and (self.tiers is not None or config.worker.role == "decode"):
             self.model.close()
             if self.tiers is not None:
                 self.tiers.close()
-            raise ValueError("expert parallelism on a device keeps a KV cache per rank: KV written from outside "
-                             "the model (a decode worker's transfers, the KV tiers) would reach rank 0's only")
+            raise ValueError(
+                "expert parallelism on a device keeps a KV cache per rank: KV written from outside "
+                "the model (a decode worker's transfers, the KV tiers) would reach rank 0's only"
+            )
         # Expert parallelism on a device keeps a KV cache per rank: a copy from rank 0's would be partial.
-        self.swap = SwapSpace(self.kv_cache, cc.block_size, int(cc.swap_space_gb * (1 << 30))) \
-            if cc.swap_space_gb > 0 and not (ep and shm_path is None) else None
-        self.scheduler = Scheduler(config.scheduler, self.pool, cc.block_size, config.disagg.local_prefill_max_tokens,
-                                   self.tiers.lookup if self.tiers else None, self.swap)
+        self.swap = (
+            SwapSpace(self.kv_cache, cc.block_size, int(cc.swap_space_gb * (1 << 30)))
+            if cc.swap_space_gb > 0 and not (ep and shm_path is None)
+            else None
+        )
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.pool,
+            cc.block_size,
+            config.disagg.local_prefill_max_tokens,
+            self.tiers.lookup if self.tiers else None,
+            self.swap,
+        )
         if self.images is not None:
             self.scheduler.inputs_ready = self.images.ready
-        self.connector = KVConnector()          # a role's hooks: disagg.sender / disagg.receiver
+        self.connector = KVConnector()  # a role's hooks: disagg.sender / disagg.receiver
         self.runner = ModelRunner(self.model, self.kv_cache, cc.block_size)
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, IncrementalDetokenizer | NoText] = {}
         self.num_steps = 0
         self.step_counts = {"decode": 0, "prefill": 0}
         self.step_seconds = {"decode": 0.0, "prefill": 0.0}
-        self.prefill_tokens_total = 0       # prompt tokens run through the model (prefix hits excluded)
+        self.prefill_tokens_total = 0  # prompt tokens run through the model (prefix hits excluded)
         self.generation_tokens_total = 0
         self.preemptions_total = 0
-        self.recomputed_tokens_total = 0    # positions computed again after a preemption without swap
+        self.recomputed_tokens_total = 0  # positions computed again after a preemption without swap
 
     # ------------------------------------------------------------------ requests
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                      output_token_ids: list[int] | None = None, images: list[ImageInput] | None = None) -> None:
+    def check_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None = None,
+        images: list[ImageInput] | None = None,
+    ) -> None:
         """Raise InvalidParam for a request that cannot run; nothing is allocated."""
         check_prompt(prompt_token_ids, params, self.arch.vocab_size, self.max_model_len, output_token_ids)
         if images:
             if self.images is None:
                 raise InvalidParam(f"the model {self.model_name!r} takes no images", "images")
             self.images.check(images, prompt_token_ids)
-        if blocks_needed(len(prompt_token_ids) + (params.max_tokens or 1), self.block_size) > self.pool.num_blocks:
-            raise InvalidParam(f"the request needs more KV blocks than the pool holds ({self.pool.num_blocks})",
-                               "max_tokens")
+        if (
+            blocks_needed(len(prompt_token_ids) + (params.max_tokens or 1), self.block_size)
+            > self.pool.num_blocks
+        ):
+            raise InvalidParam(
+                f"the request needs more KV blocks than the pool holds ({self.pool.num_blocks})", "max_tokens"
+            )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, cache_salt: str | None = None,
-                    prefill_peer: str | None = None, kv_sink: object | None = None,
-                    output_token_ids: list[int] | None = None, images: list[ImageInput] | None = None,
-                    upstream_tokens: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        prefill_peer: str | None = None,
+        kv_sink: object | None = None,
+        output_token_ids: list[int] | None = None,
+        images: list[ImageInput] | None = None,
+        upstream_tokens: int = 0,
+    ) -> None:
         """`images`: a VLM prompt's images (their positions hold the image token).
         `upstream_tokens`: see Request.upstream_tokens.
         `output_token_ids`: tokens this request already generated elsewhere (a migrated stream):
@@ -134,17 +193,27 @@ class LLMEngine:
         if request_id in self.requests:
             raise DuplicateRequestId(f"request id {request_id!r} is already running on this worker")
         self.check_request(prompt_token_ids, params, output_token_ids, images)
-        req = Request(request_id, list(prompt_token_ids), params, cache_salt=cache_salt,
-                      output_token_ids=list(output_token_ids or ()), images=list(images or ()))
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            cache_salt=cache_salt,
+            output_token_ids=list(output_token_ids or ()),
+            images=list(images or ()),
+        )
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.prefill_peers = self.connector.order_peers(prefill_peer)
         req.kv_sink = kv_sink
         req.upstream_tokens = upstream_tokens
         self.requests[request_id] = req
-        self.detoks[request_id] = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
-                                                         params.include_stop_str_in_output) \
-            if params.detokenize else NoText()
+        self.detoks[request_id] = (
+            IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+            )
+            if params.detokenize
+            else NoText()
+        )
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -159,7 +228,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.connector.has_work()
 
-    def run_until_idle(self, after_step: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+    def run_until_idle(
+        self, after_step: Callable[[list[RequestOutput]], None] | None = None
+    ) -> list[RequestOutput]:
         """Step until no request is left (the offline API, tests); every output, in order. `after_step`
         sees each step's outputs (a test checks the pool or aborts a request between steps)."""
         outputs: list[RequestOutput] = []
@@ -177,9 +248,9 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.close()
         if self.images is not None:
-            self.images.close()         # encoder processes it spawned
+            self.images.close()  # encoder processes it spawned
         if hasattr(self.model, "close"):
-            self.model.close()          # expert-parallel ranks
+            self.model.close()  # expert-parallel ranks
 
     # ------------------------------------------------------------------ KV from peers (decode role)
 
@@ -236,20 +307,22 @@ class LLMEngine:
         self.preemptions_total += len(step.preempted)
         for req in step.to_load:
             if req.prefill_peers:
-                req.prefill_attempts.append(req.prefill_peers[0])      # the peer start_load asks
+                req.prefill_attempts.append(req.prefill_peers[0])  # the peer start_load asks
             c.start_load(req)
         for req in step.to_fetch:
             assert tiers is not None, "the scheduler fetches only through the tiers' lookup"
             tiers.start(req)
         if not step.scheduled:
             if not outputs and tiers is not None and tiers.has_loads() and not c.has_work():
-                tiers.wait(0.005)           # only tier loads can make progress now
+                tiers.wait(0.005)  # only tier loads can make progress now
             elif not outputs:
-                c.wait(0.005)               # only peers can make progress now
+                c.wait(0.005)  # only peers can make progress now
             return outputs
         decode_only = all(n == 1 and req.num_computed_tokens > 0 for req, n in step.scheduled)
         planned = c.begin_step(step.scheduled)
-        sampled, failed = self.runner.execute(step.scheduled, (lambda i: c.on_layer(planned, i)) if planned else None)
+        sampled, failed = self.runner.execute(
+            step.scheduled, (lambda i: c.on_layer(planned, i)) if planned else None
+        )
         c.end_step(planned)
         self.num_steps += 1
         prefilled, recomputed = self.scheduler.update(step)
@@ -268,7 +341,7 @@ class LLMEngine:
                     out = self._fail(req, f"{type(e).__name__}: {e}")
             else:
                 continue
-            if req.kv_sink is None:         # a prefill job's token goes to its decode worker instead
+            if req.kv_sink is None:  # a prefill job's token goes to its decode worker instead
                 outputs.append(out)
         for rid in c.failed_requests():
             self.abort_request(rid)
@@ -299,7 +372,9 @@ class LLMEngine:
         out = self._next_output(req, token, logprob)
         if first and req.prefill_attempts:
             out.prefilled_by = req.prefilled_by
-            out.prefill_failures = req.prefill_attempts[:-1] if req.prefilled_by else list(req.prefill_attempts)
+            out.prefill_failures = (
+                req.prefill_attempts[:-1] if req.prefilled_by else list(req.prefill_attempts)
+            )
         return out
 
     def _next_output(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
@@ -320,26 +395,58 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             return self._finish(req, reason, [token], [logprob] if logprob else [])
-        return RequestOutput(req.request_id, [token], detok.take(False), False, None, req.num_prompt_tokens,
-                             len(req.output_token_ids), [logprob] if logprob else [])
+        return RequestOutput(
+            req.request_id,
+            [token],
+            detok.take(False),
+            False,
+            None,
+            req.num_prompt_tokens,
+            len(req.output_token_ids),
+            [logprob] if logprob else [],
+        )
 
     def _fail(self, req: Request, error: str) -> RequestOutput:
         """End one request with `error` (its blocks freed); the engine and the batch go on."""
-        if req.request_id not in self.requests:       # it had finished before the error
-            return RequestOutput(req.request_id, [], "", True, "error", req.num_prompt_tokens,
-                                 len(req.output_token_ids), [], error=error)
+        if req.request_id not in self.requests:  # it had finished before the error
+            return RequestOutput(
+                req.request_id,
+                [],
+                "",
+                True,
+                "error",
+                req.num_prompt_tokens,
+                len(req.output_token_ids),
+                [],
+                error=error,
+            )
         return self._finish(req, "error", error=error)
 
-    def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None,
-                new_logprobs: list[TokenLogprob] | None = None, held: list[int] | None = None,
-                error: str | None = None) -> RequestOutput:
+    def _finish(
+        self,
+        req: Request,
+        reason: str,
+        new_tokens: list[int] | None = None,
+        new_logprobs: list[TokenLogprob] | None = None,
+        held: list[int] | None = None,
+        error: str | None = None,
+    ) -> RequestOutput:
         self.scheduler.finish(req, reason, held)
         if self.images is not None:
             self.images.drop(req.request_id)
         detok = self.detoks.pop(req.request_id)
         del self.requests[req.request_id]
-        out = RequestOutput(req.request_id, new_tokens or [], detok.take(True), True, reason,
-                            req.num_prompt_tokens, len(req.output_token_ids), new_logprobs or [], error=error)
+        out = RequestOutput(
+            req.request_id,
+            new_tokens or [],
+            detok.take(True),
+            True,
+            reason,
+            req.num_prompt_tokens,
+            len(req.output_token_ids),
+            new_logprobs or [],
+            error=error,
+        )
         if req.kv_sink is not None:
             self.connector.on_finished(req, out)
         return out
@@ -373,5 +480,8 @@ class LLMEngine:
     @staticmethod
     def _kv_event_stats(pub: KVEventPublisher) -> dict:
         # The endpoints (strings) are for /health, where a router finds them; /metrics skips them.
-        return {**pub.stats(), "kv_events_endpoint": pub.endpoint,
-                "kv_events_snapshot_endpoint": pub.snapshot_endpoint}
+        return {
+            **pub.stats(),
+            "kv_events_endpoint": pub.endpoint,
+            "kv_events_snapshot_endpoint": pub.snapshot_endpoint,
+        }

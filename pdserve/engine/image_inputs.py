@@ -6,6 +6,7 @@ cache's hit already counted: images entirely inside cached blocks are never enco
 repeated image is a cache hit), the others are submitted once and the request waits until all
 have arrived. A request sent to a prefill worker is never encoded here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,9 @@ from pdserve.engine.request import Request
 log = logging.getLogger(__name__)
 
 
-def check_images(images: list[ImageInput], prompt: list[int], image_token_id: int, tokens_per_image: int) -> None:
+def check_images(
+    images: list[ImageInput], prompt: list[int], image_token_id: int, tokens_per_image: int
+) -> None:
     """InvalidParam unless each image covers `tokens_per_image` image tokens of the prompt, in order,
     and no other position holds the image token."""
     covered = 0
@@ -31,7 +34,7 @@ def check_images(images: list[ImageInput], prompt: list[int], image_token_id: in
     for im in images:
         if im.length != tokens_per_image or im.offset < last or im.offset + im.length > len(prompt):
             raise InvalidParam("an image's positions do not fit the prompt", "images")
-        if any(t != image_token_id for t in prompt[im.offset:im.offset + im.length]):
+        if any(t != image_token_id for t in prompt[im.offset : im.offset + im.length]):
             raise InvalidParam("an image's positions do not hold the image token", "images")
         covered += im.length
         last = im.offset + im.length
@@ -47,6 +50,7 @@ def image_embeddings(bundle: Any, config: Config) -> ImageEmbeddings:
     pool = None
     if vc.encoder_endpoints or vc.encoder_processes:
         from pdserve.engine.encoder_pool import EncoderPool
+
         spec = bundle.spec
         pool = EncoderPool.from_config(config, (spec.tokens_per_image, spec.text_hidden_size))
     return ImageEmbeddings(bundle, vc, torch_dtype(mc.dtype), mc.device, pool)
@@ -56,27 +60,32 @@ class ImageEmbeddings:
     """`encode(images) -> [n, tokens, hidden]` runs in this process; `pool` (encoder workers) is
     asynchronous: its answers arrive in `poll`."""
 
-    def __init__(self, bundle: Any, config: VisionConfig, dtype: torch.dtype, device: str,
-                 pool: Any = None) -> None:
+    def __init__(
+        self, bundle: Any, config: VisionConfig, dtype: torch.dtype, device: str, pool: Any = None
+    ) -> None:
         self.bundle = bundle
         self.spec = bundle.spec
         self.slots = ImageSlots(bundle.placeholder, self.spec.image_token_id, self.spec.tokens_per_image)
         self.config = config
         self.pool = pool
         self.encoder = bundle.encoder(dtype, device) if pool is None else None
-        self.pending: dict[str, tuple[Request, list[ImageInput]]] = {}    # request id -> images asked for
-        self.failed: list[tuple[str, str]] = []     # (request id, why) to end with an error
+        self.pending: dict[str, tuple[Request, list[ImageInput]]] = {}  # request id -> images asked for
+        self.failed: list[tuple[str, str]] = []  # (request id, why) to end with an error
         self.images_encoded_total = 0
 
     def check(self, images: list[ImageInput], prompt: list[int]) -> None:
         check_images(images, prompt, self.spec.image_token_id, self.spec.tokens_per_image)
 
     def pixels(self, im: ImageInput) -> torch.Tensor:
-        return torch.from_numpy(self.bundle.processing.pixels(open_image(im.data, self.config.max_image_pixels)))
+        return torch.from_numpy(
+            self.bundle.processing.pixels(open_image(im.data, self.config.max_image_pixels))
+        )
 
     def ready(self, req: Request) -> bool:
         """True when every image at or after req.num_computed_tokens has its embeddings."""
-        missing = [im for im in req.images if im.embeds is None and im.offset + im.length > req.num_computed_tokens]
+        missing = [
+            im for im in req.images if im.embeds is None and im.offset + im.length > req.num_computed_tokens
+        ]
         if not missing:
             return True
         if req.request_id in self.pending:
@@ -86,7 +95,7 @@ class ImageEmbeddings:
             self.pool.submit(req.request_id, missing)
             return False
         try:
-            embeds = self.encoder(torch.stack([self.pixels(im) for im in missing]))     # type: ignore[misc]
+            embeds = self.encoder(torch.stack([self.pixels(im) for im in missing]))  # type: ignore[misc]
         except ImageError as e:
             self.failed.append((req.request_id, str(e)))
             return False
@@ -127,8 +136,11 @@ class ImageEmbeddings:
             self.pool.wait(timeout)
 
     def stats(self) -> dict[str, float]:
-        return {"images_encoded_total": self.images_encoded_total, "images_pending": len(self.pending),
-                **(self.pool.stats() if self.pool is not None else {})}
+        return {
+            "images_encoded_total": self.images_encoded_total,
+            "images_pending": len(self.pending),
+            **(self.pool.stats() if self.pool is not None else {}),
+        }
 
     def close(self) -> None:
         if self.pool is not None:

@@ -1,5 +1,6 @@
 """Hooks through which a worker's role plugs into the engine loop (PD disaggregation lives in
 pdserve.disagg; the engine only knows these calls). The base class does nothing: a mixed worker."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdserve.common.outputs import TokenLogprob
+    from pdserve.common.sampling import SamplingParams
     from pdserve.engine.engine import LLMEngine, RequestOutput
     from pdserve.engine.request import Request
-    from pdserve.common.sampling import SamplingParams
 
 
 # What a connector's poll reports; LLMEngine.step applies each one on the engine thread, which owns
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 @dataclass
 class LoadDone:
     """A prefill worker filled every prompt block of `req` and sampled its first token."""
+
     req: Request
     token: int
     logprob: TokenLogprob | None
@@ -27,6 +29,7 @@ class LoadDone:
 @dataclass
 class LoadFailed:
     """No peer or retry would do better (an incompatible peer): `req` ends with `error`."""
+
     req: Request
     held: list[int]
     error: str
@@ -35,6 +38,7 @@ class LoadFailed:
 @dataclass
 class LoadRetry:
     """The transfer failed: `req` goes back to the head of the queue (next peer, or a local prefill)."""
+
     req: Request
     held: list[int]
 
@@ -42,6 +46,7 @@ class LoadRetry:
 @dataclass
 class BlocksFreed:
     """Held blocks no peer can write into any more: back to the pool."""
+
     blocks: list[int]
 
 
@@ -49,6 +54,7 @@ class BlocksFreed:
 class AddJob:
     """A prefill job from a peer: the engine adds it as a request (`kwargs` go to add_request), then
     tells the connector with `accepted()`, or `refused(error)` when the engine turns it down."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -60,6 +66,7 @@ class AddJob:
 @dataclass
 class AbortJob:
     """A job the peer cancelled, or whose peer died or deadline passed: the engine aborts it."""
+
     request_id: str
 
 

@@ -1,4 +1,5 @@
 """A request is one thing with `num_computed_tokens`: prefill and decode are scheduling facts."""
+
 from __future__ import annotations
 
 import enum
@@ -18,7 +19,7 @@ from pdserve.common.sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    LOADING = "loading"                 # holds blocks whose KV a peer (prefill worker, lower tier) is filling
+    LOADING = "loading"  # holds blocks whose KV a peer (prefill worker, lower tier) is filling
     FINISHED = "finished"
 
 
@@ -48,28 +49,28 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None    # stop | length | abort
+    finish_reason: str | None = None  # stop | length | abort
     num_preemptions: int = 0
     first_token_time: float | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    sample_seed: int | None = None      # None when greedy; see `draw_generator`
-    cache_salt: str | None = None       # tenants with different salts never share cached blocks
-    salt_key: bytes | None = field(init=False, default=None)     # the salt as block hashes take it
-    block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of full blocks so far
-    num_cached_blocks: int = 0          # leading blocks already registered in the prefix cache
-    swapped_tokens: int = 0             # preempted: tokens whose KV waits in host swap space (cache/swap.py)
-    recompute_until: int = 0            # preempted without swap: positions below this are computed again
-    prefill_peers: list[str] = field(default_factory=list)   # decode role: prefill workers to try, in order
+    sample_seed: int | None = None  # None when greedy; see `draw_generator`
+    cache_salt: str | None = None  # tenants with different salts never share cached blocks
+    salt_key: bytes | None = field(init=False, default=None)  # the salt as block hashes take it
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks so far
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    swapped_tokens: int = 0  # preempted: tokens whose KV waits in host swap space (cache/swap.py)
+    recompute_until: int = 0  # preempted without swap: positions below this are computed again
+    prefill_peers: list[str] = field(default_factory=list)  # decode role: prefill workers to try, in order
     # Decode role, reported to the router with the first token (it keeps each prefill worker's
     # load and circuit breaker): the peers asked to prefill, in order, and the one whose KV this
     # request holds (None: it was computed here, after every peer failed or none was asked).
     prefill_attempts: list[str] = field(default_factory=list)
     prefilled_by: str | None = None
-    kv_sink: Any = None                 # prefill role: where this request's KV is written (disagg.sink.KVSink)
+    kv_sink: Any = None  # prefill role: where this request's KV is written (disagg.sink.KVSink)
     # Prefill role, one chunk of a pipelined prompt: the leading tokens whose KV earlier chunks'
     # workers supply, layer by layer, while this request's first step computes (disagg/pipeline.py).
     upstream_tokens: int = 0
-    images: list[ImageInput] = field(default_factory=list)     # a VLM prompt's images (common/images.py)
+    images: list[ImageInput] = field(default_factory=list)  # a VLM prompt's images (common/images.py)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -1,4 +1,5 @@
 """Model runner: turns a scheduled step into tensors, runs the model, samples."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -19,10 +20,14 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
 
-    def execute(self, scheduled: list[tuple[Request, int]], layer_done: Callable[[int], None] | None = None,
-                ) -> tuple[dict[str, tuple[int, TokenLogprob | None]], dict[str, str]]:
+    def execute(
+        self,
+        scheduled: list[tuple[Request, int]],
+        layer_done: Callable[[int], None] | None = None,
+    ) -> tuple[dict[str, tuple[int, TokenLogprob | None]], dict[str, str]]:
         """Compute the scheduled tokens; returns a sampled token for each request whose chunk
         reaches the end of its known tokens, and the requests whose sampling failed (with why)."""
+
         # Decodes first, shortest context first: the attention batches them in groups of
         # similar length (see model/attention.py).
         def order(rn: tuple[Request, int]) -> tuple[bool, int]:
@@ -35,12 +40,12 @@ class ModelRunner:
         seqs = []
         logits_rows: list[int] = []
         samplers: list[Request] = []
-        spans: list = []            # image rows of this step (VLM prompts)
+        spans: list = []  # image rows of this step (VLM prompts)
         for req, n in ordered:
             start = req.num_computed_tokens
             if req.images:
                 spans += image_spans(req.images, start, n, len(ids))
-            ids.extend(req.all_token_ids[start:start + n])
+            ids.extend(req.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
             seqs.append((req.block_ids, start, n))
             if start + n == req.num_tokens:
@@ -50,11 +55,23 @@ class ModelRunner:
         dev = self.device
         ids_t = torch.tensor(ids, device=dev)
         extra = {"inputs_embeds": merge_image_embeds(self.model.embed_tokens(ids_t), spans)} if spans else {}
-        logits = self.model.forward(ids_t, torch.tensor(positions, device=dev), meta,
-                                    self.kv_cache, torch.tensor(logits_rows, dtype=torch.long, device=dev),
-                                    layer_done, **extra)
+        logits = self.model.forward(
+            ids_t,
+            torch.tensor(positions, device=dev),
+            meta,
+            self.kv_cache,
+            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            layer_done,
+            **extra,
+        )
         if not samplers:
             return {}, {}
         tokens, logprobs, failed = sample(logits.cpu(), samplers)
-        return ({r.request_id: (t, lp) for i, (r, t, lp) in enumerate(zip(samplers, tokens, logprobs))
-                 if i not in failed}, {samplers[i].request_id: why for i, why in failed.items()})
+        return (
+            {
+                r.request_id: (t, lp)
+                for i, (r, t, lp) in enumerate(zip(samplers, tokens, logprobs))
+                if i not in failed
+            },
+            {samplers[i].request_id: why for i, why in failed.items()},
+        )

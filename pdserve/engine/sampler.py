@@ -4,6 +4,7 @@ Each row is processed on its own, and each draw uses a generator seeded from the
 and the draw's index (`Request.draw_generator`), so a request samples the same tokens whatever
 else shares its batch and wherever it runs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -64,8 +65,9 @@ def _draw(row: torch.Tensor, req: Request) -> int:
     return int(torch.multinomial(row.softmax(-1), 1, generator=req.draw_generator()))
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]
-           ) -> tuple[list[int], list[TokenLogprob | None], dict[int, str]]:
+def sample(
+    logits: torch.Tensor, reqs: list[Request]
+) -> tuple[list[int], list[TokenLogprob | None], dict[int, str]]:
     """logits: float32 [n, V], one row per request in `reqs`. The third value: the rows that could
     not be sampled, with why; their request fails alone, the others of the batch go on."""
     tokens: list[int] = [0] * len(reqs)

@@ -21,6 +21,7 @@ are looked up there (`tier_lookup`); a request with such blocks is admitted as `
 blocks for that stretch only, and once they are filled (`finish_fetch(req, n)`: the first n
 arrived) it joins the running batch and prefills the rest like any other request.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -40,9 +41,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class ScheduledStep:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)   # (request, tokens to compute)
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to compute)
     preempted: list[Request] = field(default_factory=list)
-    to_load: list[Request] = field(default_factory=list)   # admitted as loading: their KV comes from a peer
+    to_load: list[Request] = field(default_factory=list)  # admitted as loading: their KV comes from a peer
     to_fetch: list[Request] = field(default_factory=list)  # admitted as loading: blocks come from lower tiers
 
 
@@ -60,16 +61,21 @@ def wants_remote_prefill(num_uncached: int, local_prefill_max_tokens: int | None
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, block_size: int,
-                 local_prefill_max_tokens: int | None = None,
-                 tier_lookup: Callable[[list[bytes]], int] | None = None,
-                 swap: SwapSpace | None = None) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        pool: BlockPool,
+        block_size: int,
+        local_prefill_max_tokens: int | None = None,
+        tier_lookup: Callable[[list[bytes]], int] | None = None,
+        swap: SwapSpace | None = None,
+    ) -> None:
         self.cfg = cfg
         self.pool = pool
         self.block_size = block_size
         self.local_prefill_max_tokens = local_prefill_max_tokens
-        self.tier_lookup = tier_lookup      # how many leading block hashes lower tiers hold
-        self.swap = swap                    # host RAM for preempted requests' KV; None: always recompute
+        self.tier_lookup = tier_lookup  # how many leading block hashes lower tiers hold
+        self.swap = swap  # host RAM for preempted requests' KV; None: always recompute
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
@@ -111,7 +117,9 @@ class Scheduler:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else None
             extra = block_extra(req.images, i * bs, (i + 1) * bs) if req.images else None
-            req.block_hashes.append(block_hash(parent, req.all_token_ids[i * bs:(i + 1) * bs], req.salt_key, extra))
+            req.block_hashes.append(
+                block_hash(parent, req.all_token_ids[i * bs : (i + 1) * bs], req.salt_key, extra)
+            )
         return req.block_hashes[:num_blocks]
 
     def _match_prefix(self, req: Request) -> list[int]:
@@ -125,14 +133,15 @@ class Scheduler:
         """Register the request's newly computed full blocks in the prefix cache."""
         cache = self.pool.prefix_cache
         if cache is None or getattr(req.kv_sink, "error", None):
-            return      # a failed prefill job's KV may be incomplete (an earlier chunk's that never came)
+            return  # a failed prefill job's KV may be incomplete (an earlier chunk's that never came)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
         hashes = self._hashes(req, full)
         for i in range(req.num_cached_blocks, full):
             node = cache.nodes.get(hashes[i])
             parent = cache.nodes.get(hashes[i - 1]) if i else None
-            if (node is not None and node.block_id != req.block_ids[i]) \
-                    or (i and (parent is None or parent.block_id != req.block_ids[i - 1])):
+            if (node is not None and node.block_id != req.block_ids[i]) or (
+                i and (parent is None or parent.block_id != req.block_ids[i - 1])
+            ):
                 # Another block holds this prefix (e.g. an earlier request's identical reply): the
                 # chain diverged physically, and stays so for the blocks this request computes later,
                 # so none is hung under a block it does not hold (every cached block's ancestors
@@ -146,8 +155,12 @@ class Scheduler:
         self.running.remove(req)
         computed = req.num_computed_tokens
         # A prefill job's KV streams to its decode worker as it is computed: it recomputes, as before.
-        swapped = self.swap is not None and req.kv_sink is None and 0 < computed < req.num_tokens \
+        swapped = (
+            self.swap is not None
+            and req.kv_sink is None
+            and 0 < computed < req.num_tokens
             and self.swap.swap_out(req, blocks_needed(computed, self.block_size))
+        )
         self._release(req)
         req.swapped_tokens = computed if swapped else 0
         if not swapped:
@@ -183,7 +196,7 @@ class Scheduler:
         one not yet scheduled is preempted. Returns the budget left."""
         scheduled_ids: set[str] = set()
         for req in list(self.running):
-            if req not in self.running:     # preempted earlier in this loop
+            if req not in self.running:  # preempted earlier in this loop
                 continue
             num_new = self._chunk(req, budget, not step.scheduled)
             if num_new <= 0:
@@ -207,7 +220,11 @@ class Scheduler:
         for req in list(self.waiting):
             if len(self.running) + len(self.loading) >= self.cfg.max_num_seqs:
                 break
-            taken = self._resume(req, budget, step) if req.swapped_tokens else self._admit(req, budget, step, inflight)
+            taken = (
+                self._resume(req, budget, step)
+                if req.swapped_tokens
+                else self._admit(req, budget, step, inflight)
+            )
             if taken is None:
                 break
             if taken is not _PASSED:
@@ -235,13 +252,17 @@ class Scheduler:
         if wants_remote_prefill(uncached, self.local_prefill_max_tokens, bool(req.prefill_peers)):
             return 0 if self._admit_loading(req, hit, step) else None
         if req.images and self.inputs_ready is not None and not self.inputs_ready(req):
-            req.num_computed_tokens = 0     # its images are being encoded
+            req.num_computed_tokens = 0  # its images are being encoded
             return _PASSED
         if fetch and self._admit_fetch(req, hit, fetch, step):
             return 0
         num_new = self._chunk(req, budget, not step.scheduled) if budget > 0 else 0
-        if num_new <= 0 or not self._take(req, hit, blocks_needed(req.num_computed_tokens + num_new,
-                                                                  self.block_size) - len(hit), RequestStatus.RUNNING):
+        if num_new <= 0 or not self._take(
+            req,
+            hit,
+            blocks_needed(req.num_computed_tokens + num_new, self.block_size) - len(hit),
+            RequestStatus.RUNNING,
+        ):
             req.num_computed_tokens = 0
             return None
         step.scheduled.append((req, num_new))
@@ -253,7 +274,7 @@ class Scheduler:
         it stopped. Tokens scheduled, or None, with nothing changed, when it does not fit yet."""
         bs, swapped = self.block_size, req.swapped_tokens
         assert self.swap is not None, "only swap_out sets swapped_tokens"
-        hit = self._match_prefix(req)[:swapped // bs]
+        hit = self._match_prefix(req)[: swapped // bs]
         req.num_computed_tokens = swapped
         num_new = self._chunk(req, budget, not step.scheduled) if budget > 0 else 0
         if num_new <= 0 or not self._fits(hit, blocks_needed(swapped + num_new, bs) - len(hit)):
@@ -264,7 +285,7 @@ class Scheduler:
         req.num_cached_blocks = len(hit)
         self.swap.swap_in(req, len(hit))
         req.swapped_tokens = 0
-        self._grow(req, num_new)            # fits: counted in `need` above
+        self._grow(req, num_new)  # fits: counted in `need` above
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -289,7 +310,7 @@ class Scheduler:
         if req.status == RequestStatus.LOADING:
             full = min(full, len(req.block_ids))
         if req.num_cached_blocks < full:
-            inflight.update(self._hashes(req, full)[req.num_cached_blocks:])
+            inflight.update(self._hashes(req, full)[req.num_cached_blocks :])
 
     def _next_block_inflight(self, req: Request, num_hit: int, inflight: set[bytes]) -> bool:
         if req.output_token_ids or num_hit >= (req.num_tokens - 1) // self.block_size:
@@ -333,7 +354,9 @@ class Scheduler:
         return True
 
     def _admit_loading(self, req: Request, hit: list[int], step: ScheduledStep) -> bool:
-        if not self._take(req, hit, blocks_needed(req.num_tokens, self.block_size) - len(hit), RequestStatus.LOADING):
+        if not self._take(
+            req, hit, blocks_needed(req.num_tokens, self.block_size) - len(hit), RequestStatus.LOADING
+        ):
             req.num_computed_tokens = 0
             return False
         step.to_load.append(req)

@@ -11,6 +11,7 @@ cancelled; whatever `cancel` answers, the loader writes nothing into those block
 (True: it stopped before the next block; False: it had already finished), so they can be freed
 at once, and a result that still arrives for them is recognised as stale and dropped.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Store gauges; every other key of TieredKVStore.stats() only grows and is exported as a counter.
-_GAUGES = {"tier_host_blocks", "tier_host_used_bytes", "tier_disk_blocks", "tier_disk_used_bytes",
-           "tier_pending_blocks", "tier_queued_bytes"}
+_GAUGES = {
+    "tier_host_blocks",
+    "tier_host_used_bytes",
+    "tier_disk_blocks",
+    "tier_disk_used_bytes",
+    "tier_pending_blocks",
+    "tier_queued_bytes",
+}
 
 
 def _metric_name(key: str) -> str:
@@ -52,25 +59,31 @@ class _Fetch:
 
 
 class TierFetcher:
-    def __init__(self, store: TieredKVStore, kv_cache: torch.Tensor, block_size: int, timeout_s: float) -> None:
+    def __init__(
+        self, store: TieredKVStore, kv_cache: torch.Tensor, block_size: int, timeout_s: float
+    ) -> None:
         self.store = store
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.timeout_s = timeout_s
-        self.clock = time.monotonic                    # the engine's deadlines run on this (tests pass their own)
-        self.loads: dict[str, _Fetch] = {}             # engine thread only
+        self.clock = time.monotonic  # the engine's deadlines run on this (tests pass their own)
+        self.loads: dict[str, _Fetch] = {}  # engine thread only
         self._results: queue.SimpleQueue[tuple[_Fetch, int]] = queue.SimpleQueue()
         self._event = threading.Event()
-        self.counters = {"tier_fetch_requests_total": 0, "tier_fetch_blocks_total": 0,
-                         "tier_fetched_tokens_total": 0, "tier_fetch_fallbacks_total": 0,
-                         "tier_fetch_seconds_total": 0.0}
+        self.counters = {
+            "tier_fetch_requests_total": 0,
+            "tier_fetch_blocks_total": 0,
+            "tier_fetched_tokens_total": 0,
+            "tier_fetch_fallbacks_total": 0,
+            "tier_fetch_seconds_total": 0.0,
+        }
 
     # ------------------------------------------------------------------ engine thread
 
     def offload(self, block_id: int, block_hash: bytes) -> None:
         """PrefixCache.on_evict: the block's KV is intact now and overwritten soon after; the store copies it."""
         bs = self.block_size
-        self.store.offload(block_hash, self.kv_cache[:, :, block_id * bs:(block_id + 1) * bs])
+        self.store.offload(block_hash, self.kv_cache[:, :, block_id * bs : (block_id + 1) * bs])
 
     def lookup(self, hashes: list[bytes]) -> int:
         return self.store.lookup(hashes)
@@ -84,8 +97,13 @@ class TierFetcher:
         self.loads[req.request_id] = rec
         self.counters["tier_fetch_requests_total"] += 1
         self.counters["tier_fetch_blocks_total"] += len(blocks)
-        rec.ticket = self.store.load_async(req.block_hashes[first:first + len(blocks)], blocks, self.kv_cache,
-                                           functools.partial(self._done, rec), self.timeout_s)
+        rec.ticket = self.store.load_async(
+            req.block_hashes[first : first + len(blocks)],
+            blocks,
+            self.kv_cache,
+            functools.partial(self._done, rec),
+            self.timeout_s,
+        )
 
     def poll(self) -> list[tuple[Request, int]]:
         """Finished loads as (request, blocks loaded), timed-out ones with 0."""
@@ -96,7 +114,7 @@ class TierFetcher:
                 rec, n = self._results.get_nowait()
             except queue.Empty:
                 break
-            if self.loads.get(rec.req.request_id) is rec:       # else aborted or timed out already
+            if self.loads.get(rec.req.request_id) is rec:  # else aborted or timed out already
                 del self.loads[rec.req.request_id]
                 out.append((rec.req, n))
                 self._account(rec, n, now)

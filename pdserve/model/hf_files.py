@@ -1,4 +1,5 @@
 """Reading a Hugging Face model directory's weights."""
+
 from __future__ import annotations
 
 from pathlib import Path

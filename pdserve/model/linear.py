@@ -1,4 +1,5 @@
 """The matrix product every layer uses, through the fastest CPU path for the batch at hand."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ Weights are stored fused (qkv, gate+up), [out, in] as in HF, as float tensors or
 quantized kernel (quant.py); see `linear` for how they are applied. The MLP of a layer is
 pluggable: MoE models (moe_model.py) put a MoE block there.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -15,9 +16,9 @@ from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata, DecodeKernel, paged_attention
 from pdserve.model.kernels.decode_attention import decode_attention_kernel
 from pdserve.model.kernels.layer import FusedLayer, FusedStack, FusedStep, silu_mul
-from pdserve.model.linear import linear
 from pdserve.model.kernels.norm import native_rms_norm
 from pdserve.model.kernels.qgemm import TiledFloat
+from pdserve.model.linear import linear
 from pdserve.model.quant import QuantizedWeight, cat_rows, pack, weight_nbytes
 from pdserve.model.rotary import RotaryEmbedding, apply_rotary
 
@@ -49,7 +50,7 @@ class DenseMLP:
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         gu = linear(h, self.gate_up)
-        act = silu_mul(gu)       # the fused decode layer's own (layer.c), so both paths match bit for bit
+        act = silu_mul(gu)  # the fused decode layer's own (layer.c), so both paths match bit for bit
         if act is None:
             gate, up = gu.chunk(2, dim=-1)
             act = F.silu(gate) * up
@@ -66,14 +67,21 @@ class DecoderLayer:
         self.input_norm = w["input_layernorm"]
         self.post_norm = w["post_attention_layernorm"]
         self.qkv = w["qkv"]
-        self.qkv_bias = (torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if "q_bias" in w else None)
+        self.qkv_bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if "q_bias" in w else None
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
         self.o = w["o_proj"]
         self.mlp = mlp
-        self.decode_kernel: DecodeKernel | None = None     # set by the model (attention_kernel)
+        self.decode_kernel: DecodeKernel | None = None  # set by the model (attention_kernel)
 
-    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attention(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """x plus the attention output (the residual stream after the attention half)."""
         a = self.arch
         h = rms_norm(x, self.input_norm, a.rms_norm_eps)
@@ -83,19 +91,33 @@ class DecoderLayer:
         t = x.shape[0]
         if self.q_norm is None:
             # q and k heads side by side in qkv's rows: one rotary pass over both halves the small ops.
-            qk = apply_rotary(qkv[:, :a.q_size + a.kv_size].view(t, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
-            q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]
+            qk = apply_rotary(
+                qkv[:, : a.q_size + a.kv_size].view(t, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin
+            )
+            q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         else:
-            q, k = qkv[:, :a.q_size].view(t, a.num_heads, a.head_dim), qkv[:, a.q_size:a.q_size + a.kv_size]
-            q, k = rms_norm(q, self.q_norm, a.rms_norm_eps), rms_norm(k.view(t, a.num_kv_heads, a.head_dim),
-                                                                   self.k_norm, a.rms_norm_eps)
+            q, k = (
+                qkv[:, : a.q_size].view(t, a.num_heads, a.head_dim),
+                qkv[:, a.q_size : a.q_size + a.kv_size],
+            )
+            q, k = (
+                rms_norm(q, self.q_norm, a.rms_norm_eps),
+                rms_norm(k.view(t, a.num_kv_heads, a.head_dim), self.k_norm, a.rms_norm_eps),
+            )
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = qkv[:, a.q_size + a.kv_size:].reshape(t, a.num_kv_heads, a.head_dim)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, a.head_dim ** -0.5, self.decode_kernel)
+        v = qkv[:, a.q_size + a.kv_size :].reshape(t, a.num_kv_heads, a.head_dim)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, a.head_dim**-0.5, self.decode_kernel)
         return x + linear(o.reshape(t, a.q_size), self.o)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         x = self.attention(x, cos, sin, k_cache, v_cache, meta)
         return x + self.mlp(rms_norm(x, self.post_norm, self.arch.rms_norm_eps))
 
@@ -103,9 +125,17 @@ class DecoderLayer:
 class LlamaModel:
     """Holds the weights; `forward` runs one engine step over flattened tokens."""
 
-    def __init__(self, arch: ModelArch, weights: dict, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", max_model_len: int | None = None,
-                 quantization: str = "none", attention_kernel: str = "auto", gemm_kernel: str = "auto") -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        weights: dict,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        max_model_len: int | None = None,
+        quantization: str = "none",
+        attention_kernel: str = "auto",
+        gemm_kernel: str = "auto",
+    ) -> None:
         """`weights`: float tensors in HF naming; with `quantization`, the linear layers' matrices may
         come already quantized from the file (quant.Staged) and every one is packed for its kernel."""
         self.arch = arch
@@ -113,7 +143,11 @@ class LlamaModel:
         self.device = torch.device(device)
         self.quantization = quantization
         self.native_gemm = gemm_kernel == "auto"
-        big = {k for k in weights if k.endswith("_proj.weight") or k in ("lm_head.weight", "model.embed_tokens.weight")}
+        big = {
+            k
+            for k in weights
+            if k.endswith("_proj.weight") or k in ("lm_head.weight", "model.embed_tokens.weight")
+        }
         w = {k: v if k in big else v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
         pack = self._pack
         head_key = "lm_head.weight" if "lm_head.weight" in w and not arch.tie_word_embeddings else None
@@ -136,11 +170,15 @@ class LlamaModel:
                 if p + f"self_attn.{n}_proj.bias" in w:
                     lw[f"{n}_bias"] = w[p + f"self_attn.{n}_proj.bias"]
             if arch.qk_norm:
-                lw["q_norm"], lw["k_norm"] = w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"]
+                lw["q_norm"], lw["k_norm"] = (
+                    w[p + "self_attn.q_norm.weight"],
+                    w[p + "self_attn.k_norm.weight"],
+                )
             self.layers.append(DecoderLayer(arch, lw, self._build_mlp(i, w)))
         self.max_model_len = max_model_len or arch.max_position_embeddings
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, self.max_model_len, arch.rope_scaling,
-                                      dtype, self.device)
+        self.rotary = RotaryEmbedding(
+            arch.head_dim, arch.rope_theta, self.max_model_len, arch.rope_scaling, dtype, self.device
+        )
         self.decode_kernel = None
         if attention_kernel == "auto" and self.device.type == "cpu" and dtype == torch.float32:
             self.decode_kernel = decode_attention_kernel()
@@ -156,8 +194,16 @@ class LlamaModel:
             mlp = layer.mlp
             f = None
             if layer.q_norm is None and isinstance(mlp, DenseMLP):
-                f = FusedLayer.of(self.arch, layer.qkv, layer.o, mlp.gate_up, mlp.down, layer.input_norm,
-                                  layer.post_norm, layer.qkv_bias)
+                f = FusedLayer.of(
+                    self.arch,
+                    layer.qkv,
+                    layer.o,
+                    mlp.gate_up,
+                    mlp.down,
+                    layer.input_norm,
+                    layer.post_norm,
+                    layer.qkv_bias,
+                )
             if f is None:
                 return None
             fused.append(f)
@@ -192,10 +238,16 @@ class LlamaModel:
         return self.embed[input_ids]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, logits_indices: torch.Tensor | None,
-                layer_done: Callable[[int], None] | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        logits_indices: torch.Tensor | None,
+        layer_done: Callable[[int], None] | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """kv_cache: [layers, 2, slots, kv_heads, head_dim]. Returns float32 logits [len(logits_indices), V]
         (None without logits_indices: expert-parallel ranks other than 0 need no logits).
         `layer_done(i)` runs once layer i's KV is written (a prefill worker ships it while i+1 computes).
@@ -207,7 +259,7 @@ class LlamaModel:
             step = FusedStep(meta, cos, sin, n, self.fused.scratch_per_row)
             x = x.contiguous() if inputs_embeds is None else x.clone(memory_format=torch.contiguous_format)
             if layer_done is None:
-                step.run_all(self.fused, x, kv_cache)                  # x in place
+                step.run_all(self.fused, x, kv_cache)  # x in place
             else:
                 for i, f in enumerate(self.fused.layers):
                     step.run(f, x, kv_cache[i, 0], kv_cache[i, 1])

@@ -6,6 +6,7 @@ random config (`tiny-llama`, `tiny-qwen2`, `tiny-mistral`; MoE: `tiny-mixtral`, 
 `tiny-qwen3-moe`, `tiny-deepseek-moe`; vision-language: `tiny-llava`) for fast tests. A LLaVA
 directory loads its decoder here and its vision tower and projector as `LoadedModel.vision` (vlm.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,14 @@ import numpy as np
 import torch
 
 # The tokenizer half lives in the torch-free layer the router shares; re-exported for existing imports.
-from pdserve.common.tokenizer import (DEFAULT_MODEL, TokenizerWrapper, default_gguf_path, load_gguf_tokenizer,  # noqa: F401
-                                      tokenizer_from_gguf_fields, tokenizer_from_hf_dir)
+from pdserve.common.tokenizer import (  # noqa: F401
+    DEFAULT_MODEL,
+    TokenizerWrapper,
+    default_gguf_path,
+    load_gguf_tokenizer,
+    tokenizer_from_gguf_fields,
+    tokenizer_from_hf_dir,
+)
 from pdserve.common.tokenizer import gguf_fields as _gguf_fields
 from pdserve.config import ModelConfig
 from pdserve.model import vlm
@@ -38,7 +45,7 @@ class LoadedModel:
     arch: ModelArch
     weights: dict[str, torch.Tensor]
     tokenizer: TokenizerWrapper
-    vision: Any = None          # a vision-language model's tower and projector (vlm.VisionBundle)
+    vision: Any = None  # a vision-language model's tower and projector (vlm.VisionBundle)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -50,9 +57,14 @@ def torch_dtype(name: str) -> torch.dtype:
 # ---------------------------------------------------------------- GGUF
 
 _GGUF_NAMES = {
-    "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
@@ -80,26 +92,40 @@ def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
     tensor_names = {t.name for t in reader.tensors}
     scaling = None
     if fields.get(p + "rope.scaling.type") not in (None, "none"):
-        scaling = {"rope_type": fields[p + "rope.scaling.type"], "factor": float(fields[p + "rope.scaling.factor"]),
-                   "original_max_position_embeddings": int(fields.get(p + "rope.scaling.original_context_length",
-                                                                        fields[p + "context_length"]))}
+        scaling = {
+            "rope_type": fields[p + "rope.scaling.type"],
+            "factor": float(fields[p + "rope.scaling.factor"]),
+            "original_max_position_embeddings": int(
+                fields.get(p + "rope.scaling.original_context_length", fields[p + "context_length"])
+            ),
+        }
     arch = ModelArch(
-        architecture=arch_name, vocab_size=len(fields["tokenizer.ggml.tokens"]), hidden_size=hidden,
-        intermediate_size=int(fields[p + "feed_forward_length"]), num_layers=int(fields[p + "block_count"]),
-        num_heads=heads, num_kv_heads=int(fields.get(p + "attention.head_count_kv", heads)),
+        architecture=arch_name,
+        vocab_size=len(fields["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=int(fields[p + "feed_forward_length"]),
+        num_layers=int(fields[p + "block_count"]),
+        num_heads=heads,
+        num_kv_heads=int(fields.get(p + "attention.head_count_kv", heads)),
         head_dim=int(fields.get(p + "rope.dimension_count", hidden // heads)),
         rms_norm_eps=float(fields[p + "attention.layer_norm_rms_epsilon"]),
-        rope_theta=float(fields.get(p + "rope.freq_base", 10000.0)), rope_scaling=scaling,
+        rope_theta=float(fields.get(p + "rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
         max_position_embeddings=int(fields[p + "context_length"]),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids,
     )
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
         keep_packed = quantization == "int4" and t.tensor_type.name in ("Q4_0", "Q4_1") and parts[0] == "blk"
-        data = None if keep_packed else gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        data = (
+            None
+            if keep_packed
+            else gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        )
         if t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
         elif t.name == "output_norm.weight":
@@ -113,7 +139,7 @@ def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
                 name += "." + parts[3]
             if arch_name == "llama" and parts[2] in ("attn_q", "attn_k"):
                 n_head = heads if parts[2] == "attn_q" else arch.num_kv_heads
-                if keep_packed:     # the same row permutation, applied to the packed rows
+                if keep_packed:  # the same row permutation, applied to the packed rows
                     rows = _unpermute(np.arange(t.data.shape[0]), n_head)
                     weights[name] = from_gguf_blocks(t.data[rows], t.tensor_type.name)
                     continue
@@ -129,12 +155,14 @@ def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
 
 # ---------------------------------------------------------------- Hugging Face directory
 
+
 def load_hf_dir(path: Path) -> LoadedModel:
     cfg = json.loads((path / "config.json").read_text())
     if vlm.is_llava_config(cfg):
         arch, text, vision = vlm.load_llava_dir(path)
-        return LoadedModel(str(path), arch, text, tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id),
-                           vision)
+        return LoadedModel(
+            str(path), arch, text, tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id), vision
+        )
     arch = ModelArch.from_hf_config(cfg)
     weights = read_weights(path)
     if arch.is_moe:
@@ -145,6 +173,7 @@ def load_hf_dir(path: Path) -> LoadedModel:
 
 # ---------------------------------------------------------------- tiny random models
 
+
 def tiny_random_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
     """Scaled so that logits are peaked: greedy outputs of a random model should not sit on ties."""
     g = torch.Generator().manual_seed(seed)
@@ -153,24 +182,35 @@ def tiny_random_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, generator=g) / (shape[-1] ** 0.5)
 
     h, kv = arch.hidden_size, arch.kv_size
-    w = {"model.embed_tokens.weight": torch.randn(arch.vocab_size, h, generator=g),
-         "model.norm.weight": torch.ones(h)}
+    w = {
+        "model.embed_tokens.weight": torch.randn(arch.vocab_size, h, generator=g),
+        "model.norm.weight": torch.ones(h),
+    }
     if not arch.tie_word_embeddings:
         w["lm_head.weight"] = rand(arch.vocab_size, h) * 4
     moe_layers = set(arch.moe_layer_ids())
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        w.update({
-            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
-            p + "self_attn.q_proj.weight": rand(arch.q_size, h), p + "self_attn.k_proj.weight": rand(kv, h),
-            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, arch.q_size),
-        })
+        w.update(
+            {
+                p + "input_layernorm.weight": torch.ones(h),
+                p + "post_attention_layernorm.weight": torch.ones(h),
+                p + "self_attn.q_proj.weight": rand(arch.q_size, h),
+                p + "self_attn.k_proj.weight": rand(kv, h),
+                p + "self_attn.v_proj.weight": rand(kv, h),
+                p + "self_attn.o_proj.weight": rand(h, arch.q_size),
+            }
+        )
         if i in moe_layers:
             w.update(tiny_moe_weights(arch, i, g))
         else:
-            w.update({p + "mlp.gate_proj.weight": rand(arch.intermediate_size, h),
-                      p + "mlp.up_proj.weight": rand(arch.intermediate_size, h),
-                      p + "mlp.down_proj.weight": rand(h, arch.intermediate_size)})
+            w.update(
+                {
+                    p + "mlp.gate_proj.weight": rand(arch.intermediate_size, h),
+                    p + "mlp.up_proj.weight": rand(arch.intermediate_size, h),
+                    p + "mlp.down_proj.weight": rand(h, arch.intermediate_size),
+                }
+            )
         if arch.qk_norm:
             for n in ("q_norm", "k_norm"):
                 w[p + f"self_attn.{n}.weight"] = 1 + 0.1 * torch.randn(arch.head_dim, generator=g)
@@ -188,8 +228,14 @@ def load_model_files(name: str, seed: int = 0, quantization: str = "none") -> Lo
     if name in TINY_CONFIGS or name in vlm.TINY_VLMS:
         tok = load_gguf_tokenizer(str(default_gguf_path()))
         base = vlm.tiny_text_arch(name) if name in vlm.TINY_VLMS else TINY_CONFIGS[name]
-        arch = ModelArch(**{**base.__dict__, "vocab_size": tok.vocab_size,
-                            "bos_token_id": tok.bos_token_id, "eos_token_ids": tok.eos_token_ids})
+        arch = ModelArch(
+            **{
+                **base.__dict__,
+                "vocab_size": tok.vocab_size,
+                "bos_token_id": tok.bos_token_id,
+                "eos_token_ids": tok.eos_token_ids,
+            }
+        )
         vision = vlm.tiny_vision_bundle(arch, seed) if name in vlm.TINY_VLMS else None
         return LoadedModel(name, arch, tiny_random_weights(arch, seed), tok, vision)
     path = Path(name).expanduser()
@@ -197,26 +243,48 @@ def load_model_files(name: str, seed: int = 0, quantization: str = "none") -> Lo
         return load_gguf(path, quantization)
     if path.is_dir():
         return load_hf_dir(path)
-    raise ValueError(f"unknown model {name!r}: use {DEFAULT_MODEL}, {', '.join(TINY_CONFIGS)}, "
-                     "a .gguf file or a Hugging Face directory")
+    raise ValueError(
+        f"unknown model {name!r}: use {DEFAULT_MODEL}, {', '.join(TINY_CONFIGS)}, "
+        "a .gguf file or a Hugging Face directory"
+    )
 
 
-def build_model(loaded: LoadedModel, dtype: str = "float32", device: str = "cpu",
-                max_model_len: int | None = None, model_config: ModelConfig | None = None):
+def build_model(
+    loaded: LoadedModel,
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+    model_config: ModelConfig | None = None,
+):
     """A LlamaModel, or for a MoE architecture an ExpertParallelModel (the same `forward`) that runs
     `model_config.expert_parallel` ranks and balances expert load."""
     if not loaded.arch.is_moe:
         if model_config is not None and model_config.expert_parallel > 1:
-            raise ValueError(f"model.expert_parallel needs a MoE model; {loaded.name} ({loaded.arch.architecture}) "
-                             "is dense")
+            raise ValueError(
+                f"model.expert_parallel needs a MoE model; {loaded.name} ({loaded.arch.architecture}) "
+                "is dense"
+            )
         quant = model_config.quantization if model_config is not None else "none"
         if quant not in MODES:
             raise ValueError(f"model.quantization: {quant!r} is not one of {', '.join(MODES)}")
         mc = model_config or ModelConfig()
-        return LlamaModel(loaded.arch, loaded.weights, torch_dtype(dtype), device, max_model_len, quant,
-                          mc.attention_kernel, mc.gemm_kernel)
+        return LlamaModel(
+            loaded.arch,
+            loaded.weights,
+            torch_dtype(dtype),
+            device,
+            max_model_len,
+            quant,
+            mc.attention_kernel,
+            mc.gemm_kernel,
+        )
     if model_config is not None and model_config.quantization != "none":
-        raise ValueError(f"model.quantization {model_config.quantization!r} applies to dense models; "
-                         f"{loaded.name} is MoE (its experts stay float)")
+        raise ValueError(
+            f"model.quantization {model_config.quantization!r} applies to dense models; "
+            f"{loaded.name} is MoE (its experts stay float)"
+        )
     from pdserve.model.expert_parallel import ExpertParallelModel
-    return ExpertParallelModel(loaded, torch_dtype(dtype), device, max_model_len, model_config or ModelConfig())
+
+    return ExpertParallelModel(
+        loaded, torch_dtype(dtype), device, max_model_len, model_config or ModelConfig()
+    )

@@ -10,6 +10,7 @@ slice. A block computes the choices that land in its slots and returns that part
 (an all-reduce under expert parallelism) adds up the ranks' parts. With one rank and no replicas the
 slots are the logical experts and nothing is dispatched.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,8 +25,9 @@ from pdserve.model.arch import ModelArch
 from pdserve.model.linear import linear
 
 
-def select_experts(logits: torch.Tensor, arch: ModelArch, bias: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(
+    logits: torch.Tensor, arch: ModelArch, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (float32) -> (weights [T, k] float32, logical expert ids [T, k])."""
     k, e = arch.num_experts_per_tok, arch.num_experts
     scores = logits.softmax(-1) if arch.scoring_func == "softmax" else logits.sigmoid()
@@ -47,8 +49,9 @@ def select_experts(logits: torch.Tensor, arch: ModelArch, bias: torch.Tensor | N
     return weights * arch.routed_scaling_factor, ids
 
 
-def routed_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pl: LayerPlacement
-                   ) -> torch.Tensor:
+def routed_experts(
+    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pl: LayerPlacement
+) -> torch.Tensor:
     """Sum over the choices that land in this rank's slots of weight * expert(x): [T, H].
 
     Tokens are grouped by slot (one sort), each active slot runs one pair of matmuls over its
@@ -71,8 +74,8 @@ def routed_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
     for s, n in enumerate(counts):
         if n == 0:
             continue
-        gate, up = linear(xs[start:start + n], pl.gate_up[s]).chunk(2, dim=-1)
-        ys[start:start + n] = linear(F.silu(gate) * up, pl.down[s])
+        gate, up = linear(xs[start : start + n], pl.gate_up[s]).chunk(2, dim=-1)
+        ys[start : start + n] = linear(F.silu(gate) * up, pl.down[s])
         start += n
     ys *= weights.reshape(-1)[pos].unsqueeze(1)
     return out.index_add_(0, tok, ys)
@@ -81,25 +84,34 @@ def routed_experts(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, 
 class MoEBlock:
     """The MLP of a MoE layer: callable on the post-attention normed hidden states [T, H]."""
 
-    def __init__(self, arch: ModelArch, layer: int, gate: torch.Tensor, bias: torch.Tensor | None,
-                 placement: LayerPlacement, shared: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 shared_gate: torch.Tensor | None = None, rank: int = 0, world: int = 1,
-                 combine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        layer: int,
+        gate: torch.Tensor,
+        bias: torch.Tensor | None,
+        placement: LayerPlacement,
+        shared: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        shared_gate: torch.Tensor | None = None,
+        rank: int = 0,
+        world: int = 1,
+        combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.arch, self.layer = arch, layer
-        self.gate = gate.float()            # routing in float32 whatever the model dtype, as the references do
+        self.gate = gate.float()  # routing in float32 whatever the model dtype, as the references do
         self.bias = bias.float() if bias is not None else None
         self.placement = placement
         self.shared, self.shared_gate = shared, shared_gate
         self.rank, self.world, self.combine = rank, world, combine
         # Called with (layer, logical topk ids) every forward: the EPLB recorder's feed.
         self.expert_load_hook: Callable[[int, torch.Tensor], None] | None = None
-        self.step_offset = 0                # rotates the replica that takes an expert's first token
+        self.step_offset = 0  # rotates the replica that takes an expert's first token
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(F.linear(h.float(), self.gate), self.arch, self.bias)
         if self.expert_load_hook is not None:
             self.expert_load_hook(self.layer, ids)
-        pl = self.placement                 # read once: a swap can only happen between steps
+        pl = self.placement  # read once: a swap can only happen between steps
         slots = ids if pl.identity else dispatch(ids, table=pl.table, offset=self.step_offset)
         out = routed_experts(h, slots, weights.to(h.dtype), pl)
         if self.shared is not None:

@@ -4,17 +4,18 @@ The same decoder as llama.py with a MoE block as the MLP of the MoE layers. The 
 stay where the loader put them (host memory, shared between expert-parallel ranks on one host): they
 are the source the weight mover copies from. A rank's device holds only its physical slots.
 """
+
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 
+from pdserve.eplb.placement import LayerPlacement, slot_range
 from pdserve.model.arch import ModelArch
 from pdserve.model.llama import DenseMLP, LlamaModel
-from pdserve.model.quant import cat_rows
-from pdserve.eplb.placement import LayerPlacement, slot_range
 from pdserve.model.moe import MoEBlock, expert_keys
+from pdserve.model.quant import cat_rows
 
 
 def initial_placement(arch: ModelArch, num_physical: int, num_ranks: int) -> torch.Tensor:
@@ -32,19 +33,32 @@ class MoEModel(LlamaModel):
     """`phy2log` [moe layers, P] is the placement in force; this rank holds slots `slot_range(P, rank, world)`.
     `combine` adds up the ranks' partial MoE outputs (None with one rank)."""
 
-    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device | str = "cpu", max_model_len: int | None = None, *,
-                 phy2log: torch.Tensor | None = None, rank: int = 0, world: int = 1,
-                 combine: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        max_model_len: int | None = None,
+        *,
+        phy2log: torch.Tensor | None = None,
+        rank: int = 0,
+        world: int = 1,
+        combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.moe_ids = arch.moe_layer_ids()
         keys = {k for i in self.moe_ids for k in expert_keys(i)}
         # Host copies in the model dtype: the mover's source (a no-op view when the dtype matches).
         self.expert_store = [tuple(weights[k].to(dtype) for k in expert_keys(i)) for i in self.moe_ids]
-        self.phy2log = (phy2log if phy2log is not None else initial_placement(arch, arch.num_experts, world)).long()
+        self.phy2log = (
+            phy2log if phy2log is not None else initial_placement(arch, arch.num_experts, world)
+        ).long()
         self.rank, self.world, self._combine = rank, world, combine
         self._raw = weights
         self.blocks: list[MoEBlock] = []
-        super().__init__(arch, {k: v for k, v in weights.items() if k not in keys}, dtype, device, max_model_len)
+        super().__init__(
+            arch, {k: v for k, v in weights.items() if k not in keys}, dtype, device, max_model_len
+        )
         del self._raw
 
     @property
@@ -60,7 +74,7 @@ class MoEModel(LlamaModel):
         ids = phy2log[lo:hi]
         first = int(ids[0]) if ids.numel() else 0
         if gate_up.device == self.device and torch.equal(ids, torch.arange(first, first + ids.numel())):
-            local = gate_up[first:first + ids.numel()], down[first:first + ids.numel()]
+            local = gate_up[first : first + ids.numel()], down[first : first + ids.numel()]
         else:
             local = gate_up[ids].to(self.device), down[ids].to(self.device)
         return LayerPlacement.build(phy2log, self.arch.num_experts, lo, hi, *local)
@@ -76,10 +90,18 @@ class MoEModel(LlamaModel):
             shared = DenseMLP.packed(self._pack(gate_up), self._pack(w[s + "down_proj.weight"]))
         raw = self._raw
         bias = raw.get(p + "gate.e_score_correction_bias")
-        block = MoEBlock(a, i, raw[p + "gate.weight"].to(self.device, torch.float32),
-                         bias.to(self.device) if bias is not None else None,
-                         self.local_placement(j, self.phy2log[j]), shared, w.get(p + "shared_expert_gate.weight"),
-                         self.rank, self.world, self._combine)
+        block = MoEBlock(
+            a,
+            i,
+            raw[p + "gate.weight"].to(self.device, torch.float32),
+            bias.to(self.device) if bias is not None else None,
+            self.local_placement(j, self.phy2log[j]),
+            shared,
+            w.get(p + "shared_expert_gate.weight"),
+            self.rank,
+            self.world,
+            self._combine,
+        )
         self.blocks.append(block)
         return block
 
@@ -94,6 +116,7 @@ class MoEModel(LlamaModel):
 
 def tiny_moe_weights(arch: ModelArch, layer: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     """Random weights of one MoE layer in our names (loader.tiny_random_weights does the rest)."""
+
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) / (shape[-1] ** 0.5)
 
@@ -106,8 +129,13 @@ def tiny_moe_weights(arch: ModelArch, layer: int, g: torch.Generator) -> dict[st
         w[p + "gate.e_score_correction_bias"] = torch.randn(e, generator=g) * 0.1
     if arch.shared_expert_intermediate_size:
         si = arch.shared_expert_intermediate_size
-        w.update({p + "shared_expert.gate_proj.weight": rand(si, h), p + "shared_expert.up_proj.weight": rand(si, h),
-                  p + "shared_expert.down_proj.weight": rand(h, si)})
+        w.update(
+            {
+                p + "shared_expert.gate_proj.weight": rand(si, h),
+                p + "shared_expert.up_proj.weight": rand(si, h),
+                p + "shared_expert.down_proj.weight": rand(h, si),
+            }
+        )
         if arch.shared_expert_gate:
             w[p + "shared_expert_gate.weight"] = rand(1, h)
     return w

@@ -18,6 +18,7 @@ rows they lose, so large products dequantize the weight and run the float32 GEMM
 CPU the weight is dequantized for each product (correct everywhere; a device's own kernels are
 future work).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,7 @@ from pdserve.config_rules import QUANTIZATIONS
 from pdserve.model.kernels import qgemm
 
 GROUP = 32
-MODES = QUANTIZATIONS     # the config's allowed values (config_rules.py)
+MODES = QUANTIZATIONS  # the config's allowed values (config_rules.py)
 # Above this many rows a product dequantizes and runs float32 (see the module docstring): the
 # int4 kernel's time grows linearly with the rows, and dequantizing once for the float32 GEMM overtakes
 # it near 100 rows (docs/benchmarks.md).
@@ -39,8 +40,15 @@ class Staged:
     """A quantized matrix still being assembled (rows fused, permuted) before it is packed for the
     kernel. int8: q int8 [N, K], scale [N]. int4: q uint8 [N, K] in 0..15, scale and zero [N, K/GROUP]."""
 
-    def __init__(self, mode: str, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> None:
-        self.mode, self.q, self.scale, self.zero = mode, q, scale.float(), None if zero is None else zero.float()
+    def __init__(
+        self, mode: str, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None
+    ) -> None:
+        self.mode, self.q, self.scale, self.zero = (
+            mode,
+            q,
+            scale.float(),
+            None if zero is None else zero.float(),
+        )
 
     @property
     def shape(self) -> torch.Size:
@@ -67,7 +75,7 @@ def quantize(w: torch.Tensor, mode: str) -> Staged:
         # bytes than with float32), rounded outwards so the 16 levels still span [min, max]: every
         # value stays within half a step.
         lo, hi = _f16_toward(g.amin(-1), -1), g.amax(-1)
-        scale = _f16_toward(((hi - lo) / 15).clamp_min(2 ** -14), 1)
+        scale = _f16_toward(((hi - lo) / 15).clamp_min(2**-14), 1)
         q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
         return Staged("int4", q.view(n, k), scale, lo)
     raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(MODES)}")
@@ -102,7 +110,7 @@ class QuantizedWeight:
         if self.native:
             if self.mode == "int8":
                 self.tiled = (*qgemm.tile_int8(staged.q, staged.scale), None)
-                self.scale = staged.scale.contiguous()      # the embedding lookup's rows
+                self.scale = staged.scale.contiguous()  # the embedding lookup's rows
             else:
                 self.tiled = qgemm.tile_int4(staged.q, staged.scale, staged.zero)
             self._read = [t for t in self.tiled if t is not None]
@@ -116,8 +124,8 @@ class QuantizedWeight:
         elif self.on_cpu:
             # torch's (q - 8) * s + z convention: z = zero + 8 * scale.
             self.packed = torch._convert_weight_to_int4pack_for_cpu(staged.q.to(torch.int32), 2)
-            sz = torch.stack([staged.scale, staged.zero + 8 * staged.scale], -1)    # [N, K/G, 2]
-            self.scale_zero = sz.transpose(0, 1).contiguous().to(torch.bfloat16)    # [K/G, N, 2]
+            sz = torch.stack([staged.scale, staged.zero + 8 * staged.scale], -1)  # [N, K/G, 2]
+            self.scale_zero = sz.transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/G, N, 2]
             # Two values a byte, for dequantizing large (prefill) products: the kernel's packing is
             # opaque. Half a byte per weight more than the kernel's copy alone.
             self.nibbles = (staged.q[:, 0::2] | (staged.q[:, 1::2] << 4)).contiguous()
@@ -125,8 +133,9 @@ class QuantizedWeight:
             self._tensors = [self.packed, self.scale_zero, self.nibbles, self.scale, self.zero]
             self._read = [self.packed, self.scale_zero]
         else:
-            self.staged = Staged("int4", staged.q.to(self.device), staged.scale.to(self.device),
-                                 staged.zero.to(self.device))
+            self.staged = Staged(
+                "int4", staged.q.to(self.device), staged.scale.to(self.device), staged.zero.to(self.device)
+            )
             self._tensors = [self.staged.q, self.staged.scale, self.staged.zero]
             self._read = self._tensors
 
@@ -152,8 +161,9 @@ class QuantizedWeight:
                 return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale_bf16).to(x.dtype)
             return F.linear(x, self.dequantize().to(x.dtype))
         if self.on_cpu and x.shape[0] <= INT4_KERNEL_MAX_ROWS:
-            return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed, GROUP,
-                                                     self.scale_zero).to(x.dtype)
+            return torch._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16).contiguous(), self.packed, GROUP, self.scale_zero
+            ).to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype))
 
     def operands(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -192,8 +202,9 @@ class QuantizedWeight:
         return self.q[ids].to(dtype) * self.scale[ids, None].to(dtype)
 
 
-def pack(w: torch.Tensor | Staged, mode: str, dtype: torch.dtype, device,
-         native: bool = False) -> torch.Tensor | QuantizedWeight | qgemm.TiledFloat:
+def pack(
+    w: torch.Tensor | Staged, mode: str, dtype: torch.dtype, device, native: bool = False
+) -> torch.Tensor | QuantizedWeight | qgemm.TiledFloat:
     """The weight as the model keeps it: float in `dtype`, or packed for `mode`. `native`: in the
     layout of pdserve's kernel (kernels/qgemm.py) where float32 activations on CPU allow it, float32
     weights too. A weight int4 cannot hold (odd shapes of tiny test models) stays float."""
@@ -232,9 +243,9 @@ def from_gguf_blocks(raw, kind: str) -> Staged:
     scale d (Q4_1: then an fp16 minimum m) and 16 bytes whose low nibbles are values 0-15 and high
     nibbles values 16-31; w = d * q + m (Q4_1) or d * (q - 8) (Q4_0)."""
     head = {"Q4_0": 2, "Q4_1": 4}[kind]
-    b = torch.from_numpy(raw.copy()).view(raw.shape[0], -1, head + 16)        # [N, K/32, block]
+    b = torch.from_numpy(raw.copy()).view(raw.shape[0], -1, head + 16)  # [N, K/32, block]
     d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
     m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].float() if kind == "Q4_1" else -8 * d
     qs = b[..., head:]
-    q = torch.cat([qs & 0x0F, qs >> 4], -1).reshape(raw.shape[0], -1)           # [N, K]
+    q = torch.cat([qs & 0x0F, qs >> 4], -1).reshape(raw.shape[0], -1)  # [N, K]
     return Staged("int4", q, d, m)

@@ -1,4 +1,5 @@
 """Rotary position embedding with the usual scaling options (linear, dynamic NTK, llama3, yarn)."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,9 @@ def _yarn_find_correction_dim(num_rotations: float, dim: int, base: float, max_p
     return (dim * math.log(max_pos / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
 
 
-def _inv_freq_and_scale(head_dim: int, base: float, scaling: dict[str, Any] | None,
-                        max_pos: int) -> tuple[torch.Tensor, float]:
+def _inv_freq_and_scale(
+    head_dim: int, base: float, scaling: dict[str, Any] | None, max_pos: int
+) -> tuple[torch.Tensor, float]:
     """Return (inv_freq [head_dim/2] float64, attention scaling factor applied to cos/sin)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not scaling:
@@ -56,8 +58,15 @@ def _inv_freq_and_scale(head_dim: int, base: float, scaling: dict[str, Any] | No
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by absolute position (non-interleaved, HF layout)."""
 
-    def __init__(self, head_dim: int, base: float, max_pos: int, scaling: dict[str, Any] | None,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        base: float,
+        max_pos: int,
+        scaling: dict[str, Any] | None,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         inv_freq, attn_scale = _inv_freq_and_scale(head_dim, base, scaling, max_pos)
         # Compute in float32 like the reference implementation so positions round identically.
         t = torch.arange(max_pos, dtype=torch.float32)

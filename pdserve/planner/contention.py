@@ -7,6 +7,7 @@ on another core running the other role's kind of work (large GEMMs beside the de
 matrix-vector products beside the prefill), in a process of its own as a worker is; the ratios go into StepCosts (contended_decode,
 contended_prefill), and the simulator applies them to a step that starts while another worker is busy.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -19,10 +20,11 @@ STEPS = 8
 
 def _neighbour_loop(kind: str, hidden: int, ready, stop) -> None:
     import torch
+
     torch.set_num_threads(1)
-    if kind == "gemm":          # a prefill's kind of work: compute-bound
+    if kind == "gemm":  # a prefill's kind of work: compute-bound
         a, b = torch.randn(256, hidden), torch.randn(hidden, 4 * hidden)
-    else:                       # a decode's: streaming weights, 128 MB a product
+    else:  # a decode's: streaming weights, 128 MB a product
         a, b = torch.randn(2, 4096), torch.randn(4096, 8192)
     ready.set()
     while not stop.is_set():
@@ -35,7 +37,9 @@ class _Neighbour:
     def __init__(self, kind: str, hidden: int) -> None:
         ctx = mp.get_context("spawn")
         self.ready, self.stop = ctx.Event(), ctx.Event()
-        self.proc = ctx.Process(target=_neighbour_loop, args=(kind, hidden, self.ready, self.stop), daemon=True)
+        self.proc = ctx.Process(
+            target=_neighbour_loop, args=(kind, hidden, self.ready, self.stop), daemon=True
+        )
 
     def __enter__(self) -> "_Neighbour":
         self.proc.start()
@@ -69,7 +73,7 @@ def _timed_steps(engine, make: Callable[[int], list[str]], steps: int, skip: int
             n += 1
         for rid in ids:
             engine.abort_request(rid)
-    return min(times)       # other load on the machine only adds
+    return min(times)  # other load on the machine only adds
 
 
 def neighbour_slowdown(engine, prompt: list[int], vocab: int, chunk: int = 128) -> tuple[float, float]:
@@ -77,6 +81,7 @@ def neighbour_slowdown(engine, prompt: list[int], vocab: int, chunk: int = 128) 
     import dataclasses
 
     from pdserve import SamplingParams
+
     hidden = int(engine.arch.hidden_size)
     sched = engine.scheduler
     base = sched.cfg
@@ -96,9 +101,11 @@ def neighbour_slowdown(engine, prompt: list[int], vocab: int, chunk: int = 128) 
         return [rid]
 
     def prefill_chunk(i: int) -> list[str]:
-        k, ids = unique(prompt[:chunk * 2])
+        k, ids = unique(prompt[: chunk * 2])
         rid = f"profile-contention-prefill-{k}"
-        engine.add_request(rid, ids, SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))   # a chunk a step
+        engine.add_request(
+            rid, ids, SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+        )  # a chunk a step
         return [rid]
 
     sched.cfg = dataclasses.replace(base, max_num_batched_tokens=chunk)

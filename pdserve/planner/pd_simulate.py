@@ -22,6 +22,7 @@ router/accounting.py):
 
 Not modelled: prefix caching, preemption (KV is assumed to fit) and the network between hosts.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -30,22 +31,22 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.router.policies import RouteRequest, WorkerState, choose
 from pdserve.planner.step_costs import StepCosts
+from pdserve.router.policies import RouteRequest, WorkerState, choose
 
 
 @dataclass
 class PDRequest:
     rid: int
-    arrival: float                   # seconds from the start
+    arrival: float  # seconds from the start
     prompt_tokens: int
-    output_tokens: int               # what it generates (the router knows only max_tokens)
-    max_tokens: int = 0              # 0: output_tokens
+    output_tokens: int  # what it generates (the router knows only max_tokens)
+    max_tokens: int = 0  # 0: output_tokens
     # filled in while it runs
     first_token: float = -1.0
     finish: float = -1.0
     generated: int = 0
-    computed: int = 0                # prompt tokens prefilled so far
+    computed: int = 0  # prompt tokens prefilled so far
     remote: bool = False
 
     @property
@@ -68,18 +69,18 @@ class RoleSettings:
 class PDFleet:
     prefill: int = 1
     decode: int = 1
-    mixed: int = 0                   # > 0: a mixed deployment (no prefill or decode pool)
+    mixed: int = 0  # > 0: a mixed deployment (no prefill or decode pool)
     prefill_settings: RoleSettings = RoleSettings()
-    decode_settings: RoleSettings = RoleSettings()      # also a mixed worker's
+    decode_settings: RoleSettings = RoleSettings()  # also a mixed worker's
     local_prefill_max_tokens: int = 64
     prefill_policy: str = "cost"
     decode_policy: str = "cost"
     block_size: int = 16
-    threads: int = 1                 # compute threads of each worker
-    cores: int | None = None         # None: every worker has cores of its own
-    overhead_s: float = 0.0          # fixed per request (HTTP, router, streaming), added to TTFT
-    remote_overhead_s: float = 0.0   # the same for a prompt a prefill worker computes (the PD handshake too)
-    step_overhead_s: float = 0.0     # added to every step (a served step beyond the engine's own)
+    threads: int = 1  # compute threads of each worker
+    cores: int | None = None  # None: every worker has cores of its own
+    overhead_s: float = 0.0  # fixed per request (HTTP, router, streaming), added to TTFT
+    remote_overhead_s: float = 0.0  # the same for a prompt a prefill worker computes (the PD handshake too)
+    step_overhead_s: float = 0.0  # added to every step (a served step beyond the engine's own)
 
     def describe(self) -> str:
         if self.mixed:
@@ -95,8 +96,8 @@ class _Worker:
     waiting: deque[PDRequest] = field(default_factory=deque)
     running: list[PDRequest] = field(default_factory=list)
     loading: int = 0
-    arrived: list[PDRequest] = field(default_factory=list)     # KV in, taken in at the next boundary
-    shown: list[PDRequest] = field(default_factory=list)       # taken in: first token shown at this step's end
+    arrived: list[PDRequest] = field(default_factory=list)  # KV in, taken in at the next boundary
+    shown: list[PDRequest] = field(default_factory=list)  # taken in: first token shown at this step's end
     busy_until: float = -1.0
     step: list[tuple[PDRequest, int]] = field(default_factory=list)
     # the router's figures (accounting.Charge)
@@ -105,8 +106,14 @@ class _Worker:
     decode_tokens: int = 0
 
     def state(self) -> WorkerState:
-        return WorkerState(self.wid, self.role, in_flight=self.in_flight, queued_prefill_tokens=self.queued,
-                           decode_tokens=self.decode_tokens, capacity=self.settings.max_num_seqs)
+        return WorkerState(
+            self.wid,
+            self.role,
+            in_flight=self.in_flight,
+            queued_prefill_tokens=self.queued,
+            decode_tokens=self.decode_tokens,
+            capacity=self.settings.max_num_seqs,
+        )
 
 
 class _Sim:
@@ -144,7 +151,9 @@ class _Sim:
         d.in_flight += 1
         d.decode_tokens += mt
         if remote:
-            p = self._pick("prefill", f.prefill_policy, RouteRequest(r.prompt_tokens, 1, f.block_size), self.prefill)
+            p = self._pick(
+                "prefill", f.prefill_policy, RouteRequest(r.prompt_tokens, 1, f.block_size), self.prefill
+            )
             p.in_flight += 1
             p.queued += r.prompt_tokens
             self.prefill_of[r.rid] = p
@@ -182,7 +191,7 @@ class _Sim:
 
     def wake(self, w: _Worker, now: float) -> None:
         if w.busy_until > now:
-            return                   # it looks again at its step's end
+            return  # it looks again at its step's end
         if w.role == "prefill":
             self.start_prefill_step(w, now)
         else:
@@ -201,11 +210,11 @@ class _Sim:
 
     def start_decode_step(self, w: _Worker, now: float) -> None:
         s = w.settings
-        for r in w.arrived:          # the KV is in: it decodes in this step; its first token goes out at the end
+        for r in w.arrived:  # the KV is in: it decodes in this step; its first token goes out at the end
             w.loading -= 1
             w.shown.append(r)
             if r.output_tokens > 1:
-                r.generated = 1      # the prefill worker's token: it decodes the next one now
+                r.generated = 1  # the prefill worker's token: it decodes the next one now
                 w.running.append(r)
         w.arrived.clear()
         budget = s.max_num_batched_tokens
@@ -216,7 +225,7 @@ class _Sim:
             n = 1 if r.generated else min(r.prompt_tokens - r.computed, budget)
             step.append((r, n))
             budget -= n
-        peers: list[_Worker] = []       # prefill workers sent a job: woken once this step is under way
+        peers: list[_Worker] = []  # prefill workers sent a job: woken once this step is under way
         while w.waiting and len(w.running) + w.loading < s.max_num_seqs:
             r = w.waiting[0]
             if r.remote:
@@ -318,20 +327,24 @@ class _Sim:
             elif kind == "step":
                 assert isinstance(obj, _Worker)
                 self.end_step(obj, now)
-            else:                    # "kv": a prefilled prompt's KV reached its decode worker
+            else:  # "kv": a prefilled prompt's KV reached its decode worker
                 assert isinstance(obj, PDRequest)
                 d = self.decode_of[obj.rid]
                 d.arrived.append(obj)
                 self.wake(d, now)
 
 
-def simulate_pd(requests: list[PDRequest], fleet: PDFleet, costs: StepCosts, seed: int = 0) -> list[PDRequest]:
+def simulate_pd(
+    requests: list[PDRequest], fleet: PDFleet, costs: StepCosts, seed: int = 0
+) -> list[PDRequest]:
     """Run `requests` (copied: one trace serves every fleet) through `fleet`; returns the copies with
     first_token and finish filled in (fleet.overhead_s, or remote_overhead_s for a prompt a prefill
     worker computed, is added to both)."""
     if (fleet.mixed == 0) and (fleet.prefill < 0 or fleet.decode < 1):
         raise ValueError("a PD fleet needs at least one decode worker")
-    reqs = [PDRequest(r.rid, r.arrival, r.prompt_tokens, max(1, r.output_tokens), r.max_tokens) for r in requests]
+    reqs = [
+        PDRequest(r.rid, r.arrival, r.prompt_tokens, max(1, r.output_tokens), r.max_tokens) for r in requests
+    ]
     _Sim(reqs, fleet, costs, seed).run()
     for r in reqs:
         if r.finish < 0:

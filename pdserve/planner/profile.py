@@ -13,6 +13,7 @@ simulator adds steps up, so it needs a step's typical time. (The least of them, 
 below the steps of a served run by 20-30%: on a shared 2-core machine a batch-1 step of SmolLM2
 moved between ~75 and ~110 ms from second to second within one process, traced.)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,20 +47,37 @@ class ProfileGrid:
     passes: int = 3
 
 
-QUICK = ProfileGrid(prefill_chunks=(16, 64), prefill_contexts=(0, 64), decode_batches=(1, 4),
-                    decode_contexts=(16, 64), transfer_tokens=(16, 64), decode_steps=2, passes=1)
+QUICK = ProfileGrid(
+    prefill_chunks=(16, 64),
+    prefill_contexts=(0, 64),
+    decode_batches=(1, 4),
+    decode_contexts=(16, 64),
+    transfer_tokens=(16, 64),
+    decode_steps=2,
+    passes=1,
+)
 
 
 def _engine(config: Config, role: str, grid: ProfileGrid):
     from pdserve.engine.engine import LLMEngine
+
     cfg = for_role(config, role)
     max_batch = max(grid.decode_batches)
     # Role "mixed": the engine alone, without a connector (nothing to send or receive while timing).
-    cfg = derive(cfg, {"worker.role": "mixed", "cache.prefix_cache": True, "cache.swap_space_gb": 0.0,
-                       "cache.host_cache_gb": 0.0, "cache.disk_cache_dir": None, "cache.remote": None,
-                       "cache.kv_events_endpoint": None,
-                       "scheduler.max_num_seqs": max(max_batch, cfg.scheduler.max_num_seqs),
-                       "scheduler.max_num_batched_tokens": max(max(grid.prefill_chunks), max_batch)})
+    cfg = derive(
+        cfg,
+        {
+            "worker.role": "mixed",
+            "cache.prefix_cache": True,
+            "cache.swap_space_gb": 0.0,
+            "cache.host_cache_gb": 0.0,
+            "cache.disk_cache_dir": None,
+            "cache.remote": None,
+            "cache.kv_events_endpoint": None,
+            "scheduler.max_num_seqs": max(max_batch, cfg.scheduler.max_num_seqs),
+            "scheduler.max_num_batched_tokens": max(max(grid.prefill_chunks), max_batch),
+        },
+    )
     return cfg, LLMEngine(cfg)
 
 
@@ -72,11 +90,14 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def _prefill_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log: Callable[[str], None]) -> Grid:
+def _prefill_grid(
+    engine, grid: ProfileGrid, rng: random.Random, vocab: int, log: Callable[[str], None]
+) -> Grid:
     """Each row from every step of its prompts: a step's time is close to linear in its context (the
     attention part), so a line through all of them is steadier than one step per grid point. One
     prompt a row in each pass over the grid (see ProfileGrid.passes)."""
     from pdserve import SamplingParams
+
     sched = engine.scheduler
     base = sched.cfg
     top = max(grid.prefill_contexts)
@@ -88,7 +109,9 @@ def _prefill_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log
             try:
                 prompt = [rng.randrange(3, vocab) for _ in range(top + chunk)]
                 rid = f"profile-prefill-{chunk}-{rep}"
-                engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False))
+                engine.add_request(
+                    rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+                )
                 ctx = 0
                 while engine.has_unfinished():
                     t = time.perf_counter()
@@ -104,15 +127,23 @@ def _prefill_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log
         a, b = _line(ctxs, times) if len(set(ctxs)) > 1 else (statistics.median(times), 0.0)
         row = [max(a + b * c, min(times)) for c in grid.prefill_contexts]
         rows.append(row)
-        log(f"prefill chunk {chunk}: " + ", ".join(f"ctx {c} {s * 1000:.1f} ms" for c, s in zip(grid.prefill_contexts, row)))
+        log(
+            f"prefill chunk {chunk}: "
+            + ", ".join(f"ctx {c} {s * 1000:.1f} ms" for c, s in zip(grid.prefill_contexts, row))
+        )
     return Grid(list(grid.prefill_chunks), list(grid.prefill_contexts), rows)
 
 
-def _decode_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log: Callable[[str], None]) -> Grid:
+def _decode_grid(
+    engine, grid: ProfileGrid, rng: random.Random, vocab: int, log: Callable[[str], None]
+) -> Grid:
     from pdserve import SamplingParams
+
     # One prompt per context, shared by every batch: the prefix cache computes it once.
     prompts = {ctx: [rng.randrange(3, vocab) for _ in range(ctx)] for ctx in grid.decode_contexts}
-    times: dict[tuple[int, int], list[float]] = {(b, c): [] for b in grid.decode_batches for c in grid.decode_contexts}
+    times: dict[tuple[int, int], list[float]] = {
+        (b, c): [] for b in grid.decode_batches for c in grid.decode_contexts
+    }
     for rep in range(grid.passes):
         for batch in grid.decode_batches:
             for ctx in grid.decode_contexts:
@@ -133,14 +164,20 @@ def _decode_grid(engine, grid: ProfileGrid, rng: random.Random, vocab: int, log:
                     engine.step()
     rows = [[statistics.median(times[b, c]) for c in grid.decode_contexts] for b in grid.decode_batches]
     for batch, row in zip(grid.decode_batches, rows):
-        log(f"decode batch {batch}: " + ", ".join(f"ctx {c} {s * 1000:.1f} ms" for c, s in zip(grid.decode_contexts, row)))
+        log(
+            f"decode batch {batch}: "
+            + ", ".join(f"ctx {c} {s * 1000:.1f} ms" for c, s in zip(grid.decode_contexts, row))
+        )
     return Grid(list(grid.decode_batches), list(grid.decode_contexts), rows)
 
 
-def _transfer(cfg: Config, engine, grid: ProfileGrid, log: Callable[[str], None]) -> tuple[str, list[int], list[float]]:
+def _transfer(
+    cfg: Config, engine, grid: ProfileGrid, log: Callable[[str], None]
+) -> tuple[str, list[int], list[float]]:
     """(transport, bytes, seconds) of one transfer of N tokens' KV per grid point, with the real writers."""
     from pdserve.cache.kv_cache import allocate_kv_cache, new_shm_path, raw_bytes_view
     from pdserve.disagg.transport import ShmWriter, coalesce
+
     backend = cfg.transfer.backend
     transport = "shm" if backend in ("auto", "shm") else backend
     if transport not in ("shm", "tcp"):
@@ -159,13 +196,14 @@ def _transfer(cfg: Config, engine, grid: ProfileGrid, log: Callable[[str], None]
             def send(runs: list) -> None:
                 for layer in range(src.shape[0]):
                     w.write_layer("profile", layer, runs)
+
             closer: Callable[[], None] = w.close
         else:
             send, closer = _tcp_sender(cfg, src, dst, str(path), bs)
         for n in grid.transfer_tokens:
             blocks = list(range(min(nb, -(-n // bs))))
             runs = coalesce(blocks, blocks)
-            send(runs)                       # warm up
+            send(runs)  # warm up
             times = []
             for _ in range(3 * grid.passes):
                 t = time.perf_counter()
@@ -188,6 +226,7 @@ def _tcp_sender(cfg: Config, src, dst, shm: str, bs: int):
     from pdserve.disagg.receiver import DecodeConnector
     from pdserve.disagg.transport import TcpWriter
     from pdserve.protocol.pd import LayerFrames
+
     dc = DecodeConnector(cfg, dst, shm, "tcp://127.0.0.1:*")
     sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
     sock.connect(dc.endpoint)
@@ -211,44 +250,73 @@ def _tcp_sender(cfg: Config, src, dst, shm: str, bs: int):
     def close() -> None:
         sock.close(0)
         dc.close()
+
     return send, close
 
 
 def engine_bytes_per_token(engine) -> int:
-    kv = engine.kv_cache        # [layers, 2, slots, kv heads, head dim]
+    kv = engine.kv_cache  # [layers, 2, slots, kv heads, head dim]
     return int(kv[:, :, :1].numel() * kv.element_size())
 
 
-def profile(config: Config, role: str = "decode", grid: ProfileGrid | None = None,
-            log: Callable[[str], None] = print) -> StepCosts:
+def profile(
+    config: Config, role: str = "decode", grid: ProfileGrid | None = None, log: Callable[[str], None] = print
+) -> StepCosts:
     """Measure and return this machine's StepCosts for `config` as a worker of `role` runs it."""
     grid = grid or ProfileGrid()
     cfg, engine = _engine(config, role, grid)
     try:
         rng = random.Random(0)
         vocab = int(engine.arch.vocab_size)
-        log(f"profiling {cfg.model.name} ({cfg.model.dtype}, quantization {cfg.model.quantization}, "
-            f"{cfg.server.threads} threads) on {describe()}")
-        _decode_grid(engine, dataclasses.replace(grid, decode_batches=grid.decode_batches[:1],
-                                                 decode_contexts=grid.decode_contexts[:1], passes=1),
-                     rng, vocab, lambda s: None)      # warm up: first steps pay allocations
+        log(
+            f"profiling {cfg.model.name} ({cfg.model.dtype}, quantization {cfg.model.quantization}, "
+            f"{cfg.server.threads} threads) on {describe()}"
+        )
+        _decode_grid(
+            engine,
+            dataclasses.replace(
+                grid,
+                decode_batches=grid.decode_batches[:1],
+                decode_contexts=grid.decode_contexts[:1],
+                passes=1,
+            ),
+            rng,
+            vocab,
+            lambda s: None,
+        )  # warm up: first steps pay allocations
         prefill = _prefill_grid(engine, grid, rng, vocab, log)
         decode = _decode_grid(engine, grid, rng, vocab, log)
         transport, sizes, secs = _transfer(cfg, engine, grid, log)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = int(cfg.server.threads or 1)
         contended = (1.0, 1.0)
-        if cores >= 2 * threads:            # room for a neighbour on cores of its own
+        if cores >= 2 * threads:  # room for a neighbour on cores of its own
             from pdserve.planner.contention import neighbour_slowdown
+
             contended = neighbour_slowdown(engine, [rng.randrange(3, vocab) for _ in range(512)], vocab)
-            log(f"beside a busy neighbour: decode steps x{contended[0]:.2f}, prefill steps x{contended[1]:.2f}")
-        return StepCosts(cpu=describe(), cores=cores, model=cfg.model.name, dtype=cfg.model.dtype,
-                         quantization=cfg.model.quantization, threads=threads,
-                         block_size=engine.block_size, num_layers=int(engine.arch.num_layers),
-                         kv_bytes_per_token=engine_bytes_per_token(engine), prefill=prefill, decode=decode,
-                         transport=transport, transfer_bytes=sizes, transfer_seconds=secs,
-                         layerwise=cfg.transfer.layerwise, contended_decode=contended[0], contended_prefill=contended[1],
-                         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                         notes={"role": role, "grid": dataclasses.asdict(grid)})
+            log(
+                f"beside a busy neighbour: decode steps x{contended[0]:.2f}, prefill steps x{contended[1]:.2f}"
+            )
+        return StepCosts(
+            cpu=describe(),
+            cores=cores,
+            model=cfg.model.name,
+            dtype=cfg.model.dtype,
+            quantization=cfg.model.quantization,
+            threads=threads,
+            block_size=engine.block_size,
+            num_layers=int(engine.arch.num_layers),
+            kv_bytes_per_token=engine_bytes_per_token(engine),
+            prefill=prefill,
+            decode=decode,
+            transport=transport,
+            transfer_bytes=sizes,
+            transfer_seconds=secs,
+            layerwise=cfg.transfer.layerwise,
+            contended_decode=contended[0],
+            contended_prefill=contended[1],
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            notes={"role": role, "grid": dataclasses.asdict(grid)},
+        )
     finally:
         engine.close()

@@ -8,6 +8,7 @@ word of the workload's word list is one token and a full stop another (see workl
 completions API is assumed (no chat template). Multi-turn sessions: every turn arrives with its
 session and carries the history as prompt, replies counted at max_tokens.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -23,8 +24,9 @@ def text_tokens(text: str) -> int:
     return len(text.split()) + text.count(".")
 
 
-def workload_requests(name: str, n: int, rate: float, seed: int = 0, max_tokens: int | None = None,
-                      input_len: int = 128) -> list[PDRequest]:
+def workload_requests(
+    name: str, n: int, rate: float, seed: int = 0, max_tokens: int | None = None, input_len: int = 128
+) -> list[PDRequest]:
     """The workload's requests (ignore_eos: each generates its max_tokens) at Poisson arrivals."""
     sessions = make_workload(name, n, seed=seed, max_tokens=max_tokens, input_len=input_len)
     arrivals = poisson_arrivals(len(sessions), rate, seed)
@@ -43,7 +45,7 @@ def workload_requests(name: str, n: int, rate: float, seed: int = 0, max_tokens:
 class Prediction:
     fleet: PDFleet
     goodput_req_s: float
-    attained: float                  # share of requests within both SLOs
+    attained: float  # share of requests within both SLOs
     ttft_p50_s: float
     ttft_p90_s: float
     tpot_p50_s: float
@@ -52,13 +54,17 @@ class Prediction:
 
     def row(self) -> dict:
         f = self.fleet
-        return {"deployment": f.describe(), "workers": f.mixed or f.prefill + f.decode,
-                "prefill_max_num_batched_tokens": None if f.mixed else f.prefill_settings.max_num_batched_tokens,
-                "decode_max_num_seqs": f.decode_settings.max_num_seqs,
-                "decode_max_num_batched_tokens": f.decode_settings.max_num_batched_tokens,
-                "goodput_req_s": round(self.goodput_req_s, 3), "attained": round(self.attained, 3),
-                "ttft_ms": {"p50": round(self.ttft_p50_s * 1000, 1), "p90": round(self.ttft_p90_s * 1000, 1)},
-                "tpot_ms": {"p50": round(self.tpot_p50_s * 1000, 1), "p90": round(self.tpot_p90_s * 1000, 1)}}
+        return {
+            "deployment": f.describe(),
+            "workers": f.mixed or f.prefill + f.decode,
+            "prefill_max_num_batched_tokens": None if f.mixed else f.prefill_settings.max_num_batched_tokens,
+            "decode_max_num_seqs": f.decode_settings.max_num_seqs,
+            "decode_max_num_batched_tokens": f.decode_settings.max_num_batched_tokens,
+            "goodput_req_s": round(self.goodput_req_s, 3),
+            "attained": round(self.attained, 3),
+            "ttft_ms": {"p50": round(self.ttft_p50_s * 1000, 1), "p90": round(self.ttft_p90_s * 1000, 1)},
+            "tpot_ms": {"p50": round(self.tpot_p50_s * 1000, 1), "p90": round(self.tpot_p90_s * 1000, 1)},
+        }
 
 
 def served(fleet: PDFleet, costs: StepCosts) -> PDFleet:
@@ -67,25 +73,49 @@ def served(fleet: PDFleet, costs: StepCosts) -> PDFleet:
     if s is None:
         return fleet
     if fleet.mixed:
-        return replace(fleet, overhead_s=s.mixed_overhead_s, remote_overhead_s=s.mixed_overhead_s,
-                       step_overhead_s=s.mixed_step_s)
-    return replace(fleet, overhead_s=s.pd_local_overhead_s, remote_overhead_s=s.pd_remote_overhead_s,
-                   step_overhead_s=s.pd_step_s)
+        return replace(
+            fleet,
+            overhead_s=s.mixed_overhead_s,
+            remote_overhead_s=s.mixed_overhead_s,
+            step_overhead_s=s.mixed_step_s,
+        )
+    return replace(
+        fleet,
+        overhead_s=s.pd_local_overhead_s,
+        remote_overhead_s=s.pd_remote_overhead_s,
+        step_overhead_s=s.pd_step_s,
+    )
 
 
-def predict(costs: StepCosts, fleet: PDFleet, requests: list[PDRequest], slo_ttft_s: float | None = None,
-            slo_tpot_s: float | None = None) -> Prediction:
+def predict(
+    costs: StepCosts,
+    fleet: PDFleet,
+    requests: list[PDRequest],
+    slo_ttft_s: float | None = None,
+    slo_tpot_s: float | None = None,
+) -> Prediction:
     """`fleet` simulated on `costs` with their serving overheads (served)."""
     done = simulate_pd(requests, served(fleet, costs), costs)
     ttft = [r.ttft for r in done]
     tpot = [t for r in done if (t := r.tpot) is not None]
-    good = sum(1 for r in done if (slo_ttft_s is None or r.ttft <= slo_ttft_s)
-               and (slo_tpot_s is None or r.tpot is None or r.tpot <= slo_tpot_s))
+    good = sum(
+        1
+        for r in done
+        if (slo_ttft_s is None or r.ttft <= slo_ttft_s)
+        and (slo_tpot_s is None or r.tpot is None or r.tpot <= slo_tpot_s)
+    )
     # Like the bench client: the run lasts from the first arrival to the last reply.
     duration = max(r.finish for r in done) - min(r.arrival for r in done)
-    return Prediction(fleet, good / duration if duration > 0 else 0.0, good / len(done),
-                      percentile(ttft, 50), percentile(ttft, 90),
-                      percentile(tpot, 50) if tpot else 0.0, percentile(tpot, 90) if tpot else 0.0, duration)
+    return Prediction(
+        fleet,
+        good / duration if duration > 0 else 0.0,
+        good / len(done),
+        percentile(ttft, 50),
+        percentile(ttft, 90),
+        percentile(tpot, 50) if tpot else 0.0,
+        percentile(tpot, 90) if tpot else 0.0,
+        duration,
+    )
 
 
 @dataclass(frozen=True)
@@ -93,7 +123,7 @@ class SearchSpace:
     max_workers: int
     prefill_chunks: tuple[int, ...] = (128, 256, 512, 1024)
     decode_max_num_seqs: tuple[int, ...] = (8, 16, 32, 64)
-    mixed: bool = True               # also consider a mixed deployment (one process, no disaggregation)
+    mixed: bool = True  # also consider a mixed deployment (one process, no disaggregation)
 
 
 def candidates(base: PDFleet, space: SearchSpace) -> list[PDFleet]:
@@ -103,8 +133,16 @@ def candidates(base: PDFleet, space: SearchSpace) -> list[PDFleet]:
         for n in range(2, space.max_workers + 1):
             for p in range(1, n):
                 for chunk in space.prefill_chunks:
-                    out.append(replace(base, prefill=p, decode=n - p, mixed=0, decode_settings=dec,
-                                       prefill_settings=replace(base.prefill_settings, max_num_batched_tokens=chunk)))
+                    out.append(
+                        replace(
+                            base,
+                            prefill=p,
+                            decode=n - p,
+                            mixed=0,
+                            decode_settings=dec,
+                            prefill_settings=replace(base.prefill_settings, max_num_batched_tokens=chunk),
+                        )
+                    )
         if space.mixed:
             # One process: what `pdserve serve --mode mixed` runs (mixed workers behind a router are not planned).
             out.append(replace(base, prefill=0, decode=0, mixed=1, decode_settings=dec))
@@ -114,12 +152,19 @@ def candidates(base: PDFleet, space: SearchSpace) -> list[PDFleet]:
 @dataclass(frozen=True)
 class Plan:
     best: Prediction
-    feasible: bool                   # best.attained >= the attainment asked for
+    feasible: bool  # best.attained >= the attainment asked for
     ranked: list[Prediction]
 
 
-def plan(costs: StepCosts, base: PDFleet, requests: list[PDRequest], slo_ttft_s: float, slo_tpot_s: float,
-         space: SearchSpace, attainment: float = 0.9) -> Plan:
+def plan(
+    costs: StepCosts,
+    base: PDFleet,
+    requests: list[PDRequest],
+    slo_ttft_s: float,
+    slo_tpot_s: float,
+    space: SearchSpace,
+    attainment: float = 0.9,
+) -> Plan:
     """Every candidate simulated; ranked by goodput, then fewer workers, then TTFT p90."""
     preds = [predict(costs, f, requests, slo_ttft_s, slo_tpot_s) for f in candidates(base, space)]
 
@@ -128,8 +173,15 @@ def plan(costs: StepCosts, base: PDFleet, requests: list[PDRequest], slo_ttft_s:
 
     # Goodput within 1% counts as equal: a plan should not buy 0.5% with another worker.
     top = max(p.goodput_req_s for p in preds)
-    ranked = sorted(preds, key=lambda p: (p.goodput_req_s < 0.99 * top, workers(p) if p.goodput_req_s >= 0.99 * top
-                                          else -p.goodput_req_s, p.ttft_p90_s, p.tpot_p50_s))
+    ranked = sorted(
+        preds,
+        key=lambda p: (
+            p.goodput_req_s < 0.99 * top,
+            workers(p) if p.goodput_req_s >= 0.99 * top else -p.goodput_req_s,
+            p.ttft_p90_s,
+            p.tpot_p50_s,
+        ),
+    )
     best = ranked[0]
     return Plan(best, best.attained >= attainment, ranked)
 

@@ -21,6 +21,7 @@ later, and a difference against the profile's steps took that drift for overhead
 overheads of four profiles of one day read +10 to +45 ms, and the per-step one was clamped at 0 in
 two of them (the served TPOT below the profiled step).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,6 +42,7 @@ REPEATS = 5
 
 def _serve(cmd_tail: list[str], tmp: Path, name: str):
     from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
+
     port = free_port()
     return ServerProcess(pdserve_cmd() + ["serve", "--port", str(port), *cmd_tail], port, tmp / f"{name}.log")
 
@@ -51,6 +53,7 @@ _STEP_KEYS = ("decode_steps", "decode_step_seconds", "prefill_steps", "prefill_s
 def _step_counters(url: str) -> dict[str, float] | None:
     """A worker's served step counters (protocol/stats.py), None when its /metrics lacks them."""
     import httpx
+
     try:
         return parse_step_counters(httpx.get(url + "/metrics", timeout=10).text)
     except httpx.HTTPError:
@@ -59,8 +62,12 @@ def _step_counters(url: str) -> dict[str, float] | None:
 
 def parse_step_counters(text: str) -> dict[str, float] | None:
     wanted = {f"pdserve_{k}_total": k for k in _STEP_KEYS}
-    got = {wanted[s.name]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-           if s.name in wanted}
+    got = {
+        wanted[s.name]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name in wanted
+    }
     return got if len(got) == len(_STEP_KEYS) else None
 
 
@@ -70,6 +77,7 @@ def workers(url: str, mixed: bool) -> dict[str, str]:
     if mixed:
         return {"decode": url, "prefill": url}
     import httpx
+
     try:
         r = httpx.get(url + "/admin/workers", timeout=10)
         listed = r.json().get("workers", []) if r.status_code == 200 else []
@@ -78,16 +86,20 @@ def workers(url: str, mixed: bool) -> dict[str, str]:
     return {w["role"]: w["url"] for w in listed if w.get("role") in ("prefill", "decode") and w.get("url")}
 
 
-def _one(url: str, prompt_tokens: int, max_tokens: int, rng: random.Random,
-         steps_of: dict[str, str] | None = None) -> tuple[float, float | None, dict[str, dict[str, float]]]:
+def _one(
+    url: str, prompt_tokens: int, max_tokens: int, rng: random.Random, steps_of: dict[str, str] | None = None
+) -> tuple[float, float | None, dict[str, dict[str, float]]]:
     """(TTFT, TPOT, per role the served step counters' increase over the request: empty where unread)."""
     from pdserve.bench.client import ClientConfig, run_load
     from pdserve.bench.workloads import Session, Turn, words
-    urls = set((steps_of or {}).values())           # a mixed server is both roles: read it once
+
+    urls = set((steps_of or {}).values())  # a mixed server is both roles: read it once
     before = {u: _step_counters(u) for u in urls}
     cfg = ClientConfig(url, api="completions", ignore_eos=True)
     # sentences=False: n words of the list are n tokens for the default model's tokenizer
-    recs, _ = asyncio.run(run_load(cfg, [Session(0, [Turn(words(rng, prompt_tokens, sentences=False), max_tokens)])]))
+    recs, _ = asyncio.run(
+        run_load(cfg, [Session(0, [Turn(words(rng, prompt_tokens, sentences=False), max_tokens)])])
+    )
     r = recs[0]
     if not r.ok or r.ttft is None:
         raise RuntimeError(f"a calibration request failed: {r.error} {r.error_detail}")
@@ -100,13 +112,14 @@ def _one(url: str, prompt_tokens: int, max_tokens: int, rng: random.Random,
     return r.ttft, r.tpot, served
 
 
-def _measure(url: str, short: int, long: int | None, rng: random.Random,
-             steps_of: dict[str, str] | None = None) -> dict[str, float]:
+def _measure(
+    url: str, short: int, long: int | None, rng: random.Random, steps_of: dict[str, str] | None = None
+) -> dict[str, float]:
     """Medians of TTFT and TPOT, and of the served steps they contain where the workers' counters
     were read: decode_step (a decode step of the TPOT request), short_prefill (the short prompt's
     prefill steps), long_prefill and long_decode_step (the long prompt's, on the prefill worker,
     and the decode step its first token joins)."""
-    _one(url, short, 4, rng)                         # warm up
+    _one(url, short, 4, rng)  # warm up
     out: dict[str, list[float]] = {}
 
     def add(key: str, value: float | None) -> None:
@@ -146,7 +159,7 @@ def _prefill_steps(costs: StepCosts, tokens: int, chunk: int, step_s: float) -> 
 def remote_prompt_tokens(costs: StepCosts, local_prefill_max_tokens: int, prefill_chunk: int) -> int:
     """The calibration's long prompt: the shortest profiled prefill row a prefill worker computes in
     one step, so its steps are measured, not interpolated (256 when no row fits)."""
-    floor = local_prefill_max_tokens + 16         # sent to a prefill worker
+    floor = local_prefill_max_tokens + 16  # sent to a prefill worker
     return min((r for r in costs.prefill.rows if floor <= r <= prefill_chunk), default=max(256, floor))
 
 
@@ -155,8 +168,9 @@ def _profiled_decode_1(costs: StepCosts, short: int) -> float:
     return statistics.mean(costs.decode_s(1, short + i) for i in range(1, REPLY))
 
 
-def overheads(costs: StepCosts, pd: dict[str, float], mixed: dict[str, float], short: int, long: int,
-              prefill_chunk: int) -> Serving:
+def overheads(
+    costs: StepCosts, pd: dict[str, float], mixed: dict[str, float], short: int, long: int, prefill_chunk: int
+) -> Serving:
     """The serving figures from the medians measured (tpot, short and long TTFT, in seconds), less
     the served steps where _measure read them (else the profile's)."""
     decode_1 = _profiled_decode_1(costs, short)
@@ -175,15 +189,18 @@ def overheads(costs: StepCosts, pd: dict[str, float], mixed: dict[str, float], s
     else:
         remote_prefill, joined = _prefill_steps(costs, long, prefill_chunk, pd_step), costs.decode_s(1, long)
     remote_steps = remote_prefill + costs.exposed_transfer_s(long) + joined + pd_step
-    return Serving(pd_local_overhead_s=max(0.0, pd["short"] - local_steps(pd, pd_step)),
-                   pd_remote_overhead_s=max(0.0, pd["long"] - remote_steps),
-                   pd_step_s=pd_step,
-                   mixed_overhead_s=max(0.0, mixed["short"] - local_steps(mixed, mixed_step)),
-                   mixed_step_s=mixed_step)
+    return Serving(
+        pd_local_overhead_s=max(0.0, pd["short"] - local_steps(pd, pd_step)),
+        pd_remote_overhead_s=max(0.0, pd["long"] - remote_steps),
+        pd_step_s=pd_step,
+        mixed_overhead_s=max(0.0, mixed["short"] - local_steps(mixed, mixed_step)),
+        mixed_step_s=mixed_step,
+    )
 
 
-def served_scales(costs: StepCosts, pd: dict[str, float], mixed: dict[str, float], short: int,
-                  long: int) -> tuple[float, float]:
+def served_scales(
+    costs: StepCosts, pd: dict[str, float], mixed: dict[str, float], short: int, long: int
+) -> tuple[float, float]:
     """(decode, prefill): the served workers' steps ÷ the profile's same steps, 1.0 where not read.
     The profile times its steps in its own process; the served workers' steps of the same shape have
     come out both faster and slower (three profiles of one day: a batch-1 decode step 20% slower in
@@ -196,8 +213,9 @@ def served_scales(costs: StepCosts, pd: dict[str, float], mixed: dict[str, float
     return (statistics.geometric_mean(dec) if dec else 1.0, statistics.geometric_mean(pre) if pre else 1.0)
 
 
-def measure_serving(config: Config, config_file: str, costs: StepCosts, prefill_chunk: int,
-                    log: Callable[[str], None] = print) -> tuple[Serving, tuple[float, float]]:
+def measure_serving(
+    config: Config, config_file: str, costs: StepCosts, prefill_chunk: int, log: Callable[[str], None] = print
+) -> tuple[Serving, tuple[float, float]]:
     """The serving overheads, and served_scales' (decode, prefill) for the profile's grids."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
     rng = random.Random(1)
@@ -212,11 +230,15 @@ def measure_serving(config: Config, config_file: str, costs: StepCosts, prefill_
         mixed = _measure(srv.url, short, None, rng, workers(srv.url, mixed=True))
     s = overheads(costs, pd, mixed, short, long, prefill_chunk)
     served = "served" if "decode_step" in pd and "decode_step" in mixed else "profiled"
-    log(f"serving (less the {served} steps): PD TPOT {pd['tpot'] * 1000:.1f} ms (+{s.pd_step_s * 1000:.1f} ms a step), "
+    log(
+        f"serving (less the {served} steps): PD TPOT {pd['tpot'] * 1000:.1f} ms (+{s.pd_step_s * 1000:.1f} ms a step), "
         f"TTFT {short} tokens {pd['short'] * 1000:.0f} ms (+{s.pd_local_overhead_s * 1000:.0f}), "
         f"{long} tokens {pd['long'] * 1000:.0f} ms "
         f"(+{s.pd_remote_overhead_s * 1000:.0f}); mixed TPOT {mixed['tpot'] * 1000:.1f} ms (+{s.mixed_step_s * 1000:.1f}), "
-        f"TTFT {mixed['short'] * 1000:.0f} ms (+{s.mixed_overhead_s * 1000:.0f})")
+        f"TTFT {mixed['short'] * 1000:.0f} ms (+{s.mixed_overhead_s * 1000:.0f})"
+    )
     scales = served_scales(costs, pd, mixed, short, long)
-    log(f"served steps ÷ profiled: decode x{scales[0]:.2f}, prefill x{scales[1]:.2f} (the grids are scaled by them)")
+    log(
+        f"served steps ÷ profiled: decode x{scales[0]:.2f}, prefill x{scales[1]:.2f} (the grids are scaled by them)"
+    )
     return s, scales

@@ -8,6 +8,7 @@ and decodes `decode_speed` tokens per step shared by its decoding requests (at m
 request per step). A request holds KV blocks for its prompt and max_tokens from the start of its
 prefill to its end; it waits at the head of the queue while the pool lacks room.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,11 +30,11 @@ SimPolicy = Callable[[list[bytes], RouteRequest, list[WorkerState]], Decision]
 @dataclass
 class SimRequest:
     rid: int
-    arrival: int                 # step
-    hashes: list[bytes]          # chained hashes of the prompt's full blocks
+    arrival: int  # step
+    hashes: list[bytes]  # chained hashes of the prompt's full blocks
     num_prompt_tokens: int
     max_tokens: int
-    output_tokens: int           # what it really generates (<= max_tokens; the router only knows max_tokens)
+    output_tokens: int  # what it really generates (<= max_tokens; the router only knows max_tokens)
     # filled in while it runs
     predicted_uncached: int = 0
     hit_tokens: int = 0
@@ -43,7 +44,7 @@ class SimRequest:
     streamed: int = 0
     first_token: int = -1
     finish: int = -1
-    tokens: list[int] | None = None   # kept only on request (tests)
+    tokens: list[int] | None = None  # kept only on request (tests)
     salt: str | None = None
 
 
@@ -51,15 +52,15 @@ class SimRequest:
 class TraceConfig:
     num_requests: int = 4000
     num_tenants: int = 40
-    num_system_prompts: int = 300    # spread over the tenants; each tenant has its own cache salt
-    zipf_s: float = 1.1              # system-prompt popularity
+    num_system_prompts: int = 300  # spread over the tenants; each tenant has its own cache salt
+    zipf_s: float = 1.1  # system-prompt popularity
     system_tokens: tuple[int, int] = (256, 2048)
     user_tokens: tuple[int, int] = (16, 512)
-    long_fraction: float = 0.05      # requests that also carry a unique document (RAG-like)
+    long_fraction: float = 0.05  # requests that also carry a unique document (RAG-like)
     long_tokens: tuple[int, int] = (4096, 8192)
     max_tokens: tuple[int, int] = (64, 512)
-    rate: float = 1.5                # Poisson arrivals per step: 8 workers ~50% busy decoding, prefill
-                                     # ~55% busy at the oracle's hit rate, ~80% at round robin's
+    rate: float = 1.5  # Poisson arrivals per step: 8 workers ~50% busy decoding, prefill
+    # ~55% busy at the oracle's hit rate, ~80% at round robin's
     block_size: int = 16
     seed: int = 0
 
@@ -69,7 +70,7 @@ def multi_tenant_trace(cfg: TraceConfig, keep_tokens: bool = False) -> list[SimR
     rng = random.Random(cfg.seed)
     bs = cfg.block_size
     weights = [1.0 / (k + 1) ** cfg.zipf_s for k in range(cfg.num_system_prompts)]
-    rng.shuffle(weights)                 # popularity unrelated to tenant or length
+    rng.shuffle(weights)  # popularity unrelated to tenant or length
     prompts = []
     for k in range(cfg.num_system_prompts):
         toks = [rng.randrange(50_000) for _ in range(rng.randint(*cfg.system_tokens))]
@@ -85,26 +86,35 @@ def multi_tenant_trace(cfg: TraceConfig, keep_tokens: bool = False) -> list[SimR
         # Hash only what follows the system prompt's full blocks: equal to prompt_hashes(toks + tail).
         full = len(sys_hashes)
         hashes = list(sys_hashes)
-        rest = toks[full * bs:] + tail
+        rest = toks[full * bs :] + tail
         parent = hashes[-1] if hashes else None
         for s in range(0, len(rest) - bs + 1, bs):
-            parent = block_hash(parent, rest[s:s + bs], salt)
+            parent = block_hash(parent, rest[s : s + bs], salt)
             hashes.append(parent)
         max_tokens = rng.randint(*cfg.max_tokens)
-        out.append(SimRequest(rid, int(t), hashes, len(toks) + len(tail), max_tokens,
-                              max(1, int(max_tokens * rng.uniform(0.2, 1.0))),
-                              tokens=toks + tail if keep_tokens else None, salt=salt if keep_tokens else None))
+        out.append(
+            SimRequest(
+                rid,
+                int(t),
+                hashes,
+                len(toks) + len(tail),
+                max_tokens,
+                max(1, int(max_tokens * rng.uniform(0.2, 1.0))),
+                tokens=toks + tail if keep_tokens else None,
+                salt=salt if keep_tokens else None,
+            )
+        )
     return out
 
 
 @dataclass
 class FleetConfig:
     num_workers: int = 8
-    num_blocks: int = 8192           # KV budget per worker (128k tokens at block 16)
+    num_blocks: int = 8192  # KV budget per worker (128k tokens at block 16)
     block_size: int = 16
-    prefill_speed: int = 256         # tokens per step (a step is 20 ms: 12.8k tokens/s)
-    decode_speed: int = 64           # tokens per step over all its decoding requests
-    capacity: int = 64               # max_num_seqs
+    prefill_speed: int = 256  # tokens per step (a step is 20 ms: 12.8k tokens/s)
+    decode_speed: int = 64  # tokens per step over all its decoding requests
+    capacity: int = 64  # max_num_seqs
 
 
 class SimWorker:
@@ -139,16 +149,25 @@ class SimWorker:
                 out[-1].block_hashes.append(h)
             else:
                 self.seq += 1
-                out.append(KVEvent(type=kind, block_hashes=[h], worker_id=self.worker_id, seq=self.seq, ts=0.0))
+                out.append(
+                    KVEvent(type=kind, block_hashes=[h], worker_id=self.worker_id, seq=self.seq, ts=0.0)
+                )
         self._log.clear()
         return out
 
     def state(self) -> WorkerState:
         pool = self.pool
-        return WorkerState(self.worker_id, "mixed", in_flight=self.in_flight,
-                           queued_prefill_tokens=self.queued_est, decode_tokens=round(self.decode_est),
-                           kv_usage=pool.usage(), kv_free_blocks=pool.num_free,
-                           kv_total_blocks=pool.num_blocks, capacity=self.fc.capacity)
+        return WorkerState(
+            self.worker_id,
+            "mixed",
+            in_flight=self.in_flight,
+            queued_prefill_tokens=self.queued_est,
+            decode_tokens=round(self.decode_est),
+            kv_usage=pool.usage(),
+            kv_free_blocks=pool.num_free,
+            kv_total_blocks=pool.num_blocks,
+            capacity=self.fc.capacity,
+        )
 
     def submit(self, r: SimRequest) -> None:
         self.queue.append(r)
@@ -160,7 +179,7 @@ class SimWorker:
     def _start(self, r: SimRequest) -> bool:
         bs = self.fc.block_size
         matched = self.cache.match(r.hashes)
-        self.pool.incref(matched)          # before allocating, so eviction cannot take them
+        self.pool.incref(matched)  # before allocating, so eviction cannot take them
         need = -(-(r.num_prompt_tokens + r.max_tokens) // bs) - len(matched)
         try:
             fresh = self.pool.allocate(need)
@@ -173,7 +192,7 @@ class SimWorker:
         return True
 
     def _prefilled(self, r: SimRequest, now: int) -> None:
-        for i in range(len(r.hashes)):    # computed blocks join the cache (hits are there already)
+        for i in range(len(r.hashes)):  # computed blocks join the cache (hits are there already)
             self.cache.insert(r.hashes[i], r.hashes[i - 1] if i else None, r.blocks[i])
         r.first_token = now
         self.queued_est -= r.predicted_uncached
@@ -185,7 +204,7 @@ class SimWorker:
         while self.queue and budget > 0:
             r = self.queue[0]
             if r.remaining_prefill < 0 and not self._start(r):
-                break                      # no KV room: wait for running requests to finish
+                break  # no KV room: wait for running requests to finish
             done = min(budget, r.remaining_prefill)
             budget -= done
             r.remaining_prefill -= done
@@ -205,7 +224,7 @@ class SimWorker:
                 r.streamed = streamed
                 if streamed >= r.output_tokens:
                     r.finish = now
-                    self.decode_est -= r.max_tokens - streamed    # the rest was never coming
+                    self.decode_est -= r.max_tokens - streamed  # the rest was never coming
                     self.in_flight -= 1
                     self.pool.free(r.blocks)
                     finished.append(r)
@@ -228,28 +247,36 @@ def policy(name: str, params: CostParams | None = None, seed: int = 0) -> SimPol
         d = choose(name, req, states, counter=counter[0], rng=rng, params=params)
         counter[0] += 1
         return d
+
     return run
 
 
 def oracle(workers: dict[str, SimWorker], params: CostParams | None = None) -> SimPolicy:
     """Knows every cache exactly: among non-overloaded workers, the longest true prefix match,
     ties by fewest outstanding tokens. An upper reference for hit rate, blind to balance."""
+
     def run(hashes: list[bytes], req: RouteRequest, states: list[WorkerState]) -> Decision:
         cands = eligible(states, params)
         if not cands:
             return Decision(None, "overloaded")
-        best = max(cands, key=lambda w: (len(workers[w.worker_id].cache.match(hashes)),
-                                         -(w.queued_prefill_tokens + w.decode_tokens)))
+        best = max(
+            cands,
+            key=lambda w: (
+                len(workers[w.worker_id].cache.match(hashes)),
+                -(w.queued_prefill_tokens + w.decode_tokens),
+            ),
+        )
         return Decision(best.worker_id, "oracle")
+
     return run
 
 
 @dataclass
 class SimResult:
-    hit_rate: float               # hit tokens / prompt tokens, measured at each prefill start
-    load_max_mean: float          # max/mean of per-worker busy steps (prefill + decode work)
-    prompt_max_mean: float        # max/mean of prompt tokens assigned (cached or not)
-    ttft_mean: float              # steps, arrival to first token (admission wait included)
+    hit_rate: float  # hit tokens / prompt tokens, measured at each prefill start
+    load_max_mean: float  # max/mean of per-worker busy steps (prefill + decode work)
+    prompt_max_mean: float  # max/mean of prompt tokens assigned (cached or not)
+    ttft_mean: float  # steps, arrival to first token (admission wait included)
     ttft_p99: float
     steps: int
     reasons: dict[str, int]
@@ -257,16 +284,22 @@ class SimResult:
     index: KVIndex = field(repr=False, default_factory=KVIndex)
 
 
-def simulate(trace: list[SimRequest], make_policy: Callable[[dict[str, SimWorker]], SimPolicy],
-             fc: FleetConfig | None = None, max_steps: int = 1_000_000) -> SimResult:
+def simulate(
+    trace: list[SimRequest],
+    make_policy: Callable[[dict[str, SimWorker]], SimPolicy],
+    fc: FleetConfig | None = None,
+    max_steps: int = 1_000_000,
+) -> SimResult:
     """Replay `trace` (copied, so one trace serves every policy) through a fresh fleet."""
     fc = fc or FleetConfig()
     workers = {f"w{i}": SimWorker(f"w{i}", fc) for i in range(fc.num_workers)}
     route = make_policy(workers)
     index = KVIndex()
-    reqs = [SimRequest(r.rid, r.arrival, r.hashes, r.num_prompt_tokens, r.max_tokens, r.output_tokens)
-            for r in trace]
-    admission: deque[SimRequest] = deque()     # the gateway's queue while everyone is overloaded
+    reqs = [
+        SimRequest(r.rid, r.arrival, r.hashes, r.num_prompt_tokens, r.max_tokens, r.output_tokens)
+        for r in trace
+    ]
+    admission: deque[SimRequest] = deque()  # the gateway's queue while everyone is overloaded
     reasons: dict[str, int] = {}
     nxt, done, now = 0, 0, 0
     while done < len(reqs):
@@ -275,7 +308,7 @@ def simulate(trace: list[SimRequest], make_policy: Callable[[dict[str, SimWorker
         while nxt < len(reqs) and reqs[nxt].arrival <= now:
             admission.append(reqs[nxt])
             nxt += 1
-        states = {wid: w.state() for wid, w in workers.items()}    # health polled once a step
+        states = {wid: w.state() for wid, w in workers.items()}  # health polled once a step
         while admission:
             r = admission[0]
             req = RouteRequest(r.num_prompt_tokens, r.max_tokens, fc.block_size, index.match(r.hashes))
@@ -292,7 +325,7 @@ def simulate(trace: list[SimRequest], make_policy: Callable[[dict[str, SimWorker
             states[d.worker_id] = w.state()
         for w in workers.values():
             done += len(w.step(now))
-        for w in workers.values():       # events reach the router's index after the step
+        for w in workers.values():  # events reach the router's index after the step
             for ev in w.events():
                 index.apply(ev)
         now += 1
@@ -300,6 +333,14 @@ def simulate(trace: list[SimRequest], make_policy: Callable[[dict[str, SimWorker
     busy = [w.busy() for w in workers.values()]
     prompt = [w.prompt_tokens for w in workers.values()]
     ttft = sorted(r.first_token + 1 - r.arrival for r in reqs)
-    return SimResult(hit_rate, max(busy) / (sum(busy) / len(busy)), max(prompt) / (sum(prompt) / len(prompt)),
-                     sum(ttft) / len(ttft), ttft[min(len(ttft) - 1, math.ceil(0.99 * len(ttft)) - 1)],
-                     now, reasons, workers, index)
+    return SimResult(
+        hit_rate,
+        max(busy) / (sum(busy) / len(busy)),
+        max(prompt) / (sum(prompt) / len(prompt)),
+        sum(ttft) / len(ttft),
+        ttft[min(len(ttft) - 1, math.ceil(0.99 * len(ttft)) - 1)],
+        now,
+        reasons,
+        workers,
+        index,
+    )

@@ -7,6 +7,7 @@ than was profiled degrades gracefully instead of failing.
 
 Units: seconds, tokens, bytes.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,10 @@ class ProfileError(ValueError):
 @dataclass(frozen=True)
 class Grid:
     """Step seconds measured at every (row, column): rows and columns ascending."""
-    rows: list[int]                  # prefill: chunk tokens; decode: batch size
-    cols: list[int]                  # context tokens already in the KV cache (per sequence)
-    seconds: list[list[float]]       # seconds[i][j] at (rows[i], cols[j])
+
+    rows: list[int]  # prefill: chunk tokens; decode: batch size
+    cols: list[int]  # context tokens already in the KV cache (per sequence)
+    seconds: list[list[float]]  # seconds[i][j] at (rows[i], cols[j])
 
     def check(self, name: str) -> None:
         if not self.rows or not self.cols:
@@ -35,7 +37,9 @@ class Grid:
         if sorted(set(self.rows)) != self.rows or sorted(set(self.cols)) != self.cols:
             raise ProfileError(f"{name}: rows and columns must be strictly ascending")
         if len(self.seconds) != len(self.rows) or any(len(r) != len(self.cols) for r in self.seconds):
-            raise ProfileError(f"{name}: seconds must have one row per row value and one column per column value")
+            raise ProfileError(
+                f"{name}: seconds must have one row per row value and one column per column value"
+            )
         if any(not (isinstance(s, (int, float)) and s > 0) for r in self.seconds for s in r):
             raise ProfileError(f"{name}: every time must be a positive number of seconds")
 
@@ -46,6 +50,7 @@ class Grid:
     def at(self, row: float, col: float) -> float:
         """Bilinear interpolation (linear extrapolation past the edges), never below 10% of the
         smallest measured time: an extrapolated step still costs something."""
+
         def lerp_axis(axis: list[int], x: float) -> tuple[int, int, float]:
             if len(axis) == 1:
                 return 0, 0, 0.0
@@ -68,32 +73,34 @@ class Serving:
     """What serving adds to the engine's steps, measured on an idle deployment (planner/serving.py):
     per-request time outside the steps (HTTP, the router, the PD handshake, streaming) and the time a
     served step takes beyond the same step timed alone (the worker's event loop, streaming each token)."""
-    pd_local_overhead_s: float       # TTFT beyond the steps, prompt prefilled by the decode worker
-    pd_remote_overhead_s: float      # TTFT beyond the steps and exposed transfer, prompt from a prefill worker
-    pd_step_s: float                 # added to every step of a PD deployment's workers
-    mixed_overhead_s: float          # a mixed server (no router)
+
+    pd_local_overhead_s: float  # TTFT beyond the steps, prompt prefilled by the decode worker
+    pd_remote_overhead_s: float  # TTFT beyond the steps and exposed transfer, prompt from a prefill worker
+    pd_step_s: float  # added to every step of a PD deployment's workers
+    mixed_overhead_s: float  # a mixed server (no router)
     mixed_step_s: float
 
 
 @dataclass(frozen=True)
 class StepCosts:
     """What one worker's engine step costs on one machine, for one model and engine setting."""
-    cpu: str                         # pdserve.utils.cpu.describe()
-    cores: int                       # cores this process could use when profiled
+
+    cpu: str  # pdserve.utils.cpu.describe()
+    cores: int  # cores this process could use when profiled
     model: str
     dtype: str
     quantization: str
-    threads: int                     # torch threads of the profiled engine (a worker's)
+    threads: int  # torch threads of the profiled engine (a worker's)
     block_size: int
     num_layers: int
-    kv_bytes_per_token: int          # K and V of every layer
-    prefill: Grid                    # one step prefilling `row` prompt tokens of one request at context `col`
-    decode: Grid                     # one step decoding `row` requests, each at context `col`
-    transport: str                   # the KV transport measured (shm or tcp)
-    transfer_bytes: list[int]        # KV moved in one transfer ...
-    transfer_seconds: list[float]    # ... and how long it took
-    layerwise: bool = True           # transfer.layerwise when profiled: all but one layer's bytes overlap compute
-    serving: Serving | None = None   # None: not measured (pdserve profile --no-serving)
+    kv_bytes_per_token: int  # K and V of every layer
+    prefill: Grid  # one step prefilling `row` prompt tokens of one request at context `col`
+    decode: Grid  # one step decoding `row` requests, each at context `col`
+    transport: str  # the KV transport measured (shm or tcp)
+    transfer_bytes: list[int]  # KV moved in one transfer ...
+    transfer_seconds: list[float]  # ... and how long it took
+    layerwise: bool = True  # transfer.layerwise when profiled: all but one layer's bytes overlap compute
+    serving: Serving | None = None  # None: not measured (pdserve profile --no-serving)
     # A step's time while another worker computes on another core / alone (planner/contention.py).
     contended_decode: float = 1.0
     contended_prefill: float = 1.0
@@ -109,7 +116,9 @@ class StepCosts:
     def decode_s(self, batch: int, context: int) -> float:
         return self.decode.at(batch, context)
 
-    def step_s(self, decode_batch: int, decode_context: float, prefill_tokens: int, prefill_context: float) -> float:
+    def step_s(
+        self, decode_batch: int, decode_context: float, prefill_tokens: int, prefill_context: float
+    ) -> float:
         """One engine step running `decode_batch` decoding requests (mean context `decode_context`)
         and `prefill_tokens` prompt tokens (mean context before them `prefill_context`) together.
         A mixed step is one forward over all its tokens, so the linear layers cost what a prefill
@@ -119,7 +128,9 @@ class StepCosts:
         t = self.prefill_s(prefill_tokens + decode_batch, round(prefill_context))
         if decode_batch:
             c0 = self.decode.cols[0]
-            t += max(0.0, self.decode_s(decode_batch, round(decode_context)) - self.decode_s(decode_batch, c0))
+            t += max(
+                0.0, self.decode_s(decode_batch, round(decode_context)) - self.decode_s(decode_batch, c0)
+            )
         return t
 
     def transfer_s(self, nbytes: int) -> float:
@@ -176,10 +187,16 @@ class StepCosts:
             raise ProfileError("transfer_bytes and transfer_seconds must be equally long and not empty")
         if any(b <= 0 for b in self.transfer_bytes) or any(s <= 0 for s in self.transfer_seconds):
             raise ProfileError("transfer sizes and times must be positive")
-        if self.serving is not None and not all(isinstance(v, (int, float)) for v in asdict(self.serving).values()):
+        if self.serving is not None and not all(
+            isinstance(v, (int, float)) for v in asdict(self.serving).values()
+        ):
             raise ProfileError("serving figures must be numbers of seconds")
-        if not (isinstance(self.contended_decode, (int, float)) and isinstance(self.contended_prefill, (int, float))
-                and self.contended_decode >= 1.0 and self.contended_prefill >= 1.0):
+        if not (
+            isinstance(self.contended_decode, (int, float))
+            and isinstance(self.contended_prefill, (int, float))
+            and self.contended_decode >= 1.0
+            and self.contended_prefill >= 1.0
+        ):
             raise ProfileError("contended_decode and contended_prefill must be numbers >= 1")
         for name in ("cores", "threads", "block_size", "num_layers", "kv_bytes_per_token"):
             v = getattr(self, name)

@@ -5,6 +5,7 @@ of what it read and routes by its fields. The body is flat JSON: the fields belo
 key of `LLMEngine.stats()` (declared, with its metric kind, in protocol/stats.py). Every field has a
 default, so a worker that reports less (an older one, a test's stand-in) is still read.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,11 +18,11 @@ class WorkerHealth(BaseModel):
     status: str = "ok"
     role: str | None = None
     pid: int | None = None
-    worker_id: str | None = None            # the worker's own name (KV events use it)
+    worker_id: str | None = None  # the worker's own name (KV events use it)
     model: str | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
-    kv_endpoint: str | None = None          # its PD control/KV socket (prefill workers)
+    kv_endpoint: str | None = None  # its PD control/KV socket (prefill workers)
     kv_events_endpoint: str | None = None
     kv_events_snapshot_endpoint: str | None = None
     # Its version label (pdserve/version.py): what `pdserve rollout` replaces and canaries route by.
@@ -40,7 +41,9 @@ class WorkerHealth(BaseModel):
 
     def stat(self, key: str) -> float:
         """A numeric stat by key, a field or one of the extra engine stats (0 when absent)."""
-        value = getattr(self, key, None) if key in type(self).model_fields else (self.model_extra or {}).get(key)
+        value = (
+            getattr(self, key, None) if key in type(self).model_fields else (self.model_extra or {}).get(key)
+        )
         return float(value) if isinstance(value, (int, float)) else 0.0
 
     def to_wire(self) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API's types: the completion and chat requests (with the fields this
 server refuses, protocol/unsupported.py), usage and error bodies, ids and the /v1/models card."""
+
 from __future__ import annotations
 
 import time
@@ -40,7 +41,7 @@ class _SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    cache_salt: str | None = None   # requests with different salts never share cached prefixes
+    cache_salt: str | None = None  # requests with different salts never share cached prefixes
 
 
 class CompletionRequest(_SamplingFields):
@@ -54,9 +55,14 @@ class CompletionRequest(_SamplingFields):
         unsupported.refuse_unsupported(data, {**unsupported.COMMON, **unsupported.COMPLETION})
         if isinstance(data, dict) and data.get("echo") is True and data.get("logprobs") is not None:
             # The echoed prompt's tokens would carry no logprobs: a harness would score garbage.
-            raise PydanticCustomError(unsupported.UNSUPPORTED_TYPE, "{param}: {what}",
-                                      {"param": "echo", "what": "echo with logprobs (the prompt's logprobs) "
-                                       "is not supported by this server"})
+            raise PydanticCustomError(
+                unsupported.UNSUPPORTED_TYPE,
+                "{param}: {what}",
+                {
+                    "param": "echo",
+                    "what": "echo with logprobs (the prompt's logprobs) is not supported by this server",
+                },
+            )
         return data
 
 
@@ -68,8 +74,8 @@ class ImageURL(OpenAIModel):
 class ContentPart(OpenAIModel):
     type: str
     text: str | None = None
-    refusal: str | None = None      # the text of an assistant's "refusal" part
-    image_url: ImageURL | str | None = None     # an "image_url" part: a data: URL (or http(s), if allowed)
+    refusal: str | None = None  # the text of an assistant's "refusal" part
+    image_url: ImageURL | str | None = None  # an "image_url" part: a data: URL (or http(s), if allowed)
 
 
 class ChatMessage(OpenAIModel):
@@ -83,8 +89,11 @@ class ChatMessage(OpenAIModel):
         if isinstance(self.content, str):
             return self.content
         # Only text reaches the template; chat_content.py refuses the parts it cannot read.
-        return "".join((p.refusal if p.type == "refusal" else p.text) or "" for p in self.content
-                       if p.type in ("text", "refusal"))
+        return "".join(
+            (p.refusal if p.type == "refusal" else p.text) or ""
+            for p in self.content
+            if p.type in ("text", "refusal")
+        )
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -126,4 +135,10 @@ def now() -> int:
 
 
 def model_card(name: str, max_model_len: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": now(), "owned_by": "pdserve", "max_model_len": max_model_len}
+    return {
+        "id": name,
+        "object": "model",
+        "created": now(),
+        "owned_by": "pdserve",
+        "max_model_len": max_model_len,
+    }

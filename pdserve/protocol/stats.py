@@ -5,6 +5,7 @@ never guessed from the name, and a key nobody declared is a bug (tests/server/te
 collects the keys the real producers emit). `metric` is the Prometheus family name after `pdserve_`;
 a counter's exposition adds `_total`, which is why the `_total` keys drop theirs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ STATS: dict[str, StatSpec] = {}
 
 def _declare(kind: MetricKind, *keys: str, help_text: str | None = None, metric: str | None = None) -> None:
     for key in keys:
-        name = metric or (key[:-len("_total")] if kind == "counter" and key.endswith("_total") else key)
+        name = metric or (key[: -len("_total")] if kind == "counter" and key.endswith("_total") else key)
         STATS[key] = StatSpec(kind, name, help_text or key.replace("_", " "))
 
 
@@ -45,29 +46,81 @@ _declare("gauge", "kv_blocks_total", help_text="KV blocks in the pool")
 _declare("gauge", "kv_blocks_free", help_text="Free KV blocks (unreferenced cached blocks included)")
 _declare("gauge", "prefix_cache_blocks", help_text="Blocks held by the prefix cache")
 # The prefix hit rate is prefix_cache_hit_tokens / prefix_cache_queried_tokens.
-_declare("counter", "prefill_tokens_computed", help_text="Prompt tokens run through the model (cache hits excluded)")
+_declare(
+    "counter",
+    "prefill_tokens_computed",
+    help_text="Prompt tokens run through the model (cache hits excluded)",
+)
 _declare("counter", "prefix_cache_queried_tokens", help_text="Prompt tokens looked up in the prefix cache")
 _declare("counter", "prefix_cache_hit_tokens", help_text="Prompt tokens found in the prefix cache")
 _gauges("weight_bytes", "loading")
 _counters("preemptions_total", "recomputed_tokens_total")
 # A step with any prompt tokens counts as a prefill step; the seconds are engine.step()'s, end to end.
-_counters("decode_steps_total", "decode_step_seconds_total", "prefill_steps_total", "prefill_step_seconds_total")
+_counters(
+    "decode_steps_total", "decode_step_seconds_total", "prefill_steps_total", "prefill_step_seconds_total"
+)
 
 # ------------------------------------------------------------------ swap space (cache/swap.py)
-_counters("swapped_out_total", "swapped_in_total", "swap_fallbacks_total", "swap_discarded_total",
-         "swap_out_blocks_total", "swap_in_blocks_total", "swap_seconds_total")
+_counters(
+    "swapped_out_total",
+    "swapped_in_total",
+    "swap_fallbacks_total",
+    "swap_discarded_total",
+    "swap_out_blocks_total",
+    "swap_in_blocks_total",
+    "swap_seconds_total",
+)
 _gauges("swap_used_bytes", "swapped_requests")
 
 # ------------------------------------------------------------------ KV tiers (engine/tier_fetch.py over cache/tiers)
 for _tier in ("host", "disk", "remote"):
-    _counters(*(f"tier_{_tier}_{name}_total" for name in ("hits", "misses", "corrupt", "errors", "evictions",
-                                                           "bytes_written", "bytes_read", "load_seconds", "reads")))
-_gauges("tier_host_blocks", "tier_host_used_bytes", "tier_disk_blocks", "tier_disk_used_bytes",
-       "tier_pending_blocks", "tier_queued_bytes", "tier_loading")
-_counters(*(f"tier_{name}_total" for name in ("offloads", "write_drops", "pending_hits", "loads", "loads_cancelled",
-                                             "loads_timed_out", "blocks_loaded", "blocks_failed")))
-_counters("tier_fetch_requests_total", "tier_fetch_blocks_total", "tier_fetched_tokens_total",
-         "tier_fetch_fallbacks_total", "tier_fetch_seconds_total")
+    _counters(
+        *(
+            f"tier_{_tier}_{name}_total"
+            for name in (
+                "hits",
+                "misses",
+                "corrupt",
+                "errors",
+                "evictions",
+                "bytes_written",
+                "bytes_read",
+                "load_seconds",
+                "reads",
+            )
+        )
+    )
+_gauges(
+    "tier_host_blocks",
+    "tier_host_used_bytes",
+    "tier_disk_blocks",
+    "tier_disk_used_bytes",
+    "tier_pending_blocks",
+    "tier_queued_bytes",
+    "tier_loading",
+)
+_counters(
+    *(
+        f"tier_{name}_total"
+        for name in (
+            "offloads",
+            "write_drops",
+            "pending_hits",
+            "loads",
+            "loads_cancelled",
+            "loads_timed_out",
+            "blocks_loaded",
+            "blocks_failed",
+        )
+    )
+)
+_counters(
+    "tier_fetch_requests_total",
+    "tier_fetch_blocks_total",
+    "tier_fetched_tokens_total",
+    "tier_fetch_fallbacks_total",
+    "tier_fetch_seconds_total",
+)
 
 # ------------------------------------------------------------------ KV events (cache/kv_events.py)
 # Running counts are counters (exported as pdserve_kv_events_published_total etc.); the queue is a gauge.
@@ -75,21 +128,47 @@ _counters("kv_events_published_total", "kv_events_dropped_total", "kv_snapshots_
 _gauges("kv_events_pending")
 
 # ------------------------------------------------------------------ PD: the decode side (disagg/receiver.py)
-_counters("kv_transfers_completed_total", "kv_transfers_failed_total", "kv_transfer_bytes_total",
-         "kv_transfer_seconds_total", "kv_recv_tcp_bytes_total", "kv_local_prefill_fallbacks_total",
-         "kv_messages_rejected_total", "kv_messages_dropped_total")
-_gauges("kv_transfers_bootstrapping", "kv_transfers_waiting", "kv_transfers_transferring", "kv_blocks_quarantined")
+_counters(
+    "kv_transfers_completed_total",
+    "kv_transfers_failed_total",
+    "kv_transfer_bytes_total",
+    "kv_transfer_seconds_total",
+    "kv_recv_tcp_bytes_total",
+    "kv_local_prefill_fallbacks_total",
+    "kv_messages_rejected_total",
+    "kv_messages_dropped_total",
+)
+_gauges(
+    "kv_transfers_bootstrapping", "kv_transfers_waiting", "kv_transfers_transferring", "kv_blocks_quarantined"
+)
 # Long prompts prefilled by a pipeline of prefill workers (disagg/parallel.py): requests, chunks, failures.
-_counters("kv_parallel_prefills_total", "kv_parallel_prefill_chunks_total", "kv_parallel_prefills_failed_total")
+_counters(
+    "kv_parallel_prefills_total", "kv_parallel_prefill_chunks_total", "kv_parallel_prefills_failed_total"
+)
 
 # ------------------------------------------------------------------ PD: the prefill side (disagg/sender.py)
-_counters("kv_send_bytes_total", "kv_send_seconds_total", "kv_send_layers_total", "kv_send_layer_lag_seconds_total",
-         "kv_send_tail_lag_seconds_total", "kv_send_steps_total", "kv_prefill_jobs_total",
-         "kv_prefill_jobs_failed_total", "kv_prefill_jobs_refused_total")
-_gauges("kv_send_layer_lag_seconds_max", "kv_prefill_jobs_active", "kv_send_gbps", "kv_send_layer_lag_seconds_mean")
+_counters(
+    "kv_send_bytes_total",
+    "kv_send_seconds_total",
+    "kv_send_layers_total",
+    "kv_send_layer_lag_seconds_total",
+    "kv_send_tail_lag_seconds_total",
+    "kv_send_steps_total",
+    "kv_prefill_jobs_total",
+    "kv_prefill_jobs_failed_total",
+    "kv_prefill_jobs_refused_total",
+)
+_gauges(
+    "kv_send_layer_lag_seconds_max",
+    "kv_prefill_jobs_active",
+    "kv_send_gbps",
+    "kv_send_layer_lag_seconds_mean",
+)
 
 # ------------------------------------------------------------------ images (engine/image_inputs.py, engine/encoder_pool.py)
-_declare("counter", "images_encoded_total", help_text="Images whose embeddings this engine computed or received")
+_declare(
+    "counter", "images_encoded_total", help_text="Images whose embeddings this engine computed or received"
+)
 _declare("counter", "encoder_jobs_total", help_text="Encode jobs sent to encoder workers")
 _declare("counter", "encoder_failures_total", help_text="Encode jobs that failed or passed their deadline")
 _declare("gauge", "images_pending", help_text="Requests waiting for their images' embeddings")

@@ -4,6 +4,7 @@ Each engine output is one `TokenLine` (`encode()` on the worker, `from_wire(json
 router). A line with an "error" key instead is an `ErrorResponse` body (server/errors.py's
 error_body) and ends the stream.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from typing import Any
 @dataclass
 class TokenLine:
     token_ids: list[int]
-    logprobs: list[list[Any]] | None        # TokenLogprob.to_wire() per token; None when not asked for
+    logprobs: list[list[Any]] | None  # TokenLogprob.to_wire() per token; None when not asked for
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int = 0
@@ -24,8 +25,13 @@ class TokenLine:
     prefill_failed: list[str] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        msg: dict[str, Any] = {"token_ids": self.token_ids, "logprobs": self.logprobs, "finished": self.finished,
-                               "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens}
+        msg: dict[str, Any] = {
+            "token_ids": self.token_ids,
+            "logprobs": self.logprobs,
+            "finished": self.finished,
+            "finish_reason": self.finish_reason,
+            "num_prompt_tokens": self.num_prompt_tokens,
+        }
         if self.prefilled_by or self.prefill_failed:
             msg["prefilled_by"], msg["prefill_failed"] = self.prefilled_by, self.prefill_failed
         return msg
@@ -36,5 +42,12 @@ class TokenLine:
     @classmethod
     def from_wire(cls, msg: dict[str, Any]) -> TokenLine:
         """Raises KeyError for a line that lacks a required field."""
-        return cls(msg["token_ids"], msg.get("logprobs"), msg["finished"], msg["finish_reason"],
-                   msg.get("num_prompt_tokens", 0), msg.get("prefilled_by"), msg.get("prefill_failed"))
+        return cls(
+            msg["token_ids"],
+            msg.get("logprobs"),
+            msg["finished"],
+            msg["finish_reason"],
+            msg.get("num_prompt_tokens", 0),
+            msg.get("prefilled_by"),
+            msg.get("prefill_failed"),
+        )

@@ -2,6 +2,7 @@
 sets one to anything but its no-op value gets a 400 naming it, never a 200 that silently ignores it
 (a client switching from vLLM must not find out in production). Fields no one defines here (other
 vendors' extras) still pass unread. Each entry: field -> (is the value a no-op?, what to say)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,8 +26,10 @@ def _one_of(*noops: Any) -> Callable[[Any], bool]:
 _LATER = "is not supported by this server"
 
 COMMON: dict[str, Rule] = {
-    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-                        f"structured output (response_format other than text) {_LATER}"),
+    "response_format": (
+        lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+        f"structured output (response_format other than text) {_LATER}",
+    ),
     "structured_outputs": (_unset, f"structured outputs {_LATER}"),
     "guided_json": (_unset, f"guided decoding {_LATER}"),
     "guided_regex": (_unset, f"guided decoding {_LATER}"),

@@ -13,6 +13,7 @@ With no key and no token at all everything is open: the laptop default. A router
 more than loopback without an admin key refuses to start (admin_exposure) unless told otherwise
 (router.insecure_admin), and an open one is loudly warned about (exposure_warnings).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -79,7 +80,7 @@ def path_kind(path: str) -> str:
 @dataclass
 class Verdict:
     reject: Response | None = None
-    key: str | None = None          # the key id, when a key was presented and accepted
+    key: str | None = None  # the key id, when a key was presented and accepted
 
 
 class Access:
@@ -113,23 +114,47 @@ class Access:
             if not self.keyed and not self.token:
                 return Verdict()
             if client:
-                return Verdict(error_response(403, "client API keys cannot register workers; workers present the "
-                                                   "internal token (PDSERVE_INTERNAL_TOKEN)",
-                                              code="internal_token_required"), client)
-            return Verdict(error_response(401, "registering a worker needs the internal token "
-                                               "(x-pdserve-internal-token) or an admin key", code="internal_token"))
+                return Verdict(
+                    error_response(
+                        403,
+                        "client API keys cannot register workers; workers present the "
+                        "internal token (PDSERVE_INTERNAL_TOKEN)",
+                        code="internal_token_required",
+                    ),
+                    client,
+                )
+            return Verdict(
+                error_response(
+                    401,
+                    "registering a worker needs the internal token "
+                    "(x-pdserve-internal-token) or an admin key",
+                    code="internal_token",
+                )
+            )
         if kind == "admin":
             if admin or self.admin_open:
                 return Verdict(key=admin)
             if client:
-                return Verdict(error_response(403, "this API key is not an admin key (see router.admin_keys)",
-                                              code="admin_key_required"), client)
-            return Verdict(error_response(401, "an admin key is required (Authorization: Bearer ...)",
-                                          code="invalid_api_key"))
+                return Verdict(
+                    error_response(
+                        403,
+                        "this API key is not an admin key (see router.admin_keys)",
+                        code="admin_key_required",
+                    ),
+                    client,
+                )
+            return Verdict(
+                error_response(
+                    401, "an admin key is required (Authorization: Bearer ...)", code="invalid_api_key"
+                )
+            )
         if admin or client or not self.clients.enabled:
             return Verdict(key=admin or client)
-        return Verdict(error_response(401, "a valid API key is required (Authorization: Bearer ...)",
-                                      code="invalid_api_key"))
+        return Verdict(
+            error_response(
+                401, "a valid API key is required (Authorization: Bearer ...)", code="invalid_api_key"
+            )
+        )
 
 
 def _loopback(host: str) -> bool:
@@ -138,7 +163,7 @@ def _loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
-        return False            # a host name or an empty host: assume it is reachable from elsewhere
+        return False  # a host name or an empty host: assume it is reachable from elsewhere
 
 
 def check_admin_exposure(config: Config) -> None:
@@ -154,22 +179,29 @@ def admin_exposure(host: str, admin_keys: bool, insecure_admin: bool) -> str | N
     key, unless router.insecure_admin says the admin API may be open or unusable."""
     if admin_keys or insecure_admin or _loopback(host):
         return None
-    return (f"the router listens on {host} with no admin key: set router.admin_keys (or PDSERVE_ADMIN_KEYS), "
-            "bind 127.0.0.1, or accept an admin API that is open to anyone who can reach it when no key or token "
-            "is set (router.insecure_admin: true, flag --insecure-admin)")
+    return (
+        f"the router listens on {host} with no admin key: set router.admin_keys (or PDSERVE_ADMIN_KEYS), "
+        "bind 127.0.0.1, or accept an admin API that is open to anyone who can reach it when no key or token "
+        "is set (router.insecure_admin: true, flag --insecure-admin)"
+    )
 
 
-def exposure_warnings(host: str, client_keys: bool, admin_keys: bool, token: bool,
-                      static_workers: bool = False) -> list[str]:
+def exposure_warnings(
+    host: str, client_keys: bool, admin_keys: bool, token: bool, static_workers: bool = False
+) -> list[str]:
     """What the router should warn about at start-up, given where it listens and what is configured
     (static_workers: it was given its workers, as by the launcher, so none needs to register)."""
     out = []
     if not (client_keys or admin_keys or token) and not _loopback(host):
-        out.append(f"!!! the router listens on {host} with no API key, no admin key and no internal token: "
-                   "anyone who can reach it can use the API, drain and deregister workers, and register a "
-                   "worker of their own that receives other clients' prompts. Set PDSERVE_API_KEYS, "
-                   "PDSERVE_ADMIN_KEYS and PDSERVE_INTERNAL_TOKEN, or bind 127.0.0.1. !!!")
+        out.append(
+            f"!!! the router listens on {host} with no API key, no admin key and no internal token: "
+            "anyone who can reach it can use the API, drain and deregister workers, and register a "
+            "worker of their own that receives other clients' prompts. Set PDSERVE_API_KEYS, "
+            "PDSERVE_ADMIN_KEYS and PDSERVE_INTERNAL_TOKEN, or bind 127.0.0.1. !!!"
+        )
     if (client_keys or admin_keys) and not token and not static_workers:
-        out.append("API keys are set but no internal token: workers cannot register themselves "
-                   "(--router-url); set PDSERVE_INTERNAL_TOKEN on the router and the workers")
+        out.append(
+            "API keys are set but no internal token: workers cannot register themselves "
+            "(--router-url); set PDSERVE_INTERNAL_TOKEN on the router and the workers"
+        )
     return out

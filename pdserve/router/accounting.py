@@ -6,6 +6,7 @@ prefills itself, and the prefill worker that computes the prompt those tokens un
 token comes back. Without the prefill worker's part every policy sees an idle prefill pool and
 sends each uncached prompt to the same worker.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,13 +17,15 @@ from pdserve.router.registry import Worker
 @dataclass
 class Route:
     """A decode worker and the prefill worker named to it, picked as a pair for one attempt."""
+
     decode: Worker
-    prefill: Worker | None          # sent as the decode worker's prefill peer (None: no prefill pool)
-    remote_tokens: int = 0          # prompt tokens `prefill` is expected to compute (0: the decode worker does)
+    prefill: Worker | None  # sent as the decode worker's prefill peer (None: no prefill pool)
+    remote_tokens: int = 0  # prompt tokens `prefill` is expected to compute (0: the decode worker does)
 
 
-def remote_prefill_tokens(num_tokens: int, decode_hit: tuple[int, str] | None, block_size: int,
-                          local_prefill_max_tokens: int | None) -> int:
+def remote_prefill_tokens(
+    num_tokens: int, decode_hit: tuple[int, str] | None, block_size: int, local_prefill_max_tokens: int | None
+) -> int:
     """The prompt tokens a decode worker will ask a prefill worker for: its uncached part, when
     that is long enough (the decode worker's own rule, engine.scheduler.wants_remote_prefill;
     a hit in any of its tiers counts as cached there too); 0 when it prefills the prompt itself."""
@@ -41,7 +44,7 @@ class Charge:
         d = route.decode
         self.decode = d
         self.prefill = route.prefill if route.remote_tokens else None
-        self.local = 0 if self.prefill else context         # prompt tokens the decode worker computes
+        self.local = 0 if self.prefill else context  # prompt tokens the decode worker computes
         self.remote = route.remote_tokens if self.prefill else 0
         self.budget, self.taken = budget, 0
         self.prefilled = self.closed = False

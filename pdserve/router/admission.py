@@ -3,6 +3,7 @@
 A request that finds the queue full, or waits longer than the timeout, gets a 503 with
 Retry-After: the router sheds load instead of growing without bound.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,16 +40,25 @@ class Admission:
         if self.active >= self.max_concurrent:
             if self.waiting >= self.max_queue:
                 self.rejected += 1
-                raise APIError(503, "the router's queue is full; retry later", code="overloaded",
-                               headers={"Retry-After": "1"})
+                raise APIError(
+                    503,
+                    "the router's queue is full; retry later",
+                    code="overloaded",
+                    headers={"Retry-After": "1"},
+                )
             self.waiting += 1
             try:
                 async with cond:
-                    await asyncio.wait_for(cond.wait_for(lambda: self.active < self.max_concurrent),
-                                           self.timeout_s)
+                    await asyncio.wait_for(
+                        cond.wait_for(lambda: self.active < self.max_concurrent), self.timeout_s
+                    )
             except asyncio.TimeoutError:
                 self.rejected += 1
-                raise APIError(503, f"no capacity within {self.timeout_s:.0f}s; retry later", code="overloaded",
-                               headers={"Retry-After": "2"}) from None
+                raise APIError(
+                    503,
+                    f"no capacity within {self.timeout_s:.0f}s; retry later",
+                    code="overloaded",
+                    headers={"Retry-After": "2"},
+                ) from None
             finally:
                 self.waiting -= 1

@@ -13,6 +13,7 @@ OpenAI handlers run unchanged on top. Per request:
   stream continues; greedy output equals a fault-free run's.
 Stop strings are matched here, on the text; workers see only token-level stops.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,14 +28,14 @@ from dataclasses import replace
 import httpx
 
 from pdserve.cache.prefix_cache import prompt_hashes, salt_key
-from pdserve.common.images import ImageInput
-from pdserve.config import Config, for_role
+from pdserve.common import tracing
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.errors import InvalidParam
+from pdserve.common.images import ImageInput
 from pdserve.common.outputs import RequestOutput, TokenLogprob
 from pdserve.common.sampling import SamplingParams, check_prompt
-from pdserve.common import tracing
 from pdserve.common.tokenizer import TokenizerWrapper
+from pdserve.config import Config, for_role
 from pdserve.protocol.health import WorkerHealth
 from pdserve.protocol.stream import TokenLine
 from pdserve.router import policies
@@ -62,21 +63,35 @@ class WorkerMoved(WorkerFailed):
 
 
 class RemoteBackend:
-    def __init__(self, config: Config, registry: Registry, tokenizer: TokenizerWrapper, client: httpx.AsyncClient,
-                 metrics: RouterMetrics, index: IndexFeed, admission: Admission, charge_tokens: Callable,
-                 on_output: Callable[[RequestOutput, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        registry: Registry,
+        tokenizer: TokenizerWrapper,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        index: IndexFeed,
+        admission: Admission,
+        charge_tokens: Callable,
+        on_output: Callable[[RequestOutput, float], None] | None = None,
+    ) -> None:
         self.config, self.rc = config, config.router
         self.registry, self.tokenizer, self.client = registry, tokenizer, client
         self.metrics, self.index, self.admission = metrics, index, admission
         self.charge_tokens = charge_tokens
         self.on_output = on_output or (lambda out, t: None)
         self.accepting = True
-        self.max_model_len = config.model.max_model_len or 0     # learnt from the workers when unset
+        self.max_model_len = config.model.max_model_len or 0  # learnt from the workers when unset
         self._rr = {"prefill": 0, "decode": 0}
         self._rng = random.Random(0)
-        self.canary: policies.Canary | None = None     # during a rollout (PUT /admin/canary, control/rollout_api.py)
-        self.hold = PrefillHold(for_role(config, "prefill").scheduler.max_num_batched_tokens, self.rc.queue_timeout_s) \
-            if self.rc.hold_prefill else None
+        self.canary: policies.Canary | None = (
+            None  # during a rollout (PUT /admin/canary, control/rollout_api.py)
+        )
+        self.hold = (
+            PrefillHold(for_role(config, "prefill").scheduler.max_num_batched_tokens, self.rc.queue_timeout_s)
+            if self.rc.hold_prefill
+            else None
+        )
 
     def held_prefill_tokens(self) -> int:
         return self.hold.held_tokens if self.hold else 0
@@ -90,8 +105,10 @@ class RemoteBackend:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_token_ids)
         if self.rc.max_prompt_tokens and n > self.rc.max_prompt_tokens:
-            raise InvalidParam(f"the prompt has {n} tokens; this deployment accepts at most "
-                               f"{self.rc.max_prompt_tokens}", "messages")
+            raise InvalidParam(
+                f"the prompt has {n} tokens; this deployment accepts at most {self.rc.max_prompt_tokens}",
+                "messages",
+            )
         check_prompt(prompt_token_ids, params, self.tokenizer.vocab_size, self.max_model_len)
 
     # ------------------------------------------------------------------ routing
@@ -102,16 +119,33 @@ class RemoteBackend:
             if w.worker_id in exclude:
                 continue
             h = w.health or WorkerHealth()
-            out.append(policies.WorkerState(
-                worker_id=w.worker_id, role=w.role, healthy=w.healthy, draining=w.draining,
-                breaker_open=not w.breaker.allows(now), in_flight=w.in_flight,
-                queued_prefill_tokens=w.queued_prefill_tokens, decode_tokens=w.decode_tokens,
-                kv_usage=h.kv_usage, kv_free_blocks=h.kv_blocks_free, kv_total_blocks=h.kv_blocks_total,
-                capacity=w.capacity, version=w.version))
+            out.append(
+                policies.WorkerState(
+                    worker_id=w.worker_id,
+                    role=w.role,
+                    healthy=w.healthy,
+                    draining=w.draining,
+                    breaker_open=not w.breaker.allows(now),
+                    in_flight=w.in_flight,
+                    queued_prefill_tokens=w.queued_prefill_tokens,
+                    decode_tokens=w.decode_tokens,
+                    kv_usage=h.kv_usage,
+                    kv_free_blocks=h.kv_blocks_free,
+                    kv_total_blocks=h.kv_blocks_total,
+                    capacity=w.capacity,
+                    version=w.version,
+                )
+            )
         return out
 
-    def route(self, context: list[int], max_tokens: int, salt: str | bytes | None,
-              exclude: set[str], images: Sequence[ImageInput] = ()) -> tuple[Route | None, str]:
+    def route(
+        self,
+        context: list[int],
+        max_tokens: int,
+        salt: str | bytes | None,
+        exclude: set[str],
+        images: Sequence[ImageInput] = (),
+    ) -> tuple[Route | None, str]:
         """The decode worker, then the prefill worker it will ask (None: no prefill pool), and the
         prompt tokens that prefill worker is expected to compute: 0 when the decode worker's cache
         leaves too little to be worth a transfer (it prefills the rest itself)."""
@@ -119,25 +153,36 @@ class RemoteBackend:
         now = time.monotonic()
         bs = self.config.cache.block_size
         hits = self.index.match(prompt_hashes(context, bs, salt, images), self.registry) if self.index else {}
-        draw = self._rng.random() if self.canary else 0.0      # one draw: a canary request is one on both pools
+        draw = self._rng.random() if self.canary else 0.0  # one draw: a canary request is one on both pools
         try:
             decode, reason = self._pick("decode", len(context), max_tokens, hits, exclude, now, draw)
             if decode is None:
                 return None, reason
             prefill, remote = None, 0
             if self.registry.pool("prefill"):
-                prefill, _ = self._pick("prefill", len(context), 1, hits, exclude | {decode.worker_id}, now, draw)
+                prefill, _ = self._pick(
+                    "prefill", len(context), 1, hits, exclude | {decode.worker_id}, now, draw
+                )
                 if prefill is not None and prefill.kv_endpoint:
-                    remote = remote_prefill_tokens(len(context), hits.get(decode.worker_id), bs,
-                                                   self.config.disagg.local_prefill_max_tokens)
+                    remote = remote_prefill_tokens(
+                        len(context),
+                        hits.get(decode.worker_id),
+                        bs,
+                        self.config.disagg.local_prefill_max_tokens,
+                    )
             return Route(decode, prefill, remote), reason
         finally:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
 
-    def _pick(self, role: str, n: int, max_tokens: int, hits: dict, exclude: set[str],
-              now: float, draw: float = 0.0) -> tuple[Worker | None, str]:
-        req = policies.RouteRequest(num_prompt_tokens=n, max_tokens=max_tokens,
-                                    block_size=self.config.cache.block_size, cache_hits=hits)
+    def _pick(
+        self, role: str, n: int, max_tokens: int, hits: dict, exclude: set[str], now: float, draw: float = 0.0
+    ) -> tuple[Worker | None, str]:
+        req = policies.RouteRequest(
+            num_prompt_tokens=n,
+            max_tokens=max_tokens,
+            block_size=self.config.cache.block_size,
+            cache_hits=hits,
+        )
         name = getattr(self.config.load_balancer, role)
         states = policies.canary_pool(self._states(role, exclude, now), self.canary, draw)
         d = policies.choose(name, req, states, counter=self._rr[role], rng=self._rng)
@@ -152,52 +197,82 @@ class RemoteBackend:
         n = self.config.disagg.parallel_prefill_min_tokens
         if not n or remote_tokens < n:
             return [chosen]
-        others = sorted((x for x in self.registry.pool("prefill") if x.role == "prefill" and x.healthy
-                         and x.kv_endpoint and x.kv_endpoint != chosen), key=lambda x: x.queued_prefill_tokens)
+        others = sorted(
+            (
+                x
+                for x in self.registry.pool("prefill")
+                if x.role == "prefill" and x.healthy and x.kv_endpoint and x.kv_endpoint != chosen
+            ),
+            key=lambda x: x.queued_prefill_tokens,
+        )
         return [chosen] + [x.kv_endpoint for x in others if x.kv_endpoint]
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None, prefill_peer: str | None = None,
-                       images: Sequence[ImageInput] = ()) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        prefill_peer: str | None = None,
+        images: Sequence[ImageInput] = (),
+    ) -> AsyncIterator[RequestOutput]:
         """Yields deltas until the request finishes; closing the iterator aborts it upstream."""
         key = current_key.get()
         async with self.admission.slot():
-            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
-                                           params.include_stop_str_in_output)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+            )
             # Text is made here: the worker sends token ids only and skips detokenizing them.
             wire = replace(params, stop=[], include_stop_str_in_output=False, detokenize=False)
             generated: list[int] = []
             attempts = migrations = moved = 0
             failed: set[str] = set()
-            last_error: WorkerFailed | None = None      # told to the client when no worker is left
-            migration_span = None       # tracing: from a stream's failure to its first token on the next worker
-            salt = salt_key(cache_salt)     # digested once, not per block of every attempt's routing
+            last_error: WorkerFailed | None = None  # told to the client when no worker is left
+            migration_span = None  # tracing: from a stream's failure to its first token on the next worker
+            salt = salt_key(cache_salt)  # digested once, not per block of every attempt's routing
             versions = self.metrics.versions.request()
             n_prompt = len(prompt_token_ids)
             try:
                 while True:
                     remaining = None if params.max_tokens is None else params.max_tokens - len(generated)
-                    context = prompt_token_ids + generated      # what the chosen worker will hold
+                    context = prompt_token_ids + generated  # what the chosen worker will hold
                     with tracing.span("router.route", attempt=attempts):
+
                         def pick() -> tuple[Route | None, str]:
                             return self.route(context, remaining or 16, salt, failed, images)
+
                         route, reason = await self.hold.route(pick, len(context)) if self.hold else pick()
                     if route is None:
                         cause = f"; the last one failed it: {last_error}" if last_error else ""
-                        raise APIError(503, f"no decode worker can take this request ({reason}){cause}",
-                                       code="no_workers", headers={"Retry-After": "1"})
+                        raise APIError(
+                            503,
+                            f"no decode worker can take this request ({reason}){cause}",
+                            code="no_workers",
+                            headers={"Retry-After": "1"},
+                        )
                     decode = route.decode
                     versions.attempt(route)
-                    attempt_span = tracing.start("router.attempt", worker=decode.worker_id, attempt=attempts,
-                                                 tokens_so_far=len(generated))
+                    attempt_span = tracing.start(
+                        "router.attempt",
+                        worker=decode.worker_id,
+                        attempt=attempts,
+                        tokens_so_far=len(generated),
+                    )
                     try:
                         # A migrated stream hands over what it generated as output, not as prompt: the
                         # new worker counts it for max_tokens, penalties and seeded draws.
-                        stream = self._stream(route, f"{request_id}-{attempts}", prompt_token_ids,
-                                              list(generated), wire.__dict__, cache_salt, images,
-                                              trace=tracing.traceparent_of(attempt_span))
+                        stream = self._stream(
+                            route,
+                            f"{request_id}-{attempts}",
+                            prompt_token_ids,
+                            list(generated),
+                            wire.__dict__,
+                            cache_salt,
+                            images,
+                            trace=tracing.traceparent_of(attempt_span),
+                        )
                         async with aclosing(stream):
                             async for tokens, lps, finished, finish_reason in stream:
                                 out_tokens: list[int] = []
@@ -209,9 +284,16 @@ class RemoteBackend:
                                         stop_hit = True
                                         break
                                 done = finished or stop_hit
-                                out = RequestOutput(request_id, out_tokens, detok.take(done), done,
-                                                    "stop" if stop_hit else finish_reason, n_prompt, len(generated),
-                                                    (lps or [])[:len(out_tokens)])
+                                out = RequestOutput(
+                                    request_id,
+                                    out_tokens,
+                                    detok.take(done),
+                                    done,
+                                    "stop" if stop_hit else finish_reason,
+                                    n_prompt,
+                                    len(generated),
+                                    (lps or [])[: len(out_tokens)],
+                                )
                                 self.on_output(out, time.monotonic())
                                 if migration_span is not None:
                                     tracing.end(migration_span)
@@ -219,7 +301,7 @@ class RemoteBackend:
                                 versions.tokens(len(out_tokens))
                                 yield out
                                 if done:
-                                    return          # closing the stream aborts a request stopped by a stop string
+                                    return  # closing the stream aborts a request stopped by a stop string
                         raise WorkerFailed("the stream ended without finishing")
                     except WorkerFailed as e:
                         tracing.end(attempt_span, str(e))
@@ -233,28 +315,44 @@ class RemoteBackend:
                             moved += 1
                             self.metrics.moved.labels(decode.worker_id).inc()
                             continue
-                        migrated = await self._recover(request_id, decode, e, attempts - moved, migrations,
-                                                       len(generated))
+                        migrated = await self._recover(
+                            request_id, decode, e, attempts - moved, migrations, len(generated)
+                        )
                         migrations += migrated
                         if migrated:
-                            migration_span = tracing.start("router.migration", from_worker=decode.worker_id,
-                                                           tokens_so_far=len(generated), reason=str(e))
+                            migration_span = tracing.start(
+                                "router.migration",
+                                from_worker=decode.worker_id,
+                                tokens_so_far=len(generated),
+                                reason=str(e),
+                            )
                     finally:
-                        tracing.end(attempt_span)      # ended above when it failed
+                        tracing.end(attempt_span)  # ended above when it failed
             finally:
                 tracing.end(migration_span, "the request ended before its stream moved on")
                 versions.close()
                 if key is not None:
                     self.charge_tokens(key, n_prompt + len(generated))
 
-    async def _recover(self, request_id: str, decode: Worker, e: Exception, attempts: int, migrations: int,
-                       num_generated: int) -> int:
+    async def _recover(
+        self,
+        request_id: str,
+        decode: Worker,
+        e: Exception,
+        attempts: int,
+        migrations: int,
+        num_generated: int,
+    ) -> int:
         """After a worker failed the request: back off for a retry (nothing streamed yet), allow a
         migration (tokens streamed: returns 1), or raise the 503 the client gets."""
         if not num_generated:
             if attempts > self.rc.max_retries:
-                raise APIError(503, f"workers failed this request: {e}", code="worker_failed",
-                               headers={"Retry-After": "1"}) from e
+                raise APIError(
+                    503,
+                    f"workers failed this request: {e}",
+                    code="worker_failed",
+                    headers={"Retry-After": "1"},
+                ) from e
             decode.retries += 1
             self.metrics.retries.labels(decode.worker_id).inc()
             delay = self.rc.retry_backoff_s * (2 ** (attempts - 1)) * random.uniform(0.5, 1.5)
@@ -266,38 +364,61 @@ class RemoteBackend:
         decode.migrations += 1
         tracing.event("migration", worker=decode.worker_id, tokens_so_far=num_generated)
         self.metrics.migrations.labels(decode.worker_id).inc()
-        log.warning("request %s: migrating after %d tokens from %s: %s", request_id, num_generated,
-                    decode.worker_id, e)
+        log.warning(
+            "request %s: migrating after %d tokens from %s: %s",
+            request_id,
+            num_generated,
+            decode.worker_id,
+            e,
+        )
         return 1
 
-    async def _stream(self, route: Route, rid: str, prompt: list[int], generated: list[int], sampling: dict,
-                      salt: str | None, images: Sequence[ImageInput] = (), trace: str | None = None
-                      ) -> AsyncGenerator[tuple[list[int], list[TokenLogprob] | None, bool, str | None], None]:
+    async def _stream(
+        self,
+        route: Route,
+        rid: str,
+        prompt: list[int],
+        generated: list[int],
+        sampling: dict,
+        salt: str | None,
+        images: Sequence[ImageInput] = (),
+        trace: str | None = None,
+    ) -> AsyncGenerator[tuple[list[int], list[TokenLogprob] | None, bool, str | None], None]:
         w, prefill = route.decode, route.prefill
         headers = dict(self.registry.headers)
         if prefill is not None and prefill.kv_endpoint:
             headers[PREFILL_HEADER] = ",".join(self._prefill_peers(prefill.kv_endpoint, route.remote_tokens))
-        if trace:       # the worker's spans join this request's trace
+        if trace:  # the worker's spans join this request's trace
             headers[tracing.TRACEPARENT] = trace
-        body = {"request_id": rid, "prompt_token_ids": prompt, "output_token_ids": generated, "sampling": sampling,
-                "cache_salt": salt, "images": [im.to_json() for im in images]}
+        body = {
+            "request_id": rid,
+            "prompt_token_ids": prompt,
+            "output_token_ids": generated,
+            "sampling": sampling,
+            "cache_salt": salt,
+            "images": [im.to_json() for im in images],
+        }
         now = time.monotonic()
         # What the worker computes before its first token is counted until that token arrives.
-        charge = Charge(route, len(prompt) + len(generated),
-                        max(0, (sampling.get("max_tokens") or 0) - len(generated)))
-        judged: set[str] = set()        # workers whose breaker heard a verdict from this attempt
+        charge = Charge(
+            route, len(prompt) + len(generated), max(0, (sampling.get("max_tokens") or 0) - len(generated))
+        )
+        judged: set[str] = set()  # workers whose breaker heard a verdict from this attempt
         for x in (w, charge.prefill):
             if x is not None:
                 x.breaker.on_attempt()
                 self.metrics.requests.labels(x.worker_id).inc()
         try:
             try:
-                req = self.client.build_request("POST", w.url + "/internal/generate", json=body, headers=headers)
+                req = self.client.build_request(
+                    "POST", w.url + "/internal/generate", json=body, headers=headers
+                )
                 started = arrived_at.get()
                 if started is not None and rid.endswith("-0"):
                     self.metrics.overhead_seconds.observe(time.perf_counter() - started)
-                resp = await unless_silent(self.client.send(req, stream=True), lambda: w.healthy,
-                                           self.rc.health_period_s)
+                resp = await unless_silent(
+                    self.client.send(req, stream=True), lambda: w.healthy, self.rc.health_period_s
+                )
             except (httpx.HTTPError, WorkerSilent) as e:
                 self._failure(w, now, judged)
                 raise WorkerFailed(f"{type(e).__name__}: {e}") from e
@@ -311,7 +432,9 @@ class RemoteBackend:
                         self._failure(w, now, judged)
                         raise WorkerFailed(f"HTTP {resp.status_code}")
                     err = _error_of(resp)
-                    raise APIError(resp.status_code, err.get("message", resp.text), err.get("param"), err.get("code"))
+                    raise APIError(
+                        resp.status_code, err.get("message", resp.text), err.get("param"), err.get("code")
+                    )
                 async for line in lines:
                     if not line:
                         continue
@@ -339,7 +462,7 @@ class RemoteBackend:
                 self._failure(w, time.monotonic(), judged)
                 raise WorkerFailed(f"{type(e).__name__}: {e}") from e
             finally:
-                await lines.aclose()        # its reader task first, then the stream it reads
+                await lines.aclose()  # its reader task first, then the stream it reads
                 await resp.aclose()
         finally:
             charge.close()
@@ -371,5 +494,3 @@ def _error_of(resp: httpx.Response) -> dict:
         return resp.json().get("error") or {}
     except ValueError:
         return {}
-
-

@@ -12,6 +12,7 @@ or PUB drops) also asks for a snapshot (cache/kv_index.py). Snapshots are fetche
 index lock (routing reads the index on the event loop), and one that times out (a worker gone
 silent) is retried after a pause instead of stalling the other workers' events each round.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,19 +33,24 @@ class IndexFeed:
         self.token = token
         self.index = KVIndex()
         self.lock = threading.Lock()
-        self._subs: dict[str, KVEventSubscriber] = {}      # event endpoint -> subscriber (kv-index thread)
-        self._retry_at: dict[str, float] = {}               # event endpoint -> next snapshot try (kv-index thread)
+        self._subs: dict[str, KVEventSubscriber] = {}  # event endpoint -> subscriber (kv-index thread)
+        self._retry_at: dict[str, float] = {}  # event endpoint -> next snapshot try (kv-index thread)
         # Written by the event loop, read by the kv-index thread (single dict operations).
-        self._wanted: dict[str, str | None] = {}           # event endpoint -> snapshot endpoint
-        self._instances: dict[str, object] = {}            # event endpoint -> the worker's instance
-        self._renewed: set[str] = set()                     # endpoints whose subscriber must be remade
+        self._wanted: dict[str, str | None] = {}  # event endpoint -> snapshot endpoint
+        self._instances: dict[str, object] = {}  # event endpoint -> the worker's instance
+        self._renewed: set[str] = set()  # endpoints whose subscriber must be remade
         self.restarts_seen = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-index", daemon=True)
         self._thread.start()
 
-    def watch(self, endpoint: str | None, snapshot_endpoint: str | None, name: str | None = None,
-              instance: object = None) -> None:
+    def watch(
+        self,
+        endpoint: str | None,
+        snapshot_endpoint: str | None,
+        name: str | None = None,
+        instance: object = None,
+    ) -> None:
         """Follow a worker's events. `instance`: what identifies its process (a restart changes it);
         a different one than last time drops `name`'s entries and resubscribes from a snapshot."""
         if not endpoint:
@@ -54,8 +60,13 @@ class IndexFeed:
         if endpoint not in self._wanted:
             self._wanted[endpoint] = snapshot_endpoint
         elif instance is not None and known is not None and known != instance:
-            log.info("worker %s restarted (%s -> %s): dropping its %d indexed blocks until its snapshot",
-                     name or endpoint, known, instance, self.blocks_of(name))
+            log.info(
+                "worker %s restarted (%s -> %s): dropping its %d indexed blocks until its snapshot",
+                name or endpoint,
+                known,
+                instance,
+                self.blocks_of(name),
+            )
             self.restarts_seen += 1
             self._wanted[endpoint] = snapshot_endpoint
             self._renewed.add(endpoint)
@@ -98,7 +109,7 @@ class IndexFeed:
             wanted = sub.worker_id is None or sub.worker_id in self.index.needs_snapshot
         now = time.monotonic()
         if wanted and now >= self._retry_at.get(ep, 0.0):
-            self._retry_at[ep] = now + SNAPSHOT_RETRY_S      # cleared on success; a silent worker waits
+            self._retry_at[ep] = now + SNAPSHOT_RETRY_S  # cleared on success; a silent worker waits
             snap = sub.snapshot(SNAPSHOT_TIMEOUT_S)
             with self.lock:
                 self.index.apply_snapshot(snap)

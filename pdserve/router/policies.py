@@ -11,32 +11,49 @@ the pool, where a fixed tie-break would send every one of them to the same worke
 Units: `cost` scores are prefill-token equivalents, i.e. predicted time expressed as the number
 of prompt tokens a worker could prefill in it. Lower is better everywhere.
 """
+
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["WorkerState", "RouteRequest", "Decision", "CostParams", "DEFAULT_PARAMS", "available",
-           "overloaded", "eligible", "round_robin", "least_load", "power_of_two", "cache_aware",
-           "cost", "POLICIES", "choose", "Canary", "canary_pool"]
+__all__ = [
+    "WorkerState",
+    "RouteRequest",
+    "Decision",
+    "CostParams",
+    "DEFAULT_PARAMS",
+    "available",
+    "overloaded",
+    "eligible",
+    "round_robin",
+    "least_load",
+    "power_of_two",
+    "cache_aware",
+    "cost",
+    "POLICIES",
+    "choose",
+    "Canary",
+    "canary_pool",
+]
 
 
 @dataclass(frozen=True)
 class WorkerState:
     worker_id: str
-    role: str                       # "prefill" | "decode" | "mixed"
+    role: str  # "prefill" | "decode" | "mixed"
     healthy: bool = True
     draining: bool = False
-    breaker_open: bool = False      # the gateway's circuit breaker for this worker
-    in_flight: int = 0              # requests the router has outstanding on it
+    breaker_open: bool = False  # the gateway's circuit breaker for this worker
+    in_flight: int = 0  # requests the router has outstanding on it
     queued_prefill_tokens: int = 0  # prompt tokens sent to it and not yet prefilled (router's estimate)
-    decode_tokens: int = 0          # tokens it is still expected to generate for in-flight requests
-    kv_usage: float = 0.0           # 0..1 from its /health
+    decode_tokens: int = 0  # tokens it is still expected to generate for in-flight requests
+    kv_usage: float = 0.0  # 0..1 from its /health
     kv_free_blocks: int = 0
-    kv_total_blocks: int = 0        # 0: unknown, so free-KV checks are skipped
-    capacity: int = 64              # max concurrent requests (its max_num_seqs)
-    version: str | None = None      # its version label (pdserve/version.py), for canary routing
+    kv_total_blocks: int = 0  # 0: unknown, so free-KV checks are skipped
+    capacity: int = 64  # max concurrent requests (its max_num_seqs)
+    version: str | None = None  # its version label (pdserve/version.py), for canary routing
 
 
 @dataclass(frozen=True)
@@ -50,7 +67,7 @@ class RouteRequest:
 
 @dataclass(frozen=True)
 class Decision:
-    worker_id: str | None           # None: nobody eligible
+    worker_id: str | None  # None: nobody eligible
     reason: str
     scores: Mapping[str, float] = field(default_factory=dict)
 
@@ -62,6 +79,7 @@ def _tier_costs() -> dict[str, float]:
 @dataclass(frozen=True)
 class CostParams:
     """Weights and thresholds. docs/routing.md explains each default and how it was tuned."""
+
     # Fraction of the recompute time a cached token still costs, by the slowest tier its prefix
     # loads from. Device KV is resident; the others pay a copy (PCIe, disk, network).
     tier_cost: Mapping[str, float] = field(default_factory=_tier_costs)
@@ -74,14 +92,14 @@ class CostParams:
     recompute_weight: float = 5.0
     # The per-worker overload gate: a worker past any of these takes no new request.
     max_kv_usage: float = 0.95
-    max_queued_prefill_tokens: int | None = None     # None: no bound besides capacity
+    max_queued_prefill_tokens: int | None = None  # None: no bound besides capacity
     # Length-aware routing: a prompt this long pays long_prompt_kv_weight * its length * kv_usage,
     # steering it to workers with free KV (it would otherwise wait for memory or preempt).
     long_prompt_tokens: int = 4096
     long_prompt_kv_weight: float = 1.0
     # cache_aware (SGLang-style): route by prefix unless the fleet is imbalanced.
-    cache_threshold: float = 0.3        # min fraction of the prompt cached to follow the cache
-    balance_abs_threshold: int = 32     # in_flight spread that counts as imbalanced...
+    cache_threshold: float = 0.3  # min fraction of the prompt cached to follow the cache
+    balance_abs_threshold: int = 32  # in_flight spread that counts as imbalanced...
     balance_rel_threshold: float = 1.5  # ...when the busiest also has this many times the idlest
 
 
@@ -112,8 +130,9 @@ def eligible(workers: Sequence[WorkerState], params: CostParams | None = None) -
 @dataclass(frozen=True)
 class Canary:
     """During a rollout: this share of new requests goes to workers of `version` first."""
+
     version: str
-    weight: float                   # 0..1
+    weight: float  # 0..1
 
 
 def canary_pool(workers: Sequence[WorkerState], canary: Canary | None, draw: float) -> Sequence[WorkerState]:
@@ -157,40 +176,50 @@ def round_robin(req: RouteRequest, workers: Sequence[WorkerState], counter: int)
     return Decision(cands[counter % len(cands)].worker_id, "round_robin")
 
 
-def least_load(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams | None = None,
-               counter: int = 0) -> Decision:
+def least_load(
+    req: RouteRequest, workers: Sequence[WorkerState], params: CostParams | None = None, counter: int = 0
+) -> Decision:
     """Fewest outstanding tokens (queued prefill + expected decode); KV usage, then in flight,
     then the rotation break ties."""
     cands = eligible(workers, params)
     if not cands:
         return _nobody(workers)
-    _, best = min(_rotated(cands, counter), key=lambda rw: (_outstanding(rw[1]), rw[1].kv_usage, rw[1].in_flight,
-                                                            rw[0]))
+    _, best = min(
+        _rotated(cands, counter), key=lambda rw: (_outstanding(rw[1]), rw[1].kv_usage, rw[1].in_flight, rw[0])
+    )
     return Decision(best.worker_id, "least_load", {w.worker_id: float(_outstanding(w)) for w in cands})
 
 
-def power_of_two(req: RouteRequest, workers: Sequence[WorkerState], rng: random.Random,
-                 params: CostParams | None = None) -> Decision:
+def power_of_two(
+    req: RouteRequest, workers: Sequence[WorkerState], rng: random.Random, params: CostParams | None = None
+) -> Decision:
     """Two distinct random eligible workers, the lighter one wins (the first on a tie)."""
     cands = eligible(workers, params)
     if not cands:
         return _nobody(workers)
     if len(cands) == 1:
-        return Decision(cands[0].worker_id, "power_of_two", {cands[0].worker_id: float(_outstanding(cands[0]))})
+        return Decision(
+            cands[0].worker_id, "power_of_two", {cands[0].worker_id: float(_outstanding(cands[0]))}
+        )
     a, b = rng.sample(cands, 2)
+
     def key(w: WorkerState) -> tuple:
         return (_outstanding(w), w.kv_usage, w.in_flight)
 
     best = b if key(b) < key(a) else a
-    return Decision(best.worker_id, "power_of_two", {a.worker_id: float(_outstanding(a)),
-                                                     b.worker_id: float(_outstanding(b))})
+    return Decision(
+        best.worker_id,
+        "power_of_two",
+        {a.worker_id: float(_outstanding(a)), b.worker_id: float(_outstanding(b))},
+    )
 
 
 # ------------------------------------------------------------------ cache-aware policies
 
 
-def cache_aware(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams | None = None,
-                counter: int = 0) -> Decision:
+def cache_aware(
+    req: RouteRequest, workers: Sequence[WorkerState], params: CostParams | None = None, counter: int = 0
+) -> Decision:
     """SGLang's recipe on the global index: while in_flight is balanced, the worker with the most
     cached leading blocks (ties: fewer in flight) if that covers cache_threshold of the prompt,
     else the least loaded; when imbalanced, the least loaded whatever the cache says."""
@@ -198,8 +227,9 @@ def cache_aware(req: RouteRequest, workers: Sequence[WorkerState], params: CostP
     cands = eligible(workers, p)
     if not cands:
         return _nobody(workers)
-    _, idlest = min(_rotated(cands, counter), key=lambda rw: (rw[1].in_flight, _outstanding(rw[1]), rw[1].kv_usage,
-                                                              rw[0]))
+    _, idlest = min(
+        _rotated(cands, counter), key=lambda rw: (rw[1].in_flight, _outstanding(rw[1]), rw[1].kv_usage, rw[0])
+    )
     busiest = max(w.in_flight for w in cands)
     lo = idlest.in_flight
     if busiest - lo > p.balance_abs_threshold and busiest > p.balance_rel_threshold * lo:
@@ -208,8 +238,9 @@ def cache_aware(req: RouteRequest, workers: Sequence[WorkerState], params: CostP
     best, best_blocks = None, 0
     for w in cands:
         h = hits.get(w.worker_id)
-        if h is not None and (h[0] > best_blocks or (h[0] == best_blocks and best is not None
-                                                     and w.in_flight < best.in_flight)):
+        if h is not None and (
+            h[0] > best_blocks or (h[0] == best_blocks and best is not None and w.in_flight < best.in_flight)
+        ):
             best, best_blocks = w, h[0]
     scores = {wid: float(h[0]) for wid, h in hits.items()}
     if best is not None and best_blocks * req.block_size >= p.cache_threshold * req.num_prompt_tokens:
@@ -217,8 +248,9 @@ def cache_aware(req: RouteRequest, workers: Sequence[WorkerState], params: CostP
     return Decision(idlest.worker_id, "least_load", scores)
 
 
-def cost(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams | None = None,
-         counter: int = 0) -> Decision:
+def cost(
+    req: RouteRequest, workers: Sequence[WorkerState], params: CostParams | None = None, counter: int = 0
+) -> Decision:
     """The worker with the lowest
         queued prefill + (1 + recompute_weight) * uncached + decode_weight * decode tokens
         (+ long_prompt_kv_weight * prompt * kv_usage for long prompts),
@@ -237,7 +269,7 @@ def cost(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams |
     uw = 1.0 + p.recompute_weight
     kv_pen = p.long_prompt_kv_weight * n if n >= p.long_prompt_tokens else 0.0
     need_blocks = -(-(n + req.max_tokens) // bs)
-    max_hit = max(n - 1, 0)      # the last prompt token is always computed, for its logits
+    max_hit = max(n - 1, 0)  # the last prompt token is always computed, for its logits
     max_kv = p.max_kv_usage
     max_q = p.max_queued_prefill_tokens
     base = uw * n
@@ -245,7 +277,7 @@ def cost(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams |
     best: WorkerState | None = None  # spill: the best among workers short of free KV
     spill: WorkerState | None = None
     best_c = spill_c = float("inf")
-    best_r = spill_r = 0             # their rotated positions, read only on an exact tie
+    best_r = spill_r = 0  # their rotated positions, read only on an exact tie
     nw = len(workers) or 1
     up = False
     for i, w in enumerate(workers):
@@ -263,18 +295,18 @@ def cost(req: RouteRequest, workers: Sequence[WorkerState], params: CostParams |
             frac = tier_cost.get(h[1], 1.0)
             c -= uw * (1.0 - frac) * min(h[0] * bs, max_hit)
             if frac == 0.0:
-                need -= h[0]         # resident blocks need no new KV
+                need -= h[0]  # resident blocks need no new KV
         if kv_pen:
             c += kv_pen * w.kv_usage
         scores[wid] = c
         r = (i - counter) % nw
         if w.kv_total_blocks and w.kv_free_blocks < need:
             # an exact tie means the cost is finite, so spill (best below) was set
-            if c < spill_c or (c == spill_c and spill is not None
-                               and (w.in_flight, r) < (spill.in_flight, spill_r)):
+            if c < spill_c or (
+                c == spill_c and spill is not None and (w.in_flight, r) < (spill.in_flight, spill_r)
+            ):
                 spill, spill_c, spill_r = w, c, r
-        elif c < best_c or (c == best_c and best is not None
-                            and (w.in_flight, r) < (best.in_flight, best_r)):
+        elif c < best_c or (c == best_c and best is not None and (w.in_flight, r) < (best.in_flight, best_r)):
             best, best_c, best_r = w, c, r
     best = best or spill
     if best is None:
@@ -293,8 +325,15 @@ POLICIES: dict[str, Callable[..., Decision]] = {
 }
 
 
-def choose(name: str, req: RouteRequest, workers: Sequence[WorkerState], *, counter: int = 0,
-           rng: random.Random | None = None, params: CostParams | None = None) -> Decision:
+def choose(
+    name: str,
+    req: RouteRequest,
+    workers: Sequence[WorkerState],
+    *,
+    counter: int = 0,
+    rng: random.Random | None = None,
+    params: CostParams | None = None,
+) -> Decision:
     """Run the policy called `name`, handing it only the state it reads (the counter: a
     round-robin position, and every other policy's tie rotation)."""
     if name == "round_robin":

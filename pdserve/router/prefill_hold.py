@@ -8,6 +8,7 @@ less than a step's budget (deployment.prefill.max_num_batched_tokens) of prompt 
 router's own figures, so a new prefill worker takes the held prompts at once. Held prompts leave in
 arrival order; one held longer than router.queue_timeout_s goes to the route it gets then.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,17 +19,17 @@ from collections.abc import Callable
 
 from pdserve.router.accounting import Route
 
-POLL_S = 0.01       # how often the head of the queue looks again (first tokens free room between steps)
+POLL_S = 0.01  # how often the head of the queue looks again (first tokens free room between steps)
 
 
 class PrefillHold:
     def __init__(self, room_tokens: int, timeout_s: float) -> None:
         self.room_tokens = room_tokens
         self.timeout_s = timeout_s
-        self._queue: deque[int] = deque()      # tickets of held prompts, oldest first
-        self._tokens: dict[int, int] = {}      # ticket -> prompt tokens
+        self._queue: deque[int] = deque()  # tickets of held prompts, oldest first
+        self._tokens: dict[int, int] = {}  # ticket -> prompt tokens
         self._tickets = itertools.count()
-        self.held_total = 0                    # prompts ever held (for tests and logs)
+        self.held_total = 0  # prompts ever held (for tests and logs)
 
     @property
     def held_tokens(self) -> int:
@@ -41,7 +42,9 @@ class PrefillHold:
         p = route.prefill
         return p is None or not route.remote_tokens or p.queued_prefill_tokens < self.room_tokens
 
-    async def route(self, pick: Callable[[], tuple[Route | None, str]], tokens: int) -> tuple[Route | None, str]:
+    async def route(
+        self, pick: Callable[[], tuple[Route | None, str]], tokens: int
+    ) -> tuple[Route | None, str]:
         """`pick()`'s route once its prompt can start (or no route, or the timeout)."""
         route, reason = pick()
         if route is None or (not self._queue and self.can_start(route)):
@@ -56,7 +59,7 @@ class PrefillHold:
                 await asyncio.sleep(POLL_S)
                 late = time.monotonic() >= deadline
                 if self._queue[0] != ticket and not late:
-                    continue                    # an older prompt goes first
+                    continue  # an older prompt goes first
                 route, reason = pick()
                 if route is None or late or self.can_start(route):
                     return route, reason

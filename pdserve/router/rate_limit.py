@@ -6,6 +6,7 @@ order: each admission touches its own key and looks at a few of the oldest ones,
 have refilled to full (a full bucket admits exactly what a missing one does); a new key that finds
 the table full pushes the oldest one out. Every operation is O(1); no request scans the table.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -19,6 +20,7 @@ _SWEEP = 4
 @dataclass
 class Bucket:
     """A token bucket refilled continuously at `per_minute / 60` per second, holding at most `per_minute`."""
+
     per_minute: float
     level: float
     updated: float
@@ -55,7 +57,7 @@ class BucketTable:
         b = self._buckets.get(who)
         if b is None:
             while len(self._buckets) >= self.max_keys:
-                self._buckets.popitem(last=False)       # the least recently used, full or not
+                self._buckets.popitem(last=False)  # the least recently used, full or not
             b = self._buckets[who] = Bucket(self.per_minute, self.per_minute, now)
         else:
             self._buckets.move_to_end(who)

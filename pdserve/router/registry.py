@@ -5,6 +5,7 @@ send heartbeats. A worker is unhealthy after failed health checks, or when a sel
 misses heartbeats. Each worker has a circuit breaker: closed, open after N consecutive failures,
 half-open after a cooldown (one probe request), closed again on a success.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -81,8 +82,8 @@ class Worker:
     healthy: bool = False
     draining: bool = False
     last_heartbeat: float = 0.0
-    health: WorkerHealth | None = None              # the worker's last /health body
-    pdserve_version: str | None = None              # its version label's parts (pdserve/version.py)
+    health: WorkerHealth | None = None  # the worker's last /health body
+    pdserve_version: str | None = None  # its version label's parts (pdserve/version.py)
     config_digest: str | None = None
     # The router's own accounting of what it sent there.
     in_flight: int = 0
@@ -99,19 +100,42 @@ class Worker:
 
     def describe(self) -> dict:
         h = self.health
-        return {"id": self.worker_id, "role": self.role, "url": self.url, "pid": self.pid, "model": self.model,
-                "version": self.version, "pdserve_version": self.pdserve_version, "config_digest": self.config_digest,
-                "healthy": self.healthy, "draining": self.draining, "breaker": self.breaker.state.value,
-                "load": {"in_flight": self.in_flight, "queued_prefill_tokens": self.queued_prefill_tokens,
-                         "decode_tokens": self.decode_tokens, "kv_usage": h.kv_usage if h else None,
-                         "running": h.running if h else None, "waiting": h.waiting if h else None},
-                "kv_endpoint": self.kv_endpoint, "requests": self.requests, "errors": self.errors,
-                "retries": self.retries, "migrations": self.migrations}
+        return {
+            "id": self.worker_id,
+            "role": self.role,
+            "url": self.url,
+            "pid": self.pid,
+            "model": self.model,
+            "version": self.version,
+            "pdserve_version": self.pdserve_version,
+            "config_digest": self.config_digest,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "breaker": self.breaker.state.value,
+            "load": {
+                "in_flight": self.in_flight,
+                "queued_prefill_tokens": self.queued_prefill_tokens,
+                "decode_tokens": self.decode_tokens,
+                "kv_usage": h.kv_usage if h else None,
+                "running": h.running if h else None,
+                "waiting": h.waiting if h else None,
+            },
+            "kv_endpoint": self.kv_endpoint,
+            "requests": self.requests,
+            "errors": self.errors,
+            "retries": self.retries,
+            "migrations": self.migrations,
+        }
 
 
 class Registry:
-    def __init__(self, breaker_failures: int, breaker_cooldown_s: float, heartbeat_timeout_s: float,
-                 internal_headers: dict[str, str]) -> None:
+    def __init__(
+        self,
+        breaker_failures: int,
+        breaker_cooldown_s: float,
+        heartbeat_timeout_s: float,
+        internal_headers: dict[str, str],
+    ) -> None:
         self.workers: dict[str, Worker] = {}
         self.breaker_failures = breaker_failures
         self.breaker_cooldown_s = breaker_cooldown_s
@@ -136,7 +160,7 @@ class Registry:
             log.info("worker %s (%s) registered at %s", w.worker_id, w.role, w.url)
         w.model, w.pid, w.kv_endpoint, w.capacity = reg.model, reg.pid, reg.kv_endpoint, reg.capacity
         w.pdserve_version, w.config_digest = reg.pdserve_version, reg.config_digest
-        w.role = reg.role           # a worker re-registers after switching role (server/role_switch.py)
+        w.role = reg.role  # a worker re-registers after switching role (server/role_switch.py)
         w.last_heartbeat = now
         return w
 
@@ -172,8 +196,13 @@ class Registry:
         if not w.static and now - w.last_heartbeat > self.heartbeat_timeout_s:
             ok = False
         if ok != w.healthy:
-            log.log(logging.INFO if ok else logging.WARNING, "worker %s (%s) is %s", w.worker_id, w.url,
-                    "healthy" if ok else "unhealthy")
+            log.log(
+                logging.INFO if ok else logging.WARNING,
+                "worker %s (%s) is %s",
+                w.worker_id,
+                w.url,
+                "healthy" if ok else "unhealthy",
+            )
             if ok and w.breaker.state != BreakerState.CLOSED:
                 # Back after a partition, a stop or a restart: the failures that opened the breaker are
                 # explained. Half-open would let one request through at a time, and every stream that

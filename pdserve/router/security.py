@@ -3,6 +3,7 @@ requests and tokens per minute (rate_limit.py), an IP allowlist, and one audit l
 
 Who may call which route (client keys, admin keys, the internal token) is decided in access.py.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -43,8 +44,9 @@ class Allowlist:
 class SecurityMiddleware:
     """Pure ASGI (streaming bodies pass through untouched): allowlist, key, rate limit, audit line."""
 
-    def __init__(self, app: ASGIApp, access: Access, allowlist: Allowlist, limiter: RateLimiter,
-                 on_reject=None) -> None:
+    def __init__(
+        self, app: ASGIApp, access: Access, allowlist: Allowlist, limiter: RateLimiter, on_reject=None
+    ) -> None:
         self.app, self.access, self.allowlist, self.limiter = app, access, allowlist, limiter
         self.on_reject = on_reject or (lambda status: None)
 
@@ -80,8 +82,12 @@ class SecurityMiddleware:
             if reject is None and kind != "registration":
                 wait = await self.limiter.check(who, time.monotonic())
                 if wait > 0:
-                    reject = error_response(429, "rate limit exceeded for this key", code="rate_limit_exceeded",
-                                            headers={"Retry-After": str(max(1, int(wait + 0.999)))})
+                    reject = error_response(
+                        429,
+                        "rate limit exceeded for this key",
+                        code="rate_limit_exceeded",
+                        headers={"Retry-After": str(max(1, int(wait + 0.999)))},
+                    )
         if reject is not None:
             self.on_reject(reject.status_code)
             await reject(scope, receive, send_status)
@@ -96,6 +102,13 @@ class SecurityMiddleware:
                 current_key.reset(token)
                 arrived_at.reset(t_token)
         if kind != "open":
-            audit.info("key=%s client=%s %s %s status=%d ms=%.1f%s", key or "-",
-                       client, scope.get("method"), path, status["code"], (time.monotonic() - start) * 1e3,
-                       f" trace={trace_id}" if trace_id else "")
+            audit.info(
+                "key=%s client=%s %s %s status=%d ms=%.1f%s",
+                key or "-",
+                client,
+                scope.get("method"),
+                path,
+                status["code"],
+                (time.monotonic() - start) * 1e3,
+                f" trace={trace_id}" if trace_id else "",
+            )

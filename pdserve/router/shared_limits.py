@@ -11,6 +11,7 @@ buckets, as with no Redis at all (so N replicas admit up to N times the limit me
 warning, counts `fallbacks`, and tries Redis again after `retry_after_s`. A limiter must never turn
 a Redis outage into an API outage.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,7 +42,9 @@ end
 """
 # KEYS: requests bucket, tokens bucket; ARGV: rpm, tpm (0: no limit). Returns the seconds to wait
 # (a string: Lua numbers would be truncated to integers), "0" when admitted.
-ADMIT = _LEVEL + """
+ADMIT = (
+    _LEVEL
+    + """
 local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 if tpm > 0 then
   local l = level(KEYS[2], tpm)
@@ -54,19 +57,31 @@ if rpm > 0 then
 end
 return '0'
 """
+)
 # KEYS: tokens bucket; ARGV: tpm, tokens used.
-CHARGE = _LEVEL + """
+CHARGE = (
+    _LEVEL
+    + """
 store(KEYS[1], level(KEYS[1], tonumber(ARGV[1])) - tonumber(ARGV[2]))
 return '0'
 """
+)
 
 
 class SharedRateLimiter(RateLimiter):
-    def __init__(self, rpm: int | None, tpm: int | None, url: str, *, timeout_s: float = 0.25,
-                 retry_after_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        rpm: int | None,
+        tpm: int | None,
+        url: str,
+        *,
+        timeout_s: float = 0.25,
+        retry_after_s: float = 5.0,
+    ) -> None:
         super().__init__(rpm, tpm)
         import redis.asyncio as aredis
         from redis.exceptions import RedisError
+
         self.url = url
         self.retry_after_s = retry_after_s
         self._errors = (RedisError, OSError, asyncio.TimeoutError)
@@ -75,8 +90,8 @@ class SharedRateLimiter(RateLimiter):
         self._charge = self.client.register_script(CHARGE)
         self._down_until = 0.0
         self._pending: set[asyncio.Task] = set()
-        self.fallbacks = 0          # decisions taken locally because Redis was unreachable
-        self.shared = 0             # decisions taken in Redis
+        self.fallbacks = 0  # decisions taken locally because Redis was unreachable
+        self.shared = 0  # decisions taken in Redis
 
     @staticmethod
     def _keys(who: str) -> list[str]:
@@ -86,8 +101,12 @@ class SharedRateLimiter(RateLimiter):
 
     def _down(self, e: Exception) -> None:
         if time.monotonic() >= self._down_until:
-            log.warning("shared rate limits: Redis %s unreachable (%s); each replica limits alone for %.0fs",
-                        self.url, e, self.retry_after_s)
+            log.warning(
+                "shared rate limits: Redis %s unreachable (%s); each replica limits alone for %.0fs",
+                self.url,
+                e,
+                self.retry_after_s,
+            )
         self._down_until = time.monotonic() + self.retry_after_s
 
     async def check(self, who: str, now: float) -> float:
@@ -106,12 +125,12 @@ class SharedRateLimiter(RateLimiter):
     def charge_tokens(self, who: str, n: int, now: float) -> None:
         if not self.tpm:
             return
-        super().charge_tokens(who, n, now)      # the local bucket too: it decides while Redis is away
+        super().charge_tokens(who, n, now)  # the local bucket too: it decides while Redis is away
         if time.monotonic() < self._down_until:
             return
         try:
             task = asyncio.get_running_loop().create_task(self._charge_shared(who, n))
-        except RuntimeError:        # no event loop (a test calling directly): the local charge stands
+        except RuntimeError:  # no event loop (a test calling directly): the local charge stands
             return
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)

@@ -6,6 +6,7 @@ waits, and only the read timeout (`router.request_timeout_s`, long, since a long
 legitimately keep a worker quiet) would end it. The registry's health checks and heartbeats see
 such a worker within a few periods; a stream that stays silent while its worker is unhealthy is
 given up so the router can retry or migrate the request."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,9 @@ class WorkerSilent(Exception):
 _END = object()
 
 
-async def watched(lines: AsyncIterator[str], healthy: Callable[[], bool], period_s: float) -> AsyncGenerator[str, None]:
+async def watched(
+    lines: AsyncIterator[str], healthy: Callable[[], bool], period_s: float
+) -> AsyncGenerator[str, None]:
     """`lines` as they come; raises WorkerSilent once a period passes with no line and `healthy()`
     false. A pump task reads the lines and a watchdog task wakes once a period, so a line costs a
     queue hand-off (a task or a timer per line cost ~10x more). Close it (aclose) before closing

@@ -4,6 +4,7 @@ Templating and tokenizing a long prompt takes milliseconds of CPU that would oth
 router's event loop. Each pool process loads the tokenizer once. The router keeps a tokenizer of
 its own too, for incremental detokenization of the streams.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,14 +17,15 @@ from typing import Any
 # Torch-free: each pool process loads only the tokenizer (tests/test_import_contracts.py).
 from pdserve.common.tokenizer import TokenizerWrapper, load_tokenizer
 
-_tokenizer: TokenizerWrapper | None = None       # one per pool process
+_tokenizer: TokenizerWrapper | None = None  # one per pool process
 
 
 def _init(model: str) -> None:
     global _tokenizer
     from pdserve.utils.process import die_with_parent
-    die_with_parent()                               # never outlive the router
-    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the router's to handle
+
+    die_with_parent()  # never outlive the router
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the router's to handle
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _tokenizer = load_tokenizer(model)
 
@@ -46,12 +48,20 @@ class TokenizerPool:
     def __init__(self, model: str, processes: int) -> None:
         self.processes = processes
         # Spawned, not forked: a fork of the router would inherit its threads and signal handlers.
-        self.pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"), initializer=_init,
-                                        initargs=(model,)) if processes > 0 else None
+        self.pool = (
+            ProcessPoolExecutor(
+                processes,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init,
+                initargs=(model,),
+            )
+            if processes > 0
+            else None
+        )
         self.local = load_tokenizer(model) if processes <= 0 else None
 
     async def encode(self, text: str) -> list[int]:
-        if self.local is not None:          # processes <= 0: no pool, encode here
+        if self.local is not None:  # processes <= 0: no pool, encode here
             return self.local.encode(text)
         return await asyncio.get_running_loop().run_in_executor(self.pool, _encode, text)
 

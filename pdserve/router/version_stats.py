@@ -8,6 +8,7 @@ token) / (tokens - 1). A failed attempt
 (the worker failed it; a hand-back by a draining worker is no failure) counts against the version
 of the worker that failed it, even if a retry or a migration saved the request.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,21 +17,58 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pdserve.router.accounting import Route
 
-_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-UNKNOWN = "unknown"     # a worker that reported no version (an older one)
+_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+UNKNOWN = "unknown"  # a worker that reported no version (an older one)
 
 
 class VersionStats:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        self.ttft = Histogram("pdserve_router_version_ttft_seconds", "Time to first token by worker version",
-                              ["version"], buckets=_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_router_version_tpot_seconds", "Time per output token by worker version",
-                              ["version"], buckets=_BUCKETS, registry=r)
-        self.requests = Counter("pdserve_router_version_requests", "Requests that reached a worker of a version",
-                                ["version"], registry=r)
-        self.errors = Counter("pdserve_router_version_errors", "Attempts a worker of this version failed",
-                              ["version"], registry=r)
+        self.ttft = Histogram(
+            "pdserve_router_version_ttft_seconds",
+            "Time to first token by worker version",
+            ["version"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_router_version_tpot_seconds",
+            "Time per output token by worker version",
+            ["version"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "pdserve_router_version_requests",
+            "Requests that reached a worker of a version",
+            ["version"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "pdserve_router_version_errors",
+            "Attempts a worker of this version failed",
+            ["version"],
+            registry=r,
+        )
 
     def request(self) -> RequestVersions:
         return RequestVersions(self)

@@ -1,4 +1,5 @@
 """The serving process of the mixed role: one engine behind the OpenAI-compatible API."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,10 +10,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from pdserve import __version__
+from pdserve.common import tracing
 from pdserve.config import Config
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
-from pdserve.common import tracing
 from pdserve.protocol.health import WorkerHealth
 from pdserve.server.errors import error_response
 from pdserve.server.internal_api import RequireInternalToken, install_internal_routes, internal_token
@@ -37,7 +38,7 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
     timer = RequestTimer(metrics)
     async_engine = AsyncEngine(engine, on_output=timer.on_output)
     handlers = OpenAIHandlers(async_engine, engine.tokenizer, model_name, timer)
-    if engine.images is not None:       # a vision-language model reads image_url parts
+    if engine.images is not None:  # a vision-language model reads image_url parts
         handlers.vision, handlers.vision_limits = engine.images.slots, config.vision
     switch = RoleSwitch(config, async_engine)
     digest = digest or config_digest(config)
@@ -45,9 +46,13 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         async_engine.start()
-        registration = asyncio.create_task(register_with_routers(config, model_name, lambda: switch.role,
-                                                                 switch.changed, digest)) \
-            if config.server.router_url else None
+        registration = (
+            asyncio.create_task(
+                register_with_routers(config, model_name, lambda: switch.role, switch.changed, digest)
+            )
+            if config.server.router_url
+            else None
+        )
         yield
         if registration is not None:
             registration.cancel()
@@ -71,10 +76,18 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
             return error_response(503, f"engine failed: {async_engine.dead}", code="engine_dead")
         if not async_engine.accepting:
             return error_response(503, "shutting down", code="shutting_down")
-        return WorkerHealth(role=switch.role, pid=os.getpid(), worker_id=worker_name(config), model=model_name,
-                            max_num_seqs=config.scheduler.max_num_seqs, max_model_len=engine.max_model_len,
-                            kv_endpoint=getattr(engine.connector, "endpoint", None), pdserve_version=__version__,
-                            config_digest=digest, **engine.stats()).to_wire()
+        return WorkerHealth(
+            role=switch.role,
+            pid=os.getpid(),
+            worker_id=worker_name(config),
+            model=model_name,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=engine.max_model_len,
+            kv_endpoint=getattr(engine.connector, "endpoint", None),
+            pdserve_version=__version__,
+            config_digest=digest,
+            **engine.stats(),
+        ).to_wire()
 
     # MoE models: the expert-load heatmap and placement (EPLB), and the balancer's gauges in /metrics.
     eplb = getattr(engine.model, "eplb", None)
@@ -87,12 +100,16 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
             return error_response(404, "the model has no MoE layers", code="not_moe")
         return eplb.to_dict()
 
-
     return app
 
 
 def serve(config: Config, sock=None, digest: str | None = None) -> None:
     app = create_app(config, digest=digest)
-    log.info("serving %s (%s) on http://%s:%d", config.model.name, config.worker.role, config.server.host,
-             config.server.port)
+    log.info(
+        "serving %s (%s) on http://%s:%d",
+        config.model.name,
+        config.worker.role,
+        config.server.host,
+        config.server.port,
+    )
     run_uvicorn(app, config, sock=sock)

@@ -5,6 +5,7 @@ A declared Content-Length over the limit is refused before any byte is read. A b
 takes it over the limit stops the reading, and the client gets a 413 with an OpenAI-style body;
 the rest is never read, so it never lands in memory.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -51,7 +52,7 @@ class BodySizeLimit:
 
         async def counted_receive() -> Message:
             nonlocal received, over
-            if over:            # a handler that caught the error and reads on: no more of the body
+            if over:  # a handler that caught the error and reads on: no more of the body
                 raise BodyTooLarge(self.max_bytes)
             message = await receive()
             if message["type"] == "http.request":
@@ -63,7 +64,7 @@ class BodySizeLimit:
 
         async def guarded_send(message: Message) -> None:
             nonlocal started
-            if over and not started:    # whatever the app answers to the error, the 413 below replaces it
+            if over and not started:  # whatever the app answers to the error, the 413 below replaces it
                 return
             if message["type"] == "http.response.start":
                 started = True

@@ -1,4 +1,5 @@
 """OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}."""
+
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
@@ -10,21 +11,38 @@ from pdserve.common import tracing
 from pdserve.common.errors import APIError
 from pdserve.protocol.unsupported import UNSUPPORTED_TYPE
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          503: "service_unavailable", 500: "internal_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    500: "internal_error",
+}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    err = {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
-    trace_id = tracing.trace_id()       # tracing on: the operator follows this request across hosts by it
+    err = {
+        "message": message,
+        "type": _TYPES.get(status, "invalid_request_error"),
+        "param": param,
+        "code": code,
+    }
+    trace_id = tracing.trace_id()  # tracing on: the operator follows this request across hosts by it
     if trace_id:
         err["trace_id"] = trace_id
     return {"error": err}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
@@ -35,7 +53,7 @@ def _describe(exc: RequestValidationError) -> tuple[str, str | None, str]:
     first = errs[0]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None, "invalid_value"
-    if first.get("type") == UNSUPPORTED_TYPE:      # a known field this server does not implement
+    if first.get("type") == UNSUPPORTED_TYPE:  # a known field this server does not implement
         return str(first.get("msg")), str((first.get("ctx") or {}).get("param")), UNSUPPORTED_TYPE
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = loc[0] if loc else None
@@ -68,4 +86,3 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         _count(500)
         return error_response(500, f"internal error: {type(exc).__name__}")
-

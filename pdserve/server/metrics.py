@@ -1,4 +1,5 @@
 """Prometheus metrics of a serving process (names prefixed `pdserve_`)."""
+
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,26 @@ from pdserve.protocol.stats import STATS
 
 log = logging.getLogger(__name__)
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
-                    30.0, 60.0, 120.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 
 
 class _EngineCollector:
@@ -43,20 +62,40 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive tokens (ITL)",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_time_per_output_token_seconds",
-                              "Per request: (e2e - ttft) / (output tokens - 1)", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Time between consecutive tokens (ITL)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_time_per_output_token_seconds",
+            "Per request: (e2e - ttft) / (output tokens - 1)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "End-to-end request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
         self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens", registry=r)
-        self.requests = Counter("pdserve_requests", "Finished requests by finish reason", ["finish_reason"],
-                                registry=r)
-        self.errors = Counter("pdserve_request_errors", "Requests answered with an error, by HTTP status",
-                              ["status"], registry=r)
+        self.requests = Counter(
+            "pdserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.errors = Counter(
+            "pdserve_request_errors",
+            "Requests answered with an error, by HTTP status",
+            ["status"],
+            registry=r,
+        )
         r.register(_EngineCollector(stats))
 
     def render(self) -> bytes:

@@ -1,4 +1,5 @@
 """OpenAI-compatible handlers: /v1/completions and /v1/chat/completions, streaming and not."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,8 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.chat_content import chat_inputs, chat_messages
+
 # Torch-free imports only: the router runs these handlers too (tests/test_import_contracts.py).
 from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed
 from pdserve.common.images import ImageInput, ImageSlots, expand_image_tokens
@@ -19,13 +22,12 @@ from pdserve.common.sampling import SamplingParams, check_cache_salt, check_choi
 from pdserve.common.tokenizer import TokenizerWrapper
 from pdserve.config import VisionConfig
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_card, new_id, now
-from pdserve.chat_content import chat_inputs, chat_messages
 from pdserve.server.body_limit import install_body_limit
 from pdserve.server.errors import APIError, error_body, install_error_handlers
 from pdserve.server.metrics import RequestTimer, ServerMetrics
 
 _DISCONNECT_POLL_S = 0.5
-PREFILL_HEADER = "x-pdserve-prefill"    # set by the router: the prefill worker's bootstrap endpoint
+PREFILL_HEADER = "x-pdserve-prefill"  # set by the router: the prefill worker's bootstrap endpoint
 log = logging.getLogger(__name__)
 
 
@@ -39,20 +41,29 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     cache_salt: str | None = None
-    prefill_peer: str | None = None     # the prefill worker the router chose (PD deployments)
-    images: list[ImageInput] = field(default_factory=list)     # a VLM prompt's images
+    prefill_peer: str | None = None  # the prefill worker the router chose (PD deployments)
+    images: list[ImageInput] = field(default_factory=list)  # a VLM prompt's images
 
 
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
     stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
     p = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
-        seed=req.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids or [],
-        ignore_eos=req.ignore_eos, repetition_penalty=req.repetition_penalty or 1.0,
-        frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
-        logprobs=logprobs)
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        stop=stop,
+        stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        logprobs=logprobs,
+    )
     return p
 
 
@@ -81,26 +92,39 @@ class InlineEncoder:
 
 class GenerationBackend(Protocol):
     """What the handlers need: the worker's AsyncEngine or the router's RemoteBackend."""
+
     accepting: bool
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 cache_salt: str | None = None, prefill_peer: str | None = None) -> AsyncIterator[RequestOutput]: ...
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        prefill_peer: str | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
 
 
 class OpenAIHandlers:
     """The OpenAI API over a generation backend: the worker's AsyncEngine, or the router's
     RemoteBackend (same `generate`, `check_request`, `accepting`)."""
 
-    def __init__(self, engine: GenerationBackend, tokenizer: TokenizerWrapper, model_name: str,
-                 timer: RequestTimer, encoder: Any = None) -> None:
+    def __init__(
+        self,
+        engine: GenerationBackend,
+        tokenizer: TokenizerWrapper,
+        model_name: str,
+        timer: RequestTimer,
+        encoder: Any = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.timer = timer
         self.encoder = encoder or InlineEncoder(tokenizer)
-        self.vision: ImageSlots | None = None       # set for a vision-language model: image_url parts are read
+        self.vision: ImageSlots | None = None  # set for a vision-language model: image_url parts are read
         self.vision_limits = VisionConfig()
 
     def _envelope(self, base_id: str, obj: str, **fields: Any) -> dict[str, Any]:
@@ -109,16 +133,26 @@ class OpenAIHandlers:
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise APIError(400, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+            raise APIError(
+                400,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
 
-    def _choices(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                 cache_salt: str | None = None, prefill_peer: str | None = None) -> list[Choice]:
+    def _choices(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        cache_salt: str | None = None,
+        prefill_peer: str | None = None,
+    ) -> list[Choice]:
         choices = []
         for pi, ids in enumerate(prompts):
             for j in range(n):
                 p = params
-                if n > 1 and params.seed is not None:   # distinct but reproducible samples per choice
+                if n > 1 and params.seed is not None:  # distinct but reproducible samples per choice
                     p = SamplingParams(**{**params.__dict__, "seed": params.seed + j})
                 choices.append(Choice(pi * n + j, ids, p, cache_salt=cache_salt, prefill_peer=prefill_peer))
         for c in choices:
@@ -128,10 +162,14 @@ class OpenAIHandlers:
                 raise APIError(400, str(e), e.param, "invalid_value") from e
         return choices
 
-    async def _events(self, base_id: str, choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    async def _events(
+        self, base_id: str, choices: list[Choice]
+    ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Run every choice's request; yield outputs as they come. Closing this aborts them all."""
         if not self.engine.accepting:
-            raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"})
+            raise APIError(
+                503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"}
+            )
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(c: Choice) -> None:
@@ -139,13 +177,14 @@ class OpenAIHandlers:
             self.timer.start(rid, time.monotonic())
             try:
                 extra = {"images": c.images} if c.images else {}
-                async for out in self.engine.generate(rid, c.prompt_ids, c.params, c.cache_salt, c.prefill_peer,
-                                                      **extra):
+                async for out in self.engine.generate(
+                    rid, c.prompt_ids, c.params, c.cache_salt, c.prefill_peer, **extra
+                ):
                     await queue.put((c, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 await queue.put((c, e))
             finally:
-                self.timer.forget(rid)      # a request that failed or was cancelled leaves nothing behind
+                self.timer.forget(rid)  # a request that failed or was cancelled leaves nothing behind
 
         tasks = [asyncio.create_task(pump(c)) for c in choices]
         try:
@@ -174,6 +213,7 @@ class OpenAIHandlers:
 
     async def _collect(self, http: Request, base_id: str, choices: list[Choice]) -> None:
         """Run to completion; a client that goes away aborts its requests."""
+
         async def run() -> None:
             async for _ in self._events(base_id, choices):
                 pass
@@ -188,8 +228,9 @@ class OpenAIHandlers:
                 raise APIError(499, "client disconnected")
         task.result()
 
-    async def _stream(self, base_id: str, choices: list[Choice], make_chunk, include_usage: bool,
-                      object_name: str) -> StreamingResponse:
+    async def _stream(
+        self, base_id: str, choices: list[Choice], make_chunk, include_usage: bool, object_name: str
+    ) -> StreamingResponse:
         # The first output comes before the response starts: a request refused before any token
         # (shutting down, no decode worker can take it, the queue is full) gets its status and
         # Retry-After, which a client can act on, not a 200 whose stream carries the error.
@@ -224,11 +265,14 @@ class OpenAIHandlers:
             except APIError as e:
                 yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
             finally:
-                await events.aclose()      # a client gone mid-stream aborts its requests
+                await events.aclose()  # a client gone mid-stream aborts its requests
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     # ------------------------------------------------------------------ /v1/completions
 
@@ -250,18 +294,46 @@ class OpenAIHandlers:
             if not out.new_text and not out.finished:
                 return None
             lp = _completion_logprobs(out.new_logprobs, tok) if c.params.logprobs is not None else None
-            return self._envelope(base_id, "text_completion", choices=[{
-                "index": c.index, "text": out.new_text, "logprobs": lp,
-                "finish_reason": out.finish_reason if out.finished else None}])
+            return self._envelope(
+                base_id,
+                "text_completion",
+                choices=[
+                    {
+                        "index": c.index,
+                        "text": out.new_text,
+                        "logprobs": lp,
+                        "finish_reason": out.finish_reason if out.finished else None,
+                    }
+                ],
+            )
 
         if req.stream:
-            return await self._stream(base_id, choices, completion_chunk,
-                                bool(req.stream_options and req.stream_options.include_usage), "text_completion")
+            return await self._stream(
+                base_id,
+                choices,
+                completion_chunk,
+                bool(req.stream_options and req.stream_options.include_usage),
+                "text_completion",
+            )
         await self._collect(http, base_id, choices)
-        return JSONResponse(self._envelope(base_id, "text_completion", choices=[
-            {"index": c.index, "text": (tok.decode(c.prompt_ids) if req.echo else "") + c.text,
-             "logprobs": _completion_logprobs(c.logprobs, tok) if c.params.logprobs is not None else None,
-             "finish_reason": c.finish_reason} for c in choices], usage=_usage(choices)))
+        return JSONResponse(
+            self._envelope(
+                base_id,
+                "text_completion",
+                choices=[
+                    {
+                        "index": c.index,
+                        "text": (tok.decode(c.prompt_ids) if req.echo else "") + c.text,
+                        "logprobs": _completion_logprobs(c.logprobs, tok)
+                        if c.params.logprobs is not None
+                        else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for c in choices
+                ],
+                usage=_usage(choices),
+            )
+        )
 
     # ------------------------------------------------------------------ /v1/chat/completions
 
@@ -271,15 +343,17 @@ class OpenAIHandlers:
         images: list[ImageInput] = []
         if self.vision is None:
             messages = chat_messages(req.messages, self.model_name)
-        else:       # decoding images takes a while: off the event loop
-            inputs = await asyncio.to_thread(chat_inputs, req.messages, self.model_name, self.vision.placeholder,
-                                             self.vision_limits)
+        else:  # decoding images takes a while: off the event loop
+            inputs = await asyncio.to_thread(
+                chat_inputs, req.messages, self.model_name, self.vision.placeholder, self.vision_limits
+            )
             messages = inputs.messages
         try:
             prompt = await self.encoder.encode_chat(messages)
             if self.vision is not None and inputs.images:
-                prompt, images = expand_image_tokens(prompt, self.vision.image_token_id, self.vision.tokens_per_image,
-                                                     inputs.images)
+                prompt, images = expand_image_tokens(
+                    prompt, self.vision.image_token_id, self.vision.tokens_per_image, inputs.images
+                )
         except ValueError as e:
             raise APIError(400, str(e), "messages", "invalid_value") from e
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -299,21 +373,48 @@ class OpenAIHandlers:
         def chat_chunk(c: Choice, out: RequestOutput, first: bool) -> dict | None:
             if not out.new_text and not out.finished and not first:
                 return None
-            delta: dict[str, Any] = {"role": "assistant", "content": out.new_text} if first else \
-                {"content": out.new_text}
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": out.new_text} if first else {"content": out.new_text}
+            )
             lp = {"content": _chat_logprobs(out.new_logprobs, tok)} if req.logprobs else None
-            return self._envelope(base_id, "chat.completion.chunk", choices=[{
-                "index": c.index, "delta": delta, "logprobs": lp,
-                "finish_reason": out.finish_reason if out.finished else None}])
+            return self._envelope(
+                base_id,
+                "chat.completion.chunk",
+                choices=[
+                    {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": lp,
+                        "finish_reason": out.finish_reason if out.finished else None,
+                    }
+                ],
+            )
 
         if req.stream:
-            return await self._stream(base_id, choices, chat_chunk,
-                                bool(req.stream_options and req.stream_options.include_usage), "chat.completion.chunk")
+            return await self._stream(
+                base_id,
+                choices,
+                chat_chunk,
+                bool(req.stream_options and req.stream_options.include_usage),
+                "chat.completion.chunk",
+            )
         await self._collect(http, base_id, choices)
-        return JSONResponse(self._envelope(base_id, "chat.completion", choices=[
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": {"content": _chat_logprobs(c.logprobs, tok)} if req.logprobs else None,
-             "finish_reason": c.finish_reason} for c in choices], usage=_usage(choices)))
+        return JSONResponse(
+            self._envelope(
+                base_id,
+                "chat.completion",
+                choices=[
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": {"content": _chat_logprobs(c.logprobs, tok)} if req.logprobs else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for c in choices
+                ],
+                usage=_usage(choices),
+            )
+        )
 
 
 def _num_prompts(prompt: Any) -> int:
@@ -332,8 +433,9 @@ async def _prompt_lists(prompt: Any, encoder: InlineEncoder) -> list[list[int]]:
         return [await encoder.encode(p) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         return [list(p) for p in prompt]
-    raise APIError(400, "prompt must be a string, a list of strings or a list of token ids", "prompt",
-                   "invalid_value")
+    raise APIError(
+        400, "prompt must be a string, a list of strings or a list of token ids", "prompt", "invalid_value"
+    )
 
 
 def _usage(choices: list[Choice]) -> dict[str, int]:
@@ -343,10 +445,12 @@ def _usage(choices: list[Choice]) -> dict[str, int]:
 
 
 def _completion_logprobs(entries: list[TokenLogprob], tok: TokenizerWrapper) -> dict[str, Any]:
-    return {"tokens": [tok.token_text(e.token_id) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{tok.token_text(t): lp for t, lp in e.top} for e in entries],
-            "text_offset": []}
+    return {
+        "tokens": [tok.token_text(e.token_id) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{tok.token_text(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": [],
+    }
 
 
 def _chat_logprobs(entries: list[TokenLogprob], tok: TokenizerWrapper) -> list[dict[str, Any]]:
@@ -354,11 +458,18 @@ def _chat_logprobs(entries: list[TokenLogprob], tok: TokenizerWrapper) -> list[d
         text = tok.token_text(t)
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
-    return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+    return [
+        {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries
+    ]
 
 
-def install_openai_api(app: FastAPI, handlers: OpenAIHandlers, metrics: ServerMetrics,
-                       max_model_len: Callable[[], int], max_body_bytes: int) -> None:
+def install_openai_api(
+    app: FastAPI,
+    handlers: OpenAIHandlers,
+    metrics: ServerMetrics,
+    max_model_len: Callable[[], int],
+    max_body_bytes: int,
+) -> None:
     """The OpenAI routes with their error bodies, the body-size limit and /metrics: the same on a
     worker and on the router (middleware added after this wraps outside the size limit)."""
     install_error_handlers(app, on_error=lambda status: metrics.errors.labels(str(status)).inc())

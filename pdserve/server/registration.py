@@ -6,6 +6,7 @@ registered at each address, resolved again every period, so a router that starts
 the worker within one period and a router that goes away is dropped. https URLs are used as
 given (a certificate names the host, not its addresses).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,21 +50,34 @@ def router_targets(router_urls: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-async def register_with_routers(config: Config, model_name: str, role: Callable[[], str] | None = None,
-                                changed: asyncio.Event | None = None, digest: str | None = None) -> None:
+async def register_with_routers(
+    config: Config,
+    model_name: str,
+    role: Callable[[], str] | None = None,
+    changed: asyncio.Event | None = None,
+    digest: str | None = None,
+) -> None:
     """Register at every router, then send heartbeats; re-register wherever a router forgot us, and
     everywhere when `changed` is set (the worker switched role: `role()` says which it has now)."""
     import httpx
+
     s = config.server
-    reg = WorkerRegistration(worker_id=worker_name(config), role=config.worker.role, model=model_name,
-                             url=with_host(f"http://{s.host}:{s.port}", public_host(config)), pid=os.getpid(),
-                             capacity=config.scheduler.max_num_seqs, pdserve_version=__version__, config_digest=digest)
+    reg = WorkerRegistration(
+        worker_id=worker_name(config),
+        role=config.worker.role,
+        model=model_name,
+        url=with_host(f"http://{s.host}:{s.port}", public_host(config)),
+        pid=os.getpid(),
+        capacity=config.scheduler.max_num_seqs,
+        pdserve_version=__version__,
+        config_digest=digest,
+    )
     token = internal_token(s.internal_token)
     headers = {INTERNAL_TOKEN_HEADER: token} if token else {}
     registered: dict[str, bool] = {}
     refused: dict[str, bool] = {}
 
-    epoch = [0]     # bumped when the registration changes: a beat begun before must not mark it sent
+    epoch = [0]  # bumped when the registration changes: a beat begun before must not mark it sent
 
     async def beat(client: httpx.AsyncClient, base: str) -> None:
         began = epoch[0]
@@ -74,8 +88,13 @@ async def register_with_routers(config: Config, model_name: str, role: Callable[
                 r = await client.post(f"{base}/admin/workers/{reg.worker_id}/heartbeat")
             if r.status_code in (401, 403) and not refused.get(base):
                 # Not transient: the router wants the internal token (or this one); said once per refusal.
-                log.error("router %s refuses this worker's registration (%d: %s); give the worker the "
-                          "router's internal token (PDSERVE_INTERNAL_TOKEN)", base, r.status_code, r.text[:200])
+                log.error(
+                    "router %s refuses this worker's registration (%d: %s); give the worker the "
+                    "router's internal token (PDSERVE_INTERNAL_TOKEN)",
+                    base,
+                    r.status_code,
+                    r.text[:200],
+                )
             refused[base] = r.status_code in (401, 403)
             if began == epoch[0]:
                 registered[base] = r.status_code == 200

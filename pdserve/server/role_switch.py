@@ -13,6 +13,7 @@ nothing: a new connector that cannot be built gives the old role's back (still t
 `POST /internal/shed` gives up only some of its generating streams, at once: the controller evens
 out the decode pool after a worker joined it, and the streams continue on the new one.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,7 +48,7 @@ class RoleSwitch:
         self.switching = False
         self.leaving = False
         self.switches_total = 0
-        self.moved_total = 0            # requests given up to be continued elsewhere
+        self.moved_total = 0  # requests given up to be continued elsewhere
         self.changed = asyncio.Event()  # set after each switch: registration re-registers
 
     def refusal(self) -> str | None:
@@ -67,14 +68,26 @@ class RoleSwitch:
 
     async def switch(self, role: str, drain_timeout_s: float) -> dict:
         if role not in SWITCHABLE:
-            raise APIError(400, f"role {role!r} is not allowed; allowed: {', '.join(SWITCHABLE)}", "role",
-                           "invalid_value")
+            raise APIError(
+                400,
+                f"role {role!r} is not allowed; allowed: {', '.join(SWITCHABLE)}",
+                "role",
+                "invalid_value",
+            )
         if self.role not in SWITCHABLE:
             raise APIError(409, f"a {self.role} worker does not switch roles", "role", "not_switchable")
-        if role == "decode" and self.engine.engine.kv_shm_path is None and kv_pool_in_shm(self.config, "decode"):
-            raise APIError(409, "this worker's KV pool is not in shared memory, so prefill workers could not write "
-                           "into it: start it with transfer.backend tcp to let it switch to decode",
-                           "role", "not_switchable")
+        if (
+            role == "decode"
+            and self.engine.engine.kv_shm_path is None
+            and kv_pool_in_shm(self.config, "decode")
+        ):
+            raise APIError(
+                409,
+                "this worker's KV pool is not in shared memory, so prefill workers could not write "
+                "into it: start it with transfer.backend tcp to let it switch to decode",
+                "role",
+                "not_switchable",
+            )
         if self.switching:
             raise APIError(409, "a role switch is already under way", "role", "switching")
         if self.engine.dead is not None:
@@ -89,7 +102,9 @@ class RoleSwitch:
             while not await self._swap_on_engine(role):
                 # A peer's job came in over the KV plane meanwhile (HTTP work is refused): hand it back too.
                 if time.monotonic() > deadline:
-                    raise APIError(503, "the worker kept receiving work over its KV plane", code="drain_timeout")
+                    raise APIError(
+                        503, "the worker kept receiving work over its KV plane", code="drain_timeout"
+                    )
                 moved += await self._empty(0.0, f"worker switching to {role}")
                 await asyncio.sleep(_POLL_S)
             old, self.role = self.role, role
@@ -112,15 +127,18 @@ class RoleSwitch:
         # (or disagg.quarantine_timeout_s passes).
         grace = self.config.disagg.quarantine_timeout_s + 5.0
         if not await self._wait_idle(time.monotonic() + grace):
-            raise APIError(503, f"the worker did not go idle within {grace:.0f}s of giving its requests up",
-                           code="drain_timeout")
+            raise APIError(
+                503,
+                f"the worker did not go idle within {grace:.0f}s of giving its requests up",
+                code="drain_timeout",
+            )
         return moved
 
     async def _swap_on_engine(self, role: str) -> bool:
         try:
             return await asyncio.wrap_future(self.engine.call(lambda e: self._swap(e, role)))
         except SwapFailed as e:
-            if e.fatal:     # no connector at all: out of service for good, not a healthy-looking worker
+            if e.fatal:  # no connector at all: out of service for good, not a healthy-looking worker
                 self.engine.dead = e
             raise APIError(503, str(e), code="switch_failed") from e
 
@@ -146,7 +164,9 @@ class RoleSwitch:
             raise APIError(409, f"a {self.role} worker holds no streams to give up", "count", "not_streaming")
         if self.switching or self.leaving:
             raise APIError(409, "the worker is already giving up its requests", "count", "switching")
-        moved = await asyncio.wrap_future(self.engine.evacuate("the decode pool is evening out its streams", count))
+        moved = await asyncio.wrap_future(
+            self.engine.evacuate("the decode pool is evening out its streams", count)
+        )
         self.moved_total += moved
         log.info("gave up %d of its streams (asked for %d)", moved, count)
         return self.describe(moved=moved)
@@ -156,7 +176,7 @@ class RoleSwitch:
         if engine.has_unfinished():
             return False
         wake = engine.connector.wake
-        engine.connector.close()        # first: a fixed worker.kv_port is bound again by the new one
+        engine.connector.close()  # first: a fixed worker.kv_port is bound again by the new one
         try:
             build_connector(self.config, role, engine)
         except Exception as e:  # noqa: BLE001 - any failure: the old role's connector back
@@ -164,23 +184,36 @@ class RoleSwitch:
             try:
                 build_connector(self.config, self.role, engine)
             except Exception as again:  # noqa: BLE001
-                raise SwapFailed(f"the {role} KV connector could not be built ({e}), nor the {self.role} one "
-                                 f"again ({again})", fatal=True) from again
-            raise SwapFailed(f"the {role} KV connector could not be built ({e}); the worker is still "
-                             f"{self.role}", fatal=False) from e
+                raise SwapFailed(
+                    f"the {role} KV connector could not be built ({e}), nor the {self.role} one "
+                    f"again ({again})",
+                    fatal=True,
+                ) from again
+            raise SwapFailed(
+                f"the {role} KV connector could not be built ({e}); the worker is still {self.role}",
+                fatal=False,
+            ) from e
         finally:
             engine.connector.wake = wake
         return True
 
     def describe(self, moved: int) -> dict:
-        return {"role": self.role, "kv_endpoint": getattr(self.engine.engine.connector, "endpoint", None),
-                "moved": moved, "switches_total": self.switches_total}
+        return {
+            "role": self.role,
+            "kv_endpoint": getattr(self.engine.engine.connector, "endpoint", None),
+            "moved": moved,
+            "switches_total": self.switches_total,
+        }
 
 
 def install_role_route(app: FastAPI, switch: RoleSwitch) -> None:
     @app.post("/internal/role")
     async def set_role(change: RoleChange):
-        drain = change.drain_timeout_s if change.drain_timeout_s is not None else switch.config.server.shutdown_timeout_s
+        drain = (
+            change.drain_timeout_s
+            if change.drain_timeout_s is not None
+            else switch.config.server.shutdown_timeout_s
+        )
         return RoleChanged(**await switch.switch(change.role, drain)).model_dump()
 
     @app.post("/internal/shed")
@@ -189,7 +222,11 @@ def install_role_route(app: FastAPI, switch: RoleSwitch) -> None:
 
     @app.post("/internal/leave")
     async def leave(req: LeaveRequest):
-        drain = req.drain_timeout_s if req.drain_timeout_s is not None else switch.config.server.shutdown_timeout_s
+        drain = (
+            req.drain_timeout_s
+            if req.drain_timeout_s is not None
+            else switch.config.server.shutdown_timeout_s
+        )
         return RoleChanged(**await switch.leave(drain)).model_dump()
 
     @app.post("/internal/rejoin")

@@ -1,4 +1,5 @@
 """A worker's role: which engine it builds and which KV connector plugs into its loop."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -36,24 +37,33 @@ def kv_event_publisher(config: Config):
     if not cc.kv_events_endpoint:
         return None
     from pdserve.cache.kv_events import KVEventPublisher
+
     snapshot = cc.kv_events_snapshot_endpoint
     if snapshot is None:
         ep = cc.kv_events_endpoint
         snapshot = ep.rsplit(":", 1)[0] + ":*" if ep.startswith("tcp://") else ep + "-snapshot"
     worker_id = worker_name(config)
-    pub = KVEventPublisher(cc.kv_events_endpoint, worker_id, snapshot, advertise_host=public_host(config),
-                           token=internal_token(config.server.internal_token))
+    pub = KVEventPublisher(
+        cc.kv_events_endpoint,
+        worker_id,
+        snapshot,
+        advertise_host=public_host(config),
+        token=internal_token(config.server.internal_token),
+    )
     log.info("KV events on %s, snapshots on %s", pub.endpoint, pub.snapshot_endpoint)
     if not internal_token(config.server.internal_token) and not _loopback_endpoint(cc.kv_events_endpoint):
-        log.warning("KV events on %s without an internal token: anyone who reaches it reads this worker's block "
-                    "hashes and can probe its cache; set PDSERVE_INTERNAL_TOKEN or bind 127.0.0.1", cc.kv_events_endpoint)
+        log.warning(
+            "KV events on %s without an internal token: anyone who reaches it reads this worker's block "
+            "hashes and can probe its cache; set PDSERVE_INTERNAL_TOKEN or bind 127.0.0.1",
+            cc.kv_events_endpoint,
+        )
     return pub
 
 
 def _loopback_endpoint(endpoint: str) -> bool:
     if not endpoint.startswith("tcp://"):
-        return True             # ipc:// and inproc:// stay on this machine
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        return True  # ipc:// and inproc:// stay on this machine
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -72,17 +82,31 @@ def kv_pool_in_shm(config: Config, role: str) -> bool:
 def build_connector(config: Config, role: str, engine: LLMEngine) -> None:
     """Plug `role`'s KV connector into `engine` (a mixed worker keeps the base one, which does nothing)."""
     from pdserve.engine.kv_connector import KVConnector
+
     if role == "decode":
         from pdserve.disagg.receiver import DecodeConnector
         from pdserve.disagg.split import attention_weight
-        engine.connector = DecodeConnector(config, engine.kv_cache, engine.kv_shm_path, kv_bind_endpoint(config),
-                                           public_host(config), internal_token(config.server.internal_token),
-                                           engine.max_model_len,
-                                           attention_weight(engine.arch, config.disagg.parallel_prefill_attention_weight))
+
+        engine.connector = DecodeConnector(
+            config,
+            engine.kv_cache,
+            engine.kv_shm_path,
+            kv_bind_endpoint(config),
+            public_host(config),
+            internal_token(config.server.internal_token),
+            engine.max_model_len,
+            attention_weight(engine.arch, config.disagg.parallel_prefill_attention_weight),
+        )
     elif role == "prefill":
         from pdserve.disagg.sender import PrefillConnector
-        engine.connector = PrefillConnector(config, engine.kv_cache, kv_bind_endpoint(config), public_host(config),
-                                            internal_token(config.server.internal_token))
+
+        engine.connector = PrefillConnector(
+            config,
+            engine.kv_cache,
+            kv_bind_endpoint(config),
+            public_host(config),
+            internal_token(config.server.internal_token),
+        )
     else:
         engine.connector = KVConnector()
     endpoint = getattr(engine.connector, "endpoint", None)

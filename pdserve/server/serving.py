@@ -1,5 +1,6 @@
 """Bind the serving socket and run uvicorn: shared by the workers and the router, so torch-free
 (the router must not import the engine; tests/test_import_contracts.py)."""
+
 from __future__ import annotations
 
 from pdserve.config import Config
@@ -11,6 +12,7 @@ def bind_socket(host: str, port: int):
     (asyncio's create_server calls listen) means a client that connects during start-up is
     refused at once instead of having its TCP (or TLS) handshake hang until the app is ready."""
     import socket
+
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -37,6 +39,14 @@ def run_uvicorn(app, config: Config, tls: bool = False, sock=None) -> None:
     if tls and bool(rc.tls_cert) != bool(rc.tls_key):
         raise ValueError("router.tls_cert and router.tls_key go together")
     ssl = {"ssl_certfile": rc.tls_cert, "ssl_keyfile": rc.tls_key} if tls and rc.tls_cert else {}
-    server = GracefulServer(uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
-                                           timeout_graceful_shutdown=int(config.server.shutdown_timeout_s), **ssl))
+    server = GracefulServer(
+        uvicorn.Config(
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            log_level="info",
+            timeout_graceful_shutdown=int(config.server.shutdown_timeout_s),
+            **ssl,
+        )
+    )
     server.run(sockets=[sock] if sock is not None else None)

@@ -1,13 +1,25 @@
 """What this CPU is and which vector instructions it has: benchmarks print it beside every figure,
 and builds (llama.cpp's) are chosen per feature set, never per machine name."""
+
 from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
 
 # The flags that change which kernels run (x86); listed in this order in a feature key.
-KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-                "amx_tile", "amx_bf16", "amx_int8")
+KERNEL_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 
 
 @lru_cache(maxsize=1)

@@ -5,6 +5,7 @@ to its router or its peers. It advertises `server.advertise_host` instead (flag
 `--advertise-host`, or the environment variable PDSERVE_ADVERTISE_HOST, which a Kubernetes pod
 fills from `status.podIP`); without one, a wildcard bind advertises this machine's address.
 """
+
 from __future__ import annotations
 
 import os

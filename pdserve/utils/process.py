@@ -1,5 +1,6 @@
 """Process helpers shared by the launcher, the router's encoder pool and the benchmarks (here, not
 in launch.py, so the router's modules do not import the launcher: no cycle)."""
+
 from __future__ import annotations
 
 import signal
@@ -10,6 +11,7 @@ def die_with_parent() -> None:
     worker outlives its deployment."""
     try:
         import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass

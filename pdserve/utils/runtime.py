@@ -1,4 +1,5 @@
 """Process-level tuning for CPU inference."""
+
 from __future__ import annotations
 
 import ctypes
@@ -23,7 +24,7 @@ def tune_malloc() -> None:
     if _tuned:
         return
     _tuned = True
-    _libc_call("mallopt", _M_MMAP_THRESHOLD, 32 * 1024 * 1024)   # glibc's maximum
+    _libc_call("mallopt", _M_MMAP_THRESHOLD, 32 * 1024 * 1024)  # glibc's maximum
     _libc_call("mallopt", _M_TRIM_THRESHOLD, 1 << 30)
 
 

@@ -1,4 +1,5 @@
 """Mapping another process's shared-memory file (a KV pool) into this one, safely."""
+
 from __future__ import annotations
 
 import mmap
@@ -12,7 +13,7 @@ import numpy as np
 def attach_shared_kv(path: str | Path, shape: tuple[int, ...], elem_size: int) -> np.ndarray:
     """Map another process's pool as raw bytes [layers, 2, slots, kv_heads, head_dim * elem_size]."""
     size = int(np.prod(shape)) * elem_size
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)      # a symlink planted at a pool's name is refused
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # a symlink planted at a pool's name is refused
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError(f"{path} is not a regular file")

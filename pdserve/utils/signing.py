@@ -1,5 +1,6 @@
 """HMAC of a msgpack map with the internal token: every process-to-process message of the KV plane
 and the encoder wire is signed this way (no token configured: nothing is signed or checked)."""
+
 from __future__ import annotations
 
 import hmac

@@ -1,4 +1,5 @@
 """benchmarks/compare.py and its llama.cpp helper, on things small enough for a test."""
+
 import io
 import json
 import subprocess
@@ -54,8 +55,13 @@ def test_isa_flags_follow_the_cpu_and_builds_are_cached_per_feature_set(tmp_path
     avx2 = llamacpp.isa_flags(frozenset({"avx", "avx2", "fma", "f16c", "bmi2"}))
     assert "-DGGML_AVX2=ON" in avx2 and "-DGGML_AVX512=OFF" in avx2 and "-DGGML_AVX512_VNNI=OFF" in avx2
     avx512 = llamacpp.isa_flags(frozenset({"avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni"}))
-    assert "-DGGML_AVX512=ON" in avx512 and "-DGGML_AVX512_VNNI=ON" in avx512 and "-DGGML_AVX512_BF16=OFF" in avx512
+    assert (
+        "-DGGML_AVX512=ON" in avx512
+        and "-DGGML_AVX512_VNNI=ON" in avx512
+        and "-DGGML_AVX512_BF16=OFF" in avx512
+    )
     from pdserve.utils.cpu import feature_key
+
     assert llamacpp.build_dir(tmp_path) == tmp_path / f"build-{feature_key()}"
 
 
@@ -64,10 +70,31 @@ def test_compare_runs_pdserve_and_skips_unbuilt_llama_server(tmp_path):
     out = tmp_path / "out"
     env = {**__import__("os").environ, "PDSERVE_CACHE": str(tmp_path / "empty-cache")}
     r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "compare.py"),
-         "--systems", "pdserve-mixed,llama-server", "--model", "tiny-llama", "-n", "4", "-c", "2",
-         "--input-len", "16", "--output-len", "8", "--threads", "1", "--out-dir", str(out)],
-        capture_output=True, text=True, timeout=300, env=env)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "compare.py"),
+            "--systems",
+            "pdserve-mixed,llama-server",
+            "--model",
+            "tiny-llama",
+            "-n",
+            "4",
+            "-c",
+            "2",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--threads",
+            "1",
+            "--out-dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads((out / "compare.json").read_text())["results"]
     assert "not built" in res["llama-server"]["skipped"]

@@ -5,6 +5,7 @@ The server runs a tiny random-weight model so a run takes seconds. Checks: the J
 the official openai client, and /metrics counters when the server exports them), and a server
 killed mid-run becomes counted errors, not an exception.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -84,17 +85,36 @@ def scrape_counter(text: str, pattern: str) -> float | None:
 
 def token_counters(url: str) -> tuple[float | None, float | None]:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return (scrape_counter(text, r"prompt_tokens"),
-            scrape_counter(text, r"(generation|completion|output)_tokens"))
+    return (
+        scrape_counter(text, r"prompt_tokens"),
+        scrape_counter(text, r"(generation|completion|output)_tokens"),
+    )
 
 
 def test_bench_json_consistent_with_server(server, tmp_path):
     before = token_counters(server.url)
     out = tmp_path / "r.json"
     n = 12
-    rc = bench_main(["--base-url", server.url, "--workload", "chat", "-n", str(n), "-c", "4",
-                     "--max-tokens", "12", "--seed", "1", "--output-json", str(out),
-                     "--save-requests", "--no-progress"])
+    rc = bench_main(
+        [
+            "--base-url",
+            server.url,
+            "--workload",
+            "chat",
+            "-n",
+            str(n),
+            "-c",
+            "4",
+            "--max-tokens",
+            "12",
+            "--seed",
+            "1",
+            "--output-json",
+            str(out),
+            "--save-requests",
+            "--no-progress",
+        ]
+    )
     r = json.loads(out.read_text())
     assert rc == 0, r["errors"]
     assert r["completed"] + r["failed"] == n
@@ -131,8 +151,11 @@ def test_streamed_text_and_usage_match_openai_client(server):
     for s, rec in zip(sessions, records):
         assert rec.ok, rec.error_detail
         resp = oc.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": s.turns[0].text}],
-            max_tokens=10, temperature=0.0)
+            model=model,
+            messages=[{"role": "user", "content": s.turns[0].text}],
+            max_tokens=10,
+            temperature=0.0,
+        )
         assert resp.usage.completion_tokens == rec.completion_tokens
         assert resp.usage.prompt_tokens == rec.prompt_tokens
         assert resp.choices[0].message.content == rec.text
@@ -140,8 +163,7 @@ def test_streamed_text_and_usage_match_openai_client(server):
 
 def test_completions_api_and_multiturn(server):
     cfg = ClientConfig(base_url=server.url, api="completions")
-    recs, _ = asyncio.run(run_load(cfg, make_workload("fixed", 4, input_len=20, max_tokens=6),
-                                   concurrency=2))
+    recs, _ = asyncio.run(run_load(cfg, make_workload("fixed", 4, input_len=20, max_tokens=6), concurrency=2))
     assert all(r.ok for r in recs), [r.error_detail for r in recs]
     assert all(1 <= r.completion_tokens <= 6 for r in recs)
     # Conversations: later turns carry the history, so their prompts are longer.
@@ -157,9 +179,27 @@ def test_completions_api_and_multiturn(server):
 
 def test_sweep_writes_json_and_plot(server, tmp_path):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
-    rc = bench_main(["--base-url", server.url, "--workload", "fixed", "--input-len", "16",
-                     "-n", "4", "--max-tokens", "8", "--sweep-concurrency", "1,4",
-                     "--output-json", str(out), "--plot", str(png), "--no-progress"])
+    rc = bench_main(
+        [
+            "--base-url",
+            server.url,
+            "--workload",
+            "fixed",
+            "--input-len",
+            "16",
+            "-n",
+            "4",
+            "--max-tokens",
+            "8",
+            "--sweep-concurrency",
+            "1,4",
+            "--output-json",
+            str(out),
+            "--plot",
+            str(png),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     r = json.loads(out.read_text())
     assert [p["concurrency"] for p in r["sweep"]] == [1, 4]
@@ -181,8 +221,11 @@ def test_server_killed_mid_run_counts_errors(tmp_path):
                 srv.kill()
 
         sessions = make_workload("chat", n, seed=9, max_tokens=24)
-        recs, dur = asyncio.run(run_load(ClientConfig(base_url=srv.url, request_timeout_s=60),
-                                         sessions, concurrency=4, on_done=on_done))
+        recs, dur = asyncio.run(
+            run_load(
+                ClientConfig(base_url=srv.url, request_timeout_s=60), sessions, concurrency=4, on_done=on_done
+            )
+        )
         s = summarize(recs, dur)
         assert s["completed"] + s["failed"] == n == len(done)
         assert s["completed"] >= 3 and s["failed"] >= n - 3 - 4
@@ -197,15 +240,31 @@ def test_poisson_rate_and_rejected_requests_counted(server, tmp_path):
     """Open-loop arrivals from a JSONL workload in which one prompt exceeds the tiny model's
     2048-token context: the server refuses it with a 4xx, counted under its status."""
     wl = tmp_path / "w.jsonl"
-    wl.write_text(json.dumps({"prompt": "hello " * 3000, "max_tokens": 4, "tag": "huge"}) + "\n"
-                  + json.dumps({"prompt": "Say something.", "max_tokens": 4, "tag": "small"})
-                  + "\n")
+    wl.write_text(
+        json.dumps({"prompt": "hello " * 3000, "max_tokens": 4, "tag": "huge"})
+        + "\n"
+        + json.dumps({"prompt": "Say something.", "max_tokens": 4, "tag": "small"})
+        + "\n"
+    )
     out = tmp_path / "r.json"
-    bench_main(["--base-url", server.url, "--workload", str(wl), "-n", "6", "-r", "20",
-                "--output-json", str(out), "--no-progress"])
+    bench_main(
+        [
+            "--base-url",
+            server.url,
+            "--workload",
+            str(wl),
+            "-n",
+            "6",
+            "-r",
+            "20",
+            "--output-json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     r = json.loads(out.read_text())
     assert r["completed"] == 3 and r["failed"] == 3
     assert len(r["errors"]) == 1
-    (kind, count), = r["errors"].items()
+    ((kind, count),) = r["errors"].items()
     assert kind.startswith("http_4") and count == 3
     assert r["by_tag"]["huge"]["failed"] == 3 and r["by_tag"]["small"]["completed"] == 3

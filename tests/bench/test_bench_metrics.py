@@ -1,19 +1,28 @@
 """Metrics from synthetic timestamps, checked against values worked out by hand."""
+
 import pytest
 
 from pdserve.bench.metrics import RequestRecord, dist, meets_slo, percentile, summarize
 
 
 def rec(id, start, chunks, end, prompt=None, completion=None, error=None, tag="all"):
-    return RequestRecord(id=id, tag=tag, start=start, end=end, chunk_times=list(chunks),
-                         prompt_tokens=prompt, completion_tokens=completion, error=error)
+    return RequestRecord(
+        id=id,
+        tag=tag,
+        start=start,
+        end=end,
+        chunk_times=list(chunks),
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        error=error,
+    )
 
 
 def test_percentile_interpolates_between_ranks():
     v = [10.0, 20.0, 30.0, 40.0]
     # rank = q/100 * 3
     assert percentile(v, 0) == 10.0
-    assert percentile(v, 50) == 25.0          # rank 1.5: 20 + 0.5*10
+    assert percentile(v, 50) == 25.0  # rank 1.5: 20 + 0.5*10
     assert percentile(v, 90) == pytest.approx(37.0)  # rank 2.7: 30 + 0.7*10
     assert percentile(v, 99) == pytest.approx(39.7)  # rank 2.97
     assert percentile(v, 100) == 40.0
@@ -90,10 +99,10 @@ def test_summarize_hand_computed():
 
 def test_goodput_counts_requests_meeting_every_slo():
     records = [
-        rec("fast", 0.0, [0.1, 0.2, 0.3], 0.3, prompt=1, completion=3),   # ttft 100, tpot 100
-        rec("slowstart", 0.0, [0.9, 1.0], 1.0, prompt=1, completion=2),   # ttft 900, tpot 100
+        rec("fast", 0.0, [0.1, 0.2, 0.3], 0.3, prompt=1, completion=3),  # ttft 100, tpot 100
+        rec("slowstart", 0.0, [0.9, 1.0], 1.0, prompt=1, completion=2),  # ttft 900, tpot 100
         rec("slowdecode", 0.0, [0.1, 0.6], 0.6, prompt=1, completion=2),  # ttft 100, tpot 500
-        rec("onetoken", 0.0, [0.2], 0.2, prompt=1, completion=1),         # no tpot to miss
+        rec("onetoken", 0.0, [0.2], 0.2, prompt=1, completion=1),  # no tpot to miss
         rec("failed", 0.0, [], 0.1, error="http_503"),
     ]
     s = summarize(records, 2.0, slo_ttft_ms=200, slo_tpot_ms=200)

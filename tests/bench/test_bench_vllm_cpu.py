@@ -1,5 +1,6 @@
 """bench/vllm_cpu.py's pure parts (command line, environment, KV sizing, skip reasons) and compare.py
 skipping vllm with its reason; nothing here installs vLLM."""
+
 import importlib.util
 import json
 import sys
@@ -12,8 +13,13 @@ from pdserve.bench import vllm_cpu
 ROOT = Path(__file__).resolve().parents[2]
 
 # SmolLM2-135M's shapes, as the converted directory's config.json has them.
-SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-           "hidden_size": 576}
+SMOLLM2 = {
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_size": 576,
+}
 
 
 def test_unavailable_reason_names_the_cpu_or_python_that_cannot_run_it():
@@ -31,8 +37,15 @@ def test_server_cmd_runs_the_cli_through_the_shim_in_float32(tmp_path):
     assert cmd[:3] == [str(py), "-c", vllm_cpu.SHIM]
     assert cmd[3:5] == ["serve", str(tmp_path / "model")]
     opts = dict(zip(cmd[5::2], cmd[6::2]))
-    assert opts == {"--host": "127.0.0.1", "--port": "8123", "--served-model-name": vllm_cpu.SERVED_NAME,
-                    "--dtype": "float32", "--max-num-seqs": "32", "--max-model-len": "320", "--seed": "0"}
+    assert opts == {
+        "--host": "127.0.0.1",
+        "--port": "8123",
+        "--served-model-name": vllm_cpu.SERVED_NAME,
+        "--dtype": "float32",
+        "--max-num-seqs": "32",
+        "--max-model-len": "320",
+        "--seed": "0",
+    }
     compile(vllm_cpu.SHIM, "<shim>", "exec")  # the shim is one valid Python program
 
 
@@ -92,10 +105,16 @@ def test_compare_skips_vllm_with_its_reason_without_installing(tmp_path, monkeyp
     gguf.write_bytes(b"GGUF")
     compare = load_compare()
     out = tmp_path / "out"
-    assert compare.main(["--systems", "vllm", "--gguf", str(gguf), "-n", "2", "-c", "2", "--out-dir", str(out)]) == 0
+    assert (
+        compare.main(["--systems", "vllm", "--gguf", str(gguf), "-n", "2", "-c", "2", "--out-dir", str(out)])
+        == 0
+    )
     res = json.loads((out / "compare.json").read_text())["results"]
     assert list(res) == ["vllm"]  # f32 only
-    assert res["vllm"]["skipped"] == "vllm-cpu unavailable: vllm-cpu's x86 kernels need AVX2, which this CPU lacks"
+    assert (
+        res["vllm"]["skipped"]
+        == "vllm-cpu unavailable: vllm-cpu's x86 kernels need AVX2, which this CPU lacks"
+    )
     assert "| vllm | 2 | - | - | skipped: vllm-cpu unavailable" in (out / "compare.md").read_text()
     assert not (tmp_path / "cache").exists()
     sys.modules.pop("compare_under_test", None)
@@ -108,6 +127,23 @@ def test_compare_runs_vllm_at_float32_only(tmp_path, monkeypatch):
     gguf = tmp_path / "w.gguf"
     gguf.write_bytes(b"GGUF")
     out = tmp_path / "out"
-    assert load_compare().main(["--systems", "vllm", "--precision", "f32,int8,int4", "--gguf", str(gguf),
-                                "-n", "2", "-c", "2", "--out-dir", str(out)]) == 0
+    assert (
+        load_compare().main(
+            [
+                "--systems",
+                "vllm",
+                "--precision",
+                "f32,int8,int4",
+                "--gguf",
+                str(gguf),
+                "-n",
+                "2",
+                "-c",
+                "2",
+                "--out-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert list(json.loads((out / "compare.json").read_text())["results"]) == ["vllm"]

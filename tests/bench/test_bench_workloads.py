@@ -1,11 +1,12 @@
 """Workload generators: deterministic from seeds, exact request counts, documented bounds."""
+
 import dataclasses
 import json
 
 import pytest
 
 from pdserve.bench.client import poisson_arrivals
-from pdserve.bench.workloads import (SYNTHETIC, WORDS, count_requests, make_workload, words)
+from pdserve.bench.workloads import SYNTHETIC, WORDS, count_requests, make_workload, words
 
 
 def as_data(sessions):
@@ -89,6 +90,7 @@ def test_longdoc_is_long():
 
 def test_words_are_vocabulary_words():
     import random
+
     text = words(random.Random(0), 200)
     vocab = set(WORDS)
     assert all(w.rstrip(".").lower() in vocab for w in text.split())
@@ -100,8 +102,7 @@ def test_jsonl_kinds_and_cycling(tmp_path):
     f = tmp_path / "w.jsonl"
     lines = [
         {"prompt": "hello there", "max_tokens": 5, "tag": "p"},
-        {"messages": [{"role": "system", "content": "be brief"},
-                      {"role": "user", "content": "hi"}]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]},
         {"turns": ["one", "two", "three"], "system": "sys"},
     ]
     f.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")

@@ -1,5 +1,6 @@
 """Fixtures of the cache tests: a real redis-server (tests/redis_server.py), and tier stores that
 are closed after each test."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,6 +23,7 @@ def stores(request):
     def make(**kw) -> TieredKVStore:
         made.append(TieredKVStore(request.module.BS, **kw))
         return made[-1]
+
     yield make
     for s in made:
         s.close()

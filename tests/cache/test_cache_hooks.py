@@ -1,4 +1,5 @@
 """PrefixCache hooks: the event listener and on_evict, which runs before an evicted id is reused."""
+
 from __future__ import annotations
 
 import threading
@@ -27,12 +28,12 @@ def test_listener_sees_stores_then_removals_leaf_first():
     pool = BlockPool(4, cache)
     a, a_blocks = _insert_chain(cache, pool, list(range(8)))
     b, b_blocks = _insert_chain(cache, pool, [9] * 4)
-    assert not cache.insert(a[0], None, 3)            # refused inserts say nothing
+    assert not cache.insert(a[0], None, 3)  # refused inserts say nothing
     assert seen == [("stored", a[0], None), ("stored", a[1], a[0]), ("stored", b[0], None)]
     seen.clear()
     pool.free(a_blocks)
     pool.free(b_blocks)
-    pool.allocate(4)              # 1 free, then the LRU leaf a1; its parent a0 is now oldest, then b0
+    pool.allocate(4)  # 1 free, then the LRU leaf a1; its parent a0 is now oldest, then b0
     assert seen == [("removed", a[1], a[0]), ("removed", a[0], None), ("removed", b[0], None)]
     pool.check_integrity()
 
@@ -47,6 +48,7 @@ def test_on_evict_runs_before_the_block_is_handed_out():
         assert cache.is_cached(block_id) and pool.refcount(block_id) == 0
         assert block_id not in pool._free
         calls.append((block_id, h))
+
     cache.on_evict = on_evict
     a, blocks = _insert_chain(cache, pool, list(range(8)))
     pool.free(blocks)
@@ -64,6 +66,7 @@ def test_a_failing_on_evict_leaves_the_cache_consistent():
 
     def boom(block_id: int, h: bytes) -> None:
         raise RuntimeError("offload failed")
+
     cache.on_evict = boom
     with pytest.raises(RuntimeError):
         pool.allocate(1)
@@ -79,13 +82,13 @@ def test_evicted_kv_survives_reuse_through_the_host_tier():
     kv = torch.randn(layers, 2, num_blocks * BS, heads, dim, generator=torch.Generator().manual_seed(0))
     store = TieredKVStore(BS, host_bytes=1 << 20)
     try:
-        cache = PrefixCache(BS, on_evict=lambda b, h: store.offload(h, kv[:, :, b * BS:(b + 1) * BS]))
+        cache = PrefixCache(BS, on_evict=lambda b, h: store.offload(h, kv[:, :, b * BS : (b + 1) * BS]))
         pool = BlockPool(num_blocks, cache)
         hashes, blocks = _insert_chain(cache, pool, list(range(3 * BS)))
         original = kv.clone()
         pool.free(blocks)
-        reused = pool.allocate(num_blocks)          # evicts all three, leaves first
-        kv.fill_(-1.0)                              # a new request writes its own KV there
+        reused = pool.allocate(num_blocks)  # evicts all three, leaves first
+        kv.fill_(-1.0)  # a new request writes its own KV there
         assert cache.match(hashes) == []
         assert store.lookup(hashes) == 3
         pool.free(reused)
@@ -95,7 +98,9 @@ def test_evicted_kv_survives_reuse_through_the_host_tier():
         store.load_async(hashes, dst, kv, lambda n: (got.append(n), done.set()))
         assert done.wait(10) and got == [3]
         for src_b, dst_b in zip(blocks, dst):
-            assert torch.equal(kv[:, :, dst_b * BS:(dst_b + 1) * BS], original[:, :, src_b * BS:(src_b + 1) * BS])
+            assert torch.equal(
+                kv[:, :, dst_b * BS : (dst_b + 1) * BS], original[:, :, src_b * BS : (src_b + 1) * BS]
+            )
         pool.free(dst)
         pool.check_integrity()
     finally:

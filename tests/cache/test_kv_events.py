@@ -1,4 +1,5 @@
 """KV events over real ZMQ sockets: publisher -> subscriber -> index, snapshots, gaps, matching."""
+
 from __future__ import annotations
 
 import time
@@ -72,7 +73,7 @@ def test_incremental_index_equals_snapshot_rebuild(pubsub):
     pub.on_tier("stored", a[:2], "host")
     pub.on_tier("stored", [a[0]], "disk")
     pool.free(blocks)
-    pool.allocate(4)                       # 3 free blocks, then the LRU leaf a[2] is evicted
+    pool.allocate(4)  # 3 free blocks, then the LRU leaf a[2] is evicted
     pub.on_tier("removed", [a[1]], "host")
     _pump(sub, incremental, lambda: incremental.last_seq.get("worker-1") == pub.seq, "the events")
     assert not incremental.needs_snapshot
@@ -93,7 +94,7 @@ def test_a_chain_of_inserts_is_one_event_in_order(pubsub):
     pub.stored(hs[1:2], hs[0])
     pub.stored(hs[2:3], hs[1])
     pub.removed(hs[2:3])
-    pub.stored(hs[3:4], hs[1])             # parent is not the last one sent: a new event
+    pub.stored(hs[3:4], hs[1])  # parent is not the last one sent: a new event
     got: list[KVEvent] = []
     deadline = time.monotonic() + WAIT
     while sum(len(e.block_hashes) for e in got) < 5:
@@ -101,8 +102,13 @@ def test_a_chain_of_inserts_is_one_event_in_order(pubsub):
         got += sub.poll(0.05)
     # Coalescing depends on how fast the socket thread drains; the sequence of effects does not.
     flat = [(e.type, h) for e in got for h in e.block_hashes]
-    assert flat == [("stored", hs[0].hex()), ("stored", hs[1].hex()), ("stored", hs[2].hex()),
-                    ("removed", hs[2].hex()), ("stored", hs[3].hex())]
+    assert flat == [
+        ("stored", hs[0].hex()),
+        ("stored", hs[1].hex()),
+        ("stored", hs[2].hex()),
+        ("removed", hs[2].hex()),
+        ("stored", hs[3].hex()),
+    ]
     assert [e.seq for e in got] == list(range(got[0].seq, got[0].seq + len(got)))
     assert got[0].parent_hash is None and got[-1].parent_hash == hs[1].hex()
 
@@ -116,7 +122,7 @@ def test_subscriber_update_resyncs_after_lost_events(endpoints):
         pub.stored(["aa", "bb"], None, "device")
         pub.removed(["aa"], "device")
         assert pub.stats()["kv_events_dropped_total"] == 2
-        sub.update(index)                          # no state yet: takes a snapshot
+        sub.update(index)  # no state yet: takes a snapshot
         assert index.worker_blocks("w") == {"bb": {"device"}} and index.last_seq["w"] == pub.seq
     finally:
         sub.close()
@@ -126,12 +132,12 @@ def test_subscriber_update_resyncs_after_lost_events(endpoints):
 def test_index_ignores_stale_events_and_flags_gaps():
     index = KVIndex()
     index.apply_snapshot(KVSnapshot(worker_id="w", seq=10, blocks={"aa": ["device"]}))
-    assert not index.apply(_ev("w", 9, "removed", ["aa"]))     # already in the snapshot
+    assert not index.apply(_ev("w", 9, "removed", ["aa"]))  # already in the snapshot
     assert index.apply(_ev("w", 11, "stored", ["bb"], "disk"))
     assert not index.needs_snapshot
     assert index.apply(_ev("w", 14, "stored", ["cc"]))
     assert index.needs_snapshot == {"w"}
-    assert index.apply(_ev("x", 5, "stored", ["aa"]))          # never snapshotted
+    assert index.apply(_ev("x", 5, "stored", ["aa"]))  # never snapshotted
     assert index.needs_snapshot == {"w", "x"}
     index.remove_worker("x")
     assert index.worker_blocks("x") == {} and index.needs_snapshot == {"w"}
@@ -140,8 +146,9 @@ def test_index_ignores_stale_events_and_flags_gaps():
 
 def test_match_counts_leading_blocks_per_worker_and_the_bounding_tier():
     index = KVIndex()
-    index.apply_snapshot(KVSnapshot(worker_id="a", seq=1, blocks={
-        "h0": ["device"], "h1": ["device", "disk"], "h2": ["host"]}))
+    index.apply_snapshot(
+        KVSnapshot(worker_id="a", seq=1, blocks={"h0": ["device"], "h1": ["device", "disk"], "h2": ["host"]})
+    )
     index.apply_snapshot(KVSnapshot(worker_id="b", seq=1, blocks={"h0": ["disk"], "h1": ["device"]}))
     index.apply_snapshot(KVSnapshot(worker_id="c", seq=1, blocks={"h1": ["device"], "h2": ["device"]}))
     assert index.match(["h0", "h1", "h2", "h3"]) == {"a": (3, "host"), "b": (2, "disk")}
@@ -170,12 +177,12 @@ def test_snapshot_timeout_and_malformed_batches(tmp_path):
     rogue = ctx.socket(zmq.PUB)
     rogue.setsockopt(zmq.LINGER, 0)
     rogue.bind(f"ipc://{tmp_path}/rogue")
-    silent = ctx.socket(zmq.ROUTER)         # accepts requests, never answers
+    silent = ctx.socket(zmq.ROUTER)  # accepts requests, never answers
     silent.setsockopt(zmq.LINGER, 0)
     silent.bind(f"ipc://{tmp_path}/silent")
     sub = KVEventSubscriber(f"ipc://{tmp_path}/rogue", f"ipc://{tmp_path}/silent")
     try:
-        with pytest.raises(TimeoutError, match="within 0.2s"):    # a silent worker costs the timeout given
+        with pytest.raises(TimeoutError, match="within 0.2s"):  # a silent worker costs the timeout given
             sub.snapshot(timeout=0.2)
         good = msgpack.packb({"worker_id": "w", "events": [_ev("w", 1, "stored", ["aa"]).model_dump()]})
         deadline = time.monotonic() + WAIT
@@ -197,6 +204,7 @@ def _reference_match(index, hashes):
     """The definition, block by block: leading blocks held in any tier; the slowest fastest tier."""
     from pdserve.cache.kv_index import TIER_RANK, hash_hex
     from pdserve.protocol import KV_TIERS
+
     out = {}
     for w in index.workers:
         n, worst = 0, 0
@@ -216,6 +224,7 @@ def test_index_match_equals_its_definition_under_random_events():
 
     from pdserve.cache.kv_index import KVIndex
     from pdserve.protocol import KVEvent
+
     rng = random.Random(0)
     hs = [f"{i:032x}" for i in range(12)]
     for _ in range(300):
@@ -224,12 +233,18 @@ def test_index_match_equals_its_definition_under_random_events():
             w = f"w{rng.randint(0, 4)}"
             seq[w] = seq.get(w, 0) + 1
             s = rng.randint(0, 11)
-            ev = KVEvent(type=rng.choice(["stored", "stored", "removed"]), block_hashes=hs[s:rng.randint(s, 12)],
-                         worker_id=w, seq=seq[w], ts=0, tier=rng.choice(["device", "host", "disk", "remote"]))
+            ev = KVEvent(
+                type=rng.choice(["stored", "stored", "removed"]),
+                block_hashes=hs[s : rng.randint(s, 12)],
+                worker_id=w,
+                seq=seq[w],
+                ts=0,
+                tier=rng.choice(["device", "host", "disk", "remote"]),
+            )
             index.apply(ev)
             if rng.random() < 0.05:
                 index.remove_worker(w)
-        q = hs[:rng.randint(0, 12)]
+        q = hs[: rng.randint(0, 12)]
         assert index.match(q) == _reference_match(index, q)
 
 
@@ -238,11 +253,16 @@ def test_with_the_internal_token_only_its_holders_read_events_and_snapshots(tmp_
     token, or knowing the server's key but not the client's) gets no event and no snapshot, on a
     wildcard bind too; the router's subscriber, which holds it, gets both."""
     from pdserve.cache.kv_events import curve_keys
-    pub = KVEventPublisher("tcp://0.0.0.0:*", "w", "tcp://0.0.0.0:*", advertise_host="127.0.0.1", token="tok-1")
+
+    pub = KVEventPublisher(
+        "tcp://0.0.0.0:*", "w", "tcp://0.0.0.0:*", advertise_host="127.0.0.1", token="tok-1"
+    )
     router = KVEventSubscriber(pub.endpoint, pub.snapshot_endpoint, token="tok-1")
-    strangers = [KVEventSubscriber(pub.endpoint, pub.snapshot_endpoint),
-                 KVEventSubscriber(pub.endpoint, pub.snapshot_endpoint, token="tok-2")]
-    leaked = zmq.Context.instance().socket(zmq.SUB)     # the server's key leaked; the client's did not
+    strangers = [
+        KVEventSubscriber(pub.endpoint, pub.snapshot_endpoint),
+        KVEventSubscriber(pub.endpoint, pub.snapshot_endpoint, token="tok-2"),
+    ]
+    leaked = zmq.Context.instance().socket(zmq.SUB)  # the server's key leaked; the client's did not
     leaked.setsockopt(zmq.LINGER, 0)
     leaked.setsockopt(zmq.SUBSCRIBE, b"")
     leaked.curve_serverkey = curve_keys("tok-1", b"server")[0]

@@ -1,4 +1,5 @@
 """Block codec: exact round trips, and every kind of damage is refused with CorruptBlock."""
+
 from __future__ import annotations
 
 import struct
@@ -9,7 +10,7 @@ import torch
 from pdserve.cache.tiers.codec import CorruptBlock, decode_block, encode_block
 
 H = bytes(range(16))
-SHAPE = (3, 2, 4, 2, 8)     # layers, k/v, block_size, kv_heads, head_dim
+SHAPE = (3, 2, 4, 2, 8)  # layers, k/v, block_size, kv_heads, head_dim
 
 
 def _block(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -21,8 +22,9 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8,
-                                   torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn]
+)
 def test_round_trip_is_bit_exact(dtype):
     block = _block(dtype)
     out = decode_block(encode_block(H, block), H, shape=SHAPE, dtype=dtype)
@@ -33,7 +35,7 @@ def test_round_trip_is_bit_exact(dtype):
 def test_encodes_a_strided_slice_of_the_kv_tensor():
     bs = 4
     kv = torch.randn(3, 2, 5 * bs, 2, 8)
-    view = kv[:, :, 2 * bs:3 * bs]          # not contiguous: how the tiers see a block
+    view = kv[:, :, 2 * bs : 3 * bs]  # not contiguous: how the tiers see a block
     assert not view.is_contiguous()
     out = decode_block(encode_block(H, view), H)
     assert _raw(out) == _raw(view.contiguous())
@@ -42,7 +44,7 @@ def test_encodes_a_strided_slice_of_the_kv_tensor():
 def test_decoded_tensor_is_private_and_writable():
     data = encode_block(H, _block(torch.float32))
     out = decode_block(data, H)
-    out.zero_()                              # must not touch `data`
+    out.zero_()  # must not touch `data`
     assert _raw(decode_block(data, H)) == _raw(_block(torch.float32))
 
 
@@ -56,7 +58,7 @@ def test_rejects_wrong_hash_shape_and_dtype():
     _expect_corrupt(data, expected_hash=bytes(16))
     _expect_corrupt(data, shape=(3, 2, 8, 2, 4))
     _expect_corrupt(data, dtype=torch.float16)
-    assert decode_block(data) is not None            # nothing to compare against: accepted
+    assert decode_block(data) is not None  # nothing to compare against: accepted
 
 
 def test_rejects_any_flipped_bit():
@@ -79,7 +81,7 @@ def test_rejects_bad_magic_version_and_dtype_code():
     data = bytearray(encode_block(H, _block(torch.float32)))
     for offset, value in ((0, b"XXXX"), (4, struct.pack("<H", 99)), (6, bytes([250]))):
         damaged = bytearray(data)
-        damaged[offset:offset + len(value)] = value
+        damaged[offset : offset + len(value)] = value
         _expect_corrupt(bytes(damaged))
 
 

@@ -1,4 +1,5 @@
 """Host and disk tiers: byte budgets, LRU order, atomic files, corruption, restart."""
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,7 @@ def test_host_lru_eviction_spills_in_order():
     host = HostTier(3 * NBYTES, spill=lambda h, t: spilled.append((h, t)))
     for i in range(3):
         assert host.put(_h(i), _block(i))
-    assert host.get(_h(0)) is not None          # 0 becomes most recent: 1 is next out
+    assert host.get(_h(0)) is not None  # 0 becomes most recent: 1 is next out
     assert host.touch(_h(2))
     host.put(_h(3), _block(3))
     host.put(_h(4), _block(4))
@@ -56,7 +57,7 @@ def test_disk_budget_lru_and_atomic_files(tmp_path):
     disk = DiskTier(tmp_path, 3 * size, on_remove=removed.extend)
     for i in range(3):
         assert disk.put(_h(i), encode_block(_h(i), _block(i)))
-    assert disk.get(_h(0), shape=SHAPE, dtype=torch.float32) is not None    # 1 is now the oldest
+    assert disk.get(_h(0), shape=SHAPE, dtype=torch.float32) is not None  # 1 is now the oldest
     assert disk.put(_h(3), encode_block(_h(3), _block(3)))
     assert removed == [_h(1)]
     assert disk.keys() == [_h(2), _h(0), _h(3)]
@@ -65,7 +66,7 @@ def test_disk_budget_lru_and_atomic_files(tmp_path):
     assert _files(tmp_path) == sorted(os.path.relpath(disk.path(h), tmp_path) for h in (_h(0), _h(2), _h(3)))
     assert all(f.endswith(".kv") for f in _files(tmp_path))
     assert torch.equal(disk.get(_h(3)), _block(3))
-    assert disk.put(_h(3), b"ignored: already stored")      # a second put only refreshes the LRU
+    assert disk.put(_h(3), b"ignored: already stored")  # a second put only refreshes the LRU
     assert torch.equal(disk.get(_h(3)), _block(3))
 
 
@@ -80,7 +81,7 @@ def test_disk_drops_corrupt_and_missing_files(tmp_path):
     path.write_bytes(bytes(data))
     assert disk.get(_h(1)) is None
     assert not path.exists() and _h(1) not in disk
-    disk.path(_h(2)).unlink()                # deleted behind the tier's back
+    disk.path(_h(2)).unlink()  # deleted behind the tier's back
     assert disk.get(_h(2)) is None and _h(2) not in disk
     # A block filed under another block's name fails the hash check.
     disk.put(_h(5), encode_block(_h(0), _block(0)))
@@ -95,11 +96,11 @@ def test_disk_restart_rescans_in_mtime_order_and_cleans_temp_files(tmp_path):
     first = DiskTier(tmp_path, 10 * size)
     for i in range(4):
         first.put(_h(i), encode_block(_h(i), _block(i)))
-        os.utime(first.path(_h(i)), (1_000_000 + i, 1_000_000 + (3 - i)))   # 3 oldest, 0 newest
+        os.utime(first.path(_h(i)), (1_000_000 + i, 1_000_000 + (3 - i)))  # 3 oldest, 0 newest
     torn = first.path(_h(0)).parent / ".tmp-crashed"
     torn.write_bytes(b"half a block")
     (tmp_path / "README").write_text("not a block")
-    second = DiskTier(tmp_path, 3 * size)          # smaller budget: the oldest file must go
+    second = DiskTier(tmp_path, 3 * size)  # smaller budget: the oldest file must go
     assert second.keys() == [_h(2), _h(1), _h(0)]
     assert not first.path(_h(3)).exists() and not torn.exists()
     assert second.used_bytes == 3 * size

@@ -5,6 +5,7 @@
 - with an internal token the blocks' checksum is keyed: a block written without the key (by a
   process that can reach Redis or the disk but holds no token) is refused, and a worker with the
   key reads its own blocks back through the disk tier."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,7 @@ ARCH = TINY_CONFIGS["tiny-llama"]
 
 def _ns(name: str, weights, **overrides) -> str:
     config = load_config(overrides={"model.name": "tiny-llama", **overrides})
-    config.model.__dict__["name"] = name        # a checkpoint directory's path, as a user names it
+    config.model.__dict__["name"] = name  # a checkpoint directory's path, as a user names it
     return tier_namespace(config, 256, weights)
 
 
@@ -39,7 +40,7 @@ def test_one_changed_value_changes_the_digest():
     a = tiny_random_weights(ARCH, 0)
     b = {k: v.clone() for k, v in a.items()}
     name = next(iter(sorted(b)))
-    b[name].view(-1)[0] += 1.0      # the first element is always among those read
+    b[name].view(-1)[0] += 1.0  # the first element is always among those read
     assert weights_digest(a) != weights_digest(b)
 
 

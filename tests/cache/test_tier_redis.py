@@ -1,4 +1,5 @@
 """Remote tier against a real redis-server: two workers share blocks; Redis down means misses."""
+
 from __future__ import annotations
 
 import socket
@@ -24,7 +25,7 @@ def _kv(seed: int | None) -> torch.Tensor:
 
 
 def _blk(kv: torch.Tensor, b: int) -> torch.Tensor:
-    return kv[:, :, b * BS:(b + 1) * BS]
+    return kv[:, :, b * BS : (b + 1) * BS]
 
 
 def _h(i: int) -> bytes:
@@ -46,7 +47,7 @@ def test_two_workers_share_blocks_through_redis(redis_server, stores):
     hashes = [_h(i) for i in range(4)]
     for i, h in enumerate(hashes):
         worker_a.offload(h, _blk(src, i))
-    assert worker_a.flush(WAIT)                 # write-through: in Redis while A still holds them
+    assert worker_a.flush(WAIT)  # write-through: in Redis while A still holds them
     client = redis.Redis.from_url(redis_server.url)
     keys = sorted(k.decode() for k in client.keys("pdserve:kv:*"))
     assert keys == sorted(f"pdserve:kv:{h.hex()}" for h in hashes)
@@ -55,7 +56,7 @@ def test_two_workers_share_blocks_through_redis(redis_server, stores):
     assert worker_b.lookup(hashes + [_h(7)]) == 4
     dst = _kv(None)
     assert _load(worker_b, hashes, [4, 5, 6, 7], dst) == 4
-    assert torch.equal(dst[:, :, 4 * BS:], src[:, :, :4 * BS])
+    assert torch.equal(dst[:, :, 4 * BS :], src[:, :, : 4 * BS])
     s = worker_b.stats()
     assert s["tier_remote_hits"] == 4 and s["tier_remote_load_count"] == 4
     assert worker_a.stats()["tier_remote_bytes_written"] > 4 * BLOCK_BYTES
@@ -80,7 +81,7 @@ def test_lookup_mixes_local_and_remote_blocks(redis_server, stores):
     assert b.lookup([_h(i) for i in range(4)], remote=False) == 1
     dst = _kv(None)
     assert _load(b, [_h(0), _h(1), _h(2)], [0, 1, 2], dst) == 3
-    assert torch.equal(dst[:, :, :3 * BS], src[:, :, :3 * BS])
+    assert torch.equal(dst[:, :, : 3 * BS], src[:, :, : 3 * BS])
 
 
 def test_corrupt_remote_value_is_a_miss_and_is_deleted(redis_server, stores):
@@ -88,7 +89,7 @@ def test_corrupt_remote_value_is_a_miss_and_is_deleted(redis_server, stores):
     client = redis.Redis.from_url(redis_server.url)
     good = encode_block(_h(0), _blk(_kv(3), 0))
     client.set(f"pdserve:kv:{_h(0).hex()}", good[:-1] + bytes([good[-1] ^ 1]))
-    client.set(f"pdserve:kv:{_h(1).hex()}", encode_block(_h(2), _blk(_kv(3), 0)))   # another block's bytes
+    client.set(f"pdserve:kv:{_h(1).hex()}", encode_block(_h(2), _blk(_kv(3), 0)))  # another block's bytes
     assert _load(store, [_h(0)], [0], _kv(None)) == 0
     assert _load(store, [_h(1)], [0], _kv(None)) == 0
     assert client.exists(f"pdserve:kv:{_h(0).hex()}", f"pdserve:kv:{_h(1).hex()}") == 0
@@ -106,15 +107,15 @@ def test_namespace_prefixes_the_keys(redis_server):
 
 
 def test_redis_never_there_means_misses_not_crashes(stores):
-    with socket.socket() as s:          # a port nobody listens on
+    with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         url = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
     store = stores(host_bytes=2 * BLOCK_BYTES, remote=url)
-    store.remote.retry_after_s = 3600                 # one failure, then quiet for the whole test
+    store.remote.retry_after_s = 3600  # one failure, then quiet for the whole test
     src = _kv(5)
     store.offload(_h(0), _blk(src, 0))
     assert store.flush(WAIT)
-    assert store.lookup([_h(0), _h(1)]) == 1          # the host copy still counts
+    assert store.lookup([_h(0), _h(1)]) == 1  # the host copy still counts
     assert _load(store, [_h(1)], [1], _kv(None)) == 0
     dst = _kv(None)
     assert _load(store, [_h(0)], [0], dst) == 1 and torch.equal(_blk(dst, 0), _blk(src, 0))

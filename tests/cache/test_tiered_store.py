@@ -1,4 +1,5 @@
 """TieredKVStore: host -> disk cascade, leading-prefix lookup, background loads into a KV tensor."""
+
 from __future__ import annotations
 
 import threading
@@ -8,7 +9,7 @@ import torch
 from pdserve.cache.tiers.manager import TieredKVStore
 from pdserve.config import CacheConfig
 
-L, BS, H, D = 2, 4, 2, 8            # layers, block size, kv heads, head dim
+L, BS, H, D = 2, 4, 2, 8  # layers, block size, kv heads, head dim
 NUM_BLOCKS = 12
 BLOCK_BYTES = L * 2 * BS * H * D * 4
 WAIT = 10.0
@@ -23,7 +24,7 @@ def _kv(seed: int | None = 0, dtype=torch.float32) -> torch.Tensor:
 
 
 def _blk(kv: torch.Tensor, b: int) -> torch.Tensor:
-    return kv[:, :, b * BS:(b + 1) * BS]
+    return kv[:, :, b * BS : (b + 1) * BS]
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -52,8 +53,12 @@ class Done:
 
 def test_host_overflow_cascades_to_disk_and_everything_loads_back(tmp_path, stores):
     events = []
-    store = stores(host_bytes=2 * BLOCK_BYTES, disk_dir=tmp_path, disk_bytes=1 << 20,
-                   listener=lambda kind, hs, tier: events.append((kind, [h[0] - 1 for h in hs], tier)))
+    store = stores(
+        host_bytes=2 * BLOCK_BYTES,
+        disk_dir=tmp_path,
+        disk_bytes=1 << 20,
+        listener=lambda kind, hs, tier: events.append((kind, [h[0] - 1 for h in hs], tier)),
+    )
     src = _kv(1)
     for i in range(5):
         store.offload(_h(i), _blk(src, i))
@@ -66,7 +71,7 @@ def test_host_overflow_cascades_to_disk_and_everything_loads_back(tmp_path, stor
 
     dst = _kv(None)
     done = Done()
-    block_ids = [7, 0, 11, 3, 5]            # any destination ids, in any order
+    block_ids = [7, 0, 11, 3, 5]  # any destination ids, in any order
     store.load_async([_h(i) for i in range(5)], block_ids, dst, done)
     assert done.wait() == 5
     for i, b in enumerate(block_ids):
@@ -91,7 +96,7 @@ def test_lookup_counts_only_the_leading_prefix(stores):
 
 
 def test_a_corrupt_block_in_the_middle_ends_the_load_there(tmp_path, stores):
-    store = stores(disk_dir=tmp_path, disk_bytes=1 << 20)      # no host tier: every block on disk
+    store = stores(disk_dir=tmp_path, disk_bytes=1 << 20)  # no host tier: every block on disk
     src = _kv(3)
     hashes = [_h(i) for i in range(6)]
     for i, h in enumerate(hashes):
@@ -108,7 +113,7 @@ def test_a_corrupt_block_in_the_middle_ends_the_load_there(tmp_path, stores):
     assert done.wait() == 3
     for i in range(3):
         assert _raw(_blk(dst, i)) == _raw(_blk(src, i))
-    assert not dst[:, :, 3 * BS:].any()        # nothing after the bad block is written
+    assert not dst[:, :, 3 * BS :].any()  # nothing after the bad block is written
     assert not path.exists()
     assert store.lookup(hashes) == 3
     assert store.stats()["tier_disk_corrupt"] == 1
@@ -122,7 +127,7 @@ def test_a_missing_block_or_a_block_of_another_shape_ends_the_load(stores):
     done = Done()
     store.load_async([_h(0), _h(1), _h(2)], [0, 1, 2], _kv(None), done)
     assert done.wait() == 1
-    other = torch.zeros(L + 1, 2, NUM_BLOCKS * BS, H, D)       # another model's layout
+    other = torch.zeros(L + 1, 2, NUM_BLOCKS * BS, H, D)  # another model's layout
     done = Done()
     store.load_async([_h(0)], [0], other, done)
     assert done.wait() == 0 and not other.any()
@@ -145,13 +150,13 @@ def test_an_offloaded_block_is_always_findable_even_before_its_write(tmp_path, s
     hashes = [_h(i) for i in range(8)]
     for i, h in enumerate(hashes):
         store.offload(h, _blk(src, i))
-        assert store.lookup(hashes[:i + 1]) == i + 1     # pending or on disk, never neither
-    src.zero_()                                          # offload copied: the device may reuse blocks
+        assert store.lookup(hashes[: i + 1]) == i + 1  # pending or on disk, never neither
+    src.zero_()  # offload copied: the device may reuse blocks
     dst = _kv(None)
     done = Done()
     store.load_async(hashes, list(range(8)), dst, done)
     assert done.wait() == 8
-    assert _raw(dst[:, :, :8 * BS]) == _raw(_kv(6)[:, :, :8 * BS])
+    assert _raw(dst[:, :, : 8 * BS]) == _raw(_kv(6)[:, :, : 8 * BS])
 
 
 def test_cancel_before_the_load_runs_means_no_write_and_no_callback(stores):
@@ -161,9 +166,10 @@ def test_cancel_before_the_load_runs_means_no_write_and_no_callback(stores):
     gate = threading.Event()
     first = Done()
 
-    def hold(n: int) -> None:        # runs on the loader thread: keeps it busy
+    def hold(n: int) -> None:  # runs on the loader thread: keeps it busy
         first(n)
         gate.wait(WAIT)
+
     store.load_async([_h(0)], [0], _kv(None), hold)
     assert first.wait() == 1
     dst = _kv(None)
@@ -172,10 +178,10 @@ def test_cancel_before_the_load_runs_means_no_write_and_no_callback(stores):
     assert store.cancel(ticket)
     gate.set()
     third = Done()
-    store.load_async([_h(0)], [2], dst, third)       # the loader moved past the cancelled load
+    store.load_async([_h(0)], [2], dst, third)  # the loader moved past the cancelled load
     assert third.wait() == 1
     assert second.calls == [] and not _blk(dst, 1).any()
-    assert not store.cancel(ticket)                  # gone
+    assert not store.cancel(ticket)  # gone
     assert store.stats()["tier_loads_cancelled"] == 1
 
 
@@ -200,7 +206,7 @@ def test_namespaces_keep_models_apart_on_a_shared_disk(tmp_path, stores):
     a.offload(_h(0), _blk(_kv(10), 0))
     assert a.flush(WAIT)
     b = stores(disk_dir=tmp_path, disk_bytes=1 << 20, namespace="model-b")
-    a2 = stores(disk_dir=tmp_path, disk_bytes=1 << 20, namespace="model-a")   # a restarted worker
+    a2 = stores(disk_dir=tmp_path, disk_bytes=1 << 20, namespace="model-a")  # a restarted worker
     assert b.lookup([_h(0)]) == 0 and a2.lookup([_h(0)]) == 1
 
 
@@ -217,7 +223,7 @@ def test_restarted_worker_reuses_and_announces_its_disk_blocks(tmp_path, stores)
     dst = _kv(None)
     done = Done()
     second.load_async([_h(i) for i in range(3)], [0, 1, 2], dst, done)
-    assert done.wait() == 3 and _raw(dst[:, :, :3 * BS]) == _raw(src[:, :, :3 * BS])
+    assert done.wait() == 3 and _raw(dst[:, :, : 3 * BS]) == _raw(src[:, :, : 3 * BS])
 
 
 def test_from_config():
@@ -243,8 +249,12 @@ def test_a_load_past_its_deadline_stops_and_reports_what_it_has(stores):
 
 def test_a_block_bigger_than_the_host_tier_goes_straight_to_disk(tmp_path, stores):
     events = []
-    store = stores(host_bytes=BLOCK_BYTES - 1, disk_dir=tmp_path, disk_bytes=1 << 20,
-                   listener=lambda kind, hs, tier: events.append((kind, tier)))
+    store = stores(
+        host_bytes=BLOCK_BYTES - 1,
+        disk_dir=tmp_path,
+        disk_bytes=1 << 20,
+        listener=lambda kind, hs, tier: events.append((kind, tier)),
+    )
     store.offload(_h(0), _blk(_kv(13), 0))
     assert store.flush(WAIT)
     assert len(store.host) == 0 and _h(0) in store.disk

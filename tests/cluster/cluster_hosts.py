@@ -13,6 +13,7 @@ the kernel has it).
 Needs root and iproute2; `unavailable()` says why not, for a skip. Everything built is torn down by
 `close()`, which is safe to call after a partial build and runs at interpreter exit as a last resort.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -49,8 +50,12 @@ def unavailable() -> str | None:
         if r.returncode != 0:
             return f"cannot create a bridge: {r.stderr.strip()}"
         _ip("link", "del", f"{probe[:10]}b", check=False)
-        r = subprocess.run(["ip", "netns", "exec", probe, "unshare", "--uts", "--mount", "true"],
-                           capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            ["ip", "netns", "exec", probe, "unshare", "--uts", "--mount", "true"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if r.returncode != 0:
             return f"cannot give a process its own hostname and mounts: {r.stderr.strip()}"
     finally:
@@ -67,7 +72,7 @@ class Host:
     name: str
     ns: str
     ip: str
-    port_dev: str                      # the bridge side of its veth pair: down = link down
+    port_dev: str  # the bridge side of its veth pair: down = link down
     procs: list[ServerProcess] = field(default_factory=list)
 
     def url(self, port: int) -> str:
@@ -78,12 +83,12 @@ class Cluster:
     """Namespaces on one bridge, named with this process's tag so parallel runs do not collide."""
 
     def __init__(self, host_names: list[str], workdir: Path, shm_mb: int = 512) -> None:
-        self.shm_mb = shm_mb                # each process's private /dev/shm (its KV pool lives there)
+        self.shm_mb = shm_mb  # each process's private /dev/shm (its KV pool lives there)
         self.tag = f"{os.getpid() % 0xFFFFF:x}"
         self.bridge = f"pdbr{self.tag}"
         net = 100 + os.getpid() % 150
         self.gateway = f"10.231.{net}.1"
-        self.void = f"10.231.{net}.250"      # no host answers here: routes through it lead nowhere
+        self.void = f"10.231.{net}.250"  # no host answers here: routes through it lead nowhere
         self.workdir = workdir
         self.hosts: dict[str, Host] = {}
         self._closed = False
@@ -100,7 +105,9 @@ class Cluster:
 
     def _add_host(self, name: str, ip: str, i: int) -> None:
         ns, outer, inner = f"pdc{self.tag}-{name}", f"pdv{self.tag}{i}", f"pdp{self.tag}{i}"
-        host = self.hosts[name] = Host(name, ns, ip, outer)   # registered first: close() removes a half-made one
+        host = self.hosts[name] = Host(
+            name, ns, ip, outer
+        )  # registered first: close() removes a half-made one
         _ip("netns", "add", ns)
         _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
         _ip("link", "set", inner, "netns", ns)
@@ -116,21 +123,44 @@ class Cluster:
     def wrap(self, host: Host, cmd: list[str]) -> list[str]:
         """`cmd` run on `host`: its network namespace, its own hostname and a private /dev/shm."""
         script = f'hostname "$0" && mount -t tmpfs -o size={self.shm_mb}m pdshm /dev/shm && exec "$@"'
-        return ["ip", "netns", "exec", host.ns, "unshare", "--uts", "--mount", "--propagation", "private",
-                "sh", "-c", script, f"{host.name}-{self.tag}", *cmd]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            host.ns,
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            f"{host.name}-{self.tag}",
+            *cmd,
+        ]
 
-    def start(self, host: Host, name: str, cmd: list[str], port: int, env: dict | None = None,
-              health_path: str = "/health") -> ServerProcess:
+    def start(
+        self,
+        host: Host,
+        name: str,
+        cmd: list[str],
+        port: int,
+        env: dict | None = None,
+        health_path: str = "/health",
+    ) -> ServerProcess:
         """A server on `host` listening on its address at `port` (wait_ready() it)."""
-        srv = ServerProcess(self.wrap(host, cmd), port, self.workdir / f"{name}.log", env=env,
-                            health_path=health_path)
+        srv = ServerProcess(
+            self.wrap(host, cmd), port, self.workdir / f"{name}.log", env=env, health_path=health_path
+        )
         srv.url = host.url(port)
         host.procs.append(srv)
         return srv
 
     def run(self, host: Host, cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", host.ns, *cmd], capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            ["ip", "netns", "exec", host.ns, *cmd], capture_output=True, text=True, timeout=timeout
+        )
 
     # ------------------------------------------------------------------ faults
 
@@ -156,9 +186,25 @@ class Cluster:
             self.run(host, ["tc", "qdisc", "del", "dev", "eth0", "root"])
             return
         # The bucket must hold a timer tick's worth of bytes (4 ms at HZ=250) or a fast cap falls short.
-        burst = max(4000, bits_per_s // 2000)          # bytes
-        r = self.run(host, ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", f"{bits_per_s}bit",
-                            "burst", str(burst), "latency", "5s"])
+        burst = max(4000, bits_per_s // 2000)  # bytes
+        r = self.run(
+            host,
+            [
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                "eth0",
+                "root",
+                "tbf",
+                "rate",
+                f"{bits_per_s}bit",
+                "burst",
+                str(burst),
+                "latency",
+                "5s",
+            ],
+        )
         if r.returncode != 0:
             raise ShapingUnavailable(f"tc tbf: {r.stderr.strip() or r.returncode}")
 
@@ -174,8 +220,8 @@ class Cluster:
             return
         self._closed = True
         procs = [srv for host in self.hosts.values() for srv in host.procs]
-        for srv in procs:           # all at once: each drains for up to its shutdown timeout
-            for sig in (signal.SIGCONT, signal.SIGTERM):      # a stopped process cannot act on SIGTERM
+        for srv in procs:  # all at once: each drains for up to its shutdown timeout
+            for sig in (signal.SIGCONT, signal.SIGTERM):  # a stopped process cannot act on SIGTERM
                 try:
                     os.killpg(srv.proc.pid, sig)
                 except (ProcessLookupError, PermissionError):
@@ -183,7 +229,7 @@ class Cluster:
         for srv in procs:
             srv.stop(grace=10)
         for host in self.hosts.values():
-            _ip("netns", "del", host.ns, check=False)          # takes its end of the veth pair, and so both
+            _ip("netns", "del", host.ns, check=False)  # takes its end of the veth pair, and so both
             _ip("link", "del", host.port_dev, check=False)
         _ip("link", "del", self.bridge, check=False)
 

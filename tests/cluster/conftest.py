@@ -1,4 +1,5 @@
 """Prints the cluster tests' figure per fault (tests/cluster/figures.py) as one table after the run."""
+
 from __future__ import annotations
 
 from cluster.figures import ROWS, table

@@ -3,6 +3,7 @@ Redis host (the KV tier every worker shares). Each worker binds its host's addre
 itself with both routers (`--router-url a,b`) and sends heartbeats; each router learns the workers'
 KV endpoints and KV-event endpoints from /health and feeds its index over the network.
 `transfer.backend` is left at its default, `auto`. The tests send their traffic through "router"."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -20,9 +21,9 @@ from cluster.cluster_hosts import Cluster, Host, wait_until
 
 from pdserve.bench.procs import ServerProcess, pdserve_cmd, thread_env
 
-MODEL = "tiny-qwen2"     # random weights, fast; greedy output depends on the KV (tiny-llama's does not)
+MODEL = "tiny-qwen2"  # random weights, fast; greedy output depends on the KV (tiny-llama's does not)
 TOKEN = "cluster-internal-token"
-ADMIN = "cluster-admin-key"      # routers listen off loopback: they need one (and /admin/* takes only it)
+ADMIN = "cluster-admin-key"  # routers listen off loopback: they need one (and /admin/* takes only it)
 PORT, KV_PORT, EVENTS_PORT, REDIS_PORT = 8000, 5556, 5557, 6379
 ROLES = {"prefill-a": "prefill", "prefill-b": "prefill", "decode-a": "decode", "decode-b": "decode"}
 # prefill-b sends KV at this rate (transfer.bandwidth_limit): a slow link, and a transfer long enough
@@ -34,10 +35,22 @@ CONFIG = {
     "cache": {"device_blocks": 256, "block_size": 16},
     "server": {"internal_token": TOKEN, "shutdown_timeout_s": 5},
     # Short deadlines keep the faults quick; generous enough for a loaded 2-core machine.
-    "disagg": {"bootstrap_timeout_s": 4, "transfer_timeout_s": 6, "queue_timeout_s": 30, "peer_retry_s": 5,
-               "local_prefill_max_tokens": 16},
-    "router": {"admin_keys": [ADMIN], "health_period_s": 0.5, "heartbeat_timeout_s": 3, "connect_timeout_s": 2, "max_retries": 3,
-               "breaker_failures": 3, "breaker_cooldown_s": 2},
+    "disagg": {
+        "bootstrap_timeout_s": 4,
+        "transfer_timeout_s": 6,
+        "queue_timeout_s": 30,
+        "peer_retry_s": 5,
+        "local_prefill_max_tokens": 16,
+    },
+    "router": {
+        "admin_keys": [ADMIN],
+        "health_period_s": 0.5,
+        "heartbeat_timeout_s": 3,
+        "connect_timeout_s": 2,
+        "max_retries": 3,
+        "breaker_failures": 3,
+        "breaker_cooldown_s": 2,
+    },
 }
 
 
@@ -50,10 +63,10 @@ def prompt(i: int, n: int = 80) -> list[int]:
 class Outcome:
     text: str = ""
     chunks: int = 0
-    max_gap: float = 0.0        # the longest the client waited for a chunk (first one included)
+    max_gap: float = 0.0  # the longest the client waited for a chunk (first one included)
     error: str | None = None
     seconds: float = 0.0
-    times: list[float] = field(default_factory=list)      # each chunk's arrival (time.monotonic())
+    times: list[float] = field(default_factory=list)  # each chunk's arrival (time.monotonic())
 
 
 def recovery_s(outs: list[Outcome], fault_at: float) -> float:
@@ -74,12 +87,16 @@ def recovery_s(outs: list[Outcome], fault_at: float) -> float:
 
 class PDCluster:
     def __init__(self, workdir: Path, redis: bool = True, otlp_port: int | None = None) -> None:
-        self.otlp_port = otlp_port      # every process exports its trace spans to this port of the test host (None: off)
-        names = ["router", *ROLES] + (["redis"] if redis and shutil.which("redis-server") else []) + ["router-b"]
+        self.otlp_port = (
+            otlp_port  # every process exports its trace spans to this port of the test host (None: off)
+        )
+        names = (
+            ["router", *ROLES] + (["redis"] if redis and shutil.which("redis-server") else []) + ["router-b"]
+        )
         self.net = Cluster(names, workdir)
         self.workdir = workdir
         self.procs: dict[str, ServerProcess] = {}
-        self.receiver: Any = None       # the OTLP receiver (tests/otlp_receiver.py) when tracing is on
+        self.receiver: Any = None  # the OTLP receiver (tests/otlp_receiver.py) when tracing is on
         try:
             self._start(redis)
         except BaseException:
@@ -95,25 +112,51 @@ class PDCluster:
 
     def _start(self, redis: bool) -> None:
         cfg = dict(CONFIG)
-        if self.otlp_port:      # a receiver in the test process: every host reaches it at the bridge's address
+        if self.otlp_port:  # a receiver in the test process: every host reaches it at the bridge's address
             cfg["server"] = {**cfg["server"], "otlp_endpoint": f"http://{self.net.gateway}:{self.otlp_port}"}
         if "redis" in self.net.hosts:
             h = self.host("redis")
             self.redis_url = f"redis://{h.ip}:{REDIS_PORT}/0"
             cfg["cache"] = {**cfg["cache"], "remote": self.redis_url}
-            srv = self.net.start(h, "redis", ["redis-server", "--bind", h.ip, "--port", str(REDIS_PORT), "--save", "",
-                                              "--appendonly", "no", "--protected-mode", "no", "--dir", str(self.workdir)], REDIS_PORT)
+            srv = self.net.start(
+                h,
+                "redis",
+                [
+                    "redis-server",
+                    "--bind",
+                    h.ip,
+                    "--port",
+                    str(REDIS_PORT),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--protected-mode",
+                    "no",
+                    "--dir",
+                    str(self.workdir),
+                ],
+                REDIS_PORT,
+            )
             self.procs["redis"] = srv
         self.cfg = cfg
         self.config_path = self.workdir / "pdserve.yaml"
         self.config_path.write_text(yaml.safe_dump(cfg))
         self.slow_config_path = self.workdir / "pdserve-slow.yaml"
-        self.slow_config_path.write_text(yaml.safe_dump({**cfg, "transfer": {"bandwidth_limit": SLOW_BYTES_PER_S}}))
-        for name in ("router", "router-b"):     # two replicas; the tests' traffic goes through "router"
+        self.slow_config_path.write_text(
+            yaml.safe_dump({**cfg, "transfer": {"bandwidth_limit": SLOW_BYTES_PER_S}})
+        )
+        for name in ("router", "router-b"):  # two replicas; the tests' traffic goes through "router"
             r = self.host(name)
             self.procs[name] = self.net.start(
-                r, name, pdserve_cmd() + ["router", "--config", str(self.config_path), "--host", r.ip,
-                                          "--port", str(PORT)], PORT, env=thread_env(1), health_path="/metrics")
+                r,
+                name,
+                pdserve_cmd()
+                + ["router", "--config", str(self.config_path), "--host", r.ip, "--port", str(PORT)],
+                PORT,
+                env=thread_env(1),
+                health_path="/metrics",
+            )
         for name in ROLES:
             self.start_worker(name)
         self.router.wait_ready(timeout=120)
@@ -131,11 +174,25 @@ class PDCluster:
         if transfer is not None:
             config = self.workdir / f"pdserve-{name}-{starts + 1}.yaml"
             config.write_text(yaml.safe_dump({**self.cfg, "transfer": transfer}))
-        cmd = pdserve_cmd() + ["worker", "--role", ROLES[name], "--config", str(config), "--host", h.ip,
-                               "--port", str(PORT), "--kv-port", str(KV_PORT),
-                               "--kv-events-endpoint", f"tcp://{h.ip}:{EVENTS_PORT}",
-                               "--router-url", f"{self.host('router').url(PORT)},{self.host('router-b').url(PORT)}",
-                               "--threads", "1"]
+        cmd = pdserve_cmd() + [
+            "worker",
+            "--role",
+            ROLES[name],
+            "--config",
+            str(config),
+            "--host",
+            h.ip,
+            "--port",
+            str(PORT),
+            "--kv-port",
+            str(KV_PORT),
+            "--kv-events-endpoint",
+            f"tcp://{h.ip}:{EVENTS_PORT}",
+            "--router-url",
+            f"{self.host('router').url(PORT)},{self.host('router-b').url(PORT)}",
+            "--threads",
+            "1",
+        ]
         log = name if not starts else f"{name}-{starts + 1}"
         srv = self.procs[name] = self.net.start(h, log, cmd, PORT, env=thread_env(1))
         return srv
@@ -152,8 +209,11 @@ class PDCluster:
             path = self.procs[n].log_path
             with path.open("rb") as f:
                 f.seek(mark.get(n, 0))
-                lines += [f"{n}: {x}" for x in f.read().decode(errors="replace").splitlines()
-                          if " WARNING " in x or " ERROR " in x]
+                lines += [
+                    f"{n}: {x}"
+                    for x in f.read().decode(errors="replace").splitlines()
+                    if " WARNING " in x or " ERROR " in x
+                ]
         return lines
 
     # ------------------------------------------------------------------ the router's view
@@ -162,20 +222,25 @@ class PDCluster:
         """A router's /admin/workers keyed by host name (a worker's URL names its host's address)."""
         by_ip = {h.ip: n for n, h in self.net.hosts.items()}
         out = {}
-        for w in httpx.get(self.procs[router].url + "/admin/workers", timeout=5,
-                           headers={"Authorization": f"Bearer {ADMIN}"}).json()["workers"]:
+        for w in httpx.get(
+            self.procs[router].url + "/admin/workers", timeout=5, headers={"Authorization": f"Bearer {ADMIN}"}
+        ).json()["workers"]:
             out[by_ip[httpx.URL(w["url"]).host]] = w
         return out
 
     def wait_healthy(self, names: set[str], timeout: float = 60, routers=("router", "router-b")) -> None:
-        wait_until(lambda: all(self.workers(r).get(n, {}).get("healthy") for n in names for r in routers), timeout,
-                   f"workers {sorted(names)} healthy at the routers")
+        wait_until(
+            lambda: all(self.workers(r).get(n, {}).get("healthy") for n in names for r in routers),
+            timeout,
+            f"workers {sorted(names)} healthy at the routers",
+        )
 
     def health(self, name: str) -> dict:
         return httpx.get(self.procs[name].url + "/health", timeout=5).json()
 
     def idle_pools(self, names=tuple(ROLES), timeout: float = 60) -> None:
         """Every named worker idle with its whole KV pool free (cached blocks count as free)."""
+
         def idle() -> bool:
             for n in names:
                 h = self.health(n)
@@ -183,8 +248,12 @@ class PDCluster:
                 if busy or h["kv_blocks_free"] != h["kv_blocks_total"] or h.get("kv_prefill_jobs_active", 0):
                     return False
             return True
-        wait_until(idle, timeout, f"idle pools on {list(names)}: "
-                   + "; ".join(f"{n}={self._pool_line(n)}" for n in names))
+
+        wait_until(
+            idle,
+            timeout,
+            f"idle pools on {list(names)}: " + "; ".join(f"{n}={self._pool_line(n)}" for n in names),
+        )
 
     def leaked_blocks(self, names=tuple(ROLES), timeout: float = 60) -> int:
         """KV blocks still held on the named workers (neither free nor cached) once they are idle:
@@ -200,25 +269,46 @@ class PDCluster:
             h = self.health(name)
         except httpx.HTTPError as e:
             return repr(e)
-        return (f"free {h['kv_blocks_free']}/{h['kv_blocks_total']} running {h['running']} waiting {h['waiting']} "
-                f"loading {h['loading']}")
+        return (
+            f"free {h['kv_blocks_free']}/{h['kv_blocks_total']} running {h['running']} waiting {h['waiting']} "
+            f"loading {h['loading']}"
+        )
 
     # ------------------------------------------------------------------ load
 
-    def client(self, timeout: float = 60, router: str = "router", headers: dict | None = None) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.procs[router].url + "/v1", api_key="unused", max_retries=0, timeout=timeout,
-                             default_headers=headers)
+    def client(
+        self, timeout: float = 60, router: str = "router", headers: dict | None = None
+    ) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=self.procs[router].url + "/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=timeout,
+            default_headers=headers,
+        )
 
-    def stream(self, p: list[int], max_tokens: int, on_token=None, timeout: float = 60,
-               router: str = "router", headers: dict | None = None) -> Outcome:
+    def stream(
+        self,
+        p: list[int],
+        max_tokens: int,
+        on_token=None,
+        timeout: float = 60,
+        router: str = "router",
+        headers: dict | None = None,
+    ) -> Outcome:
         """One streamed greedy completion through the router (the official client); `on_token(n)`
         after each chunk with the chunks so far. `router` may name a worker, reached directly (with
         the internal token and the prefill peer in `headers`, as the router sends them)."""
         out, t0 = Outcome(), time.monotonic()
         try:
             chunks = self.client(timeout, router, headers).completions.create(
-                model=MODEL, prompt=p, max_tokens=max_tokens, temperature=0, stream=True,
-                extra_body={"ignore_eos": True})
+                model=MODEL,
+                prompt=p,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             parts, last = [], t0
             for c in chunks:
                 parts.append(c.choices[0].text if c.choices else "")
@@ -234,8 +324,16 @@ class PDCluster:
         out.seconds = time.monotonic() - t0
         return out
 
-    def load(self, prompts: list[list[int]], max_tokens: int, fault=None, fault_after: int = 8,
-             timeout: float = 60, routers=("router",), headers: dict | None = None) -> list[Outcome]:
+    def load(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        fault=None,
+        fault_after: int = 8,
+        timeout: float = 60,
+        routers=("router",),
+        headers: dict | None = None,
+    ) -> list[Outcome]:
         """Stream every prompt at once (through `routers` in turn); `fault()` runs once, when any
         stream has `fault_after` tokens."""
         fired = threading.Event()
@@ -246,12 +344,13 @@ class PDCluster:
                 fault()
 
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            futs = [pool.submit(self.stream, p, max_tokens, on_token, timeout, routers[i % len(routers)], headers)
-                    for i, p in enumerate(prompts)]
+            futs = [
+                pool.submit(self.stream, p, max_tokens, on_token, timeout, routers[i % len(routers)], headers)
+                for i, p in enumerate(prompts)
+            ]
             outs = [f.result() for f in futs]
         assert fault is None or fired.is_set(), "the fault never fired: the streams were too short"
         return outs
 
     def close(self) -> None:
         self.net.close()
-

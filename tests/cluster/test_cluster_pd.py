@@ -4,6 +4,7 @@ or fails with a clear error within its deadline, and that every KV pool returns 
 figures (tests/cluster/figures.py) print as one table after the run. Every process exports its
 trace spans to a real OTLP receiver in the test process: one request is one trace across hosts,
 a migrated one included."""
+
 from __future__ import annotations
 
 import functools
@@ -34,6 +35,7 @@ def cluster(tmp_path_factory):
     if reason:
         pytest.skip(reason)
     from otlp_receiver import Receiver
+
     rx = Receiver("0.0.0.0")
     with timed("PD cluster (test_cluster_pd.py)"):
         c = PDCluster(tmp_path_factory.mktemp("cluster"), otlp_port=rx.port)
@@ -48,6 +50,7 @@ def cluster(tmp_path_factory):
 @functools.lru_cache(maxsize=None)
 def _offline():
     from pdserve import LLM
+
     return LLM(model=MODEL)
 
 
@@ -55,7 +58,12 @@ def _offline():
 def want(i: int, max_tokens: int = MAX_TOKENS) -> str:
     """The fault-free greedy text of prompt(i): the offline engine's."""
     from pdserve import SamplingParams
-    return _offline().generate(prompt(i), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].text
+
+    return (
+        _offline()
+        .generate(prompt(i), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+        .text
+    )
 
 
 def _requests(c: PDCluster) -> dict[str, int]:
@@ -65,10 +73,10 @@ def _requests(c: PDCluster) -> dict[str, int]:
 def test_default_deployment_across_hosts(cluster):
     ws = cluster.workers()
     assert sorted(ws) == sorted(ROLES), ws
-    for name, w in ws.items():       # each registered itself from its own host, at its own address
+    for name, w in ws.items():  # each registered itself from its own host, at its own address
         assert w["role"] == ROLES[name] and w["healthy"]
         assert w["url"] == cluster.host(name).url(8000)
-    other = cluster.workers("router-b")     # ... with both router replicas
+    other = cluster.workers("router-b")  # ... with both router replicas
     assert sorted(other) == sorted(ROLES) and all(w["healthy"] for w in other.values()), other
     outs = cluster.load([prompt(i) for i in range(6)], MAX_TOKENS)
     for i, o in enumerate(outs):
@@ -79,8 +87,11 @@ def test_default_deployment_across_hosts(cluster):
     assert sum(h["kv_transfers_completed_total"] for h in dec) >= 6
     assert all(h["kv_local_prefill_fallbacks_total"] == 0 for h in dec)
     # KV events crossed the network into the router's index.
-    wait_until(lambda: all(w["kv_index_blocks"] > 0 for n, w in cluster.workers().items() if n.startswith("decode")),
-               30, "the router's KV index to learn both decode workers' blocks")
+    wait_until(
+        lambda: all(w["kv_index_blocks"] > 0 for n, w in cluster.workers().items() if n.startswith("decode")),
+        30,
+        "the router's KV index to learn both decode workers' blocks",
+    )
     cluster.idle_pools()
 
 
@@ -92,16 +103,25 @@ def test_follow_up_goes_to_the_decode_worker_holding_its_prefix(cluster):
     placed = {}
     for i in range(10, 14):
         before = _requests(cluster)
-        r = httpx.post(cluster.router.url + "/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": prompt(i, 160), "max_tokens": 2})
+        r = httpx.post(
+            cluster.router.url + "/v1/completions",
+            timeout=60,
+            json={"model": MODEL, "prompt": prompt(i, 160), "max_tokens": 2},
+        )
         assert r.status_code == 200, r.text
         [placed[i]] = [n for n, k in _requests(cluster).items() if n.startswith("decode") and k > before[n]]
-    wait_until(lambda: all(cluster.workers()[n]["kv_index_blocks"] >= 10 for n in placed.values()), 30,
-               "the index to hold the prompts' blocks")
+    wait_until(
+        lambda: all(cluster.workers()[n]["kv_index_blocks"] >= 10 for n in placed.values()),
+        30,
+        "the index to hold the prompts' blocks",
+    )
     for i in range(10, 14):
         before = _requests(cluster)
-        r = httpx.post(cluster.router.url + "/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": prompt(i, 160) + [7, 8, 9], "max_tokens": 2})
+        r = httpx.post(
+            cluster.router.url + "/v1/completions",
+            timeout=60,
+            json={"model": MODEL, "prompt": prompt(i, 160) + [7, 8, 9], "max_tokens": 2},
+        )
         assert r.status_code == 200, r.text
         got = [n for n, k in _requests(cluster).items() if n.startswith("decode") and k > before[n]]
         assert got == [placed[i]], (i, placed, got)
@@ -119,7 +139,9 @@ def _busy_decode(c: PDCluster, timeout: float = 10.0) -> str:
         name = max(running, key=running.get)
         if running[name] > 0:
             return name
-        assert time.monotonic() < deadline, f"no decode host had a stream decoding within {timeout} s: {running}"
+        assert time.monotonic() < deadline, (
+            f"no decode host had a stream decoding within {timeout} s: {running}"
+        )
         time.sleep(0.02)
 
 
@@ -154,7 +176,13 @@ def test_decode_host_link_down_mid_stream_is_migrated(cluster):
     assert cluster.workers()[down["name"]]["migrations"] >= 1
     cluster.wait_healthy(set(ROLES))
     leaked = cluster.leaked_blocks()
-    record("a decode host's link down mid-stream (its streams migrate)", ok, failed, recovery_s(outs, down["at"]), leaked)
+    record(
+        "a decode host's link down mid-stream (its streams migrate)",
+        ok,
+        failed,
+        recovery_s(outs, down["at"]),
+        leaked,
+    )
     assert leaked == 0
     # A migrated request is one trace: the router's attempts on both decode hosts, its migration,
     # and the new decode host's prefill (by a prefill host, its KV transfer) and decode.
@@ -181,23 +209,39 @@ def test_restarted_worker_loses_its_stale_index_entries_then_rebuilds(cluster):
     t0 = time.monotonic()
     cluster.wait_healthy({name})
     # ... until the router sees the new process: its entries go before it serves anything.
-    wait_until(lambda: cluster.workers()[name]["kv_index_blocks"] == 0, 10, "the restarted worker's stale entries dropped")
+    wait_until(
+        lambda: cluster.workers()[name]["kv_index_blocks"] == 0,
+        10,
+        "the restarted worker's stale entries dropped",
+    )
     dropped_s = time.monotonic() - t0
     # It rebuilds from what the new process holds (snapshot, then events).
     for i in range(40, 48):
         before = _requests(cluster)
-        r = httpx.post(cluster.router.url + "/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": prompt(i, 100), "max_tokens": 2})
+        r = httpx.post(
+            cluster.router.url + "/v1/completions",
+            timeout=60,
+            json={"model": MODEL, "prompt": prompt(i, 100), "max_tokens": 2},
+        )
         assert r.status_code == 200, r.text
         if _requests(cluster)[name] > before[name]:
             break
     else:
         raise AssertionError(f"no request went to the restarted {name}")
-    wait_until(lambda: cluster.workers()[name]["kv_index_blocks"] == cluster.health(name)["prefix_cache_blocks"] > 0,
-               20, "the index to rebuild the restarted worker's blocks")
+    wait_until(
+        lambda: cluster.workers()[name]["kv_index_blocks"] == cluster.health(name)["prefix_cache_blocks"] > 0,
+        20,
+        "the index to rebuild the restarted worker's blocks",
+    )
     leaked = cluster.leaked_blocks()
-    record("a decode host killed mid-stream, then restarted", ok, failed, recovery_s(outs, killed["at"]), leaked,
-           f"its stale KV-index entries gone {dropped_s:.1f} s after it was up")
+    record(
+        "a decode host killed mid-stream, then restarted",
+        ok,
+        failed,
+        recovery_s(outs, killed["at"]),
+        leaked,
+        f"its stale KV-index entries gone {dropped_s:.1f} s after it was up",
+    )
     assert leaked == 0
 
 
@@ -246,20 +290,33 @@ def test_prefill_host_link_down_mid_transfer(cluster):
     cluster.wait_healthy(set(ROLES))
     leaked = cluster.leaked_blocks()
     dec = [cluster.health(n) for n in ("decode-a", "decode-b")]
-    delta = {k: sum(b[k] - a[k] for a, b in zip(dec0, dec)) for k in ("kv_transfers_failed_total",
-                                                                       "kv_local_prefill_fallbacks_total")}
-    record("a prefill host's link down while it writes a job's KV", ok, failed, recovery_s(outs, cut["at"]), leaked,
-           f"caught mid-transfer: {cut['caught']}; transfers failed {delta['kv_transfers_failed_total']}, "
-           f"local prefills {delta['kv_local_prefill_fallbacks_total']} (disagg.transfer_timeout_s 6)")
+    delta = {
+        k: sum(b[k] - a[k] for a, b in zip(dec0, dec))
+        for k in ("kv_transfers_failed_total", "kv_local_prefill_fallbacks_total")
+    }
+    record(
+        "a prefill host's link down while it writes a job's KV",
+        ok,
+        failed,
+        recovery_s(outs, cut["at"]),
+        leaked,
+        f"caught mid-transfer: {cut['caught']}; transfers failed {delta['kv_transfers_failed_total']}, "
+        f"local prefills {delta['kv_local_prefill_fallbacks_total']} (disagg.transfer_timeout_s 6)",
+    )
     assert leaked == 0
-    if cut["caught"]:       # the cut met a transfer: the decode side failed it (then retried or prefilled)
+    if cut["caught"]:  # the cut met a transfer: the decode side failed it (then retried or prefilled)
         assert delta["kv_transfers_failed_total"] > 0, delta
 
 
 @functools.lru_cache(maxsize=None)
 def _want_long(i: int) -> str:
     from pdserve import SamplingParams
-    return _offline().generate(prompt(i, 400), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0].text
+
+    return (
+        _offline()
+        .generate(prompt(i, 400), SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0]
+        .text
+    )
 
 
 def test_prefill_stopped_then_resumed(cluster):
@@ -272,7 +329,7 @@ def test_prefill_stopped_then_resumed(cluster):
         name, caught = SLOW_PREFILL, _mid_transfer(cluster)
         cluster.net.pause(cluster.procs[name], True)
         stopped.update(name=name, caught=caught, at=time.monotonic())
-        time.sleep(10)          # longer than every transfer deadline
+        time.sleep(10)  # longer than every transfer deadline
         cluster.net.pause(cluster.procs[name], False)
         stopped["resumed"] = True
 
@@ -289,8 +346,14 @@ def test_prefill_stopped_then_resumed(cluster):
         assert o.error is None and o.text == _want_long(60 + i), (i, o)
     cluster.wait_healthy(set(ROLES))
     leaked = cluster.leaked_blocks()
-    record("a prefill host stopped (SIGSTOP) mid-transfer for 10 s, then resumed", len(outs), 0,
-           recovery_s(outs, stopped["at"]), leaked, f"caught mid-transfer: {stopped['caught']}")
+    record(
+        "a prefill host stopped (SIGSTOP) mid-transfer for 10 s, then resumed",
+        len(outs),
+        0,
+        recovery_s(outs, stopped["at"]),
+        leaked,
+        f"caught mid-transfer: {stopped['caught']}",
+    )
     assert leaked == 0
 
 
@@ -303,9 +366,13 @@ def test_one_router_replica_loses_a_decode_host_the_other_still_reaches(cluster)
         cut["at"] = time.monotonic()
 
     try:
-        outs = cluster.load([prompt(i) for i in range(80, 88)], MAX_TOKENS, fault, routers=("router", "router-b"))
+        outs = cluster.load(
+            [prompt(i) for i in range(80, 88)], MAX_TOKENS, fault, routers=("router", "router-b")
+        )
         # During the cut: router-a has given up on decode-a, router-b still routes to it.
-        wait_until(lambda: not cluster.workers("router")[victim]["healthy"], 15, "router-a to see decode-a down")
+        wait_until(
+            lambda: not cluster.workers("router")[victim]["healthy"], 15, "router-a to see decode-a down"
+        )
         assert cluster.workers("router-b")[victim]["healthy"]
         before = cluster.workers("router-b")[victim]["requests"]
         got = [cluster.stream(prompt(i), 8, router="router-b") for i in range(90, 92)]
@@ -317,8 +384,14 @@ def test_one_router_replica_loses_a_decode_host_the_other_still_reaches(cluster)
     assert failed == 0
     cluster.wait_healthy(set(ROLES))
     leaked = cluster.leaked_blocks()
-    record("one router replica partitioned from a decode host, the other still reaching it", ok, failed,
-           recovery_s(outs, cut["at"]), leaked, "router-b kept routing to it")
+    record(
+        "one router replica partitioned from a decode host, the other still reaching it",
+        ok,
+        failed,
+        recovery_s(outs, cut["at"]),
+        leaked,
+        "router-b kept routing to it",
+    )
     assert leaked == 0
 
 
@@ -344,13 +417,24 @@ def _slow_link_load(cluster, host: str, first: int, routers=("router",), headers
         dec1 = [cluster.health(n) for n in ("decode-a", "decode-b")]
     finally:
         cluster.net.shape(cluster.host(host), None)
-    d = {k: sum(b[k] - a[k] for a, b in zip(dec0, dec1)) for k in (
-        "kv_transfers_failed_total", "kv_local_prefill_fallbacks_total", "kv_transfers_completed_total",
-        "kv_transfer_seconds_total")}
-    assert d["kv_transfers_failed_total"] == 0 and d["kv_local_prefill_fallbacks_total"] == 0, \
-        (d, cluster.warnings_since(mark))
+    d = {
+        k: sum(b[k] - a[k] for a, b in zip(dec0, dec1))
+        for k in (
+            "kv_transfers_failed_total",
+            "kv_local_prefill_fallbacks_total",
+            "kv_transfers_completed_total",
+            "kv_transfer_seconds_total",
+        )
+    }
+    assert d["kv_transfers_failed_total"] == 0 and d["kv_local_prefill_fallbacks_total"] == 0, (
+        d,
+        cluster.warnings_since(mark),
+    )
     assert d["kv_transfers_completed_total"] >= 6 and sent > 0, (d, sent)
-    return cluster.leaked_blocks(), {"kv_bytes": sent, "job_s": d["kv_transfer_seconds_total"] / d["kv_transfers_completed_total"]}
+    return cluster.leaked_blocks(), {
+        "kv_bytes": sent,
+        "job_s": d["kv_transfer_seconds_total"] / d["kv_transfers_completed_total"],
+    }
 
 
 def test_slow_link_layerwise(cluster):
@@ -358,11 +442,23 @@ def test_slow_link_layerwise(cluster):
     times out. (Whether layer-wise writes beat writing after the forward is measured on the real
     model by benchmarks/slow_link.py: with this 2-layer model the link alone sets both.)"""
     ws = cluster.workers()
-    assert httpx.post(f"{cluster.router.url}/admin/workers/{ws['prefill-b']['id']}/drain", timeout=5,
-                      headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+    assert (
+        httpx.post(
+            f"{cluster.router.url}/admin/workers/{ws['prefill-b']['id']}/drain",
+            timeout=5,
+            headers={"Authorization": f"Bearer {ADMIN}"},
+        ).status_code
+        == 200
+    )
     leaked, f = _slow_link_load(cluster, "prefill-a", 70)
-    record("a slow link: a prefill host at 8 Mbit/s, layer-wise writes", 6, 0, None, leaked,
-           f"{f['kv_bytes'] / 1e6:.1f} MB of KV; decode-side job {f['job_s']:.2f} s mean; no transfer failed")
+    record(
+        "a slow link: a prefill host at 8 Mbit/s, layer-wise writes",
+        6,
+        0,
+        None,
+        leaked,
+        f"{f['kv_bytes'] / 1e6:.1f} MB of KV; decode-side job {f['job_s']:.2f} s mean; no transfer failed",
+    )
     assert leaked == 0
 
 
@@ -376,9 +472,15 @@ def test_slow_link_after_the_forward(cluster):
     peer = cluster.health(SLOW_PREFILL)["kv_endpoint"]
     headers = {PREFILL_HEADER: peer, INTERNAL_TOKEN_HEADER: TOKEN}
     leaked, f = _slow_link_load(cluster, SLOW_PREFILL, 100, routers=("decode-a", "decode-b"), headers=headers)
-    assert cluster.health(SLOW_PREFILL)["kv_send_bytes_total"] > 0      # the restarted prefill-b did the work
-    record("a slow link: a prefill host at 8 Mbit/s, writes after the forward", 6, 0, None, leaked,
-           f"{f['kv_bytes'] / 1e6:.1f} MB of KV; decode-side job {f['job_s']:.2f} s mean; no transfer failed")
+    assert cluster.health(SLOW_PREFILL)["kv_send_bytes_total"] > 0  # the restarted prefill-b did the work
+    record(
+        "a slow link: a prefill host at 8 Mbit/s, writes after the forward",
+        6,
+        0,
+        None,
+        leaked,
+        f"{f['kv_bytes'] / 1e6:.1f} MB of KV; decode-side job {f['job_s']:.2f} s mean; no transfer failed",
+    )
     assert leaked == 0
 
 
@@ -390,6 +492,7 @@ def test_the_redis_tier_is_shared_across_hosts(cluster):
     if "redis" not in cluster.procs:
         pytest.skip("redis-server is not installed")
     import redis
+
     stats = {n: cluster.health(n) for n in ROLES}
     writers = [n for n, h in stats.items() if h.get("tier_remote_bytes_written_total", 0) > 0]
     assert len(writers) >= 2, {n: h.get("tier_remote_bytes_written_total") for n, h in stats.items()}

@@ -8,6 +8,7 @@ local) while four clients stream:
   the worker that joined, mid-generation, and their outputs do not change.
 Every decision is at GET /admin/controller (newest last, with time, action, worker, reason) and
 the actions are counted in /metrics."""
+
 from __future__ import annotations
 
 import os
@@ -15,25 +16,59 @@ import os
 import httpx
 import pytest
 import yaml
-from load_client import (ADMIN, MODEL, Load, admin, counter_sum, offline_outputs, pool_at_start, prompt, wait_for,
-                         workers)
+from load_client import (
+    ADMIN,
+    MODEL,
+    Load,
+    admin,
+    counter_sum,
+    offline_outputs,
+    pool_at_start,
+    prompt,
+    wait_for,
+    workers,
+)
 
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 
 pytestmark = pytest.mark.slow
 FRESH = [prompt(i) for i in range(100, 108)]
-LONG = 256      # replies long enough that a decode worker's requests are mostly generating
+LONG = 256  # replies long enough that a decode worker's requests are mostly generating
 
 
 def _deployment(tmp_path, name: str, prefill: int, decode: int, controller: dict) -> ServerProcess:
     cfg = tmp_path / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "router": {"admin_keys": [ADMIN], "health_period_s": 0.2},
-        "controller": {"enabled": True, "interval_s": 0.5, "sustain_intervals": 2, "cooldown_s": 3.0,
-                       "drain_timeout_s": 0.2, "min_workers": 2, "max_workers": 3, **controller}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "router": {"admin_keys": [ADMIN], "health_period_s": 0.2},
+                "controller": {
+                    "enabled": True,
+                    "interval_s": 0.5,
+                    "sustain_intervals": 2,
+                    "cooldown_s": 3.0,
+                    "drain_timeout_s": 0.2,
+                    "min_workers": 2,
+                    "max_workers": 3,
+                    **controller,
+                },
+            }
+        )
+    )
     port = free_port()
-    cmd = pdserve_cmd() + ["serve", "--model", MODEL, "--prefill", str(prefill), "--decode", str(decode),
-                           "--port", str(port), "--config", str(cfg)]
+    cmd = pdserve_cmd() + [
+        "serve",
+        "--model",
+        MODEL,
+        "--prefill",
+        str(prefill),
+        "--decode",
+        str(decode),
+        "--port",
+        str(port),
+        "--config",
+        str(cfg),
+    ]
     return ServerProcess(cmd, port, tmp_path / f"{name}.log")
 
 
@@ -58,7 +93,9 @@ def test_scale_down_empties_the_worker_first(tmp_path):
         assert {"time", "action", "worker", "reason", "inputs"} <= set(removed)
         gone = before[removed["worker"]]
         assert removed["worker"] not in workers(url)
-        wait_for(lambda: not os.path.exists(f"/proc/{gone['pid']}") or _zombie(gone["pid"]), "worker still running")
+        wait_for(
+            lambda: not os.path.exists(f"/proc/{gone['pid']}") or _zombie(gone["pid"]), "worker still running"
+        )
         assert load.errors == []
         assert load.wrong(want) == []
         for w in workers(url).values():
@@ -66,8 +103,11 @@ def test_scale_down_empties_the_worker_first(tmp_path):
         # At min_workers: it holds from now on, whatever the figures say.
         assert len(workers(url)) == 2 and len(_actions(url)) == 1
         # The reading after the removal may not have come yet (interval 0.5 s): wait for it.
-        last = wait_for(lambda: [d for d in admin(url, "GET", "/admin/controller").json()
-                                 if d["time"] > removed["time"]], "no reading after the scale-down", timeout=30)
+        last = wait_for(
+            lambda: [d for d in admin(url, "GET", "/admin/controller").json() if d["time"] > removed["time"]],
+            "no reading after the scale-down",
+            timeout=30,
+        )
         assert {d["action"] for d in last} == {"hold"}
         metrics = httpx.get(url + "/metrics").text
         assert 'pdserve_controller_actions_total{action="remove_decode",outcome="ok"} 1.0' in metrics
@@ -78,8 +118,9 @@ def test_scale_up_starts_a_worker_that_takes_requests(tmp_path):
     # SLOs every request misses: both pools hot, below max_workers, so the controller adds one (this
     # test is about adding: at max_workers it moves none, and min_workers keeps the idle end from
     # removing one).
-    with _deployment(tmp_path, "up", 1, 1, {"slo_ttft_ms": 0.001, "slo_tpot_ms": 0.001,
-                                                       "imbalance": 1e9, "min_workers": 3}) as srv:
+    with _deployment(
+        tmp_path, "up", 1, 1, {"slo_ttft_ms": 0.001, "slo_tpot_ms": 0.001, "imbalance": 1e9, "min_workers": 3}
+    ) as srv:
         srv.wait_ready(timeout=300)
         url = srv.url
         load = Load(url)
@@ -87,8 +128,11 @@ def test_scale_up_starts_a_worker_that_takes_requests(tmp_path):
             [added] = wait_for(lambda: _actions(url), "no scale-up", timeout=120)
             assert added["action"] in ("add_prefill", "add_decode") and added["ok"], added
             role = added["action"].split("_")[1]
-            new = wait_for(lambda: [w for w in workers(url).values() if w["healthy"] and w["id"].startswith(role + "@")],
-                           "the new worker never registered", timeout=180)
+            new = wait_for(
+                lambda: [w for w in workers(url).values() if w["healthy"] and w["id"].startswith(role + "@")],
+                "the new worker never registered",
+                timeout=180,
+            )
             # Fresh prompts, cached nowhere: the idle new worker is the cheapest place for them.
             fresh = Load(url, threads=4, prompts=FRESH)
             try:
@@ -100,7 +144,7 @@ def test_scale_up_starts_a_worker_that_takes_requests(tmp_path):
             load.finish()
         assert load.errors == [] and fresh.errors == []
         assert load.wrong(want) == [] and fresh.wrong(want_fresh) == []
-        assert len(workers(url)) == 3 and len(_actions(url)) == 1     # at max_workers: holds
+        assert len(workers(url)) == 3 and len(_actions(url)) == 1  # at max_workers: holds
         for w in workers(url).values():
             pool_at_start(w["url"])
 
@@ -109,16 +153,24 @@ def test_switch_to_decode_moves_streams_onto_the_new_decode_worker(tmp_path):
     want = offline_outputs(max_tokens=LONG)
     # Decode over its SLO, prefill far under it, the fleet at its size: one prefill worker switches
     # to decode, once (the cooldown outlasts the test).
-    with _deployment(tmp_path, "even", 2, 1, {"slo_ttft_ms": 1e7, "slo_tpot_ms": 0.001, "min_workers": 3,
-                                                "max_workers": 3, "cooldown_s": 1000.0}) as srv:
+    with _deployment(
+        tmp_path,
+        "even",
+        2,
+        1,
+        {"slo_ttft_ms": 1e7, "slo_tpot_ms": 0.001, "min_workers": 3, "max_workers": 3, "cooldown_s": 1000.0},
+    ) as srv:
         srv.wait_ready(timeout=300)
         url = srv.url
         [d1] = [i for i, w in workers(url).items() if w["role"] == "decode"]
-        load = Load(url, threads=8, max_tokens=LONG)     # eight streams on the one decode worker
+        load = Load(url, threads=8, max_tokens=LONG)  # eight streams on the one decode worker
         try:
             wait_for(lambda: workers(url)[d1]["load"]["in_flight"] >= 6, "the streams never piled up on d1")
-            acts = wait_for(lambda: [a for a in _actions(url) if a["action"] == "rebalance"] and _actions(url),
-                            "no rebalance after the switch", timeout=120)
+            acts = wait_for(
+                lambda: [a for a in _actions(url) if a["action"] == "rebalance"] and _actions(url),
+                "no rebalance after the switch",
+                timeout=120,
+            )
             load.progress(8, "no progress after the rebalance")
         finally:
             load.finish()
@@ -131,7 +183,10 @@ def test_switch_to_decode_moves_streams_onto_the_new_decode_worker(tmp_path):
         assert workers(url)[joined]["requests"] > 0
         moved = counter_sum(httpx.get(url + "/metrics").text, "pdserve_router_worker_moved_total")
         assert moved >= rebalance["inputs"]["moved"]
-        assert 'pdserve_controller_actions_total{action="rebalance",outcome="ok"} 1.0' in httpx.get(url + "/metrics").text
+        assert (
+            'pdserve_controller_actions_total{action="rebalance",outcome="ok"} 1.0'
+            in httpx.get(url + "/metrics").text
+        )
         for w in workers(url).values():
             pool_at_start(w["url"])
 

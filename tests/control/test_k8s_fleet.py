@@ -3,6 +3,7 @@ as on a laptop, against a local HTTP server that plays the API server (Deploymen
 subresource, pods) and records every call. Adding a worker scales the pool's Deployment up; removing
 one marks its pod (found by IP, in whichever pool's Deployment it started) with the lowest deletion
 cost, then scales that Deployment down."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,10 @@ from pdserve.router.registry import Breaker, Worker
 
 pytest.importorskip("kubernetes")
 NS = "serving"
-LABELS = {"prefill": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": "prefill"},
-          "decode": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": "decode"}}
+LABELS = {
+    "prefill": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": "prefill"},
+    "decode": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": "decode"},
+}
 
 
 class FakeAPI:
@@ -28,8 +31,10 @@ class FakeAPI:
 
     def __init__(self) -> None:
         self.replicas = {"pdserve-prefill": 1, "pdserve-decode": 2}
-        self.pods = {"pdserve-prefill": [("prefill-a", "10.0.0.5")],
-                     "pdserve-decode": [("decode-a", "10.0.0.7"), ("decode-b", "10.0.0.8")]}
+        self.pods = {
+            "pdserve-prefill": [("prefill-a", "10.0.0.5")],
+            "pdserve-decode": [("decode-a", "10.0.0.7"), ("decode-b", "10.0.0.8")],
+        }
         self.annotations: dict[str, dict] = {}
         self.calls: list[tuple[str, str, dict | None]] = []
         api = self
@@ -69,20 +74,39 @@ class FakeAPI:
                 if method == "PATCH":
                     self.replicas[name] = body["spec"]["replicas"]
                 r = self.replicas[name]
-                return {"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": name, "namespace": NS},
-                        "spec": {"replicas": r}, "status": {"replicas": r}}, 200
+                return {
+                    "apiVersion": "autoscaling/v1",
+                    "kind": "Scale",
+                    "metadata": {"name": name, "namespace": NS},
+                    "spec": {"replicas": r},
+                    "status": {"replicas": r},
+                }, 200
             labels = LABELS[name.removeprefix("pdserve-")]
-            return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": NS},
-                    "spec": {"replicas": self.replicas[name], "selector": {"matchLabels": labels},
-                             "template": {"metadata": {"labels": labels},
-                                          "spec": {"containers": [{"name": "worker"}]}}}}, 200
+            return {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": name, "namespace": NS},
+                "spec": {
+                    "replicas": self.replicas[name],
+                    "selector": {"matchLabels": labels},
+                    "template": {
+                        "metadata": {"labels": labels},
+                        "spec": {"containers": [{"name": "worker"}]},
+                    },
+                },
+            }, 200
         if parts[:5] == ["api", "v1", "namespaces", NS, "pods"]:
             if method == "PATCH":
                 self.annotations[parts[5]] = body["metadata"]["annotations"]
                 return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": parts[5]}}, 200
             want = dict(kv.split("=") for kv in query["labelSelector"][0].split(","))
-            name = next(n for n, labels in (("pdserve-" + r, lb) for r, lb in LABELS.items()) if labels == want)
-            items = [{"metadata": {"name": p, "labels": want}, "status": {"podIP": ip}} for p, ip in self.pods[name]]
+            name = next(
+                n for n, labels in (("pdserve-" + r, lb) for r, lb in LABELS.items()) if labels == want
+            )
+            items = [
+                {"metadata": {"name": p, "labels": want}, "status": {"podIP": ip}}
+                for p, ip in self.pods[name]
+            ]
             return {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}, 200
         return {"kind": "Status", "code": 404, "message": f"no route {path}"}, 404
 
@@ -94,13 +118,22 @@ class FakeAPI:
 def api(tmp_path, monkeypatch):
     fake = FakeAPI()
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": fake.url}}],
-        "users": [{"name": "ctl", "user": {"token": "t0ken"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "ctl", "namespace": NS}}]}))
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "fake",
+                "clusters": [{"name": "fake", "cluster": {"server": fake.url}}],
+                "users": [{"name": "ctl", "user": {"token": "t0ken"}}],
+                "contexts": [
+                    {"name": "fake", "context": {"cluster": "fake", "user": "ctl", "namespace": NS}}
+                ],
+            }
+        )
+    )
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)     # not in a cluster: the kubeconfig
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a cluster: the kubeconfig
     yield fake
     fake.close()
 
@@ -115,7 +148,8 @@ def test_add_scales_the_pools_deployment_up(api):
     assert out == "deployment/pdserve-prefill replicas=2" and api.replicas["pdserve-prefill"] == 2
     assert [(m, p) for m, p, _ in api.calls] == [
         ("GET", f"/apis/apps/v1/namespaces/{NS}/deployments/pdserve-prefill/scale"),
-        ("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/pdserve-prefill/scale")]
+        ("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/pdserve-prefill/scale"),
+    ]
     assert api.calls[1][2] == {"spec": {"replicas": 2}}
     # The new pod counts as starting until one more worker has registered.
     assert fleet.starting({"http://10.0.0.5:8000", "http://10.0.0.7:8000"}) == 1
@@ -155,7 +189,7 @@ def _verb_of(method: str, path: str) -> tuple[str, str, str | None, str]:
     """(apiGroup, resource, name, verb) of a recorded call, as the API server authorizes it."""
     parts = urlsplit(path).path.strip("/").split("/")
     group = "apps" if parts[0] == "apis" else ""
-    rest = parts[parts.index("namespaces") + 2:]
+    rest = parts[parts.index("namespaces") + 2 :]
     resource, name = rest[0], rest[1] if len(rest) > 1 else None
     if len(rest) > 2:
         resource += "/" + rest[2]
@@ -174,23 +208,35 @@ def test_rbac_allows_every_call_the_controller_makes_and_the_hpas_target_the_poo
     [role] = [d for d in docs if d["kind"] == "Role"]
     [binding] = [d for d in docs if d["kind"] == "RoleBinding"]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert {s["name"] for s in binding["subjects"]} == {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
+    assert {s["name"] for s in binding["subjects"]} == {
+        d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"
+    }
 
     def allowed(group, resource, name, verb) -> bool:
-        return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
-                   and (("resourceNames" not in r) or (name is not None and name in r["resourceNames"]))
-                   for r in role["rules"])
+        return any(
+            group in r["apiGroups"]
+            and resource in r["resources"]
+            and verb in r["verbs"]
+            and (("resourceNames" not in r) or (name is not None and name in r["resourceNames"]))
+            for r in role["rules"]
+        )
+
     calls = {_verb_of(m, p) for m, p, _ in api.calls}
     assert {c[3] for c in calls} == {"get", "list", "patch"}
     assert [c for c in calls if not allowed(*c)] == []
     # The HPAs scale the Deployments the main manifest defines, on a metric the router exports.
     deployments = {d["metadata"]["name"] for d in manifests() if d["kind"] == "Deployment"}
     hpas = list(yaml.safe_load_all((DEPLOY / "k8s" / "hpa.yaml").read_text()))
-    assert {h["spec"]["scaleTargetRef"]["name"] for h in hpas} == {"pdserve-prefill", "pdserve-decode"} <= deployments
+    assert (
+        {h["spec"]["scaleTargetRef"]["name"] for h in hpas}
+        == {"pdserve-prefill", "pdserve-decode"}
+        <= deployments
+    )
     metric = {m["external"]["metric"]["name"] for h in hpas for m in h["spec"]["metrics"]}
     assert metric == {"pdserve_controller_pressure"}
-    assert {h["spec"]["metrics"][0]["external"]["metric"]["selector"]["matchLabels"]["pool"] for h in hpas} == \
-        {"prefill", "decode"}
+    assert {
+        h["spec"]["metrics"][0]["external"]["metric"]["selector"]["matchLabels"]["pool"] for h in hpas
+    } == {"prefill", "decode"}
 
 
 def test_the_router_exports_the_pressure_with_the_controller_off():

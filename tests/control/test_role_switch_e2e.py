@@ -4,12 +4,23 @@ client. While they run, workers switch role through `POST /admin/workers/{id}/ro
 time to drain (its in-flight streams move to another decode worker mid-generation), one that drains.
 No request fails, every output equals the offline engine's, `/admin/workers` shows the new roles,
 and every worker's KV pool is back to its start."""
+
 from __future__ import annotations
 
 import httpx
 import pytest
 import yaml
-from load_client import ADMIN, MODEL, Load, admin, counter_sum, offline_outputs, pool_at_start, wait_for, workers
+from load_client import (
+    ADMIN,
+    MODEL,
+    Load,
+    admin,
+    counter_sum,
+    offline_outputs,
+    pool_at_start,
+    wait_for,
+    workers,
+)
 
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 
@@ -21,8 +32,19 @@ def test_role_switches_under_streaming_load(tmp_path):
     cfg = tmp_path / "pd.yaml"
     cfg.write_text(yaml.safe_dump({"router": {"admin_keys": [ADMIN], "health_period_s": 0.2}}))
     port = free_port()
-    cmd = pdserve_cmd() + ["serve", "--model", MODEL, "--prefill", "1", "--decode", "2", "--port", str(port),
-                           "--config", str(cfg)]
+    cmd = pdserve_cmd() + [
+        "serve",
+        "--model",
+        MODEL,
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--port",
+        str(port),
+        "--config",
+        str(cfg),
+    ]
     with ServerProcess(cmd, port, tmp_path / "pd.log") as srv:
         srv.wait_ready(timeout=300)
         url = srv.url
@@ -41,7 +63,9 @@ def test_role_switches_under_streaming_load(tmp_path):
         try:
             # 1. d1 -> prefill with no time to drain: its streams in flight move to d2 mid-generation.
             wait_for(lambda: workers(url)[d1]["load"]["in_flight"] > 0, "no stream reached d1")
-            r = admin(url, "POST", f"/admin/workers/{d1}/role", json={"role": "prefill", "drain_timeout_s": 0})
+            r = admin(
+                url, "POST", f"/admin/workers/{d1}/role", json={"role": "prefill", "drain_timeout_s": 0}
+            )
             assert r.status_code == 200, r.text
             assert r.json()["role"] == "prefill"
             # d2 is the last decode worker now: it may not switch away.
@@ -51,7 +75,9 @@ def test_role_switches_under_streaming_load(tmp_path):
             # 2. p1 -> decode, drained (its prefill jobs finish), then d2 -> prefill: the pools swap.
             r = admin(url, "POST", f"/admin/workers/{p1}/role", json={"role": "decode"})
             assert r.status_code == 200 and r.json()["role"] == "decode", r.text
-            r = admin(url, "POST", f"/admin/workers/{d2}/role", json={"role": "prefill", "drain_timeout_s": 0})
+            r = admin(
+                url, "POST", f"/admin/workers/{d2}/role", json={"role": "prefill", "drain_timeout_s": 0}
+            )
             assert r.status_code == 200 and r.json()["role"] == "prefill", r.text
             load.progress(4, "no progress after the swap")
             # 3. d1 back to decode.

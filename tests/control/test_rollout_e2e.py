@@ -9,6 +9,7 @@ four clients stream greedy completions through the official openai client:
   request fails and only the old version is left;
 - a new worker killed in its window (the failed health check): its streams move, it is retired.
 All run the real CLI process, talking to the router's admin API."""
+
 from __future__ import annotations
 
 import os
@@ -31,11 +32,28 @@ pytestmark = pytest.mark.slow
 
 def _deployment(tmp_path, prefill: int, decode: int) -> ServerProcess:
     cfg = tmp_path / "old.yaml"
-    cfg.write_text(yaml.safe_dump({"router": {"admin_keys": [ADMIN], "health_period_s": 0.2},
-                                   "controller": {"drain_timeout_s": 1.0}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "router": {"admin_keys": [ADMIN], "health_period_s": 0.2},
+                "controller": {"drain_timeout_s": 1.0},
+            }
+        )
+    )
     port = free_port()
-    cmd = pdserve_cmd() + ["serve", "--model", MODEL, "--prefill", str(prefill), "--decode", str(decode),
-                           "--port", str(port), "--config", str(cfg)]
+    cmd = pdserve_cmd() + [
+        "serve",
+        "--model",
+        MODEL,
+        "--prefill",
+        str(prefill),
+        "--decode",
+        str(decode),
+        "--port",
+        str(port),
+        "--config",
+        str(cfg),
+    ]
     return ServerProcess(cmd, port, tmp_path / "serve.log")
 
 
@@ -47,11 +65,17 @@ def _new_config(tmp_path) -> tuple[str, str]:
 
 
 def _rollout(url: str, config: str, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(pdserve_cmd() + ["rollout", "--config", config, "--router", url, "--admin-key", ADMIN, *flags],
-                          capture_output=True, text=True, timeout=400)
+    return subprocess.run(
+        pdserve_cmd() + ["rollout", "--config", config, "--router", url, "--admin-key", ADMIN, *flags],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
 
 
-def _rollout_under_load(url: str, config: str, after: str, *flags: str) -> tuple[Load, subprocess.CompletedProcess]:
+def _rollout_under_load(
+    url: str, config: str, after: str, *flags: str
+) -> tuple[Load, subprocess.CompletedProcess]:
     """A rollout run while streams flow, which must progress before it and after it ends (`after`)."""
     load = Load(url)
     try:
@@ -81,8 +105,21 @@ def test_a_rollout_under_load_replaces_every_worker(tmp_path):
         before = workers(url)
         old_versions = {w["version"] for w in before.values()}
         assert len(old_versions) == 1 and None not in old_versions and new_version not in old_versions
-        load, out = _rollout_under_load(url, new_cfg, "rollout", "--window-s", "1.5", "--canary-weight", "0.5",
-                                        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--max-error-rate", "0.2")
+        load, out = _rollout_under_load(
+            url,
+            new_cfg,
+            "rollout",
+            "--window-s",
+            "1.5",
+            "--canary-weight",
+            "0.5",
+            "--slo-ttft-ms",
+            "60000",
+            "--slo-tpot-ms",
+            "60000",
+            "--max-error-rate",
+            "0.2",
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         assert "rollout complete" in out.stdout and "[2/2]" in out.stdout, out.stdout
         # The canary: at weight 0.5, with the old decode worker still serving, the new one took requests.
@@ -114,8 +151,21 @@ def test_a_rollout_rolls_back_on_an_slo_breach(tmp_path):
         # Canary weight 0: the first new worker takes nothing (no request, nothing to judge: it
         # passes and its old worker leaves); the second is judged at weight 0.5 against a TTFT
         # SLO of a microsecond.
-        load, out = _rollout_under_load(url, new_cfg, "rollback", "--window-s", "3", "--canary-weight", "0",
-                                        "--slo-ttft-ms", "0.001", "--slo-tpot-ms", "60000", "--max-error-rate", "1")
+        load, out = _rollout_under_load(
+            url,
+            new_cfg,
+            "rollback",
+            "--window-s",
+            "3",
+            "--canary-weight",
+            "0",
+            "--slo-ttft-ms",
+            "0.001",
+            "--slo-tpot-ms",
+            "60000",
+            "--max-error-rate",
+            "1",
+        )
         assert out.returncode == 1, out.stdout + out.stderr
         assert "no request reached the new version" in out.stdout, out.stdout
         assert "SLO breach: TTFT p90" in out.stdout and "rolled back" in out.stdout, out.stdout
@@ -124,7 +174,7 @@ def test_a_rollout_rolls_back_on_an_slo_breach(tmp_path):
         after = workers(url)
         assert len(after) == 2 and {w["role"] for w in after.values()} == {"decode"}
         assert {w["version"] for w in after.values()} == {old_version}
-        assert len(set(after) & set(before)) == 1         # one old worker stayed, the other was started again
+        assert len(set(after) & set(before)) == 1  # one old worker stayed, the other was started again
         assert admin(url, "GET", "/admin/canary").json() == {"version": None, "weight": None}
         metrics = httpx.get(url + "/metrics").text
         assert f'pdserve_router_version_requests_total{{version="{new_version}"}}' in metrics
@@ -148,8 +198,15 @@ def test_a_new_worker_that_dies_in_its_window_is_rolled_back(tmp_path):
         killed: list[int] = []
 
         def kill_the_new_worker() -> None:
-            new = wait_for(lambda: [w for w in workers(url).values() if w["version"] == new_version and w["healthy"]
-                                    and w["load"]["in_flight"] > 0], "the new worker took no stream", timeout=300)
+            new = wait_for(
+                lambda: [
+                    w
+                    for w in workers(url).values()
+                    if w["version"] == new_version and w["healthy"] and w["load"]["in_flight"] > 0
+                ],
+                "the new worker took no stream",
+                timeout=300,
+            )
             os.kill(new[0]["pid"], signal.SIGKILL)
             killed.append(new[0]["pid"])
 
@@ -157,8 +214,20 @@ def test_a_new_worker_that_dies_in_its_window_is_rolled_back(tmp_path):
         try:
             load.progress(2, "no progress before the rollout")
             killer.start()
-            out = _rollout(url, new_cfg, "--window-s", "20", "--canary-weight", "1", "--slo-ttft-ms", "60000",
-                           "--slo-tpot-ms", "60000", "--max-error-rate", "1")
+            out = _rollout(
+                url,
+                new_cfg,
+                "--window-s",
+                "20",
+                "--canary-weight",
+                "1",
+                "--slo-ttft-ms",
+                "60000",
+                "--slo-tpot-ms",
+                "60000",
+                "--max-error-rate",
+                "1",
+            )
             killer.join(timeout=10)
             load.progress(4, "no progress after the rollback")
         finally:
@@ -170,7 +239,9 @@ def test_a_new_worker_that_dies_in_its_window_is_rolled_back(tmp_path):
         assert load.errors == []
         assert load.wrong(want) == []
         after = workers(url)
-        assert list(after) == list(before) and {w["version"] for w in after.values()} == {before[next(iter(before))]["version"]}
+        assert list(after) == list(before) and {w["version"] for w in after.values()} == {
+            before[next(iter(before))]["version"]
+        }
         assert admin(url, "GET", "/admin/canary").json() == {"version": None, "weight": None}
         pool_at_start(next(iter(after.values()))["url"])
 
@@ -186,7 +257,7 @@ def _worker_pids(parent: int) -> set[int]:
             cmd = open(f"/proc/{name}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if int(fields[1]) == parent and fields[0] not in "ZX" and b"worker" in cmd:
             out.add(int(name))
     return out

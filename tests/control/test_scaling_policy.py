@@ -2,18 +2,36 @@
 
 Each trace is a list of readings one interval apart; `replay` carries the state through `decide`
 and applies each action to the fleet's counts, as the controller would once it is carried out."""
+
 from __future__ import annotations
 
 from pdserve.config import ControllerConfig
 from pdserve.control.scaling_policy import ACTIONS, Decision, Params, Reading, State, decide
 
-P = Params.from_config(ControllerConfig(slo_ttft_ms=1000, slo_tpot_ms=100, high=1.0, low=0.5, sustain_intervals=3,
-                                        cooldown_s=20, min_workers=2, max_workers=4, kv_usage_high=0.9, imbalance=3.0))
+P = Params.from_config(
+    ControllerConfig(
+        slo_ttft_ms=1000,
+        slo_tpot_ms=100,
+        high=1.0,
+        low=0.5,
+        sustain_intervals=3,
+        cooldown_s=20,
+        min_workers=2,
+        max_workers=4,
+        kv_usage_high=0.9,
+        imbalance=3.0,
+    )
+)
 INTERVAL = 5.0
 
 
-def replay(trace: list[tuple[float | None, float | None]], n_prefill: int = 1, n_decode: int = 2,
-           params: Params = P, kv: float = 0.0) -> list[tuple[int, str]]:
+def replay(
+    trace: list[tuple[float | None, float | None]],
+    n_prefill: int = 1,
+    n_decode: int = 2,
+    params: Params = P,
+    kv: float = 0.0,
+) -> list[tuple[int, str]]:
     """trace: (ttft p90 ms, itl p90 ms) per interval. Returns (interval, action) of every non-hold."""
     state, acted = State(), []
     for i, (ttft, itl) in enumerate(trace):
@@ -24,12 +42,22 @@ def replay(trace: list[tuple[float | None, float | None]], n_prefill: int = 1, n
         acted.append((i, d.action))
         verb, role = d.action.split("_", 1)[0], d.action.rsplit("_", 1)[1]
         if verb == "switch":
-            n_prefill, n_decode = (n_prefill + 1, n_decode - 1) if role == "prefill" else (n_prefill - 1, n_decode + 1)
+            n_prefill, n_decode = (
+                (n_prefill + 1, n_decode - 1) if role == "prefill" else (n_prefill - 1, n_decode + 1)
+            )
         elif verb == "add":
-            n_prefill, n_decode = (n_prefill + 1, n_decode) if role == "prefill" else (n_prefill, n_decode + 1)
+            n_prefill, n_decode = (
+                (n_prefill + 1, n_decode) if role == "prefill" else (n_prefill, n_decode + 1)
+            )
         else:
-            n_prefill, n_decode = (n_prefill - 1, n_decode) if role == "prefill" else (n_prefill, n_decode - 1)
-        assert n_prefill >= 1 and n_decode >= 1 and params.min_workers <= n_prefill + n_decode <= params.max_workers
+            n_prefill, n_decode = (
+                (n_prefill - 1, n_decode) if role == "prefill" else (n_prefill, n_decode - 1)
+            )
+        assert (
+            n_prefill >= 1
+            and n_decode >= 1
+            and params.min_workers <= n_prefill + n_decode <= params.max_workers
+        )
     return acted
 
 
@@ -84,16 +112,20 @@ def test_sustained_prefill_pressure_takes_a_cold_decode_worker_once_then_cools_d
 
 
 def test_no_spare_decode_worker_adds_one_below_max_and_holds_at_max():
-    hot_both_ways = [(2000.0, 90.0)] * 6      # decode is busy (not cold): nothing to take from it
+    hot_both_ways = [(2000.0, 90.0)] * 6  # decode is busy (not cold): nothing to take from it
     assert replay(hot_both_ways, n_prefill=1, n_decode=2) == [(2, "add_prefill")]
-    assert replay(hot_both_ways, n_prefill=2, n_decode=2) == []          # at max_workers: hold
+    assert replay(hot_both_ways, n_prefill=2, n_decode=2) == []  # at max_workers: hold
 
 
 def test_phase_shifts_move_workers_back_and_forth_without_flapping():
     prompt_heavy = [(2500.0, 30.0)] * 10
     gen_heavy = [(200.0, 250.0)] * 10
-    acted = replay(prompt_heavy + gen_heavy + prompt_heavy, n_prefill=1, n_decode=2,
-                   params=Params(**{**P.__dict__, "max_workers": 3}))
+    acted = replay(
+        prompt_heavy + gen_heavy + prompt_heavy,
+        n_prefill=1,
+        n_decode=2,
+        params=Params(**{**P.__dict__, "max_workers": 3}),
+    )
     assert [a for _, a in acted] == ["switch_to_prefill", "switch_to_decode", "switch_to_prefill"], acted
     # Each switch comes 3 readings into its phase (sustain), never within the cooldown of another.
     assert [i for i, _ in acted] == [2, 12, 22]
@@ -103,7 +135,7 @@ def test_scale_down_waits_twice_as_long_and_stops_at_min_workers():
     idle = [(None, None)] * 40
     acted = replay(idle, n_prefill=2, n_decode=2)
     assert [a for _, a in acted] == ["remove_prefill", "remove_decode"], acted
-    assert acted[0][0] == 5                  # 2 x sustain readings
+    assert acted[0][0] == 5  # 2 x sustain readings
     # Back at min_workers (2): nothing more, however long it stays idle.
     assert replay(idle, n_prefill=1, n_decode=1) == []
 
@@ -122,8 +154,9 @@ def test_nothing_more_while_a_started_worker_has_not_registered():
         # The fleet stays hot; the worker added first takes 20 readings to register.
         starting = 1 if actions and i < 20 else 0
         n_decode = 2 if actions and i >= 20 else 1
-        d, state = decide(Reading(i * INTERVAL, 1, n_decode, hot.ttft_p90_ms, hot.itl_mean_ms, starting=starting),
-                          state, P)
+        d, state = decide(
+            Reading(i * INTERVAL, 1, n_decode, hot.ttft_p90_ms, hot.itl_mean_ms, starting=starting), state, P
+        )
         if d.action != "hold":
             actions.append((i, d.action))
         elif starting:
@@ -140,22 +173,28 @@ def test_controller_config_is_checked_at_load(tmp_path):
     import pytest
 
     from pdserve.config import ConfigError, load_config
-    assert load_config().controller.enabled is False            # off by default
+
+    assert load_config().controller.enabled is False  # off by default
     for overrides, key, needle in (
-            ({"controller.backend": "nomad"}, "controller.backend", "local, kubernetes"),
-            ({"controller.min_workers": 4, "controller.max_workers": 3}, "controller.min_workers", "max_workers"),
-            ({"controller.low": 1.0, "controller.high": 1.0}, "controller.low", "low < high"),
-            ({"controller.sustain_intervals": 0}, "controller.sustain_intervals", "at least 1"),
-            ({"controller.kv_usage_high": 1.5}, "controller.kv_usage_high", "from 0 to 1"),
-            ({"controller.interval_s": 0}, "controller.interval_s", "above 0")):
+        ({"controller.backend": "nomad"}, "controller.backend", "local, kubernetes"),
+        ({"controller.min_workers": 4, "controller.max_workers": 3}, "controller.min_workers", "max_workers"),
+        ({"controller.low": 1.0, "controller.high": 1.0}, "controller.low", "low < high"),
+        ({"controller.sustain_intervals": 0}, "controller.sustain_intervals", "at least 1"),
+        ({"controller.kv_usage_high": 1.5}, "controller.kv_usage_high", "from 0 to 1"),
+        ({"controller.interval_s": 0}, "controller.interval_s", "above 0"),
+    ):
         with pytest.raises(ConfigError) as e:
             load_config(None, overrides)
         [(k, msg)] = e.value.problems
         assert k == key and needle in msg, (k, msg)
     f = tmp_path / "c.yaml"
     f.write_text("controller:\n  enabled: true\n  min_workers: 5\n  max_workers: 3\n")
-    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "serve", "--config", str(f), "--dry-run"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--config", str(f), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and "controller.min_workers" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -182,20 +221,39 @@ def test_an_interval_without_first_tokens_under_load_is_not_a_cold_prefill_pool(
 def test_prefills_longer_than_an_interval_still_count_as_a_hot_pool():
     # A prompt-heavy phase where each prefill takes two intervals: every other reading has no first
     # token (TTFT unknown) while prompts queue. The unknown readings neither count nor break the run.
-    decisions, _ = decide_all([Reading(i * INTERVAL, 1, 3, 2500.0 if i % 2 else None, 20.0, running=2, waiting=4)
-                               for i in range(8)])
-    assert actions(decisions) == [(5, "switch_to_prefill")]   # the third hot reading, none contrary between
+    decisions, _ = decide_all(
+        [Reading(i * INTERVAL, 1, 3, 2500.0 if i % 2 else None, 20.0, running=2, waiting=4) for i in range(8)]
+    )
+    assert actions(decisions) == [(5, "switch_to_prefill")]  # the third hot reading, none contrary between
     # Cold readings as often as hot ones (two of each in turn): never three of the last four, noise never acts.
-    decisions, _ = decide_all([Reading(i * INTERVAL, 1, 3, ttft, 20.0, running=2, waiting=4) for i, ttft in
-                               enumerate([2500.0, None, 2500.0, 300.0, 300.0, 2500.0, None, 2500.0, 300.0, 300.0] * 3)])
+    decisions, _ = decide_all(
+        [
+            Reading(i * INTERVAL, 1, 3, ttft, 20.0, running=2, waiting=4)
+            for i, ttft in enumerate(
+                [2500.0, None, 2500.0, 300.0, 300.0, 2500.0, None, 2500.0, 300.0, 300.0] * 3
+            )
+        ]
+    )
     assert actions(decisions) == []
 
 
 def test_a_wait_for_a_first_token_past_the_slo_is_prefill_pressure_before_any_first_token():
     # Prompts queue behind one another: no first token comes for a while, but the oldest request has
     # waited past the TTFT SLO already, so the pool is hot without waiting for it to finish.
-    readings = [Reading(i * INTERVAL, 1, 3, None, 20.0, running=2, waiting=6, queued_prefill_tokens=3600,
-                        oldest_wait_ms=1200.0 + 1000.0 * i) for i in range(6)]
+    readings = [
+        Reading(
+            i * INTERVAL,
+            1,
+            3,
+            None,
+            20.0,
+            running=2,
+            waiting=6,
+            queued_prefill_tokens=3600,
+            oldest_wait_ms=1200.0 + 1000.0 * i,
+        )
+        for i in range(6)
+    ]
     decisions, _ = decide_all(readings)
     assert all(d.inputs["oldest_wait_ms"] == r.oldest_wait_ms for d, r in zip(decisions, readings))
     assert actions(decisions) == [(2, "switch_to_prefill")]
@@ -215,9 +273,10 @@ def test_the_controller_reads_the_mean_gap_and_the_oldest_wait_for_a_first_token
 
     from pdserve.control.controller import sum_count
     from pdserve.server.metrics import RequestTimer, ServerMetrics
+
     h = Histogram("gaps_seconds", "gaps", buckets=(0.1, 1.0), registry=CollectorRegistry())
     before = sum_count(h)
-    for gap in (0.05, 0.05, 0.05, 0.85):          # p90 in the top bucket; the mean is what TPOT bounds
+    for gap in (0.05, 0.05, 0.05, 0.85):  # p90 in the top bucket; the mean is what TPOT bounds
         h.observe(gap)
     total, n = (a - b for a, b in zip(sum_count(h), before))
     assert n == 4 and abs(total / n - 0.25) < 1e-9
@@ -226,7 +285,7 @@ def test_the_controller_reads_the_mean_gap_and_the_oldest_wait_for_a_first_token
     timer.start("a", 1.0)
     timer.start("b", 4.0)
     assert timer.oldest_wait(10.0) == 9.0
-    timer.first["a"] = 2.0                        # "a" has its first token: "b" is the oldest waiting
+    timer.first["a"] = 2.0  # "a" has its first token: "b" is the oldest waiting
     assert timer.oldest_wait(10.0) == 6.0
 
 
@@ -235,12 +294,16 @@ def test_a_count_carried_through_unknown_readings_acts_only_on_a_reading_that_kn
     # (no first token, no wait past the SLO) while decode stays hot. The carried prefill count must
     # not make prefill's unknown figure (read as 0) look "far less over" and move a worker to decode.
     readings = [Reading(i * INTERVAL, 2, 2, 2000.0, 200.0, running=4) for i in range(3)]
-    readings += [Reading((3 + i) * INTERVAL, 2, 2, None, 200.0, running=4, oldest_wait_ms=300.0) for i in range(6)]
+    readings += [
+        Reading((3 + i) * INTERVAL, 2, 2, None, 200.0, running=4, oldest_wait_ms=300.0) for i in range(6)
+    ]
     decisions, state = decide_all(readings)
     assert actions(decisions) == []
-    assert state.prefill_hot == 3                      # carried, not reset, for when prefill is known again
+    assert state.prefill_hot == 3  # carried, not reset, for when prefill is known again
     # Prefill known again and cold: now decode's sustained heat takes a prefill worker.
-    decisions, _ = decide_all([Reading((9 + i) * INTERVAL, 2, 2, 200.0, 200.0, running=4) for i in range(3)], state)
+    decisions, _ = decide_all(
+        [Reading((9 + i) * INTERVAL, 2, 2, 200.0, 200.0, running=4) for i in range(3)], state
+    )
     assert actions(decisions) == [(2, "switch_to_decode")]
 
 
@@ -249,31 +312,47 @@ def test_a_prefill_backlog_past_the_slo_is_pressure_before_any_request_waited_it
     # queue grew) and no request has yet waited past it, but the queue ahead of a prompt sent now
     # takes longer than the SLO at the pool's rate: the TTFT to come. It acts on the queue, three
     # readings in, where first tokens and waits would only cross the SLO a queue's length later.
-    readings = [Reading(i * INTERVAL, 1, 3, 800.0, 20.0, running=3, waiting=4, queued_prefill_tokens=1500,
-                        oldest_wait_ms=900.0, backlog_ms=1500.0 + 300.0 * i) for i in range(6)]
+    readings = [
+        Reading(
+            i * INTERVAL,
+            1,
+            3,
+            800.0,
+            20.0,
+            running=3,
+            waiting=4,
+            queued_prefill_tokens=1500,
+            oldest_wait_ms=900.0,
+            backlog_ms=1500.0 + 300.0 * i,
+        )
+        for i in range(6)
+    ]
     decisions, _ = decide_all(readings)
     assert all(d.inputs["backlog_ms"] == r.backlog_ms for d, r in zip(decisions, readings))
     assert actions(decisions) == [(2, "switch_to_prefill")]
     # A backlog under the SLO says nothing more than the first tokens do.
-    decisions, _ = decide_all([Reading(i * INTERVAL, 1, 3, 800.0, 20.0, running=3, backlog_ms=900.0) for i in range(12)])
+    decisions, _ = decide_all(
+        [Reading(i * INTERVAL, 1, 3, 800.0, 20.0, running=3, backlog_ms=900.0) for i in range(12)]
+    )
     assert actions(decisions) == []
 
 
 def test_the_prefill_backlog_is_the_least_queue_at_the_measured_rate():
     from pdserve.control.controller import PrefillBacklog
+
     b = PrefillBacklog()
-    assert b.update(0.0, {"p1": (0, 900)}) is None                 # nothing measured yet
+    assert b.update(0.0, {"p1": (0, 900)}) is None  # nothing measured yet
     # Busy throughout (queued at both readings): 600 tokens in 2 s, then 300 in 2 s -> 4 s / 900 tokens.
     assert b.update(2.0, {"p1": (600, 900)}) == 900 * 2.0 / 600
-    got = b.update(4.0, {"p1": (900, 1500), "p2": (0, 300)})      # p2 just joined: no sample from it yet
-    assert got is not None and abs(got - 300 * 4.0 / 900) < 1e-9   # the least-queued worker's queue
+    got = b.update(4.0, {"p1": (900, 1500), "p2": (0, 300)})  # p2 just joined: no sample from it yet
+    assert got is not None and abs(got - 300 * 4.0 / 900) < 1e-9  # the least-queued worker's queue
     # An idle interval (nothing queued before) is no measure of the rate; a prompt longer than an
     # interval (no tokens done, queued throughout) is busy time.
     b = PrefillBacklog()
     b.update(0.0, {"p1": (0, 0)})
     assert b.update(2.0, {"p1": (300, 300)}) is None
-    b.update(4.0, {"p1": (300, 600)})                              # queued at both, 0 tokens: 2 s busy
-    got = b.update(6.0, {"p1": (900, 600)})                        # 600 tokens in 2 s: 4 s / 600
+    b.update(4.0, {"p1": (300, 600)})  # queued at both, 0 tokens: 2 s busy
+    got = b.update(6.0, {"p1": (900, 600)})  # 600 tokens in 2 s: 4 s / 600
     assert got is not None and abs(got - 600 * 4.0 / 600) < 1e-9
 
 
@@ -281,17 +360,25 @@ def test_a_decode_forecast_past_the_slo_is_pressure_before_the_gap_crosses_it():
     # A generation-heavy phase building: the mean gap is still under the TPOT SLO (100 ms), but the
     # streams per decode worker grow fast enough that the gap forecast for a stream sent now is past it.
     # The prefill pool is cold (first tokens at 100 ms): it gives the decode pool a worker.
-    readings = [Reading(i * INTERVAL, 2, 1, 100.0, 60.0 + 5.0 * i, running=4 + 3 * i, itl_forecast_ms=120.0 + 10.0 * i)
-                for i in range(6)]
+    readings = [
+        Reading(
+            i * INTERVAL, 2, 1, 100.0, 60.0 + 5.0 * i, running=4 + 3 * i, itl_forecast_ms=120.0 + 10.0 * i
+        )
+        for i in range(6)
+    ]
     decisions, _ = decide_all(readings)
     assert all(d.inputs["itl_forecast_ms"] == r.itl_forecast_ms for d, r in zip(decisions, readings))
     assert actions(decisions) == [(2, "switch_to_decode")]
     # The same gaps without a forecast (the step cost not yet measured): nothing.
-    decisions, _ = decide_all([Reading(i * INTERVAL, 2, 1, 100.0, 60.0 + 5.0 * i, running=4 + 3 * i) for i in range(6)])
+    decisions, _ = decide_all(
+        [Reading(i * INTERVAL, 2, 1, 100.0, 60.0 + 5.0 * i, running=4 + 3 * i) for i in range(6)]
+    )
     assert actions(decisions) == []
     # A forecast over the cold band keeps the decode pool from looking spare: the hot prefill pool gets
     # a new worker instead of one of decode's (its gap now, 20 ms, alone would give one up).
-    decisions, _ = decide_all([Reading(i * INTERVAL, 1, 2, 2500.0, 20.0, running=2, itl_forecast_ms=70.0) for i in range(6)])
+    decisions, _ = decide_all(
+        [Reading(i * INTERVAL, 1, 2, 2500.0, 20.0, running=2, itl_forecast_ms=70.0) for i in range(6)]
+    )
     assert actions(decisions) == [(2, "add_prefill")]
     decisions, _ = decide_all([Reading(i * INTERVAL, 1, 2, 2500.0, 20.0, running=2) for i in range(6)])
     assert actions(decisions) == [(2, "switch_to_prefill")]
@@ -299,10 +386,11 @@ def test_a_decode_forecast_past_the_slo_is_pressure_before_the_gap_crosses_it():
 
 def test_the_decode_forecast_is_the_measured_step_cost_at_the_streams_to_come():
     from pdserve.control.controller import DecodeForecast
+
     f = DecodeForecast(horizon_s=10.0)
     # Gaps follow 50 ms + 5 ms a stream exactly; streams per worker grow by 1 a second (2 a reading).
     got = [f.update(2.0 * i, 2.0 * i + 1, 50.0 + 5.0 * (2.0 * i + 1)) for i in range(6)]
-    assert got[:3] == [None, None, None]              # fewer than 4 readings with a gap
+    assert got[:3] == [None, None, None]  # fewer than 4 readings with a gap
     # From the 4th (streams 1..7: a spread of 6): the step cost at 7 streams + 1/s x 10 s.
     assert got[3] is not None and abs(got[3] - (50.0 + 5.0 * 17)) < 1e-6
     assert got[5] is not None and abs(got[5] - (50.0 + 5.0 * 21)) < 1e-6

@@ -3,6 +3,7 @@ own arguments, environment (secrets filled in, the pod IP 127.0.0.1) and ConfigM
 ports, the model (a tiny one) and threads changed. Client keys, admin keys and the internal token
 together: the workers register themselves, a client key gets completions but no admin call,
 and every /metrics is scraped with no credentials, as Prometheus does."""
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,11 @@ SECRETS = {"internal-token": TOKEN, "api-keys": f"{CLIENT},sk-client-other", "ad
 
 
 def _container(component: str) -> dict:
-    [dep] = [d for d in manifests() if d["kind"] == "Deployment"
-             and d["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    [dep] = [
+        d
+        for d in manifests()
+        if d["kind"] == "Deployment" and d["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
     [c] = dep["spec"]["template"]["spec"]["containers"]
     return c
 
@@ -51,9 +55,16 @@ def _args(c: dict, config: Path, port: int, router_url: str | None) -> list[str]
         out.append(a)
         if a in ("--config", "--port", "--kv-port", "--kv-events-endpoint", "--router-url", "--threads"):
             v = args.pop(0)
-            out.append({"--config": str(config), "--port": str(port), "--kv-port": str(free_port()),
-                        "--router-url": router_url, "--threads": "1",
-                        "--kv-events-endpoint": re.sub(r":\d+$", f":{free_port()}", v)}.get(a, v))
+            out.append(
+                {
+                    "--config": str(config),
+                    "--port": str(port),
+                    "--kv-port": str(free_port()),
+                    "--router-url": router_url,
+                    "--threads": "1",
+                    "--kv-events-endpoint": re.sub(r":\d+$", f":{free_port()}", v),
+                }.get(a, v)
+            )
     return out
 
 
@@ -61,8 +72,13 @@ def _start(tmp: Path, component: str, config: Path, router_url: str | None = Non
     c = _container(component)
     port = free_port()
     # Ready when serving: the router's /metrics answers before workers register (its /health does not).
-    return ServerProcess(pdserve_cmd() + _args(c, config, port, router_url), port, tmp / f"{component}.log",
-                         env=_env(c), health_path="/metrics" if component == "router" else "/health")
+    return ServerProcess(
+        pdserve_cmd() + _args(c, config, port, router_url),
+        port,
+        tmp / f"{component}.log",
+        env=_env(c),
+        health_path="/metrics" if component == "router" else "/health",
+    )
 
 
 def test_the_manifests_secured_deployment_end_to_end(tmp_path):
@@ -76,13 +92,15 @@ def test_the_manifests_secured_deployment_end_to_end(tmp_path):
 
     with _start(tmp_path, "router", config) as router:
         router.wait_ready(timeout=180)
-        with _start(tmp_path, "prefill", config, router.url) as prefill, \
-                _start(tmp_path, "decode", config, router.url) as decode:
+        with (
+            _start(tmp_path, "prefill", config, router.url) as prefill,
+            _start(tmp_path, "decode", config, router.url) as decode,
+        ):
             prefill.wait_ready(timeout=300)
             decode.wait_ready(timeout=300)
             admin = {"Authorization": f"Bearer {ADMIN}"}
             deadline = time.monotonic() + 120
-            while True:       # the workers registered themselves with the internal token
+            while True:  # the workers registered themselves with the internal token
                 r = httpx.get(router.url + "/admin/workers", headers=admin, timeout=10)
                 assert r.status_code == 200, r.text
                 if sorted(w["role"] for w in r.json()["workers"] if w["healthy"]) == ["decode", "prefill"]:
@@ -91,31 +109,47 @@ def test_the_manifests_secured_deployment_end_to_end(tmp_path):
                 time.sleep(0.3)
 
             client = openai.OpenAI(base_url=router.url + "/v1", api_key=CLIENT, max_retries=0, timeout=120)
-            got = client.completions.create(model="tiny-qwen2", prompt="The deployment works:", max_tokens=5,
-                                             temperature=0, extra_body={"ignore_eos": True})
+            got = client.completions.create(
+                model="tiny-qwen2",
+                prompt="The deployment works:",
+                max_tokens=5,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             assert got.usage.completion_tokens == 5
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=router.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
 
             # The admin API: 401 without a key, 403 with a client key, 200 with an admin key.
             some = r.json()["workers"][0]["id"]
-            for method, path in (("GET", "/admin/workers"), ("POST", f"/admin/workers/{some}/drain"),
-                                 ("DELETE", f"/admin/workers/{some}")):
+            for method, path in (
+                ("GET", "/admin/workers"),
+                ("POST", f"/admin/workers/{some}/drain"),
+                ("DELETE", f"/admin/workers/{some}"),
+            ):
                 assert httpx.request(method, router.url + path, timeout=10).status_code == 401
-                r = httpx.request(method, router.url + path, headers={"Authorization": f"Bearer {CLIENT}"},
-                                  timeout=10)
+                r = httpx.request(
+                    method, router.url + path, headers={"Authorization": f"Bearer {CLIENT}"}, timeout=10
+                )
                 assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
             reg = {"worker_id": "rogue", "role": "decode", "model": "tiny-qwen2", "url": "http://127.0.0.1:9"}
-            r = httpx.post(router.url + "/admin/workers/register", json=reg, timeout=10,
-                           headers={"Authorization": f"Bearer {CLIENT}"})
+            r = httpx.post(
+                router.url + "/admin/workers/register",
+                json=reg,
+                timeout=10,
+                headers={"Authorization": f"Bearer {CLIENT}"},
+            )
             assert r.status_code == 403 and r.json()["error"]["code"] == "internal_token_required"
             assert httpx.post(router.url + "/admin/workers/register", json=reg, timeout=10).status_code == 401
             ids = [w["id"] for w in httpx.get(router.url + "/admin/workers", headers=admin).json()["workers"]]
             assert "rogue" not in ids and len(ids) == 2
 
             # Prometheus scrapes every pod without credentials; probes read /health the same way.
-            for srv, metric in ((router, "pdserve_router_worker_healthy"), (prefill, "pdserve_"),
-                                (decode, "pdserve_")):
+            for srv, metric in (
+                (router, "pdserve_router_worker_healthy"),
+                (prefill, "pdserve_"),
+                (decode, "pdserve_"),
+            ):
                 r = httpx.get(srv.url + "/metrics", timeout=10)
                 assert r.status_code == 200 and metric in r.text, (srv.url, r.status_code)
                 assert httpx.get(srv.url + "/health", timeout=10).status_code == 200

@@ -1,4 +1,5 @@
 """The board on which a pipelined chunk's worker waits for the earlier chunks' layers (disagg/pipeline.py)."""
+
 from __future__ import annotations
 
 import threading
@@ -11,7 +12,7 @@ def test_a_wait_ends_when_the_layer_arrives():
     board.arrived("t", 0)
     assert board.wait("t", 1, 0.0) and board.layers("t") == 1
     threading.Timer(0.05, board.arrived, ("t", 2)).start()
-    assert board.wait("t", 3, 30.0)                 # layer 2 implies layers 0-2
+    assert board.wait("t", 3, 30.0)  # layer 2 implies layers 0-2
     assert board.changed.is_set()
 
 
@@ -19,7 +20,7 @@ def test_a_wait_ends_at_its_deadline_or_on_a_cancel():
     board = ChunkBoard()
     assert not board.wait("t", 1, 0.05)
     threading.Timer(0.05, board.cancel, ("t",)).start()
-    assert not board.wait("t", 1, 30.0)             # returns on the cancel, long before the deadline
+    assert not board.wait("t", 1, 30.0)  # returns on the cancel, long before the deadline
     board.forget("t")
     board.arrived("t", 0)
     assert board.wait("t", 1, 0.0)

@@ -2,6 +2,7 @@
 real ZeroMQ sockets. Replies to endpoints a peer names use a bounded set of sockets; a frame
 larger than any legitimate one is dropped by ZeroMQ before the HMAC check; a token id or a field
 a peer gets wrong fails that request (blocks back in the pool), never the engine."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,8 @@ from pdserve.protocol import PD_ACCEPTED, PD_DONE, PD_FAILED, PD_PREFILL, pack
 from pdserve.server.roles import build_engine
 
 TOKEN = "s3cret-internal-token"
-PROMPT = prompts(3)[2]          # 20 tokens: 5 blocks of 4, prefilled remotely (more than 8)
-ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)     # the peer's token only
+PROMPT = prompts(3)[2]  # 20 tokens: 5 blocks of 4, prefilled remotely (more than 8)
+ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # the peer's token only
 
 
 def _fds() -> int:
@@ -35,8 +36,10 @@ def _frame(msg: dict, field: str, size: int) -> bytes:
     """`msg` packed into exactly `size` bytes, padded with its `field` (bytes or str)."""
     unit = msg[field][:0]
     msg = {**msg, field: unit * 0}
-    for _ in range(3):          # the length of the pad's msgpack header depends on the pad
-        msg[field] = unit.__class__(("a" if isinstance(unit, str) else b"\0") * (len(msg[field]) + size - len(pack(msg))))
+    for _ in range(3):  # the length of the pad's msgpack header depends on the pad
+        msg[field] = unit.__class__(
+            ("a" if isinstance(unit, str) else b"\0") * (len(msg[field]) + size - len(pack(msg)))
+        )
     data = pack(msg)
     assert len(data) == size
     return data
@@ -57,17 +60,17 @@ def test_reply_sockets_close_the_least_recently_used_and_the_idle_but_never_a_pi
         pinned = socks.pin(eps[0])
         for ep in eps[1:]:
             socks.get(ep)
-        assert len(socks) == 3 and socks.get(eps[0]) is pinned      # eps[1], eps[2] went first
+        assert len(socks) == 3 and socks.get(eps[0]) is pinned  # eps[1], eps[2] went first
         assert socks.closed_total == 2
         now[0] = 11.0
         socks.sweep()
-        assert len(socks) == 1 and socks.get(eps[0]) is pinned       # idle, but a writer holds it
+        assert len(socks) == 1 and socks.get(eps[0]) is pinned  # idle, but a writer holds it
         socks.unpin(eps[0])
         now[0] = 22.0
         socks.sweep()
         assert len(socks) == 0
         with pytest.raises(ValueError):
-            socks.get("http://example.com/")                        # not a ZeroMQ endpoint: no socket
+            socks.get("http://example.com/")  # not a ZeroMQ endpoint: no socket
     finally:
         socks.close()
 
@@ -80,7 +83,7 @@ def test_a_thousand_reply_endpoints_leave_the_prefill_workers_sockets_bounded():
     try:
         before = _fds()
         for ep in _closed_port_endpoints(1000):
-            peer.send(peer.job(PROMPT, transfer_id="", reply_endpoint=ep))     # refused: no transfer id
+            peer.send(peer.job(PROMPT, transfer_id="", reply_endpoint=ep))  # refused: no transfer id
         # The control, last on the same socket: an ordinary job is answered and runs.
         job = peer.job(PROMPT)
         peer.send(job)
@@ -102,11 +105,13 @@ def test_a_frame_larger_than_any_job_never_reaches_the_prefill_workers_hmac_chec
     assert 0 < limit < 64 << 20, limit
     ctx = zmq.Context.instance()
     try:
-        for size in (limit + 1, limit - 1):         # over the limit: dropped; under it: checked and refused
+        for size in (limit + 1, limit - 1):  # over the limit: dropped; under it: checked and refused
             s = ctx.socket(zmq.PUSH)
             s.setsockopt(zmq.LINGER, 1000)
             s.connect(prefill.engine.connector.endpoint)
-            s.send(_frame({"type": "prefill", "request_id": "big", "transfer_id": "x", "pad": b""}, "pad", size))
+            s.send(
+                _frame({"type": "prefill", "request_id": "big", "transfer_id": "x", "pad": b""}, "pad", size)
+            )
             s.close()
         # The one under the limit is rejected for its missing signature; the one over never arrived.
         _wait(lambda: prefill.engine.stats()["kv_messages_rejected_total"] >= 1, prefill.engine.stats)
@@ -119,9 +124,18 @@ def test_a_frame_larger_than_any_job_never_reaches_the_prefill_workers_hmac_chec
 @pytest.fixture
 def decode_with_peer():
     peer = PrefillPeer()
-    decode = Loop(build_engine(pd_config("decode", "tcp", overrides={"server.internal_token": TOKEN},
-                                         prefill_endpoints=[peer.endpoint], transfer_timeout_s=60,
-                                         quarantine_timeout_s=1.0)))
+    decode = Loop(
+        build_engine(
+            pd_config(
+                "decode",
+                "tcp",
+                overrides={"server.internal_token": TOKEN},
+                prefill_endpoints=[peer.endpoint],
+                transfer_timeout_s=60,
+                quarantine_timeout_s=1.0,
+            )
+        )
+    )
     yield decode, peer, TOKEN.encode()
     decode.stop()
     peer.close()
@@ -137,7 +151,13 @@ def test_a_frame_larger_than_any_kv_run_never_reaches_the_decode_workers_hmac_ch
     s.setsockopt(zmq.LINGER, 1000)
     s.connect(conn.endpoint)
     for size in (limit + 1, 1000):
-        s.send(_frame({"type": PD_DONE, "request_id": "x", "transfer_id": "y", "token": 1, "reason": ""}, "reason", size))
+        s.send(
+            _frame(
+                {"type": PD_DONE, "request_id": "x", "transfer_id": "y", "token": 1, "reason": ""},
+                "reason",
+                size,
+            )
+        )
     s.close()
     _wait(lambda: decode.engine.stats()["kv_messages_rejected_total"] >= 1, decode.engine.stats)
     time.sleep(0.5)
@@ -148,7 +168,7 @@ def _serve_one(decode: Loop, peer: PrefillPeer, key: bytes, rid: str, token: int
     """A request whose prefill peer answers its job with Accepted, then Done(token)."""
     decode.submit(lambda e: e.add_request(rid, PROMPT, ONE))
     job = peer.next_job()
-    while job["type"] != PD_PREFILL:        # the cancel of an earlier transfer
+    while job["type"] != PD_PREFILL:  # the cancel of an earlier transfer
         job = peer.next_job()
     ids = {"request_id": job["request_id"], "transfer_id": job["transfer_id"]}
     peer.send({"type": PD_ACCEPTED, **ids, "pid": os.getpid()}, key)
@@ -161,8 +181,11 @@ def _serve_one(decode: Loop, peer: PrefillPeer, key: bytes, rid: str, token: int
 def test_a_first_token_outside_the_vocabulary_fails_the_request_not_the_decode_engine(decode_with_peer, bad):
     decode, peer, key = decode_with_peer
     vocab = decode.engine.arch.vocab_size
-    token, logprob = {"vocab": (vocab, None), "negative": (-1, None),
-                      "logprob": (3, [3, -0.1, 1, [[3, -0.1], [vocab + 7, -2.0]]])}[bad]
+    token, logprob = {
+        "vocab": (vocab, None),
+        "negative": (-1, None),
+        "logprob": (3, [3, -0.1, 1, [[3, -0.1], [vocab + 7, -2.0]]]),
+    }[bad]
     _serve_one(decode, peer, key, "bad", token, logprob)
     assert decode.finished["bad"] == "error" and "outside the vocabulary" in decode.errors["bad"]
     assert decode.outputs.get("bad", []) == []
@@ -180,7 +203,7 @@ def test_a_peer_field_of_the_wrong_type_is_dropped_before_the_engine_sees_it(dec
     # The engine thread would look a pid up in /proc and add up the bytes.
     peer.send({"type": PD_ACCEPTED, **ids, "pid": "self"}, key)
     peer.send({"type": PD_DONE, **ids, "token": 1, "bytes": "many"}, key)
-    peer.send({"type": PD_ACCEPTED, **ids, "pid": os.getpid()}, key)     # the control
+    peer.send({"type": PD_ACCEPTED, **ids, "pid": os.getpid()}, key)  # the control
     peer.send({"type": PD_DONE, **ids, "token": 1}, key)
     decode.wait(["a"])
     assert decode.outputs["a"] == [1] and decode.finished["a"] == "length"
@@ -189,8 +212,17 @@ def test_a_peer_field_of_the_wrong_type_is_dropped_before_the_engine_sees_it(dec
 
 def test_a_pipelined_chunk_whose_done_is_out_of_range_fails_the_request_not_the_engine():
     peers = [PrefillPeer(), PrefillPeer()]
-    decode = Loop(build_engine(pd_config("decode", "auto", prefill_endpoints=[p.endpoint for p in peers],
-                                         parallel_prefill_min_tokens=8, quarantine_timeout_s=1.0)))
+    decode = Loop(
+        build_engine(
+            pd_config(
+                "decode",
+                "auto",
+                prefill_endpoints=[p.endpoint for p in peers],
+                parallel_prefill_min_tokens=8,
+                quarantine_timeout_s=1.0,
+            )
+        )
+    )
     try:
         vocab = decode.engine.arch.vocab_size
         decode.submit(lambda e: e.add_request("long", PROMPT, ONE))
@@ -202,7 +234,7 @@ def test_a_pipelined_chunk_whose_done_is_out_of_range_fails_the_request_not_the_
             p.send({"type": PD_DONE, **ids, "token": token})
         decode.wait(["long"])
         assert decode.finished["long"] == "error" and "outside the vocabulary" in decode.errors["long"]
-        decode.wait_idle()          # held until the quarantine deadline (the fake peers never ack)
+        decode.wait_idle()  # held until the quarantine deadline (the fake peers never ack)
         # The engine lives on: a short prompt is prefilled locally.
         decode.run([PROMPT[:6]], ONE)
         assert decode.finished["r0"] == "length"
@@ -213,10 +245,13 @@ def test_a_pipelined_chunk_whose_done_is_out_of_range_fails_the_request_not_the_
             p.close()
 
 
-@pytest.mark.parametrize("host, token, warned", [("127.0.0.1", None, False), ("0.0.0.0", None, True),
-                                                  ("0.0.0.0", TOKEN, False)])
+@pytest.mark.parametrize(
+    "host, token, warned", [("127.0.0.1", None, False), ("0.0.0.0", None, True), ("0.0.0.0", TOKEN, False)]
+)
 def test_a_kv_socket_open_beyond_loopback_without_a_token_is_warned_about(caplog, host, token, warned):
-    engine = build_engine(pd_config("prefill", "tcp", overrides={"server.host": host, "server.internal_token": token}))
+    engine = build_engine(
+        pd_config("prefill", "tcp", overrides={"server.host": host, "server.internal_token": token})
+    )
     try:
         assert any("no internal token is set" in r.getMessage() for r in caplog.records) == warned
     finally:

@@ -1,6 +1,7 @@
 """The decode worker trusts no peer message it cannot place: a real decode engine whose prefill
 peer is played by hand over real ZeroMQ sockets, and real prefill/decode pairs whose tokens or
 compatibility digests differ. Every path ends with the pool back at its start."""
+
 from __future__ import annotations
 
 import time
@@ -16,9 +17,9 @@ from pdserve.protocol import PD_ACCEPTED, PD_DONE
 from pdserve.server.roles import build_engine
 
 TOKEN = "s3cret-internal-token"
-PROMPT = prompts(3)[2]          # 20 tokens: 5 blocks of 4, prefilled remotely (more than 8)
+PROMPT = prompts(3)[2]  # 20 tokens: 5 blocks of 4, prefilled remotely (more than 8)
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)     # the peer's token only: no local KV
+ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # the peer's token only: no local KV
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +36,24 @@ def _wait_stat(loop: Loop, key: str, value: int, timeout: float = 30.0) -> None:
 
 def _block(loop: Loop, b: int) -> torch.Tensor:
     bs = loop.engine.block_size
-    return loop.engine.kv_cache[0, :, b * bs:(b + 1) * bs]
+    return loop.engine.kv_cache[0, :, b * bs : (b + 1) * bs]
 
 
 @pytest.fixture
 def decode_with_peer(request):
     token = getattr(request, "param", None)
     peer = PrefillPeer()
-    decode = Loop(build_engine(pd_config("decode", "tcp", overrides={"server.internal_token": token},
-                                         prefill_endpoints=[peer.endpoint], transfer_timeout_s=60)))
+    decode = Loop(
+        build_engine(
+            pd_config(
+                "decode",
+                "tcp",
+                overrides={"server.internal_token": token},
+                prefill_endpoints=[peer.endpoint],
+                transfer_timeout_s=60,
+            )
+        )
+    )
     yield decode, peer, token.encode() if token else None
     decode.stop()
     peer.close()
@@ -55,13 +65,13 @@ def test_messages_for_unknown_or_finished_transfers_and_foreign_blocks_are_dropp
     job = peer.next_job()
     rid, tid, own = job["request_id"], job["transfer_id"], job["dst_block_ids"]
     foreign = next(b for b in range(decode.engine.pool.num_blocks - 1, -1, -1) if b not in own)
-    frame = _block(decode, 0)[0].numel() * 4            # bytes of one block of one layer's K (float32)
+    frame = _block(decode, 0)[0].numel() * 4  # bytes of one block of one layer's K (float32)
     peer.send({"type": PD_ACCEPTED, "request_id": rid, "transfer_id": tid})
-    peer.send_layer(rid, "never-started", [(own[0], 1)], frame, 0xFF)       # a transfer id it never started
-    peer.send_layer(rid, tid, [(foreign, 1)], frame, 0xFF)                  # blocks not its own
-    peer.send_layer("nobody", tid, [(own[0], 1)], frame, 0xFF)              # a request it does not have
+    peer.send_layer(rid, "never-started", [(own[0], 1)], frame, 0xFF)  # a transfer id it never started
+    peer.send_layer(rid, tid, [(foreign, 1)], frame, 0xFF)  # blocks not its own
+    peer.send_layer("nobody", tid, [(own[0], 1)], frame, 0xFF)  # a request it does not have
     peer.send({"type": PD_DONE, "request_id": rid, "transfer_id": "never-started", "token": 7})
-    peer.send({"type": PD_DONE, "request_id": [rid], "transfer_id": tid, "token": 7})   # malformed: not a key
+    peer.send({"type": PD_DONE, "request_id": [rid], "transfer_id": tid, "token": 7})  # malformed: not a key
     # The control, after them on the same socket (processed in order): the live transfer's own
     # write lands and its PD_DONE completes it with its token.
     peer.send_layer(rid, tid, [(own[1], 1)], frame, 0x01)
@@ -103,8 +113,9 @@ def test_signed_pd_equals_mixed(loaded, backend):
     prompt_list = prompts(4)[1:]
     want = mixed_outputs(prompt_list, GREEDY, loaded)
     signed = {"server.internal_token": TOKEN}
-    with pd_pair(backend, prefill_config=pd_config("prefill", backend, overrides=signed),
-                 decode_overrides=signed) as (prefill, decode):
+    with pd_pair(
+        backend, prefill_config=pd_config("prefill", backend, overrides=signed), decode_overrides=signed
+    ) as (prefill, decode):
         decode.run(prompt_list, GREEDY)
         assert decode.outputs == want
         assert decode.engine.stats()["kv_transfers_completed_total"] == len(prompt_list)
@@ -117,21 +128,26 @@ def test_a_wrong_token_never_runs_a_job_and_the_request_is_prefilled_locally(loa
     # The prefill worker answers neither the job nor the cancel: the decode worker gives up on it
     # at the bootstrap deadline and, not knowing that nothing was written, holds the blocks until
     # the quarantine deadline.
-    with pd_pair(prefill_config=pd_config("prefill", overrides={"server.internal_token": "prefill's"}),
-                 decode_overrides={"server.internal_token": "decode's"}, quarantine_timeout_s=0.5,
-                 bootstrap_timeout_s=1.0) as (prefill, decode):
+    with pd_pair(
+        prefill_config=pd_config("prefill", overrides={"server.internal_token": "prefill's"}),
+        decode_overrides={"server.internal_token": "decode's"},
+        quarantine_timeout_s=0.5,
+        bootstrap_timeout_s=1.0,
+    ) as (prefill, decode):
         decode.run([PROMPT], GREEDY)
         assert decode.outputs["r0"] == want
         s = decode.engine.stats()
         assert (s["kv_transfers_failed_total"], s["kv_local_prefill_fallbacks_total"]) == (1, 1)
-        _wait_stat(prefill, "kv_messages_rejected_total", 2)        # the job, then the decode worker's cancel
+        _wait_stat(prefill, "kv_messages_rejected_total", 2)  # the job, then the decode worker's cancel
         assert prefill.engine.stats()["kv_prefill_jobs_total"] == 0
         decode.wait_idle()
         prefill.wait_idle()
 
 
-@pytest.mark.parametrize("prefill_overrides, field", [({"cache.block_size": 8}, "block_size"),
-                                                      ({"model.dtype": "bfloat16"}, "dtype")])
+@pytest.mark.parametrize(
+    "prefill_overrides, field",
+    [({"cache.block_size": 8}, "block_size"), ({"model.dtype": "bfloat16"}, "dtype")],
+)
 def test_an_incompatible_prefill_worker_fails_the_request_at_once(prefill_overrides, field):
     with pd_pair(prefill_config=pd_config("prefill", overrides=prefill_overrides)) as (prefill, decode):
         decode.run([PROMPT], GREEDY)
@@ -141,14 +157,17 @@ def test_an_incompatible_prefill_worker_fails_the_request_at_once(prefill_overri
         s, p = decode.engine.stats(), prefill.engine.stats()
         assert s["kv_local_prefill_fallbacks_total"] == 0 and s["prefill_tokens_computed"] == 0
         assert p["kv_prefill_jobs_total"] == 0 and p["kv_prefill_jobs_refused_total"] == 1
-        decode.wait_idle()          # the held blocks come back with the cancel's acknowledgement
+        decode.wait_idle()  # the held blocks come back with the cancel's acknowledgement
         prefill.wait_idle()
         assert decode.engine.stats()["kv_blocks_quarantined"] == 0
 
 
 def test_prefill_and_decode_may_quantize_their_weights_differently():
     # Seed 004 quantizes the decode role alone: the KV both compute has one layout and dtype.
-    with pd_pair(prefill_config=pd_config("prefill"), decode_overrides={"model.quantization": "int8"}) as (prefill, decode):
+    with pd_pair(prefill_config=pd_config("prefill"), decode_overrides={"model.quantization": "int8"}) as (
+        prefill,
+        decode,
+    ):
         decode.run([PROMPT], GREEDY)
         s = decode.engine.stats()
         assert (s["kv_transfers_completed_total"], s["kv_local_prefill_fallbacks_total"]) == (1, 0)

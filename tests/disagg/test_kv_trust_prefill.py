@@ -2,6 +2,7 @@
 hand-made jobs sent over real ZeroMQ sockets. A job without the internal token is never answered;
 a refused signed job is answered with PD_FAILED and a code; neither runs (no job counted, no token
 computed), and the pool stays as it was."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,7 @@ from pdserve.protocol import PD_ACCEPTED, PD_BAD_JOB, PD_DONE, PD_FAILED, PD_TOO
 from pdserve.server.roles import build_engine
 
 TOKEN = "s3cret-internal-token"
-PROMPT = prompts(3)[2]          # 20 tokens: 5 blocks of 4
+PROMPT = prompts(3)[2]  # 20 tokens: 5 blocks of 4
 
 
 def _prefill(backend: str = "tcp", token: str | None = None) -> Loop:
@@ -32,7 +33,11 @@ def _never_ran(prefill: Loop) -> None:
 def _refused(peer: DecodePeer, job: dict, code: str, key: bytes | None = None) -> dict:
     peer.send(job, key)
     reply = peer.next_reply()
-    assert (reply["type"], reply.get("code"), reply.get("transfer_id")) == (PD_FAILED, code, job["transfer_id"]), reply
+    assert (reply["type"], reply.get("code"), reply.get("transfer_id")) == (
+        PD_FAILED,
+        code,
+        job["transfer_id"],
+    ), reply
     return reply
 
 
@@ -62,7 +67,7 @@ def test_a_job_without_the_token_or_with_a_wrong_one_is_never_answered(signed_pr
     assert all(r.get("auth") for r in replies)
     s = prefill.engine.stats()
     assert s["kv_messages_rejected_total"] == 3 and s["kv_prefill_jobs_total"] == 1
-    assert s["kv_reply_sockets_open"] == 1          # the signed job's endpoint only
+    assert s["kv_reply_sockets_open"] == 1  # the signed job's endpoint only
     prefill.wait_idle()
 
 
@@ -71,7 +76,9 @@ def test_a_replayed_transfer_id_is_refused():
     peer = DecodePeer(prefill.engine)
     try:
         # Malformed ids are dropped (the engine thread keys on them) and the worker goes on.
-        peer.send({"type": "cancel", "request_id": ["x"], "transfer_id": "y", "reply_endpoint": peer.endpoint})
+        peer.send(
+            {"type": "cancel", "request_id": ["x"], "transfer_id": "y", "reply_endpoint": peer.endpoint}
+        )
         job = peer.job(PROMPT)
         peer.send(job)
         assert peer.until((PD_DONE, PD_FAILED))[-1]["type"] == PD_DONE
@@ -149,12 +156,14 @@ def test_a_job_whose_decode_pool_does_not_fit_this_model_is_refused(change):
     try:
         job = peer.job(PROMPT)
         shape = list(job["kv_shape"])
-        bad = {"heads": {"kv_shape": [*shape[:3], shape[3] * 2, shape[4]]},
-               "slots": {"kv_shape": [*shape[:2], 0, *shape[3:]]},
-               "layers": {"kv_shape": [shape[0] + 1, *shape[1:]]},
-               "elem_size": {"elem_size": job["elem_size"] * 2},
-               "start_block": {"dst_start_block": len(job["dst_block_ids"]) + 1},
-               "block_type": {"dst_block_ids": [0, 1, 2, 3, 4.0]}}[change]
+        bad = {
+            "heads": {"kv_shape": [*shape[:3], shape[3] * 2, shape[4]]},
+            "slots": {"kv_shape": [*shape[:2], 0, *shape[3:]]},
+            "layers": {"kv_shape": [shape[0] + 1, *shape[1:]]},
+            "elem_size": {"elem_size": job["elem_size"] * 2},
+            "start_block": {"dst_start_block": len(job["dst_block_ids"]) + 1},
+            "block_type": {"dst_block_ids": [0, 1, 2, 3, 4.0]},
+        }[change]
         _refused(peer, {**job, **bad}, PD_BAD_JOB)
         _never_ran(prefill)
     finally:

@@ -3,6 +3,7 @@
 Each engine steps on its own thread, as in a worker. Greedy outputs must equal the mixed engine's,
 over shm and tcp, and both pools must return to their starting state on every path.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,7 +25,7 @@ def loaded():
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
 def test_pd_equals_mixed(loaded, backend):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompt_list = prompts(6) + [prompts(6)[5][:6]]      # the last one is short: prefilled locally
+    prompt_list = prompts(6) + [prompts(6)[5][:6]]  # the last one is short: prefilled locally
     want = mixed_outputs(prompt_list, params, loaded)
 
     with pd_pair(backend) as (prefill, decode):
@@ -62,8 +63,13 @@ def test_silent_prefill_peer_falls_back_to_local(loaded):
     prompt = prompts(3)[2]
     want = mixed_outputs([prompt], params, loaded)["r0"]
     with silent_peer() as dead:
-        decode = Loop(build_engine(pd_config("decode", prefill_endpoints=[dead],
-                                             bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5)))
+        decode = Loop(
+            build_engine(
+                pd_config(
+                    "decode", prefill_endpoints=[dead], bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5
+                )
+            )
+        )
         try:
             decode.submit(lambda e: e.add_request("a", prompt, params))
             decode.wait(["a"])
@@ -80,8 +86,10 @@ def test_failed_peer_retries_on_next_prefill_worker(loaded):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt = prompts(4)[3]
     want = mixed_outputs([prompt], params, loaded)["r0"]
-    with silent_peer() as dead, pd_pair(peers_before=[dead], bootstrap_timeout_s=0.3,
-                                        quarantine_timeout_s=0.5) as (prefill, decode):
+    with (
+        silent_peer() as dead,
+        pd_pair(peers_before=[dead], bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5) as (prefill, decode),
+    ):
         decode.submit(lambda e: e.add_request("a", prompt, params))
         decode.wait(["a"])
         assert decode.outputs["a"] == want
@@ -96,10 +104,18 @@ def test_abort_while_loading_frees_every_block(loaded):
     """A client that goes away while its KV is in flight: the prefill side stops, the decode side
     holds the blocks until the cancel is acknowledged, then both pools are whole again."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    slow_prefill = load_config(None, {
-        "model.name": MODEL, "cache.device_blocks": 256, "cache.block_size": 4, "worker.role": "prefill",
-        "scheduler.max_num_batched_tokens": 64, "transfer.bandwidth_limit": 20000})
-    prompt = [(5 * j) % 250 + 1 for j in range(200)]       # 200 tokens x 512 B at 20 kB/s: ~5 s in flight
+    slow_prefill = load_config(
+        None,
+        {
+            "model.name": MODEL,
+            "cache.device_blocks": 256,
+            "cache.block_size": 4,
+            "worker.role": "prefill",
+            "scheduler.max_num_batched_tokens": 64,
+            "transfer.bandwidth_limit": 20000,
+        },
+    )
+    prompt = [(5 * j) % 250 + 1 for j in range(200)]  # 200 tokens x 512 B at 20 kB/s: ~5 s in flight
     with pd_pair(prefill_config=slow_prefill) as (prefill, decode):
         decode.submit(lambda e: e.add_request("a", prompt, params))
         deadline = time.monotonic() + 10
@@ -118,6 +134,7 @@ def test_abort_while_loading_frees_every_block(loaded):
 def test_parity_depends_on_the_transferred_kv(loaded, monkeypatch):
     """The control for the parity tests: with the layer writes dropped, outputs differ."""
     from pdserve.disagg import transport
+
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt_list = prompts(4)[1:]
     want = mixed_outputs(prompt_list, params, loaded)

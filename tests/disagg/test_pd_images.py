@@ -1,6 +1,7 @@
 """tiny-llava prompts with images through a prefill and a decode engine: the PrefillJob carries the
 images, the prefill worker encodes them, and the greedy output equals the mixed engine's; a repeated
 image is a prefix-cache hit on the decode worker; pools back to their start."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,13 +37,21 @@ def run_pd(prompts, overrides=None):
     """Outputs of the PD pair, and the two engines' stats at the end."""
     o = {**VLM, **(overrides or {})}
     with pd_pair(prefill_config=pd_config("prefill", overrides=o), decode_overrides=o) as (prefill, decode):
-        for i, (ids, images) in enumerate(prompts):     # one at a time: the third repeats the first's image
-            decode.submit(lambda e, i=i, ids=ids, images=images: e.add_request(f"r{i}", ids, GREEDY, images=images))
+        for i, (ids, images) in enumerate(prompts):  # one at a time: the third repeats the first's image
+            decode.submit(
+                lambda e, i=i, ids=ids, images=images: e.add_request(f"r{i}", ids, GREEDY, images=images)
+            )
             decode.wait([f"r{i}"])
         decode.wait_idle()
         prefill.wait_idle()
         assert not decode.errors, decode.errors
-        return decode.outputs, prefill.engine.stats(), decode.engine.stats(), prefill.engine.images, decode.engine.images
+        return (
+            decode.outputs,
+            prefill.engine.stats(),
+            decode.engine.stats(),
+            prefill.engine.images,
+            decode.engine.images,
+        )
 
 
 def test_pd_images_equal_mixed(prompts):
@@ -55,7 +64,7 @@ def test_pd_images_equal_mixed(prompts):
     assert dstats["prefix_cache_hit_tokens"] >= prompts[0][1][0].offset + 16 - 4
 
 
-@pytest.mark.slow      # the prefill worker spawns an encoder process
+@pytest.mark.slow  # the prefill worker spawns an encoder process
 def test_pd_images_through_encoder_workers_equal_mixed(prompts):
     """The prefill worker's images go to its encoder worker; the embeddings come back over ZeroMQ."""
     want = _mixed(prompts)

@@ -5,6 +5,7 @@ Greedy outputs of prefill + decode engines over nixl must equal the mixed engine
 travel over the tcp fallback, a job whose writes cannot start fails (the decode worker then
 prefills locally), and both pools must return to their starting state.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,13 +13,15 @@ import os
 import numpy as np
 import pytest
 
-os.environ.setdefault("UCX_MODULES", "^efa")       # before UCX loads: else a segfault at exit
-pytest.importorskip("nixl._api", reason="the nixl extra is not installed (pip install 'pdserve[nixl]')",
-                    exc_type=ImportError)      # ImportError too: a wheel whose libraries fail to load
+os.environ.setdefault("UCX_MODULES", "^efa")  # before UCX loads: else a segfault at exit
+pytest.importorskip(
+    "nixl._api", reason="the nixl extra is not installed (pip install 'pdserve[nixl]')", exc_type=ImportError
+)  # ImportError too: a wheel whose libraries fail to load
+
+from pd_harness import check_failed_job_falls_back_to_local, mixed_outputs, pd_pair, prompts  # noqa: E402
 
 from pdserve import SamplingParams  # noqa: E402
 from pdserve.disagg.transport import NixlEndpoint, NixlWriter  # noqa: E402
-from pd_harness import check_failed_job_falls_back_to_local, mixed_outputs, pd_pair, prompts  # noqa: E402
 
 
 def test_writer_places_runs_in_the_remote_pool_and_fails_loudly():
@@ -31,13 +34,13 @@ def test_writer_places_runs_in_the_remote_pool_and_fails_loudly():
         runs = [(0, 5, 2), (7, 20, 3)]
         for layer in range(3):
             assert w.write_layer("x", layer, runs) == 2 * (2 + 3) * bs * row
-        assert w.flush() and not w.flush()      # waited for the writes once, nothing left after
+        assert w.flush() and not w.flush()  # waited for the writes once, nothing left after
         want = np.zeros_like(dst)
         for s, d, k in runs:
-            want[:, :, d * bs:(d + k) * bs] = src[:, :, s * bs:(s + k) * bs]
+            want[:, :, d * bs : (d + k) * bs] = src[:, :, s * bs : (s + k) * bs]
         assert np.array_equal(dst, want)
         with pytest.raises(ValueError):
-            w.write_layer("x", 0, [(0, 23, 2)])            # past the end of the remote pool
+            w.write_layer("x", 0, [(0, 23, 2)])  # past the end of the remote pool
         bad = NixlWriter(src, bs, local, remote.metadata, remote.base + dst.nbytes, [3, 2, 24 * bs, 2, 8], 4)
         with pytest.raises(Exception, match="NOT_FOUND"):  # outside what the peer registered
             bad.write_layer("x", 0, runs)
@@ -48,14 +51,14 @@ def test_writer_places_runs_in_the_remote_pool_and_fails_loudly():
 
 def test_pd_nixl_equals_mixed():
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompt_list = prompts(10) + [prompts(6)[5][:6]]          # the last one is short: prefilled locally
+    prompt_list = prompts(10) + [prompts(6)[5][:6]]  # the last one is short: prefilled locally
     want = mixed_outputs(prompt_list, params)
     with pd_pair("nixl", 256) as (prefill, decode):
         decode.run(prompt_list, params)
         assert decode.outputs == want
         s = decode.engine.stats()
         assert s["kv_transfers_completed_total"] == 10 and s["kv_transfers_failed_total"] == 0
-        assert s["kv_recv_tcp_bytes_total"] == 0              # every byte came through NIXL
+        assert s["kv_recv_tcp_bytes_total"] == 0  # every byte came through NIXL
         sent = prefill.engine.stats()["kv_send_bytes_total"]
         assert sent > 0 and sent == s["kv_transfer_bytes_total"]
         decode.wait_idle()

@@ -4,6 +4,7 @@ Three engines on their own threads, joined by their KV connectors over real sock
 worker's shared-memory pool. Greedy output must equal the mixed engine's (so a single prefill
 worker's); every pool returns to its start, on success and when a chunk's worker fails.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -26,8 +27,19 @@ def loaded():
 
 def prefill_engine(loaded):
     # A chunk is computed in one step (the pipeline runs layer by layer within it).
-    return build_engine(load_config(None, {"model.name": MODEL, "cache.device_blocks": 96, "cache.block_size": 4,
-                                           "scheduler.max_num_batched_tokens": 256, "worker.role": "prefill"}), loaded)
+    return build_engine(
+        load_config(
+            None,
+            {
+                "model.name": MODEL,
+                "cache.device_blocks": 96,
+                "cache.block_size": 4,
+                "scheduler.max_num_batched_tokens": 256,
+                "worker.role": "prefill",
+            },
+        ),
+        loaded,
+    )
 
 
 @contextmanager
@@ -38,8 +50,11 @@ def pipeline(loaded, peers: list[str | None], **disagg):
     decode = None
     try:
         endpoints = [loops[i].engine.connector.endpoint if p is None else p for i, p in enumerate(peers)]
-        decode = Loop(build_engine(pd_config("decode", "auto", 96, prefill_endpoints=endpoints,
-                                             **{**PIPELINE, **disagg}), loaded))
+        decode = Loop(
+            build_engine(
+                pd_config("decode", "auto", 96, prefill_endpoints=endpoints, **{**PIPELINE, **disagg}), loaded
+            )
+        )
         yield decode, list(loops.values())
     finally:
         if decode is not None:
@@ -54,7 +69,9 @@ def long_prompts() -> list[list[int]]:
 
 def test_two_prefill_workers_in_a_pipeline_give_the_single_worker_output(loaded):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    prompt_list = long_prompts() + [[(3 * j) % 250 + 1 for j in range(20)]]    # the last one: below the threshold
+    prompt_list = long_prompts() + [
+        [(3 * j) % 250 + 1 for j in range(20)]
+    ]  # the last one: below the threshold
     want = mixed_outputs(prompt_list, params, loaded)
     with pipeline(loaded, [None, None]) as (decode, prefills):
         decode.run(prompt_list, params)
@@ -62,7 +79,7 @@ def test_two_prefill_workers_in_a_pipeline_give_the_single_worker_output(loaded)
         s = decode.engine.stats()
         assert s["kv_parallel_prefills_total"] == 3 and s["kv_parallel_prefill_chunks_total"] == 6
         assert s["kv_parallel_prefills_failed_total"] == 0 and s["kv_transfers_completed_total"] == 4
-        for p in prefills:      # both computed: each worker wrote chunks of the three long prompts
+        for p in prefills:  # both computed: each worker wrote chunks of the three long prompts
             assert p.engine.stats()["kv_send_bytes_total"] > 0
         decode.wait_idle()
         for p in prefills:
@@ -101,7 +118,7 @@ def test_a_silent_chunk_worker_falls_back_to_the_other_alone(loaded, silent_at):
             s = decode.engine.stats()
             assert s["kv_parallel_prefills_failed_total"] == 1 and s["kv_transfers_completed_total"] == 1
             assert s["kv_local_prefill_fallbacks_total"] == 0
-            decode.wait_idle()          # the held blocks came back on the live worker's acknowledgement
+            decode.wait_idle()  # the held blocks came back on the live worker's acknowledgement
             assert decode.engine.stats()["kv_blocks_quarantined"] == 0
             prefills[0].wait_idle()
 
@@ -109,6 +126,7 @@ def test_a_silent_chunk_worker_falls_back_to_the_other_alone(loaded, silent_at):
 def test_parity_depends_on_the_earlier_chunks_kv(loaded, monkeypatch):
     """The control: when the later chunk's worker does not copy the earlier chunk's KV in, outputs differ."""
     from pdserve.disagg import pipeline as pl
+
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt_list = long_prompts()
     want = mixed_outputs(prompt_list, params, loaded)

@@ -3,6 +3,7 @@ engine fails that job alone and tells the decode worker it was the request's own
 decode worker ends the request with the error (no local retry, the peer not marked down); both
 engines go on, the other requests keep the mixed engine's greedy tokens, and both pools return to
 their start."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,7 @@ def test_a_request_whose_sampling_breaks_fails_alone_on_both_engines(loaded, mon
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompt_list = prompts(3)
     want = mixed_outputs(prompt_list, params, loaded)
-    later = [[t % 250 + 2 for t in p] for p in prompt_list]      # not in either prefix cache
+    later = [[t % 250 + 2 for t in p] for p in prompt_list]  # not in either prefix cache
     want_later = mixed_outputs(later, params, loaded)
     # Neither engine checks values now: the NaN temperature reaches the prefill worker's sampler.
     monkeypatch.setattr(SamplingParams, "validate", lambda self, vocab_size=None: None)
@@ -43,7 +44,7 @@ def test_a_request_whose_sampling_breaks_fails_alone_on_both_engines(loaded, mon
         decode.outputs.clear()
         decode.finished.clear()
         done = decode.engine.stats()["kv_transfers_completed_total"]
-        decode.run(later, params)               # both engines still serve, through the transfer
+        decode.run(later, params)  # both engines still serve, through the transfer
         assert decode.outputs == want_later
         assert decode.engine.stats()["kv_transfers_completed_total"] == done + len(later)
         decode.wait_idle()

@@ -1,6 +1,7 @@
 """The decode worker tells the router who prefilled each request: its first output names the prefill
 worker whose KV it holds and the ones that failed the job (the router keeps each prefill worker's
 load and circuit breaker from this). Real engines on their threads, over real sockets."""
+
 from __future__ import annotations
 
 from pd_harness import Loop, pd_config, pd_pair, prompts, silent_peer
@@ -25,14 +26,18 @@ class FirstOutputs(Loop):
 
 
 def test_the_first_output_names_the_prefill_worker_and_those_that_failed():
-    with silent_peer() as dead, pd_pair(peers_before=[dead], decode_loop=FirstOutputs, bootstrap_timeout_s=0.3,
-                                        quarantine_timeout_s=0.5) as (prefill, decode):
+    with (
+        silent_peer() as dead,
+        pd_pair(
+            peers_before=[dead], decode_loop=FirstOutputs, bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5
+        ) as (prefill, decode),
+    ):
         good = prefill.engine.connector.endpoint
         long_prompt, short_prompt = prompts(4)[3], prompts(1)[0][:6]
-        decode.submit(lambda e: e.add_request("a", long_prompt, PARAMS))      # dead first, then good
+        decode.submit(lambda e: e.add_request("a", long_prompt, PARAMS))  # dead first, then good
         decode.wait(["a"])
         decode.submit(lambda e: e.add_request("b", long_prompt[::-1], PARAMS, prefill_peer=good))
-        decode.submit(lambda e: e.add_request("c", short_prompt, PARAMS))     # prefilled locally
+        decode.submit(lambda e: e.add_request("c", short_prompt, PARAMS))  # prefilled locally
         decode.wait(["b", "c"])
         a, b, c = (decode.first[r] for r in "abc")
         assert (a.prefilled_by, a.prefill_failures) == (good, [dead])
@@ -46,8 +51,13 @@ def test_the_first_output_names_the_prefill_worker_and_those_that_failed():
 
 def test_every_prefill_worker_failing_is_reported_with_the_local_fallback():
     with silent_peer() as dead:
-        decode = FirstOutputs(build_engine(pd_config("decode", prefill_endpoints=[dead],
-                                                     bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5)))
+        decode = FirstOutputs(
+            build_engine(
+                pd_config(
+                    "decode", prefill_endpoints=[dead], bootstrap_timeout_s=0.3, quarantine_timeout_s=0.5
+                )
+            )
+        )
         try:
             decode.submit(lambda e: e.add_request("a", prompts(3)[2], PARAMS))
             decode.wait(["a"])

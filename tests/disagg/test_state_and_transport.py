@@ -1,4 +1,5 @@
 """The pure parts of disaggregation: the transfer state machine, run coalescing, throttling, deploy config."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,20 +25,25 @@ def test_happy_path_and_deadlines():
     assert t.state == TransferState.WAITING and t.deadline == 10.5
     t.on("started", 3.0)
     t.on("progress", 4.0)
-    assert t.state == TransferState.TRANSFERRING and t.deadline == 6.0   # progress renews it
+    assert t.state == TransferState.TRANSFERRING and t.deadline == 6.0  # progress renews it
     t.on("done", 5.0)
     assert t.finished and t.deadline is None and not t.expired(1e9)
-    assert t.history == [TransferState.BOOTSTRAPPING, TransferState.WAITING, TransferState.TRANSFERRING,
-                         TransferState.TRANSFERRING, TransferState.DONE]
+    assert t.history == [
+        TransferState.BOOTSTRAPPING,
+        TransferState.WAITING,
+        TransferState.TRANSFERRING,
+        TransferState.TRANSFERRING,
+        TransferState.DONE,
+    ]
 
 
 def test_invalid_and_late_events():
     t = Transfer("r", Deadlines(), now=0.0)
     with pytest.raises(InvalidTransition):
-        t.on("done", 0.1)                   # nothing was accepted or started
+        t.on("done", 0.1)  # nothing was accepted or started
     t.fail("peer died", 0.2)
     assert t.state == TransferState.FAILED and t.reason == "peer died"
-    assert t.on("done", 0.3) == TransferState.FAILED    # late messages change nothing
+    assert t.on("done", 0.3) == TransferState.FAILED  # late messages change nothing
     t.fail("again", 0.4)
     assert t.reason == "peer died"
 
@@ -52,7 +58,7 @@ def test_bandwidth_limit_parsing_and_throttle():
     assert parse_bandwidth_limit(None, 1e10) is None
     assert parse_bandwidth_limit("25%", 8e9) == 2e9
     assert parse_bandwidth_limit(1e6, 8e9) == 1e6
-    now = [0.0]                             # a clock that moves only when the throttle sleeps
+    now = [0.0]  # a clock that moves only when the throttle sleeps
     slept: list[float] = []
 
     def sleep(s: float) -> None:
@@ -61,9 +67,9 @@ def test_bandwidth_limit_parsing_and_throttle():
 
     th = Throttle(1e6, clock=lambda: now[0], sleep=sleep)
     for _ in range(5):
-        th.consume(50_000)                  # 250 kB at 1 MB/s: 0.25 s
+        th.consume(50_000)  # 250 kB at 1 MB/s: 0.25 s
     assert sum(slept) == pytest.approx(0.25) and len(slept) == 5
-    now[0] += 10.0                          # idle: the next burst is not owed to the past
+    now[0] += 10.0  # idle: the next burst is not owed to the past
     th.consume(50_000)
     assert len(slept) == 5
     th.consume(50_000)
@@ -73,6 +79,7 @@ def test_bandwidth_limit_parsing_and_throttle():
 
 def test_shm_writer_copies_runs_between_pools_of_different_sizes():
     import torch
+
     arch = TINY_CONFIGS["tiny-llama"]
     src_t = allocate_kv_cache(arch, 8, 4, torch.float32)
     src_t.normal_()
@@ -83,8 +90,8 @@ def test_shm_writer_copies_runs_between_pools_of_different_sizes():
     for layer in range(arch.num_layers):
         w.write_layer("r", layer, runs)
     for s, d in ((1, 10), (2, 11), (5, 3)):
-        assert torch.equal(dst_t[:, :, d * 4:(d + 1) * 4], src_t[:, :, s * 4:(s + 1) * 4])
-    assert not dst_t[:, :, 0:4].any()       # untouched blocks stay as they were
+        assert torch.equal(dst_t[:, :, d * 4 : (d + 1) * 4], src_t[:, :, s * 4 : (s + 1) * 4])
+    assert not dst_t[:, :, 0:4].any()  # untouched blocks stay as they were
     w.close()
     path.unlink()
 
@@ -101,6 +108,7 @@ def test_deploy_examples_and_counts():
 
 def test_raw_view_is_the_same_memory():
     import torch
+
     kv = torch.zeros(2, 2, 8, 1, 4, dtype=torch.bfloat16)
     raw = raw_bytes_view(kv)
     assert raw.shape == (2, 2, 8, 1, 8) and raw.dtype == np.uint8

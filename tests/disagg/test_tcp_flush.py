@@ -1,6 +1,7 @@
 """A tcp KV writer whose decode peer takes no bytes (nothing listens: a partition looks the same to
 the sender) fails its flush within its timeout, instead of holding the prefill worker's one sender
 thread, and with it every other transfer, for half a minute; a live peer's flush succeeds."""
+
 from __future__ import annotations
 
 import socket
@@ -37,7 +38,7 @@ def test_flush_to_a_peer_that_takes_nothing_fails_in_time():
         with pytest.raises(TimeoutError, match="not taken"):
             w.flush()
         assert time.monotonic() - t0 < 5
-        assert w.flush() is False          # nothing left to wait for
+        assert w.flush() is False  # nothing left to wait for
     finally:
         push.close(0)
 

@@ -1,6 +1,7 @@
 """A job queued at a prefill peer: the decode side gives up on a peer silent for its silence limit
 (partitioned, stopped) instead of the whole queue timeout; keepalives (re-sent "accepted") keep a
 busy peer's job alive, up to the queue timeout; the prefill side's own clock is unchanged."""
+
 from __future__ import annotations
 
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
@@ -13,7 +14,7 @@ def test_a_silent_peer_is_given_up_after_the_silence_limit():
     t = Transfer("r", DECODE, 0.0)
     assert t.on("accepted", 1.0) == TransferState.WAITING
     assert not t.expired(6.9)
-    assert t.expired(7.1)               # 6 s of silence, not 30
+    assert t.expired(7.1)  # 6 s of silence, not 30
 
 
 def test_keepalives_hold_a_queued_job_until_the_queue_timeout():
@@ -24,7 +25,7 @@ def test_keepalives_hold_a_queued_job_until_the_queue_timeout():
         now += 2.0
         assert not t.expired(now)
         assert t.on("accepted", now) == TransferState.WAITING
-    assert t.expired(31.1)              # queued since 1.0: the queue timeout still bounds it
+    assert t.expired(31.1)  # queued since 1.0: the queue timeout still bounds it
     t2 = Transfer("r2", DECODE, 0.0)
     t2.on("accepted", 1.0)
     t2.on("accepted", 3.0)

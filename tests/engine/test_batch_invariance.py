@@ -1,16 +1,29 @@
 """Each prompt's greedy output is the same alone, in a batch, chunked, and under preemption."""
+
 from __future__ import annotations
 
 import pytest
 
 from pdserve import LLM, SamplingParams
 
-QUESTIONS = ["What is the capital of Italy?", "Name a famous painter.", "Why is the sky blue?",
-             "Write one sentence about cats.", "What is 2 plus 2?", "Describe a rainy day.",
-             "What do bees make?", "Tell me a fun fact about space.", "How do plants drink water?",
-             "What is a prime number?", "Suggest a name for a dog.", "What language is spoken in Brazil?",
-             "Give me a synonym for happy.", "What is the boiling point of water?",
-             "Who wrote Romeo and Juliet?", "What is the largest ocean?"]
+QUESTIONS = [
+    "What is the capital of Italy?",
+    "Name a famous painter.",
+    "Why is the sky blue?",
+    "Write one sentence about cats.",
+    "What is 2 plus 2?",
+    "Describe a rainy day.",
+    "What do bees make?",
+    "Tell me a fun fact about space.",
+    "How do plants drink water?",
+    "What is a prime number?",
+    "Suggest a name for a dog.",
+    "What language is spoken in Brazil?",
+    "Give me a synonym for happy.",
+    "What is the boiling point of water?",
+    "Who wrote Romeo and Juliet?",
+    "What is the largest ocean?",
+]
 PARAMS = SamplingParams(temperature=0, max_tokens=24)
 
 
@@ -27,7 +40,7 @@ def alone(smollm_llm, prompts):
 def _check(llm: LLM, prompts, expected) -> list:
     free = llm.engine.pool.num_free
     outs = llm.generate(prompts, PARAMS)
-    assert [o.token_ids for o in outs[:len(expected)]] == expected
+    assert [o.token_ids for o in outs[: len(expected)]] == expected
     assert llm.engine.pool.num_free == free == llm.engine.pool.num_blocks
     return outs
 

@@ -2,6 +2,7 @@
 on the internal API) and never reads the first one's tokens; the first goes on undisturbed, and the
 id is free again once it finished. (The internal API over real processes: tests/router/
 test_hostile_requests_e2e.py.)"""
+
 from __future__ import annotations
 
 import asyncio

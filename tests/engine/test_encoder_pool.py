@@ -2,6 +2,7 @@
 give the same greedy output as in the engine process, jobs spread over the encoders, and an
 image an encoder cannot read or an encoder that never answers ends the request with an error
 (by vision.encode_timeout_s), never a hang; pools back to start."""
+
 from __future__ import annotations
 
 import time
@@ -47,12 +48,14 @@ def _run(llm, rid_prompts):
     return outs, errors
 
 
-@pytest.mark.slow      # two spawned processes load the model
+@pytest.mark.slow  # two spawned processes load the model
 def test_encoder_processes_equal_in_process(loaded):
     local = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256)
     convs = [image_chat(1), image_chat(2, 3), image_chat(4)]
     want = [o.token_ids for o in local.chat(convs, GREEDY)]
-    pooled = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256, vision__encoder_processes=2)
+    pooled = LLM(
+        model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256, vision__encoder_processes=2
+    )
     try:
         prompts = {f"r{i}": pooled._chat_prompt(c) for i, c in enumerate(convs)}
         got, errors = _run(pooled, prompts)
@@ -75,8 +78,14 @@ def test_an_encoder_that_never_answers_fails_the_request_by_its_deadline(loaded)
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     try:
-        llm = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256,
-                  vision__encoder_endpoints=[f"tcp://127.0.0.1:{port}"], vision__encode_timeout_s=0.5)
+        llm = LLM(
+            model="tiny-llava",
+            loaded=loaded,
+            block_size=4,
+            device_blocks=256,
+            vision__encoder_endpoints=[f"tcp://127.0.0.1:{port}"],
+            vision__encode_timeout_s=0.5,
+        )
         _, errors = _run(llm, {"r": llm._chat_prompt(image_chat(1))})
         assert "within 0.5 s" in errors["r"]
         assert llm.engine.pool.num_free == llm.engine.pool.num_blocks and not llm.engine.images.pending
@@ -84,7 +93,7 @@ def test_an_encoder_that_never_answers_fails_the_request_by_its_deadline(loaded)
         sock.close(0)
 
 
-@pytest.mark.slow      # a `pdserve encoder` process loads the model
+@pytest.mark.slow  # a `pdserve encoder` process loads the model
 def test_a_pdserve_encoder_process_serves_remote_engines(loaded, tmp_path):
     import subprocess
 
@@ -92,12 +101,23 @@ def test_a_pdserve_encoder_process_serves_remote_engines(loaded, tmp_path):
 
     port = free_port()
     log = open(tmp_path / "encoder.log", "w")
-    proc = subprocess.Popen(pdserve_cmd() + ["encoder", "--model", "tiny-llava", "--bind", f"tcp://127.0.0.1:{port}",
-                                             "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        pdserve_cmd()
+        + ["encoder", "--model", "tiny-llava", "--bind", f"tcp://127.0.0.1:{port}", "--threads", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
-        want = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256).chat(image_chat(8), GREEDY)[0]
-        remote = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256,
-                     vision__encoder_endpoints=[f"tcp://127.0.0.1:{port}"])
+        want = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256).chat(
+            image_chat(8), GREEDY
+        )[0]
+        remote = LLM(
+            model="tiny-llava",
+            loaded=loaded,
+            block_size=4,
+            device_blocks=256,
+            vision__encoder_endpoints=[f"tcp://127.0.0.1:{port}"],
+        )
         got, errors = _run(remote, {"r": remote._chat_prompt(image_chat(8))})
         assert not errors and got["r"] == want.token_ids
         assert remote.engine.images.pool.jobs_total == 1
@@ -111,13 +131,13 @@ def test_with_an_internal_token_encoders_answer_only_signed_jobs():
     from vlm_images import image_bytes
 
     from pdserve.config import load_config
-    from pdserve.utils.signing import sign, verified
     from pdserve.engine.encoder_worker import EncoderWorker, encoder_key
+    from pdserve.utils.signing import sign, verified
 
     config = load_config(None, {"model.name": "tiny-llava", "server.internal_token": "s3cret"})
     worker, key = EncoderWorker(config), encoder_key(config)
     job = {"type": "encode", "job": "j1", "images": [image_bytes(1)]}
-    assert worker.answer(job) is None           # never answered, never encoded
+    assert worker.answer(job) is None  # never answered, never encoded
     assert worker.answer(sign(job, encoder_key(load_config(None, {"server.internal_token": "x"})))) is None
     assert worker.jobs_total == 0 and worker.rejected_total == 2
     ok = worker.answer(sign(job, key))
@@ -169,13 +189,24 @@ def test_an_encoder_answer_of_the_wrong_shape_or_values_fails_the_request_not_th
         embeds = [rows.tobytes()[:-4] if bad == "size" else rows.tobytes()] * n
         if bad == "types":
             shape, embeds = ["x", None], [1] * n
-        return {"type": "embeds", "job": job["job"], "shape": shape, "dtype": "float32", "error": None,
-                "embeds": embeds}
+        return {
+            "type": "embeds",
+            "job": job["job"],
+            "shape": shape,
+            "dtype": "float32",
+            "error": None,
+            "embeds": embeds,
+        }
 
     enc = _FakeEncoder(answer)
     try:
-        llm = LLM(model="tiny-llava", loaded=loaded, block_size=4, device_blocks=256,
-                  vision__encoder_endpoints=[enc.endpoint])
+        llm = LLM(
+            model="tiny-llava",
+            loaded=loaded,
+            block_size=4,
+            device_blocks=256,
+            vision__encoder_endpoints=[enc.endpoint],
+        )
         _, errors = _run(llm, {"r": llm._chat_prompt(image_chat(1))})
         assert "the encoder answered" in errors["r"], errors
         assert llm.engine.pool.num_free == llm.engine.pool.num_blocks and not llm.engine.images.pending
@@ -196,7 +227,9 @@ def test_an_encoder_takes_no_frame_larger_than_its_images_can_be():
     from pdserve.engine.encoder_worker import EncoderWorker
     from pdserve.protocol import pack, unpack
 
-    config = load_config(None, {"model.name": "tiny-llava", "vision.max_images": 1, "vision.max_image_bytes": 4096})
+    config = load_config(
+        None, {"model.name": "tiny-llava", "vision.max_images": 1, "vision.max_image_bytes": 4096}
+    )
     worker, stop = EncoderWorker(config), threading.Event()
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
@@ -205,7 +238,7 @@ def test_an_encoder_takes_no_frame_larger_than_its_images_can_be():
     t = threading.Thread(target=worker.serve, args=(endpoint, stop.is_set), daemon=True)
     t.start()
     try:
-        limit = 4096 + (1 << 20)        # one image of max_image_bytes and the control headroom
+        limit = 4096 + (1 << 20)  # one image of max_image_bytes and the control headroom
         for job, images in (("big", [b"\0" * (limit + 10)]), ("ok", [image_bytes(1)])):
             dealer = zmq.Context.instance().socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)

@@ -1,4 +1,5 @@
 """Engine behaviour on a tiny random model: fast paths of the offline API."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,14 +33,16 @@ def test_token_ids_only_skips_the_text_not_the_tokens(llm):
 def test_stop_token_ids_and_eos(llm):
     first = llm.generate("abc", SamplingParams(temperature=0, max_tokens=6))[0].token_ids
     out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[first[2]]))[0]
-    assert out.finish_reason == "stop" and out.token_ids == first[:first.index(first[2]) + 1]
+    assert out.finish_reason == "stop" and out.token_ids == first[: first.index(first[2]) + 1]
 
 
 def test_seeded_sampling_reproducible_and_batch_independent(llm):
     p = SamplingParams(temperature=1.0, top_k=50, seed=11, max_tokens=8)
     alone = llm.generate("seeded", p)[0].token_ids
-    batch = llm.generate(["other prompt", "seeded", "third"], [SamplingParams(temperature=0.8, max_tokens=8), p,
-                                                               SamplingParams(temperature=0, max_tokens=8)])
+    batch = llm.generate(
+        ["other prompt", "seeded", "third"],
+        [SamplingParams(temperature=0.8, max_tokens=8), p, SamplingParams(temperature=0, max_tokens=8)],
+    )
     assert batch[1].token_ids == alone
 
 
@@ -48,9 +51,18 @@ def test_a_request_resumed_from_its_outputs_continues_exactly(llm):
     # as output; seeded draws, penalties and max_tokens carry on as if nothing had happened.
     eng = llm.engine
     prompt = llm.tokenizer.encode("resume me somewhere else")
-    for p in (SamplingParams(temperature=0.9, top_p=0.95, seed=5, presence_penalty=0.5, frequency_penalty=0.3,
-                             max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True)):
+    for p in (
+        SamplingParams(
+            temperature=0.9,
+            top_p=0.95,
+            seed=5,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            max_tokens=12,
+            ignore_eos=True,
+        ),
+        SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True),
+    ):
         full = llm.generate([prompt], p)[0].token_ids
         assert len(full) == 12
         free = eng.pool.num_free
@@ -61,7 +73,7 @@ def test_a_request_resumed_from_its_outputs_continues_exactly(llm):
             if out.finished:
                 assert out.finish_reason == "length" and out.num_output_tokens == 12
         assert rest == full[5:] and eng.pool.num_free == free
-    with pytest.raises(InvalidParam):       # nothing left to generate
+    with pytest.raises(InvalidParam):  # nothing left to generate
         eng.add_request("over", prompt, SamplingParams(max_tokens=3), output_token_ids=[5, 6, 7])
 
 
@@ -69,7 +81,7 @@ def test_rejects_impossible_requests_without_allocating(llm):
     free = llm.engine.pool.num_free
     with pytest.raises(InvalidParam):
         llm.generate("x", SamplingParams(max_tokens=10_000))
-    with pytest.raises(InvalidParam):     # more KV than the whole pool (64 blocks x 16 tokens)
+    with pytest.raises(InvalidParam):  # more KV than the whole pool (64 blocks x 16 tokens)
         llm.generate("x", SamplingParams(max_tokens=1500))
     with pytest.raises(InvalidParam):
         llm.generate([[999_999]], SamplingParams(max_tokens=1))

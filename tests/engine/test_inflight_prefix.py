@@ -1,5 +1,6 @@
 """Requests arriving together with a shared prefix compute it once: a waiting request whose next
 block a running request is computing waits for the cache instead of computing it again."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -11,9 +12,19 @@ from pdserve.model.loader import load_model_files
 
 
 def _engine(loaded, prefix_cache: bool, budget: int = 256) -> LLMEngine:
-    return LLMEngine(load_config(None, {"model.name": "tiny-qwen2", "cache.block_size": 4, "cache.device_blocks": 256,
-                                        "cache.prefix_cache": prefix_cache,
-                                        "scheduler.max_num_batched_tokens": budget}), loaded)
+    return LLMEngine(
+        load_config(
+            None,
+            {
+                "model.name": "tiny-qwen2",
+                "cache.block_size": 4,
+                "cache.device_blocks": 256,
+                "cache.prefix_cache": prefix_cache,
+                "scheduler.max_num_batched_tokens": budget,
+            },
+        ),
+        loaded,
+    )
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
@@ -45,8 +56,11 @@ def test_different_prefixes_are_not_held_back():
     cached.add_request("a", prompts[0], SamplingParams(max_tokens=1))
     cached.add_request("b", prompts[1], SamplingParams(max_tokens=1))
     step = cached.scheduler.schedule()
-    assert [r.request_id for r, _ in step.scheduled] == ["a"]      # the budget (16) goes to the head...
+    assert [r.request_id for r, _ in step.scheduled] == ["a"]  # the budget (16) goes to the head...
     cached.scheduler.cfg = replace(cached.scheduler.cfg, max_num_batched_tokens=64)
     cached.scheduler.update(step)
     step = cached.scheduler.schedule()
-    assert {r.request_id for r, _ in step.scheduled} == {"a", "b"}  # ...and nobody waits on an unrelated prefix
+    assert {r.request_id for r, _ in step.scheduled} == {
+        "a",
+        "b",
+    }  # ...and nobody waits on an unrelated prefix

@@ -1,6 +1,7 @@
 """Hostile sampling values: refused with the parameter named; and a value that gets past the checks
 anyway (a bug, a bypass) fails its own request at its step, with its blocks freed, while the engine
 and the rest of its batch go on as if it had never been there."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,14 +14,21 @@ from pdserve.engine.async_engine import AsyncEngine, RequestFailed
 
 NAN, INF = float("nan"), float("inf")
 HOSTILE = [
-    ({"temperature": 1e-40}, "temperature"), ({"temperature": NAN}, "temperature"),
-    ({"temperature": INF}, "temperature"), ({"temperature": -1.0}, "temperature"),
+    ({"temperature": 1e-40}, "temperature"),
+    ({"temperature": NAN}, "temperature"),
+    ({"temperature": INF}, "temperature"),
+    ({"temperature": -1.0}, "temperature"),
     ({"temperature": 0.009}, "temperature"),
-    ({"repetition_penalty": 1e-40}, "repetition_penalty"), ({"repetition_penalty": NAN}, "repetition_penalty"),
-    ({"repetition_penalty": INF}, "repetition_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"top_p": NAN}, "top_p"), ({"min_p": NAN}, "min_p"), ({"frequency_penalty": NAN}, "frequency_penalty"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty"),
+    ({"repetition_penalty": NAN}, "repetition_penalty"),
+    ({"repetition_penalty": INF}, "repetition_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"top_p": NAN}, "top_p"),
+    ({"min_p": NAN}, "min_p"),
+    ({"frequency_penalty": NAN}, "frequency_penalty"),
     ({"presence_penalty": -INF}, "presence_penalty"),
-    ({"stop": ["x"] * 17}, "stop"), ({"stop": ["y" * 257]}, "stop"),
+    ({"stop": ["x"] * 17}, "stop"),
+    ({"stop": ["y" * 257]}, "stop"),
     ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
 ]
 
@@ -32,9 +40,18 @@ def test_hostile_values_are_refused_naming_the_parameter(fields, param):
     assert e.value.param == param
 
 
-@pytest.mark.parametrize("fields", [{"temperature": 0}, {"temperature": 0.01}, {"temperature": 1e6},
-                                    {"repetition_penalty": 0.01}, {"repetition_penalty": 100.0},
-                                    {"stop": ["s" * 256] * 16}, {"stop_token_ids": list(range(256))}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 0},
+        {"temperature": 0.01},
+        {"temperature": 1e6},
+        {"repetition_penalty": 0.01},
+        {"repetition_penalty": 100.0},
+        {"stop": ["s" * 256] * 16},
+        {"stop_token_ids": list(range(256))},
+    ],
+)
 def test_the_limits_themselves_are_accepted(fields):
     SamplingParams(**fields).validate()
 
@@ -51,19 +68,25 @@ class Unchecked(SamplingParams):
         pass
 
 
-@pytest.mark.parametrize("field, value", [("temperature", 1e-40), ("temperature", NAN),
-                                          ("repetition_penalty", 1e-40)])
+@pytest.mark.parametrize(
+    "field, value", [("temperature", 1e-40), ("temperature", NAN), ("repetition_penalty", 1e-40)]
+)
 def test_a_request_whose_step_fails_fails_alone(llm, field, value):
     eng = llm.engine
     prompt = llm.tokenizer.encode("one bad request in a batch of good ones")
-    good = {"greedy": SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-            "seeded": SamplingParams(temperature=0.8, seed=9, max_tokens=8, ignore_eos=True)}
+    good = {
+        "greedy": SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        "seeded": SamplingParams(temperature=0.8, seed=9, max_tokens=8, ignore_eos=True),
+    }
     alone = {rid: llm.generate([prompt], p)[0].token_ids for rid, p in good.items()}
     free = eng.pool.num_free
     for rid, p in good.items():
         eng.add_request(rid, prompt, p)
-    eng.add_request("bad", prompt, Unchecked(**{"temperature": 1.0, "seed": 3, "max_tokens": 8, "ignore_eos": True,
-                                                 field: value}))
+    eng.add_request(
+        "bad",
+        prompt,
+        Unchecked(**{"temperature": 1.0, "seed": 3, "max_tokens": 8, "ignore_eos": True, field: value}),
+    )
     got: dict[str, list[int]] = {}
     ends = {}
     for out in eng.run_until_idle():
@@ -75,7 +98,7 @@ def test_a_request_whose_step_fails_fails_alone(llm, field, value):
     assert ends["greedy"] == ends["seeded"] == ("length", None)
     assert eng.pool.num_free == free
     eng.pool.check_integrity()
-    assert llm.generate([prompt], good["greedy"])[0].token_ids == alone["greedy"]     # the engine goes on
+    assert llm.generate([prompt], good["greedy"])[0].token_ids == alone["greedy"]  # the engine goes on
 
 
 def test_the_served_engine_stays_alive(llm):
@@ -122,6 +145,7 @@ def test_an_error_handling_one_requests_token_fails_that_request_alone(llm):
 
     def broken(token: int) -> str | None:
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
     eng.detoks["bad"].add = broken
     ends, got = {}, []
     for out in eng.run_until_idle():

@@ -1,12 +1,13 @@
 """Scheduler decisions on synthetic requests: no model involved."""
+
 from __future__ import annotations
 
 import pytest
 
 from pdserve.cache.block_pool import BlockPool, NoFreeBlocks
+from pdserve.common.sampling import SamplingParams
 from pdserve.config import SchedulerConfig
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.common.sampling import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 
@@ -45,8 +46,8 @@ def test_chunked_prefill_respects_token_budget():
     s.add(_req("b", 10))
     assert _advance(s) == {"a": 16}
     assert _advance(s) == {"a": 16}
-    assert _advance(s) == {"a": 8, "b": 8}     # a's last chunk, then b starts with what is left
-    assert _advance(s) == {"a": 1, "b": 2}     # a decodes, b finishes its prompt
+    assert _advance(s) == {"a": 8, "b": 8}  # a's last chunk, then b starts with what is left
+    assert _advance(s) == {"a": 1, "b": 2}  # a decodes, b finishes its prompt
 
 
 def test_running_cap_and_fcfs_admission():
@@ -74,10 +75,10 @@ def test_preemption_recomputes_latest_and_returns_blocks():
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=100, watermark_blocks=0), pool, block_size=4)
     s.add(_req("a", 7))
     s.add(_req("b", 7))
-    assert set(_advance(s)) == {"a", "b"}          # 2 blocks each, pool full
+    assert set(_advance(s)) == {"a", "b"}  # 2 blocks each, pool full
     a, b = s.running
-    _advance(s)                                    # 8 tokens each now fit exactly
-    step = s.schedule()                            # both need a third block: b (newest) is preempted
+    _advance(s)  # 8 tokens each now fit exactly
+    step = s.schedule()  # both need a third block: b (newest) is preempted
     assert [r.request_id for r in step.preempted] == ["b"]
     assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0 and b.block_ids == []
     assert s.waiting[0] is b and b.num_preemptions == 1
@@ -92,7 +93,7 @@ def test_lone_request_without_blocks_preempts_itself_not_others():
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=100, watermark_blocks=0), pool, block_size=4)
     s.add(_req("a", 8))
     _advance(s)
-    step = s.schedule()                            # needs a third block: nothing else to evict
+    step = s.schedule()  # needs a third block: nothing else to evict
     assert step.preempted[0].request_id == "a" and not step.scheduled
     assert pool.num_free == 2
 
@@ -114,6 +115,7 @@ def test_blocks_computed_after_a_diverged_chain_are_not_cached_under_another_req
     # reply that block's hash is a's. b's later blocks must not hang under a's block, which b does not
     # hold: that block would count as free while it could not be evicted (NoFreeBlocks mid-step).
     from pdserve.cache.prefix_cache import PrefixCache
+
     pool = BlockPool(8, PrefixCache(4))
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=100, watermark_blocks=0), pool, block_size=4)
 
@@ -127,12 +129,12 @@ def test_blocks_computed_after_a_diverged_chain_are_not_cached_under_another_req
                 r.append_token(tok)
         return req
 
-    a = run("a", [7, 7, 7, 7, 7, 7, 7])             # 13 tokens, 12 computed: three cached blocks
+    a = run("a", [7, 7, 7, 7, 7, 7, 7])  # 13 tokens, 12 computed: three cached blocks
     s.finish(a, "stop")
-    b = run("b", [7, 7, 8, 8, 8, 8, 8, 8, 8, 8])    # same first block of reply, then another
+    b = run("b", [7, 7, 8, 8, 8, 8, 8, 8, 8, 8])  # same first block of reply, then another
     assert b.num_computed_tokens == 15
     pool.check_integrity()
-    pool.free(pool.allocate(pool.num_free))         # every block counted as free can be had
+    pool.free(pool.allocate(pool.num_free))  # every block counted as free can be had
     s.finish(b, "stop")
     assert pool.num_free == pool.num_blocks
 
@@ -141,13 +143,17 @@ def test_one_admission_test_keeps_the_watermark_back_while_a_request_loads():
     """Every admission path asks _fits: with a request loading from a peer (nothing running yet), a
     local prefill may not take the watermark blocks the loading request will decode into."""
     pool = BlockPool(10)
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=100, watermark_blocks=2), pool, block_size=4,
-                  local_prefill_max_tokens=8)
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=100, watermark_blocks=2),
+        pool,
+        block_size=4,
+        local_prefill_max_tokens=8,
+    )
     loading = _req("l", 16)
     loading.prefill_peers = ["tcp://peer:1"]
     s.add(loading)
     assert s.schedule().to_load == [loading] and pool.num_free == 6
-    s.add(_req("m", 20))                            # 5 blocks: 6 free, but 2 are the watermark
+    s.add(_req("m", 20))  # 5 blocks: 6 free, but 2 are the watermark
     assert s.schedule().scheduled == [] and not s.running
     s.finish(loading, "abort")
     assert [r.request_id for r, _ in s.schedule().scheduled] == ["m"]

@@ -1,6 +1,7 @@
 """A worker giving up some of its streams (`POST /internal/shed`, AsyncEngine.evacuate with a count):
 the generating streams with the most tokens still to go get RequestMoved, the others go on and
 finish; requests without a stream and streams not yet generating stay; every block comes back."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,9 @@ def test_shed_moves_the_streams_with_the_most_to_go():
         async def stream(rid: str) -> object:
             got = 0
             try:
-                async for out in eng.generate(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens[rid],
-                                                                           ignore_eos=True)):
+                async for out in eng.generate(
+                    rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens[rid], ignore_eos=True)
+                ):
                     got += len(out.new_token_ids)
                     if got >= 2:
                         started[rid].set()

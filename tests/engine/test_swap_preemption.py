@@ -1,4 +1,5 @@
 """Preempted requests swap their KV to host RAM and resume from it instead of recomputing."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,7 +36,9 @@ def _advance(sched: Scheduler, kv: torch.Tensor):
 
 
 def _kv_of(req: Request, kv: torch.Tensor) -> list[float]:
-    return [kv[0, 0, req.block_ids[p // BS] * BS + p % BS, 0, 0].item() for p in range(req.num_computed_tokens)]
+    return [
+        kv[0, 0, req.block_ids[p // BS] * BS + p % BS, 0, 0].item() for p in range(req.num_computed_tokens)
+    ]
 
 
 def _setup(budget_blocks: int, prefix_cache=None):
@@ -54,24 +57,24 @@ def test_preempted_request_swaps_out_and_resumes_with_its_kv():
     kv, pool, swap, s = _setup(budget_blocks=8)
     s.add(_req("a", 7))
     s.add(_req("b", 6))
-    _advance(s, kv)                                 # 2 blocks each: the pool is full
+    _advance(s, kv)  # 2 blocks each: the pool is full
     a, b = s.running
-    _advance(s, kv)                                 # a: 8 tokens, b: 7 (the partial last block)
-    step = _advance(s, kv)                          # a needs a third block: b (newest) is swapped out
+    _advance(s, kv)  # a: 8 tokens, b: 7 (the partial last block)
+    step = _advance(s, kv)  # a needs a third block: b (newest) is swapped out
     assert step.preempted == [b] and b.status == RequestStatus.WAITING and b.block_ids == []
     assert b.swapped_tokens == 7 and b.num_computed_tokens == 0 and swap.stats()["swapped_requests"] == 1
     assert swap.used_bytes == 2 * swap.block_bytes
     s.finish(a, "stop")
-    step = _advance(s, kv)                          # b resumes: one token to compute, not eight
+    step = _advance(s, kv)  # b resumes: one token to compute, not eight
     assert step.scheduled == [(b, 1)] and b.num_computed_tokens == 8
-    assert _kv_of(b, kv) == [_value("b", p) for p in range(8)]   # its 7 swapped positions came back
+    assert _kv_of(b, kv) == [_value("b", p) for p in range(8)]  # its 7 swapped positions came back
     assert swap.used_bytes == 0 and swap.counters["swapped_in_total"] == 1 and b.recompute_until == 0
     s.finish(b, "stop")
     assert pool.num_free == pool.num_blocks
 
 
 def test_no_room_in_swap_space_falls_back_to_recompute():
-    kv, pool, swap, s = _setup(budget_blocks=1)     # b's two blocks do not fit
+    kv, pool, swap, s = _setup(budget_blocks=1)  # b's two blocks do not fit
     s.add(_req("a", 7))
     s.add(_req("b", 6))
     for _ in range(3):
@@ -81,7 +84,7 @@ def test_no_room_in_swap_space_falls_back_to_recompute():
     assert swap.used_bytes == 0
     s.finish(s.running[0], "stop")
     step = _advance(s, kv)
-    assert step.scheduled == [(b, 8)]               # all 8 tokens computed again, as before
+    assert step.scheduled == [(b, 8)]  # all 8 tokens computed again, as before
 
 
 def test_abort_while_swapped_out_frees_the_swap_space():
@@ -99,8 +102,14 @@ def test_abort_while_swapped_out_frees_the_swap_space():
 
 # ------------------------------------------------------------------ the engine, greedy parity
 
-QUESTIONS = ["What is the capital of Italy?", "Name a famous painter.", "Why is the sky blue?",
-             "Write one sentence about cats.", "What is 2 plus 2?", "Describe a rainy day."]
+QUESTIONS = [
+    "What is the capital of Italy?",
+    "Name a famous painter.",
+    "Why is the sky blue?",
+    "Write one sentence about cats.",
+    "What is 2 plus 2?",
+    "Describe a rainy day.",
+]
 PARAMS = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
@@ -129,7 +138,9 @@ def _run(files, prompts, **overrides):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("prefix_cache", [True, False])
-def test_swap_and_recompute_both_match_an_unconstrained_run(smollm_files, prompts, unconstrained, prefix_cache):
+def test_swap_and_recompute_both_match_an_unconstrained_run(
+    smollm_files, prompts, unconstrained, prefix_cache
+):
     swapped, s = _run(smollm_files, prompts, prefix_cache=prefix_cache)
     recomputed, r = _run(smollm_files, prompts, prefix_cache=prefix_cache, cache__swap_space_gb=0)
     assert swapped == unconstrained and recomputed == unconstrained

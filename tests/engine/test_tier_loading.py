@@ -1,6 +1,7 @@
 """Requests that load their prefix from lower KV tiers: the `loading` state, aborts, deadlines,
 block accounting, KV events and the config flags. A tiny model: these are scheduling facts (the
 real model's outputs are checked in tests/cache/test_tiers_engine.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,17 @@ def loaded():
 
 
 def _config(**cache):
-    return load_config(None, {"model.name": MODEL, "cache.block_size": BS, "cache.device_blocks": 48,
-                              "cache.host_cache_gb": 0.01, "scheduler.max_num_batched_tokens": 32,
-                              **{f"cache.{k}": v for k, v in cache.items()}})
+    return load_config(
+        None,
+        {
+            "model.name": MODEL,
+            "cache.block_size": BS,
+            "cache.device_blocks": 48,
+            "cache.host_cache_gb": 0.01,
+            "scheduler.max_num_batched_tokens": 32,
+            **{f"cache.{k}": v for k, v in cache.items()},
+        },
+    )
 
 
 @pytest.fixture
@@ -41,6 +50,7 @@ def engines(loaded):
     def make(**cache) -> LLMEngine:
         made.append(LLMEngine(_config(**cache), loaded=loaded))
         return made[-1]
+
     yield make
     for e in made:
         e.close()
@@ -107,6 +117,7 @@ class Gate:
             self.entered.set()
             self.open.wait(WAIT)
             return real(*args, **kwargs)
+
         store._fetch = fetch
 
 
@@ -120,7 +131,7 @@ def _loader_idle(e: LLMEngine) -> None:
 def test_concurrent_shared_prefix_with_aborts_while_loading_and_running(engines, loaded):
     e = engines()
     tok = e.tokenizer
-    prefix = _tokens(e, "a shared system prompt that several users send", 40)     # 10 blocks
+    prefix = _tokens(e, "a shared system prompt that several users send", 40)  # 10 blocks
     _warm(e, prefix)
     rng = random.Random(3)
     prompts = {f"r{i}": prefix + tok.encode(f" question number {i} about rivers") for i in range(24)}
@@ -160,24 +171,24 @@ def test_concurrent_shared_prefix_with_aborts_while_loading_and_running(engines,
 def test_abort_while_loading_lets_no_late_write_land_in_freed_blocks(engines, loaded):
     e = engines()
     store = e.tiers.store
-    prefix = _tokens(e, "the cancelled load must never write", 32)        # 8 blocks
+    prefix = _tokens(e, "the cancelled load must never write", 32)  # 8 blocks
     _warm(e, prefix)
     gate = Gate(store)
     e.add_request("slow", prefix + [5, 6, 7], _params())
     e.step()
     req = e.requests["slow"]
     assert req.status == RequestStatus.LOADING and gate.entered.wait(WAIT)
-    fetched = req.block_ids[req.num_cached_blocks:]
-    e.abort_request("slow")                     # the loader is inside its first fetch: cancel wins
+    fetched = req.block_ids[req.num_cached_blocks :]
+    e.abort_request("slow")  # the loader is inside its first fetch: cancel wins
     assert e.stats()["tier_loads_cancelled_total"] == 1
     _assert_idle(e)
     kv = e.kv_cache
-    for b in fetched:                           # another request reuses the blocks
-        kv[:, :, b * BS:(b + 1) * BS].fill_(-7.0)
+    for b in fetched:  # another request reuses the blocks
+        kv[:, :, b * BS : (b + 1) * BS].fill_(-7.0)
     gate.open.set()
     _loader_idle(e)
     for b in fetched:
-        assert bool((kv[:, :, b * BS:(b + 1) * BS] == -7.0).all()), f"a write landed in freed block {b}"
+        assert bool((kv[:, :, b * BS : (b + 1) * BS] == -7.0).all()), f"a write landed in freed block {b}"
 
     # A load that finished before the abort (cancel answers False): its late result is dropped.
     e.add_request("fast", prefix + [5, 6, 7], _params())
@@ -186,7 +197,7 @@ def test_abort_while_loading_lets_no_late_write_land_in_freed_blocks(engines, lo
     _loader_idle(e)
     e.abort_request("fast")
     assert e.stats()["tier_loads_cancelled_total"] == 1
-    e.step()                                    # drains the stale result
+    e.step()  # drains the stale result
     _assert_idle(e)
 
     # And the prefix still loads and gives the right answer afterwards.
@@ -203,7 +214,7 @@ def test_load_past_its_deadline_is_cancelled_and_recomputed_without_busy_waiting
     prefix = _tokens(e, "a load that hangs on a slow tier", 32)
     _warm(e, prefix)
     now = [1000.0]
-    e.tiers.clock = lambda: now[0]                  # the deadline runs on a clock the test moves
+    e.tiers.clock = lambda: now[0]  # the deadline runs on a clock the test moves
     waits: list[float] = []
     real_wait = e.tiers.wait
     e.tiers.wait = lambda timeout: (waits.append(timeout), real_wait(timeout))
@@ -211,7 +222,7 @@ def test_load_past_its_deadline_is_cancelled_and_recomputed_without_busy_waiting
     try:
         out: dict[str, list[int]] = {}
         e.add_request("r", prefix + [9, 9], _params())
-        for _ in range(20):                         # before the deadline: still loading, never given up
+        for _ in range(20):  # before the deadline: still loading, never given up
             _step(e, out)
             assert e.requests["r"].status == RequestStatus.LOADING
         assert e.stats()["tier_fetch_fallbacks_total"] == 0
@@ -221,7 +232,7 @@ def test_load_past_its_deadline_is_cancelled_and_recomputed_without_busy_waiting
         _drain(e, out)
         s = e.stats()
         assert s["tier_fetch_fallbacks_total"] == 1 and s["tier_loads_cancelled_total"] == 1
-        assert s["prefill_tokens_computed"] >= len(prefix) + 2 + len(prefix)     # warm-up, then all again
+        assert s["prefill_tokens_computed"] >= len(prefix) + 2 + len(prefix)  # warm-up, then all again
         assert out["r"] == _reference(loaded, {"r": prefix + [9, 9]}, {"r": 6})["r"]
         _assert_idle(e)
     finally:
@@ -230,7 +241,7 @@ def test_load_past_its_deadline_is_cancelled_and_recomputed_without_busy_waiting
 
 def test_a_tier_hit_longer_than_the_free_pool_is_fetched_in_part(engines, loaded):
     e = engines(device_blocks=44)
-    long = _tokens(e, "a long prefix that fills most of the pool", 160)     # 40 blocks
+    long = _tokens(e, "a long prefix that fills most of the pool", 160)  # 40 blocks
     _warm(e, long)
     prompts = {"busy": _tokens(e, "another user is decoding meanwhile", 24), "long": long + [1, 2, 3]}
     n = {"busy": 12, "long": 4}
@@ -238,17 +249,17 @@ def test_a_tier_hit_longer_than_the_free_pool_is_fetched_in_part(engines, loaded
     e.add_request("busy", prompts["busy"], _params(n["busy"]))
     _step(e, out)
     e.add_request("long", prompts["long"], _params(n["long"]))
-    _step(e, out)           # busy's first decode takes its 7th block: 44 - 7 - 1 (watermark) = 36 fit
-    assert e.requests["long"].status == RequestStatus.LOADING and "busy" in e.requests   # admitted at once
+    _step(e, out)  # busy's first decode takes its 7th block: 44 - 7 - 1 (watermark) = 36 fit
+    assert e.requests["long"].status == RequestStatus.LOADING and "busy" in e.requests  # admitted at once
     assert e.stats()["tier_fetch_blocks_total"] == 36
     _drain(e, out)
-    assert e.preemptions_total >= 1            # long's growth preempted busy, which recomputed
+    assert e.preemptions_total >= 1  # long's growth preempted busy, which recomputed
     assert out == _reference(loaded, prompts, n)
     _assert_idle(e)
 
 
 def test_kv_events_report_device_and_host_blocks():
-    e = build_engine(_config(kv_events_endpoint="tcp://127.0.0.1:*"))     # a mixed worker's engine
+    e = build_engine(_config(kv_events_endpoint="tcp://127.0.0.1:*"))  # a mixed worker's engine
     sub = KVEventSubscriber(e.stats()["kv_events_endpoint"], e.stats()["kv_events_snapshot_endpoint"])
     try:
         ids = _tokens(e, "events for the router's index", 25)
@@ -257,7 +268,7 @@ def test_kv_events_report_device_and_host_blocks():
         _drain(e)
         blocks = sub.snapshot().blocks
         assert all(blocks[h] == ["device"] for h in hashes)
-        all_blocks = e.pool.allocate(e.pool.num_free)       # evict: device -> host
+        all_blocks = e.pool.allocate(e.pool.num_free)  # evict: device -> host
         e.pool.free(all_blocks)
         blocks = sub.snapshot().blocks
         assert all(blocks[h] == ["host"] for h in hashes)
@@ -269,19 +280,37 @@ def test_kv_events_report_device_and_host_blocks():
 
 def test_cache_tier_flags_reach_the_config():
     from pdserve.cli import _add_engine_flags, _overrides
+
     p = argparse.ArgumentParser()
     _add_engine_flags(p)
-    args = p.parse_args(["--host-cache-gb", "2", "--disk-cache-dir", "/tmp/kv", "--disk-cache-gb", "8",
-                         "--kv-remote", "redis://127.0.0.1:6379/0", "--kv-events-endpoint", "tcp://*:5557"])
+    args = p.parse_args(
+        [
+            "--host-cache-gb",
+            "2",
+            "--disk-cache-dir",
+            "/tmp/kv",
+            "--disk-cache-gb",
+            "8",
+            "--kv-remote",
+            "redis://127.0.0.1:6379/0",
+            "--kv-events-endpoint",
+            "tcp://*:5557",
+        ]
+    )
     cc = load_config(None, _overrides(args)).cache
-    assert (cc.host_cache_gb, cc.disk_cache_dir, cc.disk_cache_gb, cc.remote, cc.kv_events_endpoint) == \
-        (2.0, "/tmp/kv", 8.0, "redis://127.0.0.1:6379/0", "tcp://*:5557")
-    assert load_config(None, _overrides(p.parse_args([]))).cache.host_cache_gb == 0.0    # off by default
+    assert (cc.host_cache_gb, cc.disk_cache_dir, cc.disk_cache_gb, cc.remote, cc.kv_events_endpoint) == (
+        2.0,
+        "/tmp/kv",
+        8.0,
+        "redis://127.0.0.1:6379/0",
+        "tcp://*:5557",
+    )
+    assert load_config(None, _overrides(p.parse_args([]))).cache.host_cache_gb == 0.0  # off by default
 
 
 def test_requests_sharing_a_prefix_in_a_tier_fetch_it_once(engines, loaded):
     e = engines()
-    prefix = _tokens(e, "one prefix that two users send at the same moment", 40)     # 10 blocks
+    prefix = _tokens(e, "one prefix that two users send at the same moment", 40)  # 10 blocks
     _warm(e, prefix)
     prompts = {"a": prefix + [7, 8, 9], "b": prefix + [9, 8, 7, 6, 5]}
     gate = Gate(e.tiers.store)
@@ -296,6 +325,6 @@ def test_requests_sharing_a_prefix_in_a_tier_fetch_it_once(engines, loaded):
     _drain(e, out)
     s = e.stats()
     assert s["tier_fetch_requests_total"] == 1 and s["tier_fetched_tokens_total"] == len(prefix)
-    assert s["prefill_tokens_computed"] == len(prefix) + 3 + 5        # the warm-up, then each tail once
+    assert s["prefill_tokens_computed"] == len(prefix) + 3 + 5  # the warm-up, then each tail once
     assert out == _reference(loaded, prompts, {"a": 6, "b": 6})
     _assert_idle(e)

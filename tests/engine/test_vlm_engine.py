@@ -1,5 +1,6 @@
 """tiny-llava through the engine: chat with images (data: URLs), chunked prefill, the prefix cache
 keyed by image content, bad images refused, and the pool back to its start."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,7 @@ def test_images_change_the_answer_and_chunking_does_not(loaded):
     llm = _llm(loaded, max_num_batched_tokens=512)
     a, b = llm.chat(image_chat(1), GREEDY)[0], llm.chat(image_chat(2), GREEDY)[0]
     assert a.prompt_token_ids.count(16) == 16 and a.finish_reason == "length"
-    assert a.token_ids != b.token_ids                   # the image is read
+    assert a.token_ids != b.token_ids  # the image is read
     chunked = _llm(loaded, max_num_batched_tokens=7, prefix_cache=False)
     assert chunked.chat(image_chat(1), GREEDY)[0].token_ids == a.token_ids
     assert chunked.engine.pool.num_free == chunked.engine.pool.num_blocks
@@ -49,7 +50,7 @@ def test_a_repeated_image_is_a_prefix_cache_hit(loaded):
     assert 0 < eng.prefix_cache.hit_tokens - hit1 <= second_image
     # The first image again only if its last block (not cached: it holds the second image too) has some of it.
     assert eng.images.images_encoded_total == 3 + bool((second_image - 16) % 4)
-    assert eng.pool.num_free == eng.pool.num_blocks     # cached blocks count as free
+    assert eng.pool.num_free == eng.pool.num_blocks  # cached blocks count as free
 
 
 def test_same_output_with_and_without_the_prefix_cache(loaded):
@@ -62,12 +63,25 @@ def test_same_output_with_and_without_the_prefix_cache(loaded):
 def test_jpeg_and_bad_images(loaded):
     llm = _llm(loaded)
     assert llm.chat(image_chat(7, fmt="JPEG"), GREEDY)[0].finish_reason == "length"
-    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    bad = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+        }
+    ]
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\].*not a decodable image"):
         llm.chat(bad, GREEDY)
     with pytest.raises(ValueError, match="must not contain the model's image token"):
-        llm.chat([{"role": "user", "content": [{"type": "text", "text": "<empty_output>"}]}] + image_chat(1), GREEDY)
-    thin = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image_bytes(1, size=(1, 400)))}}]}]
+        llm.chat(
+            [{"role": "user", "content": [{"type": "text", "text": "<empty_output>"}]}] + image_chat(1),
+            GREEDY,
+        )
+    thin = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": data_url(image_bytes(1, size=(1, 400)))}}],
+        }
+    ]
     with pytest.raises(ValueError, match="sides more than 50 times apart"):
         llm.chat(thin, GREEDY)
     with pytest.raises(ValueError, match="more than 1 images"):

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 import pdserve.eplb
-from pdserve.eplb import experts_moved, imbalance, rank_load, rebalance_experts, replica_counts
-from pdserve.eplb import policy
+from pdserve.eplb import experts_moved, imbalance, policy, rank_load, rebalance_experts, replica_counts
 
 # (layers, experts, physical, ranks, nodes)
 SHAPES = [
@@ -55,8 +54,9 @@ def test_invariants(shape, seed):
     assert out.shape == (L, P)
     check_valid(out, E, P, R)
     # With a current placement too.
-    cur = torch.stack([torch.randperm(P, generator=torch.Generator().manual_seed(seed)) % E
-                       for _ in range(L)])
+    cur = torch.stack(
+        [torch.randperm(P, generator=torch.Generator().manual_seed(seed)) % E for _ in range(L)]
+    )
     check_valid(rebalance_experts(load, P, R, N, cur), E, P, R)
 
 
@@ -79,7 +79,8 @@ def test_hot_expert_gets_replicas_on_distinct_ranks():
     out = rebalance_experts(load, 24, 8)
     assert replica_counts(out, 16)[0, 5] == 8  # as many as ranks, one per rank
     assert imbalance(rank_load(load, out, 8)) < imbalance(
-        rank_load(load, torch.arange(24).remainder(16).unsqueeze(0), 8))
+        rank_load(load, torch.arange(24).remainder(16).unsqueeze(0), 8)
+    )
 
 
 def test_unavoidable_duplicates_still_valid():
@@ -199,13 +200,16 @@ def test_hierarchical_copies_less_across_nodes_than_flat():
 # ------------------------------------------------------------------ errors
 
 
-@pytest.mark.parametrize("args", [
-    (torch.ones(1, 8), 6, 2, 1, None),  # fewer slots than experts
-    (torch.ones(1, 8), 8, 3, 2, None),  # ranks not divisible by nodes
-    (torch.ones(1, 8), 8, 2, 1, torch.zeros(1, 9, dtype=torch.long)),  # wrong current shape
-    (torch.ones(1, 8), 8, 2, 1, torch.full((1, 8), 8)),  # current out of range
-    (-torch.ones(1, 8), 8, 2, 1, None),  # negative load
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        (torch.ones(1, 8), 6, 2, 1, None),  # fewer slots than experts
+        (torch.ones(1, 8), 8, 3, 2, None),  # ranks not divisible by nodes
+        (torch.ones(1, 8), 8, 2, 1, torch.zeros(1, 9, dtype=torch.long)),  # wrong current shape
+        (torch.ones(1, 8), 8, 2, 1, torch.full((1, 8), 8)),  # current out of range
+        (-torch.ones(1, 8), 8, 2, 1, None),  # negative load
+    ],
+)
 def test_rejects_bad_input(args):
     with pytest.raises(ValueError):
         rebalance_experts(*args)

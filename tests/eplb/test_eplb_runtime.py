@@ -160,9 +160,14 @@ def test_experts_moved_ignores_order_within_a_rank():
 
 def test_benchmark_prints_one_json_line():
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "eplb.py"), "--quick",
-                          "--seeds", "1"], capture_output=True, text=True, check=True, cwd=root,
-                         env={**os.environ, "PYTHONPATH": str(root)})
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "eplb.py"), "--quick", "--seeds", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1
     d = json.loads(lines[0])

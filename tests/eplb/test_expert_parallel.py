@@ -4,6 +4,7 @@ EP=2 and EP=4 give EP=1's greedy tokens and logits; a runtime rebalance under lo
 forced ones, with redundant expert slots) leaves outputs identical; workers exit when rank 0 dies;
 a served EP model exposes /eplb and the balancer's metrics and stops its ranks on SIGTERM.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,12 @@ from pdserve.model.attention import build_metadata
 from pdserve.model.loader import load_model_files
 
 pytestmark = pytest.mark.slow
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n        return n\n", "Once upon a time",
-           "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,",
+]
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
 # A small token budget: long prompts prefill in chunks, in the same steps as other requests' decodes.
 ENGINE = dict(threads=1, device_blocks=96, max_num_batched_tokens=24)
@@ -42,8 +47,11 @@ def _chunked_logits(model, ids: list[int]) -> torch.Tensor:
     out, done = [], 0
     for n in (len(ids) - 8, 6, 1, 1):
         meta = build_metadata([(list(range(4)), done, n)], block, a.sliding_window, "cpu")
-        out.append(model.forward(torch.tensor(ids[done:done + n]), torch.arange(done, done + n), meta, kv,
-                                 torch.arange(n)))
+        out.append(
+            model.forward(
+                torch.tensor(ids[done : done + n]), torch.arange(done, done + n), meta, kv, torch.arange(n)
+            )
+        )
         done += n
     return torch.cat(out)
 
@@ -60,11 +68,19 @@ def test_ep_matches_ep1(name, ep, redundant):
         for g, w in zip(got, want):
             for a, b in zip(g.logprobs, w.logprobs):
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
-                torch.testing.assert_close(torch.tensor([lp for _, lp in a.top]), torch.tensor([lp for _, lp in b.top]),
-                                           atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(
+                    torch.tensor([lp for _, lp in a.top]),
+                    torch.tensor([lp for _, lp in b.top]),
+                    atol=1e-4,
+                    rtol=1e-4,
+                )
         ids = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(3)).tolist()
-        torch.testing.assert_close(_chunked_logits(llm.engine.model, ids), _chunked_logits(ref.engine.model, ids),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            _chunked_logits(llm.engine.model, ids),
+            _chunked_logits(ref.engine.model, ids),
+            atol=1e-4,
+            rtol=1e-4,
+        )
     finally:
         llm.engine.close()
 
@@ -76,8 +92,15 @@ def test_runtime_rebalance_under_load_keeps_outputs():
     loaded = load_model_files(name)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = [o.token_ids for o in _llm(name, loaded).generate(PROMPTS, params)]
-    llm = _llm(name, loaded, model__expert_parallel=2, model__num_redundant_experts=4, model__eplb_interval=2,
-               model__eplb_threshold=1.0, model__eplb_window=8)
+    llm = _llm(
+        name,
+        loaded,
+        model__expert_parallel=2,
+        model__num_redundant_experts=4,
+        model__eplb_interval=2,
+        model__eplb_threshold=1.0,
+        model__eplb_window=8,
+    )
     model, engine = llm.engine.model, llm.engine
     registry = CollectorRegistry()
     model.eplb.register_metrics(registry)
@@ -88,17 +111,21 @@ def test_runtime_rebalance_under_load_keeps_outputs():
         outputs: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
         step, forced = 0, []
         while engine.has_unfinished():
-            if step in (5, 25):     # mid-generation: a random placement, every expert at least once
-                new = torch.stack([torch.cat([torch.randperm(16, generator=g), torch.randint(0, 16, (4,), generator=g)])
-                                   for _ in range(2)])
+            if step in (5, 25):  # mid-generation: a random placement, every expert at least once
+                new = torch.stack(
+                    [
+                        torch.cat([torch.randperm(16, generator=g), torch.randint(0, 16, (4,), generator=g)])
+                        for _ in range(2)
+                    ]
+                )
                 model.request_placement(new)
                 forced.append(new)
             for out in engine.step():
                 outputs[out.request_id] += out.new_token_ids
             step += 1
         assert [outputs[str(i)] for i in range(len(PROMPTS))] == want
-        assert model.eplb.rebalances >= 3, model.eplb.rebalances      # two forced, at least one triggered
-        assert not any(torch.equal(model.model.phy2log, f) for f in forced)   # the trigger moved on from them
+        assert model.eplb.rebalances >= 3, model.eplb.rebalances  # two forced, at least one triggered
+        assert not any(torch.equal(model.model.phy2log, f) for f in forced)  # the trigger moved on from them
         text = generate_latest(registry).decode()
         assert "pdserve_eplb_rebalances_total" in text and "pdserve_eplb_expert_activations{" in text
         assert registry.get_sample_value("pdserve_eplb_rebalances_total") == model.eplb.rebalances
@@ -134,11 +161,13 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def test_workers_exit_when_rank0_is_killed():
-    code = ("import os, sys, time, torch; torch.set_num_threads(1)\n"
-            "from pdserve.config import ModelConfig\n"
-            "from pdserve.model.loader import build_model, load_model_files\n"
-            "m = build_model(load_model_files('tiny-mixtral'), model_config=ModelConfig(expert_parallel=2))\n"
-            "print('ready', flush=True); time.sleep(600)\n")
+    code = (
+        "import os, sys, time, torch; torch.set_num_threads(1)\n"
+        "from pdserve.config import ModelConfig\n"
+        "from pdserve.model.loader import build_model, load_model_files\n"
+        "m = build_model(load_model_files('tiny-mixtral'), model_config=ModelConfig(expert_parallel=2))\n"
+        "print('ready', flush=True); time.sleep(600)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
@@ -153,14 +182,32 @@ def test_workers_exit_when_rank0_is_killed():
 
 def test_served_ep_model_exposes_eplb_and_stops_cleanly(tmp_path):
     port = free_port()
-    cmd = pdserve_cmd() + ["serve", "--mode", "mixed", "--model", "tiny-mixtral", "--expert-parallel", "2",
-                           "--threads", "1", "--port", str(port), "--device-blocks", "64"]
+    cmd = pdserve_cmd() + [
+        "serve",
+        "--mode",
+        "mixed",
+        "--model",
+        "tiny-mixtral",
+        "--expert-parallel",
+        "2",
+        "--threads",
+        "1",
+        "--port",
+        str(port),
+        "--device-blocks",
+        "64",
+    ]
     with ServerProcess(cmd, port, tmp_path / "server.log") as srv:
         srv.wait_ready(timeout=120)
-        workers = [w for w in _children(srv.proc.pid) if b"spawn_main" in Path(f"/proc/{w}/cmdline").read_bytes()]
+        workers = [
+            w for w in _children(srv.proc.pid) if b"spawn_main" in Path(f"/proc/{w}/cmdline").read_bytes()
+        ]
         assert len(workers) == 1, srv.log_tail()
-        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny-mixtral", "prompt": "Hello there",
-                                                          "max_tokens": 8, "temperature": 0}, timeout=60)
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            json={"model": "tiny-mixtral", "prompt": "Hello there", "max_tokens": 8, "temperature": 0},
+            timeout=60,
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         heat = httpx.get(srv.url + "/eplb").json()
         assert heat["num_experts"] == 16 and heat["layer_ids"] == [0, 1] and heat["num_ranks"] == 2
@@ -168,7 +215,7 @@ def test_served_ep_model_exposes_eplb_and_stops_cleanly(tmp_path):
         metrics = httpx.get(srv.url + "/metrics").text
         assert 'pdserve_eplb_expert_activations{expert="0",layer="0"}' in metrics
         assert "pdserve_eplb_imbalance" in metrics
-        os.kill(srv.proc.pid, signal.SIGTERM)          # the server only: it must stop its ranks itself
+        os.kill(srv.proc.pid, signal.SIGTERM)  # the server only: it must stop its ranks itself
         assert srv.proc.wait(30) == 0, srv.log_tail()
         assert _wait_gone(workers, 15) == [], srv.log_tail()
 
@@ -178,18 +225,36 @@ def test_pd_decode_worker_with_ep_reads_transferred_kv(tmp_path):
     the decode worker's other rank maps that pool, so EP=2 decodes EP=1's tokens."""
     port = free_port()
     prompt = "The capital of France is a city with a long history and many famous buildings, such as"
-    cmd = pdserve_cmd() + ["serve", "--model", "tiny-mixtral", "--expert-parallel", "2", "--threads", "1",
-                           "--port", str(port), "--device-blocks", "64", "--local-prefill-max-tokens", "1"]
+    cmd = pdserve_cmd() + [
+        "serve",
+        "--model",
+        "tiny-mixtral",
+        "--expert-parallel",
+        "2",
+        "--threads",
+        "1",
+        "--port",
+        str(port),
+        "--device-blocks",
+        "64",
+        "--local-prefill-max-tokens",
+        "1",
+    ]
     with ServerProcess(cmd, port, tmp_path / "pd.log") as srv:
         srv.wait_ready(timeout=120)
         deadline = time.monotonic() + 60
         while not all(w["healthy"] for w in httpx.get(srv.url + "/health").json()["workers"]):
             assert time.monotonic() < deadline, srv.log_tail()
             time.sleep(0.5)
-        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny-mixtral", "prompt": prompt, "max_tokens": 12,
-                                                          "temperature": 0}, timeout=60)
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            json={"model": "tiny-mixtral", "prompt": prompt, "max_tokens": 12, "temperature": 0},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
-        want = LLM(model="tiny-mixtral", threads=1).generate([prompt], SamplingParams(temperature=0, max_tokens=12))
+        want = LLM(model="tiny-mixtral", threads=1).generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=12)
+        )
         assert r.json()["choices"][0]["text"] == want[0].text
         decode = next(w for w in httpx.get(srv.url + "/health").json()["workers"] if w["role"] == "decode")
         stats = httpx.get(decode["url"] + "/health").json()

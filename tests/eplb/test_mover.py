@@ -1,5 +1,6 @@
 """In one process: the EP step encoding round-trips, and the weight mover's double-buffered swap
 changes which slots hold which experts without changing a single logit."""
+
 from __future__ import annotations
 
 import torch
@@ -53,9 +54,13 @@ def test_swap_keeps_logits_and_moves_weights():
     store = [gu.clone() for gu, _ in ep.model.expert_store]
     g = torch.Generator().manual_seed(1)
     placements = []
-    for _ in range(2):   # twice: the second swap writes into the buffers the first one retired
-        p = torch.stack([torch.cat([torch.randperm(16, generator=g), torch.randint(0, 16, (4,), generator=g)])
-                         for _ in range(2)])
+    for _ in range(2):  # twice: the second swap writes into the buffers the first one retired
+        p = torch.stack(
+            [
+                torch.cat([torch.randperm(16, generator=g), torch.randint(0, 16, (4,), generator=g)])
+                for _ in range(2)
+            ]
+        )
         placements.append(p)
     token = int(want[-1].argmax())
     for step in range(6):
@@ -70,8 +75,8 @@ def test_swap_keeps_logits_and_moves_weights():
     assert ep.eplb.rebalances == 2 and ep.eplb.moved_total > 0
     for j, (block, row) in enumerate(zip(ep.model.blocks, placements[1])):
         assert torch.equal(block.placement.phy2log, row)
-        assert torch.equal(ep.model.expert_store[j][0], store[j])          # the source is never written
-        assert torch.equal(block.placement.gate_up, store[j][row])         # every slot holds its expert
+        assert torch.equal(ep.model.expert_store[j][0], store[j])  # the source is never written
+        assert torch.equal(block.placement.gate_up, store[j][row])  # every slot holds its expert
 
 
 def test_initial_slots_are_views_of_the_store_and_never_overwritten():
@@ -82,6 +87,6 @@ def test_initial_slots_are_views_of_the_store_and_never_overwritten():
     assert ep.model.blocks[0].placement.gate_up.data_ptr() == gu.data_ptr()
     before = gu.clone()
     ep.mover.prepare(torch.stack([torch.arange(16).flip(0)] * len(ep.model.blocks)))
-    assert ep.mover.commit() == 0          # a reorder inside the rank copies nothing from the host
+    assert ep.mover.commit() == 0  # a reorder inside the rank copies nothing from the host
     assert torch.equal(gu, before)
     assert torch.equal(ep.model.blocks[0].placement.gate_up, before.flip(0))

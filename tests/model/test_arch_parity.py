@@ -3,6 +3,7 @@
 The checkpoint goes through our Hugging Face directory loader, and our side runs the prompt in
 chunks through the paged KV cache, then decodes a few tokens, so that every path is covered.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,14 +18,26 @@ BLOCK = 4
 def _hf_model(kind: str, **extra):
     import transformers as tf
 
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False, **extra)
-    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-           "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[kind]
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        **extra,
+    )
+    cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[kind]
     torch.manual_seed(0)
     model = cls[1](cls[0](**common))
-    with torch.no_grad():      # larger weights than HF's init, so logits are not all near zero
+    with torch.no_grad():  # larger weights than HF's init, so logits are not all near zero
         for p in model.parameters():
             p.mul_(20.0 if p.dim() > 1 else 1.0)
     return model.eval().float()
@@ -33,18 +46,43 @@ def _hf_model(kind: str, **extra):
 CASES = [
     ("llama", {}),
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
-    ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
-                                   "rope_theta": 10000.0}}),
-    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                   "rope_theta": 10000.0}}),
+    (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 10000.0,
+            }
+        },
+    ),
+    (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 10000.0,
+            }
+        },
+    ),
     ("qwen2", {}),
     ("mistral", {"sliding_window": 8}),
 ]
 
 
-@pytest.mark.parametrize("kind,extra", CASES, ids=[f"{k}-{e.get('rope_parameters', {}).get('rope_type', '')}"
-                                                   f"{e.get('sliding_window', '')}" for k, e in CASES])
+@pytest.mark.parametrize(
+    "kind,extra",
+    CASES,
+    ids=[
+        f"{k}-{e.get('rope_parameters', {}).get('rope_type', '')}{e.get('sliding_window', '')}"
+        for k, e in CASES
+    ],
+)
 def test_logits_match_hf(tmp_path, kind, extra):
     hf = _hf_model(kind, **extra)
     hf.save_pretrained(tmp_path, safe_serialization=True)
@@ -57,5 +95,5 @@ def test_logits_match_hf(tmp_path, kind, extra):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     got = paged_logits(ours, ids, chunk=16, decode=5, block=BLOCK)
-    assert ref.abs().max() > 1.0                      # the check is not vacuous
+    assert ref.abs().max() > 1.0  # the check is not vacuous
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)

@@ -22,7 +22,7 @@ def test_matches_torch_argmax_on_random_rows(n, threads):
     torch.set_num_threads(threads)
     try:
         assert native.argmax_rows(x) == x.argmax(-1).tolist()
-        half = x[:, : max(1, n // 2)]                          # rows apart by more than their length
+        half = x[:, : max(1, n // 2)]  # rows apart by more than their length
         assert native.argmax_rows(half) == half.argmax(-1).tolist()
     finally:
         torch.set_num_threads(before)
@@ -31,14 +31,14 @@ def test_matches_torch_argmax_on_random_rows(n, threads):
 def test_ties_nan_and_infinities_answer_as_torch_does():
     n = 1000
     rows = torch.zeros(8, n)
-    rows[0, [300, 700]] = 5.0                              # a tie: the first
-    rows[1, 600] = float("nan")                            # NaN wins, wherever the max is
+    rows[0, [300, 700]] = 5.0  # a tie: the first
+    rows[1, 600] = float("nan")  # NaN wins, wherever the max is
     rows[1, 900] = 9.0
-    rows[2, [400, 800]] = float("nan")                     # the first NaN
-    rows[3] = float("-inf")                                # all -inf: index 0
+    rows[2, [400, 800]] = float("nan")  # the first NaN
+    rows[3] = float("-inf")  # all -inf: index 0
     rows[4, 999] = float("inf")
     rows[5] = -0.0
-    rows[5, 500] = 0.0                                     # -0.0 == 0.0: the first
+    rows[5, 500] = 0.0  # -0.0 == 0.0: the first
     rows[6] = torch.arange(n, dtype=torch.float32).flip(0)
     rows[7, 0] = float("nan")
     assert native.argmax_rows(rows) == rows.argmax(-1).tolist()

@@ -25,7 +25,9 @@ def test_equal_lengths_make_one_group():
 
 
 def _reference_slots(seqs, bs):
-    return [table[p // bs] * bs + p % bs for table, computed, new in seqs for p in range(computed, computed + new)]
+    return [
+        table[p // bs] * bs + p % bs for table, computed, new in seqs for p in range(computed, computed + new)
+    ]
 
 
 @pytest.mark.parametrize("window", [None, 24])
@@ -35,7 +37,7 @@ def test_metadata_matches_a_position_by_position_reference(window):
     rng = random.Random(3)
     seqs = []
     for i, ctx in enumerate(sorted(rng.randrange(2, 300) for _ in range(7))):
-        seqs.append((rng.sample(range(1000), -(-ctx // bs)), ctx - 1, 1))            # decodes, ascending
+        seqs.append((rng.sample(range(1000), -(-ctx // bs)), ctx - 1, 1))  # decodes, ascending
     seqs += [(rng.sample(range(1000, 2000), 3), 0, 40), (rng.sample(range(2000, 3000), 5), 33, 20)]
     meta = build_metadata(seqs, bs, window, "cpu")
     assert meta.slot_mapping.tolist() == _reference_slots(seqs, bs)
@@ -52,7 +54,7 @@ def test_metadata_matches_a_position_by_position_reference(window):
             row = g.mask[i].reshape(-1).tolist()
             assert row == [want_first <= p < want_ctx for p in range(len(row))]
             assert (int(first[i]), int(ctx[i])) == (want_first, want_ctx)
-        g.bounds = None                                   # the mask's own reading agrees
+        g.bounds = None  # the mask's own reading agrees
         assert [t.tolist() for t in g.attended()] == [first.tolist(), ctx.tolist()]
         seen += g.block_idx.shape[0]
     assert seen == len(decodes) and len(meta.prefills) == 2

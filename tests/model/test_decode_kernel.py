@@ -1,6 +1,7 @@
 """The native decode-attention kernel and torch's path, each against a float64 reference within the
 rounding bound of its inputs, on ragged contexts, sliding windows and grouped heads; each decode's
 attended range read off its mask; a machine without a compiler keeps the torch path."""
+
 import pytest
 import torch
 from float_bounds import assert_within, attention64, attention_bound
@@ -19,17 +20,20 @@ def _case(lens, window, heads=(9, 3), block=16, seed=0, dim=64, tables=None):
     g = torch.Generator().manual_seed(seed)
     h, kvh = heads
     blocks = 64 + sum(-(-n // block) for n in lens)
-    kc, vc = torch.randn(blocks * block, kvh, dim, generator=g), torch.randn(blocks * block, kvh, dim, generator=g)
+    kc, vc = (
+        torch.randn(blocks * block, kvh, dim, generator=g),
+        torch.randn(blocks * block, kvh, dim, generator=g),
+    )
     perm = torch.randperm(blocks, generator=g).tolist()
     seqs, p = [], 0
     for n in sorted(lens):
         nb = -(-n // block)
-        seqs.append((perm[p:p + nb], n - 1, 1))
+        seqs.append((perm[p : p + nb], n - 1, 1))
         p += nb
     meta = build_metadata(seqs, block, window, "cpu")
     tables[:] = [table for table, _, _ in seqs]
     t = len(lens)
-    q = torch.randn(t, h + kvh, dim, generator=g)[:, :h]          # a strided view, as the model passes it
+    q = torch.randn(t, h + kvh, dim, generator=g)[:, :h]  # a strided view, as the model passes it
     k, v = torch.randn(t, kvh, dim, generator=g), torch.randn(t, kvh, dim, generator=g)
     return q, k, v, kc, vc, meta
 
@@ -47,7 +51,7 @@ def _rows(q, k, v, kc, vc, lens, window, tables, block=16):
         slots = torch.tensor([table[j // block] * block + j % block for j in range(n)])
         kc[slots[-1]], vc[slots[-1]] = k[i], v[i]
         keys[i, :, :n], vals[i, :, :n] = kc[slots].transpose(0, 1), vc[slots].transpose(0, 1)
-        keep[i, max(0, n - window) if window else 0:n] = True
+        keep[i, max(0, n - window) if window else 0 : n] = True
     group = h // kvh
     rk = keys.repeat_interleave(group, 1).reshape(t * h, width, dim)
     rv = vals.repeat_interleave(group, 1).reshape(t * h, width, dim)
@@ -59,7 +63,7 @@ def _check_both(lens, window=None, heads=(9, 3), dim=64, q_scale=1.0, kernel_sca
     tables = []
     q, k, v, kc, vc, meta = _case(lens, window, heads, dim=dim, tables=tables)
     q = q * q_scale
-    scale = dim ** -0.5
+    scale = dim**-0.5
     rq, rk, rv, keep = _rows(q, k, v, kc, vc, lens, window, tables)
     want = attention64(rq, rk, rv, keep, scale).reshape(q.shape)
     bound = attention_bound(rq, rk, rv, keep, scale).reshape(q.shape)
@@ -93,9 +97,9 @@ def test_outputs_do_not_depend_on_how_heads_are_split_into_tasks(dim):
     before = torch.get_num_threads()
     outs = []
     try:
-        for threads in (1, 2, 3, 16):       # 32 sequences: whole sequences up to 8 threads, heads at 16
+        for threads in (1, 2, 3, 16):  # 32 sequences: whole sequences up to 8 threads, heads at 16
             torch.set_num_threads(threads)
-            outs.append(paged_attention(q, k, v, kc.clone(), vc.clone(), meta, dim ** -0.5, kernel))
+            outs.append(paged_attention(q, k, v, kc.clone(), vc.clone(), meta, dim**-0.5, kernel))
     finally:
         torch.set_num_threads(before)
     for o in outs[1:]:
@@ -103,7 +107,7 @@ def test_outputs_do_not_depend_on_how_heads_are_split_into_tasks(dim):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dim", [36, 40, 128])    # scalar loops, 8-wide without the 64 path, 8-wide
+@pytest.mark.parametrize("dim", [36, 40, 128])  # scalar loops, 8-wide without the 64 path, 8-wide
 def test_kernel_matches_float64_at_other_head_dims(dim):
     _check_both(LARGE, dim=dim)
 
@@ -129,7 +133,7 @@ def test_the_bound_rejects_a_kernel_error(q_scale):
         _check_both(LARGE, q_scale=q_scale, kernel_fn=_skips_newest_key)
     if q_scale == 1.0:
         with pytest.raises(AssertionError, match="the kernel"):
-            _check_both(LARGE, q_scale=q_scale, kernel_scale=64 ** -0.5 * 1.001)
+            _check_both(LARGE, q_scale=q_scale, kernel_scale=64**-0.5 * 1.001)
 
 
 def test_bounds_read_off_the_mask():
@@ -154,7 +158,7 @@ def test_build_is_cached_per_feature_set(monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     first = native.build("decode_attention")
     assert first.exists() and native.build("decode_attention") == first
-    assert [p.name for p in first.parent.iterdir()] == [first.name]     # no temporary left behind
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind
 
 
 @needs_kernel

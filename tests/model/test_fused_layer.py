@@ -1,6 +1,7 @@
 """The fused decode layer (kernels/layer.c) against the op-by-op layer: the same logits and the same
 KV cache writes bit for bit, for every weight format and the architectures it takes; the steps and
 models it does not take run op by op."""
+
 import math
 
 import pytest
@@ -13,7 +14,9 @@ from pdserve.model.kernels import layer as fused_kernels
 from pdserve.model.llama import LlamaModel
 from pdserve.model.loader import tiny_random_weights
 
-needs_kernel = pytest.mark.skipif(not fused_kernels.available(), reason="no C compiler here: layers run op by op")
+needs_kernel = pytest.mark.skipif(
+    not fused_kernels.available(), reason="no C compiler here: layers run op by op"
+)
 BLOCK = 16
 
 
@@ -32,11 +35,11 @@ def _step(model, lens, seed=1, prefill=0):
     seqs, positions, p = [], [], 0
     for n in sorted(lens):
         nb = -(-n // BLOCK)
-        seqs.append((perm[p:p + nb], n - 1, 1))
+        seqs.append((perm[p : p + nb], n - 1, 1))
         positions.append(n - 1)
         p += nb
     if prefill:
-        seqs.append((perm[p:p + -(-prefill // BLOCK)], 0, prefill))
+        seqs.append((perm[p : p + -(-prefill // BLOCK)], 0, prefill))
         positions += range(prefill)
     meta = build_metadata(seqs, BLOCK, a.sliding_window, "cpu")
     ids = torch.randint(0, a.vocab_size, (len(positions),), generator=g)
@@ -59,9 +62,14 @@ def _both(model, ids, positions, meta, kv):
 
 @needs_kernel
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])   # plain, qkv bias, sliding window
-@pytest.mark.parametrize("lens", [[5], [3, 9], [2, 17, 17, 40, 41, 100, 300, 301, 33, 64], [3 + 5 * i for i in range(34)]],
-                         ids=["one", "two", "ten", "34"])     # bfloat16 products where the CPU has them: int4 and int8 from ten rows
+@pytest.mark.parametrize(
+    "name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
+)  # plain, qkv bias, sliding window
+@pytest.mark.parametrize(
+    "lens",
+    [[5], [3, 9], [2, 17, 17, 40, 41, 100, 300, 301, 33, 64], [3 + 5 * i for i in range(34)]],
+    ids=["one", "two", "ten", "34"],
+)  # bfloat16 products where the CPU has them: int4 and int8 from ten rows
 def test_fused_decode_step_is_the_op_by_op_step_bit_for_bit(name, quantization, lens):
     model = _model(name, quantization)
     assert model.fused is not None
@@ -69,11 +77,11 @@ def test_fused_decode_step_is_the_op_by_op_step_bit_for_bit(name, quantization, 
     got, got_kv, want, want_kv = _both(model, ids, positions, meta, kv)
     assert torch.equal(got, want)
     assert torch.equal(got_kv, want_kv)
-    assert not torch.equal(got_kv, kv)         # the step wrote its keys and values
+    assert not torch.equal(got_kv, kv)  # the step wrote its keys and values
 
 
 @needs_kernel
-@pytest.mark.parametrize("threads", [1, 2, 3])      # 3 on 2 cores: barriers wait on descheduled threads
+@pytest.mark.parametrize("threads", [1, 2, 3])  # 3 on 2 cores: barriers wait on descheduled threads
 def test_one_call_for_the_stack_per_layer_calls_and_any_thread_count_agree(threads):
     """The whole stack in one parallel region, the per-layer calls a layer hook needs, and the
     op-by-op step: the same logits and cache, whatever the number of threads sharing the work."""
@@ -85,7 +93,9 @@ def test_one_call_for_the_stack_per_layer_calls_and_any_thread_count_agree(threa
         got, got_kv, want, want_kv = _both(model, ids, positions, meta, kv)
         done: list[int] = []
         hooked_kv = kv.clone()
-        hooked = model.forward(ids, positions, meta, hooked_kv, torch.arange(len(ids)), layer_done=done.append)
+        hooked = model.forward(
+            ids, positions, meta, hooked_kv, torch.arange(len(ids)), layer_done=done.append
+        )
     finally:
         torch.set_num_threads(before)
     assert done == list(range(model.arch.num_layers))
@@ -105,16 +115,21 @@ def test_steps_with_a_prefill_run_op_by_op(monkeypatch):
 
 def test_models_layer_c_does_not_take_run_op_by_op():
     # q/k norms (Qwen3): not in layer.c. A weight that is not qgemm.c's (the torch kernel): neither.
-    arch = TINY_CONFIGS["tiny-qwen3-moe"].__class__(**{**TINY_CONFIGS["tiny-llama"].__dict__, "qk_norm": True})
+    arch = TINY_CONFIGS["tiny-qwen3-moe"].__class__(
+        **{**TINY_CONFIGS["tiny-llama"].__dict__, "qk_norm": True}
+    )
     assert LlamaModel(arch, tiny_random_weights(arch, 0), torch.float32, "cpu", 256).fused is None
     arch = TINY_CONFIGS["tiny-llama"]
-    assert LlamaModel(arch, tiny_random_weights(arch, 0), torch.float32, "cpu", 256, gemm_kernel="torch").fused is None
+    assert (
+        LlamaModel(arch, tiny_random_weights(arch, 0), torch.float32, "cpu", 256, gemm_kernel="torch").fused
+        is None
+    )
 
 
 @needs_kernel
 def test_silu_mul_matches_torch():
     g = torch.Generator().manual_seed(0)
-    gu = torch.randn(37, 2 * 1539, generator=g) * 6       # both signs, large magnitudes, a non-multiple of 8
+    gu = torch.randn(37, 2 * 1539, generator=g) * 6  # both signs, large magnitudes, a non-multiple of 8
     gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
     gate, up = gu.chunk(2, dim=-1)
     got = fused_kernels.silu_mul(gu)

@@ -1,4 +1,5 @@
 """The fused forms of the layer's small ops give the same values as the reference formulas."""
+
 import torch
 from float_bounds import assert_within, gamma
 
@@ -37,8 +38,15 @@ def test_fused_rms_norm_is_bit_identical_to_the_formula():
 def test_native_rms_norm_of_rows_matches_the_formula():
     # Rows of the residual stream run norm.c: the same formula, its sum of squares in another order.
     from pdserve.model.kernels.norm import native_rms_norm
+
     g = torch.Generator().manual_seed(0)
-    for shape, eps in [((1, 576), 1e-5), ((37, 576), 1e-6), ((128, 64), 1e-5), ((300, 960), 1e-6), ((2, 36), 1e-5)]:
+    for shape, eps in [
+        ((1, 576), 1e-5),
+        ((37, 576), 1e-6),
+        ((128, 64), 1e-5),
+        ((300, 960), 1e-6),
+        ((2, 36), 1e-5),
+    ]:
         x = torch.randn(*shape, generator=g) * 3
         w = torch.randn(shape[-1], generator=g)
         got = native_rms_norm(x, w, eps)
@@ -67,7 +75,9 @@ def test_int4_dequantization_from_nibbles_equals_addcmul_over_the_values():
     w = torch.randn(48, 96, generator=torch.Generator().manual_seed(2))
     st = quantize(w, "int4")
     n = st.q.shape[0]
-    expected = torch.addcmul(st.zero[..., None], st.q.view(n, -1, 32).float(), st.scale[..., None]).view(n, -1)
+    expected = torch.addcmul(st.zero[..., None], st.q.view(n, -1, 32).float(), st.scale[..., None]).view(
+        n, -1
+    )
     got = QuantizedWeight(st).dequantize()
     assert torch.equal(got, expected)
     torch.testing.assert_close(got, st.dequantize())

@@ -5,6 +5,7 @@ save_pretrained and our Hugging Face directory loader, then run chunked prefill 
 paged KV cache. DeepSeek-V2/V3 use MLA in transformers, which we do not implement, so their MoE
 blocks are compared on their own. A few greedy engine runs close the loop.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,20 +13,29 @@ import torch
 from paged_logits import paged_logits
 from safetensors.torch import load_file, save_file
 
-from pdserve.model.arch import ModelArch
-from pdserve.model.loader import build_model, default_gguf_path, load_gguf_tokenizer, load_hf_dir
 from pdserve.eplb.placement import LayerPlacement
-from pdserve.model.moe import MoEBlock, canonical_moe_weights, expert_keys
+from pdserve.model.arch import ModelArch
 from pdserve.model.llama import DenseMLP
+from pdserve.model.loader import build_model, default_gguf_path, load_gguf_tokenizer, load_hf_dir
+from pdserve.model.moe import MoEBlock, canonical_moe_weights, expert_keys
 
 BLOCK = 4
-COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 
 
 def _scaled(model):
     torch.manual_seed(1)
-    with torch.no_grad():      # larger weights than HF's init, so logits and routing are not all near zero
+    with torch.no_grad():  # larger weights than HF's init, so logits and routing are not all near zero
         for name, p in model.named_parameters():
             p.mul_(20.0 if p.dim() > 1 else 1.0)
         for name, b in model.named_buffers():
@@ -39,15 +49,42 @@ def _hf_model(kind: str):
 
     moe = dict(num_experts_per_tok=2, moe_intermediate_size=32)
     cfgs = {
-        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(num_local_experts=16, num_experts_per_tok=2)),
-        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
-                      dict(num_experts=16, shared_expert_intermediate_size=48, decoder_sparse_step=1,
-                           mlp_only_layers=[1], **moe)),
-        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM,
-                      dict(num_experts=16, norm_topk_prob=True, head_dim=16, **moe)),
-        "dots1": (tf.Dots1Config, tf.Dots1ForCausalLM,
-                  dict(n_routed_experts=16, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
-                       norm_topk_prob=True, routed_scaling_factor=2.5, sliding_window=None, **moe)),
+        "mixtral": (
+            tf.MixtralConfig,
+            tf.MixtralForCausalLM,
+            dict(num_local_experts=16, num_experts_per_tok=2),
+        ),
+        "qwen2_moe": (
+            tf.Qwen2MoeConfig,
+            tf.Qwen2MoeForCausalLM,
+            dict(
+                num_experts=16,
+                shared_expert_intermediate_size=48,
+                decoder_sparse_step=1,
+                mlp_only_layers=[1],
+                **moe,
+            ),
+        ),
+        "qwen3_moe": (
+            tf.Qwen3MoeConfig,
+            tf.Qwen3MoeForCausalLM,
+            dict(num_experts=16, norm_topk_prob=True, head_dim=16, **moe),
+        ),
+        "dots1": (
+            tf.Dots1Config,
+            tf.Dots1ForCausalLM,
+            dict(
+                n_routed_experts=16,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                n_group=4,
+                topk_group=2,
+                norm_topk_prob=True,
+                routed_scaling_factor=2.5,
+                sliding_window=None,
+                **moe,
+            ),
+        ),
     }
     cfg_cls, model_cls, extra = cfgs[kind]
     torch.manual_seed(0)
@@ -59,8 +96,11 @@ def _save(hf, path, rename=None):
     load_gguf_tokenizer(str(default_gguf_path())).tok.save(str(path / "tokenizer.json"))
     if rename:
         for f in path.glob("*.safetensors"):
-            save_file({rename(k): v.contiguous() for k, v in load_file(str(f)).items()}, str(f),
-                      metadata={"format": "pt"})
+            save_file(
+                {rename(k): v.contiguous() for k, v in load_file(str(f)).items()},
+                str(f),
+                metadata={"format": "pt"},
+            )
 
 
 def _check(path, hf, kind):
@@ -71,7 +111,7 @@ def _check(path, hf, kind):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     got = paged_logits(ours, ids, chunk=16, decode=5, block=BLOCK)
-    assert ref.abs().max() > 1.0                      # the check is not vacuous
+    assert ref.abs().max() > 1.0  # the check is not vacuous
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
     return ours
 
@@ -82,10 +122,10 @@ def test_moe_logits_match_hf(tmp_path, kind):
     _save(hf, tmp_path)
     ours = _check(tmp_path, hf, kind)
     if kind == "qwen2_moe":
-        assert ours.model.moe_ids == [0, 2]           # mlp_only_layers=[1] is dense
+        assert ours.model.moe_ids == [0, 2]  # mlp_only_layers=[1] is dense
     if kind == "dots1":
-        assert ours.model.moe_ids == [1, 2]           # first_k_dense_replace=1
-    assert ours.eplb.recorder.heatmap().sum() > 0     # the MoE layers feed the recorder
+        assert ours.model.moe_ids == [1, 2]  # first_k_dense_replace=1
+    assert ours.eplb.recorder.heatmap().sum() > 0  # the MoE layers feed the recorder
 
 
 def test_mixtral_other_weight_naming(tmp_path):
@@ -101,7 +141,9 @@ def test_mixtral_other_weight_naming(tmp_path):
         return k
 
     _save(hf, tmp_path, rename)
-    assert any(".mlp.experts.3.up_proj.weight" in k for k in load_file(str(next(tmp_path.glob("*.safetensors")))))
+    assert any(
+        ".mlp.experts.3.up_proj.weight" in k for k in load_file(str(next(tmp_path.glob("*.safetensors"))))
+    )
     _check(tmp_path, hf, "mixtral")
 
 
@@ -113,8 +155,16 @@ def test_expert_parallel_needs_a_moe_model():
 
 
 def test_mla_checkpoint_is_refused():
-    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-           "num_hidden_layers": 1, "num_attention_heads": 2, "n_routed_experts": 4, "kv_lora_rank": 512}
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "n_routed_experts": 4,
+        "kv_lora_rank": 512,
+    }
     with pytest.raises(ValueError, match="latent attention"):
         ModelArch.from_hf_config(cfg)
 
@@ -129,34 +179,61 @@ DS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("version,extra", DS_CASES, ids=[f"{v}-{e.get('topk_method', 'groups' + str(e.get('n_group')))}"
-                                                          for v, e in DS_CASES])
+@pytest.mark.parametrize(
+    "version,extra",
+    DS_CASES,
+    ids=[f"{v}-{e.get('topk_method', 'groups' + str(e.get('n_group')))}" for v, e in DS_CASES],
+)
 def test_deepseek_moe_block_matches_hf(version, extra):
     import transformers as tf
 
-    cfg_cls, moe_cls = ((tf.DeepseekV2Config, tf.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe)
-                        if version == "v2" else
-                        (tf.DeepseekV3Config, tf.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE))
-    kw = dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=2,
-              n_shared_experts=2, routed_scaling_factor=2.5, first_k_dense_replace=0, num_hidden_layers=1,
-              num_attention_heads=4, **extra)
+    cfg_cls, moe_cls = (
+        (tf.DeepseekV2Config, tf.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe)
+        if version == "v2"
+        else (tf.DeepseekV3Config, tf.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE)
+    )
+    kw = dict(
+        hidden_size=64,
+        moe_intermediate_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=0,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        **extra,
+    )
     torch.manual_seed(0)
     ref = moe_cls(cfg_cls(**kw))
-    with torch.no_grad():         # a bare module is not initialised the way a PreTrainedModel is
+    with torch.no_grad():  # a bare module is not initialised the way a PreTrainedModel is
         for param in ref.parameters():
             param.normal_(0.0, 0.02)
     ref = _scaled(ref)
-    arch = ModelArch.from_hf_config({**kw, "architectures": [f"Deepseek{version.upper()}ForCausalLM"],
-                                     "vocab_size": 8, "intermediate_size": 128, "kv_lora_rank": None})
+    arch = ModelArch.from_hf_config(
+        {
+            **kw,
+            "architectures": [f"Deepseek{version.upper()}ForCausalLM"],
+            "vocab_size": 8,
+            "intermediate_size": 128,
+            "kv_lora_rank": None,
+        }
+    )
     sd = {f"model.layers.0.mlp.{k}": v for k, v in ref.state_dict().items()}
-    if version == "v2":       # transformers 5 keeps V2's experts fused in memory: its fused names load too
+    if version == "v2":  # transformers 5 keeps V2's experts fused in memory: its fused names load too
         assert expert_keys(0)[0].replace("gate_up", "gate_up_proj") in sd
     w = canonical_moe_weights(sd, arch)
     gate_up, down = (w[k] for k in expert_keys(0))
     p = "model.layers.0.mlp."
     shared = DenseMLP(*(w[p + f"shared_expert.{n}_proj.weight"] for n in ("gate", "up", "down")))
-    block = MoEBlock(arch, 0, w[p + "gate.weight"], w.get(p + "gate.e_score_correction_bias"),
-                     LayerPlacement.build(torch.arange(16), 16, 0, 16, gate_up, down), shared)
+    block = MoEBlock(
+        arch,
+        0,
+        w[p + "gate.weight"],
+        w.get(p + "gate.e_score_correction_bias"),
+        LayerPlacement.build(torch.arange(16), 16, 0, 16, gate_up, down),
+        shared,
+    )
     x = torch.randn(50, 64, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = ref(x.unsqueeze(0))[0]
@@ -165,6 +242,7 @@ def test_deepseek_moe_block_matches_hf(version, extra):
 
 
 # ---------------------------------------------------------------- greedy engine runs
+
 
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-moe"])
 def test_tiny_moe_generates(name):

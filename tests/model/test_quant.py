@@ -1,5 +1,6 @@
 """Weight-only quantization: the schemes, the GGUF Q4 blocks loaded as stored, the kernels against the
 dequantized product, and the default model quantized against float32 (agreement, KL, weight bytes)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,23 +23,27 @@ def test_quantize_roundtrip_error_is_within_half_a_step(mode, tol):
     err = (st.dequantize() - w).abs()
     # Half a quantization step: |w|max/127/2 per row (int8), (max-min)/15/2 per group (int4), where
     # int4's float16 scale may round up by one part in 2^11 (never down: the levels span the group).
-    span = w.abs().amax(1, keepdim=True) * 2 if mode == "int8" else \
-        (w.view(64, -1, GROUP).amax(-1) - w.view(64, -1, GROUP).amin(-1)).repeat_interleave(GROUP, 1)
-    slack = 1 + (2 ** -10 if mode == "int4" else 0)
+    span = (
+        w.abs().amax(1, keepdim=True) * 2
+        if mode == "int8"
+        else (w.view(64, -1, GROUP).amax(-1) - w.view(64, -1, GROUP).amin(-1)).repeat_interleave(GROUP, 1)
+    )
+    slack = 1 + (2**-10 if mode == "int4" else 0)
     assert (err <= span * tol * slack + 1e-6).all()
-    if mode == "int4":     # float16 scale and offset, as GGUF stores them
+    if mode == "int4":  # float16 scale and offset, as GGUF stores them
         assert torch.equal(st.scale.half().float(), st.scale) and torch.equal(st.zero.half().float(), st.zero)
 
 
 def test_gguf_q4_blocks_load_exactly():
     import gguf
+
     reader = gguf.GGUFReader(str(default_gguf_path()))
     t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     assert t.tensor_type.name == "Q4_1"
     want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
     st = from_gguf_blocks(t.data, "Q4_1")
     assert st.q.dtype == torch.uint8 and int(st.q.max()) <= 15
-    assert torch.equal(st.dequantize(), want)          # int4 + scale + offset holds Q4_1 exactly
+    assert torch.equal(st.dequantize(), want)  # int4 + scale + offset holds Q4_1 exactly
     # Q4_0 is the case offset = -8 * scale: rebuild the same rows as Q4_0 blocks and read them back.
     d = st.scale.half()
     q = st.q.view(st.q.shape[0], -1, GROUP)
@@ -49,12 +54,14 @@ def test_gguf_q4_blocks_load_exactly():
 
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 100, 300])   # 1-8: registers with AVX-512 (1-2 else); then tiles; 300: large
+@pytest.mark.parametrize(
+    "rows", [1, 2, 3, 7, 8, 9, 16, 100, 300]
+)  # 1-8: registers with AVX-512 (1-2 else); then tiles; 300: large
 def test_kernel_matches_dequantized_product(mode, rows, native):
     if native and not qgemm.available():
         pytest.skip("no C compiler here")
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(96, 576, generator=g)           # 576: two full 256-value blocks and a partial one
+    w = torch.randn(96, 576, generator=g)  # 576: two full 256-value blocks and a partial one
     st = quantize(w, mode)
     qw = QuantizedWeight(st, native=native)
     assert qw.native == native
@@ -69,15 +76,15 @@ def test_kernel_matches_dequantized_product(mode, rows, native):
     err = (got - want).abs().max() / want.abs().max()
     assert err <= (1e-5 if native and not bf16 else 0.02)
     if bf16:
-        assert err > 1e-5          # the bfloat16 path ran
+        assert err > 1e-5  # the bfloat16 path ran
     assert qw.nbytes < w.numel() * 4 / (3.5 if mode == "int8" else 5)
     torch.testing.assert_close(qw.dequantize(), st.dequantize(), rtol=1e-6, atol=1e-6)
-    if mode == "int8":                            # the tied embedding's lookup
+    if mode == "int8":  # the tied embedding's lookup
         ids = torch.tensor([0, 17, 95, 17])
         torch.testing.assert_close(qw.rows(ids, torch.float32), st.dequantize()[ids], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [24, 40])     # float32 activations; bfloat16 from qgemm.bf16_rows("int4") on
+@pytest.mark.parametrize("rows", [24, 40])  # float32 activations; bfloat16 from qgemm.bf16_rows("int4") on
 def test_native_kernel_reads_strided_rows_and_keeps_threads_apart(rows):
     """A view with a row stride (a slice of a wider activation) and one thread or two give the same."""
     if not qgemm.available():
@@ -109,10 +116,13 @@ def test_native_kernel_reads_strided_rows_and_keeps_threads_apart(rows):
 
 def test_fused_rows_keep_their_groups_and_odd_shapes_stay_float():
     g = torch.Generator().manual_seed(2)
-    a, b = quantize(torch.randn(16, 64, generator=g), "int4"), quantize(torch.randn(32, 64, generator=g), "int4")
+    a, b = (
+        quantize(torch.randn(16, 64, generator=g), "int4"),
+        quantize(torch.randn(32, 64, generator=g), "int4"),
+    )
     fused = cat_rows([a, b], "int4")
     assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    odd = torch.randn(12, 48, generator=g)      # int4 packs rows in tiles of 16 and groups of 32
+    odd = torch.randn(12, 48, generator=g)  # int4 packs rows in tiles of 16 and groups of 32
     assert isinstance(pack(odd, "int4", torch.float32, "cpu"), torch.Tensor)
     assert isinstance(pack(Staged("int8", *_int8(odd)), "int8", torch.float32, "cpu"), QuantizedWeight)
 
@@ -125,17 +135,20 @@ def _int8(w):
 @pytest.mark.slow
 def test_default_model_int4_and_int8_against_float32(smollm_files):
     from pdserve.model.loader import load_model_files
+
     ref = build_model(smollm_files, "float32")
     tok = smollm_files.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])
-    ids = ids + tok.encode(" The sky looks blue because sunlight is scattered by the air, and blue light"
-                           " scatters much more than red light does.")
+    ids = ids + tok.encode(
+        " The sky looks blue because sunlight is scattered by the air, and blue light"
+        " scatters much more than red light does."
+    )
     want = sequence_logits(ref, ids)
     fbytes = ref.weight_bytes()
     del ref
     for mode, min_agree, max_kl in (("int4", 0.9, 0.1), ("int8", 0.9, 0.1)):
         loaded = load_model_files("smollm2-135m", quantization=mode)
-        if mode == "int4":   # the file's Q4_1 tensors arrive as stored, no float copy
+        if mode == "int4":  # the file's Q4_1 tensors arrive as stored, no float copy
             assert isinstance(loaded.weights["model.layers.0.mlp.down_proj.weight"], Staged)
         model = build_model(loaded, "float32", model_config=ModelConfig(quantization=mode))
         agree, kl = agreement_and_kl(want, sequence_logits(model, ids))

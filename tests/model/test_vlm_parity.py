@@ -1,6 +1,7 @@
 """Our LLaVA (vision.py + vlm.py + the Llama decoder over the paged KV cache) == transformers'
 LlavaForConditionalGeneration on a tiny random checkpoint, and our image preprocessing ==
 transformers' CLIPImageProcessor."""
+
 from __future__ import annotations
 
 import io
@@ -10,10 +11,9 @@ import pytest
 import torch
 from paged_logits import paged_logits
 
-from pdserve.common.images import ImageProcessing, ImageSlots, image_slots, open_image
+from pdserve.common.images import ImageInput, ImageProcessing, ImageSlots, image_slots, open_image
 from pdserve.model.loader import build_model, default_gguf_path, load_gguf_tokenizer, load_hf_dir
 from pdserve.model.vlm import image_spans, merge_image_embeds
-from pdserve.common.images import ImageInput
 
 IMAGE_TOKEN = 500
 
@@ -21,15 +21,34 @@ IMAGE_TOKEN = 500
 def _hf_llava(strategy: str, layer):
     import transformers as tf
 
-    vc = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                             image_size=32, patch_size=8)
-    tc = tf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
-    cfg = tf.LlavaConfig(vision_config=vc, text_config=tc, image_token_index=IMAGE_TOKEN,
-                         vision_feature_select_strategy=strategy, vision_feature_layer=layer)
+    vc = tf.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
+    tc = tf.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+    )
+    cfg = tf.LlavaConfig(
+        vision_config=vc,
+        text_config=tc,
+        image_token_index=IMAGE_TOKEN,
+        vision_feature_select_strategy=strategy,
+        vision_feature_layer=layer,
+    )
     torch.manual_seed(0)
     model = tf.LlavaForConditionalGeneration(cfg)
-    with torch.no_grad():      # larger weights than HF's init, so logits are not all near zero
+    with torch.no_grad():  # larger weights than HF's init, so logits are not all near zero
         for name, p in model.named_parameters():
             if p.dim() > 1 and "vision" not in name:
                 p.mul_(20.0)
@@ -45,7 +64,9 @@ class _Paged:
 
     def forward(self, ids, positions, meta, kv, logits_indices):
         start, n = int(positions[0]), len(ids)
-        embeds = merge_image_embeds(self.model.embed_tokens(ids).clone(), image_spans(self.images, start, n, 0))
+        embeds = merge_image_embeds(
+            self.model.embed_tokens(ids).clone(), image_spans(self.images, start, n, 0)
+        )
         return self.model.forward(ids, positions, meta, kv, logits_indices, inputs_embeds=embeds)
 
 
@@ -59,7 +80,7 @@ def test_llava_logits_match_hf(tmp_path, strategy, layer):
     spec = loaded.vision.spec
     n_img = spec.tokens_per_image
     assert n_img == (16 if strategy == "default" else 17)
-    assert image_slots(str(tmp_path)) == ImageSlots("<image>", IMAGE_TOKEN, n_img)     # the router's view
+    assert image_slots(str(tmp_path)) == ImageSlots("<image>", IMAGE_TOKEN, n_img)  # the router's view
     g = torch.Generator().manual_seed(1)
     pixels = torch.randn(2, 3, 32, 32, generator=g)
     text = torch.randint(0, 400, (30,), generator=g).tolist()

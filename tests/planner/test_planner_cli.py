@@ -1,5 +1,6 @@
 """`pdserve profile` and `pdserve plan` as a user runs them: bad arguments exit 2 naming the problem,
 an infeasible SLO exits 1 saying so, and a profile of a tiny random model feeds a plan."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_planner_search import synthetic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-PLAN = ["plan", "--workload", "fixed", "--rate", "1", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "100",
-        "--max-workers", "3", "--num-requests", "20"]
+PLAN = [
+    "plan",
+    "--workload",
+    "fixed",
+    "--rate",
+    "1",
+    "--slo-ttft-ms",
+    "2000",
+    "--slo-tpot-ms",
+    "100",
+    "--max-workers",
+    "3",
+    "--num-requests",
+    "20",
+]
 
 
 @pytest.fixture
@@ -27,10 +41,16 @@ def profile_file(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--rate", "-1"], "--rate"), (["--rate", "x"], "--rate"), (["--max-workers", "0"], "--max-workers"),
-    (["--slo-ttft-ms", "0"], "--slo-ttft-ms"), (["--decode-max-num-seqs", "8,a"], "--decode-max-num-seqs"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--rate", "-1"], "--rate"),
+        (["--rate", "x"], "--rate"),
+        (["--max-workers", "0"], "--max-workers"),
+        (["--slo-ttft-ms", "0"], "--slo-ttft-ms"),
+        (["--decode-max-num-seqs", "8,a"], "--decode-max-num-seqs"),
+    ],
+)
 def test_plan_bad_arguments_exit_2(capsys, profile_file, args, needle):
     opts = dict(zip(PLAN[1::2], PLAN[2::2]))
     opts.update(zip(args[::2], args[1::2]))
@@ -65,11 +85,30 @@ def test_plan_prints_the_split_and_settings_or_says_infeasible(capsys, profile_f
 
 
 def test_profile_bad_arguments_exit_2():
-    run = subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--prefill-chunks", "0"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "profile", "--prefill-chunks", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert run.returncode == 2 and "--prefill-chunks" in run.stderr
-    run = subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--model", "tiny-llama",
-                          "--transfer-backend", "carrier-pigeon"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "profile",
+            "--model",
+            "tiny-llama",
+            "--transfer-backend",
+            "carrier-pigeon",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert run.returncode == 2 and "transfer" in run.stderr
 
 
@@ -77,8 +116,13 @@ def test_profile_bad_arguments_exit_2():
 def test_profile_of_a_tiny_model_feeds_a_plan(tmp_path):
     out = tmp_path / "tiny.json"
     # With the served requests: a 1P1D deployment and a mixed server of the tiny model start and answer.
-    run = subprocess.run([sys.executable, "-m", "pdserve.cli", "profile", "--model", "tiny-llama", "--quick",
-                          "-o", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "profile", "--model", "tiny-llama", "--quick", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     costs = StepCosts.load(out)
     assert costs.model == "tiny-llama" and costs.threads == 1 and costs.quantization == "none"
@@ -88,7 +132,12 @@ def test_profile_of_a_tiny_model_feeds_a_plan(tmp_path):
     # The calibration read the served workers' own step counters and scaled the grids to them.
     assert "less the served steps" in run.stderr, run.stderr[-2000:]
     assert all(costs.notes["served_scale"][k] > 0 for k in ("decode", "prefill"))
-    plan = subprocess.run([sys.executable, "-m", "pdserve.cli", *PLAN, "--profile", str(out), "--json"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    plan = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *PLAN, "--profile", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert plan.returncode in (0, 1), plan.stderr[-2000:]
     assert json.loads(plan.stdout)["best"]["deployment"]

@@ -1,5 +1,6 @@
 """The planner on a synthetic profile: the cost model, the PD simulator against hand-computed
 timelines, the search's choices as the workload shifts, and the profile file's round trip."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.planner.search import SearchSpace, plan, predict, served, text_tokens, workload_requests
 from pdserve.planner.pd_simulate import PDFleet, PDRequest, RoleSettings, simulate_pd
+from pdserve.planner.search import SearchSpace, plan, predict, served, text_tokens, workload_requests
 from pdserve.planner.step_costs import FORMAT, Grid, ProfileError, Serving, StepCosts
 
 
@@ -18,11 +19,23 @@ def synthetic(**kw) -> StepCosts:
     chunks, pctx = [16, 64, 256, 1024], [0, 1024, 4096]
     batches, dctx = [1, 8, 32, 128], [0, 1024, 4096]
     costs = StepCosts(
-        cpu="synthetic", cores=64, model="synthetic", dtype="float32", quantization="none", threads=1,
-        block_size=16, num_layers=10, kv_bytes_per_token=1000,
+        cpu="synthetic",
+        cores=64,
+        model="synthetic",
+        dtype="float32",
+        quantization="none",
+        threads=1,
+        block_size=16,
+        num_layers=10,
+        kv_bytes_per_token=1000,
         prefill=Grid(chunks, pctx, [[0.002 + 0.001 * t + 1e-6 * t * c / 1024 for c in pctx] for t in chunks]),
-        decode=Grid(batches, dctx, [[0.020 + 0.001 * b + 1e-5 * b * c / 1024 for c in dctx] for b in batches]),
-        transport="shm", transfer_bytes=[10_000, 1_000_000], transfer_seconds=[0.001 + 1e-5, 0.001 + 1e-3])
+        decode=Grid(
+            batches, dctx, [[0.020 + 0.001 * b + 1e-5 * b * c / 1024 for c in dctx] for b in batches]
+        ),
+        transport="shm",
+        transfer_bytes=[10_000, 1_000_000],
+        transfer_seconds=[0.001 + 1e-5, 0.001 + 1e-3],
+    )
     return replace(costs, **kw)
 
 
@@ -30,8 +43,8 @@ def test_grid_interpolates_between_and_extrapolates_beyond_its_points():
     g = Grid([1, 3], [0, 10], [[1.0, 2.0], [3.0, 4.0]])
     assert g.at(1, 0) == 1.0 and g.at(3, 10) == 4.0
     assert g.at(2, 5) == pytest.approx(2.5)
-    assert g.at(5, 0) == pytest.approx(5.0)          # the last two rows' slope, carried on
-    assert g.at(-100, 0) == pytest.approx(0.1)       # never below a tenth of the fastest step
+    assert g.at(5, 0) == pytest.approx(5.0)  # the last two rows' slope, carried on
+    assert g.at(-100, 0) == pytest.approx(0.1)  # never below a tenth of the fastest step
 
 
 def test_cost_model_reads_the_grids_and_the_transfer_line():
@@ -39,14 +52,19 @@ def test_cost_model_reads_the_grids_and_the_transfer_line():
     assert c.prefill_s(64, 0) == pytest.approx(0.066)
     assert c.decode_s(8, 0) == pytest.approx(0.028)
     assert c.transfer_s(500_000) == pytest.approx(0.0015)
-    assert c.exposed_transfer_s(1000) == pytest.approx(c.transfer_s(1_000_000) / 10)     # layer by layer
+    assert c.exposed_transfer_s(1000) == pytest.approx(c.transfer_s(1_000_000) / 10)  # layer by layer
     assert replace(c, layerwise=False).exposed_transfer_s(1000) == pytest.approx(c.transfer_s(1_000_000))
     # A mixed step: the linear layers over every token, the decoders' attention on top.
     assert c.step_s(8, 1024, 64, 0) == pytest.approx(c.prefill_s(72, 0) + 8 * 1e-5)
 
 
-SERVING = Serving(pd_local_overhead_s=0.05, pd_remote_overhead_s=0.1, pd_step_s=0.01, mixed_overhead_s=0.03,
-                  mixed_step_s=0.005)
+SERVING = Serving(
+    pd_local_overhead_s=0.05,
+    pd_remote_overhead_s=0.1,
+    pd_step_s=0.01,
+    mixed_overhead_s=0.03,
+    mixed_step_s=0.005,
+)
 
 
 def test_served_fleets_carry_the_measured_overheads_of_their_kind():
@@ -66,10 +84,14 @@ def test_profile_file_round_trip_and_bad_files(tmp_path):
     c.save(path)
     assert StepCosts.load(path) == c
     data = json.loads(path.read_text())
-    for bad, needle in ((dict(data, format="other"), "format"), (dict(data, extra=1), "unknown keys"),
-                        (dict(data, decode={**data["decode"], "seconds": [[0.0] * 3] * 4}), "positive"),
-                        (dict(data, cores=0), "cores"), ({k: v for k, v in data.items() if k != "model"}, "model"),
-                        (dict(data, serving={"pd_step_s": 1}), "malformed")):
+    for bad, needle in (
+        (dict(data, format="other"), "format"),
+        (dict(data, extra=1), "unknown keys"),
+        (dict(data, decode={**data["decode"], "seconds": [[0.0] * 3] * 4}), "positive"),
+        (dict(data, cores=0), "cores"),
+        ({k: v for k, v in data.items() if k != "model"}, "model"),
+        (dict(data, serving={"pd_step_s": 1}), "malformed"),
+    ):
         path.write_text(json.dumps(bad))
         with pytest.raises(ProfileError, match=needle):
             StepCosts.load(path)
@@ -83,8 +105,14 @@ def test_profile_file_round_trip_and_bad_files(tmp_path):
 
 def test_one_request_through_1p1d_follows_the_hand_computed_timeline():
     c = synthetic()
-    fleet = PDFleet(prefill=1, decode=1, prefill_settings=RoleSettings(64, 64), overhead_s=0.003,
-                    remote_overhead_s=0.005, step_overhead_s=0.002)
+    fleet = PDFleet(
+        prefill=1,
+        decode=1,
+        prefill_settings=RoleSettings(64, 64),
+        overhead_s=0.003,
+        remote_overhead_s=0.005,
+        step_overhead_s=0.002,
+    )
     [r] = simulate_pd([PDRequest(0, 1.0, 100, 4)], fleet, c)
     # Chunks of 64 then 36 on the prefill worker and the exposed transfer; the idle decode worker takes
     # the request in and decodes its second token (context 101) before the step's outputs, the first
@@ -94,7 +122,7 @@ def test_one_request_through_1p1d_follows_the_hand_computed_timeline():
     assert r.first_token == pytest.approx(first + 0.005)
     steps = sum(c.decode_s(1, n) + 0.002 for n in (102, 103))
     assert r.finish == pytest.approx(first + steps + 0.005)
-    assert r.tpot == pytest.approx(steps / 3)      # the first two tokens come out together
+    assert r.tpot == pytest.approx(steps / 3)  # the first two tokens come out together
 
 
 def test_a_loaded_request_shows_its_first_token_when_the_decode_step_it_joins_ends():
@@ -113,7 +141,10 @@ def test_a_loaded_request_shows_its_first_token_when_the_decode_step_it_joins_en
     assert remote.first_token == pytest.approx(joined + c.decode_s(2, round((21 + k + 101) / 2)))
     # a request of one token ends on arrival of its KV: with nothing else to run it goes out at once
     [one] = simulate_pd([PDRequest(0, 0.0, 100, 1)], fleet, c)
-    assert one.first_token == pytest.approx(c.prefill_s(100, 0) + c.exposed_transfer_s(100)) and one.finish == one.first_token
+    assert (
+        one.first_token == pytest.approx(c.prefill_s(100, 0) + c.exposed_transfer_s(100))
+        and one.finish == one.first_token
+    )
 
 
 def test_short_prompts_are_prefilled_by_the_decode_worker_and_mixed_steps_share_the_forward():
@@ -138,8 +169,14 @@ def test_a_loaded_worker_queues_and_the_router_spreads_over_the_pool():
 def _best(workload: str, rate: float, **kw):
     reqs = workload_requests("fixed", 60, rate, seed=1, **kw)
     assert workload
-    return plan(synthetic(cores=64), PDFleet(), reqs, slo_ttft_s=1.5, slo_tpot_s=0.06,
-                space=SearchSpace(4, prefill_chunks=(256, 1024), decode_max_num_seqs=(64,), mixed=False))
+    return plan(
+        synthetic(cores=64),
+        PDFleet(),
+        reqs,
+        slo_ttft_s=1.5,
+        slo_tpot_s=0.06,
+        space=SearchSpace(4, prefill_chunks=(256, 1024), decode_max_num_seqs=(64,), mixed=False),
+    )
 
 
 def test_prompt_heavy_work_gets_more_prefill_workers_than_generation_heavy_work():
@@ -188,15 +225,19 @@ def test_a_step_beside_a_busy_worker_runs_at_the_measured_contended_speed():
 
 def test_the_served_calibration_prompt_is_a_profiled_row_and_its_overhead_leaves_out_the_steps():
     from pdserve.planner.serving import overheads, remote_prompt_tokens
-    c = synthetic()                       # prefill rows 16, 64, 256, 1024
-    assert remote_prompt_tokens(c, 64, 512) == 256          # the shortest row a prefill worker takes in one step
+
+    c = synthetic()  # prefill rows 16, 64, 256, 1024
+    assert remote_prompt_tokens(c, 64, 512) == 256  # the shortest row a prefill worker takes in one step
     assert remote_prompt_tokens(c, 32, 512) == 64
-    assert remote_prompt_tokens(c, 300, 512) == 316         # no row fits: a prompt past the local limit
+    assert remote_prompt_tokens(c, 300, 512) == 316  # no row fits: a prompt past the local limit
     # Served medians = the profiled steps + 3 ms a step + 40 ms a request: the overheads come back out.
     decode_1 = sum(c.decode_s(1, 32 + i) for i in range(1, 48)) / 47
     step = 0.003
-    pd = {"tpot": decode_1 + step, "short": c.prefill_s(32, 0) + step + 0.04,
-          "long": c.prefill_s(256, 0) + step + c.exposed_transfer_s(256) + c.decode_s(1, 256) + step + 0.04}
+    pd = {
+        "tpot": decode_1 + step,
+        "short": c.prefill_s(32, 0) + step + 0.04,
+        "long": c.prefill_s(256, 0) + step + c.exposed_transfer_s(256) + c.decode_s(1, 256) + step + 0.04,
+    }
     s = overheads(c, pd, {"tpot": decode_1, "short": c.prefill_s(32, 0) + 0.01}, 32, 256, 512)
     assert s.pd_step_s == pytest.approx(step) and s.mixed_step_s == pytest.approx(0.0, abs=1e-12)
     assert s.pd_local_overhead_s == pytest.approx(0.04) and s.mixed_overhead_s == pytest.approx(0.01)
@@ -208,21 +249,34 @@ def test_the_overheads_leave_out_the_served_steps_where_the_workers_report_them(
     """The served steps, not the profile's, come off: a machine running 20% slower than at profile
     time leaves the same overheads."""
     from pdserve.planner.serving import overheads
+
     c = synthetic()
     slow = 1.2
     dec, pre, long_pre = c.decode_s(1, 40) * slow, c.prefill_s(32, 0) * slow, c.prefill_s(256, 0) * slow
     step = 0.002
-    pd = {"tpot": dec + step, "decode_step": dec, "short": pre + step + 0.03, "short_prefill": pre,
-          "long": long_pre + step + c.exposed_transfer_s(256) + dec + step + 0.05,
-          "long_prefill": long_pre, "long_decode_step": dec}
+    pd = {
+        "tpot": dec + step,
+        "decode_step": dec,
+        "short": pre + step + 0.03,
+        "short_prefill": pre,
+        "long": long_pre + step + c.exposed_transfer_s(256) + dec + step + 0.05,
+        "long_prefill": long_pre,
+        "long_decode_step": dec,
+    }
     mixed = {"tpot": dec + 0.001, "decode_step": dec, "short": pre + 0.001 + 0.02, "short_prefill": pre}
     s = overheads(c, pd, mixed, 32, 256, 512)
     assert s.pd_step_s == pytest.approx(step) and s.mixed_step_s == pytest.approx(0.001)
     assert s.pd_local_overhead_s == pytest.approx(0.03) and s.mixed_overhead_s == pytest.approx(0.02)
     assert s.pd_remote_overhead_s == pytest.approx(0.05)
     # Against the profile's steps the drift reads as overhead (the old calibration).
-    profiled = overheads(c, {k: pd[k] for k in ("tpot", "short", "long")},
-                         {k: mixed[k] for k in ("tpot", "short")}, 32, 256, 512)
+    profiled = overheads(
+        c,
+        {k: pd[k] for k in ("tpot", "short", "long")},
+        {k: mixed[k] for k in ("tpot", "short")},
+        32,
+        256,
+        512,
+    )
     assert profiled.pd_step_s > step + 0.1 * dec and profiled.pd_remote_overhead_s > 0.05 + 0.1 * long_pre
 
 
@@ -234,12 +288,19 @@ def test_a_worker_reports_its_served_step_times():
     from pdserve.engine.engine import LLMEngine
     from pdserve.planner.serving import parse_step_counters
     from pdserve.server.metrics import ServerMetrics
+
     engine = LLMEngine(load_config(None, {"model.name": "tiny-qwen2", "cache.block_size": 4}))
     try:
         metrics = ServerMetrics(engine.stats)
         assert parse_step_counters(metrics.render().decode()) == {
-            "decode_steps": 0, "decode_step_seconds": 0, "prefill_steps": 0, "prefill_step_seconds": 0}
-        engine.add_request("r", list(range(5, 40)), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+            "decode_steps": 0,
+            "decode_step_seconds": 0,
+            "prefill_steps": 0,
+            "prefill_step_seconds": 0,
+        }
+        engine.add_request(
+            "r", list(range(5, 40)), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        )
         list(engine.run_until_idle())
         got = parse_step_counters(metrics.render().decode())
         assert got is not None and got["prefill_steps"] == 1 and got["decode_steps"] == 5
@@ -252,10 +313,14 @@ def test_the_profiles_grids_scale_to_the_served_steps():
     """Served steps 20% slower than profiled (decode) and 10% faster (prefill) give those factors;
     without served steps both stay 1; a scaled grid interpolates the scaled times."""
     from pdserve.planner.serving import REPLY, served_scales
+
     c = synthetic()
     decode_1 = sum(c.decode_s(1, 32 + i) for i in range(1, REPLY)) / (REPLY - 1)
-    pd = {"decode_step": 1.2 * decode_1, "short_prefill": 0.9 * c.prefill_s(32, 0),
-          "long_prefill": 0.9 * c.prefill_s(256, 0)}
+    pd = {
+        "decode_step": 1.2 * decode_1,
+        "short_prefill": 0.9 * c.prefill_s(32, 0),
+        "long_prefill": 0.9 * c.prefill_s(256, 0),
+    }
     mixed = {"decode_step": 1.2 * decode_1, "short_prefill": 0.9 * c.prefill_s(32, 0)}
     assert served_scales(c, pd, mixed, 32, 256) == (pytest.approx(1.2), pytest.approx(0.9))
     assert served_scales(c, {"tpot": 0.03}, {"tpot": 0.03}, 32, 256) == (1.0, 1.0)

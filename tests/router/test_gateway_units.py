@@ -1,14 +1,15 @@
 """The router's small parts: circuit breaker, keys, token buckets, allowlist, admission queue."""
+
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from pdserve.router.admission import Admission
-from pdserve.router.registry import Breaker, BreakerState
 from pdserve.router.access import KeyStore, hash_key, key_id
+from pdserve.router.admission import Admission
 from pdserve.router.rate_limit import RateLimiter
+from pdserve.router.registry import Breaker, BreakerState
 from pdserve.router.security import Allowlist
 from pdserve.server.errors import APIError
 
@@ -20,11 +21,11 @@ def test_breaker_opens_probes_and_closes():
         assert b.allows(t) and b.state == BreakerState.CLOSED
     b.on_failure(0.2)
     assert b.state == BreakerState.OPEN and not b.allows(1.0)
-    assert b.allows(5.3) and b.state == BreakerState.HALF_OPEN       # cooldown over: one probe
+    assert b.allows(5.3) and b.state == BreakerState.HALF_OPEN  # cooldown over: one probe
     b.on_attempt()
-    assert not b.allows(5.4)                                         # only one probe at a time
+    assert not b.allows(5.4)  # only one probe at a time
     b.on_failure(5.5)
-    assert b.state == BreakerState.OPEN and not b.allows(6.0)        # the probe failed: open again
+    assert b.state == BreakerState.OPEN and not b.allows(6.0)  # the probe failed: open again
     assert b.allows(10.6)
     b.on_attempt()
     b.on_success()
@@ -54,11 +55,11 @@ def test_request_and_token_buckets():
     rl = RateLimiter(rpm=2, tpm=100)
     assert rl.admit("k", 0.0) == 0 and rl.admit("k", 0.0) == 0
     wait = rl.admit("k", 0.0)
-    assert 29 < wait <= 30                      # 2/min: one more after 30 s
-    assert rl.admit("other", 0.0) == 0          # buckets are per key
+    assert 29 < wait <= 30  # 2/min: one more after 30 s
+    assert rl.admit("other", 0.0) == 0  # buckets are per key
     assert rl.admit("k", 31.0) == 0
-    rl.charge_tokens("other", 150, 1.0)         # a big request overdraws the bucket...
-    assert rl.admit("other", 1.0) > 0           # ...and the key waits until it refills
+    rl.charge_tokens("other", 150, 1.0)  # a big request overdraws the bucket...
+    assert rl.admit("other", 1.0) > 0  # ...and the key waits until it refills
     assert rl.admit("other", 40.0) == 0
 
 
@@ -84,9 +85,9 @@ def test_admission_queue_bounds_and_timeout():
 
         h = asyncio.create_task(holder())
         await asyncio.sleep(0.01)
-        w = asyncio.create_task(waiter())           # queued
+        w = asyncio.create_task(waiter())  # queued
         await asyncio.sleep(0.01)
-        with pytest.raises(APIError) as full:       # the queue is full
+        with pytest.raises(APIError) as full:  # the queue is full
             async with adm.slot():
                 pass
         assert full.value.status == 503 and full.value.headers["Retry-After"]
@@ -97,7 +98,7 @@ def test_admission_queue_bounds_and_timeout():
         release.clear()
         h = asyncio.create_task(holder())
         await asyncio.sleep(0.01)
-        with pytest.raises(APIError) as late:       # waited past the timeout
+        with pytest.raises(APIError) as late:  # waited past the timeout
             async with adm.slot():
                 pass
         assert late.value.status == 503

@@ -1,6 +1,7 @@
 """The router's KV index feed over real ZMQ sockets: a worker that restarts under the same name and
 event endpoint loses its indexed blocks at once and is rebuilt from the new process's snapshot, and a
 silent snapshot endpoint does not hold the index lock or stall the other workers' events."""
+
 from __future__ import annotations
 
 import time
@@ -13,6 +14,7 @@ from pdserve.router.kv_index_feed import IndexFeed
 
 def _free_endpoint() -> str:
     from pdserve.bench.procs import free_port
+
     return f"tcp://127.0.0.1:{free_port()}"
 
 
@@ -39,7 +41,7 @@ def test_a_restarted_worker_drops_its_stale_blocks_and_rebuilds_from_its_snapsho
         second = KVEventPublisher(events, "w", "tcp://127.0.0.1:*", token=token)
         second.stored(["b1"])
         feed.watch(second.endpoint, second.snapshot_endpoint, "w", (2, second.snapshot_endpoint))
-        assert feed.blocks_of("w") in (0, 1)            # dropped at once, before any event arrives
+        assert feed.blocks_of("w") in (0, 1)  # dropped at once, before any event arrives
         assert feed.restarts_seen == 1
         _until(lambda: feed.blocks_of("w") == 1, "the new process's snapshot")
         with feed.lock:
@@ -62,7 +64,7 @@ def test_a_silent_snapshot_endpoint_does_not_hold_the_index():
         feed.watch(live.endpoint, live.snapshot_endpoint, "live", 1)
         live.stored(["x"])
         _until(lambda: feed.blocks_of("live") == 1, "the live worker's snapshot")
-        for i in range(20):      # the lock is never held across a network wait
+        for i in range(20):  # the lock is never held across a network wait
             t0 = time.monotonic()
             with feed.lock:
                 pass

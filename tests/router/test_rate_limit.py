@@ -1,6 +1,7 @@
 """The rate limiter's table of buckets stays bounded: refilled buckets are dropped, the table never
 holds more than its bound, and an admission looks at a constant number of buckets. The clock is the
 `now` each call takes; nothing sleeps."""
+
 from __future__ import annotations
 
 from pdserve.router import rate_limit
@@ -9,11 +10,11 @@ from pdserve.router.rate_limit import RateLimiter
 
 def test_buckets_that_refilled_are_dropped():
     rl = RateLimiter(rpm=60, tpm=1000)
-    for i in range(500):                        # one request from each of 500 addresses
+    for i in range(500):  # one request from each of 500 addresses
         assert rl.admit(f"10.0.{i // 256}.{i % 256}", 0.0) == 0
     rl.charge_tokens("10.0.0.1", 100, 0.0)
-    assert len(rl.requests) == 500              # each took a request: none is full
-    assert "10.0.0.1" in rl.tokens and len(rl.tokens) <= 5     # untouched token buckets are full: dropped
+    assert len(rl.requests) == 500  # each took a request: none is full
+    assert "10.0.0.1" in rl.tokens and len(rl.tokens) <= 5  # untouched token buckets are full: dropped
     # A minute on, every bucket has refilled: each is the same as no bucket. Ordinary traffic from one
     # client drains them, a few per admission.
     for i in range(200):
@@ -28,14 +29,14 @@ def test_a_bucket_still_refilling_is_kept_and_still_limits():
     for i in range(100):
         rl.admit(f"idle-{i}", 0.0)
     for i in range(10):
-        rl.admit(f"late-{i}", 20.0)             # the sweep reaches "busy", not yet full: it stays
+        rl.admit(f"late-{i}", 20.0)  # the sweep reaches "busy", not yet full: it stays
     assert "busy" in rl.requests
-    assert 9.9 < rl.admit("busy", 20.0) < 10.1     # 2/min: one more at 30 s
+    assert 9.9 < rl.admit("busy", 20.0) < 10.1  # 2/min: one more at 30 s
 
 
 def test_the_table_is_bounded_by_default():
     rl = RateLimiter(rpm=60, tpm=None)
-    for i in range(rate_limit.MAX_KEYS + 50):   # all at once: none has refilled, none can be dropped as full
+    for i in range(rate_limit.MAX_KEYS + 50):  # all at once: none has refilled, none can be dropped as full
         rl.admit(f"k{i}", 0.0)
     assert len(rl.requests) == rate_limit.MAX_KEYS
 
@@ -47,14 +48,14 @@ def test_a_full_table_pushes_out_the_least_recently_used():
     for i in range(100):
         rl.admit(f"scan-{i}", 1.0)
         if i % 5 == 0:
-            assert rl.admit("regular", 1.0) > 0     # used recently: kept, and still out of requests
+            assert rl.admit("regular", 1.0) > 0  # used recently: kept, and still out of requests
     assert len(rl.requests) == 10 and "regular" in rl.requests
     assert "scan-0" not in rl.requests and "scan-99" in rl.requests
 
 
 def test_an_admission_looks_at_a_constant_number_of_buckets(monkeypatch):
     rl = RateLimiter(rpm=60, tpm=60)
-    for i in range(5000):                       # none full: a scan of the table would look at all of them
+    for i in range(5000):  # none full: a scan of the table would look at all of them
         rl.admit(f"k{i}", 0.0)
     seen = {"n": 0}
     refill, full_at = rate_limit.Bucket.refill, rate_limit.Bucket.full_at

@@ -2,6 +2,7 @@
 OTLP/HTTP to a real receiver here; one streamed request is one trace across the router, the decode
 worker (its prefill by a peer, the KV transfer, its decode) and the prefill worker (the job it ran),
 the router's audit line names the trace, and an error body carries its trace id."""
+
 from __future__ import annotations
 
 import re
@@ -35,22 +36,38 @@ def test_one_trace_across_router_and_workers(tmp_path):
         with ServerProcess(cmd, port, tmp_path / "pd.log", env=thread_env(1)) as srv:
             srv.wait_ready(timeout=180)
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-            prompt = [(37 * j) % 4000 + 10 for j in range(120)]    # long enough for the prefill worker
-            chunks = list(client.completions.create(model="tiny-qwen2", prompt=prompt, max_tokens=8, stream=True,
-                                                    temperature=0, extra_body={"ignore_eos": True}))
+            prompt = [(37 * j) % 4000 + 10 for j in range(120)]  # long enough for the prefill worker
+            chunks = list(
+                client.completions.create(
+                    model="tiny-qwen2",
+                    prompt=prompt,
+                    max_tokens=8,
+                    stream=True,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+            )
             assert chunks
-            r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny-qwen2", "prompt": "hi", "max_tokens": 0})
+            r = httpx.post(
+                srv.url + "/v1/completions", json={"model": "tiny-qwen2", "prompt": "hi", "max_tokens": 0}
+            )
             assert r.status_code == 400
             bad_trace = r.json()["error"]["trace_id"]
             time.sleep(0.5)
             log = srv.log_tail(1_000_000)
             ok_trace = _audit_trace(log, "/v1/completions", 200)
             assert _audit_trace(log, "/v1/completions", 400) == bad_trace
-            want = {("pdserve-router", "POST /v1/completions"), ("pdserve-router", "router.queue"),
-                    ("pdserve-router", "router.route"), ("pdserve-router", "router.attempt"),
-                    ("pdserve-decode", "worker.generate"), ("pdserve-decode", "worker.prefill"),
-                    ("pdserve-decode", "worker.decode"), ("pdserve-decode", "kv.transfer"),
-                    ("pdserve-prefill", "prefill.job")}
+            want = {
+                ("pdserve-router", "POST /v1/completions"),
+                ("pdserve-router", "router.queue"),
+                ("pdserve-router", "router.route"),
+                ("pdserve-router", "router.attempt"),
+                ("pdserve-decode", "worker.generate"),
+                ("pdserve-decode", "worker.prefill"),
+                ("pdserve-decode", "worker.decode"),
+                ("pdserve-decode", "kv.transfer"),
+                ("pdserve-prefill", "prefill.job"),
+            }
             deadline = time.monotonic() + 20
             while not want <= set(rx.of(ok_trace)):
                 assert time.monotonic() < deadline, (sorted(set(rx.of(ok_trace))), len(rx.spans))

@@ -1,4 +1,5 @@
 """The OpenAI API of a real mixed-mode server process on loopback, through the official client."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,12 @@ pytestmark = pytest.mark.slow
 def server(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("srv") / "server.log"
-    with ServerProcess(pdserve_cmd() + ["serve", "--mode", "mixed", "--model", MODEL, "--port", str(port),
-                                        "--max-model-len", "2048"], port, log) as srv:
+    with ServerProcess(
+        pdserve_cmd()
+        + ["serve", "--mode", "mixed", "--model", MODEL, "--port", str(port), "--max-model-len", "2048"],
+        port,
+        log,
+    ) as srv:
         srv.wait_ready(timeout=180)
         yield srv
 
@@ -66,8 +71,14 @@ def test_chat_matches_offline_engine(client, smollm_llm):
 
 def test_chat_stream_with_usage(client):
     full = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24)
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -79,25 +90,33 @@ def test_chat_stream_with_usage(client):
 def test_completions_text_tokens_and_stream(client, server):
     a = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8)
     assert a.usage.completion_tokens == 8 and a.choices[0].finish_reason == "length"
-    ids = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": [504, 3575, 282],
-                                                                   "max_tokens": 3, "temperature": 0}).json()
+    ids = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": [504, 3575, 282], "max_tokens": 3, "temperature": 0},
+    ).json()
     assert ids["usage"]["prompt_tokens"] == 3
-    stream = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
-                                       max_tokens=8, stream=True)
+    stream = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8, stream=True
+    )
     assert "".join(c.choices[0].text for c in stream) == a.choices[0].text
 
 
 def test_stop_strings_seed_and_logprobs(client):
-    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20, stop=[" 7"])
+    r = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20, stop=[" 7"]
+    )
     assert r.choices[0].finish_reason == "stop" and " 7" not in r.choices[0].text
     kw = dict(model=MODEL, messages=MESSAGES, temperature=1.0, max_tokens=16, seed=1234)
-    assert (client.chat.completions.create(**kw).choices[0].message.content
-            == client.chat.completions.create(**kw).choices[0].message.content)
-    lp = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=4,
-                                        logprobs=True, top_logprobs=3)
+    assert (
+        client.chat.completions.create(**kw).choices[0].message.content
+        == client.chat.completions.create(**kw).choices[0].message.content
+    )
+    lp = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3
+    )
     content = lp.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
-    assert content[0].token == content[0].top_logprobs[0].token    # greedy picks the top token
+    assert content[0].token == content[0].top_logprobs[0].token  # greedy picks the top token
 
 
 BAD = [
@@ -111,19 +130,23 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("body,param", BAD, ids=[p for _, p in BAD][:3] + ["too-long", "type", "type2", "missing"])
+@pytest.mark.parametrize(
+    "body,param", BAD, ids=[p for _, p in BAD][:3] + ["too-long", "type", "type2", "missing"]
+)
 def test_bad_input_is_400_with_openai_error(client, server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["message"]
-    if "messages" in body:      # the client itself refuses a body without messages
+    if "messages" in body:  # the client itself refuses a body without messages
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(**body)
 
 
 def test_invalid_json_and_long_prompt(server, client):
-    r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="word " * 2100, max_tokens=4)
@@ -133,7 +156,13 @@ def test_invalid_json_and_long_prompt(server, client):
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     before = _wait_idle(server)
-    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a long story.",
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         # Keep the line iterator alive: abandoning it makes httpcore close the connection at once.
         stream = r.iter_lines()
@@ -163,8 +192,11 @@ def _busy(srv, mode: str) -> bool:
 @pytest.mark.parametrize("mode", ["mixed", "pd"])
 def test_sigterm_finishes_running_requests_and_exits_0(tmp_path, mode):
     port = free_port()
-    srv = ServerProcess(pdserve_cmd() + ["serve", "--mode", mode, "--model", "tiny-llama", "--port", str(port)], port,
-                        tmp_path / "server.log")
+    srv = ServerProcess(
+        pdserve_cmd() + ["serve", "--mode", mode, "--model", "tiny-llama", "--port", str(port)],
+        port,
+        tmp_path / "server.log",
+    )
     srv.wait_ready(timeout=120)
     result: dict = {}
 

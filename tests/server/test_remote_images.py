@@ -3,6 +3,7 @@ loopback: nothing here touches an outside network. Loopback servers stand in for
 service (refused) and, once a test allows their network explicitly, for a public image host (so the
 real fetch path runs: redirects, the deadline, the size cap, the pinned address). Which addresses
 are public is checked on names resolved by a resolver the test passes in."""
+
 from __future__ import annotations
 
 import http.server
@@ -19,7 +20,7 @@ from pdserve.common.remote_images import FETCH_FAILED, checked_addresses, fetch_
 from pdserve.config import VisionConfig
 from pdserve.protocol import ChatMessage
 
-ALLOW = parse_networks(["127.0.0.2/32"])       # the "public" host of these tests
+ALLOW = parse_networks(["127.0.0.2/32"])  # the "public" host of these tests
 
 
 def _refused(url: str, **kw) -> None:
@@ -29,8 +30,17 @@ def _refused(url: str, **kw) -> None:
 
 
 def _chat(url: str) -> list[ChatMessage]:
-    return [ChatMessage.model_validate({"role": "user", "content": [
-        {"type": "text", "text": "Look:"}, {"type": "image_url", "image_url": {"url": url}}]})]
+    return [
+        ChatMessage.model_validate(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Look:"},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        )
+    ]
 
 
 def test_a_loopback_image_server_is_refused():
@@ -42,16 +52,45 @@ def test_a_loopback_image_server_is_refused():
                 chat_inputs(_chat(url), "m", "<image>", limits)
             assert e.value.status == 400 and e.value.param == "messages[0].content[1]"
             assert e.value.message == f"messages[0].content[1]: {FETCH_FAILED}"
-        assert srv.seen == []           # never even connected to
+        assert srv.seen == []  # never even connected to
 
 
-@pytest.mark.parametrize("address", [
-    "127.0.0.1", "127.8.9.10", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1", "0.0.0.0",
-    "224.0.0.1", "239.255.255.250", "240.0.0.1", "255.255.255.255", "192.0.2.1", "198.18.0.1",
-    "::1", "::", "fe80::1", "fe80::1%eth0", "fc00::1", "fd12:3456::1", "fec0::1", "ff02::1", "2001:db8::1",
-    "::ffff:127.0.0.1", "::ffff:10.0.0.1", "::ffff:169.254.169.254", "2002:7f00:1::1", "2002:a00:1::1",
-    "64:ff9b::a00:1", "64:ff9b::7f00:1", "2001:0:4136:e378:8000:63bf:f5ff:fffe",
-])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1",
+        "127.8.9.10",
+        "10.1.2.3",
+        "172.16.0.1",
+        "192.168.1.1",
+        "169.254.169.254",
+        "100.64.0.1",
+        "0.0.0.0",
+        "224.0.0.1",
+        "239.255.255.250",
+        "240.0.0.1",
+        "255.255.255.255",
+        "192.0.2.1",
+        "198.18.0.1",
+        "::1",
+        "::",
+        "fe80::1",
+        "fe80::1%eth0",
+        "fc00::1",
+        "fd12:3456::1",
+        "fec0::1",
+        "ff02::1",
+        "2001:db8::1",
+        "::ffff:127.0.0.1",
+        "::ffff:10.0.0.1",
+        "::ffff:169.254.169.254",
+        "2002:7f00:1::1",
+        "2002:a00:1::1",
+        "64:ff9b::a00:1",
+        "64:ff9b::7f00:1",
+        "2001:0:4136:e378:8000:63bf:f5ff:fffe",
+    ],
+)
 def test_non_public_addresses_are_refused(address, caplog):
     calls = []
 
@@ -62,11 +101,12 @@ def test_non_public_addresses_are_refused(address, caplog):
     with caplog.at_level(logging.WARNING, logger="pdserve.common.remote_images"):
         _refused("http://images.example:8080/a.png", resolve=resolve, allow_networks=())
     assert calls == [("images.example", 8080)]
-    assert "not a public address" in caplog.text        # the reason is in the log, not in the answer
+    assert "not a public address" in caplog.text  # the reason is in the log, not in the answer
 
 
-@pytest.mark.parametrize("addresses", [["93.184.216.34"], ["8.8.8.8", "1.1.1.1"], ["2606:4700:4700::1111"],
-                                       ["::ffff:8.8.8.8"]])
+@pytest.mark.parametrize(
+    "addresses", [["93.184.216.34"], ["8.8.8.8", "1.1.1.1"], ["2606:4700:4700::1111"], ["::ffff:8.8.8.8"]]
+)
 def test_public_addresses_pass_the_check(addresses):
     assert checked_addresses("images.example", 443, lambda h, p: addresses, ()) == addresses
 
@@ -79,23 +119,29 @@ def test_an_allowed_network_is_fetched_from_with_redirects_checked_at_each_hop()
     with image_server("127.0.0.2") as (a, base_a), image_server("127.0.0.1") as (b, base_b):
         assert fetch_image(base_a + "/img.png", MAX, 20.0, ALLOW) == PNG
         assert fetch_image(f"{base_a}/redirect?{base_a}/img.png", MAX, 20.0, ALLOW) == PNG
-        assert fetch_image(f"{base_a}/redirect?/img.png", MAX, 20.0, ALLOW) == PNG        # relative Location
-        _refused(f"{base_a}/redirect?{base_b}/img.png")        # an allowed host sends us to loopback
+        assert fetch_image(f"{base_a}/redirect?/img.png", MAX, 20.0, ALLOW) == PNG  # relative Location
+        _refused(f"{base_a}/redirect?{base_b}/img.png")  # an allowed host sends us to loopback
         assert b.seen == []
         for target in ("file:///etc/passwd", "ftp://127.0.0.2/x.png", "gopher://127.0.0.2:70/x"):
             _refused(f"{base_a}/redirect?{target}")
         n = len(a.seen)
         _refused(base_a + "/loop")
-        assert len(a.seen) - n == 4             # the first request and 3 redirects, then it gives up
+        assert len(a.seen) - n == 4  # the first request and 3 redirects, then it gives up
 
 
 def test_one_answer_for_every_failure():
     with image_server("127.0.0.2") as (_, base):
         closed = http.server.ThreadingHTTPServer(("127.0.0.2", 0), http.server.BaseHTTPRequestHandler)
         port = closed.server_address[1]
-        closed.server_close()               # nothing listens there now
-        for url in (f"http://127.0.0.2:{port}/img.png", base + "/missing.png", base + "/big", base + "/big-chunked",
-                    "http://[::1]:1/img.png", "http://127.0.0.2:99999/img.png"):
+        closed.server_close()  # nothing listens there now
+        for url in (
+            f"http://127.0.0.2:{port}/img.png",
+            base + "/missing.png",
+            base + "/big",
+            base + "/big-chunked",
+            "http://[::1]:1/img.png",
+            "http://127.0.0.2:99999/img.png",
+        ):
             _refused(url)
 
 

@@ -1,22 +1,31 @@
 """Every numeric stat a real engine reports (mixed, decode and prefill roles, with swap, host and
 disk tiers and KV events) is declared in protocol/stats.py, and /metrics exports it as declared."""
+
 from __future__ import annotations
 
 import pytest
+from pd_harness import pd_config
 
 from pdserve.protocol.health import WorkerHealth
 from pdserve.protocol.stats import STATS
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.roles import build_engine
-from pd_harness import pd_config
 
 
 @pytest.mark.parametrize("role", ["mixed", "decode", "prefill"])
 def test_every_engine_stat_is_declared_and_exported_as_declared(role, tmp_path):
-    config = pd_config(role, overrides={"cache.host_cache_gb": 0.01, "cache.disk_cache_dir": str(tmp_path),
-                                        "cache.disk_cache_gb": 0.01, "cache.kv_events_endpoint": "tcp://127.0.0.1:*",
-                                        # a VLM with an encoder pool (nothing is sent to it): its stats too
-                                        "model.name": "tiny-llava", "vision.encoder_endpoints": ["tcp://127.0.0.1:9"]})
+    config = pd_config(
+        role,
+        overrides={
+            "cache.host_cache_gb": 0.01,
+            "cache.disk_cache_dir": str(tmp_path),
+            "cache.disk_cache_gb": 0.01,
+            "cache.kv_events_endpoint": "tcp://127.0.0.1:*",
+            # a VLM with an encoder pool (nothing is sent to it): its stats too
+            "model.name": "tiny-llava",
+            "vision.encoder_endpoints": ["tcp://127.0.0.1:9"],
+        },
+    )
     engine = build_engine(config)
     try:
         stats = engine.stats()

@@ -5,6 +5,7 @@
 - a scale-down that fails after the worker emptied itself (its process is not the fleet's to stop)
   puts it back into service on both sides: the router sends it requests and it serves them, rather
   than handing each back (the real router app, a real worker process)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,15 @@ from pdserve.server.roles import build_engine
 
 
 def _prefill_worker():
-    config = load_config(overrides={"model.name": MODEL, "worker.role": "prefill", "transfer.backend": "tcp",
-                                    "server.host": "127.0.0.1", "cache.device_blocks": 64})
+    config = load_config(
+        overrides={
+            "model.name": MODEL,
+            "worker.role": "prefill",
+            "transfer.backend": "tcp",
+            "server.host": "127.0.0.1",
+            "cache.device_blocks": 64,
+        }
+    )
     engine = build_engine(config)
     eng = AsyncEngine(engine)
     eng.start()
@@ -51,7 +59,7 @@ def test_a_switch_whose_new_connector_fails_keeps_the_old_role(monkeypatch):
         asyncio.run(switch.switch("decode", 0.0))
     assert err.value.status == 503 and err.value.code == "switch_failed" and "still prefill" in str(err.value)
     assert switch.role == "prefill" and eng.dead is None and not switch.switching
-    assert engine.connector is not old and _alive(engine.connector)      # the prefill connector, reopened
+    assert engine.connector is not old and _alive(engine.connector)  # the prefill connector, reopened
     assert switch.describe(0)["kv_endpoint"] == engine.connector.endpoint
 
     # Nothing is left half-done: the same switch goes through once the connector can be built.
@@ -72,7 +80,7 @@ def test_a_switch_that_cannot_restore_either_takes_the_engine_out(monkeypatch):
     with pytest.raises(APIError) as err:
         asyncio.run(switch.switch("decode", 0.0))
     assert err.value.status == 503 and "nor the prefill one" in str(err.value)
-    assert eng.dead is not None          # /health answers 503 engine_dead: the router takes it out
+    assert eng.dead is not None  # /health answers 503 engine_dead: the router takes it out
     eng.shutdown()
 
 
@@ -92,10 +100,15 @@ def test_a_failed_scale_down_puts_the_worker_back_into_service(tmp_path):
     with _worker(tmp_path, "a") as a, _worker(tmp_path, "b") as b:
         a.wait_ready(timeout=180)
         b.wait_ready(timeout=180)
-        config = load_config(overrides={"model.name": MODEL, "router.encoder_workers": 0,
-                                        "router.admin_keys": [ADMIN], "router.health_period_s": 0.2,
-                                        "router.workers": [{"url": a.url, "role": "mixed"},
-                                                           {"url": b.url, "role": "mixed"}]})
+        config = load_config(
+            overrides={
+                "model.name": MODEL,
+                "router.encoder_workers": 0,
+                "router.admin_keys": [ADMIN],
+                "router.health_period_s": 0.2,
+                "router.workers": [{"url": a.url, "role": "mixed"}, {"url": b.url, "role": "mixed"}],
+            }
+        )
         # A fleet that did not start these workers: removing a process fails after it has emptied.
         fleet = LocalFleet(config, [], tmp_path / "deployment.yaml", tmp_path, "http://127.0.0.1:1")
         app = create_router_app(config, fleet)
@@ -103,9 +116,12 @@ def test_a_failed_scale_down_puts_the_worker_back_into_service(tmp_path):
         headers = {"Authorization": f"Bearer {ADMIN}"}
 
         async def go():
-            async with app.router.lifespan_context(app), \
-                    httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
-                                      timeout=120) as c:
+            async with (
+                app.router.lifespan_context(app),
+                httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=app), base_url="http://router", timeout=120
+                ) as c,
+            ):
                 for _ in range(600):
                     ws = (await c.get("/admin/workers", headers=headers)).json()["workers"]
                     if len(ws) == 2 and all(w["healthy"] for w in ws):
@@ -113,10 +129,13 @@ def test_a_failed_scale_down_puts_the_worker_back_into_service(tmp_path):
                     await asyncio.sleep(0.1)
                 ids = {w["url"]: w["id"] for w in ws}
                 before = await c.post("/v1/completions", json=body)
-                r = await c.post(f"/admin/workers/{ids[a.url]}/retire", json={"drain_timeout_s": 0},
-                                 headers=headers)
+                r = await c.post(
+                    f"/admin/workers/{ids[a.url]}/retire", json={"drain_timeout_s": 0}, headers=headers
+                )
                 # b out of rotation: what the router sends now goes to a, which must serve it.
-                assert (await c.post(f"/admin/workers/{ids[b.url]}/drain", headers=headers)).status_code == 200
+                assert (
+                    await c.post(f"/admin/workers/{ids[b.url]}/drain", headers=headers)
+                ).status_code == 200
                 ws = {w["url"]: w for w in (await c.get("/admin/workers", headers=headers)).json()["workers"]}
                 after = [await c.post("/v1/completions", json=body) for _ in range(3)]
                 return before, r, ws[a.url], after
@@ -125,6 +144,6 @@ def test_a_failed_scale_down_puts_the_worker_back_into_service(tmp_path):
         assert before.status_code == 200, before.text
         assert r.status_code == 409 and r.json()["error"]["code"] == "not_in_fleet", r.text
         assert not a_now["draining"] and a_now["healthy"]
-        for res in after:      # served by a, not handed back to a router with nowhere else to send it
+        for res in after:  # served by a, not handed back to a router with nowhere else to send it
             assert res.status_code == 200, res.text
             assert res.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]

@@ -18,8 +18,10 @@ def test_advertise_host_prefers_config_then_environment_then_the_bind_address(mo
     assert advertise_host("127.0.0.1") == "127.0.0.1"
     assert advertise_host("10.0.0.5", "worker-3.internal") == "worker-3.internal"
     wildcard = advertise_host("0.0.0.0")
-    assert wildcard not in ("0.0.0.0", "") and wildcard in (socket.gethostname(),
-                                                            socket.gethostbyname(socket.gethostname()))
-    monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.9.8.7")         # a pod's status.podIP
+    assert wildcard not in ("0.0.0.0", "") and wildcard in (
+        socket.gethostname(),
+        socket.gethostbyname(socket.gethostname()),
+    )
+    monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.9.8.7")  # a pod's status.podIP
     assert advertise_host("0.0.0.0") == "10.9.8.7"
     assert advertise_host("0.0.0.0", "explicit") == "explicit"

@@ -8,6 +8,7 @@ catches a file that was renamed or a key that was overwritten with another block
 (derived from the internal token) the checksum is a MAC: whoever can write to the disk or Redis but
 lacks the token cannot plant a block that workers would load.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,12 +19,18 @@ import torch
 MAGIC = b"PDKV"
 VERSION = 1
 _CHECKSUM_LEN = 16
-_FIXED = struct.Struct("<4sHBB")     # magic, version, dtype code, ndim
+_FIXED = struct.Struct("<4sHBB")  # magic, version, dtype code, ndim
 
 # Codes are part of the format: append only.
 _DTYPES: dict[int, torch.dtype] = {
-    1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.float64,
-    5: torch.int8, 6: torch.uint8, 7: torch.float8_e4m3fn, 8: torch.float8_e5m2,
+    1: torch.float32,
+    2: torch.float16,
+    3: torch.bfloat16,
+    4: torch.float64,
+    5: torch.int8,
+    6: torch.uint8,
+    7: torch.float8_e4m3fn,
+    8: torch.float8_e5m2,
 }
 _CODES = {dt: code for code, dt in _DTYPES.items()}
 
@@ -46,16 +53,24 @@ def encode_block(block_hash: bytes, block: torch.Tensor, key: bytes | None = Non
         raise ValueError("the block hash must be 1..255 bytes")
     data = block.detach().to("cpu").contiguous()
     payload = data.reshape(-1).view(torch.uint8).numpy()
-    header = (_FIXED.pack(MAGIC, VERSION, _CODES[block.dtype], data.dim())
-              + struct.pack(f"<{data.dim()}I", *data.shape)
-              + struct.pack("<B", len(block_hash)) + block_hash
-              + struct.pack("<Q", payload.nbytes))
+    header = (
+        _FIXED.pack(MAGIC, VERSION, _CODES[block.dtype], data.dim())
+        + struct.pack(f"<{data.dim()}I", *data.shape)
+        + struct.pack("<B", len(block_hash))
+        + block_hash
+        + struct.pack("<Q", payload.nbytes)
+    )
     return b"".join((header, _checksum(header, payload, key), payload.tobytes()))
 
 
-def decode_block(data: bytes | bytearray | memoryview, expected_hash: bytes | None = None, *,
-                 shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
-                 key: bytes | None = None) -> torch.Tensor:
+def decode_block(
+    data: bytes | bytearray | memoryview,
+    expected_hash: bytes | None = None,
+    *,
+    shape: tuple[int, ...] | None = None,
+    dtype: torch.dtype | None = None,
+    key: bytes | None = None,
+) -> torch.Tensor:
     """The block's tensor (CPU). Raises CorruptBlock on any mismatch; checks shape/dtype when given."""
     view = memoryview(data)
     try:
@@ -71,7 +86,7 @@ def decode_block(data: bytes | bytearray | memoryview, expected_hash: bytes | No
         pos += 4 * ndim
         (hash_len,) = struct.unpack_from("<B", view, pos)
         pos += 1
-        got_hash = bytes(view[pos:pos + hash_len])
+        got_hash = bytes(view[pos : pos + hash_len])
         pos += hash_len
         (payload_len,) = struct.unpack_from("<Q", view, pos)
         pos += 8
@@ -90,8 +105,8 @@ def decode_block(data: bytes | bytearray | memoryview, expected_hash: bytes | No
         raise CorruptBlock("the payload length does not match the shape")
     if len(view) != pos + _CHECKSUM_LEN + payload_len:
         raise CorruptBlock(f"length {len(view)}, expected {pos + _CHECKSUM_LEN + payload_len}")
-    payload = view[pos + _CHECKSUM_LEN:]
-    if bytes(view[pos:pos + _CHECKSUM_LEN]) != _checksum(bytes(view[:pos]), payload, key):
+    payload = view[pos + _CHECKSUM_LEN :]
+    if bytes(view[pos : pos + _CHECKSUM_LEN]) != _checksum(bytes(view[:pos]), payload, key):
         raise CorruptBlock("bad checksum")
     if shape is not None and tuple(got_shape) != tuple(shape):
         raise CorruptBlock(f"shape {tuple(got_shape)}, expected {tuple(shape)}")

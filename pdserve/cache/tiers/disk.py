@@ -5,6 +5,7 @@ restarted worker) sees a whole file or none. No fsync: a block torn by a power c
 checksum and is dropped, which costs a recompute, never a wrong token. The index (sizes, LRU
 order) lives in memory and is rebuilt from the directory at start, oldest mtime first.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,15 +32,20 @@ RemoveFn = Callable[[list[bytes]], None]
 
 
 class DiskTier:
-    def __init__(self, directory: str | os.PathLike, budget_bytes: int,
-                 on_remove: RemoveFn | None = None, key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        budget_bytes: int,
+        on_remove: RemoveFn | None = None,
+        key: bytes | None = None,
+    ) -> None:
         """`key`: the blocks' checksum key (codec.py), the same that wrote them."""
         self.directory = Path(directory)
         self.mac_key = key
         self.budget_bytes = int(budget_bytes)
         self.on_remove = on_remove
         self.stats = TierStats()
-        self._files: OrderedDict[bytes, int] = OrderedDict()   # hash -> size, LRU first
+        self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> size, LRU first
         self._used = 0
         self._lock = threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -71,7 +77,7 @@ class DiskTier:
                 continue
             for f in sub.iterdir():
                 try:
-                    if f.name.startswith(_TMP_PREFIX):     # a write cut short by a crash
+                    if f.name.startswith(_TMP_PREFIX):  # a write cut short by a crash
                         f.unlink()
                         continue
                     if f.suffix != _SUFFIX:
@@ -120,8 +126,9 @@ class DiskTier:
         self._evict_over_budget()
         return True
 
-    def get(self, block_hash: bytes, *, shape: tuple[int, ...] | None = None,
-            dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    def get(
+        self, block_hash: bytes, *, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor | None:
         """The verified block, or None: absent, unreadable or corrupt (then the file is deleted)."""
         with self._lock:
             known = block_hash in self._files
@@ -145,7 +152,7 @@ class DiskTier:
             self.remove(block_hash)
             return None
         try:
-            os.utime(path)      # keeps the LRU order for a restarted worker
+            os.utime(path)  # keeps the LRU order for a restarted worker
         except OSError:
             pass
         self.stats.add(hits=1, bytes_read=len(data), load_seconds_sum=time.perf_counter() - t0, load_count=1)

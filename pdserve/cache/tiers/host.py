@@ -1,4 +1,5 @@
 """Host RAM tier: an LRU of block tensors under a byte budget; what falls out goes to the next tier."""
+
 from __future__ import annotations
 
 import threading
@@ -19,7 +20,7 @@ class HostTier:
         self.budget_bytes = int(budget_bytes)
         self.spill = spill
         self.stats = TierStats()
-        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()   # LRU first
+        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # LRU first
         self._used = 0
         self._lock = threading.Lock()
 
@@ -78,8 +79,12 @@ class HostTier:
         if block is None:
             self.stats.add(misses=1)
             return None
-        self.stats.add(hits=1, bytes_read=block.numel() * block.element_size(),
-                       load_seconds_sum=time.perf_counter() - t0, load_count=1)
+        self.stats.add(
+            hits=1,
+            bytes_read=block.numel() * block.element_size(),
+            load_seconds_sum=time.perf_counter() - t0,
+            load_count=1,
+        )
         return block
 
     def pop(self, block_hash: bytes) -> torch.Tensor | None:

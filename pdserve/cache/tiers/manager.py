@@ -14,6 +14,7 @@ Loads run on one loader thread, block by block, from the fastest tier holding ea
 first block that is missing or fails verification ends the load, and on_done gets the length of
 the prefix that loaded, so the caller recomputes the rest and never decodes from wrong KV.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -58,16 +59,26 @@ class _Load:
 
 
 class TieredKVStore:
-    def __init__(self, block_size: int, *, host_bytes: int = 0, disk_dir: str | Path | None = None,
-                 disk_bytes: int = 0, remote: str | None = None, remote_ttl_s: int | None = None,
-                 namespace: str | None = None, load_timeout_s: float = 5.0,
-                 listener: TierListener | None = None, max_pending_bytes: int = 256 << 20,
-                 key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        host_bytes: int = 0,
+        disk_dir: str | Path | None = None,
+        disk_bytes: int = 0,
+        remote: str | None = None,
+        remote_ttl_s: int | None = None,
+        namespace: str | None = None,
+        load_timeout_s: float = 5.0,
+        listener: TierListener | None = None,
+        max_pending_bytes: int = 256 << 20,
+        key: bytes | None = None,
+    ) -> None:
         """`namespace` (engine/tier_identity.py) keeps caches of different models apart on a shared
         disk or Redis: block hashes cover token ids only. `key` keys the blocks' checksum (codec.py)."""
         self.mac_key = key
         self.block_size = block_size
-        self.load_timeout_s = load_timeout_s     # default deadline of load_async
+        self.load_timeout_s = load_timeout_s  # default deadline of load_async
         self.listener = listener
         self.max_pending_bytes = max_pending_bytes
         self.host = HostTier(host_bytes, self._spill) if host_bytes > 0 else None
@@ -77,35 +88,63 @@ class TieredKVStore:
             self.disk = DiskTier(d, disk_bytes, lambda hs: self._emit("removed", hs, "disk"), key=key)
         self.remote = RedisTier(remote, ttl_s=remote_ttl_s, namespace=namespace, key=key) if remote else None
         self._lock = threading.Lock()
-        self._pending: dict[bytes, torch.Tensor] = {}       # left host, not yet on disk
+        self._pending: dict[bytes, torch.Tensor] = {}  # left host, not yet on disk
         self._queued_bytes = 0
         self._in_flight = 0
         self._idle = threading.Condition(self._lock)
         self._remote_known: OrderedDict[bytes, None] = OrderedDict()
-        self._counts = dict.fromkeys(("offloads", "write_drops", "pending_hits", "loads", "loads_cancelled",
-                                      "loads_timed_out", "blocks_loaded", "blocks_failed"), 0)
+        self._counts = dict.fromkeys(
+            (
+                "offloads",
+                "write_drops",
+                "pending_hits",
+                "loads",
+                "loads_cancelled",
+                "loads_timed_out",
+                "blocks_loaded",
+                "blocks_failed",
+            ),
+            0,
+        )
         self._loads: dict[int, _Load] = {}
         self._tickets = itertools.count(1)
         self._writes: queue.Queue = queue.Queue()
         self._load_queue: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True),
-                         threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True),
+            threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True),
+        ]
         for t in self._threads:
             t.start()
-        if self.disk is not None and len(self.disk):     # a restarted worker announces what it kept
+        if self.disk is not None and len(self.disk):  # a restarted worker announces what it kept
             self._emit("stored", self.disk.keys(), "disk")
 
     @classmethod
-    def from_config(cls, cc: CacheConfig, *, namespace: str | None = None, key: bytes | None = None,
-                    listener: TierListener | None = None) -> TieredKVStore | None:
+    def from_config(
+        cls,
+        cc: CacheConfig,
+        *,
+        namespace: str | None = None,
+        key: bytes | None = None,
+        listener: TierListener | None = None,
+    ) -> TieredKVStore | None:
         """None when every tier is off."""
         host = int(cc.host_cache_gb * (1 << 30))
         disk = int(cc.disk_cache_gb * (1 << 30)) if cc.disk_cache_dir else 0
         if not (host or disk or cc.remote):
             return None
-        return cls(cc.block_size, host_bytes=host, disk_dir=cc.disk_cache_dir, disk_bytes=disk,
-                   remote=cc.remote, remote_ttl_s=cc.remote_ttl_s, namespace=namespace,
-                   load_timeout_s=cc.load_timeout_s, listener=listener, key=key)
+        return cls(
+            cc.block_size,
+            host_bytes=host,
+            disk_dir=cc.disk_cache_dir,
+            disk_bytes=disk,
+            remote=cc.remote,
+            remote_ttl_s=cc.remote_ttl_s,
+            namespace=namespace,
+            load_timeout_s=cc.load_timeout_s,
+            listener=listener,
+            key=key,
+        )
 
     # ------------------------------------------------------------------ offload (engine thread)
 
@@ -113,7 +152,7 @@ class TieredKVStore:
         """Keep a copy of one evicted block's KV ([layers, 2, block_size, kv_heads, head_dim])."""
         try:
             self._offload(block_hash, block)
-        except Exception:      # a cache must never take the engine down
+        except Exception:  # a cache must never take the engine down
             log.exception("offloading block %s failed", block_hash.hex())
 
     def _offload(self, h: bytes, block: torch.Tensor) -> None:
@@ -122,8 +161,11 @@ class TieredKVStore:
         with self._lock:
             if h in self._pending:
                 return
-        if self.host is None and (self.disk is None or h in self.disk) \
-                and (self.remote is None or h in self._remote_known):
+        if (
+            self.host is None
+            and (self.disk is None or h in self.disk)
+            and (self.remote is None or h in self._remote_known)
+        ):
             return
         copy = torch.empty(block.shape, dtype=block.dtype, device="cpu")
         copy.copy_(block)
@@ -132,7 +174,7 @@ class TieredKVStore:
         if self.host is not None and self.host.put(h, copy):
             self._emit("stored", [h], "host")
             self._enqueue(h, copy, to_disk=False, to_remote=to_remote)
-        else:       # no host tier, or a block bigger than all of it
+        else:  # no host tier, or a block bigger than all of it
             self._enqueue(h, copy, to_disk=self.disk is not None and h not in self.disk, to_remote=to_remote)
 
     def _spill(self, h: bytes, block: torch.Tensor) -> None:
@@ -187,8 +229,11 @@ class TieredKVStore:
     # ------------------------------------------------------------------ lookup (engine thread)
 
     def _has_local(self, h: bytes) -> bool:
-        return (self.host is not None and h in self.host) or h in self._pending \
+        return (
+            (self.host is not None and h in self.host)
+            or h in self._pending
             or (self.disk is not None and h in self.disk)
+        )
 
     def lookup(self, hashes: list[bytes], *, remote: bool = True) -> int:
         """How many leading `hashes` some tier holds. Moves no data; Redis costs one round trip."""
@@ -206,8 +251,14 @@ class TieredKVStore:
 
     # ------------------------------------------------------------------ loads (loader thread)
 
-    def load_async(self, hashes: list[bytes], block_ids: list[int], kv: torch.Tensor, on_done: DoneFn,
-                   timeout: float | None = None) -> int:
+    def load_async(
+        self,
+        hashes: list[bytes],
+        block_ids: list[int],
+        kv: torch.Tensor,
+        on_done: DoneFn,
+        timeout: float | None = None,
+    ) -> int:
         """Copy the blocks named by `hashes` into `kv` at `block_ids`, in the background; then
         on_done(n), n = how many leading blocks loaded and verified, called on the loader thread.
         No block is started after `timeout` (default load_timeout_s, queueing included), so
@@ -274,7 +325,7 @@ class TieredKVStore:
             with job.lock:
                 if job.cancelled:
                     return
-                job.kv[:, :, b * bs:(b + 1) * bs].copy_(block)
+                job.kv[:, :, b * bs : (b + 1) * bs].copy_(block)
             n += 1
         with job.lock:
             if job.cancelled:
@@ -296,7 +347,7 @@ class TieredKVStore:
                 with job.lock:
                     call = not job.cancelled and not job.finished
                     job.finished = True
-                if call:      # the blocks written so far may be partial: report none
+                if call:  # the blocks written so far may be partial: report none
                     job.on_done(0)
             finally:
                 with self._lock:

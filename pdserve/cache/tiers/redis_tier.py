@@ -4,6 +4,7 @@ Redis is a cache here, never a dependency: any error is logged, counted and answ
 and after a failure the tier stays quiet for `retry_after_s` so a dead server costs one timeout,
 not one per block.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,16 @@ T = TypeVar("T")
 
 
 class RedisTier:
-    def __init__(self, url: str, *, ttl_s: int | None = None, namespace: str | None = None,
-                 timeout_s: float = 0.5, retry_after_s: float = 2.0, key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: int | None = None,
+        namespace: str | None = None,
+        timeout_s: float = 0.5,
+        retry_after_s: float = 2.0,
+        key: bytes | None = None,
+    ) -> None:
         """`key`: the blocks' checksum key (codec.py), the same that wrote them."""
         self.url = url
         self.mac_key = key
@@ -37,8 +46,9 @@ class RedisTier:
         self.retry_after_s = retry_after_s
         self.stats = TierStats()
         # One quick retry covers a pooled connection that a Redis restart closed; no backoff sleeps.
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                           retry=Retry(NoBackoff(), 1))
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1)
+        )
         self._down_until = 0.0
         self._lock = threading.Lock()
 
@@ -58,9 +68,14 @@ class RedisTier:
             with self._lock:
                 was_up = self.available
                 self._down_until = time.monotonic() + self.retry_after_s
-            if was_up:     # one line per outage, not one per block
-                log.warning("remote tier %s: %s failed (%s); treating it as empty for %.1fs",
-                            self.url, what, e, self.retry_after_s)
+            if was_up:  # one line per outage, not one per block
+                log.warning(
+                    "remote tier %s: %s failed (%s); treating it as empty for %.1fs",
+                    self.url,
+                    what,
+                    e,
+                    self.retry_after_s,
+                )
             self.stats.add(errors=1)
             return default
 
@@ -70,8 +85,9 @@ class RedisTier:
             self.stats.add(bytes_written=len(data))
         return bool(ok)
 
-    def get(self, block_hash: bytes, *, shape: tuple[int, ...] | None = None,
-            dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    def get(
+        self, block_hash: bytes, *, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor | None:
         t0 = time.perf_counter()
         data: Any = self._call("GET", lambda: self.client.get(self.key(block_hash)), None)
         if data is None:
@@ -97,6 +113,7 @@ class RedisTier:
             for h in hashes:
                 pipe.exists(self.key(h))
             return [bool(n) for n in pipe.execute()]
+
         return self._call("EXISTS", run, [False] * len(hashes))
 
     def delete(self, block_hash: bytes) -> None:

@@ -1,4 +1,5 @@
 """Per-tier counters, updated from the engine thread and the tier threads alike."""
+
 from __future__ import annotations
 
 import threading
@@ -9,8 +10,8 @@ from dataclasses import dataclass, field, fields
 class TierStats:
     hits: int = 0
     misses: int = 0
-    corrupt: int = 0               # blocks that failed verification (and were dropped)
-    errors: int = 0                # I/O or connection failures (treated as misses)
+    corrupt: int = 0  # blocks that failed verification (and were dropped)
+    errors: int = 0  # I/O or connection failures (treated as misses)
     evictions: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
@@ -25,5 +26,8 @@ class TierStats:
 
     def as_dict(self, prefix: str) -> dict[str, float]:
         with self._lock:
-            return {f"{prefix}{f.name}": float(getattr(self, f.name))
-                    for f in fields(self) if not f.name.startswith("_")}
+            return {
+                f"{prefix}{f.name}": float(getattr(self, f.name))
+                for f in fields(self)
+                if not f.name.startswith("_")
+            }

@@ -1,4 +1,5 @@
 """Greedy sampling's argmax through argmax.c (torch's CPU argmax is unvectorized, see the C file)."""
+
 from __future__ import annotations
 
 import ctypes

@@ -1,5 +1,6 @@
 """Paged decode attention through decode_attention.c: reads each sequence's keys and values in place
 instead of gathering them into a padded copy (see the C file for the layout it expects)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -18,20 +19,48 @@ class DecodeAttention:
     def __init__(self, fn) -> None:
         self._fn = fn
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_idx: torch.Tensor,
-                 first: torch.Tensor, ctx: torch.Tensor, block_size: int, scale: float, out: torch.Tensor) -> None:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_idx: torch.Tensor,
+        first: torch.Tensor,
+        ctx: torch.Tensor,
+        block_size: int,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
         n, h, d = q.shape
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
         assert block_idx.dtype == first.dtype == ctx.dtype == torch.int64 and block_idx.stride(1) == 1
-        self._fn(ptr(q), q.stride(0), ptr(k_cache), ptr(v_cache), ptr(block_idx), block_idx.stride(0),
-                 ptr(first.contiguous()), ptr(ctx.contiguous()), ptr(out), n, h, k_cache.shape[1], d, block_size,
-                 scale, torch.get_num_threads())
+        self._fn(
+            ptr(q),
+            q.stride(0),
+            ptr(k_cache),
+            ptr(v_cache),
+            ptr(block_idx),
+            block_idx.stride(0),
+            ptr(first.contiguous()),
+            ptr(ctx.contiguous()),
+            ptr(out),
+            n,
+            h,
+            k_cache.shape[1],
+            d,
+            block_size,
+            scale,
+            torch.get_num_threads(),
+        )
 
 
 def decode_attention_kernel() -> DecodeAttention | None:
     """The native kernel, or None where it cannot be built (the torch path runs instead)."""
-    fn = function("decode_attention", "pd_decode_attention",
-                  [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I])
+    fn = function(
+        "decode_attention",
+        "pd_decode_attention",
+        [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I],
+    )
     return None if fn is None else DecodeAttention(fn)

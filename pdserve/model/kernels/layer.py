@@ -1,6 +1,7 @@
 """A decode-only step's layers through layer.c, one native call for the whole stack (or one a layer
 where the caller acts between layers; see the C file for why), and the SiLU * up that the op-by-op
 path shares with it."""
+
 from __future__ import annotations
 
 import ctypes
@@ -11,7 +12,7 @@ import torch
 from pdserve.model.kernels.native import function, ptr
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-MAX_GROUPS = 4       # pd_step's groups (attention.MAX_DECODE_GROUPS)
+MAX_GROUPS = 4  # pd_step's groups (attention.MAX_DECODE_GROUPS)
 
 
 class Weight(ctypes.Structure):
@@ -19,9 +20,22 @@ class Weight(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    _fields_ = [("qkv", Weight), ("o", Weight), ("gate_up", Weight), ("down", Weight), ("input_norm", _P),
-                ("post_norm", _P), ("qkv_bias", _P), ("eps", _F), ("scale", _F), ("hidden", _I), ("heads", _I),
-                ("kv_heads", _I), ("head_dim", _I), ("inter", _I)]
+    _fields_ = [
+        ("qkv", Weight),
+        ("o", Weight),
+        ("gate_up", Weight),
+        ("down", Weight),
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("qkv_bias", _P),
+        ("eps", _F),
+        ("scale", _F),
+        ("hidden", _I),
+        ("heads", _I),
+        ("kv_heads", _I),
+        ("head_dim", _I),
+        ("inter", _I),
+    ]
 
 
 class Group(ctypes.Structure):
@@ -29,8 +43,17 @@ class Group(ctypes.Structure):
 
 
 class Step(ctypes.Structure):
-    _fields_ = [("n", _I), ("block_size", _I), ("ngroups", _I), ("threads", _I), ("cos", _P), ("sin", _P),
-                ("slots", _P), ("scratch", _P), ("groups", Group * MAX_GROUPS)]
+    _fields_ = [
+        ("n", _I),
+        ("block_size", _I),
+        ("ngroups", _I),
+        ("threads", _I),
+        ("cos", _P),
+        ("sin", _P),
+        ("slots", _P),
+        ("scratch", _P),
+        ("groups", Group * MAX_GROUPS),
+    ]
 
 
 @lru_cache(maxsize=1)
@@ -38,8 +61,11 @@ def _fns():
     layer = function("layer", "pd_decode_layer", [_P, _P, _P, _P, _P])
     if layer is None:
         return None
-    return (layer, function("layer", "pd_silu_mul", [_P, _I64, _P, _I64, _I, _I, _I]),
-            function("layer", "pd_decode_layers", [_P, _I, _P, _P, _P, _I64, _I64]))
+    return (
+        layer,
+        function("layer", "pd_silu_mul", [_P, _I64, _P, _I64, _I, _I, _I]),
+        function("layer", "pd_decode_layers", [_P, _I, _P, _P, _P, _I64, _I64]),
+    )
 
 
 def available() -> bool:
@@ -50,7 +76,13 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for gu = [gate | up] rows (float32, CPU, unit-strided); None where the kernel
     does not apply or load."""
     fns = _fns()
-    if fns is None or gu.dim() != 2 or gu.device.type != "cpu" or gu.dtype != torch.float32 or gu.stride(1) != 1:
+    if (
+        fns is None
+        or gu.dim() != 2
+        or gu.device.type != "cpu"
+        or gu.dtype != torch.float32
+        or gu.stride(1) != 1
+    ):
         return None
     inter = gu.shape[1] // 2
     out = torch.empty(gu.shape[0], inter, dtype=torch.float32)
@@ -74,20 +106,41 @@ class FusedLayer:
         self.scratch_per_row = scratch_per_row
 
     @classmethod
-    def of(cls, arch, qkv, o, gate_up, down, input_norm: torch.Tensor, post_norm: torch.Tensor,
-           qkv_bias: torch.Tensor | None) -> FusedLayer | None:
+    def of(
+        cls,
+        arch,
+        qkv,
+        o,
+        gate_up,
+        down,
+        input_norm: torch.Tensor,
+        post_norm: torch.Tensor,
+        qkv_bias: torch.Tensor | None,
+    ) -> FusedLayer | None:
         """None unless every product runs qgemm.c and the norms and bias are float32 (the caller
         leaves out what layer.c does not do: q/k norms, MoE)."""
         if _fns() is None:
             return None
         ws = [_weight(w) for w in (qkv, o, gate_up, down)]
         floats = [t for t in (input_norm, post_norm, qkv_bias) if t is not None]
-        if any(w is None for w in ws) or any(t.dtype != torch.float32 or not t.is_contiguous() for t in floats):
+        if any(w is None for w in ws) or any(
+            t.dtype != torch.float32 or not t.is_contiguous() for t in floats
+        ):
             return None
         inter = gate_up.shape[0] // 2
-        s = Layer(*ws, input_norm.data_ptr(), post_norm.data_ptr(), 0 if qkv_bias is None else qkv_bias.data_ptr(),
-                  arch.rms_norm_eps, arch.head_dim ** -0.5, arch.hidden_size, arch.num_heads, arch.num_kv_heads,
-                  arch.head_dim, inter)
+        s = Layer(
+            *ws,
+            input_norm.data_ptr(),
+            post_norm.data_ptr(),
+            0 if qkv_bias is None else qkv_bias.data_ptr(),
+            arch.rms_norm_eps,
+            arch.head_dim**-0.5,
+            arch.hidden_size,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            inter,
+        )
         per_row = 2 * arch.hidden_size + qkv.shape[0] + arch.num_heads * arch.head_dim + 3 * inter
         return cls(s, per_row)
 
@@ -115,18 +168,39 @@ class FusedStep:
             first, ctx = (t.contiguous() for t in g.attended())
             table = g.block_idx.contiguous()
             self._keep += [first, ctx, table]
-            groups.append(Group(g.start, table.shape[0], table.stride(0), table.data_ptr(), first.data_ptr(),
-                                ctx.data_ptr()))
-        self.struct = Step(n, meta.block_size, len(groups), torch.get_num_threads(), cos.data_ptr(), sin.data_ptr(),
-                           slots.data_ptr(), self.scratch.data_ptr(), (Group * MAX_GROUPS)(*groups))
+            groups.append(
+                Group(
+                    g.start,
+                    table.shape[0],
+                    table.stride(0),
+                    table.data_ptr(),
+                    first.data_ptr(),
+                    ctx.data_ptr(),
+                )
+            )
+        self.struct = Step(
+            n,
+            meta.block_size,
+            len(groups),
+            torch.get_num_threads(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            self.scratch.data_ptr(),
+            (Group * MAX_GROUPS)(*groups),
+        )
         self._ref = ctypes.byref(self.struct)
 
     @staticmethod
     def applies(meta, n: int) -> bool:
         """A step of decodes only (one query each, attention.DecodeGroup), within pd_step's groups."""
         groups = meta.decode_groups
-        return (n > 0 and not meta.prefills and len(groups) <= MAX_GROUPS
-                and sum(g.block_idx.shape[0] for g in groups) == n)
+        return (
+            n > 0
+            and not meta.prefills
+            and len(groups) <= MAX_GROUPS
+            and sum(g.block_idx.shape[0] for g in groups) == n
+        )
 
     def run(self, layer: FusedLayer, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """x [n, hidden] float32, contiguous: updated in place to the layer's output."""
@@ -139,5 +213,12 @@ class FusedStep:
         contiguous past its first two dims (each layer's keys and values are)."""
         fns = _fns()
         assert fns is not None
-        fns[2](stack.array, len(stack.layers), self._ref, x.data_ptr(), kv_cache.data_ptr(),
-               kv_cache.stride(0), kv_cache.stride(1))
+        fns[2](
+            stack.array,
+            len(stack.layers),
+            self._ref,
+            x.data_ptr(),
+            kv_cache.data_ptr(),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+        )

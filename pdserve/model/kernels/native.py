@@ -6,6 +6,7 @@ cache shared by different CPUs holds one build per feature set. OpenMP resolves 
 has already loaded (same soname), so the kernels and torch share one thread pool. Without a working
 C compiler the callers keep their torch path (logged once).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -26,8 +27,15 @@ from pdserve.utils.cpu import cpu_flags, feature_key
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 # Detected feature -> compiler flag (only features that change code generation).
-_MFLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c", "avx512f": "-mavx512f", "avx512bw": "-mavx512bw",
-           "avx512vl": "-mavx512vl", "avx512_bf16": "-mavx512bf16"}
+_MFLAGS = {
+    "avx2": "-mavx2",
+    "fma": "-mfma",
+    "f16c": "-mf16c",
+    "avx512f": "-mavx512f",
+    "avx512bw": "-mavx512bw",
+    "avx512vl": "-mavx512vl",
+    "avx512_bf16": "-mavx512bf16",
+}
 # Never -ffast-math: linking a shared library with it pulls in crtfastmath, which sets flush-to-zero
 # for the whole process as the library loads (caught by a test: subnormal floats vanished elsewhere).
 # The reductions vectorize through `omp simd` instead.
@@ -55,7 +63,9 @@ def build(name: str) -> Path:
     srcs = [HERE / f"{n}.c" for n in [name, *LINKED.get(name, [])]]
     texts = [p.read_text() for p in [*srcs, *sorted(HERE.glob("*.h"))]]
     mflags = [_MFLAGS[f] for f in _MFLAGS if f in cpu_flags()]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout.split("\n")[0]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout.split(
+        "\n"
+    )[0]
     digest = hashlib.sha256("\0".join([*texts, version, *CFLAGS, *mflags]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{feature_key()}-{digest}.so"
     if out.exists():
@@ -65,8 +75,13 @@ def build(name: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, *mflags, *map(str, srcs), "-o", tmp, "-lm"],
-                              capture_output=True, text=True, timeout=120, check=False)
+        proc = subprocess.run(
+            [cc, *CFLAGS, *mflags, *map(str, srcs), "-o", tmp, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {name}.c: {proc.stderr.strip()[-800:]}")
         os.replace(tmp, out)

@@ -1,4 +1,5 @@
 """RMSNorm through norm.c: one pass a row instead of torch's chain of small ops (see the C file)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -18,12 +19,28 @@ def _fn():
 
 def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """x [rows, n] float32 on the CPU, rows unit-strided; None where the kernel does not apply or load."""
-    if (x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or x.stride(1) != 1 or not weight.is_contiguous()):
+    if (
+        x.dim() != 2
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or x.stride(1) != 1
+        or not weight.is_contiguous()
+    ):
         return None
     fn = _fn()
     if fn is None:
         return None
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    fn(ptr(x), x.stride(0), ptr(weight), ptr(out), out.stride(0), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    fn(
+        ptr(x),
+        x.stride(0),
+        ptr(weight),
+        ptr(out),
+        out.stride(0),
+        x.shape[0],
+        x.shape[1],
+        eps,
+        torch.get_num_threads(),
+    )
     return out

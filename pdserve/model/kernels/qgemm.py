@@ -1,5 +1,6 @@
 """Quantized weight x float32 activations through qgemm.c: the weight's tile layout (built once at
 load) and the call. See the C file for the layouts and why it beats torch's weight-only kernels here."""
+
 from __future__ import annotations
 
 import ctypes
@@ -10,7 +11,7 @@ import torch
 from pdserve.model.kernels.native import function, ptr
 
 _I, _I64, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-TILE = 16     # output channels per tile (NC in the C file)
+TILE = 16  # output channels per tile (NC in the C file)
 
 
 @lru_cache(maxsize=1)
@@ -38,18 +39,19 @@ def tile_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple
     """q [N, K] in 0..15, scale and zero [N, K/32] -> nib [N/16, K/2, 16] uint8, d and m [N/16, K/32, 16]
     float16 (GGUF's own precision; quant.quantize rounds them so)."""
     n, k = q.shape
-    t = q.to(torch.uint8).view(n // TILE, TILE, k).transpose(1, 2)                 # [N/16, K, 16]
+    t = q.to(torch.uint8).view(n // TILE, TILE, k).transpose(1, 2)  # [N/16, K, 16]
     nib = (t[:, 0::2] | (t[:, 1::2] << 4)).contiguous()
 
     def per_tile(s: torch.Tensor) -> torch.Tensor:
         return s.half().view(n // TILE, TILE, -1).transpose(1, 2).contiguous()
+
     return nib, per_tile(scale), per_tile(zero)
 
 
 def untile_int4(nib: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """The float [N, K] matrix of a tiled int4 weight."""
     tiles, half, _ = nib.shape
-    q = torch.stack([nib & 0x0F, nib >> 4], 2).view(tiles, half * 2, TILE).float()    # [N/16, K, 16]
+    q = torch.stack([nib & 0x0F, nib >> 4], 2).view(tiles, half * 2, TILE).float()  # [N/16, K, 16]
     w = q.view(tiles, -1, 32, TILE) * d.float()[:, :, None] + m.float()[:, :, None]
     return w.view(tiles, half * 2, TILE).transpose(1, 2).reshape(tiles * TILE, half * 2)
 
@@ -57,19 +59,34 @@ def untile_int4(nib: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Te
 def tile_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] int8, scale [N] -> q [N/16, K, 16] int8, d [N/16, 16]."""
     n, k = q.shape
-    return q.view(n // TILE, TILE, k).transpose(1, 2).contiguous(), scale.float().view(n // TILE, TILE).contiguous()
+    return q.view(n // TILE, TILE, k).transpose(1, 2).contiguous(), scale.float().view(
+        n // TILE, TILE
+    ).contiguous()
 
 
-def qgemm(bits: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, x: torch.Tensor,
-          n: int) -> torch.Tensor:
+def qgemm(
+    bits: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, x: torch.Tensor, n: int
+) -> torch.Tensor:
     """x [M, K] float32 @ the tiled weight's [N, K].T -> [M, N] float32."""
     fn = _fn()
     assert fn is not None and x.dtype == torch.float32 and x.dim() == 2
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
-    fn(bits, ptr(w), ptr(d), ptr(d if m is None else m), ptr(x), x.stride(0), ptr(y), n, x.shape[0], n, x.shape[1],
-       torch.get_num_threads())
+    fn(
+        bits,
+        ptr(w),
+        ptr(d),
+        ptr(d if m is None else m),
+        ptr(x),
+        x.stride(0),
+        ptr(y),
+        n,
+        x.shape[0],
+        n,
+        x.shape[1],
+        torch.get_num_threads(),
+    )
     return y
 
 
