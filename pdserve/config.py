@@ -125,9 +125,8 @@ class RoleConfig:
     quantization: str | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
-    device_memory_gb: float | None = (
-        None  # this role's KV budget (replaces cache.device_memory_gb/device_blocks)
-    )
+    # this role's KV budget (replaces cache.device_memory_gb/device_blocks)
+    device_memory_gb: float | None = None
     device_blocks: int | None = None
 
 
@@ -150,13 +149,11 @@ class LoadBalancerConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    workers: list[dict] = field(
-        default_factory=list
-    )  # static workers: [{url: ..., role: prefill|decode|mixed}]
+    # static workers: [{url: ..., role: prefill|decode|mixed}]
+    workers: list[dict] = field(default_factory=list)
     api_keys: list[str] = field(default_factory=list)  # also PDSERVE_API_KEYS (comma-separated); none: open
-    admin_keys: list[str] = field(
-        default_factory=list
-    )  # /admin/* keys (also PDSERVE_ADMIN_KEYS); set: only these
+    # /admin/* keys (also PDSERVE_ADMIN_KEYS); set: only these
+    admin_keys: list[str] = field(default_factory=list)
     insecure_admin: bool = False  # start off loopback without an admin key (docs/security.md)
     ip_allowlist: list[str] = field(default_factory=list)  # CIDRs; empty: everyone
     requests_per_minute: int | None = None  # per API key (per client IP without keys)
@@ -188,9 +185,8 @@ class VisionConfig:
     """Images in chat requests (OpenAI `image_url` parts), for vision-language models."""
 
     max_images: int = 4  # image parts per request; 0 refuses every image
-    max_image_bytes: int = (
-        3 << 20
-    )  # one image file (after base64 decoding; server.max_body_bytes bounds the body)
+    # one image file (after base64 decoding; server.max_body_bytes bounds the body)
+    max_image_bytes: int = 3 << 20
     max_image_pixels: int = 4096 * 4096  # width x height of one decoded image
     allow_remote_urls: bool = False  # fetch http(s) image URLs; off: only data: URLs
     remote_timeout_s: float = 10.0  # deadline of one remote image fetch, redirects and all
@@ -215,19 +211,16 @@ class ControllerConfig:
     kv_usage_high: float = 0.9  # decode KV usage counted as pressure as much as a TPOT at the SLO
     high: float = 1.0  # a pool is short of workers above this share of its SLO ...
     low: float = 0.5  # ... and has one to spare below it
-    sustain_intervals: int = (
-        3  # readings of the last sustain_intervals + 1 a condition must hold to act (hysteresis)
-    )
+    # readings of the last sustain_intervals + 1 a condition must hold to act (hysteresis)
+    sustain_intervals: int = 3
     cooldown_s: float = 30.0  # no action this long after the last one
-    imbalance: float = (
-        3.0  # both pools over their SLOs at max_workers: move a worker to the one this x as far over
-    )
+    # both pools over their SLOs at max_workers: move a worker to the one this x as far over
+    imbalance: float = 3.0
     min_workers: int = 2
     max_workers: int = 4
     drain_timeout_s: float = 30.0  # a draining worker's requests may finish this long, then move elsewhere
-    rebalance: bool = (
-        True  # after a switch to decode, workers over the pool's mean hand the excess streams on
-    )
+    # after a switch to decode, workers over the pool's mean hand the excess streams on
+    rebalance: bool = True
     backend: str = "local"  # local: start and stop worker processes; kubernetes: scale Deployments
     namespace: str = "default"  # kubernetes: where the pools' Deployments live
     prefill_deployment: str = "pdserve-prefill"

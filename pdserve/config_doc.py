@@ -65,7 +65,8 @@ def _comments(source: str) -> dict[tuple[str, str], str]:
             while n >= 0 and lines[n].strip().startswith("#"):
                 above.insert(0, lines[n].strip().lstrip("#").strip())
                 n -= 1
-            parts = [*above, trailing.get(item.lineno, "")]
+            end = item.end_lineno or item.lineno  # a comment anywhere in a statement the formatter split
+            parts = [*above, *(trailing.get(n, "") for n in range(item.lineno, end + 1))]
             out[(node.name, item.target.id)] = " ".join(p for p in parts if p)
     return out
 
