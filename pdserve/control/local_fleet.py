@@ -49,9 +49,9 @@ class LocalFleet:
             next(self._index),
             self.config_file,
             "127.0.0.1",
-            for_role(self.config, role).server.threads,
+            for_role(self.config, role).server.threads,  # type: ignore[arg-type]
             rc.cpu_affinity,
-            self.log_dir,  # type: ignore[arg-type]
+            self.log_dir,
             ["--router-url", self.router_url],
         )
         self.workers.append(proc)
