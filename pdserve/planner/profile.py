@@ -41,9 +41,8 @@ class ProfileGrid:
     transfer_tokens: tuple[int, ...] = (64, 256, 1024)
     decode_steps: int = 9
     # Passes over the whole grid, each point's steps pooled across them: a VM's speed drifts from one
-    # minute to the next. With one pass, four profiles of one day put the batch-1 decode step at 32
-    # tokens at 29.5-37.8 ms, one measured a 1024-token context faster than a 512-token one, and
-    # plan_accuracy's every prediction moved with its profile (session 11).
+    # minute to the next, and with one pass the profiles of a single day disagreed enough to move every
+    # plan_accuracy prediction (docs/benchmarks.md).
     passes: int = 3
 
 

@@ -1,4 +1,4 @@
-"""Process helpers shared by the launcher, the router's encoder pool and the benchmarks (here, not
+"""Process helpers shared by the launcher, the router's tokenizer pool and the benchmarks (here, not
 in launch.py, so the router's modules do not import the launcher: no cycle)."""
 
 from __future__ import annotations
