@@ -164,6 +164,11 @@ _gauges(
     "kv_send_gbps",
     "kv_send_layer_lag_seconds_mean",
 )
+_declare(
+    "gauge",
+    "kv_reply_sockets_open",
+    help_text="Reply sockets to decode workers held open (bounded; idle and least recent ones closed)",
+)
 
 # ------------------------------------------------------------------ images (engine/image_inputs.py, engine/encoder_pool.py)
 _declare(
