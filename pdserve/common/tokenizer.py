@@ -86,9 +86,15 @@ class TokenizerWrapper:
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        # The template writes any BOS itself, so the tokenizer must not add another.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        # The template writes any BOS itself, so by default the tokenizer must not add another.
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
 def tokenizer_from_gguf_fields(fields: dict[str, Any]) -> TokenizerWrapper:

@@ -1,4 +1,4 @@
-"""The tokenizer pool: chat templating and tokenization in worker processes ("Encoder" balancer of seed 003).
+"""The tokenizer pool: chat templating and tokenization in worker processes (the design's encoder balancer).
 
 Templating and tokenizing a long prompt takes milliseconds of CPU that would otherwise stall the
 router's event loop. Each pool process loads the tokenizer once. The router keeps a tokenizer of
@@ -36,12 +36,14 @@ def _pool_tokenizer() -> TokenizerWrapper:
     return _tokenizer
 
 
-def _encode(text: str) -> list[int]:
-    return _pool_tokenizer().encode(text)
+def _encode(text: str, add_special_tokens: bool = True) -> list[int]:
+    return _pool_tokenizer().encode(text, add_special_tokens)
 
 
-def _encode_chat(messages: list[dict[str, Any]]) -> list[int]:
-    return _pool_tokenizer().encode_chat(messages)
+def _encode_chat(
+    messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_special_tokens: bool = False
+) -> list[int]:
+    return _pool_tokenizer().encode_chat(messages, add_generation_prompt, add_special_tokens)
 
 
 class TokenizerPool:
@@ -60,16 +62,23 @@ class TokenizerPool:
         )
         self.local = load_tokenizer(model) if processes <= 0 else None
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.local is not None:  # processes <= 0: no pool, encode here
-            return self.local.encode(text)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, _encode, text)
+            return self.local.encode(text, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, _encode, text, add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
         """Raises ValueError for messages the chat template rejects."""
         if self.local is not None:
-            return self.local.encode_chat(messages)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, _encode_chat, messages)
+            return self.local.encode_chat(messages, add_generation_prompt, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, _encode_chat, messages, add_generation_prompt, add_special_tokens
+        )
 
     async def warm_up(self) -> None:
         """Start the pool's processes and load their tokenizers now, not on the first request."""

@@ -25,6 +25,7 @@ from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_car
 from pdserve.server.body_limit import install_body_limit
 from pdserve.server.errors import APIError, error_body, install_error_handlers
 from pdserve.server.metrics import RequestTimer, ServerMetrics
+from pdserve.server.tokenize_api import install_tokenize_api
 
 _DISCONNECT_POLL_S = 0.5
 PREFILL_HEADER = "x-pdserve-prefill"  # set by the router: the prefill worker's bootstrap endpoint
@@ -83,11 +84,16 @@ class InlineEncoder:
     def __init__(self, tokenizer: TokenizerWrapper) -> None:
         self.tokenizer = tokenizer
 
-    async def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tokenizer.encode_chat(messages)
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        return self.tokenizer.encode_chat(messages, add_generation_prompt, add_special_tokens)
 
 
 class GenerationBackend(Protocol):
@@ -490,3 +496,5 @@ def install_openai_api(
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, http: Request):
         return await handlers.chat(req, http)
+
+    install_tokenize_api(app, handlers, max_model_len)
