@@ -86,7 +86,8 @@ def _decode_process(mib: int, conn) -> None:
 
 def _optional_endpoint(backend: str, buf):
     """A Mooncake or NIXL endpoint over `buf`, or None when that optional extra is not installed."""
-    from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint
+    from pdserve.disagg.transports.mooncake import MooncakeEndpoint
+    from pdserve.disagg.transports.nixl import NixlEndpoint
 
     try:
         if backend == "mooncake":
@@ -102,7 +103,10 @@ def bandwidth(mib: int, repeats: int) -> dict:
     import zmq
 
     from pdserve.cache.kv_cache import allocate_kv_cache, raw_bytes_view
-    from pdserve.disagg.transport import MooncakeWriter, NixlWriter, ShmWriter, TcpWriter
+    from pdserve.disagg.transports.mooncake import MooncakeWriter
+    from pdserve.disagg.transports.nixl import NixlWriter
+    from pdserve.disagg.transports.shm import ShmWriter
+    from pdserve.disagg.transports.tcp import TcpWriter
 
     arch, nb = _geometry(mib)
     src_t = allocate_kv_cache(arch, nb, BLOCK, torch.float32)

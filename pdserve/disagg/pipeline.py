@@ -27,7 +27,7 @@ import numpy as np
 
 from pdserve.disagg.peer import HOST
 from pdserve.disagg.sink import KVSink
-from pdserve.disagg.transport import Run, coalesce
+from pdserve.disagg.transports import Run, coalesce
 from pdserve.engine.kv_connector import AddJob
 from pdserve.protocol import PrefillJob
 from pdserve.protocol.pd import ChunkLayer

@@ -30,7 +30,7 @@ from pdserve.disagg.parallel import ParallelLoads
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.reply_sockets import ReplySockets
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
-from pdserve.disagg.transport import MooncakeEndpoint, NixlEndpoint, endpoint_host
+from pdserve.disagg.transports import endpoint_host, open_endpoint, transport
 from pdserve.disagg.trust import (
     BAD_TOKEN,
     ThrottledLog,
@@ -160,12 +160,13 @@ class DecodeConnector(KVConnector):
         self.endpoint = with_host(self._pull.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         # mooncake, nixl: prefill workers write into the registered pool one-sidedly; nothing here
         # receives those bytes, PD_DONE still says when they are all in.
-        backend = config.transfer.backend
-        self.pool_endpoint: MooncakeEndpoint | NixlEndpoint | None = None
-        if backend == "mooncake":
-            self.pool_endpoint = MooncakeEndpoint(endpoint_host(self.endpoint), self.raw)
-        elif backend == "nixl":
-            self.pool_endpoint = NixlEndpoint(f"pdserve-decode-{HOST}-{os.getpid()}-{id(self):x}", self.raw)
+        self.backend = config.transfer.backend
+        self.pool_endpoint = open_endpoint(
+            self.backend,
+            endpoint_host(self.endpoint),
+            f"pdserve-decode-{HOST}-{os.getpid()}-{id(self):x}",
+            self.raw,
+        )
         self._out_addr = f"inproc://pd-decode-out-{id(self)}"
         self._out_in = self._ctx.socket(zmq.PULL)
         self._out_in.bind(self._out_addr)
@@ -332,12 +333,9 @@ class DecodeConnector(KVConnector):
         )
 
     def _pool_fields(self) -> dict:
-        ep = self.pool_endpoint
-        if isinstance(ep, MooncakeEndpoint):
-            return {"mooncake_session": ep.session_id, "pool_base": ep.base}
-        if isinstance(ep, NixlEndpoint):
-            return {"nixl_metadata": ep.metadata, "pool_base": ep.base}
-        return {}
+        if self.pool_endpoint is None:
+            return {}
+        return transport(self.backend).pool_fields(self.pool_endpoint)
 
     def accept_writes(self, request_id: str, block_ids: list[int], transfer_id: str = "") -> None:
         """From now on, tcp KV frames of this transfer land in these blocks (and in no others)."""

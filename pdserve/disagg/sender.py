@@ -40,13 +40,12 @@ from pdserve.disagg.sink import (
     WriterFactory,
 )
 from pdserve.disagg.state import Deadlines, Transfer, TransferState
-from pdserve.disagg.transport import (
-    MooncakeEndpoint,
-    NixlEndpoint,
+from pdserve.disagg.transports import (
     Throttle,
     coalesce,
     endpoint_host,
     measure_memcpy_bytes_per_s,
+    open_endpoint,
     parse_bandwidth_limit,
 )
 from pdserve.disagg.trust import (
@@ -162,10 +161,12 @@ class PrefillConnector(KVConnector):
             self.backend,
             self.key,
             self.deadlines.transfer_s,
-            MooncakeEndpoint(endpoint_host(self.endpoint), self.src) if self.backend == "mooncake" else None,
-            NixlEndpoint(f"pdserve-prefill-{HOST}-{os.getpid()}-{id(self):x}", self.src)
-            if self.backend == "nixl"
-            else None,
+            open_endpoint(
+                self.backend,
+                endpoint_host(self.endpoint),
+                f"pdserve-prefill-{HOST}-{os.getpid()}-{id(self):x}",
+                self.src,
+            ),
         )
         self._threads = [
             threading.Thread(target=self._bootstrap_loop, name="pd-bootstrap", daemon=True),

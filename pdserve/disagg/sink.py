@@ -7,7 +7,6 @@ nixl), a shared-memory pool on the same host (shm), or KV frames over its contro
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from dataclasses import dataclass, field
@@ -18,16 +17,7 @@ import numpy as np
 from pdserve.disagg.peer import HOST
 from pdserve.disagg.reply_sockets import ReplySockets
 from pdserve.disagg.state import Transfer
-from pdserve.disagg.transport import (
-    KVWriter,
-    MooncakeEndpoint,
-    MooncakeWriter,
-    NixlEndpoint,
-    NixlWriter,
-    Run,
-    ShmWriter,
-    TcpWriter,
-)
+from pdserve.disagg.transports import KVWriter, Run, transport
 from pdserve.protocol import PrefillJob
 
 
@@ -100,7 +90,7 @@ SenderOp = SendMessage | WriteLayer | Barrier | CloseWriter | StopSender
 
 
 class WriterFactory:
-    """Makes jobs' writers for one backend (sender thread); holds the one-sided endpoints, if any."""
+    """Makes jobs' writers for one backend (sender thread); holds the one-sided endpoint, if any."""
 
     def __init__(
         self,
@@ -109,69 +99,24 @@ class WriterFactory:
         backend: str,
         key: bytes | None,
         transfer_s: float,
-        mooncake: MooncakeEndpoint | None = None,
-        nixl: NixlEndpoint | None = None,
+        endpoint: Any = None,
     ) -> None:
+        """`endpoint`: the one-sided transport's endpoint with `src` registered (transports.open_endpoint)."""
         self.src = src
         self.block_size = block_size
         self.backend = backend
         self.key = key
         self.transfer_s = transfer_s
-        self.mooncake = mooncake
-        self.nixl = nixl
+        self.endpoint = endpoint
 
     def make(self, job: PrefillJob, sockets: ReplySockets) -> KVWriter:
-        if self.mooncake is not None:
-            if not job.mooncake_session:
-                raise ValueError(
-                    "transfer.backend is mooncake but the decode worker registered no pool "
-                    "with Mooncake (set transfer.backend: mooncake there too)"
-                )
-            return MooncakeWriter(
-                self.src,
-                self.block_size,
-                self.mooncake,
-                job.mooncake_session,
-                job.pool_base,
-                job.kv_shape,
-                job.elem_size,
-            )
-        if self.nixl is not None:
-            if not job.nixl_metadata:
-                raise ValueError(
-                    "transfer.backend is nixl but the decode worker registered no pool "
-                    "with NIXL (set transfer.backend: nixl there too)"
-                )
-            return NixlWriter(
-                self.src,
-                self.block_size,
-                self.nixl,
-                job.nixl_metadata,
-                job.pool_base,
-                job.kv_shape,
-                job.elem_size,
-                self.transfer_s,
-            )
-        # job.shm_path passed check_job: a pool the decode worker made, or None.
-        same_host = job.decode_host == HOST and job.shm_path and os.path.exists(job.shm_path)
-        if self.backend == "shm" or (self.backend == "auto" and same_host):
-            if not job.shm_path:
-                raise ValueError("transfer.backend is shm but the decode worker has no shared pool")
-            return ShmWriter(self.src, self.block_size, job.shm_path, job.kv_shape, job.elem_size)
-        # The socket stays open while the writer lives (closing it would drop the frames in flight).
-        sock = sockets.pin(job.reply_endpoint)
-        return TcpWriter(
-            self.src,
-            self.block_size,
-            sock,
-            self.key,
-            job.transfer_id,
-            flush_timeout_s=self.transfer_s,
-            release=functools.partial(sockets.unpin, job.reply_endpoint),
-        )
+        name = self.backend
+        if name == "auto":  # shm to a decode worker on this host with a shared pool, tcp otherwise
+            same_host = job.decode_host == HOST and job.shm_path and os.path.exists(job.shm_path)
+            name = "shm" if same_host else "tcp"
+        return transport(name).writer(self, job, sockets)
 
     def close(self) -> None:
         """Only once no write is in flight."""
-        for ep in (self.mooncake, self.nixl):
-            if ep is not None:
-                ep.close()
+        if self.endpoint is not None:
+            self.endpoint.close()

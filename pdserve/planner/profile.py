@@ -175,7 +175,8 @@ def _transfer(
 ) -> tuple[str, list[int], list[float]]:
     """(transport, bytes, seconds) of one transfer of N tokens' KV per grid point, with the real writers."""
     from pdserve.cache.kv_cache import allocate_kv_cache, new_shm_path, raw_bytes_view
-    from pdserve.disagg.transport import ShmWriter, coalesce
+    from pdserve.disagg.transports import coalesce
+    from pdserve.disagg.transports.shm import ShmWriter
 
     backend = cfg.transfer.backend
     transport = "shm" if backend in ("auto", "shm") else backend
@@ -223,7 +224,7 @@ def _tcp_sender(cfg: Config, src, dst, shm: str, bs: int):
     import zmq
 
     from pdserve.disagg.receiver import DecodeConnector
-    from pdserve.disagg.transport import TcpWriter
+    from pdserve.disagg.transports.tcp import TcpWriter
     from pdserve.protocol.pd import LayerFrames
 
     dc = DecodeConnector(cfg, dst, shm, "tcp://127.0.0.1:*")

@@ -21,7 +21,7 @@ pytest.importorskip(
 from pd_harness import check_failed_job_falls_back_to_local, mixed_outputs, pd_pair, prompts  # noqa: E402
 
 from pdserve import SamplingParams  # noqa: E402
-from pdserve.disagg.transport import MooncakeEndpoint, MooncakeWriter  # noqa: E402
+from pdserve.disagg.transports.mooncake import MooncakeEndpoint, MooncakeWriter  # noqa: E402
 
 
 def test_writer_places_runs_in_the_remote_pool_and_fails_loudly():

@@ -10,7 +10,8 @@ import pytest
 from pdserve.cache.kv_cache import allocate_kv_cache, new_shm_path, raw_bytes_view
 from pdserve.config import load_config
 from pdserve.disagg.state import Deadlines, InvalidTransition, Transfer, TransferState
-from pdserve.disagg.transport import ShmWriter, Throttle, coalesce, parse_bandwidth_limit
+from pdserve.disagg.transports import Throttle, coalesce, parse_bandwidth_limit
+from pdserve.disagg.transports.shm import ShmWriter
 from pdserve.launch import instance_counts
 from pdserve.model.arch import TINY_CONFIGS
 

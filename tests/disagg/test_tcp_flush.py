@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from pdserve.disagg.transport import TcpWriter
+from pdserve.disagg.transports.tcp import TcpWriter
 
 
 def _dead_endpoint() -> str:
