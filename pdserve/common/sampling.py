@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.common.errors import InvalidParam
 
@@ -18,6 +19,9 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_CACHE_SALT_CHARS = 256
 MAX_CHOICES = 128  # n times the number of prompts of one request
+# logit_bias is added to every sampled row: its size is bounded; OpenAI's range of a bias.
+MAX_LOGIT_BIAS_TOKENS = 1024
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 @dataclass
@@ -36,6 +40,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None  # top-k logprobs per sampled token (0 = the sampled token only)
+    # token id -> added to its logit before sampling (penalties first, then the bias, then
+    # temperature and filters); logprobs stay the model's own distribution.
+    logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     # False: token ids only, no text and no stop strings (a worker behind the router, which
     # detokenizes the stream itself; the prefill job of such a request).
@@ -45,6 +52,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
+        # JSON object keys are strings (the OpenAI API's, and the worker's internal API's).
+        self.logit_bias = {_token_key(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def greedy(self) -> bool:
@@ -110,12 +119,44 @@ class SamplingParams:
             "stop_token_ids",
             f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
         )
+        bias = self.logit_bias
+        bad(
+            len(bias) > MAX_LOGIT_BIAS_TOKENS,
+            "logit_bias",
+            f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}",
+        )
+        lo, hi = LOGIT_BIAS_RANGE
+        bad(
+            any(not isinstance(t, int) for t in bias),
+            "logit_bias",
+            "logit_bias keys must be token ids (integers)",
+        )
+        bad(
+            any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi
+                for v in bias.values()
+            ),
+            "logit_bias",
+            f"logit_bias values must be numbers in [{lo:g}, {hi:g}]",
+        )
         if vocab_size is not None:
             bad(
                 any(not 0 <= t < vocab_size for t in self.stop_token_ids),
                 "stop_token_ids",
                 "stop_token_ids must be valid token ids",
             )
+            bad(
+                any(isinstance(t, int) and not 0 <= t < vocab_size for t in bias),
+                "logit_bias",
+                "logit_bias keys must be valid token ids",
+            )
+
+
+def _token_key(k: Any) -> Any:
+    """A logit_bias key as a token id; what is not one stays as it is, for validate() to name."""
+    if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+        return int(k)
+    return k
 
 
 def check_cache_salt(salt: str | None) -> None:

@@ -58,6 +58,9 @@ def _draw(row: torch.Tensor, req: Request) -> int:
     p = req.params
     if p.has_penalties:
         row = apply_penalties(row, req)
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
     if p.greedy:
         return int(row.argmax())
     row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
@@ -72,7 +75,11 @@ def sample(
     not be sampled, with why; their request fails alone, the others of the batch go on."""
     tokens: list[int] = [0] * len(reqs)
     failed: dict[int, str] = {}
-    greedy_rows = [i for i, r in enumerate(reqs) if r.params.greedy and not r.params.has_penalties]
+    greedy_rows = [
+        i
+        for i, r in enumerate(reqs)
+        if r.params.greedy and not r.params.has_penalties and not r.params.logit_bias
+    ]
     if greedy_rows:
         picked = argmax_rows(logits if len(greedy_rows) == len(reqs) else logits[greedy_rows])
         for i, t in zip(greedy_rows, picked):

@@ -41,6 +41,7 @@ class _SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     cache_salt: str | None = None  # requests with different salts never share cached prefixes
 
 

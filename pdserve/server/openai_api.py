@@ -64,6 +64,7 @@ def sampling_params(
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
         logprobs=logprobs,
+        logit_bias=dict(req.logit_bias or {}),
     )
     return p
 

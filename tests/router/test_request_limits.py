@@ -52,6 +52,10 @@ def _post(path: str, body: dict) -> httpx.Response:
         ("/v1/chat/completions", {**CHAT, "temperature": float("inf")}, "temperature"),
         ("/v1/completions", {**COMPLETION, "repetition_penalty": float("nan")}, "repetition_penalty"),
         ("/v1/chat/completions", {**CHAT, "top_p": float("nan")}, "top_p"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"11": 101}}, "logit_bias"),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {"eleven": 1}}, "logit_bias"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {"11": "much"}}, "logit_bias"),
     ],
 )
 def test_over_the_limit_is_a_400_naming_the_parameter(path, body, param):

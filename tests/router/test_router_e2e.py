@@ -126,6 +126,19 @@ def test_keys_and_parity_through_the_router(router):
     assert "key=key-" in log and KEY not in log and OTHER_KEY not in log
 
 
+def test_logit_bias_reaches_the_worker_through_the_router(router):
+    """The official client sends logit_bias as a map of string token ids; the worker samples with it."""
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key=KEY, max_retries=0)
+    prompt = [(7 * j) % 250 + 1 for j in range(40)]
+    got = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=5, logit_bias={"42": 100}
+    )
+    want = LLM(model=MODEL).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=5, logit_bias={42: 100.0})
+    )[0]
+    assert want.token_ids == [42] * 5 and got.choices[0].text == want.text
+
+
 def test_health_shows_the_workers_to_admin_keys_only(router, worker):
     """Probes get a plain status; the workers' URLs, pids and KV endpoints are for admin keys."""
     for headers in ({}, _auth(), _auth("sk-wrong"), {"x-pdserve-internal-token": TOKEN}):
