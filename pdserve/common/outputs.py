@@ -40,3 +40,5 @@ class RequestOutput:
     # those that failed to (see Request.prefill_attempts).
     prefilled_by: str | None = None
     prefill_failures: list[str] = field(default_factory=list)
+    # First output only, when asked for: the prompt tokens' logprobs (None for the first token).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -40,6 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None  # top-k logprobs per sampled token (0 = the sampled token only)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (computed here, never cached)
     # token id -> added to its logit before sampling (penalties first, then the bias, then
     # temperature and filters); logprobs stay the model's own distribution.
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -102,6 +103,11 @@ class SamplingParams:
             self.logprobs is not None and not 0 <= self.logprobs <= 20,
             "logprobs",
             f"logprobs must be in [0, 20], got {self.logprobs}",
+        )
+        bad(
+            self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
         )
         bad(bool(self.stop) and not self.detokenize, "stop", "stop strings need detokenize")
         bad(

@@ -203,6 +203,8 @@ class LLMEngine:
         )
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        if params.prompt_logprobs is not None and not req.output_token_ids:
+            req.prompt_logprobs = [None]  # a migrated stream had its prompt's logprobs already
         req.prefill_peers = self.connector.order_peers(prefill_peer)
         req.kv_sink = kv_sink
         req.upstream_tokens = upstream_tokens
@@ -370,6 +372,8 @@ class LLMEngine:
         if first:
             req.first_token_time = time.monotonic()
         out = self._next_output(req, token, logprob)
+        if first and req.prompt_logprobs is not None:
+            out.prompt_logprobs = list(req.prompt_logprobs)
         if first and req.prefill_attempts:
             out.prefilled_by = req.prefilled_by
             out.prefill_failures = (

@@ -22,6 +22,8 @@ class GenerationOutput:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -120,6 +122,8 @@ class LLM:
             r.token_ids.extend(out.new_token_ids)
             r.text += out.new_text
             r.logprobs.extend(out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                r.prompt_logprobs = out.prompt_logprobs
             if out.finished:
                 r.finish_reason = out.finish_reason
         return [results[rid] for rid in order]

@@ -71,6 +71,9 @@ class Request:
     # workers supply, layer by layer, while this request's first step computes (disagg/pipeline.py).
     upstream_tokens: int = 0
     images: list[ImageInput] = field(default_factory=list)  # a VLM prompt's images (common/images.py)
+    # Asked for (params.prompt_logprobs) on a fresh request: one entry per prompt token so far, None
+    # for the first; filled as the prompt is computed here (never from a cache: see collects_prompt).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -96,6 +99,12 @@ class Request:
         prefill worker drew the first token, a stream migrated after its worker died) draws exactly
         what it would have drawn where it started, with no generator state to carry."""
         return torch.Generator().manual_seed(draw_seed(self.sample_seed or 0, len(self.output_token_ids)))
+
+    @property
+    def collects_prompt(self) -> bool:
+        """Its prompt's logprobs are still being computed: every prompt position runs the model
+        here (no prefix-cache hit, no tier fetch, no remote prefill), so each gives its logits."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

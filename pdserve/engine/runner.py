@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from pdserve.engine.request import Request, TokenLogprob
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import logprob_entries, sample
 from pdserve.model.attention import build_metadata
 from pdserve.model.llama import LlamaModel
 from pdserve.model.vlm import image_spans, merge_image_embeds
@@ -40,6 +40,9 @@ class ModelRunner:
         seqs = []
         logits_rows: list[int] = []
         samplers: list[Request] = []
+        # Prompt logprobs: (request, next prompt token) per extra logits row, after the sampling rows.
+        prompt_rows: list[int] = []
+        prompt_next: list[tuple[Request, int]] = []
         spans: list = []  # image rows of this step (VLM prompts)
         for req, n in ordered:
             start = req.num_computed_tokens
@@ -48,6 +51,16 @@ class ModelRunner:
             ids.extend(req.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
             seqs.append((req.block_ids, start, n))
+            if req.collects_prompt:
+                assert req.prompt_logprobs is not None
+                # Position p's logits give prompt token p + 1's logprob; positions recomputed after a
+                # preemption already gave theirs.
+                first_row = len(ids) - n
+                for p in range(
+                    max(start, len(req.prompt_logprobs) - 1), min(start + n, req.num_prompt_tokens - 1)
+                ):
+                    prompt_rows.append(first_row + p - start)
+                    prompt_next.append((req, req.all_token_ids[p + 1]))
             if start + n == req.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 samplers.append(req)
@@ -60,13 +73,22 @@ class ModelRunner:
             torch.tensor(positions, device=dev),
             meta,
             self.kv_cache,
-            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev),
             layer_done,
             **extra,
         )
+        if prompt_rows:
+            entries = logprob_entries(
+                logits[len(logits_rows) :].cpu(),
+                [t for _, t in prompt_next],
+                [r.params.prompt_logprobs or 0 for r, _ in prompt_next],
+            )
+            for (r, _), entry in zip(prompt_next, entries):
+                assert r.prompt_logprobs is not None
+                r.prompt_logprobs.append(entry)
         if not samplers:
             return {}, {}
-        tokens, logprobs, failed = sample(logits.cpu(), samplers)
+        tokens, logprobs, failed = sample(logits[: len(logits_rows)].cpu(), samplers)
         return (
             {
                 r.request_id: (t, lp)

@@ -53,6 +53,12 @@ def _logprob_entry(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(token, lp, rank, top)
 
 
+def logprob_entries(logits: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
+    """One entry per row of `logits` [n, V]: `tokens[i]`'s logprob and rank, and the `tops[i]` best."""
+    lps = logits.log_softmax(-1)
+    return [_logprob_entry(lps[i], t, k) for i, (t, k) in enumerate(zip(tokens, tops))]
+
+
 def _draw(row: torch.Tensor, req: Request) -> int:
     """One non-greedy row: penalties, temperature, filters, then the seeded draw."""
     p = req.params

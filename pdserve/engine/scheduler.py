@@ -124,7 +124,7 @@ class Scheduler:
 
     def _match_prefix(self, req: Request) -> list[int]:
         cache = self.pool.prefix_cache
-        if cache is None:
+        if cache is None or req.collects_prompt:
             return []
         # At least one token is always computed: its logits give the next token.
         return cache.match(self._hashes(req, (req.num_tokens - 1) // self.block_size))
@@ -238,7 +238,7 @@ class Scheduler:
         hit = self._match_prefix(req)
         # A pipelined chunk's leading tokens are not computed here: their KV arrives in its first step.
         req.num_computed_tokens = max(len(hit) * self.block_size, req.upstream_tokens)
-        if inflight and self._next_block_inflight(req, len(hit), inflight):
+        if inflight and not req.collects_prompt and self._next_block_inflight(req, len(hit), inflight):
             # Another request is computing or loading this request's next block right now: wait
             # a step or two and hit the cache instead of computing or fetching it again.
             req.num_computed_tokens = 0
@@ -249,7 +249,8 @@ class Scheduler:
         uncached = req.num_tokens - req.num_computed_tokens - fetch * self.block_size
         # A request with outputs (migrated here, or preempted) goes too: the prefill worker
         # computes them with the prompt and samples the next output in sequence.
-        if wants_remote_prefill(uncached, self.local_prefill_max_tokens, bool(req.prefill_peers)):
+        remote = not req.collects_prompt  # prompt logprobs come from this engine's own logits
+        if remote and wants_remote_prefill(uncached, self.local_prefill_max_tokens, bool(req.prefill_peers)):
             return 0 if self._admit_loading(req, hit, step) else None
         if req.images and self.inputs_ready is not None and not self.inputs_ready(req):
             req.num_computed_tokens = 0  # its images are being encoded
@@ -319,7 +320,7 @@ class Scheduler:
 
     def _tier_hit(self, req: Request, num_hit: int) -> int:
         """How many blocks after the device hit lower tiers hold (0 without tiers)."""
-        if self.tier_lookup is None:
+        if self.tier_lookup is None or req.collects_prompt:
             return 0
         rest = self._hashes(req, (req.num_tokens - 1) // self.block_size)[num_hit:]
         return self.tier_lookup(rest) if rest else 0

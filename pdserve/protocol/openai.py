@@ -8,7 +8,6 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
 
 from pdserve.protocol import unsupported
 
@@ -42,6 +41,7 @@ class _SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    prompt_logprobs: int | None = None  # vLLM's: top-k logprobs of every prompt token
     cache_salt: str | None = None  # requests with different salts never share cached prefixes
 
 
@@ -54,16 +54,6 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _implemented(cls, data: Any) -> Any:
         unsupported.refuse_unsupported(data, {**unsupported.COMMON, **unsupported.COMPLETION})
-        if isinstance(data, dict) and data.get("echo") is True and data.get("logprobs") is not None:
-            # The echoed prompt's tokens would carry no logprobs: a harness would score garbage.
-            raise PydanticCustomError(
-                unsupported.UNSUPPORTED_TYPE,
-                "{param}: {what}",
-                {
-                    "param": "echo",
-                    "what": "echo with logprobs (the prompt's logprobs) is not supported by this server",
-                },
-            )
         return data
 
 

@@ -23,6 +23,8 @@ class TokenLine:
     # of the one that filled the prompt (None: prefilled here) and of those that failed to.
     prefilled_by: str | None = None
     prefill_failed: list[str] | None = None
+    # Only on the first line, when asked for: the prompt tokens' TokenLogprob.to_wire() (None first).
+    prompt_logprobs: list[list[Any] | None] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         msg: dict[str, Any] = {
@@ -34,6 +36,8 @@ class TokenLine:
         }
         if self.prefilled_by or self.prefill_failed:
             msg["prefilled_by"], msg["prefill_failed"] = self.prefilled_by, self.prefill_failed
+        if self.prompt_logprobs is not None:
+            msg["prompt_logprobs"] = self.prompt_logprobs
         return msg
 
     def encode(self) -> str:
@@ -50,4 +54,5 @@ class TokenLine:
             msg.get("num_prompt_tokens", 0),
             msg.get("prefilled_by"),
             msg.get("prefill_failed"),
+            msg.get("prompt_logprobs"),
         )

@@ -36,7 +36,6 @@ COMMON: dict[str, Rule] = {
     "guided_choice": (_unset, f"guided decoding {_LATER}"),
     "guided_grammar": (_unset, f"guided decoding {_LATER}"),
     "structural_tag": (_unset, f"structural tags {_LATER}"),
-    "prompt_logprobs": (lambda v: v is None, f"prompt_logprobs {_LATER}"),
     "allowed_token_ids": (_unset, f"allowed_token_ids {_LATER}"),
     "bad_words": (_unset, f"bad_words {_LATER}"),
     "logits_processors": (_unset, f"logits_processors {_LATER}"),

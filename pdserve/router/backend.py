@@ -50,6 +50,7 @@ from pdserve.router.stream_watch import WorkerSilent, unless_silent, watched
 from pdserve.server.errors import APIError
 from pdserve.server.openai_api import PREFILL_HEADER
 
+StreamDelta = tuple[list[int], list[TokenLogprob] | None, bool, str | None, list[TokenLogprob | None] | None]
 log = logging.getLogger(__name__)
 
 
@@ -274,7 +275,7 @@ class RemoteBackend:
                             trace=tracing.traceparent_of(attempt_span),
                         )
                         async with aclosing(stream):
-                            async for tokens, lps, finished, finish_reason in stream:
+                            async for tokens, lps, finished, finish_reason, plps in stream:
                                 out_tokens: list[int] = []
                                 stop_hit = False
                                 for t in tokens:
@@ -293,6 +294,7 @@ class RemoteBackend:
                                     n_prompt,
                                     len(generated),
                                     (lps or [])[: len(out_tokens)],
+                                    prompt_logprobs=plps,
                                 )
                                 self.on_output(out, time.monotonic())
                                 if migration_span is not None:
@@ -383,7 +385,8 @@ class RemoteBackend:
         salt: str | None,
         images: Sequence[ImageInput] = (),
         trace: str | None = None,
-    ) -> AsyncGenerator[tuple[list[int], list[TokenLogprob] | None, bool, str | None], None]:
+    ) -> AsyncGenerator[StreamDelta, None]:
+        """(token ids, their logprobs, finished, finish reason, the prompt's logprobs on the first line)."""
         w, prefill = route.decode, route.prefill
         headers = dict(self.registry.headers)
         if prefill is not None and prefill.kv_endpoint:
@@ -453,7 +456,14 @@ class RemoteBackend:
                         charge.first_token()
                     charge.generated(len(tl.token_ids))
                     lps = [TokenLogprob.from_wire(e) for e in tl.logprobs or []] or None
-                    yield tl.token_ids, lps, tl.finished, tl.finish_reason
+                    plps = (
+                        None
+                        if tl.prompt_logprobs is None
+                        else [
+                            TokenLogprob.from_wire(e) if e is not None else None for e in tl.prompt_logprobs
+                        ]
+                    )
+                    yield tl.token_ids, lps, tl.finished, tl.finish_reason, plps
                     if tl.finished:
                         w.breaker.on_success()
                         judged.add(w.worker_id)

@@ -142,6 +142,9 @@ def install_internal_routes(
                         out.num_prompt_tokens,
                         out.prefilled_by,
                         out.prefill_failures,
+                        None
+                        if out.prompt_logprobs is None
+                        else [lp.to_wire() if lp is not None else None for lp in out.prompt_logprobs],
                     ).encode()
             except DuplicateRequestId as e:  # came in while this handler was starting the stream
                 yield json.dumps(error_body(409, str(e), "request_id", "duplicate_request_id")) + "\n"

@@ -44,6 +44,7 @@ class Choice:
     cache_salt: str | None = None
     prefill_peer: str | None = None  # the prefill worker the router chose (PD deployments)
     images: list[ImageInput] = field(default_factory=list)  # a VLM prompt's images
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for: one per prompt token
 
 
 def sampling_params(
@@ -65,7 +66,10 @@ def sampling_params(
         presence_penalty=req.presence_penalty or 0.0,
         logprobs=logprobs,
         logit_bias=dict(req.logit_bias or {}),
+        prompt_logprobs=req.prompt_logprobs,
     )
+    if req.stream and req.prompt_logprobs is not None:
+        raise InvalidParam("prompt_logprobs is not supported with stream", "prompt_logprobs")
     return p
 
 
@@ -209,6 +213,8 @@ class OpenAIHandlers:
                 c.token_ids.extend(item.new_token_ids)
                 c.text += item.new_text
                 c.logprobs.extend(item.new_logprobs)
+                if item.prompt_logprobs is not None:
+                    c.prompt_logprobs = item.prompt_logprobs
                 if item.finished:
                     c.finish_reason = item.finish_reason
                     remaining -= 1
@@ -293,6 +299,8 @@ class OpenAIHandlers:
             raise APIError(400, str(e), e.param, "invalid_value") from e
         if req.stream and req.echo:
             raise APIError(400, "echo is not supported with stream", "echo", "invalid_value")
+        if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry theirs too
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
         choices = self._choices(prompts, params, req.n, req.cache_salt, http.headers.get(PREFILL_HEADER))
         base_id = new_id("cmpl")
         tok = self.tokenizer
@@ -331,10 +339,13 @@ class OpenAIHandlers:
                     {
                         "index": c.index,
                         "text": (tok.decode(c.prompt_ids) if req.echo else "") + c.text,
-                        "logprobs": _completion_logprobs(c.logprobs, tok)
+                        "logprobs": _completion_logprobs(
+                            c.logprobs, tok, (c.prompt_ids, c.prompt_logprobs) if req.echo else None
+                        )
                         if c.params.logprobs is not None
                         else None,
                         "finish_reason": c.finish_reason,
+                        **_vllm_prompt_logprobs(req.prompt_logprobs, c, tok),
                     }
                     for c in choices
                 ],
@@ -419,6 +430,8 @@ class OpenAIHandlers:
                     }
                     for c in choices
                 ],
+                # vLLM's place for a chat request's prompt logprobs: beside the choices.
+                **_vllm_prompt_logprobs(req.prompt_logprobs, choices[0], tok),
                 usage=_usage(choices),
             )
         )
@@ -451,13 +464,56 @@ def _usage(choices: list[Choice]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _completion_logprobs(entries: list[TokenLogprob], tok: TokenizerWrapper) -> dict[str, Any]:
-    return {
-        "tokens": [tok.token_text(e.token_id) for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{tok.token_text(t): lp for t, lp in e.top} for e in entries],
-        "text_offset": [],
-    }
+def _completion_logprobs(
+    entries: list[TokenLogprob],
+    tok: TokenizerWrapper,
+    echoed: tuple[list[int], list[TokenLogprob | None] | None] | None = None,
+) -> dict[str, Any]:
+    """OpenAI's completion logprobs; `echoed`: the prompt's ids and logprobs (None for the first
+    token, which nothing predicts), listed before the generated tokens as the echoed text has them."""
+    ids: list[int] = []
+    lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    if echoed is not None:
+        prompt_ids, prompt_lps = echoed
+        for i, t in enumerate(prompt_ids):
+            e = prompt_lps[i] if prompt_lps is not None and i < len(prompt_lps) else None
+            ids.append(t)
+            lps.append(None if e is None else e.logprob)
+            tops.append(None if e is None else {tok.token_text(x): lp for x, lp in [(t, e.logprob), *e.top]})
+    for e in entries:
+        ids.append(e.token_id)
+        lps.append(e.logprob)
+        tops.append({tok.token_text(t): lp for t, lp in e.top})
+    texts = [tok.token_text(t) for t in ids]
+    offsets, at = [], 0
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _vllm_prompt_logprobs(asked: int | None, c: Choice, tok: TokenizerWrapper) -> dict[str, Any]:
+    """vLLM's `prompt_logprobs` field when asked for: None for the first prompt token, then per token
+    {token id: {logprob, rank, decoded_token}} for the prompt's own token and the top alternatives."""
+    if asked is None:
+        return {}
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for i, t in enumerate(c.prompt_ids):
+        e = c.prompt_logprobs[i] if c.prompt_logprobs is not None and i < len(c.prompt_logprobs) else None
+        if e is None:
+            out.append(None)
+            continue
+        ranked = {t: (e.logprob, e.rank)}
+        for r, (x, lp) in enumerate(e.top, start=1):
+            ranked.setdefault(x, (lp, r))
+        out.append(
+            {
+                str(x): {"logprob": lp, "rank": r, "decoded_token": tok.token_text(x)}
+                for x, (lp, r) in ranked.items()
+            }
+        )
+    return {"prompt_logprobs": out}
 
 
 def _chat_logprobs(entries: list[TokenLogprob], tok: TokenizerWrapper) -> list[dict[str, Any]]:

@@ -133,12 +133,12 @@ def test_abort_while_loading_frees_every_block(loaded):
 
 def test_parity_depends_on_the_transferred_kv(loaded, monkeypatch):
     """The control for the parity tests: with the layer writes dropped, outputs differ."""
-    from pdserve.disagg import transport
+    from pdserve.disagg.transports.shm import ShmWriter
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt_list = prompts(4)[1:]
     want = mixed_outputs(prompt_list, params, loaded)
-    monkeypatch.setattr(transport.ShmWriter, "write_layer", lambda self, rid, layer, runs: 0)
+    monkeypatch.setattr(ShmWriter, "write_layer", lambda self, rid, layer, runs: 0)
     with pd_pair("shm") as (_, decode):
         decode.run(prompt_list, params)
         assert decode.outputs != want

@@ -93,10 +93,12 @@ def test_a_field_not_implemented_is_a_400_naming_it(endpoint, field):
     assert field in err["message"]
 
 
-def test_echo_with_logprobs_is_refused_until_prompt_logprobs_exist():
+def test_echo_with_logprobs_and_prompt_logprobs_are_taken():
     path, body = COMPLETION
-    err = openai_error(_post(path, {**body, "echo": True, "logprobs": 1}), 400)
-    assert err["param"] == "echo" and err["code"] == "unsupported_parameter"
+    for extra in ({"echo": True, "logprobs": 1}, {"prompt_logprobs": 2}):
+        assert openai_error(_post(path, {**body, **extra}), 503)["code"] == "no_workers"
+    err = openai_error(_post(path, {**body, "prompt_logprobs": 2, "stream": True}), 400)
+    assert err["param"] == "prompt_logprobs"
 
 
 @pytest.mark.parametrize(

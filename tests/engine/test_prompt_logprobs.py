@@ -1,0 +1,74 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs; the API's echo with logprobs, and vLLM's
+prompt_logprobs): one entry per prompt token, None for the first, each the model's own logprob of
+that token given the ones before it. They equal a whole-sequence forward's on every path that
+computes a prompt: chunked prefill, a prompt whose prefix is cached (a request that collects them
+never takes a cache hit), and a PD decode worker (which computes such a prompt itself rather than
+asking a prefill worker); the KV pools return to their start."""
+
+from __future__ import annotations
+
+import torch
+from pd_harness import MODEL, pd_pair
+
+from pdserve import LLM, SamplingParams
+from pdserve.bench.quality import sequence_logits
+
+PROMPT = [(7 * j) % 250 + 1 for j in range(37)]
+
+
+def _reference(model, ids: list[int]) -> list[float]:
+    lp = sequence_logits(model, ids).double().log_softmax(-1)
+    return [float(lp[p, ids[p + 1]]) for p in range(len(ids) - 1)]
+
+
+def _close(got: list[float], want: list[float]) -> None:
+    # Two float32 paths of one model (chunked and paged vs one whole forward) differ in the order
+    # of their sums only: a few ulps of logits some tens in size.
+    g, w = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+    assert torch.all((g - w).abs() <= 1e-4 * (1 + w.abs())), (g - w).abs().max()
+
+
+def test_chunked_and_cached_prompts_give_the_whole_forwards_logprobs():
+    llm = LLM(model=MODEL, device_blocks=256, max_num_batched_tokens=16, block_size=4)
+    want = _reference(llm.engine.model, PROMPT)
+    free = llm.engine.pool.num_free
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
+    plain = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3))[0]  # caches the prefix
+    for _ in range(2):
+        out = llm.generate([PROMPT], params)[0]
+        assert out.token_ids == plain.token_ids and plain.prompt_logprobs is None
+        assert len(out.prompt_logprobs) == len(PROMPT) and out.prompt_logprobs[0] is None
+        entries = out.prompt_logprobs[1:]
+        assert [e.token_id for e in entries] == PROMPT[1:]
+        _close([e.logprob for e in entries], want)
+        for e in entries:  # the two best, best first; the token's rank among all
+            assert len(e.top) == 2 and e.top[0][1] >= e.top[1][1] and e.rank >= 1
+            assert (e.rank == 1) == (e.top[0][0] == e.token_id)
+    assert llm.engine.pool.num_free == free
+
+
+def test_a_pd_decode_worker_computes_them_itself():
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0)
+    llm = LLM(model=MODEL)
+    want = llm.generate([PROMPT], params)[0]
+    with pd_pair() as (prefill, decode):
+        got: dict[str, list] = {}
+        orig = decode._record
+
+        def record(out):
+            if out is not None and out.prompt_logprobs is not None:
+                got[out.request_id] = out.prompt_logprobs
+            orig(out)
+
+        decode._record = record
+        decode.run([PROMPT, PROMPT[:20]], params)
+        assert decode.outputs["r0"] == want.token_ids
+        assert [e.token_id for e in got["r0"][1:]] == PROMPT[1:] and len(got["r1"]) == 20
+        _close([e.logprob for e in got["r0"][1:]], [e.logprob for e in want.prompt_logprobs[1:]])
+        assert decode.engine.stats()["kv_transfers_completed_total"] == 0  # no prefill job was sent
+        decode.finished.clear()
+        other = [t % 250 + 3 for t in PROMPT]  # uncached: it goes to the prefill worker as ever
+        decode.run([other], SamplingParams(temperature=0, max_tokens=4))
+        assert decode.engine.stats()["kv_transfers_completed_total"] == 1
+        decode.wait_idle()
+        prefill.wait_idle()
