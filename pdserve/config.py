@@ -71,7 +71,9 @@ class ServerConfig:
     # The address the router and peers use to reach this worker when `host` binds every interface
     # (None: PDSERVE_ADVERTISE_HOST, else this machine's address; see utils/net.py).
     advertise_host: str | None = None
-    served_model_name: str | None = None
+    # The model ids clients may send (a list, or one string with commas); the first names the model
+    # in responses. None: the --model value as written.
+    served_model_name: str | list[str] | None = None
     threads: int | None = None  # torch compute threads; None leaves torch's default
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long running requests may take to finish
     max_body_bytes: int = 4 * 1024 * 1024
@@ -279,6 +281,13 @@ ROLE_SETTINGS = {
     "device_blocks": "cache.device_blocks",
     "threads": "server.threads",
 }
+
+
+def served_names(cfg: Config) -> list[str]:
+    """The model ids this deployment answers to, the one its responses name first."""
+    v = cfg.server.served_model_name
+    names = [n.strip() for n in (v.split(",") if isinstance(v, str) else v or [])]
+    return [n for n in names if n] or [cfg.model.name]
 
 
 def apply_role(cfg: Config, role: str, keep: set[str] | frozenset[str] = frozenset()) -> Config:

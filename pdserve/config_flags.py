@@ -26,7 +26,10 @@ class Flag:
 
 FLAGS: dict[str, Flag] = {
     "model": Flag("model.name", "smollm2-135m (default), tiny-llama, a .gguf file or a HF directory"),
-    "served_model_name": Flag("server.served_model_name", "the model id clients send (default: --model)"),
+    "served_model_name": Flag(
+        "server.served_model_name",
+        "the model ids clients may send, comma-separated; the first names the model in responses (default: --model)",
+    ),
     "dtype": Flag("model.dtype", choices=tuple(DTYPES)),
     "quantization": Flag(
         "model.quantization", "weight-only quantization of the linear layers", choices=tuple(QUANTIZATIONS)

@@ -12,6 +12,7 @@ from typing import Any
 import zmq
 
 import pdserve
+from pdserve.config import served_names
 from pdserve.disagg.peer import HOST
 from pdserve.protocol import AUTH_FIELD, PD_LAYER, PrefillJob, pack, unpack
 
@@ -52,7 +53,7 @@ class DecodePeer:
         e = self.engine
         kv, bs, mc = e.kv_cache, e.block_size, e.config.model
         nblocks = -(-len(prompt) // bs)
-        model = e.config.server.served_model_name or mc.name
+        model = served_names(e.config)[0]
         job = PrefillJob(
             f"req-{os.urandom(3).hex()}",
             prompt,

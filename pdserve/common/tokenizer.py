@@ -232,7 +232,11 @@ def hf_special_ids(cfg: dict[str, Any]) -> tuple[list[int], int | None]:
 
 
 def load_tokenizer(model: str) -> TokenizerWrapper:
-    """The tokenizer of a model (a built-in name, a .gguf file or a HF directory), without its weights."""
+    """The tokenizer of a model (a built-in name, a .gguf file, a HF directory or a repository id in
+    the local Hugging Face cache), without its weights."""
+    from pdserve.common.model_names import not_found, resolve_model  # it imports this module
+
+    written, model = model, resolve_model(model)
     if model == DEFAULT_MODEL or model.startswith(TINY_PREFIX):
         return load_gguf_tokenizer(str(default_gguf_path()))
     path = Path(model).expanduser()
@@ -241,4 +245,4 @@ def load_tokenizer(model: str) -> TokenizerWrapper:
     if path.is_dir():
         eos_ids, bos_id = hf_special_ids(json.loads((path / "config.json").read_text()))
         return tokenizer_from_hf_dir(path, eos_ids, bos_id)
-    raise ValueError(f"unknown model {model!r}")
+    raise ValueError(f"unknown model {model!r}{not_found(written)}")

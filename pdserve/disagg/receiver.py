@@ -25,7 +25,7 @@ import zmq
 
 from pdserve.cache.kv_cache import raw_bytes_view
 from pdserve.common import tracing
-from pdserve.config import Config
+from pdserve.config import Config, served_names
 from pdserve.disagg.parallel import ParallelLoads
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.reply_sockets import ReplySockets
@@ -103,7 +103,7 @@ class DecodeConnector(KVConnector):
         `max_model_len`: this engine's context, which a prefill worker checks the prompt against.
         `attention_weight`: split.attention_weight of the model (where parallel.py cuts long prompts)."""
         self.config = config
-        self.model = config.server.served_model_name or config.model.name
+        self.model = served_names(config)[0]
         self.block_size = config.cache.block_size
         self.kv_shape = list(kv_cache.shape)
         self.elem_size = kv_cache.element_size()

@@ -24,7 +24,7 @@ from pdserve.cache.kv_cache import raw_bytes_view
 from pdserve.common import tracing
 from pdserve.common.images import ImageInput
 from pdserve.common.sampling import SamplingParams
-from pdserve.config import Config
+from pdserve.config import Config, served_names
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.pipeline import ChunkPipeline
 from pdserve.disagg.reply_sockets import ReplySockets
@@ -84,7 +84,7 @@ class PrefillConnector(KVConnector):
         `internal_token`: jobs and cancels must be signed with it (None: nothing is checked)."""
         self.config = config
         self.block_size = config.cache.block_size
-        self.model = config.server.served_model_name or config.model.name
+        self.model = served_names(config)[0]
         self.src = raw_bytes_view(kv_cache)
         self.key = token_key(internal_token)
         self.compat = compat_info(

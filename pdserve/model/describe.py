@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
+from pdserve.common.model_names import resolve_model
 from pdserve.model.arch import (
     SUPPORTED_ARCHITECTURES,
     TINY_CONFIGS,
@@ -101,6 +102,7 @@ def _gguf_arch(path: Path) -> ModelArch:
 def describe_model(name: str) -> ModelArch:
     """The architecture `name` would load with (layers, heads, experts, context), weights untouched.
     Raises ValueError (unknown name, unsupported architecture) or FileNotFoundError."""
+    name = resolve_model(name)
     if name == DEFAULT_MODEL:
         return _gguf_arch(default_gguf_path())
     if name in TINY_CONFIGS:

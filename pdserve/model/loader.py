@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.common.model_names import not_found, resolve_model
+
 # The tokenizer half lives in the torch-free layer the router shares; re-exported for existing imports.
 from pdserve.common.tokenizer import (  # noqa: F401
     DEFAULT_MODEL,
@@ -221,6 +223,8 @@ def tiny_random_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
 
 
 def load_model_files(name: str, seed: int = 0, quantization: str = "none") -> LoadedModel:
+    """`name` as the user wrote it: a Hugging Face repository id resolves offline (common/model_names.py)."""
+    written, name = name, resolve_model(name)
     if name == DEFAULT_MODEL:
         loaded = load_gguf(default_gguf_path(), quantization)
         loaded.name = name
@@ -245,7 +249,7 @@ def load_model_files(name: str, seed: int = 0, quantization: str = "none") -> Lo
         return load_hf_dir(path)
     raise ValueError(
         f"unknown model {name!r}: use {DEFAULT_MODEL}, {', '.join(TINY_CONFIGS)}, "
-        "a .gguf file or a Hugging Face directory"
+        f"a .gguf file, a Hugging Face directory or a repository id in the local cache{not_found(written)}"
     )
 
 

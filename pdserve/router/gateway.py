@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 
 from pdserve.common import tracing
 from pdserve.common.images import image_slots
-from pdserve.config import Config
+from pdserve.config import Config, served_names
 from pdserve.control.controller import Controller, Fleet
 from pdserve.control.role_switch import SwitchRefused, switch_role
 from pdserve.control.rollout_api import install_rollout_routes
@@ -66,7 +66,8 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     )
     for spec in rc.workers:
         registry.add_static(spec["url"], spec.get("role", "mixed"))
-    model_name = config.server.served_model_name or config.model.name
+    model_names = served_names(config)
+    model_name = model_names[0]
 
     def fleet_stats() -> dict[str, float]:
         """Engine gauges summed over healthy workers (the worker-level figures are on each worker)."""
@@ -115,7 +116,9 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
         timer.oldest_wait,
         backend.held_prefill_tokens,
     )
-    handlers = OpenAIHandlers(backend, tokenizer, model_name, timer, encoder=tokenizer_pool)
+    handlers = OpenAIHandlers(
+        backend, tokenizer, model_name, timer, encoder=tokenizer_pool, aliases=model_names
+    )
     handlers.vision, handlers.vision_limits = image_slots(config.model.name), config.vision  # None: text only
 
     async def health_loop() -> None:

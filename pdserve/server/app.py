@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from pdserve import __version__
 from pdserve.common import tracing
-from pdserve.config import Config
+from pdserve.config import Config, served_names
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.health import WorkerHealth
@@ -33,11 +33,12 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
     (cli.py; pdserve/version.py); None: of `config`."""
     tracing.setup(f"pdserve-{config.worker.role}", config.server.otlp_endpoint)
     engine = engine or build_engine(config)
-    model_name = config.server.served_model_name or config.model.name
+    model_names = served_names(config)
+    model_name = model_names[0]
     metrics = ServerMetrics(engine.stats)
     timer = RequestTimer(metrics)
     async_engine = AsyncEngine(engine, on_output=timer.on_output)
-    handlers = OpenAIHandlers(async_engine, engine.tokenizer, model_name, timer)
+    handlers = OpenAIHandlers(async_engine, engine.tokenizer, model_name, timer, aliases=model_names)
     if engine.images is not None:  # a vision-language model reads image_url parts
         handlers.vision, handlers.vision_limits = engine.images.slots, config.vision
     switch = RoleSwitch(config, async_engine)

@@ -129,10 +129,13 @@ class OpenAIHandlers:
         model_name: str,
         timer: RequestTimer,
         encoder: Any = None,
+        aliases: list[str] | None = None,
     ) -> None:
+        """`aliases`: every model id clients may send (`model_name`, the one responses name, first)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.model_names = list(dict.fromkeys([model_name, *(aliases or [])]))
         self.timer = timer
         self.encoder = encoder or InlineEncoder(tokenizer)
         self.vision: ImageSlots | None = None  # set for a vision-language model: image_url parts are read
@@ -143,10 +146,10 @@ class OpenAIHandlers:
         return {"id": base_id, "object": obj, "created": now(), "model": self.model_name, **fields}
 
     def _check_model(self, name: str) -> None:
-        if name != self.model_name:
+        if name not in self.model_names:
             raise APIError(
                 400,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                f"the model {name!r} does not exist; this server serves {', '.join(map(repr, self.model_names))}",
                 "model",
                 "model_not_found",
             )
@@ -544,7 +547,7 @@ def install_openai_api(
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(handlers.model_name, max_model_len())]}
+        return {"object": "list", "data": [model_card(n, max_model_len()) for n in handlers.model_names]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request):
