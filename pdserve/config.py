@@ -74,6 +74,9 @@ class ServerConfig:
     # The model ids clients may send (a list, or one string with commas); the first names the model
     # in responses. None: the --model value as written.
     served_model_name: str | list[str] | None = None
+    # Chat answers: the text between <think> and </think> comes back as `reasoning_content`
+    # (deepseek_r1, qwen3; docs/api.md). None: off, the whole text is `content`.
+    reasoning_parser: str | None = None
     threads: int | None = None  # torch compute threads; None leaves torch's default
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long running requests may take to finish
     max_body_bytes: int = 4 * 1024 * 1024

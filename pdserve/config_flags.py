@@ -10,7 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.config_rules import ATTENTION_KERNELS, DTYPES, QUANTIZATIONS, TRANSFER_BACKENDS
+from pdserve.config_rules import (
+    ATTENTION_KERNELS,
+    DTYPES,
+    QUANTIZATIONS,
+    REASONING_PARSERS,
+    TRANSFER_BACKENDS,
+)
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,11 @@ class Flag:
 
 FLAGS: dict[str, Flag] = {
     "model": Flag("model.name", "smollm2-135m (default), tiny-llama, a .gguf file or a HF directory"),
+    "reasoning_parser": Flag(
+        "server.reasoning_parser",
+        "return <think> ... </think> as reasoning_content",
+        choices=REASONING_PARSERS,
+    ),
     "served_model_name": Flag(
         "server.served_model_name",
         "the model ids clients may send, comma-separated; the first names the model in responses (default: --model)",

@@ -14,6 +14,8 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from pdserve.common.reasoning import PARSERS
+
 if TYPE_CHECKING:  # config imports this module at load; the rules only read a Config's fields
     from pdserve.config import Config
 
@@ -36,6 +38,7 @@ CONTROLLER_BACKENDS = ("local", "kubernetes")
 # The router's policies (router/policies.py POLICIES). Config never imports the router; a test keeps
 # the two lists equal.
 POLICIES = ("round_robin", "least_load", "power_of_two", "cache_aware", "cost")
+REASONING_PARSERS = PARSERS  # common/reasoning.py
 _ROLES = ("prefill", "decode")
 
 
@@ -55,6 +58,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "load_balancer.decode": POLICIES,
     "worker.role": WORKER_ROLES,
     "controller.backend": CONTROLLER_BACKENDS,
+    "server.reasoning_parser": REASONING_PARSERS,
     **_per_role({"deployment.<role>.quantization": QUANTIZATIONS}),
 }
 

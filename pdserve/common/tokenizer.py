@@ -68,7 +68,14 @@ class TokenizerWrapper:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """`template_kwargs`: more variables for the template (chat_template_kwargs: enable_thinking,
+        ...); they cannot replace the ones set here."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
         if self._template is None:
@@ -83,7 +90,11 @@ class TokenizerWrapper:
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            **(template_kwargs or {}),
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos,
+            eos_token=eos,
         )
 
     def encode_chat(
@@ -91,9 +102,10 @@ class TokenizerWrapper:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         # The template writes any BOS itself, so by default the tokenizer must not add another.
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs)
         return self.encode(text, add_special_tokens=add_special_tokens)
 
 

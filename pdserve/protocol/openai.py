@@ -89,6 +89,7 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (enable_thinking, ...)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -62,7 +62,6 @@ CHAT: dict[str, Rule] = {
     "modalities": (lambda v: v is None or v == ["text"], f"output modalities other than text {_LATER}"),
     "prediction": (_unset, f"predicted outputs {_LATER}"),
     "chat_template": (_unset, f"a request's own chat_template {_LATER}"),
-    "chat_template_kwargs": (_unset, f"chat_template_kwargs {_LATER}"),
     "add_generation_prompt": (_one_of(True), f"add_generation_prompt false {_LATER}"),
     "continue_final_message": (_unset, f"continue_final_message {_LATER}"),
     "documents": (_unset, f"documents {_LATER}"),

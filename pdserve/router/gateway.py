@@ -120,6 +120,7 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
         backend, tokenizer, model_name, timer, encoder=tokenizer_pool, aliases=model_names
     )
     handlers.vision, handlers.vision_limits = image_slots(config.model.name), config.vision  # None: text only
+    handlers.reasoning = config.server.reasoning_parser
 
     async def health_loop() -> None:
         while True:

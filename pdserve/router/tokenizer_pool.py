@@ -41,9 +41,12 @@ def _encode(text: str, add_special_tokens: bool = True) -> list[int]:
 
 
 def _encode_chat(
-    messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_special_tokens: bool = False
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    return _pool_tokenizer().encode_chat(messages, add_generation_prompt, add_special_tokens)
+    return _pool_tokenizer().encode_chat(messages, add_generation_prompt, add_special_tokens, template_kwargs)
 
 
 class TokenizerPool:
@@ -72,12 +75,15 @@ class TokenizerPool:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Raises ValueError for messages the chat template rejects."""
         if self.local is not None:
-            return self.local.encode_chat(messages, add_generation_prompt, add_special_tokens)
+            return self.local.encode_chat(
+                messages, add_generation_prompt, add_special_tokens, template_kwargs
+            )
         return await asyncio.get_running_loop().run_in_executor(
-            self.pool, _encode_chat, messages, add_generation_prompt, add_special_tokens
+            self.pool, _encode_chat, messages, add_generation_prompt, add_special_tokens, template_kwargs
         )
 
     async def warm_up(self) -> None:

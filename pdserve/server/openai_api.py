@@ -18,6 +18,8 @@ from pdserve.chat_content import chat_inputs, chat_messages
 from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed
 from pdserve.common.images import ImageInput, ImageSlots, expand_image_tokens
 from pdserve.common.outputs import RequestOutput, TokenLogprob
+from pdserve.common.reasoning import ReasoningParser
+from pdserve.common.reasoning import split as split_reasoning
 from pdserve.common.sampling import SamplingParams, check_cache_salt, check_choices
 from pdserve.common.tokenizer import TokenizerWrapper
 from pdserve.config import VisionConfig
@@ -97,8 +99,11 @@ class InlineEncoder:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        return self.tokenizer.encode_chat(messages, add_generation_prompt, add_special_tokens)
+        return self.tokenizer.encode_chat(
+            messages, add_generation_prompt, add_special_tokens, template_kwargs
+        )
 
 
 class GenerationBackend(Protocol):
@@ -139,6 +144,7 @@ class OpenAIHandlers:
         self.timer = timer
         self.encoder = encoder or InlineEncoder(tokenizer)
         self.vision: ImageSlots | None = None  # set for a vision-language model: image_url parts are read
+        self.reasoning: str | None = None  # server.reasoning_parser: chat answers' reasoning_content
         self.vision_limits = VisionConfig()
 
     def _envelope(self, base_id: str, obj: str, **fields: Any) -> dict[str, Any]:
@@ -370,7 +376,7 @@ class OpenAIHandlers:
             )
             messages = inputs.messages
         try:
-            prompt = await self.encoder.encode_chat(messages)
+            prompt = await self.encoder.encode_chat(messages, True, False, req.chat_template_kwargs)
             if self.vision is not None and inputs.images:
                 prompt, images = expand_image_tokens(
                     prompt, self.vision.image_token_id, self.vision.tokens_per_image, inputs.images
@@ -391,12 +397,20 @@ class OpenAIHandlers:
         base_id = new_id("chatcmpl")
         tok = self.tokenizer
 
+        parsers = {c.index: ReasoningParser(self.reasoning) for c in choices} if self.reasoning else {}
+
         def chat_chunk(c: Choice, out: RequestOutput, first: bool) -> dict | None:
-            if not out.new_text and not out.finished and not first:
+            reasoning, text = "", out.new_text
+            if parsers:
+                reasoning, text = parsers[c.index].feed(out.new_text)
+                if out.finished:
+                    more = parsers[c.index].finish()
+                    reasoning, text = reasoning + more[0], text + more[1]
+            if not text and not reasoning and not out.finished and not first:
                 return None
-            delta: dict[str, Any] = (
-                {"role": "assistant", "content": out.new_text} if first else {"content": out.new_text}
-            )
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             lp = {"content": _chat_logprobs(out.new_logprobs, tok)} if req.logprobs else None
             return self._envelope(
                 base_id,
@@ -427,7 +441,7 @@ class OpenAIHandlers:
                 choices=[
                     {
                         "index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
+                        "message": _message(c.text, self.reasoning),
                         "logprobs": {"content": _chat_logprobs(c.logprobs, tok)} if req.logprobs else None,
                         "finish_reason": c.finish_reason,
                     }
@@ -438,6 +452,13 @@ class OpenAIHandlers:
                 usage=_usage(choices),
             )
         )
+
+
+def _message(text: str, reasoning: str | None) -> dict[str, Any]:
+    if reasoning is None:
+        return {"role": "assistant", "content": text}
+    thought, answer = split_reasoning(reasoning, text)
+    return {"role": "assistant", "content": answer, "reasoning_content": thought or None}
 
 
 def _num_prompts(prompt: Any) -> int:

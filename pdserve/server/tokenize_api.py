@@ -33,11 +33,12 @@ class TokenizeCompletionRequest(_Tokenize):
 class TokenizeChatRequest(_Tokenize):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _implemented(cls, data: Any) -> Any:
-        refused = ("tools", "chat_template", "chat_template_kwargs", "continue_final_message", "documents")
+        refused = ("tools", "chat_template", "continue_final_message", "documents")
         unsupported.refuse_unsupported(data, {k: unsupported.CHAT[k] for k in refused})
         return data
 
@@ -80,7 +81,10 @@ def install_tokenize_api(app: FastAPI, handlers: OpenAIHandlers, max_model_len: 
             messages = chat_messages(req.messages, handlers.model_name)
             try:
                 ids = await handlers.encoder.encode_chat(
-                    messages, req.add_generation_prompt, bool(req.add_special_tokens)
+                    messages,
+                    req.add_generation_prompt,
+                    bool(req.add_special_tokens),
+                    req.chat_template_kwargs,
                 )
             except ValueError as e:
                 raise APIError(400, str(e), "messages", "invalid_value") from e
