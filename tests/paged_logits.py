@@ -24,3 +24,10 @@ def paged_logits(model, ids: list[int], chunk: int, decode: int, block: int = 4)
         )
         done += n
     return torch.cat(out)
+
+
+def assert_logprobs_close(got: list[float], want: list[float]) -> None:
+    """Logprobs from two float32 paths of one model (chunked and paged, or served, vs one whole
+    forward): they differ in the order of their sums only, a few ulps of logits some tens in size."""
+    g, w = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+    assert torch.all((g - w).abs() <= 1e-4 * (1 + w.abs())), (g - w).abs().max()

@@ -7,7 +7,7 @@ asking a prefill worker); the KV pools return to their start."""
 
 from __future__ import annotations
 
-import torch
+from paged_logits import assert_logprobs_close
 from pd_harness import MODEL, pd_pair
 
 from pdserve import LLM, SamplingParams
@@ -19,13 +19,6 @@ PROMPT = [(7 * j) % 250 + 1 for j in range(37)]
 def _reference(model, ids: list[int]) -> list[float]:
     lp = sequence_logits(model, ids).double().log_softmax(-1)
     return [float(lp[p, ids[p + 1]]) for p in range(len(ids) - 1)]
-
-
-def _close(got: list[float], want: list[float]) -> None:
-    # Two float32 paths of one model (chunked and paged vs one whole forward) differ in the order
-    # of their sums only: a few ulps of logits some tens in size.
-    g, w = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
-    assert torch.all((g - w).abs() <= 1e-4 * (1 + w.abs())), (g - w).abs().max()
 
 
 def test_chunked_and_cached_prompts_give_the_whole_forwards_logprobs():
@@ -40,7 +33,7 @@ def test_chunked_and_cached_prompts_give_the_whole_forwards_logprobs():
         assert len(out.prompt_logprobs) == len(PROMPT) and out.prompt_logprobs[0] is None
         entries = out.prompt_logprobs[1:]
         assert [e.token_id for e in entries] == PROMPT[1:]
-        _close([e.logprob for e in entries], want)
+        assert_logprobs_close([e.logprob for e in entries], want)
         for e in entries:  # the two best, best first; the token's rank among all
             assert len(e.top) == 2 and e.top[0][1] >= e.top[1][1] and e.rank >= 1
             assert (e.rank == 1) == (e.top[0][0] == e.token_id)
@@ -64,7 +57,9 @@ def test_a_pd_decode_worker_computes_them_itself():
         decode.run([PROMPT, PROMPT[:20]], params)
         assert decode.outputs["r0"] == want.token_ids
         assert [e.token_id for e in got["r0"][1:]] == PROMPT[1:] and len(got["r1"]) == 20
-        _close([e.logprob for e in got["r0"][1:]], [e.logprob for e in want.prompt_logprobs[1:]])
+        assert_logprobs_close(
+            [e.logprob for e in got["r0"][1:]], [e.logprob for e in want.prompt_logprobs[1:]]
+        )
         assert decode.engine.stats()["kv_transfers_completed_total"] == 0  # no prefill job was sent
         decode.finished.clear()
         other = [t % 250 + 3 for t in PROMPT]  # uncached: it goes to the prefill worker as ever

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-import torch
+from paged_logits import assert_logprobs_close
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
@@ -19,11 +19,6 @@ from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 MODEL = "tiny-qwen2"
 PROMPT = [(7 * j) % 250 + 1 for j in range(45)]
 pytestmark = pytest.mark.slow
-
-
-def _close(got: list[float], want: list[float]) -> None:
-    g, w = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
-    assert torch.all((g - w).abs() <= 1e-4 * (1 + w.abs())), (g - w).abs().max()
 
 
 def test_echo_logprobs_and_prompt_logprobs_through_pd(tmp_path):
@@ -42,15 +37,15 @@ def test_echo_logprobs_and_prompt_logprobs_through_pd(tmp_path):
             lp = r.choices[0].logprobs
             assert len(lp.token_logprobs) == len(PROMPT) + 1
             assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-            _close(lp.token_logprobs[1 : len(PROMPT)], want_lps)
-            _close(lp.token_logprobs[-1:], [want.logprobs[0].logprob])
+            assert_logprobs_close(lp.token_logprobs[1 : len(PROMPT)], want_lps)
+            assert_logprobs_close(lp.token_logprobs[-1:], [want.logprobs[0].logprob])
             assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
         r = client.completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0}
         )
         plp = r.choices[0].model_extra["prompt_logprobs"]
         assert plp[0] is None and len(plp) == len(PROMPT)
-        _close([plp[i][str(PROMPT[i])]["logprob"] for i in range(1, len(PROMPT))], want_lps)
+        assert_logprobs_close([plp[i][str(PROMPT[i])]["logprob"] for i in range(1, len(PROMPT))], want_lps)
         chat = client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "hi"}],
