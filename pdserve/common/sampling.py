@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.errors import InvalidParam
+from pdserve.common.structured import Constraint
+from pdserve.common.structured import check as check_constraint
 
 # Below this a temperature divides logits into float32 overflow (inf, then NaN probabilities); vLLM
 # treats the same range as numerically unsafe. 0 is greedy decoding.
@@ -44,6 +46,9 @@ class SamplingParams:
     # token id -> added to its logit before sampling (penalties first, then the bias, then
     # temperature and filters); logprobs stay the model's own distribution.
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # An output constraint (common/structured.py: {"kind", "spec"}): every sampled token keeps the
+    # output inside its grammar.
+    structured: dict[str, Any] | None = None
     skip_special_tokens: bool = True
     # False: token ids only, no text and no stop strings (a worker behind the router, which
     # detokenizes the stream itself; the prefill job of such a request).
@@ -145,6 +150,8 @@ class SamplingParams:
             "logit_bias",
             f"logit_bias values must be numbers in [{lo:g}, {hi:g}]",
         )
+        if self.structured is not None:
+            check_constraint(Constraint.from_wire(self.structured))
         if vocab_size is not None:
             bad(
                 any(not 0 <= t < vocab_size for t in self.stop_token_ids),

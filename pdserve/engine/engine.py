@@ -20,6 +20,7 @@ from pdserve.common.images import ImageInput
 from pdserve.common.outputs import RequestOutput, TokenLogprob  # noqa: F401 (RequestOutput re-exported)
 from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.config import Config
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.image_inputs import image_embeddings
 from pdserve.engine.kv_connector import (
     AbortJob,
@@ -138,7 +139,12 @@ class LLMEngine:
         if self.images is not None:
             self.scheduler.inputs_ready = self.images.ready
         self.connector = KVConnector()  # a role's hooks: disagg.sender / disagg.receiver
-        self.runner = ModelRunner(self.model, self.kv_cache, cc.block_size)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_cache,
+            cc.block_size,
+            Grammars(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids),
+        )
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, IncrementalDetokenizer | NoText] = {}
         self.num_steps = 0
@@ -393,6 +399,8 @@ class LLMEngine:
             reason = "stop"
         elif detok.add(token) is not None:
             reason = "stop"
+        elif req.grammar is not None and req.grammar.stopped:
+            reason = "stop"  # the grammar is complete: nothing more may follow
         elif p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens:
             reason = "length"
         elif req.num_tokens >= self.max_model_len:

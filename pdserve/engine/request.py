@@ -74,6 +74,8 @@ class Request:
     # Asked for (params.prompt_logprobs) on a fresh request: one entry per prompt token so far, None
     # for the first; filled as the prompt is computed here (never from a cache: see collects_prompt).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A constrained request's matcher (engine/grammar.py GrammarState), built where it first samples.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.sampler import logprob_entries, sample
 from pdserve.model.attention import build_metadata
@@ -14,11 +15,14 @@ from pdserve.model.vlm import image_spans, merge_image_embeds
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, grammars: Grammars | None = None
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.device
+        self.grammars = grammars  # None: constrained requests are refused before they get here
 
     def execute(
         self,
@@ -64,6 +68,11 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 samplers.append(req)
+        constrained = [(i, r) for i, r in enumerate(samplers) if r.params.structured is not None]
+        masks = None
+        if constrained:
+            assert self.grammars is not None
+            masks = self.grammars.start(constrained)  # computed while the forward runs
         meta = build_metadata(seqs, self.block_size, self.model.arch.sliding_window, self.device)
         dev = self.device
         ids_t = torch.tensor(ids, device=dev)
@@ -88,7 +97,19 @@ class ModelRunner:
                 r.prompt_logprobs.append(entry)
         if not samplers:
             return {}, {}
-        tokens, logprobs, failed = sample(logits[: len(logits_rows)].cpu(), samplers)
+        step = masks.result() if masks is not None else None
+        tokens, logprobs, failed = sample(
+            logits[: len(logits_rows)].cpu(),
+            samplers,
+            step.allowed if step else None,
+            step.failed if step else None,
+        )
+        if self.grammars is not None:
+            for i, r in constrained:
+                if i not in failed:
+                    why = self.grammars.accept(r, tokens[i])
+                    if why is not None:
+                        failed[i] = why
         return (
             {
                 r.request_id: (t, lp)

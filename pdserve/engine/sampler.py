@@ -59,14 +59,20 @@ def logprob_entries(logits: torch.Tensor, tokens: list[int], tops: list[int]) ->
     return [_logprob_entry(lps[i], t, k) for i, (t, k) in enumerate(zip(tokens, tops))]
 
 
-def _draw(row: torch.Tensor, req: Request) -> int:
-    """One non-greedy row: penalties, temperature, filters, then the seeded draw."""
+def _draw(row: torch.Tensor, req: Request, allowed: torch.Tensor | None) -> int:
+    """One row off the plain greedy path: penalties, logit bias, the grammar's mask, then greedy or
+    temperature, filters and the seeded draw (the mask before the filters: top-k and top-p choose
+    among the tokens the grammar allows)."""
     p = req.params
     if p.has_penalties:
         row = apply_penalties(row, req)
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+    if allowed is not None:
+        if not bool(allowed.any()):
+            raise ValueError("the grammar allows no token")
+        row = row.masked_fill(~allowed, float("-inf"))
     if p.greedy:
         return int(row.argmax())
     row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
@@ -75,16 +81,25 @@ def _draw(row: torch.Tensor, req: Request) -> int:
 
 
 def sample(
-    logits: torch.Tensor, reqs: list[Request]
+    logits: torch.Tensor,
+    reqs: list[Request],
+    allowed: dict[int, torch.Tensor] | None = None,
+    failed: dict[int, str] | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None], dict[int, str]]:
-    """logits: float32 [n, V], one row per request in `reqs`. The third value: the rows that could
-    not be sampled, with why; their request fails alone, the others of the batch go on."""
+    """logits: float32 [n, V], one row per request in `reqs`; `allowed`: per constrained row, the
+    tokens its grammar allows (bool [V]). The third value: the rows that could not be sampled, with
+    why (`failed` given: rows already failed); their request fails alone, the others go on."""
     tokens: list[int] = [0] * len(reqs)
-    failed: dict[int, str] = {}
+    allowed = allowed or {}
+    failed = dict(failed or {})
     greedy_rows = [
         i
         for i, r in enumerate(reqs)
-        if r.params.greedy and not r.params.has_penalties and not r.params.logit_bias
+        if r.params.greedy
+        and not r.params.has_penalties
+        and not r.params.logit_bias
+        and i not in allowed
+        and i not in failed
     ]
     if greedy_rows:
         picked = argmax_rows(logits if len(greedy_rows) == len(reqs) else logits[greedy_rows])
@@ -92,10 +107,10 @@ def sample(
             tokens[i] = t
     greedy_set = set(greedy_rows)
     for i, req in enumerate(reqs):
-        if i in greedy_set:
+        if i in greedy_set or i in failed:
             continue
         try:
-            tokens[i] = _draw(logits[i].clone(), req)
+            tokens[i] = _draw(logits[i].clone(), req, allowed.get(i))
         except Exception as e:  # noqa: BLE001 - this request's values broke its draw; the batch goes on
             failed[i] = f"{type(e).__name__}: {e}"
     out_logprobs: list[TokenLogprob | None] = [None] * len(reqs)

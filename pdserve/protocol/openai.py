@@ -43,6 +43,26 @@ class _SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     prompt_logprobs: int | None = None  # vLLM's: top-k logprobs of every prompt token
     cache_salt: str | None = None  # requests with different salts never share cached prefixes
+    # Output constraints (common/structured.py reads them; at most one per request).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None  # vLLM's older spellings of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    def guided(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in GUIDED_FIELDS}
+
+
+GUIDED_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+)
 
 
 class CompletionRequest(_SamplingFields):
@@ -69,10 +89,40 @@ class ContentPart(OpenAIModel):
     image_url: ImageURL | str | None = None  # an "image_url" part: a data: URL (or http(s), if allowed)
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCallItem(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: dict[str, str]  # {"name": ...}
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -93,6 +143,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="before")
     @classmethod

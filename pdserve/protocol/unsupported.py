@@ -26,15 +26,6 @@ def _one_of(*noops: Any) -> Callable[[Any], bool]:
 _LATER = "is not supported by this server"
 
 COMMON: dict[str, Rule] = {
-    "response_format": (
-        lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-        f"structured output (response_format other than text) {_LATER}",
-    ),
-    "structured_outputs": (_unset, f"structured outputs {_LATER}"),
-    "guided_json": (_unset, f"guided decoding {_LATER}"),
-    "guided_regex": (_unset, f"guided decoding {_LATER}"),
-    "guided_choice": (_unset, f"guided decoding {_LATER}"),
-    "guided_grammar": (_unset, f"guided decoding {_LATER}"),
     "structural_tag": (_unset, f"structural tags {_LATER}"),
     "allowed_token_ids": (_unset, f"allowed_token_ids {_LATER}"),
     "bad_words": (_unset, f"bad_words {_LATER}"),
@@ -54,8 +45,6 @@ COMMON: dict[str, Rule] = {
 }
 
 CHAT: dict[str, Rule] = {
-    "tools": (_unset, f"tool calls {_LATER}"),
-    "tool_choice": (_one_of("none", "auto"), f"tool calls {_LATER}"),
     "functions": (_unset, f"function calls {_LATER}"),
     "function_call": (_one_of("none", "auto"), f"function calls {_LATER}"),
     "audio": (_unset, f"audio output {_LATER}"),

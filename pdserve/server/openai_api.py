@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.chat_content import chat_inputs, chat_messages
+from pdserve.common import structured
 
 # Torch-free imports only: the router runs these handlers too (tests/test_import_contracts.py).
 from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed
@@ -70,6 +71,8 @@ def sampling_params(
         logit_bias=dict(req.logit_bias or {}),
         prompt_logprobs=req.prompt_logprobs,
     )
+    c = structured.from_request(req.response_format, req.structured_outputs, req.guided())
+    p.structured = c.to_wire() if c is not None else None
     if req.stream and req.prompt_logprobs is not None:
         raise InvalidParam("prompt_logprobs is not supported with stream", "prompt_logprobs")
     return p

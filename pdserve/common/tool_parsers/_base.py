@@ -209,21 +209,32 @@ class Tagged(Format):
     START = ""
     END = ""
 
+    OPENS = ""  # what a call's text starts with after whitespace
     inside = False  # buf starts with START
 
     def body(self, text: str) -> tuple[str, str] | None:
         """(name, arguments) of the text between the tags, or None when it is not a call."""
         raise NotImplementedError
 
+    def hopeless(self, text: str) -> bool:
+        """Whether the text after the start tag so far can be the start of no call (a model that
+        writes the tag in prose): then its text need not wait for an end tag that may never come.
+        Any text that begins so, or is cut shorter by an end tag, fails body() too."""
+        lead = text.lstrip()
+        return not (lead.startswith(self.OPENS) or self.OPENS.startswith(lead))
+
     def step(self, final: bool) -> bool:
         if not self.inside:
             self.inside = self.scan((self.START,), final) is not None
             return self.inside
         end = self.buf.find(self.END, len(self.START))
-        if end < 0 and not final:
-            return False
         stop = len(self.buf) if end < 0 else end
-        call = self.body(self.buf[len(self.START) : stop])
+        if end < 0 and not final:
+            if not self.hopeless(self.buf[len(self.START) :]):
+                return False
+            call = None
+        else:
+            call = self.body(self.buf[len(self.START) : stop])
         self.inside = False
         if call is None:
             self.emit(self.take(len(self.START)))

@@ -13,6 +13,7 @@ from pdserve.common.tool_parsers._base import Tagged, loads
 
 class Hermes(Tagged):
     START, END = "<tool_call>", "</tool_call>"
+    OPENS = "{"
 
     def body(self, text: str) -> tuple[str, str] | None:
         try:

@@ -42,6 +42,7 @@ def _value(text: str) -> Any:
 
 class Qwen3Coder(Tagged):
     START, END = "<tool_call>", "</tool_call>"
+    OPENS = "<function="
 
     def body(self, text: str) -> tuple[str, str] | None:
         function = _FUNCTION.fullmatch(text)
