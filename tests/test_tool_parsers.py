@@ -265,6 +265,12 @@ def test_a_call_inside_an_unclosed_one_is_still_found():
     assert [c.name for c in calls] == ["get_time"]
 
 
+def test_arguments_written_as_a_json_string_are_read():
+    text = _hermes({"name": "get_time", "arguments": json.dumps({"tz": "Europe/Zürich"})})
+    _, calls = assert_streams_add_up("hermes", text)
+    assert calls[0].arguments == '{"tz": "Europe/Zürich"}'
+
+
 def test_unknown_tools_are_content_and_any_name_passes_without_a_tool_list():
     text = SAMPLES["hermes"][0]
     content, calls = assert_streams_add_up("hermes", text, tool_names=["get_time"])
@@ -287,6 +293,13 @@ def test_a_marker_cut_across_deltas_is_held_until_whole():
     p = ToolParser("mistral", TOOLS)
     assert p.feed("ok [TOOL_") == ("ok ", [])
     assert p.finish() == ("[TOOL_", [])
+
+
+@pytest.mark.parametrize("kind, opening", [("hermes", "{"), ("qwen3_coder", "<function=")])
+def test_a_tag_in_prose_does_not_hold_the_stream_until_the_end(kind, opening):
+    p = ToolParser(kind, TOOLS)
+    assert p.feed("Wrap calls in <tool_call>\n" + opening[:-1]) == ("Wrap calls in ", [])  # may be a call yet
+    assert p.feed(" tags, then") == ("<tool_call>\n" + opening[:-1] + " tags, then", [])
 
 
 def test_streams_of_random_pieces_add_up():
