@@ -106,12 +106,10 @@ class Format:
         # whitespace has content None, and the stream must add up to that.
         self._ws = ""
         self._shown = False
+        self._undecoded: tuple[int, int] | None = None  # (at, len(buf)) when decode_at last failed
 
     def step(self, final: bool) -> bool:
         raise NotImplementedError
-
-    def close(self) -> None:
-        """At the end, after the last step: what a format still holds apart from `buf`."""
 
     # -- what subclasses emit
 
@@ -128,7 +126,20 @@ class Format:
 
     def take(self, n: int) -> str:
         text, self.buf = self.buf[:n], self.buf[n:]
+        self._undecoded = None
         return text
+
+    def decode_at(self, at: int) -> tuple[Any, int] | None:
+        """decode_json of `buf` at `at`. A value can only have become whole at a closing bracket, so
+        without one since the last try there it is not tried again: a long call streamed in small
+        deltas is parsed a few times, not once a delta."""
+        if self._undecoded is not None and self._undecoded[0] == at:
+            new = self.buf[self._undecoded[1] :]
+            if "}" not in new and "]" not in new:
+                return None
+        got = decode_json(self.buf, at)
+        self._undecoded = None if got is not None else (at, len(self.buf))
+        return got
 
     def scan(self, markers: tuple[str, ...], final: bool) -> str | None:
         """Emits content up to the first of `markers` and returns that marker, left at the start of
@@ -189,7 +200,6 @@ class Format:
         while self.step(final):
             pass
         if final:
-            self.close()
             if self.buf:  # a format that left text undecided at the end: it is content
                 self.emit(self.take(len(self.buf)))
             if self._ws and not self.calls:
@@ -300,7 +310,7 @@ class JsonSequence(Format):
         if self.buf[at] != "{":
             self.mode = "content"
             return True
-        got = decode_json(self.buf, at)
+        got = self.decode_at(at)
         if got is None:
             if not final:
                 return False

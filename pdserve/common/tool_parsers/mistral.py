@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from pdserve.common.tool_parsers._base import Format, decode_json, skip_ws
+from pdserve.common.tool_parsers._base import Format, skip_ws
 
 TOOL_CALLS = "[TOOL_CALLS]"
 _HEADER = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9_\-]*)?(?:\[ARGS\])?")
@@ -40,7 +40,7 @@ class Mistral(Format):
         if at == len(self.buf):
             return False if final else None
         if self.buf[at] == "[":
-            got = decode_json(self.buf, at)
+            got = self.decode_at(at)
             if got is None:
                 return False if final else None
             calls = [self.from_object(obj) for obj in got[0]]
@@ -59,7 +59,7 @@ class Mistral(Format):
         match = _HEADER.fullmatch(header)
         if match is None:
             return False
-        got = decode_json(self.buf, brace)
+        got = self.decode_at(brace)
         if got is None:
             return False if final else None
         args = self.arguments(match.group(1), got[0])
