@@ -31,11 +31,11 @@ _NEEDS = {
 
 @dataclass
 class ChatInputs:
-    messages: list[dict[str, str]]
+    messages: list[dict]
     images: list[tuple[bytes, bytes]] = field(default_factory=list)  # (digest, file bytes), in order
 
 
-def chat_messages(messages: list[ChatMessage], model: str) -> list[dict[str, str]]:
+def chat_messages(messages: list[ChatMessage], model: str) -> list[dict]:
     """[{"role", "content"}] with each message's text parts joined; raises APIError(400) at the
     first part this text-only model cannot read."""
     return chat_inputs(messages, model).messages
@@ -53,7 +53,7 @@ def chat_inputs(
     out = ChatInputs([])
     for i, m in enumerate(messages):
         if not isinstance(m.content, list):
-            out.messages.append({"role": m.role, "content": m.text()})
+            out.messages.append(_with_tool_fields({"role": m.role, "content": m.text()}, m))
             continue
         texts = []
         for j, part in enumerate(m.content):
@@ -80,8 +80,19 @@ def chat_inputs(
                 else f"unknown content part type {part.type!r}"
             )
             raise APIError(400, f"{where}: {why}; send text parts only", where, "unsupported_content")
-        out.messages.append({"role": m.role, "content": "".join(texts)})
+        out.messages.append(_with_tool_fields({"role": m.role, "content": "".join(texts)}, m))
     return out
+
+
+def _with_tool_fields(msg: dict, m: ChatMessage) -> dict:
+    """An assistant's tool_calls, a tool message's tool_call_id and name, as templates read them."""
+    if m.tool_calls:
+        msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        msg["name"] = m.name
+    return msg
 
 
 def _image(image_url: object, where: str, count: int, limits: VisionConfig) -> tuple[bytes, bytes]:

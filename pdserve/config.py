@@ -77,6 +77,10 @@ class ServerConfig:
     # Chat answers: the text between <think> and </think> comes back as `reasoning_content`
     # (deepseek_r1, qwen3; docs/api.md). None: off, the whole text is `content`.
     reasoning_parser: str | None = None
+    # Chat answers with tools: how the model writes a tool call (hermes, llama3_json, mistral,
+    # qwen3_coder, deepseek_v3, ...; docs/api.md). None: read from the chat template, hermes when the
+    # template renders no tools (the server then describes them in a system message).
+    tool_call_parser: str | None = None
     threads: int | None = None  # torch compute threads; None leaves torch's default
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long running requests may take to finish
     max_body_bytes: int = 4 * 1024 * 1024

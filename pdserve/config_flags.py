@@ -15,6 +15,7 @@ from pdserve.config_rules import (
     DTYPES,
     QUANTIZATIONS,
     REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
     TRANSFER_BACKENDS,
 )
 
@@ -36,6 +37,11 @@ FLAGS: dict[str, Flag] = {
         "server.reasoning_parser",
         "return <think> ... </think> as reasoning_content",
         choices=REASONING_PARSERS,
+    ),
+    "tool_call_parser": Flag(
+        "server.tool_call_parser",
+        "how the model writes tool calls (default: read from the chat template)",
+        choices=TOOL_CALL_PARSERS,
     ),
     "served_model_name": Flag(
         "server.served_model_name",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from pdserve.common.reasoning import PARSERS
+from pdserve.common.tool_parsers import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:  # config imports this module at load; the rules only read a Config's fields
     from pdserve.config import Config
@@ -39,6 +40,9 @@ CONTROLLER_BACKENDS = ("local", "kubernetes")
 # the two lists equal.
 POLICIES = ("round_robin", "least_load", "power_of_two", "cache_aware", "cost")
 REASONING_PARSERS = PARSERS  # common/reasoning.py
+TOOL_CALL_PARSERS = tuple(
+    k for k in TOOL_PARSERS if k != "json"
+)  # common/tool_parsers (json: tool_choice's own)
 _ROLES = ("prefill", "decode")
 
 
@@ -59,6 +63,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "worker.role": WORKER_ROLES,
     "controller.backend": CONTROLLER_BACKENDS,
     "server.reasoning_parser": REASONING_PARSERS,
+    "server.tool_call_parser": TOOL_CALL_PARSERS,
     **_per_role({"deployment.<role>.quantization": QUANTIZATIONS}),
 }
 

@@ -121,6 +121,7 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     )
     handlers.vision, handlers.vision_limits = image_slots(config.model.name), config.vision  # None: text only
     handlers.reasoning = config.server.reasoning_parser
+    handlers.tool_call_parser = config.server.tool_call_parser
 
     async def health_loop() -> None:
         while True:

@@ -40,6 +40,7 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
     async_engine = AsyncEngine(engine, on_output=timer.on_output)
     handlers = OpenAIHandlers(async_engine, engine.tokenizer, model_name, timer, aliases=model_names)
     handlers.reasoning = config.server.reasoning_parser
+    handlers.tool_call_parser = config.server.tool_call_parser
     if engine.images is not None:  # a vision-language model reads image_url parts
         handlers.vision, handlers.vision_limits = engine.images.slots, config.vision
     switch = RoleSwitch(config, async_engine)

@@ -12,10 +12,9 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+# Torch-free imports only: the router runs these handlers too (tests/test_import_contracts.py).
 from pdserve.chat_content import chat_inputs, chat_messages
 from pdserve.common import structured
-
-# Torch-free imports only: the router runs these handlers too (tests/test_import_contracts.py).
 from pdserve.common.errors import EngineDeadError, InvalidParam, RequestFailed
 from pdserve.common.images import ImageInput, ImageSlots, expand_image_tokens
 from pdserve.common.outputs import RequestOutput, TokenLogprob
@@ -25,6 +24,7 @@ from pdserve.common.sampling import SamplingParams, check_cache_salt, check_choi
 from pdserve.common.tokenizer import TokenizerWrapper
 from pdserve.config import VisionConfig
 from pdserve.protocol import ChatCompletionRequest, CompletionRequest, model_card, new_id, now
+from pdserve.server import tool_calls
 from pdserve.server.body_limit import install_body_limit
 from pdserve.server.errors import APIError, error_body, install_error_handlers
 from pdserve.server.metrics import RequestTimer, ServerMetrics
@@ -148,6 +148,7 @@ class OpenAIHandlers:
         self.encoder = encoder or InlineEncoder(tokenizer)
         self.vision: ImageSlots | None = None  # set for a vision-language model: image_url parts are read
         self.reasoning: str | None = None  # server.reasoning_parser: chat answers' reasoning_content
+        self.tool_call_parser: str | None = None  # server.tool_call_parser (None: from the template)
         self.vision_limits = VisionConfig()
 
     def _envelope(self, base_id: str, obj: str, **fields: Any) -> dict[str, Any]:
@@ -378,8 +379,15 @@ class OpenAIHandlers:
                 chat_inputs, req.messages, self.model_name, self.vision.placeholder, self.vision_limits
             )
             messages = inputs.messages
+        template = self.tokenizer.chat_template
         try:
-            prompt = await self.encoder.encode_chat(messages, True, False, req.chat_template_kwargs)
+            tools = tool_calls.plan(req, self.tool_call_parser, template)
+        except InvalidParam as e:
+            raise APIError(400, str(e), e.param, "invalid_value") from e
+        messages = tool_calls.template_messages(messages, tools, template)
+        kwargs = {**(req.chat_template_kwargs or {}), **(tools.template_kwargs() if tools else {})}
+        try:
+            prompt = await self.encoder.encode_chat(messages, True, False, kwargs or None)
             if self.vision is not None and inputs.images:
                 prompt, images = expand_image_tokens(
                     prompt, self.vision.image_token_id, self.vision.tokens_per_image, inputs.images
@@ -394,6 +402,16 @@ class OpenAIHandlers:
             params = sampling_params(req, max_tokens, (top or 0) if req.logprobs else None)
         except InvalidParam as e:
             raise APIError(400, str(e), e.param, "invalid_value") from e
+        if tools is not None and tools.constraint is not None:
+            if params.structured is not None:
+                raise APIError(
+                    400,
+                    "tool_choice required or a named function constrains the output: no response_format "
+                    "or structured_outputs with it",
+                    "tool_choice",
+                    "invalid_value",
+                )
+            params.structured = tools.constraint.to_wire()
         choices = self._choices([prompt], params, req.n, req.cache_salt, http.headers.get(PREFILL_HEADER))
         for c in choices:
             c.images = images
@@ -401,6 +419,7 @@ class OpenAIHandlers:
         tok = self.tokenizer
 
         parsers = {c.index: ReasoningParser(self.reasoning) for c in choices} if self.reasoning else {}
+        readers = {c.index: tools.reader() for c in choices} if tools else {}
 
         def chat_chunk(c: Choice, out: RequestOutput, first: bool) -> dict | None:
             reasoning, text = "", out.new_text
@@ -409,23 +428,28 @@ class OpenAIHandlers:
                 if out.finished:
                     more = parsers[c.index].finish()
                     reasoning, text = reasoning + more[0], text + more[1]
-            if not text and not reasoning and not out.finished and not first:
+            calls: list = []
+            if readers:  # tool calls are read from the answer after its reasoning
+                r = readers[c.index]
+                text, calls = r.feed(text)
+                if out.finished:
+                    more_text, more_calls = r.finish()
+                    text, calls = text + more_text, calls + more_calls
+            if not text and not reasoning and not calls and not out.finished and not first:
                 return None
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if reasoning:
                 delta["reasoning_content"] = reasoning
+            if calls:
+                delta["tool_calls"] = [d.to_openai() for d in calls]
             lp = {"content": _chat_logprobs(out.new_logprobs, tok)} if req.logprobs else None
+            reason = out.finish_reason if out.finished else None
+            if reason == "stop" and readers and readers[c.index].calls and tools and tools.choice != "named":
+                reason = "tool_calls"
             return self._envelope(
                 base_id,
                 "chat.completion.chunk",
-                choices=[
-                    {
-                        "index": c.index,
-                        "delta": delta,
-                        "logprobs": lp,
-                        "finish_reason": out.finish_reason if out.finished else None,
-                    }
-                ],
+                choices=[{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}],
             )
 
         if req.stream:
@@ -444,9 +468,9 @@ class OpenAIHandlers:
                 choices=[
                     {
                         "index": c.index,
-                        "message": _message(c.text, self.reasoning),
+                        "message": _message(c.text, self.reasoning, tools),
                         "logprobs": {"content": _chat_logprobs(c.logprobs, tok)} if req.logprobs else None,
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": _finish_reason(c, tools),
                     }
                     for c in choices
                 ],
@@ -457,11 +481,23 @@ class OpenAIHandlers:
         )
 
 
-def _message(text: str, reasoning: str | None) -> dict[str, Any]:
-    if reasoning is None:
-        return {"role": "assistant", "content": text}
-    thought, answer = split_reasoning(reasoning, text)
-    return {"role": "assistant", "content": answer, "reasoning_content": thought or None}
+def _message(text: str, reasoning: str | None, tools: tool_calls.ToolPlan | None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        thought, msg["content"] = split_reasoning(reasoning, text)
+        msg["reasoning_content"] = thought or None
+    if tools is not None:
+        msg["content"], calls = tool_calls.message(tools, msg["content"])
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _finish_reason(c: Choice, tools: tool_calls.ToolPlan | None) -> str | None:
+    """A natural stop after tool calls is "tool_calls" (a named function's forced call stays "stop")."""
+    if c.finish_reason == "stop" and tools is not None and tools.choice != "named":
+        if tool_calls.message(tools, c.text)[1]:
+            return "tool_calls"
+    return c.finish_reason
 
 
 def _num_prompts(prompt: Any) -> int:
