@@ -16,6 +16,7 @@ into its message in that same form, so a conversation round-trips through any te
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,7 +146,7 @@ def template_messages(messages: list[dict[str, Any]], p: ToolPlan | None, templa
     knows_calls = _template_renders(template, "tool_calls")
     out = []
     for m in messages:
-        m = dict(m)
+        m = copy.deepcopy(m)
         calls = m.get("tool_calls")
         if calls:
             for c in calls:
