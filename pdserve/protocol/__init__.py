@@ -19,6 +19,7 @@ from pdserve.protocol.openai import (  # noqa: F401 (re-exported)
     ImageURL,
     OpenAIModel,
     StreamOptions,
+    Tool,
     Usage,
     model_card,
     new_id,

@@ -14,7 +14,8 @@ from pydantic import Field, ValidationError, model_validator
 
 from pdserve.chat_content import chat_messages
 from pdserve.common.errors import APIError
-from pdserve.protocol import ChatMessage, OpenAIModel, unsupported
+from pdserve.protocol import ChatMessage, OpenAIModel, Tool, unsupported
+from pdserve.server import tool_calls
 
 if TYPE_CHECKING:
     from pdserve.server.openai_api import OpenAIHandlers
@@ -34,11 +35,12 @@ class TokenizeChatRequest(_Tokenize):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)  # shown as a chat request shows them
 
     @model_validator(mode="before")
     @classmethod
     def _implemented(cls, data: Any) -> Any:
-        refused = ("tools", "chat_template", "continue_final_message", "documents")
+        refused = ("chat_template", "continue_final_message", "documents")
         unsupported.refuse_unsupported(data, {k: unsupported.CHAT[k] for k in refused})
         return data
 
@@ -78,13 +80,17 @@ def install_tokenize_api(app: FastAPI, handlers: OpenAIHandlers, max_model_len: 
         req = _parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
         check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
-            messages = chat_messages(req.messages, handlers.model_name)
+            tools = tool_calls.shown(req.tools, tok.chat_template)
+            messages = tool_calls.template_messages(
+                chat_messages(req.messages, handlers.model_name), tools, tok.chat_template
+            )
+            kwargs = {**(req.chat_template_kwargs or {}), **(tools.template_kwargs() if tools else {})}
             try:
                 ids = await handlers.encoder.encode_chat(
                     messages,
                     req.add_generation_prompt,
                     bool(req.add_special_tokens),
-                    req.chat_template_kwargs,
+                    kwargs or None,
                 )
             except ValueError as e:
                 raise APIError(400, str(e), "messages", "invalid_value") from e

@@ -118,6 +118,14 @@ def plan(req: ChatCompletionRequest, configured_parser: str | None, template: st
     return p
 
 
+def shown(tools: list[Any] | None, template: str | None) -> ToolPlan | None:
+    """The tools as a prompt shows them, with no answer to read back (/tokenize)."""
+    if not tools:
+        return None
+    dumped = [t.model_dump(exclude_none=True) for t in tools]
+    return ToolPlan(dumped, "auto", described=not _template_renders(template, "tools"))
+
+
 def describe_tools(tools: list[dict[str, Any]]) -> str:
     """The system text that shows a template without tool support the tools, in hermes' form."""
     lines = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)

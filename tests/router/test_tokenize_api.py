@@ -82,3 +82,23 @@ def test_bad_input_is_a_400_naming_the_field():
     assert [x.status_code for x in r[:6]] == [400] * 6, [x.text for x in r]
     assert params[:6] == ["prompt", "prompt", "tokens", "tokens", "chat_template", "continue_final_message"]
     assert r[6].status_code in (400, 404)
+
+
+def test_tools_are_shown_as_a_chat_request_shows_them():
+    from pdserve.server import tool_calls
+
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    tok = load_tokenizer(MODEL)  # a ChatML template that renders no tools: they are described
+    [r] = _calls(0, [("POST", "/tokenize", {"messages": MESSAGES, "tools": [tool]})])
+    assert r.status_code == 200, r.text
+    want = tok.encode_chat(
+        [
+            {
+                "role": "system",
+                "content": MESSAGES[0]["content"] + "\n\n" + tool_calls.describe_tools([tool]),
+            },
+            MESSAGES[1],
+        ]
+    )
+    assert r.json()["tokens"] == want
+    assert '"name": "weather"' in tok.decode(want)
