@@ -239,7 +239,8 @@ def test_a_realistic_answer_per_format(sample):
     assert [(c.name, json.loads(c.arguments)) for c in calls] == want_calls
     for call, (_, args) in zip(calls, want_calls):
         assert call.arguments == json.dumps(args, ensure_ascii=False)  # non-ASCII written as itself
-        assert re.fullmatch(r"call_[A-Za-z0-9]{24}", call.id)
+        want_id = r"[A-Za-z0-9]{9}" if kind == "mistral" else r"call_[A-Za-z0-9]{24}"
+        assert re.fullmatch(want_id, call.id)
     assert len({c.id for c in calls}) == len(calls)
 
 
@@ -451,3 +452,10 @@ def test_deepseek_tokens_are_spelled_with_their_code_points():
         DS_CALL_END,
         DS_SEP,
     ]
+
+
+def test_mistral_ids_are_the_nine_characters_its_templates_take_back():
+    _, calls = parse("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]')
+    assert len(calls) == 1 and len(calls[0].id) == 9 and calls[0].id.isalnum()
+    _, calls = parse("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
+    assert calls[0].id.startswith("call_")

@@ -34,6 +34,11 @@ def make_call_id() -> str:
     return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
 
 
+def short_call_id() -> str:
+    """Nine letters and digits: the only ids Mistral's chat templates take back in a conversation."""
+    return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+
+
 @dataclass
 class ToolCall:
     """One complete call, as the non-streamed message lists it."""
@@ -110,6 +115,10 @@ class Format:
 
     def step(self, final: bool) -> bool:
         raise NotImplementedError
+
+    @staticmethod
+    def new_id() -> str:
+        return make_call_id()
 
     # -- what subclasses emit
 
@@ -188,7 +197,7 @@ class Format:
         return None if args is None else (obj["name"], args)
 
     def add_call(self, name: str, arguments: str) -> None:
-        call = ToolCall(id=make_call_id(), name=name, arguments=arguments)
+        call = ToolCall(id=self.new_id(), name=name, arguments=arguments)
         self.out_deltas.append(
             ToolCallDelta(index=len(self.calls), id=call.id, name=name, arguments=arguments)
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from pdserve.common.tool_parsers._base import Format, skip_ws
+from pdserve.common.tool_parsers._base import Format, short_call_id, skip_ws
 
 TOOL_CALLS = "[TOOL_CALLS]"
 _HEADER = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9_\-]*)?(?:\[ARGS\])?")
@@ -20,6 +20,7 @@ _HEADER_CHARS = re.compile(r"[A-Za-z0-9_.\-\[\]]*")
 
 class Mistral(Format):
     inside = False  # buf starts with [TOOL_CALLS]
+    new_id = staticmethod(short_call_id)  # its templates refuse any other id when a call comes back
 
     def step(self, final: bool) -> bool:
         if not self.inside:
