@@ -20,7 +20,9 @@ class ModelConfig:
     dtype: str = "float32"  # float32 (CPU default) or bfloat16
     # Weight-only quantization of the linear layers: none, int8 (per output channel) or int4
     # (groups of 32 with scale and offset; the default model's Q4_1 tensors load as they are).
-    quantization: str = "none"
+    # auto: as the weights are stored (a GGUF file's Q4_0/Q4_1 int4, Q8_0 int8; float files, Hugging
+    # Face directories and the tiny random models none), resolved when the model is read.
+    quantization: str = "auto"
     # auto: native kernels (C, built with the system compiler on first use; torch's path where none builds)
     attention_kernel: str = "auto"  # decode attention reading the paged KV in place (float32, CPU); or torch
     gemm_kernel: str = "auto"  # quantized products, float32 activations not rounded (CPU); or torch

@@ -49,7 +49,9 @@ FLAGS: dict[str, Flag] = {
     ),
     "dtype": Flag("model.dtype", choices=tuple(DTYPES)),
     "quantization": Flag(
-        "model.quantization", "weight-only quantization of the linear layers", choices=tuple(QUANTIZATIONS)
+        "model.quantization",
+        "weight-only quantization of the linear layers (auto: as a GGUF file stores them, else none)",
+        choices=tuple(QUANTIZATIONS),
     ),
     "attention_kernel": Flag(
         "model.attention_kernel",

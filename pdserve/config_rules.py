@@ -30,7 +30,8 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8", "int4")
+# auto: as the weights are stored (model/stored_quant.py), resolved when the model is read.
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 ATTENTION_KERNELS = ("auto", "torch")
 TRANSFER_BACKENDS = ("auto", "shm", "tcp", "mooncake", "nixl")
 MODES = ("pd", "mixed")

@@ -21,7 +21,7 @@ PD_ROLES = ("prefill", "decode")
 class RolePlan:
     role: str  # prefill | decode | mixed
     instances: int
-    config: Config  # what each worker of this role runs with (config.for_role)
+    config: Config  # what each worker of this role runs with (config.for_role, quantization resolved)
 
     @property
     def expert_parallel(self) -> int:
@@ -119,6 +119,7 @@ def _check_model(config: Config, arch: Any, roles: list[RolePlan]) -> None:
 def make_plan(config: Config) -> Plan:
     """The plan of `config` (loaded, hence checked), its model read; ConfigError if they do not fit."""
     from pdserve.model.describe import describe_model  # torch-free; lazily, as the router imports launch
+    from pdserve.model.stored_quant import with_resolved_quantization  # torch-free too
 
     try:
         arch = describe_model(config.model.name)
@@ -127,9 +128,12 @@ def make_plan(config: Config) -> Plan:
     warnings: list[str] = []
     if config.deployment.mode == "pd":
         n_prefill, n_decode, warnings = pd_counts(config)
-        roles = [RolePlan(r, n, for_role(config, r)) for r, n in zip(PD_ROLES, (n_prefill, n_decode))]
+        roles = [
+            RolePlan(r, n, with_resolved_quantization(for_role(config, r)))
+            for r, n in zip(PD_ROLES, (n_prefill, n_decode))
+        ]
     else:
-        roles = [RolePlan("mixed", 1, config)]
+        roles = [RolePlan("mixed", 1, with_resolved_quantization(config))]
         d = config.deployment
         if d.pd_ratio or any(v is not None for r in PD_ROLES for v in vars(getattr(d, r)).values()):
             warnings.append(
@@ -142,6 +146,13 @@ def make_plan(config: Config) -> Plan:
 
 def _kv(c: Config) -> str:
     return f"{c.cache.device_blocks} blocks" if c.cache.device_blocks else f"{c.cache.device_memory_gb:g} GB"
+
+
+def _quantization(config: Config, rp: RolePlan) -> str:
+    """The role's quantization as resolved, and `(auto)` where the config left it to the stored weights."""
+    q = str(getattr(rp.config.model, "quantization", "none"))
+    given = (for_role(config, rp.role) if rp.role in PD_ROLES else config).model.quantization
+    return f"{q} (auto)" if given == "auto" else q
 
 
 def format_plan(plan: Plan) -> str:
@@ -182,7 +193,7 @@ def format_plan(plan: Plan) -> str:
                 str(rc.scheduler.max_num_seqs),
                 str(rc.scheduler.max_num_batched_tokens),
                 _kv(rc),
-                str(getattr(rc.model, "quantization", "none")),
+                _quantization(c, rp),
                 ",".join(map(str, cores)) if cores else "any",
             ]
         )

@@ -49,6 +49,7 @@ from pdserve.engine.kv_connector import (
     LoadRetry,
 )
 from pdserve.engine.request import TokenLogprob
+from pdserve.model.stored_quant import resolve_quantization
 from pdserve.protocol import (
     PD_ACCEPTED,
     PD_INCOMPATIBLE,
@@ -112,7 +113,7 @@ class DecodeConnector(KVConnector):
         self.compat = compat_info(
             self.model,
             config.model.dtype,
-            getattr(config.model, "quantization", "none"),
+            resolve_quantization(getattr(config.model, "quantization", "none"), config.model.name),
             self.block_size,
             self.kv_shape,
             self.elem_size,

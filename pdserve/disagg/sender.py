@@ -59,6 +59,7 @@ from pdserve.disagg.trust import (
     warn_if_open,
 )
 from pdserve.engine.kv_connector import AbortJob, AddJob, ConnectorEvent, KVConnector
+from pdserve.model.stored_quant import resolve_quantization
 from pdserve.protocol import PD_CANCEL, PD_CHUNK_LAYER, PD_PREFILL, PD_REQUEST_FAILED, PrefillJob, unpack
 from pdserve.protocol.pd import Accepted, Cancel, CancelAck, Done, Failed, LayerWritten, PDMessage, Started
 from pdserve.utils.net import with_host
@@ -90,7 +91,7 @@ class PrefillConnector(KVConnector):
         self.compat = compat_info(
             self.model,
             config.model.dtype,
-            getattr(config.model, "quantization", "none"),
+            resolve_quantization(getattr(config.model, "quantization", "none"), config.model.name),
             self.block_size,
             list(kv_cache.shape),
             kv_cache.element_size(),

@@ -38,6 +38,7 @@ from pdserve.engine.tier_fetch import TierFetcher
 from pdserve.engine.tier_identity import tier_key, tier_namespace
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
 from pdserve.utils.runtime import trim_heap, tune_malloc
+from pdserve.model.stored_quant import with_resolved_quantization
 
 if TYPE_CHECKING:
     from pdserve.cache.kv_events import KVEventPublisher
@@ -55,6 +56,11 @@ class LLMEngine:
     ) -> None:
         """`kv_events` publishes the blocks this engine holds, per tier (the router's KV index)."""
         self.config = config
+        # `auto` becomes what the weights are stored as, before anything reads it (the load, the KV tiers'
+        # namespace, the log line, engine.config): a worker given `auto` and one given the value it
+        # resolves to serve and name their KV alike.
+        asked = config.model.quantization
+        config = with_resolved_quantization(config, loaded.name if loaded is not None else None)
         mc, cc = config.model, config.cache
         tune_malloc()
         if config.server.threads:
@@ -73,11 +79,12 @@ class LLMEngine:
         del loaded
         trim_heap()
         log.info(
-            "model %s: %s weights, quantization %s, %.1f MB of weights",
+            "model %s: %s weights, quantization %s%s, %.1f MB of weights",
             mc.name,
             mc.dtype,
             mc.quantization,
             self.weight_bytes / 1e6,
+            " (auto: as stored)" if asked == "auto" else "",
         )
         dtype = torch_dtype(mc.dtype)
         num_blocks = cc.device_blocks or num_blocks_for_budget(

@@ -47,6 +47,7 @@ class LLM:
         dotted = {keyword_key(k): v for k, v in overrides.items()}
         self.config = config or load_config(None, dotted)
         self.engine = LLMEngine(self.config, loaded)
+        self.config = self.engine.config  # model.quantization resolved (auto: as the weights are stored)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pdserve.config import Config
+from pdserve.model.stored_quant import resolve_quantization
 
 # Elements read from each tensor: any two different checkpoints (a fine-tune changes every matrix)
 # differ there, and the digest costs milliseconds for any model size.
@@ -50,7 +51,8 @@ def tier_namespace(config: Config, max_model_len: int, weights: dict[str, Any]) 
     """`<readable name>-<digest>`: the name for people, the digest for correctness."""
     mc = config.model
     base = re.sub(r"[^A-Za-z0-9._-]", "_", Path(mc.name).name) or "model"
-    key = f"{weights_digest(weights)}|{mc.dtype}|{max_model_len}|{mc.quantization}"
+    quant = resolve_quantization(mc.quantization, mc.name)  # `auto` and what it resolves to name the same KV
+    key = f"{weights_digest(weights)}|{mc.dtype}|{max_model_len}|{quant}"
     return f"{base}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 

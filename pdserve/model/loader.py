@@ -37,6 +37,7 @@ from pdserve.model.llama import LlamaModel
 from pdserve.model.moe import canonical_moe_weights
 from pdserve.model.moe_model import tiny_moe_weights
 from pdserve.model.quant import MODES, from_gguf_blocks
+from pdserve.model.stored_quant import resolve_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -223,7 +224,9 @@ def tiny_random_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
 
 
 def load_model_files(name: str, seed: int = 0, quantization: str = "none") -> LoadedModel:
-    """`name` as the user wrote it: a Hugging Face repository id resolves offline (common/model_names.py)."""
+    """`name` as the user wrote it: a Hugging Face repository id resolves offline (common/model_names.py).
+    `quantization` auto: as the file stores the weights (stored_quant.py)."""
+    quantization = resolve_quantization(quantization, name)
     written, name = name, resolve_model(name)
     if name == DEFAULT_MODEL:
         loaded = load_gguf(default_gguf_path(), quantization)
@@ -268,7 +271,7 @@ def build_model(
                 f"model.expert_parallel needs a MoE model; {loaded.name} ({loaded.arch.architecture}) "
                 "is dense"
             )
-        quant = model_config.quantization if model_config is not None else "none"
+        quant = resolve_quantization(model_config.quantization, loaded.name) if model_config else "none"
         if quant not in MODES:
             raise ValueError(f"model.quantization: {quant!r} is not one of {', '.join(MODES)}")
         mc = model_config or ModelConfig()
@@ -282,7 +285,7 @@ def build_model(
             mc.attention_kernel,
             mc.gemm_kernel,
         )
-    if model_config is not None and model_config.quantization != "none":
+    if model_config is not None and model_config.quantization not in ("none", "auto"):  # auto: none for MoE
         raise ValueError(
             f"model.quantization {model_config.quantization!r} applies to dense models; "
             f"{loaded.name} is MoE (its experts stay float)"

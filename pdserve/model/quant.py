@@ -28,7 +28,8 @@ from pdserve.config_rules import QUANTIZATIONS
 from pdserve.model.kernels import qgemm
 
 GROUP = 32
-MODES = QUANTIZATIONS  # the config's allowed values (config_rules.py)
+# The config's concrete values (config_rules.py); `auto` is resolved to one of them before a model sees it.
+MODES = tuple(m for m in QUANTIZATIONS if m != "auto")
 # Above this many rows a product dequantizes and runs float32 (see the module docstring): the
 # int4 kernel's time grows linearly with the rows, and dequantizing once for the float32 GEMM overtakes
 # it near 100 rows (docs/benchmarks.md).

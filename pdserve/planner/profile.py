@@ -77,7 +77,8 @@ def _engine(config: Config, role: str, grid: ProfileGrid):
             "scheduler.max_num_batched_tokens": max(max(grid.prefill_chunks), max_batch),
         },
     )
-    return cfg, LLMEngine(cfg)
+    engine = LLMEngine(cfg)
+    return engine.config, engine  # model.quantization resolved (auto: as the weights are stored)
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
