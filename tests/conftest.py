@@ -20,10 +20,11 @@ def smollm_files():
 
 @pytest.fixture(scope="session")
 def smollm_llm(smollm_files):
-    """The offline engine on the real default model (float32)."""
+    """The offline engine on the real default model in float32 (quantization none, not the default auto,
+    which serves the file's Q4_1 as int4): the engine HF's float32 reference is compared with."""
     from pdserve import LLM
 
-    return LLM(model="smollm2-135m", loaded=smollm_files)
+    return LLM(model="smollm2-135m", loaded=smollm_files, quantization="none")
 
 
 @pytest.fixture(scope="session")

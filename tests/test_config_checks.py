@@ -50,6 +50,17 @@ def test_cli_exits_2_naming_each_bad_key(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+def test_a_bad_quantization_exits_2_naming_model_quantization(tmp_path):
+    f = tmp_path / "q.yaml"
+    f.write_text("model:\n  quantization: q4_1\n")
+    r = pdserve("serve", "--config", str(f), "--dry-run")
+    assert r.returncode == 2, r.stdout + r.stderr
+    line = next(ln for ln in r.stderr.splitlines() if "model.quantization" in ln)
+    assert "'q4_1'" in line and "auto" in line and "int4" in line
+    r = pdserve("serve", "--quantization", "q4_1", "--dry-run")  # argparse's choices, from config_rules
+    assert r.returncode == 2 and "'q4_1'" in r.stderr and "auto" in r.stderr
+
+
 def test_cli_exits_2_on_a_bad_worker_flag_and_names_it():
     # The real worker command: it must stop at the config, before loading any model.
     r = pdserve("worker", "--role", "decode", "--threads", "0", "--max-num-seqs", "-1")

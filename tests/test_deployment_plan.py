@@ -67,6 +67,8 @@ def test_dry_run_of_the_defaults():
     #                role   instances EP processes threads max_num_seqs batched KV
     assert _row(out, "prefill")[:8] == ["prefill", "1", "1", "1", "1", "64", "512", "1"]
     assert _row(out, "decode")[:8] == ["decode", "1", "1", "1", "1", "64", "512", "1"]
+    # quantization auto, shown as it resolves for the packaged Q4_1 file
+    assert _row(out, "prefill")[9:11] == _row(out, "decode")[9:11] == ["int4", "(auto)"]
     assert "warning" not in out
 
 
@@ -98,8 +100,16 @@ def test_a_moe_model_with_fewer_experts_than_ranks_is_refused():
     with pytest.raises(ConfigError, match="model.name"):
         make_plan(load_config(None, {"model.name": "no-such-model"}))
     # Per-role quantization (seed 004: prefill in float32, decode in int4); MoE experts stay float.
-    plan = make_plan(load_config(None, {"deployment.decode.quantization": "int4"}))
+    plan = make_plan(
+        load_config(None, {"model.quantization": "none", "deployment.decode.quantization": "int4"})
+    )
     assert [rp.config.model.quantization for rp in plan.roles] == ["none", "int4"]
+    # The default, auto, is planned as it resolves: the packaged file stores Q4_1, a tiny model is float.
+    assert [rp.config.model.quantization for rp in make_plan(load_config()).roles] == ["int4", "int4"]
+    tiny = make_plan(
+        load_config(None, {"model.name": "tiny-llama", "deployment.decode.quantization": "int8"})
+    )
+    assert [rp.config.model.quantization for rp in tiny.roles] == ["none", "int8"]
     with pytest.raises(ConfigError) as e:
         make_plan(load_config(None, {"model.name": "tiny-mixtral", "deployment.decode.quantization": "int8"}))
     assert [k for k, _ in e.value.problems] == ["deployment.decode.quantization"]

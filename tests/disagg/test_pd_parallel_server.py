@@ -60,6 +60,8 @@ def test_long_prompts_pipelined_over_two_prefill_workers_equal_the_offline_engin
         "2",
         "--decode",
         "1",
+        "--quantization",  # float32 like smollm_llm, the offline engine it is compared with
+        "none",
         "--config",
         str(config),
         "--no-prefix-cache",

@@ -54,6 +54,8 @@ def _deployment(tmp_path, backend: str) -> ServerProcess:
         "--local-prefill-max-tokens",
         "32",
         "--no-prefix-cache",
+        "--quantization",  # float32 like smollm_llm, the offline engine it is compared with
+        "none",
     ]
     return ServerProcess(cmd, port, tmp_path / f"pd-{backend}.log")
 

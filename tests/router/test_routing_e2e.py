@@ -119,6 +119,8 @@ def test_killed_decode_worker_mid_stream_is_migrated(tmp_path, smollm_llm):
         str(port),
         "--max-model-len",
         "1024",
+        "--quantization",  # float32 like smollm_llm, the offline engine it is compared with
+        "none",
     ]
     with ServerProcess(cmd, port, tmp_path / "pd.log") as srv:
         srv.wait_ready(timeout=300)

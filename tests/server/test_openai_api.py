@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve import SamplingParams
+from pdserve import LLM, SamplingParams
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 
 MODEL = "smollm2-135m"
@@ -59,9 +59,18 @@ def test_models_and_health(client, server):
     assert _health(server)["status"] == "ok"
 
 
-def test_chat_matches_offline_engine(client, smollm_llm):
+def test_log_names_the_resolved_quantization(server):
+    # The default, auto, is logged as what it resolved to: the packaged file stores Q4_1.
+    assert "quantization int4" in server.log_path.read_text(errors="replace")
+
+
+def test_chat_matches_offline_engine(client, smollm_files):
+    # Both as installed: quantization auto, the file's Q4_1 served as int4 (the offline engine packs the
+    # same values from its float copy).
+    llm = LLM(model=MODEL, loaded=smollm_files)
+    assert llm.config.model.quantization == "int4"
     resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24)
-    offline = smollm_llm.chat([MESSAGES], SamplingParams(temperature=0, max_tokens=24))[0]
+    offline = llm.chat([MESSAGES], SamplingParams(temperature=0, max_tokens=24))[0]
     assert resp.choices[0].message.content == offline.text
     assert "Paris" in offline.text
     assert resp.choices[0].finish_reason == offline.finish_reason
