@@ -133,8 +133,8 @@ def system_name(system: str, precision: str) -> str:
 def run_pdserve(mode: str, sessions, levels, args, out_dir: Path, precision: str = "f32") -> list[dict]:
     port = free_port()
     cmd = pdserve_cmd() + ["serve", "--mode", mode, "--model", args.model, "--port", str(port)]
-    if precision != "f32":
-        cmd += ["--quantization", PRECISIONS[precision][0]]
+    # f32 too: the default (auto) would serve a Q4 file as int4.
+    cmd += ["--quantization", PRECISIONS[precision][0]]
     # PD splits the cores between its workers (deployment.<role>.threads, 1 each by default);
     # giving each worker --threads would oversubscribe them.
     if mode == "mixed" and serve_has_flag("--threads"):

@@ -107,7 +107,7 @@ def main() -> int:
             {
                 "benchmark": "decode_roofline",
                 "threads": args.threads,
-                "quantization": args.quantization,
+                "quantization": llm.config.model.quantization,  # auto: as resolved
                 "cpu": describe(),
                 "weight_bytes": weight_bytes,
                 **mid,

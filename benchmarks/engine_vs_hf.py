@@ -165,7 +165,7 @@ def main() -> int:
                 "requests": len(requests),
                 "threads": args.threads,
                 "cpu": describe(),
-                "pdserve_quantization": args.quantization,
+                "pdserve_quantization": llm.config.model.quantization,  # auto: as resolved
                 "hf_dtype": "float32",
                 "prompt_tokens": sum(len(ids) for ids, _ in requests),
                 "output_tokens": ours_tokens,
