@@ -64,6 +64,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # per-step token budget; prompts longer than it are chunked
     enable_chunked_prefill: bool = True  # chunk prompts longer than the step budget
     watermark_blocks: int = 1  # free blocks kept back at admission so decodes rarely preempt
+    # Speculative decoding (engine/spec_decode.py): "ngram" drafts up to num_speculative_tokens from
+    # the request's own earlier text (the last prompt_lookup_max..min tokens looked up), verified in
+    # the same step; greedy output is unchanged, sampled output keeps its distribution. "none": off.
+    speculative_method: str = "none"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,12 @@ FLAGS: dict[str, Flag] = {
     ),
     "max_num_seqs": Flag("scheduler.max_num_seqs", "cap on running requests (the decode batch cap)", int),
     "max_num_batched_tokens": Flag("scheduler.max_num_batched_tokens", "per-step token budget", int),
+    "speculative_method": Flag(
+        "scheduler.speculative_method",
+        "speculative decoding: ngram drafts from the request's own text (prompt lookup), or none",
+        choices=("none", "ngram"),
+    ),
+    "num_speculative_tokens": Flag("scheduler.num_speculative_tokens", "draft tokens per step", int),
     "enable_chunked_prefill": Flag("scheduler.enable_chunked_prefill", cli=False),
     "threads": Flag("server.threads", "torch compute threads", int),
     "seed": Flag("model.seed", "seed of tiny random model weights", int),

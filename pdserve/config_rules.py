@@ -65,6 +65,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "controller.backend": CONTROLLER_BACKENDS,
     "server.reasoning_parser": REASONING_PARSERS,
     "server.tool_call_parser": TOOL_CALL_PARSERS,
+    "scheduler.speculative_method": ("none", "ngram"),
     **_per_role({"deployment.<role>.quantization": QUANTIZATIONS}),
 }
 
@@ -97,6 +98,9 @@ BOUNDS: dict[str, Bound] = {
     "cache.load_timeout_s": _POSITIVE,
     "scheduler.max_num_seqs": _ONE,
     "scheduler.max_num_batched_tokens": _ONE,
+    "scheduler.num_speculative_tokens": Bound(1, 16),
+    "scheduler.prompt_lookup_min": Bound(1, 16),
+    "scheduler.prompt_lookup_max": Bound(1, 16),
     "server.port": _PORT,
     "server.threads": _ONE,
     "server.max_body_bytes": _ONE,
@@ -362,6 +366,15 @@ def check(cfg: Config) -> None:
                 "controller.low",
                 f"{c.low:g} is not below controller.high ({c.high:g}); allowed: low < high "
                 "(the gap between them is the hysteresis)",
+            )
+        )
+    sc = cfg.scheduler
+    if sc.prompt_lookup_min > sc.prompt_lookup_max:
+        found.append(
+            (
+                "scheduler.prompt_lookup_min",
+                f"{sc.prompt_lookup_min} is above scheduler.prompt_lookup_max ({sc.prompt_lookup_max}); "
+                "allowed: at most scheduler.prompt_lookup_max",
             )
         )
     if found:

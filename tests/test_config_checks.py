@@ -104,6 +104,13 @@ def test_cli_exits_2_on_a_bad_worker_flag_and_names_it():
         ({"load_balancer.strategy": "fastest"}, "load_balancer.strategy", "least_load"),  # the name written
         ({"deployment.load_balancer.strategy": "fastest"}, "deployment.load_balancer.strategy", "least_load"),
         ({"load_balancer.prefill": "fastest"}, "load_balancer.prefill", "least_load"),
+        ({"scheduler.speculative_method": "eagle"}, "scheduler.speculative_method", "ngram"),
+        ({"scheduler.num_speculative_tokens": 0}, "scheduler.num_speculative_tokens", "from 1 to 16"),
+        (
+            {"scheduler.prompt_lookup_min": 5, "scheduler.prompt_lookup_max": 3},
+            "scheduler.prompt_lookup_min",
+            "at most scheduler.prompt_lookup_max",
+        ),
     ],
 )
 def test_types_ranges_and_formats(overrides, key, needle):

@@ -34,11 +34,12 @@ from pdserve.engine.kv_connector import (
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, blocks_needed
+from pdserve.engine.spec_decode import eligible, propose
 from pdserve.engine.tier_fetch import TierFetcher
 from pdserve.engine.tier_identity import tier_key, tier_namespace
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
-from pdserve.utils.runtime import trim_heap, tune_malloc
 from pdserve.model.stored_quant import with_resolved_quantization
+from pdserve.utils.runtime import trim_heap, tune_malloc
 
 if TYPE_CHECKING:
     from pdserve.cache.kv_events import KVEventPublisher
@@ -155,6 +156,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, IncrementalDetokenizer | NoText] = {}
         self.num_steps = 0
+        sc = config.scheduler
+        self.spec_tokens = sc.num_speculative_tokens if sc.speculative_method == "ngram" else 0
+        self.spec_draft_tokens_total = 0
+        self.spec_accepted_tokens_total = 0
         self.step_counts = {"decode": 0, "prefill": 0}
         self.step_seconds = {"decode": 0.0, "prefill": 0.0}
         self.prefill_tokens_total = 0  # prompt tokens run through the model (prefix hits excluded)
@@ -318,8 +323,12 @@ class LLMEngine:
         if tiers is not None:
             for req, n in tiers.poll():
                 self.scheduler.finish_fetch(req, n)
+        if self.spec_tokens:
+            self._propose_drafts()
         step = self.scheduler.schedule()
         self.preemptions_total += len(step.preempted)
+        for req in step.preempted:
+            req.draft_tokens = []
         for req in step.to_load:
             if req.prefill_peers:
                 req.prefill_attempts.append(req.prefill_peers[0])  # the peer start_load asks
@@ -340,6 +349,10 @@ class LLMEngine:
         )
         c.end_step(planned)
         self.num_steps += 1
+        if self.spec_tokens:
+            step.scheduled = [
+                self._verified(req, n, sampled.get(req.request_id)) for req, n in step.scheduled
+            ]
         prefilled, recomputed = self.scheduler.update(step)
         self.prefill_tokens_total += prefilled
         self.recomputed_tokens_total += recomputed
@@ -350,7 +363,7 @@ class LLMEngine:
                 out = self._fail(req, f"sampling failed: {failed[rid]}")
             elif rid in sampled:
                 try:
-                    out = self._on_token(req, *sampled[rid])
+                    out = self._on_tokens(req, sampled[rid])
                 except Exception as e:  # noqa: BLE001 - one request's bad token or text fails it alone
                     log.exception("request %s failed", rid)
                     out = self._fail(req, f"{type(e).__name__}: {e}")
@@ -379,6 +392,48 @@ class LLMEngine:
                 if req.kv_sink is None:
                     outs.append(out)
         return outs
+
+    def _propose_drafts(self) -> None:
+        """n-gram drafts for the running requests about to decode (engine/spec_decode.py)."""
+        sc = self.config.scheduler
+        for req in self.scheduler.running:
+            req.draft_tokens = []
+            if req.num_tokens - req.num_computed_tokens != 1 or req.kv_sink is not None or not eligible(req):
+                continue
+            room = self.max_model_len - req.num_tokens - 1
+            if req.params.max_tokens is not None:
+                room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
+            req.draft_tokens = propose(
+                req.all_token_ids, min(self.spec_tokens, room), sc.prompt_lookup_min, sc.prompt_lookup_max
+            )
+
+    def _verified(
+        self, req: Request, n: int, tokens: list[tuple[int, TokenLogprob | None]] | None
+    ) -> tuple[Request, int]:
+        """A scheduled entry with its drafts settled: the positions whose KV now holds accepted
+        tokens (the last token and the accepted drafts); the rejected drafts' KV is written over later."""
+        k = len(req.draft_tokens)
+        if not k:
+            return req, n
+        req.draft_tokens = []
+        accepted = max(0, len(tokens) - 1) if tokens else 0
+        self.spec_draft_tokens_total += k
+        self.spec_accepted_tokens_total += accepted
+        return req, n - k + accepted
+
+    def _on_tokens(self, req: Request, tokens: list[tuple[int, TokenLogprob | None]]) -> RequestOutput:
+        """One step's tokens for a request (several when drafts were accepted), as one output."""
+        out = self._on_token(req, *tokens[0])
+        for token, logprob in tokens[1:]:
+            if out.finished:
+                break
+            more = self._next_output(req, token, logprob)
+            out.new_token_ids += more.new_token_ids
+            out.new_text += more.new_text
+            out.new_logprobs += more.new_logprobs
+            out.finished, out.finish_reason, out.error = more.finished, more.finish_reason, more.error
+            out.num_output_tokens = more.num_output_tokens
+        return out
 
     def _on_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         first = req.first_token_time is None
@@ -489,6 +544,8 @@ class LLMEngine:
             "decode_step_seconds_total": self.step_seconds["decode"],
             "prefill_steps_total": self.step_counts["prefill"],
             "prefill_step_seconds_total": self.step_seconds["prefill"],
+            "spec_draft_tokens_total": self.spec_draft_tokens_total,
+            "spec_accepted_tokens_total": self.spec_accepted_tokens_total,
             **self.connector.stats(),
             **(self.swap.stats() if self.swap else {}),
             **(self.images.stats() if self.images else {}),

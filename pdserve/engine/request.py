@@ -74,6 +74,9 @@ class Request:
     # Asked for (params.prompt_logprobs) on a fresh request: one entry per prompt token so far, None
     # for the first; filled as the prompt is computed here (never from a cache: see collects_prompt).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Speculative decoding: draft tokens proposed for this step, computed after the last token and
+    # verified by the step's logits (engine/spec_decode.py); never part of all_token_ids.
+    draft_tokens: list[int] = field(default_factory=list)
     # A constrained request's matcher (engine/grammar.py GrammarState), built where it first samples.
     grammar: Any = None
 

@@ -9,6 +9,7 @@ import torch
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.request import Request, TokenLogprob
 from pdserve.engine.sampler import logprob_entries, sample
+from pdserve.engine.spec_decode import verify
 from pdserve.model.attention import build_metadata
 from pdserve.model.llama import LlamaModel
 from pdserve.model.vlm import image_spans, merge_image_embeds
@@ -28,28 +29,47 @@ class ModelRunner:
         self,
         scheduled: list[tuple[Request, int]],
         layer_done: Callable[[int], None] | None = None,
-    ) -> tuple[dict[str, tuple[int, TokenLogprob | None]], dict[str, str]]:
-        """Compute the scheduled tokens; returns a sampled token for each request whose chunk
-        reaches the end of its known tokens, and the requests whose sampling failed (with why)."""
+    ) -> tuple[dict[str, list[tuple[int, TokenLogprob | None]]], dict[str, str]]:
+        """Compute the scheduled tokens; returns the tokens sampled for each request whose chunk
+        reaches the end of its known tokens (one, or with drafts the accepted ones and one more),
+        and the requests whose sampling failed (with why)."""
+
+        # A decode with k drafts runs as k + 1 single-token rows, one per position, each attending
+        # up to its own position: decode rows the fused decode path takes (every row's key and value
+        # is written before any row attends).
+        units: list[tuple[Request, int, int, int]] = []  # (request, first position, tokens, draft index)
+        for req, n in scheduled:
+            start, k = req.num_computed_tokens, len(req.draft_tokens)
+            if k and n == k + 1 and start == req.num_tokens - 1:
+                units += [(req, start + i, 1, i) for i in range(k + 1)]
+            else:
+                units.append((req, start, n, -1))
 
         # Decodes first, shortest context first: the attention batches them in groups of
         # similar length (see model/attention.py).
-        def order(rn: tuple[Request, int]) -> tuple[bool, int]:
-            is_decode = rn[1] == 1 and rn[0].num_computed_tokens > 0
-            return (not is_decode, rn[0].num_computed_tokens if is_decode else 0)
+        def order(u: tuple[Request, int, int, int]) -> tuple[bool, int]:
+            is_decode = u[2] == 1 and u[1] > 0
+            return (not is_decode, u[1] if is_decode else 0)
 
-        ordered = sorted(scheduled, key=order)
         ids: list[int] = []
         positions: list[int] = []
         seqs = []
         logits_rows: list[int] = []
         samplers: list[Request] = []
+        # Decodes with drafts: request id -> its k + 1 rows, in position order.
+        spec: dict[str, list[int]] = {}
         # Prompt logprobs: (request, next prompt token) per extra logits row, after the sampling rows.
         prompt_rows: list[int] = []
         prompt_next: list[tuple[Request, int]] = []
         spans: list = []  # image rows of this step (VLM prompts)
-        for req, n in ordered:
-            start = req.num_computed_tokens
+        for req, start, n, draft_i in sorted(units, key=order):
+            if draft_i >= 0:
+                ids.append((req.all_token_ids + req.draft_tokens)[start])
+                positions.append(start)
+                seqs.append((req.block_ids, start, 1))
+                rows = spec.setdefault(req.request_id, [0] * (len(req.draft_tokens) + 1))
+                rows[draft_i] = len(ids) - 1
+                continue
             if req.images:
                 spans += image_spans(req.images, start, n, len(ids))
             ids.extend(req.all_token_ids[start : start + n])
@@ -68,6 +88,8 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 samplers.append(req)
+        spec_reqs = {r.request_id: r for r, _, _, i in units if i >= 0}
+        spec_rows = [row for rid in spec for row in spec[rid]]
         constrained = [(i, r) for i, r in enumerate(samplers) if r.params.structured is not None]
         masks = None
         if constrained:
@@ -82,21 +104,34 @@ class ModelRunner:
             torch.tensor(positions, device=dev),
             meta,
             self.kv_cache,
-            torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev),
+            torch.tensor(logits_rows + spec_rows + prompt_rows, dtype=torch.long, device=dev),
             layer_done,
             **extra,
         )
         if prompt_rows:
             entries = logprob_entries(
-                logits[len(logits_rows) :].cpu(),
+                logits[len(logits_rows) + len(spec_rows) :].cpu(),
                 [t for _, t in prompt_next],
                 [r.params.prompt_logprobs or 0 for r, _ in prompt_next],
             )
             for (r, _), entry in zip(prompt_next, entries):
                 assert r.prompt_logprobs is not None
                 r.prompt_logprobs.append(entry)
+        drafted: dict[str, list[tuple[int, TokenLogprob | None]]] = {}
+        spec_failed: dict[str, str] = {}
+        if spec:
+            rows = logits[len(logits_rows) : len(logits_rows) + len(spec_rows)].cpu()
+            first = 0
+            for rid, own in spec.items():
+                req = spec_reqs[rid]
+                try:
+                    toks, lps = verify(rows[first : first + len(own)], req, req.draft_tokens)
+                    drafted[rid] = list(zip(toks, lps))
+                except Exception as e:  # noqa: BLE001 - this request's values broke its draws; the batch goes on
+                    spec_failed[rid] = f"{type(e).__name__}: {e}"
+                first += len(own)
         if not samplers:
-            return {}, {}
+            return drafted, spec_failed
         step = masks.result() if masks is not None else None
         tokens, logprobs, failed = sample(
             logits[: len(logits_rows)].cpu(),
@@ -112,9 +147,12 @@ class ModelRunner:
                         failed[i] = why
         return (
             {
-                r.request_id: (t, lp)
-                for i, (r, t, lp) in enumerate(zip(samplers, tokens, logprobs))
-                if i not in failed
+                **drafted,
+                **{
+                    r.request_id: [(t, lp)]
+                    for i, (r, t, lp) in enumerate(zip(samplers, tokens, logprobs))
+                    if i not in failed
+                },
             },
-            {samplers[i].request_id: why for i, why in failed.items()},
+            {**spec_failed, **{samplers[i].request_id: why for i, why in failed.items()}},
         )

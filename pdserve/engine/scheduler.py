@@ -201,6 +201,9 @@ class Scheduler:
             num_new = self._chunk(req, budget, not step.scheduled)
             if num_new <= 0:
                 continue
+            if req.draft_tokens:  # a decode with drafts to verify: as many as the budget allows
+                req.draft_tokens = req.draft_tokens[: max(0, budget - num_new)]
+                num_new += len(req.draft_tokens)
             while not self._grow(req, num_new):
                 # req itself is running and not yet scheduled: there is always a victim
                 victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)

@@ -55,6 +55,9 @@ _declare("counter", "prefix_cache_queried_tokens", help_text="Prompt tokens look
 _declare("counter", "prefix_cache_hit_tokens", help_text="Prompt tokens found in the prefix cache")
 _gauges("weight_bytes", "loading")
 _counters("preemptions_total", "recomputed_tokens_total")
+# Speculative decoding: the acceptance rate is accepted / draft.
+_declare("counter", "spec_draft_tokens_total", help_text="Draft tokens proposed and verified")
+_declare("counter", "spec_accepted_tokens_total", help_text="Draft tokens accepted")
 # A step with any prompt tokens counts as a prefill step; the seconds are engine.step()'s, end to end.
 _counters(
     "decode_steps_total", "decode_step_seconds_total", "prefill_steps_total", "prefill_step_seconds_total"

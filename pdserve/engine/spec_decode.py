@@ -1,0 +1,90 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts, verified in the same batched step.
+
+Proposal: the last n tokens of a request (n from prompt_lookup_max down to prompt_lookup_min) are
+looked up earlier in its own prompt and output; the tokens that followed the latest earlier match
+are the draft. Text that quotes, rewrites or edits its input repeats such runs; free text rarely
+does, and then no draft is proposed and the step is a plain decode.
+
+Verification: the request's last token and its k draft tokens run through the model as one chunk
+(k + 1 logits rows). Greedy: drafts are accepted while each equals the argmax at its position; the
+argmax after the last accepted one is the bonus token. So the output is token-identical to plain
+greedy decoding. Sampled: a draft is a fixed proposal (probability 1 for its token), so the
+rejection-sampling rule accepts draft token x with probability p(x) under the processed target
+distribution p at its position, and after a rejection draws from p with x removed: every emitted
+token is distributed exactly as the target's. Each position's draws use the generator of its output
+index (`Request.draw_generator`), as non-speculative sampling does.
+
+Requests whose sampling depends on the tokens before each position in ways the batch row cannot
+see (penalties) or that are constrained by a grammar propose no draft.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pdserve.engine.request import Request, TokenLogprob, draw_seed
+from pdserve.engine.sampler import _logprob_entry, filter_logits
+
+
+def propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens."""
+    if k <= 0 or len(tokens) <= n_min:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    last = len(arr)
+    for n in range(min(n_max, last - 1), n_min - 1, -1):
+        tail = arr[last - n :]
+        # Windows of n tokens that end before the tail starts and have a continuation.
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: last - 1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        hits = hits[hits + n < last]
+        if hits.size:
+            start = int(hits[-1]) + n
+            return [int(t) for t in arr[start : min(start + k, last)]]
+    return []
+
+
+def eligible(req: Request) -> bool:
+    p = req.params
+    return not p.has_penalties and p.structured is None and not p.logit_bias
+
+
+def _probs(row: torch.Tensor, req: Request) -> torch.Tensor:
+    p = req.params
+    return filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
+
+
+def verify(rows: torch.Tensor, req: Request, draft: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """rows: float32 [k + 1, V], the logits after the request's last token and after each draft token.
+    The tokens to emit (the accepted drafts, then one more) and their logprobs when asked."""
+    p = req.params
+    out: list[int] = []
+    base = len(req.output_token_ids)
+    if p.greedy:
+        best = rows.argmax(-1).tolist()
+        for i, d in enumerate(draft):
+            out.append(best[i])
+            if best[i] != d:
+                break
+        else:
+            out.append(best[len(draft)])
+    else:
+        for i in range(len(draft) + 1):
+            gen = torch.Generator().manual_seed(draw_seed(req.sample_seed or 0, base + i))
+            probs = _probs(rows[i], req)
+            if i == len(draft):
+                out.append(int(torch.multinomial(probs, 1, generator=gen)))
+                break
+            d = draft[i]
+            if float(torch.rand(1, generator=gen)) < float(probs[d]):
+                out.append(d)
+                continue
+            rest = probs.clone()
+            rest[d] = 0.0
+            out.append(int(torch.multinomial(rest, 1, generator=gen)))
+            break
+    lps: list[TokenLogprob | None] = [None] * len(out)
+    if p.logprobs is not None:
+        lps = [_logprob_entry(rows[i].log_softmax(-1), t, p.logprobs) for i, t in enumerate(out)]
+    return out, lps

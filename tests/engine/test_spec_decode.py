@@ -1,0 +1,142 @@
+"""Speculative decoding with n-gram drafts (engine/spec_decode.py):
+- the proposal: the tokens after the latest earlier match of the last n tokens;
+- greedy output is token-identical with and without drafts (accepted and rejected ones, batches,
+  a prefix-cache hit after it, a PD decode worker), the KV pool returns to its start, and the
+  acceptance counters count;
+- sampled output: the first emitted token is distributed as the target's (rejection sampling), and
+  so is the bonus token after an accepted draft."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pd_harness import mixed_outputs, pd_pair, prompts
+
+from pdserve import SamplingParams
+from pdserve.config import load_config
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import Request
+from pdserve.engine.spec_decode import propose, verify
+
+
+def test_propose_takes_what_followed_the_latest_match():
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, 2, 4) == [7, 5, 1]
+    assert propose([1, 2, 3, 4], 3, 2, 4) == []  # no earlier occurrence
+    assert propose([4, 5, 6, 4, 5], 5, 2, 4) == [6, 4, 5]  # up to the end of the sequence
+    assert propose([1, 2, 3, 1, 2], 0, 2, 4) == []
+    # Longer matches first: the last 3 tokens (8, 1, 2) occur once, followed by 9.
+    assert propose([8, 1, 2, 9, 0, 1, 2, 5, 8, 1, 2], 1, 2, 3) == [9]
+
+
+def _engine(model: str, spec: str, **more) -> LLMEngine:
+    return LLMEngine(
+        load_config(
+            None,
+            {
+                "model.name": model,
+                "cache.device_blocks": 256,
+                "cache.block_size": 4,
+                "scheduler.speculative_method": spec,
+                **more,
+            },
+        )
+    )
+
+
+def _generate(engine: LLMEngine, batch: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}-{engine.num_steps}", p, params)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id.split("-")[0], []).extend(o.new_token_ids)
+    assert engine.pool.num_free == engine.pool.num_blocks
+    engine.pool.check_integrity()
+    return out
+
+
+REPEATS = [[5, 6, 7, 8] * 6, [(7 * i + 3) % 250 + 1 for i in range(30)], [9, 10, 11] * 5 + [9, 10]]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_greedy_is_token_identical(model):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _generate(_engine(model, "none"), REPEATS, params)
+    spec = _engine(model, "ngram")
+    assert _generate(spec, REPEATS, params) == want
+    assert _generate(spec, REPEATS[:1], params) == {"r0": want["r0"]}  # prefix-cache hit, alone
+    s = spec.stats()
+    assert s["spec_draft_tokens_total"] > 0
+    if model == "tiny-llama":  # it repeats its last token: drafts of that token are accepted
+        assert s["spec_accepted_tokens_total"] > 0
+
+
+def test_greedy_is_token_identical_on_a_real_model_that_quotes_its_prompt():
+    text = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat."
+    off = _engine("smollm2-135m", "none", **{"cache.device_blocks": 128, "cache.block_size": 16})
+    chat = off.tokenizer.encode_chat([{"role": "user", "content": f"Repeat this text exactly:\n{text}"}])
+    batch = [chat, off.tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = _generate(off, batch, params)
+    on = _engine("smollm2-135m", "ngram", **{"cache.device_blocks": 128, "cache.block_size": 16})
+    assert _generate(on, batch, params) == want
+    s = on.stats()
+    assert 0 < s["spec_accepted_tokens_total"] <= s["spec_draft_tokens_total"]
+
+
+def test_pd_decode_worker_drafts_and_matches_mixed():
+    batch = prompts(3) + REPEATS
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = mixed_outputs(batch, params)
+    with pd_pair(decode_overrides={"scheduler.speculative_method": "ngram"}) as (prefill, decode):
+        decode.run(batch, params)
+        assert {r: decode.outputs[r] for r in want} == want
+        decode.wait_idle()
+        prefill.wait_idle()
+        assert decode.engine.stats()["spec_draft_tokens_total"] > 0
+
+
+def _req(seed: int, temperature: float = 1.0) -> Request:
+    return Request("x", [1, 2, 3], SamplingParams(temperature=temperature, seed=seed))
+
+
+def _within(counts: dict[int, int], probs: torch.Tensor, n: int) -> None:
+    """Empirical frequencies within 5 standard deviations of the target's (float64 arithmetic)."""
+    for tok in range(probs.numel()):
+        p = float(probs[tok])
+        sigma = math.sqrt(max(p * (1 - p), 1e-12) / n)
+        assert abs(counts.get(tok, 0) / n - p) <= 5 * sigma + 1e-9, (tok, counts.get(tok, 0) / n, p)
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 6, generator=gen, dtype=torch.float64).float() * 1.5
+    p0 = rows[0].double().softmax(-1)
+    p1 = rows[1].double().softmax(-1)
+    draft = int(p0.argsort()[2])  # neither the likeliest nor the rarest token
+    n = 6000
+    first: dict[int, int] = {}
+    bonus: dict[int, int] = {}
+    accepted = 0
+    for seed in range(n):
+        toks, _ = verify(rows, _req(seed), [draft])
+        first[toks[0]] = first.get(toks[0], 0) + 1
+        if toks[0] == draft:
+            assert len(toks) == 2
+            accepted += 1
+            bonus[toks[1]] = bonus.get(toks[1], 0) + 1
+        else:
+            assert len(toks) == 1
+    _within(first, p0, n)
+    _within(bonus, p1, accepted)
+
+
+def test_greedy_verification_accepts_the_matching_prefix():
+    rows = torch.full((4, 5), -1.0)
+    for i, best in enumerate([2, 3, 1, 4]):
+        rows[i, best] = 1.0
+    assert verify(rows, _req(0, 0.0), [2, 3, 0])[0] == [2, 3, 1]  # third draft rejected: argmax 1
+    assert verify(rows, _req(0, 0.0), [2, 3, 1])[0] == [2, 3, 1, 4]  # all accepted, plus the bonus
+    assert verify(rows, _req(0, 0.0), [0, 3, 1])[0] == [2]
