@@ -1,4 +1,5 @@
-"""Each prompt's greedy output is the same alone, in a batch, chunked, and under preemption."""
+"""Each prompt's greedy output is the same alone, in a batch, chunked, and under preemption (float32:
+quantization none throughout, as smollm_llm, which computes the outputs alone)."""
 
 from __future__ import annotations
 
@@ -52,13 +53,13 @@ def test_batch_of_16(smollm_llm, prompts, alone):
 
 @pytest.mark.slow
 def test_chunked_prefill_16(smollm_files, prompts, alone):
-    llm = LLM(model="smollm2-135m", loaded=smollm_files, max_num_batched_tokens=16)
+    llm = LLM(model="smollm2-135m", loaded=smollm_files, max_num_batched_tokens=16, quantization="none")
     _check(llm, prompts[:8], alone)
 
 
 @pytest.mark.slow
 def test_preemption_with_tiny_block_budget(smollm_files, prompts, alone):
     # 10 blocks of 16 tokens: three ~40-token prompts are admitted, then outgrow the pool while decoding.
-    llm = LLM(model="smollm2-135m", loaded=smollm_files, device_blocks=10)
+    llm = LLM(model="smollm2-135m", loaded=smollm_files, device_blocks=10, quantization="none")
     _check(llm, prompts[:8], alone)
     assert llm.engine.preemptions_total > 0
