@@ -28,7 +28,14 @@ LOGPROB_TOL = 1e-3  # the restored run computes the tail in another chunk shape:
 
 
 def _engine(files, **cache) -> LLMEngine:
-    overrides = {"cache.device_blocks": 12, **{f"cache.{k}": v for k, v in cache.items()}}
+    # float32, as the session's float copy of the weights (smollm_files) and worker B below: the tiers'
+    # namespace digests the weights as loaded, and auto would pack this copy to int4 where B loads the
+    # file's blocks.
+    overrides = {
+        "cache.device_blocks": 12,
+        "model.quantization": "none",
+        **{f"cache.{k}": v for k, v in cache.items()},
+    }
     return LLMEngine(load_config(None, overrides), loaded=files)
 
 
@@ -187,6 +194,8 @@ def test_second_worker_process_reuses_a_prefix_from_redis(smollm_files, redis_se
         "12",
         "--kv-remote",
         redis_server.url,
+        "--quantization",
+        "none",
     ]
     with ServerProcess(cmd, port, tmp_path / "worker-b.log") as b:  # starts while A computes
         a = _engine(smollm_files, remote=redis_server.url)
