@@ -59,6 +59,7 @@ def test_every_pd_message_round_trips_through_msgpack_as_its_type():
         LayerWritten("r", "t", 3),
         LayerFrames("r", "t", 2, [[4, 2]]),
         Done("r", "t", 7, [7, -0.1, 1, []], 64, 0.5),
+        Done("r", "t", 7, None, 64, 0.5, [None, [3, -0.2, 1, [[3, -0.2]]]]),
         Failed("r", "t", "too long", PD_TOO_LONG),
         CancelAck("r", "t"),
     ):

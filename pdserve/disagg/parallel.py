@@ -89,7 +89,8 @@ class ParallelLoads:
         bs = c.block_size
         start = req.num_cached_blocks * bs
         parts = pipeline_parts(req.num_tokens - start, len(req.prefill_peers), self.min_tokens)
-        if parts < 2 or not c.shm_path or req.images or req.output_token_ids:
+        # Prompt logprobs come whole from one peer: such a request is not split.
+        if parts < 2 or not c.shm_path or req.images or req.output_token_ids or req.collects_prompt:
             return False
         cuts = split_points(start, req.num_tokens, parts, bs, self.weight)
         if len(cuts) < 3:

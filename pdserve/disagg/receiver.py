@@ -402,7 +402,13 @@ class DecodeConnector(KVConnector):
                     pend.transfer.on(_EVENT_FOR[t], now)
                     if isinstance(msg, LayerFrames):
                         self.counters["kv_recv_tcp_bytes_total"] += msg.received_bytes
-                elif isinstance(msg, Done) and (bad := done_problem(msg, engine.arch.vocab_size)):
+                elif isinstance(msg, Done) and (
+                    bad := done_problem(
+                        msg,
+                        engine.arch.vocab_size,
+                        pend.req.prompt_token_ids if pend.req.collects_prompt else None,
+                    )
+                ):
                     # Its KV is as suspect as its token: the request ends, its blocks go back.
                     events.append(self._fail_request(pend, f"prefill worker {pend.peer} sent {bad}", now))
                 elif isinstance(msg, Done):
@@ -414,7 +420,16 @@ class DecodeConnector(KVConnector):
                     # Job lifetime (queue + compute + writes); the prefill side reports link GB/s.
                     self.counters["kv_transfer_seconds_total"] += now - pend.transfer.started_at
                     tracing.end(pend.span)
-                    events.append(LoadDone(pend.req, msg.token, _logprob_or_none(msg.logprob)))
+                    events.append(
+                        LoadDone(
+                            pend.req,
+                            msg.token,
+                            _logprob_or_none(msg.logprob),
+                            None
+                            if not pend.req.collects_prompt
+                            else [None, *(TokenLogprob.from_wire(e) for e in msg.prompt_logprobs[1:])],
+                        )
+                    )
                 elif isinstance(msg, Failed) and msg.code in _FATAL:
                     events.append(
                         self._fail_request(

@@ -438,6 +438,9 @@ class PrefillConnector(KVConnector):
                 Done,
                 token=out.new_token_ids[0],
                 logprob=None if lp is None else lp.to_wire(),
+                prompt_logprobs=None
+                if req.prompt_logprobs is None
+                else [None if e is None else e.to_wire() for e in req.prompt_logprobs],
                 bytes=sink.bytes_sent,
                 seconds=now - sink.transfer.started_at,
             )

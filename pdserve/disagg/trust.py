@@ -63,20 +63,34 @@ def kv_frame_limit(pool_slots: int, slot_bytes: int, block_size: int, max_model_
     return max(slots * slot_bytes, CONTROL_BYTES)
 
 
-def done_problem(msg: Done, vocab_size: int) -> str | None:
-    """What makes a peer's PD_DONE unusable (its token would index the embedding table), or None."""
+def done_problem(msg: Done, vocab_size: int, prompt: list[int] | None = None) -> str | None:
+    """What makes a peer's PD_DONE unusable (its token would index the embedding table), or None.
+    `prompt`: the request's prompt when it asked for prompt logprobs (one entry per token, each of
+    the token it follows; the first None)."""
     token = msg.token
     if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
         return f"a first token {token!r} outside the vocabulary (0..{vocab_size - 1})"
-    entry = msg.logprob
-    if entry is not None:
-        try:
-            lp = TokenLogprob.from_wire(entry)
-        except (TypeError, ValueError):
-            return "a malformed logprob entry"
-        if lp.token_id != token or any(not 0 <= t < vocab_size for t, _ in lp.top):
-            return "a logprob entry of other tokens or of tokens outside the vocabulary"
+    if msg.logprob is not None and _entry_problem(msg.logprob, token, vocab_size):
+        return "a malformed logprob entry, or one of other tokens or tokens outside the vocabulary"
+    if prompt is not None:
+        entries = msg.prompt_logprobs
+        if (
+            not isinstance(entries, list)
+            or len(entries) != len(prompt)
+            or (entries and entries[0] is not None)
+        ):
+            return "prompt logprobs that are not one entry per prompt token"
+        if any(_entry_problem(e, t, vocab_size) for e, t in zip(entries[1:], prompt[1:])):
+            return "a malformed prompt logprob entry"
     return None
+
+
+def _entry_problem(entry: Any, token: int, vocab_size: int) -> bool:
+    try:
+        lp = TokenLogprob.from_wire(entry)
+    except (TypeError, ValueError):
+        return True
+    return lp.token_id != token or any(not 0 <= t < vocab_size for t, _ in lp.top)
 
 
 log = logging.getLogger(__name__)

@@ -294,6 +294,8 @@ class LLMEngine:
         outputs = []
         for ev in events:
             if isinstance(ev, LoadDone):
+                if ev.prompt_logprobs is not None:
+                    ev.req.prompt_logprobs = ev.prompt_logprobs
                 outputs.append(self.complete_load(ev.req, ev.token, ev.logprob))
             elif isinstance(ev, LoadFailed):
                 outputs.append(self.fail_load(ev.req, ev.held, ev.error))

@@ -24,6 +24,7 @@ class LoadDone:
     req: Request
     token: int
     logprob: TokenLogprob | None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # computed by the prefill worker
 
 
 @dataclass

@@ -252,8 +252,9 @@ class Scheduler:
         uncached = req.num_tokens - req.num_computed_tokens - fetch * self.block_size
         # A request with outputs (migrated here, or preempted) goes too: the prefill worker
         # computes them with the prompt and samples the next output in sequence.
-        remote = not req.collects_prompt  # prompt logprobs come from this engine's own logits
-        if remote and wants_remote_prefill(uncached, self.local_prefill_max_tokens, bool(req.prefill_peers)):
+        # Prompt logprobs: the prefill worker computes them with the prompt (it takes no cache hit
+        # for such a request either) and sends them with the first token.
+        if wants_remote_prefill(uncached, self.local_prefill_max_tokens, bool(req.prefill_peers)):
             return 0 if self._admit_loading(req, hit, step) else None
         if req.images and self.inputs_ready is not None and not self.inputs_ready(req):
             req.num_computed_tokens = 0  # its images are being encoded

@@ -139,6 +139,8 @@ class Done(PDMessage):
     logprob: list[Any] | None = None  # TokenLogprob.to_wire()
     bytes: int = 0
     seconds: float = 0.0
+    # Asked for (prompt_logprobs, echo with logprobs): one entry per prompt token, None for the first.
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass

@@ -2,8 +2,8 @@
 prompt_logprobs): one entry per prompt token, None for the first, each the model's own logprob of
 that token given the ones before it. They equal a whole-sequence forward's on every path that
 computes a prompt: chunked prefill, a prompt whose prefix is cached (a request that collects them
-never takes a cache hit), and a PD decode worker (which computes such a prompt itself rather than
-asking a prefill worker); the KV pools return to their start."""
+never takes a cache hit), and a PD prefill worker (which computes them with the prompt and sends
+them beside the first token); the KV pools return to their start."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def test_chunked_and_cached_prompts_give_the_whole_forwards_logprobs():
     assert llm.engine.pool.num_free == free
 
 
-def test_a_pd_decode_worker_computes_them_itself():
-    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0)
+def test_a_pd_prefill_worker_computes_them_with_the_prompt():
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)
     llm = LLM(model=MODEL)
     want = llm.generate([PROMPT], params)[0]
     with pd_pair() as (prefill, decode):
@@ -54,16 +54,17 @@ def test_a_pd_decode_worker_computes_them_itself():
             orig(out)
 
         decode._record = record
-        decode.run([PROMPT, PROMPT[:20]], params)
-        assert decode.outputs["r0"] == want.token_ids
-        assert [e.token_id for e in got["r0"][1:]] == PROMPT[1:] and len(got["r1"]) == 20
-        assert_logprobs_close(
-            [e.logprob for e in got["r0"][1:]], [e.logprob for e in want.prompt_logprobs[1:]]
-        )
-        assert decode.engine.stats()["kv_transfers_completed_total"] == 0  # no prefill job was sent
-        decode.finished.clear()
-        other = [t % 250 + 3 for t in PROMPT]  # uncached: it goes to the prefill worker as ever
-        decode.run([other], SamplingParams(temperature=0, max_tokens=4))
-        assert decode.engine.stats()["kv_transfers_completed_total"] == 1
+        # Twice the same prompt: the second asks again, so neither worker takes a cache hit for it.
+        decode.run([PROMPT, PROMPT], params)
+        for rid in ("r0", "r1"):
+            assert decode.outputs[rid] == want.token_ids
+            assert got[rid][0] is None and [e.token_id for e in got[rid][1:]] == PROMPT[1:]
+            assert [e.top[0][0] for e in got[rid][1:]] == [e.top[0][0] for e in want.prompt_logprobs[1:]]
+            assert_logprobs_close(
+                [e.logprob for e in got[rid][1:]], [e.logprob for e in want.prompt_logprobs[1:]]
+            )
+        s = decode.engine.stats()
+        assert s["kv_transfers_completed_total"] == 2 and s["kv_local_prefill_fallbacks_total"] == 0
+        assert s["prefill_tokens_computed"] == 0  # the decode worker computed no prompt itself
         decode.wait_idle()
         prefill.wait_idle()
