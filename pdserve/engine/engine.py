@@ -56,12 +56,12 @@ class LLMEngine:
         kv_events: KVEventPublisher | None = None,
     ) -> None:
         """`kv_events` publishes the blocks this engine holds, per tier (the router's KV index)."""
-        self.config = config
         # `auto` becomes what the weights are stored as, before anything reads it (the load, the KV tiers'
         # namespace, the log line, engine.config): a worker given `auto` and one given the value it
         # resolves to serve and name their KV alike.
         asked = config.model.quantization
         config = with_resolved_quantization(config, loaded.name if loaded is not None else None)
+        self.config = config
         mc, cc = config.model, config.cache
         tune_malloc()
         if config.server.threads:
@@ -84,8 +84,8 @@ class LLMEngine:
             mc.name,
             mc.dtype,
             mc.quantization,
-            self.weight_bytes / 1e6,
             " (auto: as stored)" if asked == "auto" else "",
+            self.weight_bytes / 1e6,
         )
         dtype = torch_dtype(mc.dtype)
         num_blocks = cc.device_blocks or num_blocks_for_budget(
