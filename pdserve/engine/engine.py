@@ -408,6 +408,8 @@ class LLMEngine:
             req.draft_tokens = propose(
                 req.all_token_ids, min(self.spec_tokens, room), sc.prompt_lookup_min, sc.prompt_lookup_max
             )
+            if req.draft_tokens and req.params.structured is not None:
+                req.draft_tokens = self.runner.grammars.valid_drafts(req) if self.runner.grammars else []
 
     def _verified(
         self, req: Request, n: int, tokens: list[tuple[int, TokenLogprob | None]] | None

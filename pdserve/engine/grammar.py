@@ -45,10 +45,12 @@ class GrammarState:
 
 @dataclass
 class StepMasks:
-    """Allowed tokens per constrained row of one step; `failed`: rows whose grammar broke, with why."""
+    """Allowed tokens per constrained row (and per position of a drafted request) of one step;
+    `failed`: rows and requests whose grammar broke, with why."""
 
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> bool [vocab]
-    failed: dict[int, str] = field(default_factory=dict)
+    drafted: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> bool [k + 1, vocab]
+    failed: dict[int | str, str] = field(default_factory=dict)  # rows, and request ids of drafted ones
 
 
 class Grammars:
@@ -99,42 +101,60 @@ class Grammars:
             st.error = st.matcher.get_error()[:300]
         return st
 
-    def _compute(self, reqs: list[tuple[int, Request]]) -> StepMasks:
+    def _compute(self, reqs: list[tuple[int, Request]], spec: list[Request]) -> StepMasks:
         out = StepMasks()
-        ready: list[tuple[int, GrammarState]] = []
-        for row, req in reqs:
+        # (key, state, drafts): a sampling row's mask, or a drafted request's k + 1 masks (the one
+        # after its last token, then after each draft token; the matcher is rolled back after).
+        ready: list[tuple[int | str, GrammarState, list[int]]] = []
+        keyed: list[tuple[int | str, Request]] = [*reqs, *((r.request_id, r) for r in spec)]
+        for key, req in keyed:
             try:
                 st = self.state(req)
             except Exception as e:  # noqa: BLE001 - this request's grammar failed; the batch goes on
-                out.failed[row] = f"{type(e).__name__}: {e}"
+                out.failed[key] = f"{type(e).__name__}: {e}"
                 continue
             if st.error is not None:
-                out.failed[row] = st.error
+                out.failed[key] = st.error
             else:
-                ready.append((row, st))
+                ready.append((key, st, req.draft_tokens if isinstance(key, str) else []))
         if not ready:
             return out
         words = (self.vocab_size + 31) // 32
-        bits = np.zeros((len(ready), words), dtype=np.int32)
+        firsts = np.cumsum([0] + [len(d) + 1 for _, _, d in ready]).tolist()
+        bits = np.zeros((firsts[-1], words), dtype=np.int32)
         assert self._executor is not None
-        self._executor.unsafe_compute_mask_ptr(
-            [(st.matcher, k) for k, (_, st) in enumerate(ready)], bits.ctypes.data, words * 4, len(ready)
-        )
+        plain = [(st.matcher, firsts[i]) for i, (_, st, d) in enumerate(ready) if not d]
+        drafts = [(st.matcher, firsts[i], d) for i, (_, st, d) in enumerate(ready) if d]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, bits.ctypes.data, words * 4, firsts[-1])
+        if drafts:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                drafts, bits.ctypes.data, words * 4, firsts[-1]
+            )
         flags = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
         allowed = torch.from_numpy(flags.astype(np.bool_))
-        for k, (row, st) in enumerate(ready):
+        for i, (key, st, d) in enumerate(ready):
             if st.matcher.is_error():
-                out.failed[row] = st.matcher.get_error()[:300]
+                out.failed[key] = st.matcher.get_error()[:300]
+            elif isinstance(key, str):
+                out.drafted[key] = allowed[firsts[i] : firsts[i] + len(d) + 1]
             else:
-                out.allowed[row] = allowed[k]
+                out.allowed[key] = allowed[firsts[i]]
         return out
 
-    def start(self, reqs: list[tuple[int, Request]]) -> Future[StepMasks]:
-        """Computes the masks of (sampling row, request) pairs on a thread; the caller runs the
-        forward meanwhile and takes the result before sampling."""
+    def valid_drafts(self, req: Request) -> list[int]:
+        """The longest prefix of the request's drafts its grammar allows (none if it is broken)."""
+        st = self.state(req)
+        if st.error is not None:
+            return []
+        return req.draft_tokens[: st.matcher.validate_tokens(req.draft_tokens)]
+
+    def start(self, reqs: list[tuple[int, Request]], spec: list[Request] | None = None) -> Future[StepMasks]:
+        """Computes the masks of (sampling row, request) pairs, and of requests with drafts, on a
+        thread; the caller runs the forward meanwhile and takes the result before sampling."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        return self._pool.submit(self._compute, reqs)
+        return self._pool.submit(self._compute, reqs, spec or [])
 
     def accept(self, req: Request, token: int) -> str | None:
         """Feeds a sampled token; returns why it broke the grammar (None: it did not)."""

@@ -91,10 +91,11 @@ class ModelRunner:
         spec_reqs = {r.request_id: r for r, _, _, i in units if i >= 0}
         spec_rows = [row for rid in spec for row in spec[rid]]
         constrained = [(i, r) for i, r in enumerate(samplers) if r.params.structured is not None]
+        spec_constrained = [r for r in spec_reqs.values() if r.params.structured is not None]
         masks = None
-        if constrained:
+        if constrained or spec_constrained:
             assert self.grammars is not None
-            masks = self.grammars.start(constrained)  # computed while the forward runs
+            masks = self.grammars.start(constrained, spec_constrained)  # computed while the forward runs
         meta = build_metadata(seqs, self.block_size, self.model.arch.sliding_window, self.device)
         dev = self.device
         ids_t = torch.tensor(ids, device=dev)
@@ -117,6 +118,7 @@ class ModelRunner:
             for (r, _), entry in zip(prompt_next, entries):
                 assert r.prompt_logprobs is not None
                 r.prompt_logprobs.append(entry)
+        step = masks.result() if masks is not None else None
         drafted: dict[str, list[tuple[int, TokenLogprob | None]]] = {}
         spec_failed: dict[str, str] = {}
         if spec:
@@ -125,19 +127,26 @@ class ModelRunner:
             for rid, own in spec.items():
                 req = spec_reqs[rid]
                 try:
-                    toks, lps = verify(rows[first : first + len(own)], req, req.draft_tokens)
+                    if step is not None and rid in step.failed:
+                        raise ValueError(step.failed[rid])
+                    allowed = step.drafted.get(rid) if step is not None else None
+                    toks, lps = verify(rows[first : first + len(own)], req, req.draft_tokens, allowed)
+                    if req.params.structured is not None:
+                        assert self.grammars is not None
+                        for t in toks:
+                            if (why := self.grammars.accept(req, t)) is not None:
+                                raise ValueError(why)
                     drafted[rid] = list(zip(toks, lps))
                 except Exception as e:  # noqa: BLE001 - this request's values broke its draws; the batch goes on
                     spec_failed[rid] = f"{type(e).__name__}: {e}"
                 first += len(own)
         if not samplers:
             return drafted, spec_failed
-        step = masks.result() if masks is not None else None
         tokens, logprobs, failed = sample(
             logits[: len(logits_rows)].cpu(),
             samplers,
             step.allowed if step else None,
-            step.failed if step else None,
+            {k: v for k, v in step.failed.items() if isinstance(k, int)} if step else None,
         )
         if self.grammars is not None:
             for i, r in constrained:

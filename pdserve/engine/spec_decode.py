@@ -14,8 +14,9 @@ distribution p at its position, and after a rejection draws from p with x remove
 token is distributed exactly as the target's. Each position's draws use the generator of its output
 index (`Request.draw_generator`), as non-speculative sampling does.
 
-Requests whose sampling depends on the tokens before each position in ways the batch row cannot
-see (penalties) or that are constrained by a grammar propose no draft.
+A constrained request (structured outputs) drafts only the prefix its grammar allows, and each
+position is verified under its own mask (the grammar advanced over the drafts before it). Requests
+with penalties, which depend on every token before a position, draft nothing.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
 
 
 def eligible(req: Request) -> bool:
-    p = req.params
-    return not p.has_penalties and p.structured is None and not p.logit_bias
+    """Penalties depend on every token before a position: its row alone cannot apply them."""
+    return not req.params.has_penalties
 
 
 def _probs(row: torch.Tensor, req: Request) -> torch.Tensor:
@@ -55,12 +56,30 @@ def _probs(row: torch.Tensor, req: Request) -> torch.Tensor:
     return filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
 
 
-def verify(rows: torch.Tensor, req: Request, draft: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """rows: float32 [k + 1, V], the logits after the request's last token and after each draft token.
-    The tokens to emit (the accepted drafts, then one more) and their logprobs when asked."""
+def _processed(rows: torch.Tensor, req: Request, allowed: torch.Tensor | None) -> torch.Tensor:
+    """The rows as the sampler would see them: logit_bias added, the grammar's masks applied."""
+    p = req.params
+    if not p.logit_bias and allowed is None:
+        return rows
+    rows = rows.clone()
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        rows[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=rows.dtype)
+    if allowed is not None:
+        rows = rows.masked_fill(~allowed, float("-inf"))
+    return rows
+
+
+def verify(
+    rows: torch.Tensor, req: Request, draft: list[int], allowed: torch.Tensor | None = None
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """rows: float32 [k + 1, V], the logits after the request's last token and after each draft token;
+    `allowed`: a constrained request's masks at those positions (bool [k + 1, V]). The tokens to emit
+    (the accepted drafts, then one more) and their logprobs (of the model's own rows) when asked."""
     p = req.params
     out: list[int] = []
     base = len(req.output_token_ids)
+    raw, rows = rows, _processed(rows, req, allowed)
     if p.greedy:
         best = rows.argmax(-1).tolist()
         for i, d in enumerate(draft):
@@ -86,5 +105,5 @@ def verify(rows: torch.Tensor, req: Request, draft: list[int]) -> tuple[list[int
             break
     lps: list[TokenLogprob | None] = [None] * len(out)
     if p.logprobs is not None:
-        lps = [_logprob_entry(rows[i].log_softmax(-1), t, p.logprobs) for i, t in enumerate(out)]
+        lps = [_logprob_entry(raw[i].log_softmax(-1), t, p.logprobs) for i, t in enumerate(out)]
     return out, lps
