@@ -1,0 +1,132 @@
+"""Speculative decoding with n-gram drafts: output tokens per second with drafts ÷ without, in the
+same run, on an input-grounded workload and an open-ended one. Prints one JSON line.
+
+Deployment: `pdserve serve` as installed (PD: router, one prefill and one decode worker, the default
+model), started twice: `--speculative-method ngram` and `none`. Workloads (chat, greedy, so the two
+servers' texts must be identical):
+- grounded: rewrite a given paragraph with its spelling fixed, or return a given Python function
+  with one name changed (the answer quotes its input: drafts from the prompt are accepted);
+- open: stories, lists and explanations with no text to quote.
+Each at 1, 8 and 32 closed-loop streams (`--streams`), `--per-stream` requests per stream.
+Goals: >= 1.5 at 1 and 8 streams on grounded, >= 0.95 on open (never a loss beyond noise), and
+greedy texts identical with and without drafts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pdserve.bench.client import ClientConfig, run_load  # noqa: E402
+from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd  # noqa: E402
+from pdserve.bench.workloads import Session, Turn  # noqa: E402
+
+PARAGRAPHS = [
+    "The lighthouse keeper climbed the stairs every evening at sunset. He cleaned the great lens, "
+    "trimmed the wick and watched the ships pass slowly along the dark coast. In winter the storms "
+    "came often, and the waves rose high enough to wash over the rocks below the tower.",
+    "Our team meets every Monday to plan the week. Each person shares what they finished, what they "
+    "will work on next and anything that blocks them. The notes are written in the shared document "
+    "so that everyone can read them later.",
+]
+CODE = [
+    "def total(x):\n    s = 0\n    for v in x:\n        s = s + v\n    return s\n\n"
+    "def average(x):\n    if not x:\n        return 0\n    return total(x) / len(x)\n",
+    "def find(items, x):\n    for i, item in enumerate(items):\n        if item == x:\n            return i\n"
+    "    return -1\n\n\ndef count(items, x):\n    return sum(1 for item in items if item == x)\n",
+]
+OPEN = [
+    "Write a short story about a robot who learns to paint.",
+    "List ten ideas for a weekend trip and explain each in one sentence.",
+    "Explain how a refrigerator keeps food cold.",
+    "Describe a perfect morning in a small mountain village.",
+]
+
+
+def _typos(text: str) -> str:
+    return text.replace("the ", "teh ").replace("ight", "iht").replace("every", "evrey")
+
+
+def grounded(i: int) -> str:
+    if i % 2:
+        return (
+            f"Return this Python code unchanged except that the name x becomes values:\n\n{CODE[i // 2 % 2]}"
+        )
+    return f"Rewrite this text with its spelling mistakes fixed and nothing else changed:\n\n{_typos(PARAGRAPHS[i // 2 % 2])}"
+
+
+def _sessions(kind: str, n: int, max_tokens: int) -> list[Session]:
+    text = grounded if kind == "grounded" else (lambda i: OPEN[i % len(OPEN)])
+    return [Session(i, [Turn(text(i), max_tokens)]) for i in range(n)]
+
+
+def _measure(
+    url: str, kind: str, streams: int, per_stream: int, max_tokens: int
+) -> tuple[float, list[str], int]:
+    cfg = ClientConfig(base_url=url, temperature=0.0)
+    recs, wall = asyncio.run(
+        run_load(cfg, _sessions(kind, streams * per_stream, max_tokens), concurrency=streams)
+    )
+    failed = sum(1 for r in recs if r.error)
+    tokens = sum(r.completion_tokens or 0 for r in recs)
+    return tokens / wall, [r.text for r in recs], failed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", default="1,8,32")
+    ap.add_argument("--per-stream", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--log-dir", default="/tmp/pdserve-bench-spec")
+    args = ap.parse_args()
+    levels = [int(s) for s in args.streams.split(",")]
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, dict] = {}
+    for method in ("none", "ngram"):
+        port = free_port()
+        cmd = pdserve_cmd() + ["serve", "--port", str(port), "--speculative-method", method]
+        with ServerProcess(cmd, port, log_dir / f"serve-{method}.log") as srv:
+            srv.wait_ready(timeout=600)
+            _measure(srv.url, "open", 2, 1, 16)  # warm-up
+            for kind in ("grounded", "open"):
+                for streams in levels:
+                    runs[f"{method}/{kind}/{streams}"] = dict(
+                        zip(
+                            ("tok_s", "texts", "failed"),
+                            _measure(srv.url, kind, streams, args.per_stream, args.max_tokens),
+                        )
+                    )
+    result: dict = {
+        "benchmark": "spec_decode",
+        "cpu": platform.processor() or platform.machine(),
+        "deployment": "pdserve serve (PD, 1 prefill + 1 decode), smollm2-135m, greedy chat",
+    }
+    ok = True
+    for kind in ("grounded", "open"):
+        for streams in levels:
+            on, off = runs[f"ngram/{kind}/{streams}"], runs[f"none/{kind}/{streams}"]
+            ratio = on["tok_s"] / off["tok_s"]
+            same = sum(a == b for a, b in zip(on["texts"], off["texts"]))
+            result[f"{kind}_{streams}"] = {
+                "tok_s_ngram": round(on["tok_s"], 1),
+                "tok_s_none": round(off["tok_s"], 1),
+                "ratio": round(ratio, 3),
+                "identical": f"{same}/{len(on['texts'])}",
+                "failed": on["failed"] + off["failed"],
+            }
+            goal = 1.5 if kind == "grounded" and streams <= 8 else 0.95
+            ok &= ratio >= goal and same == len(on["texts"]) and not on["failed"] and not off["failed"]
+    print(json.dumps(result))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
