@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from pdserve.bench.client import ClientConfig, run_load  # noqa: E402
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd  # noqa: E402
 from pdserve.bench.workloads import Session, Turn  # noqa: E402
+from pdserve.utils.cpu import describe  # noqa: E402
 
 PARAGRAPHS = [
     "The lighthouse keeper climbed the stairs every evening at sunset. He cleaned the great lens, "
@@ -106,7 +106,7 @@ def main() -> int:
                     )
     result: dict = {
         "benchmark": "spec_decode",
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": describe(),
         "deployment": "pdserve serve (PD, 1 prefill + 1 decode), smollm2-135m, greedy chat",
     }
     ok = True
