@@ -73,37 +73,55 @@ def _workers(url: str) -> list[dict]:
     return httpx.get(url + "/admin/workers").json()["workers"]
 
 
+# Stream 0's schema asks for at least four strings of at least eight characters: it is still
+# decoding when its decode worker is killed after three chunks, whatever the machine's speed.
+LONG = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 8, "maxLength": 12},
+            "minItems": 4,
+            "maxItems": 4,
+        }
+    },
+    "required": ["items"],
+}
+
+
 def _check_migration(srv: ServerProcess) -> None:
-    """Four constrained streams; after a few chunks of the first, its decode worker is killed."""
+    """Four constrained streams; after three chunks of the first, its decode worker is killed."""
     client = _client(srv)
-    cases = schemas(4, seed=21)
-    streams = [
-        client.chat.completions.create(
+    cases = [LONG] + schemas(3, seed=21)
+
+    def open_stream(i: int):
+        return client.chat.completions.create(
             model=MODEL,
             messages=MESSAGES,
-            response_format=_schema_format(s),
+            response_format=_schema_format(cases[i]),
             temperature=1.0,
             seed=100 + i,
             max_tokens=400,
             stream=True,
         )
-        for i, s in enumerate(cases)
+
+    before = {w["id"]: w["requests"] for w in _workers(srv.url)}
+    streams = [open_stream(0)]
+    [victim] = [
+        w for w in _workers(srv.url) if w["role"] == "decode" and w["requests"] > before.get(w["id"], 0)
     ]
+    streams += [open_stream(i) for i in range(1, len(cases))]
     texts = ["" for _ in cases]
-    killed = None
     for n, ch in enumerate(streams[0]):
         if ch.choices:
             texts[0] += ch.choices[0].delta.content or ""
         if n == 3:
-            busy = [w for w in _workers(srv.url) if w["role"] == "decode" and w["load"]["in_flight"]]
-            killed = busy[0]
-            os.kill(killed["pid"], signal.SIGKILL)
-    assert killed is not None
+            os.kill(victim["pid"], signal.SIGKILL)
     for i, s in enumerate(streams[1:], 1):
         texts[i] = "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices)
     for text, schema in zip(texts, cases):
         jsonschema.validate(json.loads(text), schema)
-    assert {w["id"]: w["migrations"] for w in _workers(srv.url)}[killed["id"]] >= 1
+    assert {w["id"]: w["migrations"] for w in _workers(srv.url)}[victim["id"]] >= 1
 
 
 def _tools() -> list[dict]:
