@@ -14,49 +14,24 @@ scores come from the same weights.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
+
+from pdserve.bench import baseline_venv
+from pdserve.bench.baseline_venv import marker, run, venv_python
 
 VERSION = "0.4.13"
 TORCH = "torch==2.13.0"
 
 
-class InstallError(RuntimeError):
-    pass
-
-
 def cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_CACHE") or "~/.cache/pdserve"
-    return Path(root).expanduser() / "lm-eval"
-
-
-def venv_python(cache: Path) -> Path:
-    return cache / "venv" / "bin" / "python"
-
-
-def _marker(cache: Path) -> Path:
-    return cache / "venv" / f"pdserve-installed-{VERSION}"
+    return baseline_venv.cache_dir("lm-eval")
 
 
 def installed(cache: Path | None = None) -> Path | None:
     """The venv's interpreter when lm-eval VERSION was installed and imported there, else None."""
-    cache = cache or cache_dir()
-    return venv_python(cache) if _marker(cache).exists() and venv_python(cache).exists() else None
-
-
-def _run(cmd: list[str], log: Callable[[str], None], logfile: Path, nice: int = 19) -> None:
-    full = (["nice", "-n", str(nice)] if nice else []) + cmd
-    log("$ " + " ".join(full))
-    with open(logfile, "ab") as out:
-        r = subprocess.run(full, stdout=out, stderr=subprocess.STDOUT)
-    if r.returncode != 0:
-        tail = logfile.read_text(errors="replace")[-2000:]
-        raise InstallError(
-            f"{Path(cmd[0]).name} {' '.join(cmd[1:4])} failed ({r.returncode}); log {logfile}:\n{tail}"
-        )
+    return baseline_venv.installed(cache or cache_dir(), VERSION)
 
 
 def install(cache: Path | None = None, log: Callable[[str], None] = print, nice: int = 19) -> Path:
@@ -72,12 +47,12 @@ def install(cache: Path | None = None, log: Callable[[str], None] = print, nice:
     logfile = cache / "install.log"
     py = venv_python(cache)
     if not py.exists():
-        _run([sys.executable, "-m", "venv", str(cache / "venv")], log, logfile, nice)
+        run([sys.executable, "-m", "venv", str(cache / "venv")], log, logfile, nice)
     pip = [str(py), "-m", "pip", "install", "--progress-bar", "off"]
-    _run([*pip, TORCH], log, logfile, nice)
-    _run([*pip, f"lm-eval[api,hf]=={VERSION}"], log, logfile, nice)
-    _run([str(py), "-c", "import lm_eval, torch, transformers; print('lm_eval ok')"], log, logfile, nice)
-    _marker(cache).write_text(VERSION + "\n")
+    run([*pip, TORCH], log, logfile, nice)
+    run([*pip, f"lm-eval[api,hf]=={VERSION}"], log, logfile, nice)
+    run([str(py), "-c", "import lm_eval, torch, transformers; print('lm_eval ok')"], log, logfile, nice)
+    marker(cache, VERSION).write_text(VERSION + "\n")
     return py
 
 

