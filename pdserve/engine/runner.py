@@ -64,7 +64,8 @@ class ModelRunner:
         spans: list = []  # image rows of this step (VLM prompts)
         for req, start, n, draft_i in sorted(units, key=order):
             if draft_i >= 0:
-                ids.append((req.all_token_ids + req.draft_tokens)[start])
+                past = start - req.num_tokens  # the last known token, then the drafts
+                ids.append(req.all_token_ids[start] if past < 0 else req.draft_tokens[past])
                 positions.append(start)
                 seqs.append((req.block_ids, start, 1))
                 rows = spec.setdefault(req.request_id, [0] * (len(req.draft_tokens) + 1))

@@ -59,6 +59,12 @@ def logprob_entries(logits: torch.Tensor, tokens: list[int], tops: list[int]) ->
     return [_logprob_entry(lps[i], t, k) for i, (t, k) in enumerate(zip(tokens, tops))]
 
 
+def add_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> None:
+    """In place, over the last dimension of one row or of several."""
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    logits[..., ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+
+
 def _draw(row: torch.Tensor, req: Request, allowed: torch.Tensor | None) -> int:
     """One row off the plain greedy path: penalties, logit bias, the grammar's mask, then greedy or
     temperature, filters and the seeded draw (the mask before the filters: top-k and top-p choose
@@ -67,8 +73,7 @@ def _draw(row: torch.Tensor, req: Request, allowed: torch.Tensor | None) -> int:
     if p.has_penalties:
         row = apply_penalties(row, req)
     if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+        add_logit_bias(row, p.logit_bias)
     if allowed is not None:
         if not bool(allowed.any()):
             raise ValueError("the grammar allows no token")

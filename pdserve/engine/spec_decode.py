@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.request import Request, TokenLogprob, draw_seed
-from pdserve.engine.sampler import _logprob_entry, filter_logits
+from pdserve.engine.sampler import _logprob_entry, add_logit_bias, filter_logits
 
 
 def propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -63,8 +63,7 @@ def _processed(rows: torch.Tensor, req: Request, allowed: torch.Tensor | None) -
         return rows
     rows = rows.clone()
     if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-        rows[:, ids] += torch.tensor(list(p.logit_bias.values()), dtype=rows.dtype)
+        add_logit_bias(rows, p.logit_bias)
     if allowed is not None:
         rows = rows.masked_fill(~allowed, float("-inf"))
     return rows

@@ -466,12 +466,7 @@ class OpenAIHandlers:
                 base_id,
                 "chat.completion",
                 choices=[
-                    {
-                        "index": c.index,
-                        "message": _message(c.text, self.reasoning, tools),
-                        "logprobs": {"content": _chat_logprobs(c.logprobs, tok)} if req.logprobs else None,
-                        "finish_reason": _finish_reason(c, tools),
-                    }
+                    _chat_choice(c, _message(c.text, self.reasoning, tools), tools, req.logprobs, tok)
                     for c in choices
                 ],
                 # vLLM's place for a chat request's prompt logprobs: beside the choices.
@@ -492,12 +487,20 @@ def _message(text: str, reasoning: str | None, tools: tool_calls.ToolPlan | None
     return msg
 
 
-def _finish_reason(c: Choice, tools: tool_calls.ToolPlan | None) -> str | None:
-    """A natural stop after tool calls is "tool_calls" (a named function's forced call stays "stop")."""
-    if c.finish_reason == "stop" and tools is not None and tools.choice != "named":
-        if tool_calls.message(tools, c.text)[1]:
-            return "tool_calls"
-    return c.finish_reason
+def _chat_choice(
+    c: Choice, msg: dict[str, Any], tools: tool_calls.ToolPlan | None, logprobs: bool, tok: TokenizerWrapper
+) -> dict[str, Any]:
+    """A whole chat answer's choice. A natural stop after tool calls is "tool_calls" (a named
+    function's forced call stays "stop"), read from the message's own calls."""
+    reason = c.finish_reason
+    if reason == "stop" and tools is not None and tools.choice != "named" and msg.get("tool_calls"):
+        reason = "tool_calls"
+    return {
+        "index": c.index,
+        "message": msg,
+        "logprobs": {"content": _chat_logprobs(c.logprobs, tok)} if logprobs else None,
+        "finish_reason": reason,
+    }
 
 
 def _num_prompts(prompt: Any) -> int:

@@ -180,3 +180,11 @@ def test_constrained_requests_draft_within_their_grammar():
     assert s["spec_accepted_tokens_total"] > 0
     _, engine = run("ngram", 1.0)  # sampled: every output still validates
     assert engine.stats()["spec_draft_tokens_total"] > 0
+
+
+def test_verification_applies_logit_bias_to_every_row():
+    rows = torch.full((3, 5), -1.0)
+    rows[:, 2] = 1.0  # 2 is the argmax everywhere; a bias of 5 on token 0 makes 0 the choice
+    req = Request("x", [1, 2, 3], SamplingParams(temperature=0.0, logit_bias={0: 5.0}))
+    assert verify(rows, req, [0, 0])[0] == [0, 0, 0]
+    assert verify(rows, _req(0, 0.0), [0, 0])[0] == [2]
