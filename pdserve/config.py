@@ -100,6 +100,9 @@ class ServerConfig:
     # OpenTelemetry collector (OTLP/HTTP, e.g. http://collector:4318) for request traces; unset: off
     # (also OTEL_EXPORTER_OTLP_ENDPOINT). See common/tracing.py.
     otlp_endpoint: str | None = None
+    # A worker's /metrics also exports vLLM's metric names (vllm:num_requests_waiting, ... with a model_name
+    # label; docs/api.md) for dashboards, autoscalers and endpoint pickers built on them; false: pdserve_* only.
+    vllm_metrics: bool = True
 
 
 @dataclass(frozen=True)

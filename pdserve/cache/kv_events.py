@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -155,8 +156,13 @@ class KVEventPublisher:
     # ------------------------------------------------------------------ producers (any thread)
 
     def stored(
-        self, hashes: list[bytes] | list[str], parent: bytes | str | None = None, tier: str = "device"
+        self,
+        hashes: list[bytes] | list[str],
+        parent: bytes | str | None = None,
+        tier: str = "device",
+        token_ids: Sequence[int] | None = None,
     ) -> None:
+        """`token_ids`: the blocks' tokens when known (pdserve's own format leaves them out)."""
         hexes = [hash_hex(h) for h in hashes]
         if not hexes:
             return
@@ -195,10 +201,16 @@ class KVEventPublisher:
                 return
             self._queue_event("removed", hexes, None, tier)
 
-    def on_prefix_cache(self, kind: str, block_hash: bytes, parent: bytes | None = None) -> None:
+    def on_prefix_cache(
+        self,
+        kind: str,
+        block_hash: bytes,
+        parent: bytes | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> None:
         """A PrefixCache listener: the device tier."""
         if kind == "stored":
-            self.stored([block_hash], parent, "device")
+            self.stored([block_hash], parent, "device", token_ids)
         else:
             self.removed([block_hash], "device")
 

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.common.images import ImageInput, block_extra
-from pdserve.protocol import KVEventType
 
 # listener(kind, block_hash, parent): kind is "stored" (after an insert) or "removed" (after an eviction).
-CacheListener = Callable[[KVEventType, bytes, bytes | None], None]
+# An insert given the block's token ids passes them as a fourth argument (vLLM-format KV events carry them).
+CacheListener = Callable[..., None]
 # on_evict(block_id, block_hash): the block's KV is still intact; the id is reused right after.
 EvictHook = Callable[[int, bytes], None]
 
@@ -103,7 +103,9 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ insertion
 
-    def insert(self, h: bytes, parent: bytes | None, block_id: int) -> bool:
+    def insert(
+        self, h: bytes, parent: bytes | None, block_id: int, token_ids: Sequence[int] | None = None
+    ) -> bool:
         """Register a computed block. False when the hash is cached already (another block holds it)."""
         if h in self.nodes or block_id in self.hash_of:
             return False
@@ -116,7 +118,10 @@ class PrefixCache:
             parent_node.children += 1
             self.evictable.pop(parent_node.block_id, None)  # no longer a leaf
         if self.listener is not None:
-            self.listener("stored", h, parent)
+            if token_ids is None:
+                self.listener("stored", h, parent)
+            else:
+                self.listener("stored", h, parent, token_ids)
         return True
 
     # ------------------------------------------------------------------ reference tracking (from the pool)

@@ -42,3 +42,6 @@ class RequestOutput:
     prefill_failures: list[str] = field(default_factory=list)
     # First output only, when asked for: the prompt tokens' logprobs (None for the first token).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Last output only: when the engine first scheduled the request (time.monotonic()), for the
+    # queue, prefill and decode times of server/vllm_metrics.py.
+    scheduled_time: float | None = None

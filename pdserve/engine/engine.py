@@ -524,6 +524,7 @@ class LLMEngine:
             len(req.output_token_ids),
             new_logprobs or [],
             error=error,
+            scheduled_time=req.first_scheduled_time,
         )
         if req.kv_sink is not None:
             self.connector.on_finished(req, out)

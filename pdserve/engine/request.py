@@ -52,6 +52,7 @@ class Request:
     finish_reason: str | None = None  # stop | length | abort
     num_preemptions: int = 0
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # left the waiting queue the first time (metrics)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     sample_seed: int | None = None  # None when greedy; see `draw_generator`
     cache_salt: str | None = None  # tenants with different salts never share cached blocks

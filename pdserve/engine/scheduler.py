@@ -24,6 +24,7 @@ arrived) it joins the running batch and prefills the rest like any other request
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -148,7 +149,13 @@ class Scheduler:
                 # stay referenced whenever it is, or the pool counts a block it cannot evict as free).
                 break
             if node is None:
-                cache.insert(hashes[i], hashes[i - 1] if i else None, req.block_ids[i])
+                bs = self.block_size  # the block's tokens: vLLM-format KV events carry them
+                cache.insert(
+                    hashes[i],
+                    hashes[i - 1] if i else None,
+                    req.block_ids[i],
+                    req.all_token_ids[i * bs : (i + 1) * bs],
+                )
         req.num_cached_blocks = full
 
     def _preempt(self, req: Request, step: ScheduledStep) -> None:
@@ -352,6 +359,8 @@ class Scheduler:
             self.pool.prefix_cache.record_query(req.num_tokens, len(hit) * self.block_size)
         self.waiting.remove(req)
         req.status = status
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
         if status == RequestStatus.LOADING:
             self.loading[req.request_id] = req
         else:

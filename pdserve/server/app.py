@@ -35,7 +35,8 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
     engine = engine or build_engine(config)
     model_names = served_names(config)
     model_name = model_names[0]
-    metrics = ServerMetrics(engine.stats)
+    vllm_names = (model_name, engine.max_model_len) if config.server.vllm_metrics else None
+    metrics = ServerMetrics(engine.stats, vllm_names)
     timer = RequestTimer(metrics)
     async_engine = AsyncEngine(engine, on_output=timer.on_output)
     handlers = OpenAIHandlers(async_engine, engine.tokenizer, model_name, timer, aliases=model_names)

@@ -97,7 +97,7 @@ def install_internal_routes(
                 "duplicate_request_id",
             )
         peer = http.headers.get(PREFILL_HEADER)
-        timer.start(req.request_id, time.monotonic())
+        timer.start(req.request_id, time.monotonic(), params.max_tokens)
         trace = http.headers.get(tracing.TRACEPARENT)  # the router's attempt: this worker's spans join it
 
         async def lines():

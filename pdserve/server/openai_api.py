@@ -198,7 +198,7 @@ class OpenAIHandlers:
 
         async def pump(c: Choice) -> None:
             rid = f"{base_id}-{c.index}"
-            self.timer.start(rid, time.monotonic())
+            self.timer.start(rid, time.monotonic(), c.params.max_tokens)
             try:
                 extra = {"images": c.images} if c.images else {}
                 async for out in self.engine.generate(
