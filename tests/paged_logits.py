@@ -11,7 +11,7 @@ from pdserve.model.attention import build_metadata
 def paged_logits(model, ids: list[int], chunk: int, decode: int, block: int = 4) -> torch.Tensor:
     a = model.arch
     blocks = list(range((len(ids) + block - 1) // block + 1))
-    kv = torch.zeros(a.num_layers, 2, len(blocks) * block, a.num_kv_heads, a.head_dim)
+    kv = torch.zeros(a.kv_cache_shape(len(blocks) * block))
     out, done = [], 0
     prompt_len = len(ids) - decode
     while done < len(ids):

@@ -1,4 +1,6 @@
-"""The KV tensors: one contiguous buffer [layers, 2 (k, v), num_blocks * block_size, kv_heads, head_dim].
+"""The KV tensors: one contiguous buffer [layers, 2 (k, v), num_blocks * block_size, kv_heads, head_dim],
+or for multi-head latent attention (model/mla.py) [layers, 1, slots, 1, kv_lora_rank + qk_rope_head_dim]
+(ModelArch.kv_layout): every mover copies [:, :, slots] and so moves either layout alike.
 
 One buffer so that a layer's blocks are contiguous runs of memory that another process can map
 (a decode worker's pool lives in a /dev/shm file that prefill workers write into directly).
@@ -23,7 +25,8 @@ _SHM_NAME = re.compile(r"pdserve-kv-(\d+)-[0-9a-f]+$")
 
 def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
+    planes, heads, dim = arch.kv_layout
+    return arch.num_layers * planes * block_size * heads * dim * elem
 
 
 def num_blocks_for_budget(arch: ModelArch, block_size: int, dtype: torch.dtype, memory_gb: float) -> int:
@@ -31,7 +34,7 @@ def num_blocks_for_budget(arch: ModelArch, block_size: int, dtype: torch.dtype, 
 
 
 def kv_shape(arch: ModelArch, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (arch.num_layers, 2, num_blocks * block_size, arch.num_kv_heads, arch.head_dim)
+    return arch.kv_cache_shape(num_blocks * block_size)
 
 
 def allocate_kv_cache(
@@ -115,6 +118,6 @@ def pid_alive(pid: int) -> bool:
 
 
 def raw_bytes_view(kv: torch.Tensor) -> np.ndarray:
-    """The same memory as uint8 [layers, 2, slots, kv_heads, head_dim * elem_size] (bfloat16 has no numpy dtype)."""
+    """The same memory as uint8 [layers, planes, slots, heads, dim * elem_size] (bfloat16 has no numpy dtype)."""
     es = kv.element_size()
     return kv.view(torch.uint8).numpy().reshape(*kv.shape[:-1], kv.shape[-1] * es)

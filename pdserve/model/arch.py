@@ -10,8 +10,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
-    # Mixture-of-experts models (see moe.py). DeepSeek-V2/V3 only with standard attention: a real
-    # DeepSeek checkpoint uses MLA, which is not implemented, and is refused by from_hf_config.
+    # Mixture-of-experts models (see moe.py). DeepSeek-V2/V3 (and V3-shaped R1, Kimi-K2) with
+    # multi-head latent attention (mla.py) when the config sets kv_lora_rank, else standard attention.
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -54,6 +54,17 @@ class ModelArch:
     routed_scaling_factor: float = 1.0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # Qwen2-MoE gates its shared expert with a sigmoid
+    # Multi-head latent attention (DeepSeek-V2/V3, mla.py) when kv_lora_rank > 0: the KV cache holds a
+    # compressed latent of kv_lora_rank values plus one shared rope key of qk_rope_head_dim per token.
+    # head_dim is then qk_nope_head_dim + qk_rope_head_dim (a query head) and num_kv_heads == num_heads.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None  # None: queries come from q_proj directly (V2-Lite)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = (
+        False  # rope dims in (x0, x1), (x2, x3) pairs, as DeepSeek's checkpoints store them
+    )
 
     @property
     def is_moe(self) -> bool:
@@ -63,6 +74,34 @@ class ModelArch:
         if not self.is_moe:
             return []
         return list(range(self.num_layers)) if self.moe_layers is None else list(self.moe_layers)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions the rotary embedding turns (MLA: the rope part of a head only)."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(planes, heads, values) of one token of one layer in the KV pool: K and V planes of
+        num_kv_heads x head_dim, or with MLA one plane of one latent row (latent, then rope key)."""
+        if self.is_mla:
+            return 1, 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2, self.num_kv_heads, self.head_dim
+
+    @property
+    def kv_layout_name(self) -> str:
+        """The KV layout in words, for the compatibility check of two workers' pools."""
+        if self.is_mla:
+            return f"mla latent {self.kv_lora_rank} + rope {self.qk_rope_head_dim}"
+        return f"k,v {self.num_kv_heads} x {self.head_dim}"
+
+    def kv_cache_shape(self, slots: int) -> tuple[int, ...]:
+        planes, heads, dim = self.kv_layout
+        return (self.num_layers, planes, slots, heads, dim)
 
     @property
     def q_size(self) -> int:
@@ -89,6 +128,7 @@ class ModelArch:
             if cfg.get("use_sliding_window", arch in ("mistral", "mixtral"))
             else None
         )
+        mla = _mla_fields(cfg, arch)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -96,8 +136,10 @@ class ModelArch:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            num_kv_heads=heads if mla else cfg.get("num_key_value_heads") or heads,
+            head_dim=mla.get("qk_nope_head_dim", 0) + mla.get("qk_rope_head_dim", 0)
+            or cfg.get("head_dim")
+            or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(cfg),
             rope_scaling=_rope_scaling(cfg),
@@ -109,7 +151,26 @@ class ModelArch:
             eos_token_ids=eos_list,
             qk_norm=arch in ("qwen3_moe", "dots1"),
             **_moe_fields(cfg, arch),
+            **mla,
         )
+
+
+def _mla_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Multi-head latent attention's shape, for DeepSeek-V2/V3 configs that set kv_lora_rank."""
+    if arch not in ("deepseek_v2", "deepseek_v3") or not cfg.get("kv_lora_rank"):
+        return {}
+    out = {
+        "kv_lora_rank": int(cfg["kv_lora_rank"]),
+        "q_lora_rank": int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+        "qk_nope_head_dim": int(cfg.get("qk_nope_head_dim", 128)),
+        "qk_rope_head_dim": int(cfg.get("qk_rope_head_dim", 64)),
+        "v_head_dim": int(cfg.get("v_head_dim") or 128),
+        # V2 always pairs its rope dims (complex rotation); V3's config says (transformers' default True).
+        "rope_interleave": True if arch == "deepseek_v2" else bool(cfg.get("rope_interleave", True)),
+    }
+    if out["qk_rope_head_dim"] % 2 or out["qk_rope_head_dim"] <= 0:
+        raise ValueError(f"qk_rope_head_dim must be a positive even number, got {out['qk_rope_head_dim']}")
+    return out
 
 
 def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -134,11 +195,6 @@ def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
             out["shared_expert_gate"] = out["shared_expert_intermediate_size"] > 0
         return out
     # DeepSeek-V2/V3 and dots1: the first k layers dense, then a MoE every moe_layer_freq layers.
-    if arch in ("deepseek_v2", "deepseek_v3") and cfg.get("kv_lora_rank") is not None:
-        raise ValueError(
-            f"{arch} with multi-head latent attention (kv_lora_rank set) is not supported: only "
-            "the MoE part of DeepSeek is, with standard attention (q/k/v_proj weights)"
-        )
     first, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
     v2 = arch == "deepseek_v2"
     out.update(
@@ -277,6 +333,120 @@ TINY_CONFIGS: dict[str, ModelArch] = {
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
         shared_expert_intermediate_size=64,
+    ),
+    # Multi-head latent attention (mla.py) on DeepSeek's MoE, shaped as each family's real config is,
+    # scaled down: V3 with a query low-rank, interleaved rope pairs and YaRN (mscale 1); V2-Lite with
+    # q_proj and YaRN mscale 0.707; Kimi-K2 is V3-shaped, one expert group, more experts, another YaRN.
+    "tiny-deepseek-v3": ModelArch(
+        architecture="deepseek_v3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=24,
+        rms_norm_eps=1e-6,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        num_experts=16,
+        moe_intermediate_size=64,
+        moe_layers=[1, 2],
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        shared_expert_intermediate_size=64,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_interleave=True,
+    ),
+    "tiny-deepseek-v2-lite": ModelArch(
+        architecture="deepseek_v2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=24,
+        rms_norm_eps=1e-6,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        moe_layers=[1, 2],
+        scoring_func="softmax",
+        topk_method="greedy",
+        norm_topk_prob=False,
+        shared_expert_intermediate_size=64,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_interleave=True,
+    ),
+    "tiny-kimi": ModelArch(
+        architecture="deepseek_v3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=24,
+        rms_norm_eps=1e-6,
+        rope_theta=50000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 1,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        moe_layers=[1],
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.827,
+        shared_expert_intermediate_size=32,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_interleave=True,
     ),
 }
 

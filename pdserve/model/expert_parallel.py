@@ -422,7 +422,7 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
 def _worker_kv(spec: _WorkerSpec, slots: int, path: str, device: torch.device) -> torch.Tensor:
     """Rank 0's pool mapped from `path`, or a private cache of the same shape."""
     a = spec.arch
-    shape = (a.num_layers, 2, slots, a.num_kv_heads, a.head_dim)
+    shape = a.kv_cache_shape(slots)
     if not path:
         return torch.zeros(shape, dtype=spec.dtype, device=device)
     es = torch.empty((), dtype=spec.dtype).element_size()

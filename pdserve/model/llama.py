@@ -7,6 +7,7 @@ pluggable: MoE models (moe_model.py) put a MoE block there.
 
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import Callable
 
 import torch
@@ -148,7 +149,10 @@ class LlamaModel:
             for k in weights
             if k.endswith("_proj.weight") or k in ("lm_head.weight", "model.embed_tokens.weight")
         }
-        w = {k: v if k in big else v.to(dtype=dtype, device=self.device) for k, v in weights.items()}
+        # Norms and biases converted now; each matrix is taken from `weights` as it is packed, so a mapping
+        # that reads from disk (hf_files.HFWeights) has one in memory at a time.
+        small = {k: weights[k].to(dtype=dtype, device=self.device) for k in weights if k not in big}
+        w = ChainMap(small, weights)
         pack = self._pack
         head_key = "lm_head.weight" if "lm_head.weight" in w and not arch.tie_word_embeddings else None
         # The (tied) embedding is int8 when quantized: the output head runs the int8 kernel and the

@@ -10,6 +10,7 @@ directory loads its decoder here and its vision tower and projector as `LoadedMo
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from pdserve.common.tokenizer import gguf_fields as _gguf_fields
 from pdserve.config import ModelConfig
 from pdserve.model import vlm
 from pdserve.model.arch import TINY_CONFIGS, ModelArch
-from pdserve.model.hf_files import read_weights
+from pdserve.model.hf_files import HFWeights
 from pdserve.model.llama import LlamaModel
 from pdserve.model.moe import canonical_moe_weights
 from pdserve.model.moe_model import tiny_moe_weights
@@ -46,7 +47,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class LoadedModel:
     name: str
     arch: ModelArch
-    weights: dict[str, torch.Tensor]
+    # HF names -> float tensors (or quant.Staged from a GGUF file); a Hugging Face directory's dense
+    # weights as hf_files.HFWeights, read from disk on each access.
+    weights: Mapping[str, Any]
     tokenizer: TokenizerWrapper
     vision: Any = None  # a vision-language model's tower and projector (vlm.VisionBundle)
 
@@ -160,6 +163,9 @@ def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
 
 
 def load_hf_dir(path: Path) -> LoadedModel:
+    """A dense model's weights stay on disk (hf_files.HFWeights): `build_model` reads them one at a time,
+    each converted (or quantized) as it arrives. A MoE model's are read here, in their stored dtype (FP8
+    dequantized to float32), since its experts are stacked into one tensor a layer."""
     cfg = json.loads((path / "config.json").read_text())
     if vlm.is_llava_config(cfg):
         arch, text, vision = vlm.load_llava_dir(path)
@@ -167,7 +173,7 @@ def load_hf_dir(path: Path) -> LoadedModel:
             str(path), arch, text, tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id), vision
         )
     arch = ModelArch.from_hf_config(cfg)
-    weights = read_weights(path)
+    weights: Mapping[str, torch.Tensor] = HFWeights.open(path)
     if arch.is_moe:
         weights = canonical_moe_weights(weights, arch)
     tokenizer = tokenizer_from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id)
@@ -275,9 +281,14 @@ def build_model(
         if quant not in MODES:
             raise ValueError(f"model.quantization: {quant!r} is not one of {', '.join(MODES)}")
         mc = model_config or ModelConfig()
+        weights = loaded.weights
+        if isinstance(weights, HFWeights):
+            # Each weight read straight into the compute dtype, or float32 for the quantizer (which rounds
+            # from float32 whatever the file stores); only the model's packed copy stays.
+            weights = weights.converted(torch_dtype(dtype) if quant == "none" else torch.float32)
         return LlamaModel(
             loaded.arch,
-            loaded.weights,
+            weights,
             torch_dtype(dtype),
             device,
             max_model_len,

@@ -12,6 +12,11 @@ def _yarn_find_correction_dim(num_rotations: float, dim: int, base: float, max_p
     return (dim * math.log(max_pos / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `factor` times."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def _inv_freq_and_scale(
     head_dim: int, base: float, scaling: dict[str, Any] | None, max_pos: int
 ) -> tuple[torch.Tensor, float]:
@@ -43,9 +48,18 @@ def _inv_freq_and_scale(
         orig = int(scaling.get("original_max_position_embeddings", max_pos))
         beta_fast = float(scaling.get("beta_fast", 32))
         beta_slow = float(scaling.get("beta_slow", 1))
-        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
-        low = max(math.floor(_yarn_find_correction_dim(beta_fast, head_dim, base, orig)), 0)
-        high = min(math.ceil(_yarn_find_correction_dim(beta_slow, head_dim, base, orig)), head_dim - 1)
+        mscale = scaling.get("attention_factor")
+        if mscale is None:
+            # DeepSeek's configs give both mscale and mscale_all_dim: the cos/sin factor is their ratio.
+            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            mscale = (
+                yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+            )
+        low = _yarn_find_correction_dim(beta_fast, head_dim, base, orig)
+        high = _yarn_find_correction_dim(beta_slow, head_dim, base, orig)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
         if low == high:
             high += 0.001
         ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

@@ -2,8 +2,8 @@
 
 Whole models (Mixtral, Qwen2-MoE, Qwen3-MoE, dots1 = Qwen3 attention + DeepSeek-V3 MoE) go through
 save_pretrained and our Hugging Face directory loader, then run chunked prefill + decode through the
-paged KV cache. DeepSeek-V2/V3 use MLA in transformers, which we do not implement, so their MoE
-blocks are compared on their own. A few greedy engine runs close the loop.
+paged KV cache. DeepSeek-V2/V3 whole models (with MLA) are in test_mla_parity.py; their MoE blocks
+are compared on their own here. A few greedy engine runs close the loop.
 """
 
 from __future__ import annotations
@@ -152,21 +152,6 @@ def test_expert_parallel_needs_a_moe_model():
 
     with pytest.raises(ValueError, match="needs a MoE model"):
         LLM(model="tiny-llama", model__expert_parallel=2)
-
-
-def test_mla_checkpoint_is_refused():
-    cfg = {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "vocab_size": 8,
-        "hidden_size": 8,
-        "intermediate_size": 8,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "n_routed_experts": 4,
-        "kv_lora_rank": 512,
-    }
-    with pytest.raises(ValueError, match="latent attention"):
-        ModelArch.from_hf_config(cfg)
 
 
 # ---------------------------------------------------------------- DeepSeek MoE blocks on their own
