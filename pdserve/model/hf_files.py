@@ -1,20 +1,217 @@
-"""Reading a Hugging Face model directory's weights."""
+"""Reading a Hugging Face model directory's weights, one tensor at a time.
+
+`HFWeights` maps HF names to tensors read from the *.safetensors files when asked for, each in its
+stored dtype or converted to one dtype as it is read. Nothing is cached: a model built from it keeps
+only its own (converted, fused, quantized) copy of each weight, so the resident set while loading
+stays near the final one (docs/models.md). A file is opened, and mapped, only while one tensor is
+copied out of it: safetensors maps the whole file, and every page touched while it stays mapped
+counts in the resident set.
+
+FP8 weights (`float8_e4m3fn`, also `float8_e5m2`) come with block scales as DeepSeek-V3 and others
+store them: `<name>_scale_inv`, float32 [ceil(N/bn), ceil(K/bk)], and w[n, k] = q[n, k] *
+scale_inv[n // bn, k // bk], with (bn, bk) config.json's `quantization_config.weight_block_size`
+(128x128 when absent). Where N or K is not a multiple of the block, the last blocks are partial.
+They are dequantized as they are read (in float32, then to the target dtype), a bounded number of
+rows at a time.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_SUFFIX = "_scale_inv"
+DEFAULT_BLOCK = (128, 128)
+# Elements dequantized at once: bounds the float32 scratch of one FP8 tensor (64 MB).
+_CHUNK = 1 << 24
+# A safetensors header larger than this is not one (the format's own reader caps it at 100 MB).
+_MAX_HEADER = 100 << 20
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor lies and what it is, from its file's header (no data read)."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def read_header(file: Path) -> dict[str, StoredTensor]:
+    """The tensors of one .safetensors file, from its JSON header alone."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < size <= _MAX_HEADER:
+            raise ValueError(f"{file}: not a safetensors file")
+        meta = json.loads(f.read(size))
+    out = {}
+    for name, info in meta.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}, which pdserve does not read")
+        start, end = info["data_offsets"]
+        out[name] = StoredTensor(file, _DTYPES[info["dtype"]], tuple(info["shape"]), end - start)
+    return out
+
+
+def fp8_block_size(cfg: dict[str, Any]) -> tuple[int, int]:
+    """The FP8 block (rows, columns) of a config.json. A checkpoint quantized some other way (GPTQ,
+    AWQ, bitsandbytes, compressed-tensors) stores packed integers pdserve would misread: refused."""
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return DEFAULT_BLOCK
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ValueError(
+            f"config.json: quantization_config.quant_method {method!r} is not supported; pdserve loads "
+            "float (F32, BF16, F16) and FP8 block-scaled (quant_method fp8) checkpoints"
+        )
+    block = qc.get("weight_block_size") or DEFAULT_BLOCK
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(
+            f"config.json: quantization_config.weight_block_size {block!r} is not [rows, columns]"
+        )
+    return int(block[0]), int(block[1])
+
+
+def dequantize_fp8(
+    q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """w = q * scale_inv over blocks of `block` (the last ones partial), in `dtype`. The product is taken
+    in float32, which holds it to one rounding (an FP8 value has 4 significant bits)."""
+    s = scale_inv.float()
+    if q.dim() != 2:
+        if s.numel() != 1:
+            raise ValueError(f"an FP8 tensor of shape {tuple(q.shape)} needs one scale, got {tuple(s.shape)}")
+        return (q.float() * s.reshape(())).to(dtype)
+    n, k = q.shape
+    bn, bk = block
+    grid = (-(-n // bn), -(-k // bk))
+    if s.numel() == 1:  # one scale for the whole tensor
+        s = s.reshape(1, 1).expand(grid)
+    if tuple(s.shape) != grid:
+        raise ValueError(
+            f"FP8 scales of shape {tuple(s.shape)} do not tile a [{n}, {k}] weight in {bn}x{bk} blocks "
+            f"(expected {list(grid)}); check quantization_config.weight_block_size"
+        )
+    out = torch.empty(n, k, dtype=dtype)
+    whole = k - k % bk  # columns in whole blocks; the rest is one partial block
+    step = max(1, _CHUNK // max(k * bn, 1)) * bn  # rows a pass, whole blocks of them
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        x = q[r0:r1].float()
+        rs = s[r0 // bn : -(-r1 // bn)].repeat_interleave(bn, 0)[: r1 - r0]  # [rows, K blocks]
+        if whole:
+            x[:, :whole].unflatten(1, (whole // bk, bk)).mul_(rs[:, : whole // bk, None])
+        if whole < k:
+            x[:, whole:].mul_(rs[:, -1:])
+        out[r0:r1] = x
+    return out
+
+
+class HFWeights(Mapping[str, torch.Tensor]):
+    """The tensors of a Hugging Face directory by HF name, read on each access (see the module docstring).
+
+    `dtype` None: floating tensors as stored, FP8 ones dequantized to float32; else every floating
+    tensor converted to `dtype` as it is read. Integer tensors stay as stored. FP8 scales are not keys
+    of their own: they come with their weight."""
+
+    def __init__(
+        self,
+        index: dict[str, StoredTensor],
+        block: tuple[int, int] = DEFAULT_BLOCK,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self._index, self.block, self.dtype = index, block, dtype
+        # An ordered set: the file order, scales left out.
+        self._names = dict.fromkeys(
+            k for k in index if not (k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] in index)
+        )
+        for k in self._names:
+            if index[k].dtype in FP8 and k + SCALE_SUFFIX not in index:
+                raise ValueError(
+                    f"{index[k].file}: FP8 tensor {k} has no {k + SCALE_SUFFIX} (block scales) beside it"
+                )
+
+    @classmethod
+    def open(cls, path: Path) -> HFWeights:
+        """Every *.safetensors file of directory `path`, headers read, no tensor."""
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors files")
+        cfg_file = path / "config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        index: dict[str, StoredTensor] = {}
+        for f in files:
+            index.update(read_header(f))
+        return cls(index, fp8_block_size(cfg))
+
+    def converted(self, dtype: torch.dtype | None) -> HFWeights:
+        """The same tensors, read as `dtype` (see the class docstring)."""
+        view = HFWeights.__new__(HFWeights)
+        view._index, view._names, view.block, view.dtype = self._index, self._names, self.block, dtype
+        return view
+
+    def stored(self, name: str) -> StoredTensor:
+        return self._index[name]
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes of tensor data in the files (FP8 scales included)."""
+        return sum(t.nbytes for t in self._index.values())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        t = self._read(name)
+        if t.dtype in FP8:
+            return dequantize_fp8(t, self._read(name + SCALE_SUFFIX), self.block, self.dtype or torch.float32)
+        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+            return t.to(self.dtype)
+        return t
+
+    def _read(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        # Opened for this one tensor, so the mapping of the file ends with it (see the module docstring).
+        with safe_open(str(self._index[name].file), "pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's *.safetensors files, as float32, by its HF name."""
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update({k: v.float() for k, v in load_file(str(f)).items()})
-    return weights
+    """Every tensor of the directory's *.safetensors files by its HF name, read one at a time, floating
+    ones as stored (FP8 dequantized to float32)."""
+    return dict(HFWeights.open(path))
