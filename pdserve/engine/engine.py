@@ -39,7 +39,7 @@ from pdserve.engine.tier_fetch import TierFetcher
 from pdserve.engine.tier_identity import tier_key, tier_namespace
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
 from pdserve.model.stored_quant import with_resolved_quantization
-from pdserve.utils.runtime import trim_heap, tune_malloc
+from pdserve.utils.runtime import memory_status, trim_heap, tune_malloc
 
 if TYPE_CHECKING:
     from pdserve.cache.kv_events import KVEventPublisher
@@ -79,13 +79,15 @@ class LLMEngine:
         self.images = image_embeddings(loaded.vision, config) if loaded.vision is not None else None
         del loaded
         trim_heap()
+        mem = memory_status()  # the loader's peak included: it streams, so near the weights' own size
         log.info(
-            "model %s: %s weights, quantization %s%s, %.1f MB of weights",
+            "model %s: %s weights, quantization %s%s, %.1f MB of weights%s",
             mc.name,
             mc.dtype,
             mc.quantization,
             " (auto: as stored)" if asked == "auto" else "",
             self.weight_bytes / 1e6,
+            f", resident set {mem[0] / 1e6:.1f} MB (peak {mem[1] / 1e6:.1f} MB)" if mem else "",
         )
         dtype = torch_dtype(mc.dtype)
         num_blocks = cc.device_blocks or num_blocks_for_budget(

@@ -35,6 +35,21 @@ def trim_heap() -> None:
     _libc_call("malloc_trim", 0)
 
 
+def memory_status() -> tuple[int, int] | None:
+    """(resident set, its peak since the process started) in bytes, from /proc/self/status; None where
+    there is no such file (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = {
+                k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")
+            }
+    except OSError:
+        return None
+    if len(kb) < 2:
+        return None
+    return kb["VmRSS"] * 1024, kb["VmHWM"] * 1024
+
+
 def _libc_call(fn: str, *args: int) -> None:
     """Call a glibc malloc tunable; elsewhere (musl, macOS) there is nothing to tune."""
     name = ctypes.util.find_library("c")
