@@ -71,6 +71,10 @@ class SchedulerConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # Verify only the drafts expected to pay for their rows, from this machine's measured step cost by
+    # row count (calibrated at start, cached) and each request's acceptance (engine/spec_policy.py).
+    # False: verify every proposed draft.
+    speculative_adaptive: bool = True
 
 
 @dataclass(frozen=True)

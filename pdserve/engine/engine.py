@@ -32,9 +32,11 @@ from pdserve.engine.kv_connector import (
     LoadRetry,
 )
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.row_costs import RowCosts, cache_key, calibrate, load_cached, save_cached
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, blocks_needed
 from pdserve.engine.spec_decode import eligible, propose
+from pdserve.engine.spec_policy import acceptance, choose
 from pdserve.engine.tier_fetch import TierFetcher
 from pdserve.engine.tier_identity import tier_key, tier_namespace
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
@@ -162,6 +164,8 @@ class LLMEngine:
         self.spec_tokens = sc.num_speculative_tokens if sc.speculative_method == "ngram" else 0
         self.spec_draft_tokens_total = 0
         self.spec_accepted_tokens_total = 0
+        self.spec_misses_total = 0  # verifications that rejected a draft (the acceptance estimate's)
+        self.row_costs = self._row_costs() if self.spec_tokens and sc.speculative_adaptive else None
         self.step_counts = {"decode": 0, "prefill": 0}
         self.step_seconds = {"decode": 0.0, "prefill": 0.0}
         self.prefill_tokens_total = 0  # prompt tokens run through the model (prefix hits excluded)
@@ -346,7 +350,11 @@ class LLMEngine:
             elif not outputs:
                 c.wait(0.005)  # only peers can make progress now
             return outputs
-        decode_only = all(n == 1 and req.num_computed_tokens > 0 for req, n in step.scheduled)
+        # Decodes, some with drafts to verify (one row each): a decode step, whatever its rows.
+        decode_only = all(
+            n == 1 + len(req.draft_tokens) and req.num_computed_tokens > 0 for req, n in step.scheduled
+        )
+        rows = sum(n for _, n in step.scheduled)
         planned = c.begin_step(step.scheduled)
         sampled, failed = self.runner.execute(
             step.scheduled, (lambda i: c.on_layer(planned, i)) if planned else None
@@ -379,8 +387,11 @@ class LLMEngine:
             self.abort_request(rid)
         # Served step times, the quantity `pdserve profile` measures offline (planner/serving.py reads both).
         kind = "decode" if decode_only else "prefill"
+        elapsed = time.perf_counter() - t0
         self.step_counts[kind] += 1
-        self.step_seconds[kind] += time.perf_counter() - t0
+        self.step_seconds[kind] += elapsed
+        if decode_only and self.row_costs is not None:
+            self.row_costs.observe(rows, elapsed)
         return outputs
 
     def _poll_images(self) -> list[RequestOutput]:
@@ -397,12 +408,54 @@ class LLMEngine:
                     outs.append(out)
         return outs
 
+    def _row_costs(self) -> RowCosts:
+        """This machine's decode step cost by rows (engine/row_costs.py): cached, else measured now."""
+        mc, sc = self.config.model, self.config.scheduler
+        max_rows = max(1, min(sc.max_num_seqs * (self.spec_tokens + 1), sc.max_num_batched_tokens, 128))
+        # The context each calibration row attends: a typical chat's, within what the pool can lend.
+        context = max(1, min(256, self.max_model_len - 1, (self.pool.num_free - 1) * self.block_size - 1))
+        parts = {
+            "model": mc.name,
+            "seed": mc.seed,
+            "quantization": mc.quantization,
+            "dtype": mc.dtype,
+            "device": mc.device,
+            "gemm_kernel": mc.gemm_kernel,
+            "attention_kernel": mc.attention_kernel,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "max_rows": max_rows,
+            "context": context,
+        }
+        key = cache_key(parts)
+        costs = load_cached(key)
+        if costs is None:
+            t0 = time.perf_counter()
+            costs = calibrate(self.model, self.kv_cache, self.pool, self.block_size, max_rows, context)
+            save_cached(key, costs)
+            log.info(
+                "speculative decoding: decode step cost measured at %d row counts in %.1f s (1 row %.1f ms, "
+                "%d rows %.1f ms)",
+                len(costs.rows),
+                time.perf_counter() - t0,
+                costs.seconds[0] * 1e3,
+                costs.rows[-1],
+                costs.seconds[-1] * 1e3,
+            )
+        return costs
+
     def _propose_drafts(self) -> None:
-        """n-gram drafts for the running requests about to decode (engine/spec_decode.py)."""
+        """n-gram drafts for the running requests about to decode (engine/spec_decode.py), each cut to
+        what is expected to pay for its rows (engine/spec_policy.py)."""
         sc = self.config.scheduler
+        decoding = 0
+        drafted: list[Request] = []
         for req in self.scheduler.running:
             req.draft_tokens = []
-            if req.num_tokens - req.num_computed_tokens != 1 or req.kv_sink is not None or not eligible(req):
+            if req.num_tokens - req.num_computed_tokens != 1 or req.kv_sink is not None:
+                continue
+            decoding += 1
+            if not eligible(req):
                 continue
             room = self.max_model_len - req.num_tokens - 1
             if req.params.max_tokens is not None:
@@ -412,6 +465,18 @@ class LLMEngine:
             )
             if req.draft_tokens and req.params.structured is not None:
                 req.draft_tokens = self.runner.grammars.valid_drafts(req) if self.runner.grammars else []
+            if req.draft_tokens:
+                drafted.append(req)
+        if self.row_costs is None or not drafted:
+            return
+        prior = acceptance(self.spec_accepted_tokens_total, self.spec_misses_total, 0.5)
+        keep = choose(
+            decoding,
+            [(len(r.draft_tokens), acceptance(r.spec_hits, r.spec_misses, prior)) for r in drafted],
+            self.row_costs,
+        )
+        for req, n in zip(drafted, keep):
+            req.draft_tokens = req.draft_tokens[:n]
 
     def _verified(
         self, req: Request, n: int, tokens: list[tuple[int, TokenLogprob | None]] | None
@@ -425,6 +490,10 @@ class LLMEngine:
         accepted = max(0, len(tokens) - 1) if tokens else 0
         self.spec_draft_tokens_total += k
         self.spec_accepted_tokens_total += accepted
+        missed = int(accepted < k)
+        self.spec_misses_total += missed
+        req.spec_hits += accepted
+        req.spec_misses += missed
         return req, n - k + accepted
 
     def _on_tokens(self, req: Request, tokens: list[tuple[int, TokenLogprob | None]]) -> RequestOutput:

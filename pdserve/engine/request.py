@@ -78,6 +78,8 @@ class Request:
     # Speculative decoding: draft tokens proposed for this step, computed after the last token and
     # verified by the step's logits (engine/spec_decode.py); never part of all_token_ids.
     draft_tokens: list[int] = field(default_factory=list)
+    spec_hits: int = 0  # draft tokens accepted so far
+    spec_misses: int = 0  # verifications that rejected a draft token
     # A constrained request's matcher (engine/grammar.py GrammarState), built where it first samples.
     grammar: Any = None
 

@@ -42,6 +42,9 @@ def _engine(model: str, spec: str, **more) -> LLMEngine:
                 "cache.device_blocks": 256,
                 "cache.block_size": 4,
                 "scheduler.speculative_method": spec,
+                # Every proposed draft verified: these tests check the mechanics, not the policy
+                # that cuts drafts to what this machine's step costs repay (test_spec_policy.py).
+                "scheduler.speculative_adaptive": False,
                 **more,
             },
         )
@@ -96,7 +99,9 @@ def test_pd_decode_worker_drafts_and_matches_mixed():
     batch = prompts(3) + REPEATS
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = mixed_outputs(batch, params)
-    with pd_pair(decode_overrides={"scheduler.speculative_method": "ngram"}) as (prefill, decode):
+    with pd_pair(
+        decode_overrides={"scheduler.speculative_method": "ngram", "scheduler.speculative_adaptive": False}
+    ) as (prefill, decode):
         decode.run(batch, params)
         assert {r: decode.outputs[r] for r in want} == want
         decode.wait_idle()
