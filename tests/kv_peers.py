@@ -54,6 +54,7 @@ class DecodePeer:
         kv, bs, mc = e.kv_cache, e.block_size, e.config.model
         nblocks = -(-len(prompt) // bs)
         model = served_names(e.config)[0]
+        kv_layout = e.arch.kv_layout_name
         job = PrefillJob(
             f"req-{os.urandom(3).hex()}",
             prompt,
@@ -76,6 +77,8 @@ class DecodePeer:
             "quantization": getattr(mc, "quantization", "none"),
             "block_size": bs,
             "kv_layers": kv.shape[0],
+            "kv_planes": kv.shape[1],
+            "kv_layout": kv_layout,
             "kv_heads": kv.shape[3],
             "head_dim": kv.shape[4],
             "kv_elem_size": kv.element_size(),

@@ -98,11 +98,13 @@ class DecodeConnector(KVConnector):
         internal_token: str | None = None,
         max_model_len: int = 0,
         attention_weight: float = 0.0,
+        kv_layout: str = "",
     ) -> None:
         """`advertise_host`: the host prefill workers reach this one at (see utils/net.py).
         `internal_token`: jobs are signed with it and peers' messages must be (None: nothing is).
         `max_model_len`: this engine's context, which a prefill worker checks the prompt against.
-        `attention_weight`: split.attention_weight of the model (where parallel.py cuts long prompts)."""
+        `attention_weight`: split.attention_weight of the model (where parallel.py cuts long prompts).
+        `kv_layout`: the model's ModelArch.kv_layout_name, which a prefill worker's must equal."""
         self.config = config
         self.model = served_names(config)[0]
         self.block_size = config.cache.block_size
@@ -117,6 +119,7 @@ class DecodeConnector(KVConnector):
             self.block_size,
             self.kv_shape,
             self.elem_size,
+            kv_layout,
         )
         self.raw = raw_bytes_view(kv_cache)
         self.shm_path = shm_path

@@ -80,9 +80,11 @@ class PrefillConnector(KVConnector):
         bootstrap_endpoint: str,
         advertise_host: str | None = None,
         internal_token: str | None = None,
+        kv_layout: str = "",
     ) -> None:
         """`advertise_host`: the host decode workers reach this one at (see utils/net.py).
-        `internal_token`: jobs and cancels must be signed with it (None: nothing is checked)."""
+        `internal_token`: jobs and cancels must be signed with it (None: nothing is checked).
+        `kv_layout`: the model's ModelArch.kv_layout_name (a decode worker's must equal it)."""
         self.config = config
         self.block_size = config.cache.block_size
         self.model = served_names(config)[0]
@@ -95,6 +97,7 @@ class PrefillConnector(KVConnector):
             self.block_size,
             list(kv_cache.shape),
             kv_cache.element_size(),
+            kv_layout,
         )
         self._seen = SeenIds()  # engine thread only
         self._log_refused, self._log_rejected = (

@@ -113,16 +113,25 @@ def warn_if_open(bound_endpoint: str, key: bytes | None) -> None:
 
 
 def compat_info(
-    model: str, dtype: str, quantization: str, block_size: int, kv_shape: list[int], elem_size: int
+    model: str,
+    dtype: str,
+    quantization: str,
+    block_size: int,
+    kv_shape: list[int],
+    elem_size: int,
+    kv_layout: str = "",
 ) -> dict[str, Any]:
-    """What both ends of a transfer must agree on for the bytes to mean the same KV."""
-    layers, _, _, kv_heads, head_dim = kv_shape
+    """What both ends of a transfer must agree on for the bytes to mean the same KV. `kv_layout`:
+    ModelArch.kv_layout_name (K/V heads, or MLA's latent and rope widths)."""
+    layers, planes, _, kv_heads, head_dim = kv_shape
     return {
         "model": model,
         "dtype": dtype,
         "quantization": quantization,
         "block_size": block_size,
         "kv_layers": layers,
+        "kv_planes": planes,
+        "kv_layout": kv_layout,
         "kv_heads": kv_heads,
         "head_dim": head_dim,
         "kv_elem_size": elem_size,
@@ -234,7 +243,7 @@ def _refusal(
         and [shape[0], shape[1], shape[3], shape[4], job.elem_size, job.block_size]
         == [
             compat["kv_layers"],
-            2,
+            compat["kv_planes"],
             compat["kv_heads"],
             compat["head_dim"],
             compat["kv_elem_size"],

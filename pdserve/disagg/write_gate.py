@@ -65,7 +65,7 @@ class WriteGate:
             )
             unknown = tid_live == tid or tid not in self._ended
             for d, k in runs if ok else ():
-                for kv in (0, 1):
+                for kv in range(raw.shape[1]):  # K and V planes, or MLA's one latent plane
                     if not sock.getsockopt(zmq.RCVMORE):
                         raise ValueError("a KV frame is missing")
                     view = raw[layer, kv, d * block_size : (d + k) * block_size]

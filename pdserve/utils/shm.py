@@ -11,7 +11,7 @@ import numpy as np
 
 
 def attach_shared_kv(path: str | Path, shape: tuple[int, ...], elem_size: int) -> np.ndarray:
-    """Map another process's pool as raw bytes [layers, 2, slots, kv_heads, head_dim * elem_size]."""
+    """Map another process's pool as raw bytes [layers, planes, slots, heads, dim * elem_size]."""
     size = int(np.prod(shape)) * elem_size
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # a symlink planted at a pool's name is refused
     try:

@@ -69,7 +69,7 @@ def _hf_model(version: str, extra: dict):
         else (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)
     )
     torch.manual_seed(0)
-    model = model_cls(cfg_cls(**COMMON, **extra))
+    model = model_cls(cfg_cls(**{**COMMON, **extra}))
     torch.manual_seed(1)
     with torch.no_grad():  # larger weights than HF's init, so that logits are not all near zero
         for name, p in model.named_parameters():
@@ -165,3 +165,17 @@ def test_mla_config_fields():
     # Without kv_lora_rank a DeepSeek config keeps standard attention.
     a = ModelArch.from_hf_config({**cfg, "kv_lora_rank": None, "head_dim": 16})
     assert not a.is_mla and a.kv_layout == (2, 4, 16)
+
+
+def test_long_chunk_after_cached_context_matches_hf(tmp_path):
+    """Chunks of 300 tokens: the second attends to the first's cached latents, expanded, without a
+    mask (chunk_attention.prefix_then_causal), the decodes that follow absorb."""
+    hf = _hf_model("v3", {**CASES["v3-yarn"][1], "max_position_embeddings": 1024})
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    load_gguf_tokenizer(str(default_gguf_path())).tok.save(str(tmp_path / "tokenizer.json"))
+    ours = build_model(load_hf_dir(tmp_path), "float32")
+    ids = torch.randint(0, 512, (604,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    got = paged_logits(ours, ids, chunk=300, decode=4, block=16)
+    torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)

@@ -97,7 +97,8 @@ def endpoint_host(endpoint: str) -> str:
 
 class RemoteWriter(KVWriter):
     """One-sided writes into a registered remote pool (Mooncake, NIXL): checks the two pools agree
-    and turns a layer's runs into (local address, remote address, bytes) segments, K and V apart."""
+    and turns a layer's runs into (local address, remote address, bytes) segments, K and V apart
+    (one plane with MLA's latent KV)."""
 
     def __init__(
         self,
@@ -112,13 +113,14 @@ class RemoteWriter(KVWriter):
         super().__init__(src, block_size)
         if local_base != src.ctypes.data or local_length != src.nbytes:
             raise ValueError(f"the local {self.name} endpoint must have this pool registered")
-        layers, two, slots, heads, head_dim = shape
-        if (layers, two) != src.shape[:2] or heads != src.shape[3] or head_dim * elem_size != src.shape[4]:
+        layers, planes, slots, heads, head_dim = shape
+        if (layers, planes) != src.shape[:2] or heads != src.shape[3] or head_dim * elem_size != src.shape[4]:
             raise ValueError(f"decode pool {shape} x {elem_size} B does not match this pool {src.shape}")
         self.local_base = local_base
         self.remote_base = remote_base
         self.remote_slots = slots
         self.src_slots = src.shape[2]
+        self.planes = planes
         self.row = src.shape[3] * src.shape[4]  # bytes of one slot (token) of one layer's K or V
 
     def segments(self, layer: int, runs: list[Run]) -> list[tuple[int, int, int]]:
@@ -126,11 +128,12 @@ class RemoteWriter(KVWriter):
         for s, d, k in runs:
             if (d + k) * bs > self.remote_slots or (s + k) * bs > self.src_slots:
                 raise ValueError(f"run {(s, d, k)} lies outside a pool")
-            for kv in (0, 1):
+            for kv in range(self.planes):
+                plane = layer * self.planes + kv
                 out.append(
                     (
-                        self.local_base + ((layer * 2 + kv) * self.src_slots + s * bs) * row,
-                        self.remote_base + ((layer * 2 + kv) * self.remote_slots + d * bs) * row,
+                        self.local_base + (plane * self.src_slots + s * bs) * row,
+                        self.remote_base + (plane * self.remote_slots + d * bs) * row,
                         k * bs * row,
                     )
                 )

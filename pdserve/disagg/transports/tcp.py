@@ -53,7 +53,7 @@ class TcpWriter(KVWriter):
         header = LayerFrames(request_id, self.transfer_id, layer, [[d, k] for _, d, k in runs])
         frames: list[Any] = [pack(sign(header.to_wire(), self.key))]
         for s, _, k in runs:
-            for kv in (0, 1):
+            for kv in range(self.src.shape[1]):  # K and V planes, or MLA's one latent plane
                 view = self.src[layer, kv, s * bs : (s + k) * bs]
                 frames.append(memoryview(view.reshape(-1)))
                 n += view.nbytes
