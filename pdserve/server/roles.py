@@ -96,6 +96,7 @@ def build_connector(config: Config, role: str, engine: LLMEngine) -> None:
             internal_token(config.server.internal_token),
             engine.max_model_len,
             attention_weight(engine.arch, config.disagg.parallel_prefill_attention_weight),
+            engine.arch.kv_layout_name,
         )
     elif role == "prefill":
         from pdserve.disagg.sender import PrefillConnector
@@ -106,6 +107,7 @@ def build_connector(config: Config, role: str, engine: LLMEngine) -> None:
             kv_bind_endpoint(config),
             public_host(config),
             internal_token(config.server.internal_token),
+            engine.arch.kv_layout_name,
         )
     else:
         engine.connector = KVConnector()
