@@ -34,6 +34,21 @@ def test_quantize_roundtrip_error_is_within_half_a_step(mode, tol):
         assert torch.equal(st.scale.half().float(), st.scale) and torch.equal(st.zero.half().float(), st.zero)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantize_in_row_chunks_is_quantizing_whole(monkeypatch, mode):
+    """A large matrix is quantized some rows at a time (bounded scratch), from any float dtype: the
+    same values as the whole float32 matrix at once (rows are independent)."""
+    from pdserve.model import quant
+
+    w = torch.randn(100, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    whole = quantize(w.float(), mode)
+    monkeypatch.setattr(quant, "_QUANT_CHUNK", 64 * 7)  # 7 rows a pass, the last pass partial
+    chunked = quantize(w, mode)
+    for name in ("q", "scale", "zero"):
+        a, b = getattr(whole, name), getattr(chunked, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
 def test_gguf_q4_blocks_load_exactly():
     import gguf
 
@@ -55,8 +70,8 @@ def test_gguf_q4_blocks_load_exactly():
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize(
-    "rows", [1, 2, 3, 7, 8, 9, 16, 100, 300]
-)  # 1-8: registers with AVX-512 (1-2 else); then tiles; 300: large
+    "rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 100, 300]
+)  # 1-8: registers with AVX-512 (1-4 else); then tiles; 300: large
 def test_kernel_matches_dequantized_product(mode, rows, native):
     if native and not qgemm.available():
         pytest.skip("no C compiler here")

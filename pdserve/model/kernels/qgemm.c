@@ -209,16 +209,23 @@ static inline void prefetch_group(const uint8_t *nib, const uint16_t *d, const u
     for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch(nib + g * 16 * NC + b, 0, 3);
     if ((g & 1) == 0) __builtin_prefetch(d + g * NC, 0, 3), __builtin_prefetch(m + g * NC, 0, 3);  /* 2 groups a line */
 }
-/* Rows that skip the buffer: with one vector a tile row (AVX-512) up to 8 rows' accumulators fit
-   the 32 registers (2 a row and its output, one chain: the rows interleave instead), else 2. */
-#define DIRECT_ROWS (NV == 1 ? 8 : 2)
+/* Rows that skip the buffer. With one vector a tile row (AVX-512) up to 8 rows' accumulators fit the
+   32 registers (2 a row and its output, one chain: the rows interleave instead). With two (AVX2's
+   16 registers) each row's output stays in y, read and written once a group, and beyond 2 rows a
+   row's low and high nibbles share one chain a vector: 4 rows then hold 8 accumulators, 4 nibble
+   vectors and the broadcasts, where keeping outputs in registers had spilled at 2 rows already.
+   Past these rows the dequantized buffer wins: its cost per weight is spread over more rows. */
+#ifndef DIRECT_ROWS
+#define DIRECT_ROWS (NV == 1 ? 8 : 4)
+#endif
 static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t *nib, const uint16_t *d,
                                                           const uint16_t *m, const float *x, int64_t ldx, int K,
                                                           const float *sx, float *y, int64_t ldy) {
-    const int un = mr <= 2 ? U : 1;
-    vf out[DIRECT_ROWS][NV], a[DIRECT_ROWS][U][2][NV], lo[NV], hi[NV], dg[NV], mg[NV];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < NV; j++) out[i][j] = (vf){0};
+    const int un = mr <= 2 ? U : 1, split = NV == 1 || mr <= 2;
+    vf out[NV == 1 ? DIRECT_ROWS : 1][NV], a[DIRECT_ROWS][U][2][NV], lo[NV], hi[NV], dg[NV], mg[NV];
+    if (NV == 1)
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < NV; j++) out[i][j] = (vf){0};
     for (int g = 0; g < K / 32; g++) {
         prefetch_group(nib, d, m, g + PF_GROUPS);    /* past the tile's end: the next tile's start */
         for (int i = 0; i < mr; i++)
@@ -230,7 +237,11 @@ static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t 
                 nibbles(nib + ((int64_t)g * 16 + kp + u) * NC, lo, hi);
                 for (int i = 0; i < mr; i++) {
                     const vf xa = splat(x + i * ldx + k), xb = splat(x + i * ldx + k + 1);
-                    for (int j = 0; j < NV; j++) a[i][u][0][j] += xa * lo[j], a[i][u][1][j] += xb * hi[j];
+                    for (int j = 0; j < NV; j++) {
+                        a[i][u][0][j] += xa * lo[j];
+                        if (split) a[i][u][1][j] += xb * hi[j];
+                        else a[i][u][0][j] += xb * hi[j];
+                    }
                 }
             }
         halfs(d + g * NC, dg), halfs(m + g * NC, mg);
@@ -239,12 +250,18 @@ static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t 
             for (int j = 0; j < NV; j++) {
                 vf t = a[i][0][0][j] + a[i][0][1][j];
                 for (int u = 1; u < un; u++) t += a[i][u][0][j] + a[i][u][1][j];
-                out[i][j] += t * dg[j] + s * mg[j];
+                if (NV == 1) {
+                    out[i][j] += t * dg[j] + s * mg[j];
+                } else {
+                    vfu *o = (vfu *)(y + i * ldy + j * VW);
+                    *o = (g ? *o : (vf){0}) + t * dg[j] + s * mg[j];
+                }
             }
         }
     }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < NV; j++) *(vfu *)(y + i * ldy + j * VW) = out[i][j];
+    if (NV == 1)
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < NV; j++) *(vfu *)(y + i * ldy + j * VW) = out[i][j];
 }
 
 static inline __attribute__((always_inline)) void direct8(int mr, const int8_t *q, const float *d, const float *x,
@@ -271,7 +288,10 @@ static void direct(int bits, int M, const uint8_t *t4, const int8_t *t8, const u
     switch (M) {
         ROWS(1) ROWS(2)
 #if DIRECT_ROWS > 2
-        ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+        ROWS(3) ROWS(4)
+#endif
+#if DIRECT_ROWS > 4
+        ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #endif
         default: break;
     }

@@ -1,0 +1,78 @@
+"""The native product kernel by row count: microseconds per row of an int4 and an int8 product
+against the float32 product of the same shape, in the same run, one thread (the kernel's own cost,
+not the thread pool's). Shows where each path (rows in registers, the dequantized buffer, bfloat16
+pairs where the CPU has them) pays, as a ratio: quantized ÷ float32 time, below 1 where the
+quantized product is faster. Prints one JSON line.
+
+The matrix is the default model's gate/up product (3072 x 576) by default: small enough to stay in
+the last-level cache, so the figure is the kernel's arithmetic, not the memory's speed
+(decode_roofline.py measures that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _best(fn, repeats: int, inner: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,32")
+    ap.add_argument("--n", type=int, default=3072)
+    ap.add_argument("--k", type=int, default=576)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+
+    import torch
+
+    from pdserve.model.kernels import qgemm
+    from pdserve.model.linear import linear
+    from pdserve.model.quant import pack
+    from pdserve.utils.cpu import describe
+
+    if not qgemm.available():
+        print(json.dumps({"benchmark": "qgemm_rows", "error": "the native kernel does not build here"}))
+        return 1
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(args.n, args.k, generator=g) * 0.05
+    weights = {mode: pack(w, mode, torch.float32, "cpu", native=True) for mode in ("none", "int8", "int4")}
+
+    result: dict = {
+        "benchmark": "qgemm_rows",
+        "cpu": describe(),
+        "shape": [args.n, args.k],
+        "threads": args.threads,
+    }
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(rows, args.k, generator=g)
+        us = {m: _best(lambda: linear(x, wt), args.repeats, 20) * 1e6 for m, wt in weights.items()}
+        result[f"rows_{rows}"] = {
+            "us_per_row": {m: round(t / rows, 1) for m, t in us.items()},
+            "int4_vs_f32": round(us["int4"] / us["none"], 3),
+            "int8_vs_f32": round(us["int8"] / us["none"], 3),
+        }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
