@@ -5,19 +5,20 @@ layer (one plane per layer, kv_lora_rank + qk_rope_head_dim values a token) and 
 from __future__ import annotations
 
 import pytest
-from pd_harness import pd_config, pd_pair, prompts
+from pd_harness import Loop, pd_config, pd_pair, prompts
 
 from pdserve import SamplingParams
 from pdserve.disagg.trust import compat_info, compat_mismatch
 from pdserve.engine.engine import LLMEngine
 from pdserve.model.arch import TINY_CONFIGS
+from pdserve.server.roles import build_engine
 
 MLA = "tiny-deepseek-v3"
 TOKENS = 32
 
 
-def _mixed(prompt_list, params) -> dict[str, list[int]]:
-    e = LLMEngine(pd_config("mixed", overrides={"model.name": MLA}))
+def _mixed(prompt_list, params, device_blocks: int = 64) -> dict[str, list[int]]:
+    e = LLMEngine(pd_config("mixed", device_blocks=device_blocks, overrides={"model.name": MLA}))
     try:
         for i, p in enumerate(prompt_list):
             e.add_request(f"r{i}", p, params)
@@ -103,3 +104,41 @@ def test_parity_depends_on_the_transferred_latents(monkeypatch):
     with _pair("shm") as (_, decode):
         decode.run(prompt_list, params)
         assert decode.outputs != want
+
+
+def test_two_prefill_workers_in_a_pipeline_give_the_mixed_output():
+    """A long prompt cut between two prefill workers: the second chunk's worker reads the first
+    chunk's latents from the decode worker's pool, both write theirs into it."""
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    prompt_list = [[(11 * i + 7 * j) % 250 + 1 for j in range(70 + 9 * i)] for i in range(2)]
+    want = _mixed(prompt_list, params, 96)
+    prefill_cfg = {"model.name": MLA, "scheduler.max_num_batched_tokens": 256}
+    prefills = [Loop(build_engine(pd_config("prefill", "auto", 96, prefill_cfg))) for _ in range(2)]
+    decode = None
+    try:
+        decode = Loop(
+            build_engine(
+                pd_config(
+                    "decode",
+                    "auto",
+                    96,
+                    {"model.name": MLA},
+                    prefill_endpoints=[p.engine.connector.endpoint for p in prefills],
+                    parallel_prefill_min_tokens=32,
+                    bootstrap_timeout_s=0.5,
+                    quarantine_timeout_s=5.0,
+                )
+            )
+        )
+        decode.run(prompt_list, params)
+        assert decode.outputs == want
+        s = decode.engine.stats()
+        assert s["kv_parallel_prefills_total"] == 2 and s["kv_parallel_prefill_chunks_total"] == 4
+        decode.wait_idle()
+        for p in prefills:
+            p.wait_idle()
+    finally:
+        if decode is not None:
+            decode.stop()
+        for p in prefills:
+            p.stop()
