@@ -13,7 +13,7 @@ def sequence_logits(model, ids: list[int], block: int = 16) -> torch.Tensor:
     """float32 logits [len(ids), vocab] of one sequence, in a single pass over a paged KV cache."""
     a = model.arch
     blocks = list(range((len(ids) + block - 1) // block))
-    kv = torch.zeros(a.num_layers, 2, len(blocks) * block, a.num_kv_heads, a.head_dim, dtype=model.dtype)
+    kv = torch.zeros(a.kv_cache_shape(len(blocks) * block), dtype=model.dtype)
     meta = build_metadata([(blocks, 0, len(ids))], block, a.sliding_window, "cpu")
     n = len(ids)
     return model.forward(torch.tensor(ids), torch.arange(n), meta, kv, torch.arange(n)).float()

@@ -17,13 +17,22 @@ def attention_weight(arch: ModelArch, efficiency: float = 1.0) -> float:
     """The attention cost of one (query, key) pair relative to one token's linear work, by FLOPs:
     QK^T and PV per head against the projections and MLP of every layer. `efficiency` scales it
     (attention kernels run at another FLOP rate than GEMMs: disagg.parallel_prefill_attention_weight)."""
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    h = arch.hidden_size
     ffn = (
         arch.intermediate_size
         if not arch.num_experts
         else arch.moe_intermediate_size * arch.num_experts_per_tok
     )
-    linear = arch.hidden_size * (q + 2 * kv) + q * arch.hidden_size + 3 * arch.hidden_size * ffn
+    if arch.is_mla:
+        # Prefill expands each latent to per-head K/V (kv_b) and attends with qk-wide keys, v-wide values.
+        heads, r = arch.num_heads, arch.kv_lora_rank
+        qk, v = heads * arch.head_dim, heads * arch.v_head_dim
+        q_proj = h * arch.q_lora_rank + arch.q_lora_rank * qk if arch.q_lora_rank else h * qk
+        kv_proj = h * (r + arch.qk_rope_head_dim) + r * (heads * arch.qk_nope_head_dim + v)
+        linear = q_proj + kv_proj + v * h + 3 * h * ffn
+        return efficiency * (qk + v) / linear
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    linear = h * (q + 2 * kv) + q * h + 3 * h * ffn
     return efficiency * 2 * q / linear
 
 
