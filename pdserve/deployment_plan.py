@@ -101,17 +101,8 @@ def _check_model(config: Config, arch: Any, roles: list[RolePlan]) -> None:
                 f"layer ({arch.num_experts} experts + model.num_redundant_experts) cannot be spread "
                 f"over {ep} ranks"
             )
-    # Roles may quantize differently (seed 004: prefill in float, decode in int4): the KV they
-    # exchange has the same layout and dtype either way, so the KV plane accepts it.
-    for rp in roles:
-        quant = getattr(rp.config.model, "quantization", "none")
-        if quant != "none" and arch.is_moe:
-            own = getattr(getattr(config.deployment, rp.role, None), "quantization", None) is not None
-            key = f"deployment.{rp.role}.quantization" if own else "model.quantization"
-            problems[key] = (
-                f"{quant}: weight quantization applies to dense models for now; {config.model.name} "
-                "is MoE (use quantization: none)"
-            )
+    # Roles may quantize differently (seed 004: prefill in float, decode in int4), MoE models' experts
+    # included: the KV they exchange has the same layout and dtype either way, so the KV plane accepts it.
     if problems:
         raise ConfigError(list(problems.items()))
 

@@ -61,8 +61,7 @@ class ExpertWeightMover:
         for j, (block, placement) in enumerate(zip(self.model.blocks, self._next)):
             old = block.placement
             block.placement = placement  # the swap: one pointer per layer
-            store = self.model.expert_store[j][0]
-            aliases = old.gate_up.untyped_storage().data_ptr() == store.untyped_storage().data_ptr()
+            aliases = old.gate_up.shares_storage(self.model.expert_store[j][0])
             self._standby[j] = None if aliases else (old.gate_up, old.down)
         self.model.phy2log = self._phy2log
         self._next = None
@@ -76,21 +75,23 @@ class ExpertWeightMover:
             for j, block in enumerate(m.blocks):
                 cur = block.placement
                 if self._standby[j] is None:
-                    self._standby[j] = (torch.empty_like(cur.gate_up), torch.empty_like(cur.down))
+                    self._standby[j] = (cur.gate_up.empty_like(), cur.down.empty_like())
                 gate_up, down = self._standby[j]
                 have = {e: s for s, e in enumerate(cur.phy2log[lo:hi].tolist())}
                 for s, e in enumerate(self._phy2log[j, lo:hi].tolist()):
+                    # A slot in whatever format the experts are packed in (model/experts.py): each of
+                    # its tensors copied whole.
                     if e in have:
-                        src = (cur.gate_up[have[e]], cur.down[have[e]])
+                        gate_up.copy_slot_(s, cur.gate_up, have[e])
+                        down.copy_slot_(s, cur.down, have[e])
                     else:
-                        src = (m.expert_store[j][0][e], m.expert_store[j][1][e])
+                        gate_up.copy_slot_(s, m.expert_store[j][0], e)
+                        down.copy_slot_(s, m.expert_store[j][1], e)
                         moved += 1
-                    gate_up[s].copy_(src[0])
-                    down[s].copy_(src[1])
                 built.append(
                     LayerPlacement.build(self._phy2log[j], m.arch.num_experts, lo, hi, gate_up, down)
                 )
-            if gate_up.is_cuda:
+            if gate_up.device.type == "cuda":
                 torch.cuda.current_stream(gate_up.device).synchronize()
             self.moved, self._next = moved, built
         except BaseException as exc:  # reported by commit() on the stepping thread

@@ -4,6 +4,7 @@ replaced whole by eplb/mover.py between steps)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,8 +19,8 @@ class LayerPlacement:
     table: tuple[torch.Tensor, torch.Tensor]  # log2phy(phy2log): replicas of each expert, counts
     lo: int  # this rank's slots are lo..hi
     hi: int
-    gate_up: torch.Tensor  # [hi - lo, 2I, H]
-    down: torch.Tensor  # [hi - lo, H, I]
+    gate_up: Any  # model/experts.py's ExpertStack: hi - lo slots of [2I, H]
+    down: Any  # hi - lo slots of [H, I]
     identity: bool  # slot == logical expert: no dispatch needed
 
     @classmethod
@@ -29,8 +30,8 @@ class LayerPlacement:
         num_experts: int,
         lo: int,
         hi: int,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
+        gate_up: Any,
+        down: Any,
     ) -> "LayerPlacement":
         phy2log = torch.as_tensor(phy2log, dtype=torch.long).cpu()
         ident = phy2log.numel() == num_experts and bool((phy2log == torch.arange(num_experts)).all())

@@ -58,7 +58,9 @@ from pdserve.model.ep_protocol import (
     decode_step,
     encode_step,
 )
-from pdserve.model.moe_model import MoEModel, initial_placement
+from pdserve.model.moe_model import MoEModel, initial_placement, pack_experts
+from pdserve.model.quant import MODES
+from pdserve.model.stored_quant import resolve_quantization
 from pdserve.utils.shm import attach_shared_kv
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,9 @@ class _WorkerSpec:
     store_path: str
     threads: int
     parent_pid: int
+    quantization: str = "none"
+    attention_kernel: str = "auto"
+    gemm_kernel: str = "auto"
 
 
 class ExpertParallelModel:
@@ -118,14 +123,22 @@ class ExpertParallelModel:
             raise ValueError("model.expert_parallel must be >= 1 and model.num_redundant_experts >= 0")
         if num_physical < world:
             raise ValueError(f"{num_physical} expert slots cannot be spread over {world} ranks")
+        quant = resolve_quantization(mc.quantization, loaded.name)
+        if quant not in MODES:
+            raise ValueError(f"model.quantization: {quant!r} is not one of {', '.join(MODES)}")
         self.arch, self.dtype, self.world = arch, dtype, world
         phy2log = initial_placement(arch, num_physical, world)
         weights = loaded.weights
         self._ranks = _Ranks()
         if world > 1:
-            # One copy of the weights in shared memory serves every rank, and is the mover's source.
+            # One copy of the weights in shared memory serves every rank, and is the mover's source; the
+            # experts packed (quantized) once, here, rather than by every rank.
+            native = mc.gemm_kernel == "auto" and torch.device(device).type == "cpu"
+            experts = pack_experts(weights, arch, quant, dtype, native)
             weights = {
-                k: v.to(dtype if v.is_floating_point() else v.dtype).share_memory_()
+                k: experts[k].share_memory_()
+                if k in experts
+                else v.to(dtype if v.is_floating_point() else v.dtype).share_memory_()
                 for k, v in weights.items()
             }
             self._ranks.start(
@@ -141,6 +154,9 @@ class ExpertParallelModel:
                     "",
                     torch.get_num_threads(),
                     os.getpid(),
+                    quant,
+                    mc.attention_kernel,
+                    mc.gemm_kernel,
                 ),
                 weights,
                 _rank_device(device, 0, world),
@@ -156,6 +172,9 @@ class ExpertParallelModel:
             rank=0,
             world=world,
             combine=comm.all_reduce if comm else None,
+            quantization=quant,
+            attention_kernel=mc.attention_kernel,
+            gemm_kernel=mc.gemm_kernel,
         )
         self.device, self.max_model_len = self.model.device, self.model.max_model_len
         self.mover = ExpertWeightMover(self.model)
@@ -384,6 +403,9 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
         rank=spec.rank,
         world=spec.world,
         combine=comm.all_reduce,
+        quantization=spec.quantization,
+        attention_kernel=spec.attention_kernel,
+        gemm_kernel=spec.gemm_kernel,
     )
     mover = ExpertWeightMover(model)
     kv = None

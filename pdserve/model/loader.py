@@ -305,12 +305,7 @@ def build_model(
             mc.attention_kernel,
             mc.gemm_kernel,
         )
-    if model_config is not None and model_config.quantization not in ("none", "auto"):  # auto: none for MoE
-        raise ValueError(
-            f"model.quantization {model_config.quantization!r} applies to dense models; "
-            f"{loaded.name} is MoE (its experts stay float)"
-        )
-    from pdserve.model.expert_parallel import ExpertParallelModel
+    from pdserve.model.expert_parallel import ExpertParallelModel  # quantizes its experts too
 
     return ExpertParallelModel(
         loaded, torch_dtype(dtype), device, max_model_len, model_config or ModelConfig()

@@ -13,6 +13,7 @@ slots are the logical experts and nothing is dispatched.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Callable
 
@@ -22,7 +23,9 @@ import torch.nn.functional as F
 from pdserve.eplb.dispatch import dispatch
 from pdserve.eplb.placement import LayerPlacement
 from pdserve.model.arch import ModelArch
-from pdserve.model.linear import linear
+from pdserve.model.experts import ExpertStack
+from pdserve.model.kernels.layer import silu_mul
+from pdserve.model.kernels.moe import grouped_moe
 
 
 def select_experts(
@@ -52,10 +55,21 @@ def select_experts(
 def routed_experts(
     x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pl: LayerPlacement
 ) -> torch.Tensor:
-    """Sum over the choices that land in this rank's slots of weight * expert(x): [T, H].
+    """Sum over the choices that land in this rank's slots of weight * expert(x): [T, H]. Every active
+    expert in one native call (kernels/moe.c) where the weights are in its tile layout and the
+    activations float32 on CPU, else slot by slot (`routed_experts_loop`, the same values)."""
+    gu, down = pl.gate_up, pl.down
+    if x.dtype == torch.float32 and x.device.type == "cpu" and gu.kernel_ready() and down.kernel_ready():
+        x = x if x.stride(1) == 1 else x.contiguous()
+        return grouped_moe(x, slots, weights, pl.lo, pl.hi, gu.kernel_struct(), down.kernel_struct())
+    return routed_experts_loop(x, slots, weights, pl)
 
-    Tokens are grouped by slot (one sort), each active slot runs one pair of matmuls over its
-    tokens, and the results go back with one index_add."""
+
+def routed_experts_loop(
+    x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, pl: LayerPlacement
+) -> torch.Tensor:
+    """`routed_experts` op by op: tokens grouped by slot (one sort), each active slot runs one pair of
+    products over its tokens, and the results go back with one index_add."""
     out = torch.zeros_like(x)
     k = slots.shape[1]
     flat = slots.reshape(-1)
@@ -74,8 +88,12 @@ def routed_experts(
     for s, n in enumerate(counts):
         if n == 0:
             continue
-        gate, up = linear(xs[start : start + n], pl.gate_up[s]).chunk(2, dim=-1)
-        ys[start : start + n] = linear(F.silu(gate) * up, pl.down[s])
+        gu = pl.gate_up.matmul(s, xs[start : start + n])
+        act = silu_mul(gu)  # moe.c's own (layer.c), so both paths match bit for bit
+        if act is None:
+            gate, up = gu.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        ys[start : start + n] = pl.down.matmul(s, act)
         start += n
     ys *= weights.reshape(-1)[pos].unsqueeze(1)
     return out.index_add_(0, tok, ys)
@@ -100,6 +118,12 @@ class MoEBlock:
         self.arch, self.layer = arch, layer
         self.gate = gate.float()  # routing in float32 whatever the model dtype, as the references do
         self.bias = bias.float() if bias is not None else None
+        if isinstance(placement.gate_up, torch.Tensor):  # float stacks [E, N, K] given as they are
+            placement = dataclasses.replace(
+                placement,
+                gate_up=ExpertStack.plain(placement.gate_up),
+                down=ExpertStack.plain(placement.down),
+            )
         self.placement = placement
         self.shared, self.shared_gate = shared, shared_gate
         self.rank, self.world, self.combine = rank, world, combine
@@ -127,7 +151,8 @@ class MoEBlock:
 
     def weight_tensors(self) -> list[torch.Tensor]:
         extra = self.shared.weight_tensors() if self.shared is not None else []
-        return [self.gate, self.placement.gate_up, self.placement.down, *extra]
+        pl = self.placement
+        return [self.gate, *pl.gate_up.tensors, *pl.down.tensors, *extra]
 
 
 # ---------------------------------------------------------------- checkpoint names

@@ -7,12 +7,14 @@ are the source the weight mover copies from. A rank's device holds only its phys
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import torch
 
 from pdserve.eplb.placement import LayerPlacement, slot_range
 from pdserve.model.arch import ModelArch
+from pdserve.model.experts import ExpertStack
 from pdserve.model.llama import DenseMLP, LlamaModel
 from pdserve.model.moe import MoEBlock, expert_keys
 from pdserve.model.quant import cat_rows
@@ -45,11 +47,18 @@ class MoEModel(LlamaModel):
         rank: int = 0,
         world: int = 1,
         combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        quantization: str = "none",
+        attention_kernel: str = "auto",
+        gemm_kernel: str = "auto",
     ) -> None:
+        """`quantization` applies to the experts as to every linear layer (quant.py's formats); the
+        experts may come packed already (`pack_experts`, shared between ranks)."""
         self.moe_ids = arch.moe_layer_ids()
         keys = {k for i in self.moe_ids for k in expert_keys(i)}
-        # Host copies in the model dtype: the mover's source (a no-op view when the dtype matches).
-        self.expert_store = [tuple(weights[k].to(dtype) for k in expert_keys(i)) for i in self.moe_ids]
+        # Host copies in their packed format: the mover's source.
+        native = gemm_kernel == "auto" and torch.device(device).type == "cpu"
+        packed = pack_experts(weights, arch, quantization, dtype, native)
+        self.expert_store = [tuple(packed[k] for k in expert_keys(i)) for i in self.moe_ids]
         self.phy2log = (
             phy2log if phy2log is not None else initial_placement(arch, arch.num_experts, world)
         ).long()
@@ -57,7 +66,14 @@ class MoEModel(LlamaModel):
         self._raw = weights
         self.blocks: list[MoEBlock] = []
         super().__init__(
-            arch, {k: v for k, v in weights.items() if k not in keys}, dtype, device, max_model_len
+            arch,
+            {k: v for k, v in weights.items() if k not in keys},
+            dtype,
+            device,
+            max_model_len,
+            quantization,
+            attention_kernel,
+            gemm_kernel,
         )
         del self._raw
 
@@ -112,6 +128,19 @@ class MoEModel(LlamaModel):
     def set_load_hook(self, hook: Callable[[int, torch.Tensor], None] | None) -> None:
         for b in self.blocks:
             b.expert_load_hook = hook
+
+
+def pack_experts(
+    weights: Mapping[str, Any], arch: ModelArch, mode: str, dtype: torch.dtype, native: bool
+) -> dict[str, ExpertStack]:
+    """Every MoE layer's stacked experts packed for `mode` (experts.py), on the host; stacks packed
+    already are kept."""
+    out = {}
+    for i in arch.moe_layer_ids():
+        for k in expert_keys(i):
+            w = weights[k]
+            out[k] = w if isinstance(w, ExpertStack) else ExpertStack.pack(w, mode, dtype, "cpu", native)
+    return out
 
 
 def tiny_moe_weights(arch: ModelArch, layer: int, g: torch.Generator) -> dict[str, torch.Tensor]:

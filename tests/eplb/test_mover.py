@@ -3,11 +3,13 @@ changes which slots hold which experts without changing a single logit."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pdserve.config import ModelConfig
 from pdserve.model.attention import build_metadata
 from pdserve.model.ep_protocol import Header, decode_step, encode_step
+from pdserve.model.kernels import qgemm
 from pdserve.model.loader import build_model, load_model_files
 
 BLOCK = 4
@@ -41,17 +43,21 @@ def _step(model, kv, ids, start):
     return model.forward(torch.tensor(ids), torch.arange(start, start + n), meta, kv, torch.tensor([n - 1]))
 
 
-def test_swap_keeps_logits_and_moves_weights():
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_swap_keeps_logits_and_moves_weights(quant):
+    """Quantized experts move as float ones do: a slot's packed tensors are copied whole."""
     torch.set_num_threads(1)
     loaded = load_model_files("tiny-mixtral")
-    ref = build_model(loaded)
-    ep = build_model(loaded, model_config=ModelConfig(num_redundant_experts=4, eplb_interval=0))
+    ref = build_model(loaded, model_config=ModelConfig(quantization=quant))
+    ep = build_model(
+        loaded, model_config=ModelConfig(quantization=quant, num_redundant_experts=4, eplb_interval=0)
+    )
     a = ref.arch
     kv_ref, kv_ep = (torch.zeros(a.num_layers, 2, 64, a.num_kv_heads, a.head_dim) for _ in range(2))
     prompt = torch.randint(0, a.vocab_size, (12,), generator=torch.Generator().manual_seed(0)).tolist()
     want, got = [_step(ref, kv_ref, prompt, 0)], [_step(ep, kv_ep, prompt, 0)]
     old = ep.model.phy2log.clone()
-    store = [gu.clone() for gu, _ in ep.model.expert_store]
+    store = [gu.dense().clone() for gu, _ in ep.model.expert_store]
     g = torch.Generator().manual_seed(1)
     placements = []
     for _ in range(2):  # twice: the second swap writes into the buffers the first one retired
@@ -75,8 +81,9 @@ def test_swap_keeps_logits_and_moves_weights():
     assert ep.eplb.rebalances == 2 and ep.eplb.moved_total > 0
     for j, (block, row) in enumerate(zip(ep.model.blocks, placements[1])):
         assert torch.equal(block.placement.phy2log, row)
-        assert torch.equal(ep.model.expert_store[j][0], store[j])  # the source is never written
-        assert torch.equal(block.placement.gate_up, store[j][row])  # every slot holds its expert
+        assert torch.equal(ep.model.expert_store[j][0].dense(), store[j])  # the source is never written
+        assert torch.equal(block.placement.gate_up.dense(), store[j][row])  # every slot holds its expert
+        assert block.placement.gate_up.kind == {"none": "f32"}.get(quant, quant) or not qgemm.available()
 
 
 def test_initial_slots_are_views_of_the_store_and_never_overwritten():
@@ -84,9 +91,9 @@ def test_initial_slots_are_views_of_the_store_and_never_overwritten():
     loaded = load_model_files("tiny-qwen3-moe")
     ep = build_model(loaded, model_config=ModelConfig(eplb_interval=0))
     gu = ep.model.expert_store[0][0]
-    assert ep.model.blocks[0].placement.gate_up.data_ptr() == gu.data_ptr()
-    before = gu.clone()
+    assert ep.model.blocks[0].placement.gate_up.shares_storage(gu)
+    before = gu.dense().clone()
     ep.mover.prepare(torch.stack([torch.arange(16).flip(0)] * len(ep.model.blocks)))
     assert ep.mover.commit() == 0  # a reorder inside the rank copies nothing from the host
-    assert torch.equal(gu, before)
-    assert torch.equal(ep.model.blocks[0].placement.gate_up, before.flip(0))
+    assert torch.equal(gu.dense(), before)
+    assert torch.equal(ep.model.blocks[0].placement.gate_up.dense(), before.flip(0))

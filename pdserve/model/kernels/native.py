@@ -51,7 +51,11 @@ def _compiler() -> str | None:
 
 
 # Libraries that link other kernels' sources in beside their own (the fused decode layer calls them).
-LINKED = {"qgemm": ["qgemm_bf16"], "layer": ["qgemm", "qgemm_bf16", "norm", "decode_attention"]}
+LINKED = {
+    "qgemm": ["qgemm_bf16"],
+    "layer": ["qgemm", "qgemm_bf16", "norm", "decode_attention"],
+    "moe": ["layer", "qgemm", "qgemm_bf16", "norm", "decode_attention"],
+}
 
 
 def build(name: str) -> Path:
