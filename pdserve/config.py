@@ -56,6 +56,10 @@ class CacheConfig:
     # None = off. Snapshots are served on kv_events_snapshot_endpoint (None: same host, a free port).
     kv_events_endpoint: str | None = None
     kv_events_snapshot_endpoint: str | None = None  # where snapshot requests are answered
+    # pdserve: its own events (above). vllm: vLLM's wire format (topic kv@<host>:<port>@<model>, msgspec-style
+    # tagged structs, a replay socket on kv_events_snapshot_endpoint) for consumers written for vLLM; vllm-array:
+    # the same with events laid out as arrays, as earlier vLLM releases wrote them. See docs/kv-cache.md.
+    kv_events_format: str = "pdserve"
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "server.reasoning_parser": REASONING_PARSERS,
     "server.tool_call_parser": TOOL_CALL_PARSERS,
     "scheduler.speculative_method": ("none", "ngram"),
+    "cache.kv_events_format": ("pdserve", "vllm", "vllm-array"),  # cache/kv_events_vllm.py FORMATS
     **_per_role({"deployment.<role>.quantization": QUANTIZATIONS}),
 }
 

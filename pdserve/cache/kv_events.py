@@ -171,6 +171,7 @@ class KVEventPublisher:
         with self._lock:
             for h in hexes:
                 self._blocks.setdefault(h, set()).add(tier)
+            tokens = self._block_tokens(hexes, parent_hex, token_ids)
             ev = self._open
             if (
                 ev is not None
@@ -178,10 +179,15 @@ class KVEventPublisher:
                 and ev["tier"] == tier
                 and parent_hex is not None
                 and ev["block_hashes"][-1] == parent_hex
+                and (tokens is None) == ("token_ids" not in ev)
             ):
                 ev["block_hashes"].extend(hexes)  # the chain goes on: one event, not one per block
+                if tokens is not None:
+                    ev["token_ids"].extend(tokens)
                 return
             self._queue_event("stored", hexes, parent_hex, tier)
+            if tokens is not None and self._open is not None:
+                self._open["token_ids"] = tokens
 
     def removed(self, hashes: list[bytes] | list[str], tier: str = "device") -> None:
         hexes = [hash_hex(h) for h in hashes]
@@ -195,6 +201,7 @@ class KVEventPublisher:
                     tiers.discard(tier)
                     if not tiers:
                         del self._blocks[h]
+                        self._forget(h)
             ev = self._open
             if ev is not None and ev["type"] == "removed" and ev["tier"] == tier:
                 ev["block_hashes"].extend(hexes)
@@ -227,24 +234,42 @@ class KVEventPublisher:
         if len(self._queue) >= self.max_pending:
             self.dropped += 1
             self._open = None
-            return
-        ev = {
-            "type": kind,
-            "block_hashes": hexes,
-            "parent_hash": parent,
-            "tier": tier,
-            "worker_id": self.worker_id,
-            "seq": self._seq,
-            "ts": time.time(),
-        }
-        self._queue.append(ev)
-        self._open = ev
-        if not self._signaled:
+            self._on_drop()
+        else:
+            ev = {
+                "type": kind,
+                "block_hashes": hexes,
+                "parent_hash": parent,
+                "tier": tier,
+                "worker_id": self.worker_id,
+                "seq": self._seq,
+                "ts": time.time(),
+            }
+            self._queue.append(ev)
+            self._open = ev
+        if not self._signaled:  # a dropped event wakes it too: a full queue must drain
             self._signaled = True
             try:
                 os.write(self._wake_w, b"x")
             except BlockingIOError:
                 pass
+
+    # Hooks of a publisher in another wire format (cache/kv_events_vllm.py); called under self._lock.
+
+    def _block_tokens(self, hexes: list[str], parent: str | None, token_ids: Sequence[int] | None):
+        """The stored blocks' token ids to put in the event, or None: pdserve's format has none."""
+        return None
+
+    def _forget(self, h: str) -> None:
+        """Block `h` left every tier."""
+
+    def _on_drop(self) -> None:
+        """An event was dropped (the queue was full); the gap in seq tells pdserve's subscribers."""
+
+    def _drain(self) -> list[dict[str, Any]]:
+        events = list(self._queue)
+        self._queue.clear()
+        return events
 
     @property
     def seq(self) -> int:
@@ -325,19 +350,22 @@ class KVEventPublisher:
         with self._lock:
             self._signaled = False
             self._open = None
-            events = list(self._queue)
-            self._queue.clear()
+            events = self._drain()
         for i in range(0, len(events), self.max_batch):
             chunk = events[i : i + self.max_batch]
-            payload = msgpack.packb({"worker_id": self.worker_id, "events": chunk})
-            try:
-                self._pub.send_multipart([TOPIC, payload], flags=zmq.NOBLOCK)
-                sent, lost = len(chunk), 0
-            except zmq.Again:
-                sent, lost = 0, len(chunk)
+            sent = self._publish(chunk)
             with self._lock:
-                self.published += sent
-                self.dropped += lost
+                self.published += len(chunk) if sent else 0
+                self.dropped += 0 if sent else len(chunk)
+
+    def _publish(self, chunk: list[dict[str, Any]]) -> bool:
+        """Send one batch (socket thread); False when the PUB socket's queue is full."""
+        payload = msgpack.packb({"worker_id": self.worker_id, "events": chunk})
+        try:
+            self._pub.send_multipart([TOPIC, payload], flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def _serve_snapshots(self) -> None:
         while True:

@@ -25,6 +25,9 @@ class WorkerHealth(BaseModel):
     kv_endpoint: str | None = None  # its PD control/KV socket (prefill workers)
     kv_events_endpoint: str | None = None
     kv_events_snapshot_endpoint: str | None = None
+    # pdserve, or vllm / vllm-array (cache/kv_events_vllm.py: no snapshots, a replay socket instead).
+    kv_events_format: str = "pdserve"
+    kv_events_replay_endpoint: str | None = None
     # Its version label (pdserve/version.py): what `pdserve rollout` replaces and canaries route by.
     pdserve_version: str | None = None
     config_digest: str | None = None

@@ -128,6 +128,7 @@ _counters(
 # ------------------------------------------------------------------ KV events (cache/kv_events.py)
 # Running counts are counters (exported as pdserve_kv_events_published_total etc.); the queue is a gauge.
 _counters("kv_events_published_total", "kv_events_dropped_total", "kv_snapshots_served_total")
+_counters("kv_event_replays_served_total")  # vLLM's format (cache/kv_events_vllm.py) replays, no snapshots
 _gauges("kv_events_pending")
 
 # ------------------------------------------------------------------ PD: the decode side (disagg/receiver.py)

@@ -129,12 +129,9 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
             for w in registry.workers.values():
                 if w.healthy and (h := w.health) is not None:
                     # A new pid or snapshot port: the worker restarted, its indexed blocks are gone.
-                    feed.watch(
-                        h.kv_events_endpoint,
-                        h.kv_events_snapshot_endpoint,
-                        h.worker_id,
-                        (h.pid, h.kv_events_snapshot_endpoint),
-                    )
+                    vllm = h.kv_events_format != "pdserve"  # vLLM's format: a replay socket, no snapshots
+                    snap = h.kv_events_replay_endpoint if vllm else h.kv_events_snapshot_endpoint
+                    feed.watch(h.kv_events_endpoint, snap, h.worker_id, (h.pid, snap), h.kv_events_format)
                     # The context is the decode side's: a prefill worker's may be longer or shorter.
                     if w.role != "prefill" and not backend.max_model_len and h.max_model_len:
                         backend.max_model_len = h.max_model_len

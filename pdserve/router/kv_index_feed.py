@@ -11,6 +11,10 @@ new subscriber starting from a snapshot. A seq gap in the events (a restart the 
 or PUB drops) also asks for a snapshot (cache/kv_index.py). Snapshots are fetched outside the
 index lock (routing reads the index on the event loop), and one that times out (a worker gone
 silent) is retried after a pause instead of stalling the other workers' events each round.
+
+A worker may publish vLLM's format instead (its /health says kv_events_format: vllm): its events
+feed the same index, through cache/kv_events_vllm.py's subscriber, which replays what it missed
+(there are no snapshots in that format) and names the worker as the router does.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import threading
 import time
 
 from pdserve.cache.kv_events import KVEventSubscriber
+from pdserve.cache.kv_events_vllm import VLLMEventSubscriber
 from pdserve.cache.kv_index import KVIndex
+from pdserve.protocol import KVSnapshot
 
 log = logging.getLogger(__name__)
 SNAPSHOT_TIMEOUT_S = 2.0
@@ -33,10 +39,12 @@ class IndexFeed:
         self.token = token
         self.index = KVIndex()
         self.lock = threading.Lock()
-        self._subs: dict[str, KVEventSubscriber] = {}  # event endpoint -> subscriber (kv-index thread)
+        # event endpoint -> subscriber (kv-index thread)
+        self._subs: dict[str, KVEventSubscriber | VLLMEventSubscriber] = {}
         self._retry_at: dict[str, float] = {}  # event endpoint -> next snapshot try (kv-index thread)
         # Written by the event loop, read by the kv-index thread (single dict operations).
-        self._wanted: dict[str, str | None] = {}  # event endpoint -> snapshot endpoint
+        self._wanted: dict[str, str | None] = {}  # event endpoint -> snapshot (vLLM format: replay) endpoint
+        self._vllm: dict[str, str] = {}  # event endpoint -> worker name, for workers publishing vLLM's format
         self._instances: dict[str, object] = {}  # event endpoint -> the worker's instance
         self._renewed: set[str] = set()  # endpoints whose subscriber must be remade
         self.restarts_seen = 0
@@ -50,11 +58,18 @@ class IndexFeed:
         snapshot_endpoint: str | None,
         name: str | None = None,
         instance: object = None,
+        fmt: str = "pdserve",
     ) -> None:
         """Follow a worker's events. `instance`: what identifies its process (a restart changes it);
-        a different one than last time drops `name`'s entries and resubscribes from a snapshot."""
+        a different one than last time drops `name`'s entries and resubscribes from a snapshot.
+        `fmt`: the worker's kv_events_format; with vLLM's, `snapshot_endpoint` is its replay socket
+        and `name` is required (the events do not name their worker)."""
         if not endpoint:
             return
+        if fmt != "pdserve":
+            if not name:
+                return
+            self._vllm[endpoint] = name
         known = self._instances.get(endpoint)
         self._instances[endpoint] = instance
         if endpoint not in self._wanted:
@@ -84,7 +99,12 @@ class IndexFeed:
                 self._retry_at.pop(ep, None)
             for ep, snap in list(self._wanted.items()):
                 if ep not in self._subs:
-                    self._subs[ep] = KVEventSubscriber(ep, snap, token=self.token)
+                    name = self._vllm.get(ep)
+                    self._subs[ep] = (
+                        VLLMEventSubscriber(ep, snap, name)
+                        if name is not None
+                        else KVEventSubscriber(ep, snap, token=self.token)
+                    )
             busy = False
             for ep, sub in list(self._subs.items()):
                 try:
@@ -96,14 +116,17 @@ class IndexFeed:
         for sub in self._subs.values():
             sub.close()
 
-    def _update(self, ep: str, sub: KVEventSubscriber) -> bool:
+    def _update(self, ep: str, sub: KVEventSubscriber | VLLMEventSubscriber) -> bool:
         """Apply `sub`'s new events, then a snapshot when the index lacks or lost its worker's state."""
         events = sub.poll()
         if events:
             with self.lock:
                 for ev in events:
-                    self.index.apply(ev)
-        if sub.snapshot_endpoint is None:
+                    if isinstance(ev, KVSnapshot):  # vLLM's format: the worker's blocks were cleared
+                        self.index.apply_snapshot(ev)
+                    else:
+                        self.index.apply(ev)
+        if not isinstance(sub, KVEventSubscriber) or sub.snapshot_endpoint is None:
             return bool(events)
         with self.lock:
             wanted = sub.worker_id is None or sub.worker_id in self.index.needs_snapshot

@@ -6,7 +6,7 @@ import ipaddress
 import logging
 
 from pdserve.cache.kv_cache import new_shm_path
-from pdserve.config import Config
+from pdserve.config import Config, served_names
 from pdserve.engine.engine import LLMEngine
 from pdserve.model.loader import LoadedModel
 from pdserve.server.internal_api import internal_token
@@ -43,6 +43,8 @@ def kv_event_publisher(config: Config):
         ep = cc.kv_events_endpoint
         snapshot = ep.rsplit(":", 1)[0] + ":*" if ep.startswith("tcp://") else ep + "-snapshot"
     worker_id = worker_name(config)
+    if cc.kv_events_format != "pdserve":
+        return _vllm_event_publisher(config, snapshot, worker_id)
     pub = KVEventPublisher(
         cc.kv_events_endpoint,
         worker_id,
@@ -55,6 +57,33 @@ def kv_event_publisher(config: Config):
         log.warning(
             "KV events on %s without an internal token: anyone who reaches it reads this worker's block "
             "hashes and can probe its cache; set PDSERVE_INTERNAL_TOKEN or bind 127.0.0.1",
+            cc.kv_events_endpoint,
+        )
+    return pub
+
+
+def _vllm_event_publisher(config: Config, replay: str, worker_id: str):
+    """KV events in vLLM's format (cache/kv_events_vllm.py), replayed on `replay`."""
+    from pdserve.cache.kv_events_vllm import VLLMEventPublisher, topic
+
+    cc = config.cache
+    host = public_host(config)
+    pub = VLLMEventPublisher(
+        cc.kv_events_endpoint,
+        worker_id,
+        replay,
+        topic=topic(f"{host}:{config.server.port}", served_names(config)[0]),
+        block_size=cc.block_size,
+        layout=cc.kv_events_format,
+        advertise_host=host,
+    )
+    log.info(
+        "KV events (%s format) on %s, replay on %s", cc.kv_events_format, pub.endpoint, pub.replay_endpoint
+    )
+    if not _loopback_endpoint(cc.kv_events_endpoint):
+        log.warning(
+            "vLLM-format KV events on %s are not encrypted (vLLM's consumers speak plain ZMQ): whoever reaches "
+            "it reads this worker's block hashes and token ids; bind it where only your routers reach",
             cc.kv_events_endpoint,
         )
     return pub
