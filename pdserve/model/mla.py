@@ -185,7 +185,20 @@ class MLALayer(DecoderLayer):
         q_abs = torch.cat([q_lat, q_pe], dim=-1)  # [n, H, r + rope]
         o_lat = torch.empty_like(q_lat)
         bs = meta.block_size
-        for g in meta.decode_groups:
+        if self.decode_kernel is not None:
+            # The native paged kernel (float32 CPU) reads the latent rows in place, no gather: one KV
+            # head whose key and value rows are both the latent row; the value's rope columns of the
+            # output are dropped (they cost rope / (r + rope) of the value pass).
+            o_full = torch.empty_like(q_abs)
+            for g in meta.decode_groups:
+                n = g.block_idx.shape[0]
+                first, ctx = g.attended()
+                rows = slice(g.start, g.start + n)
+                self.decode_kernel(
+                    q_abs[rows], cache, cache, g.block_idx, first, ctx, bs, self.scale, o_full[rows]
+                )
+            o_lat = o_full[..., :r]
+        for g in meta.decode_groups if self.decode_kernel is None else ():
             n = g.block_idx.shape[0]
             rows = _gather_blocks(cache, g.block_idx, bs).view(n, -1, cache.shape[-1])  # [n, L, D]
             # Every head's query against the one shared key row (all of the latent row) and value row

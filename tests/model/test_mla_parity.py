@@ -13,6 +13,7 @@ from paged_logits import paged_logits
 
 from pdserve.cache.kv_cache import allocate_kv_cache, bytes_per_block, kv_shape
 from pdserve.model.arch import TINY_CONFIGS, ModelArch
+from pdserve.model.kernels.decode_attention import decode_attention_kernel
 from pdserve.model.loader import build_model, default_gguf_path, load_gguf_tokenizer, load_hf_dir
 from pdserve.model.mla import MLALayer
 
@@ -102,9 +103,19 @@ def test_mla_logits_match_hf(tmp_path, case):
     # Chunks of 16 with 8 decodes: a first chunk alone, later chunks over cached latents, decodes absorbed.
     got = paged_logits(ours, ids, chunk=16, decode=8, block=4)
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
-    # Decodes that expand their context instead of absorbing: the same logits.
+    # Absorbed decodes without the native paged kernel (torch's products over gathered rows), and
+    # decodes that expand their context instead of absorbing: the same logits.
+    kernel = ours.model.layers[0].decode_kernel
+    assert (kernel is None) == (
+        decode_attention_kernel() is None
+    )  # the native path ran above where it builds
     for layer in ours.model.layers:
-        layer.absorb = False
+        layer.decode_kernel = None
+    torch.testing.assert_close(
+        paged_logits(ours, ids, chunk=16, decode=8, block=4), ref, atol=2e-3, rtol=1e-3
+    )
+    for layer in ours.model.layers:
+        layer.absorb, layer.decode_kernel = False, kernel
     torch.testing.assert_close(
         paged_logits(ours, ids, chunk=16, decode=8, block=4), ref, atol=2e-3, rtol=1e-3
     )
