@@ -162,3 +162,19 @@ def test_prefix_from_the_host_tier_gives_the_same_tokens(loaded):
         assert not _same(_run(e, "p3", p), ref)
     finally:
         e.close()
+
+
+def test_expert_parallel_ranks_share_the_latent_pool():
+    """Two expert-parallel ranks map rank 0's latent pool (one plane per layer) and give EP=1's tokens."""
+    from pdserve import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    prompt_list = [_prompt(5, 13), _prompt(6, 22)]
+    outs = []
+    for ep in (1, 2):
+        llm = LLM(model=MODEL, threads=1, device_blocks=64, model__expert_parallel=ep)
+        try:
+            outs.append([o.token_ids for o in llm.generate(prompt_list, params)])
+        finally:
+            llm.engine.close()
+    assert outs[0] == outs[1]
