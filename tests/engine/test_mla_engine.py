@@ -164,6 +164,24 @@ def test_prefix_from_the_host_tier_gives_the_same_tokens(loaded):
         e.close()
 
 
+def test_prefix_from_the_disk_tier_gives_the_same_tokens(loaded, tmp_path):
+    tier = {"cache.device_blocks": 24, "cache.disk_cache_dir": str(tmp_path), "cache.disk_cache_gb": 0.01}
+    e = LLMEngine(_config(MODEL, **tier), loaded=loaded)
+    try:
+        p = _prompt(7, 30)
+        ref = _run(e, "p1", p)
+        blocks = e.pool.allocate(e.pool.num_free)  # evicts every cached block onto disk
+        e.pool.free(blocks)
+        assert e.tiers.store.host is None and e.tiers.store.flush(10)
+        before = e.stats()["prefill_tokens_computed"]
+        assert _same(_run(e, "p2", p), ref)
+        s = e.stats()
+        assert s["prefill_tokens_computed"] - before == len(p) - (len(p) // BS) * BS
+        assert s["tier_disk_hits_total"] == len(p) // BS and s["tier_disk_corrupt_total"] == 0
+    finally:
+        e.close()
+
+
 def test_expert_parallel_ranks_share_the_latent_pool():
     """Two expert-parallel ranks map rank 0's latent pool (one plane per layer) and give EP=1's tokens."""
     from pdserve import LLM
