@@ -85,6 +85,28 @@ def test_ep_matches_ep1(name, ep, redundant):
         llm.engine.close()
 
 
+@pytest.mark.parametrize("quant,redundant", [("int8", 0), ("int4", 2)])
+def test_quantized_ep_matches_ep1(quant, redundant):
+    """Quantized experts, packed once by rank 0 and shared: EP=2 (with replicas in redundant slots)
+    gives EP=1's greedy tokens."""
+    name = "tiny-mixtral"
+    loaded = load_model_files(name)
+    want = _llm(name, loaded, model__quantization=quant).generate(PROMPTS, PARAMS)
+    llm = _llm(
+        name,
+        loaded,
+        model__quantization=quant,
+        model__expert_parallel=2,
+        model__num_redundant_experts=redundant,
+    )
+    try:
+        assert llm.engine.model.model.blocks[0].placement.gate_up.kind == quant
+        got = llm.generate(PROMPTS, PARAMS)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    finally:
+        llm.engine.close()
+
+
 def test_runtime_rebalance_under_load_keeps_outputs():
     """EP=2 with 4 redundant slots; the trigger checks every 2 steps with a threshold any skew
     exceeds, and two placements are forced mid-generation on top."""
