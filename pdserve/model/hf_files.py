@@ -3,9 +3,12 @@
 `HFWeights` maps HF names to tensors read from the *.safetensors files when asked for, each in its
 stored dtype or converted to one dtype as it is read. Nothing is cached: a model built from it keeps
 only its own (converted, fused, quantized) copy of each weight, so the resident set while loading
-stays near the final one (docs/models.md). A file is opened, and mapped, only while one tensor is
-copied out of it: safetensors maps the whole file, and every page touched while it stays mapped
-counts in the resident set.
+stays near the final one (docs/models.md). A tensor's bytes are read from the file straight into its
+tensor, at the offsets the file's header gives: no mapping of the file (safetensors' own reader maps
+it, and the mapped pages of the tensor being copied count in the resident set on top of the copy,
+one tensor's size more at the peak), and no copy beside the tensor. The heap is trimmed before each
+read: the freed scratch of converting and packing the previous weights would otherwise pile up
+(pdserve keeps freed memory for the steps' buffers, utils/runtime.py).
 
 FP8 weights (`float8_e4m3fn`, also `float8_e5m2`) come with block scales as DeepSeek-V3 and others
 store them: `<name>_scale_inv`, float32 [ceil(N/bn), ceil(K/bk)], and w[n, k] = q[n, k] *
@@ -24,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from pdserve.utils.runtime import trim_heap
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"
@@ -56,6 +61,7 @@ class StoredTensor:
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int  # from the start of the file
     nbytes: int
 
 
@@ -67,6 +73,7 @@ def read_header(file: Path) -> dict[str, StoredTensor]:
         if not 0 < size <= _MAX_HEADER:
             raise ValueError(f"{file}: not a safetensors file")
         meta = json.loads(f.read(size))
+        data = f.seek(0, 2) - 8 - size  # bytes after the header
     out = {}
     for name, info in meta.items():
         if name == "__metadata__":
@@ -74,7 +81,15 @@ def read_header(file: Path) -> dict[str, StoredTensor]:
         if info["dtype"] not in _DTYPES:
             raise ValueError(f"{file}: tensor {name} has dtype {info['dtype']}, which pdserve does not read")
         start, end = info["data_offsets"]
-        out[name] = StoredTensor(file, _DTYPES[info["dtype"]], tuple(info["shape"]), end - start)
+        dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not 0 <= start <= end <= data or end - start != numel * dtype.itemsize:
+            raise ValueError(
+                f"{file}: tensor {name} has offsets {start}-{end} that do not fit its shape or the file"
+            )
+        out[name] = StoredTensor(file, dtype, shape, 8 + size + start, end - start)
     return out
 
 
@@ -195,11 +210,19 @@ class HFWeights(Mapping[str, torch.Tensor]):
         return t
 
     def _read(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        # Opened for this one tensor, so the mapping of the file ends with it (see the module docstring).
-        with safe_open(str(self._index[name].file), "pt") as f:
-            return f.get_tensor(name)
+        st = self._index[name]
+        trim_heap()
+        t = torch.empty(st.shape, dtype=st.dtype)
+        buf = memoryview(t.view(-1).view(torch.uint8).numpy()) if st.nbytes else memoryview(b"")
+        with open(st.file, "rb", buffering=0) as f:
+            f.seek(st.offset)
+            done = 0
+            while done < st.nbytes:  # one read returns at most ~2 GB
+                n = f.readinto(buf[done:])
+                if not n:
+                    raise ValueError(f"{st.file}: ends inside tensor {name}")
+                done += n
+        return t
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

@@ -290,14 +290,11 @@ def build_model(
         if quant not in MODES:
             raise ValueError(f"model.quantization: {quant!r} is not one of {', '.join(MODES)}")
         mc = model_config or ModelConfig()
-        weights = loaded.weights
-        if isinstance(weights, HFWeights):
-            # Each weight read straight into the compute dtype, or as stored for the quantizer (which
-            # takes a few rows at a time to float32); only the model's packed copy stays.
-            weights = weights.converted(torch_dtype(dtype) if quant == "none" else None)
+        # A Hugging Face directory's weights come from disk one at a time in their stored dtype (FP8
+        # dequantized to float32): packing converts or quantizes each, and only the packed copy stays.
         return LlamaModel(
             loaded.arch,
-            weights,
+            loaded.weights,
             torch_dtype(dtype),
             device,
             max_model_len,

@@ -63,23 +63,47 @@ class Staged:
         return (q * self.scale[..., None] + self.zero[..., None]).view(n, k)
 
 
+# Elements quantized at a time (a 16 MB float32 scratch). Rows are independent (int8: a scale a row;
+# int4: groups within a row), so the result is that of the whole matrix at once.
+_QUANT_CHUNK = 1 << 22
+
+
 def quantize(w: torch.Tensor, mode: str) -> Staged:
-    """Quantize a float [N, K] matrix (the Hugging Face path: no file format to keep)."""
-    w = w.float()
-    if mode == "int8":
-        scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
-        return Staged("int8", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale)
-    if mode == "int4":
-        n, k = w.shape
-        g = w.view(n, k // GROUP, GROUP)
-        # Scale and offset in float16, as GGUF's Q4_1 stores them (the kernel reads a fifth fewer
-        # bytes than with float32), rounded outwards so the 16 levels still span [min, max]: every
-        # value stays within half a step.
-        lo, hi = _f16_toward(g.amin(-1), -1), g.amax(-1)
-        scale = _f16_toward(((hi - lo) / 15).clamp_min(2**-14), 1)
-        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-        return Staged("int4", q.view(n, k), scale, lo)
-    raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(MODES)}")
+    """Quantize a float [N, K] matrix of any float dtype (the Hugging Face path: no file format to keep).
+    Rows go a bounded number at a time through one float32 scratch buffer, every step in place: a large
+    matrix (an output head) costs its quantized size and the scratch, no float32 copy and no temporaries
+    (whose freed memory the heap may not reuse, and the resident set would keep)."""
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(MODES)}")
+    n, k = w.shape
+    if mode == "int4" and k % GROUP:
+        raise ValueError(f"int4 needs rows of whole groups of {GROUP} values, not {k}")
+    step = max(1, min(n, _QUANT_CHUNK // max(k, 1)))
+    dev = w.device
+    buf = torch.empty(step, k, device=dev)
+    q = torch.empty(n, k, dtype=torch.int8 if mode == "int8" else torch.uint8, device=dev)
+    scale = torch.empty(n, device=dev) if mode == "int8" else torch.empty(n, k // GROUP, device=dev)
+    zero = None if mode == "int8" else torch.empty(n, k // GROUP, device=dev)
+    for r in range(0, n, step):
+        rows = min(step, n - r)
+        x = buf[:rows]
+        x.copy_(w[r : r + rows])
+        if zero is None:
+            # Symmetric per row: s = max|w| / 127 (max|w| as max(max w, -min w): no |w| copy).
+            s = torch.maximum(x.amax(1), x.amin(1).neg_()).div_(127).clamp_min_(1e-12)
+            x.div_(s[:, None]).round_().clamp_(-127, 127)
+        else:
+            g = x.view(rows, k // GROUP, GROUP)
+            # Scale and offset in float16, as GGUF's Q4_1 stores them (the kernel reads a fifth fewer
+            # bytes than with float32), rounded outwards so the 16 levels still span [min, max]: every
+            # value stays within half a step.
+            lo, hi = _f16_toward(g.amin(-1), -1), g.amax(-1)
+            s = _f16_toward(((hi - lo) / 15).clamp_min(2**-14), 1)
+            zero[r : r + rows] = lo
+            g.sub_(lo[..., None]).div_(s[..., None]).round_().clamp_(0, 15)
+        scale[r : r + rows] = s
+        q[r : r + rows].copy_(x)
+    return Staged(mode, q, scale, zero)
 
 
 def _f16_toward(x: torch.Tensor, direction: int) -> torch.Tensor:
@@ -211,9 +235,10 @@ def pack(
     weights too. A weight int4 cannot hold (odd shapes of tiny test models) stays float."""
     if mode == "none" or not can_quantize(w, mode):
         t = w.dequantize() if isinstance(w, Staged) else w
-        t = t.to(dtype=dtype, device=device).contiguous()
-        cpu32 = t.device.type == "cpu" and dtype == torch.float32
-        return qgemm.TiledFloat(t) if native and cpu32 and qgemm.TiledFloat.fits(t) else t
+        cpu32 = t.device.type == "cpu" and torch.device(device).type == "cpu" and dtype == torch.float32
+        if native and cpu32 and qgemm.TiledFloat.fits(t):
+            return qgemm.TiledFloat(t)  # converted as it is tiled: one float32 copy made, not two
+        return t.to(dtype=dtype, device=device).contiguous()
     return QuantizedWeight(as_staged(w, mode), device, native and dtype == torch.float32)
 
 

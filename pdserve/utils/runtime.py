@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 log = logging.getLogger(__name__)
@@ -50,12 +51,22 @@ def memory_status() -> tuple[int, int] | None:
     return kb["VmRSS"] * 1024, kb["VmHWM"] * 1024
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, looked up once (find_library runs ldconfig; the loader trims the heap per tensor)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
 def _libc_call(fn: str, *args: int) -> None:
     """Call a glibc malloc tunable; elsewhere (musl, macOS) there is nothing to tune."""
-    name = ctypes.util.find_library("c")
-    if not name:
+    libc = _libc()
+    if libc is None:
         return
     try:
-        getattr(ctypes.CDLL(name), fn)(*args)
-    except (OSError, AttributeError):
+        getattr(libc, fn)(*args)
+    except AttributeError:
         log.debug("%s unavailable; leaving malloc as it is", fn)

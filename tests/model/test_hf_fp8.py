@@ -186,6 +186,10 @@ def test_malformed_fp8_checkpoints_are_refused(tmp_path):
     )
     with pytest.raises(ValueError, match="do not tile"):
         HFWeights.open(tmp_path / "block")["a.weight"]
+    f = tmp_path / "block" / "model-0.safetensors"
+    f.write_bytes(f.read_bytes()[:-1])  # a file cut short: its header's offsets run past its end
+    with pytest.raises(ValueError, match="do not fit"):
+        HFWeights.open(tmp_path / "block")
     _write(tmp_path / "gptq", {"a.weight": torch.zeros(2, 2)}, {"quant_method": "gptq", "bits": 4})
     with pytest.raises(ValueError, match="quant_method 'gptq'"):
         load_hf_dir(tmp_path / "gptq")

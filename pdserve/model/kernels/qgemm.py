@@ -96,7 +96,10 @@ class TiledFloat:
     def __init__(self, w: torch.Tensor) -> None:
         n, k = w.shape
         self.shape = w.shape
-        self.tiles = w.float().reshape(n // TILE, TILE, k).transpose(1, 2).contiguous()
+        # One copy, converting as it lays out the tiles (a bfloat16 weight read from a file goes
+        # straight to its float32 tiles).
+        tiles = w.reshape(n // TILE, TILE, k).transpose(1, 2)
+        self.tiles = torch.empty(tiles.shape, dtype=torch.float32, device=w.device).copy_(tiles)
 
     @staticmethod
     def fits(w: torch.Tensor) -> bool:
