@@ -153,6 +153,8 @@ def format_plan(plan: Plan) -> str:
         if a.is_moe
         else "dense"
     )
+    if a.is_mla:  # what each token of each layer costs in the KV pool
+        moe += f", MLA (KV: latent {a.kv_lora_rank} + rope {a.qk_rope_head_dim} per token)"
     out = [
         f"model: {c.model.name} ({a.architecture}, {a.num_layers} layers, {moe}, context "
         f"{c.model.max_model_len or a.max_position_embeddings}); dtype {c.model.dtype}, device {c.model.device}"

@@ -171,3 +171,9 @@ def test_describe_names_the_loaders_default_model():
         describe.describe_model("tiny-qwen2-moe").num_experts
         == loader.load_model_files("tiny-qwen2-moe").arch.num_experts
     )
+
+
+def test_dry_run_describes_an_mla_model():
+    r = dry_run("--model", "tiny-deepseek-v3")
+    assert r.returncode == 0, r.stderr
+    assert "MoE, 16 experts top-2 in 2 layers, MLA (KV: latent 32 + rope 8 per token)" in r.stdout
