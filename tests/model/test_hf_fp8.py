@@ -193,3 +193,68 @@ def test_malformed_fp8_checkpoints_are_refused(tmp_path):
     _write(tmp_path / "gptq", {"a.weight": torch.zeros(2, 2)}, {"quant_method": "gptq", "bits": 4})
     with pytest.raises(ValueError, match="quant_method 'gptq'"):
         load_hf_dir(tmp_path / "gptq")
+
+
+def test_fp8_deepseek_v3_checkpoint_gives_the_logits_of_its_dequantized_copy(tmp_path):
+    """DeepSeek-V3's own layout: latent attention's projections and every expert FP8 (per expert, 2-D),
+    the router and embeddings not; blocks of 16 x 32 so that tiny matrices hold several, partial ones
+    included. The MoE model reads the whole directory up front, as stored."""
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    cfg = tf.DeepseekV3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = tf.DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():  # larger weights than HF's init, so that logits are not all near zero
+        for p in hf.parameters():
+            p.mul_(20.0 if p.dim() > 1 else 1.0)
+    hf.save_pretrained(tmp_path / "src")
+    block = (16, 32)
+    fp8, copy = {}, {}
+    for f in (tmp_path / "src").glob("*.safetensors"):
+        for name, t in load_file(str(f)).items():
+            if t.dim() == 2 and name.endswith(("_proj.weight", "_proj_with_mqa.weight")):
+                q, s = to_fp8_blocks(t.float(), block)
+                fp8[name], fp8[name + "_scale_inv"] = q, s
+                copy[name] = dequantized_f64(q, s, block).float()
+            else:
+                fp8[name] = copy[name] = t
+    assert any(".mlp.experts." in k and k.endswith("_scale_inv") for k in fp8)
+    src_cfg = json.loads((tmp_path / "src" / "config.json").read_text())
+    for name, weights, qc in (
+        ("fp8", fp8, dict(FP8_CONFIG, weight_block_size=list(block))),
+        ("copy", copy, None),
+    ):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(dict(src_cfg, quantization_config=qc) if qc else src_cfg))
+        load_gguf_tokenizer(str(default_gguf_path())).tok.save(str(d / "tokenizer.json"))
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(d / "model.safetensors"))
+    loaded = load_hf_dir(tmp_path / "fp8")
+    assert loaded.arch.is_mla and loaded.arch.is_moe
+    ids = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = paged_logits(build_model(loaded, "float32"), ids, chunk=8, decode=4)
+    want = paged_logits(build_model(load_hf_dir(tmp_path / "copy"), "float32"), ids, chunk=8, decode=4)
+    assert want.abs().max() > 1.0  # the check is not vacuous
+    assert torch.equal(got, want), (got - want).abs().max()  # the same float32 weights, as above
