@@ -69,10 +69,15 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True  # chunk prompts longer than the step budget
     watermark_blocks: int = 1  # free blocks kept back at admission so decodes rarely preempt
     # Speculative decoding (engine/spec_decode.py): "ngram" drafts up to num_speculative_tokens from
-    # the request's own earlier text (the last prompt_lookup_max..min tokens looked up), verified in
-    # the same step; greedy output is unchanged, sampled output keeps its distribution. "none": off.
+    # the request's own earlier text (the last prompt_lookup_max..min tokens looked up), "draft" from
+    # speculative_model (engine/draft_model.py), verified in the same step; greedy output is
+    # unchanged, sampled output keeps its distribution. "none": off.
     speculative_method: str = "none"
     num_speculative_tokens: int = 4
+    # The draft model (a name as model.name takes it, sharing the served model's tokenizer), and the
+    # quantization of its weights (auto: as stored; the served model itself, int4, drafts for float32).
+    speculative_model: str | None = None
+    speculative_quantization: str = "auto"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # Verify only the drafts expected to pay for their rows, from this machine's measured step cost by

@@ -87,10 +87,17 @@ FLAGS: dict[str, Flag] = {
     "max_num_batched_tokens": Flag("scheduler.max_num_batched_tokens", "per-step token budget", int),
     "speculative_method": Flag(
         "scheduler.speculative_method",
-        "speculative decoding: ngram drafts from the request's own text (prompt lookup), or none",
-        choices=("none", "ngram"),
+        "speculative decoding: ngram drafts from the request's own text (prompt lookup), draft from "
+        "--speculative-model, or none",
+        choices=("none", "ngram", "draft"),
     ),
     "num_speculative_tokens": Flag("scheduler.num_speculative_tokens", "draft tokens per step", int),
+    "speculative_model": Flag("scheduler.speculative_model", "the draft model (--speculative-method draft)"),
+    "speculative_quantization": Flag(
+        "scheduler.speculative_quantization",
+        "the draft model's weights",
+        choices=("auto", "none", "int8", "int4"),
+    ),
     "enable_chunked_prefill": Flag("scheduler.enable_chunked_prefill", cli=False),
     "threads": Flag("server.threads", "torch compute threads", int),
     "seed": Flag("model.seed", "seed of tiny random model weights", int),

@@ -65,7 +65,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "controller.backend": CONTROLLER_BACKENDS,
     "server.reasoning_parser": REASONING_PARSERS,
     "server.tool_call_parser": TOOL_CALL_PARSERS,
-    "scheduler.speculative_method": ("none", "ngram"),
+    "scheduler.speculative_method": ("none", "ngram", "draft"),
+    "scheduler.speculative_quantization": QUANTIZATIONS,
     "cache.kv_events_format": ("pdserve", "vllm", "vllm-array"),  # cache/kv_events_vllm.py FORMATS
     **_per_role({"deployment.<role>.quantization": QUANTIZATIONS}),
 }
@@ -370,6 +371,14 @@ def check(cfg: Config) -> None:
             )
         )
     sc = cfg.scheduler
+    if sc.speculative_method == "draft" and not sc.speculative_model:
+        found.append(
+            (
+                "scheduler.speculative_model",
+                "is not set; allowed: a model name (as model.name takes it) when "
+                "scheduler.speculative_method is draft",
+            )
+        )
     if sc.prompt_lookup_min > sc.prompt_lookup_max:
         found.append(
             (

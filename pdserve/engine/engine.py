@@ -20,6 +20,7 @@ from pdserve.common.images import ImageInput
 from pdserve.common.outputs import RequestOutput, TokenLogprob  # noqa: F401 (RequestOutput re-exported)
 from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.config import Config
+from pdserve.engine.draft_model import DraftModel
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.image_inputs import image_embeddings
 from pdserve.engine.kv_connector import (
@@ -161,11 +162,21 @@ class LLMEngine:
         self.detoks: dict[str, IncrementalDetokenizer | NoText] = {}
         self.num_steps = 0
         sc = config.scheduler
-        self.spec_tokens = sc.num_speculative_tokens if sc.speculative_method == "ngram" else 0
+        self.spec_tokens = sc.num_speculative_tokens if sc.speculative_method != "none" else 0
+        self.drafter = (
+            DraftModel(config, self.arch.vocab_size, self.max_model_len, self.pool.num_blocks)
+            if sc.speculative_method == "draft"
+            else None
+        )
         self.spec_draft_tokens_total = 0
         self.spec_accepted_tokens_total = 0
         self.spec_misses_total = 0  # verifications that rejected a draft (the acceptance estimate's)
-        self.row_costs = self._row_costs() if self.spec_tokens and sc.speculative_adaptive else None
+        self.row_costs = self._row_costs(self.model) if self.spec_tokens and sc.speculative_adaptive else None
+        self.draft_costs = (
+            self._row_costs(self.drafter.model, self.drafter)
+            if self.drafter is not None and sc.speculative_adaptive
+            else None
+        )
         self.step_counts = {"decode": 0, "prefill": 0}
         self.step_seconds = {"decode": 0.0, "prefill": 0.0}
         self.prefill_tokens_total = 0  # prompt tokens run through the model (prefix hits excluded)
@@ -277,6 +288,8 @@ class LLMEngine:
             self.images.close()  # encoder processes it spawned
         if hasattr(self.model, "close"):
             self.model.close()  # expert-parallel ranks
+        if self.drafter is not None:
+            self.drafter.close()
 
     # ------------------------------------------------------------------ KV from peers (decode role)
 
@@ -331,8 +344,11 @@ class LLMEngine:
         if tiers is not None:
             for req, n in tiers.poll():
                 self.scheduler.finish_fetch(req, n)
+        drafting = 0.0  # a draft model's time: the policy counts it apart from the step's rows
         if self.spec_tokens:
+            t_draft = time.perf_counter()
             self._propose_drafts()
+            drafting = time.perf_counter() - t_draft
         step = self.scheduler.schedule()
         self.preemptions_total += len(step.preempted)
         for req in step.preempted:
@@ -391,7 +407,9 @@ class LLMEngine:
         self.step_counts[kind] += 1
         self.step_seconds[kind] += elapsed
         if decode_only and self.row_costs is not None:
-            self.row_costs.observe(rows, elapsed)
+            self.row_costs.observe(rows, elapsed - drafting)
+        if self.drafter is not None:  # the draft state of requests that stopped running this step
+            self.drafter.release({r.request_id for r in self.scheduler.running})
         return outputs
 
     def _poll_images(self) -> list[RequestOutput]:
@@ -408,16 +426,21 @@ class LLMEngine:
                     outs.append(out)
         return outs
 
-    def _row_costs(self) -> RowCosts:
-        """This machine's decode step cost by rows (engine/row_costs.py): cached, else measured now."""
+    def _row_costs(self, model, drafter: DraftModel | None = None) -> RowCosts:
+        """A model's decode step cost by rows on this machine (engine/row_costs.py): cached, else
+        measured now (the served model on its pool, a draft model on its own)."""
         mc, sc = self.config.model, self.config.scheduler
         max_rows = max(1, min(sc.max_num_seqs * (self.spec_tokens + 1), sc.max_num_batched_tokens, 128))
+        if drafter is not None:  # a draft model's steps have one row a request
+            max_rows = max(1, min(sc.max_num_seqs, sc.max_num_batched_tokens, 128))
+        pool = drafter.pool if drafter is not None else self.pool
+        kv_cache = drafter.kv_cache if drafter is not None else self.kv_cache
         # The context each calibration row attends: a typical chat's, within what the pool can lend.
-        context = max(1, min(256, self.max_model_len - 1, (self.pool.num_free - 1) * self.block_size - 1))
+        context = max(1, min(256, self.max_model_len - 1, (pool.num_free - 1) * self.block_size - 1))
         parts = {
-            "model": mc.name,
+            "model": mc.name if drafter is None else drafter.name,
             "seed": mc.seed,
-            "quantization": mc.quantization,
+            "quantization": mc.quantization if drafter is None else sc.speculative_quantization,
             "dtype": mc.dtype,
             "device": mc.device,
             "gemm_kernel": mc.gemm_kernel,
@@ -431,11 +454,12 @@ class LLMEngine:
         costs = load_cached(key)
         if costs is None:
             t0 = time.perf_counter()
-            costs = calibrate(self.model, self.kv_cache, self.pool, self.block_size, max_rows, context)
+            costs = calibrate(model, kv_cache, pool, self.block_size, max_rows, context)
             save_cached(key, costs)
             log.info(
-                "speculative decoding: decode step cost measured at %d row counts in %.1f s (1 row %.1f ms, "
-                "%d rows %.1f ms)",
+                "speculative decoding: %s decode step cost measured at %d row counts in %.1f s "
+                "(1 row %.1f ms, %d rows %.1f ms)",
+                parts["model"],
                 len(costs.rows),
                 time.perf_counter() - t0,
                 costs.seconds[0] * 1e3,
@@ -445,11 +469,15 @@ class LLMEngine:
         return costs
 
     def _propose_drafts(self) -> None:
-        """n-gram drafts for the running requests about to decode (engine/spec_decode.py), each cut to
-        what is expected to pay for its rows (engine/spec_policy.py)."""
+        """Drafts for the running requests about to decode (n-gram lookups, engine/spec_decode.py, or
+        a draft model's, engine/draft_model.py), each cut to what is expected to pay for its rows
+        (engine/spec_policy.py)."""
         sc = self.config.scheduler
+        if self.drafter is not None:
+            self.drafter.release({r.request_id for r in self.scheduler.running})
         decoding = 0
         drafted: list[Request] = []
+        depths: list[int] = []  # a draft model's: how deep each request may draft
         for req in self.scheduler.running:
             req.draft_tokens = []
             if req.num_tokens - req.num_computed_tokens != 1 or req.kv_sink is not None:
@@ -460,23 +488,43 @@ class LLMEngine:
             room = self.max_model_len - req.num_tokens - 1
             if req.params.max_tokens is not None:
                 room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
+            if room <= 0:
+                continue
+            if self.drafter is not None:
+                drafted.append(req)
+                depths.append(min(self.spec_tokens, room))
+                continue
             req.draft_tokens = propose(
                 req.all_token_ids, min(self.spec_tokens, room), sc.prompt_lookup_min, sc.prompt_lookup_max
             )
-            if req.draft_tokens and req.params.structured is not None:
-                req.draft_tokens = self.runner.grammars.valid_drafts(req) if self.runner.grammars else []
             if req.draft_tokens:
                 drafted.append(req)
-        if self.row_costs is None or not drafted:
+        if not drafted:
             return
         prior = acceptance(self.spec_accepted_tokens_total, self.spec_misses_total, 0.5)
-        keep = choose(
-            decoding,
-            [(len(r.draft_tokens), acceptance(r.spec_hits, r.spec_misses, prior)) for r in drafted],
-            self.row_costs,
-        )
-        for req, n in zip(drafted, keep):
-            req.draft_tokens = req.draft_tokens[:n]
+        if self.drafter is not None:
+            if self.row_costs is not None and self.draft_costs is not None:
+                draft_step = self.draft_costs(len(drafted))
+                depths = choose(
+                    decoding,
+                    [(d, acceptance(r.spec_hits, r.spec_misses, prior)) for r, d in zip(drafted, depths)],
+                    self.row_costs,
+                    draft_cost=lambda depth: depth * draft_step,
+                )
+            tokens = self.drafter.propose([(r, d) for r, d in zip(drafted, depths) if d > 0])
+            for req in drafted:
+                req.draft_tokens = tokens.get(req.request_id, [])
+        elif self.row_costs is not None:
+            keep = choose(
+                decoding,
+                [(len(r.draft_tokens), acceptance(r.spec_hits, r.spec_misses, prior)) for r in drafted],
+                self.row_costs,
+            )
+            for req, n in zip(drafted, keep):
+                req.draft_tokens = req.draft_tokens[:n]
+        for req in drafted:
+            if req.draft_tokens and req.params.structured is not None:
+                req.draft_tokens = self.runner.grammars.valid_drafts(req) if self.runner.grammars else []
 
     def _verified(
         self, req: Request, n: int, tokens: list[tuple[int, TokenLogprob | None]] | None
@@ -494,6 +542,8 @@ class LLMEngine:
         self.spec_misses_total += missed
         req.spec_hits += accepted
         req.spec_misses += missed
+        if self.drafter is not None:
+            self.drafter.settle(req, accepted)
         return req, n - k + accepted
 
     def _on_tokens(self, req: Request, tokens: list[tuple[int, TokenLogprob | None]]) -> RequestOutput:

@@ -12,7 +12,8 @@ accepted, with probability a_i ** j (a_i: the request's estimated per-token acce
 then emits B + sum of those probabilities tokens (B: the decode rows, each of which emits one
 token whatever its drafts) in cost(B + drafts) seconds. The draft positions with the largest
 probabilities are taken first (a request's earlier positions before its later ones), and the
-count that gives the most tokens per second wins, if it beats no drafts by `min_gain`.
+count that gives the most tokens per second wins, if it beats no drafts by `min_gain`. A draft
+model's own steps add their time for the deepest draft taken (each level is one step of it).
 """
 
 from __future__ import annotations
@@ -35,23 +36,21 @@ def choose(
     drafts: list[tuple[int, float]],
     cost: Callable[[int], float],
     min_gain: float = MIN_GAIN,
+    draft_cost: Callable[[int], float] | None = None,
 ) -> list[int]:
     """rows: decode rows of the step before drafts (>= 1); drafts: per candidate request, (tokens
-    proposed, acceptance in [0, 1]); cost(r): seconds of a step of r rows. Returns how many of its
-    proposed tokens each candidate verifies (a prefix of its draft)."""
+    proposed, acceptance in [0, 1]); cost(r): seconds of a step of r rows; draft_cost(d): seconds of
+    producing drafts d deep (a draft model's steps; None: free, as n-gram lookups are). Returns how
+    many of its proposed tokens each candidate verifies (a prefix of its draft)."""
     positions = sorted(
-        (
-            (-(a**j), i, j)
-            for i, (k, a) in enumerate(drafts)
-            for j in range(1, k + 1)
-            if a > 0.0
-        )
+        ((-(a**j), i, j) for i, (k, a) in enumerate(drafts) for j in range(1, k + 1) if a > 0.0)
     )
     base = rows / cost(rows)
-    best_m, best_rate, tokens = 0, base * min_gain, float(rows)
-    for m, (neg_p, _, _) in enumerate(positions, 1):
+    best_m, best_rate, tokens, depth = 0, base * min_gain, float(rows), 0
+    for m, (neg_p, _, j) in enumerate(positions, 1):
         tokens -= neg_p
-        rate = tokens / cost(rows + m)
+        depth = max(depth, j)
+        rate = tokens / (cost(rows + m) + (draft_cost(depth) if draft_cost is not None else 0.0))
         if rate > best_rate:
             best_m, best_rate = m, rate
     out = [0] * len(drafts)

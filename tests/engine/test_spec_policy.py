@@ -134,3 +134,9 @@ def test_engine_follows_the_costs_and_keeps_greedy_output(tmp_path, monkeypatch)
     assert _generate(engine) == want
     s = engine.stats()
     assert s["spec_accepted_tokens_total"] > 0 and s["spec_draft_tokens_total"] > 0
+
+
+def test_a_draft_models_steps_count_against_its_drafts():
+    # Free rows, but each level of drafts costs a draft step: only likely drafts repay it.
+    assert choose(1, [(4, 0.95)], flat, draft_cost=lambda d: 0.05 * d) == [4]
+    assert choose(1, [(4, 0.2)], flat, draft_cost=lambda d: 0.5 * d) == [0]
