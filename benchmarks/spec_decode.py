@@ -1,13 +1,16 @@
-"""Speculative decoding with n-gram drafts: output tokens per second with drafts ÷ without, in the
-same run, on an input-grounded workload and an open-ended one. Prints one JSON line.
+"""Speculative decoding: output tokens per second with drafts ÷ without, in the same run, on an
+input-grounded workload and an open-ended one. Prints one JSON line.
 
 Deployment: `pdserve serve` as installed (PD: router, one prefill and one decode worker, the default
-model), started twice: `--speculative-method ngram` and `none`. Workloads (chat, greedy, so the two
+model), started twice: `--speculative-method ngram` (or `--method draft`: a draft model, by default
+the served model's own int4 weights, for a `--quantization none` deployment) and `none`. Workloads (chat, greedy, so the two
 servers' texts must be identical):
 - grounded: rewrite a given paragraph with its spelling fixed, or return a given Python function
   with one name changed (the answer quotes its input: drafts from the prompt are accepted);
 - open: stories, lists and explanations with no text to quote.
-Each at 1, 8 and 32 closed-loop streams (`--streams`), `--per-stream` requests per stream.
+Each at 1, 8 and 32 closed-loop streams (`--streams`), `--per-stream` requests per stream. Both
+servers run side by side and are measured in turns, `--rounds` times, the order alternating; the
+figure is the median round's ratio.
 Goals: >= 1.5 at 1 and 8 streams on grounded, >= 0.95 on open (never a loss beyond noise), and
 greedy texts identical with and without drafts.
 """
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -84,41 +89,79 @@ def main() -> int:
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--per-stream", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=2, help="measurements of each pair, alternating")
+    ap.add_argument("--quantization", default=None, help="model.quantization of both servers")
+    ap.add_argument("--method", default="ngram", choices=("ngram", "draft"))
+    ap.add_argument(
+        "--speculative-model", default=None, help="--method draft: the draft model (default: the served one)"
+    )
+    ap.add_argument("--speculative-quantization", default="int4", help="--method draft: its weights")
     ap.add_argument("--log-dir", default="/tmp/pdserve-bench-spec")
     args = ap.parse_args()
     levels = [int(s) for s in args.streams.split(",")]
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict] = {}
-    for method in ("none", "ngram"):
-        port = free_port()
-        cmd = pdserve_cmd() + ["serve", "--port", str(port), "--speculative-method", method]
-        with ServerProcess(cmd, port, log_dir / f"serve-{method}.log") as srv:
+    ratios: dict[str, list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        # Both servers up at once, measured in turns (the order alternating each round), so a drift
+        # in the machine's speed over the run falls on both alike; the idle one only waits.
+        urls = {}
+        for method in ("none", args.method):
+            port = free_port()
+            cmd = pdserve_cmd() + ["serve", "--port", str(port), "--speculative-method", method]
+            if args.quantization:
+                cmd += ["--quantization", args.quantization]
+            if method == "draft":
+                cmd += [
+                    "--speculative-model",
+                    args.speculative_model or "smollm2-135m",
+                    "--speculative-quantization",
+                    args.speculative_quantization,
+                ]
+            srv = stack.enter_context(ServerProcess(cmd, port, log_dir / f"serve-{method}.log"))
             srv.wait_ready(timeout=600)
             _measure(srv.url, "open", 2, 1, 16)  # warm-up
-            for kind in ("grounded", "open"):
-                for streams in levels:
-                    runs[f"{method}/{kind}/{streams}"] = dict(
-                        zip(
-                            ("tok_s", "texts", "failed"),
-                            _measure(srv.url, kind, streams, args.per_stream, args.max_tokens),
+            urls[method] = srv.url
+        for kind in ("grounded", "open"):
+            for streams in levels:
+                for rnd in range(args.rounds):
+                    tok_s = {}
+                    for method in ("none", args.method) if rnd % 2 == 0 else (args.method, "none"):
+                        rate, texts, failed = _measure(
+                            urls[method], kind, streams, args.per_stream, args.max_tokens
                         )
-                    )
+                        tok_s[method] = rate
+                        run = runs.setdefault(
+                            f"{method}/{kind}/{streams}", {"tok_s": [], "texts": [], "failed": 0}
+                        )
+                        run["tok_s"].append(rate)
+                        run["texts"] += texts
+                        run["failed"] += failed
+                    ratios.setdefault(f"{kind}/{streams}", []).append(tok_s[args.method] / tok_s["none"])
     result: dict = {
         "benchmark": "spec_decode",
         "cpu": describe(),
         "deployment": "pdserve serve (PD, 1 prefill + 1 decode), smollm2-135m, greedy chat",
+        "quantization": args.quantization or "auto",
+        "method": args.method
+        + (
+            f" ({args.speculative_model or 'smollm2-135m'}, {args.speculative_quantization})"
+            if args.method == "draft"
+            else ""
+        ),
     }
     ok = True
     for kind in ("grounded", "open"):
         for streams in levels:
-            on, off = runs[f"ngram/{kind}/{streams}"], runs[f"none/{kind}/{streams}"]
-            ratio = on["tok_s"] / off["tok_s"]
+            on, off = runs[f"{args.method}/{kind}/{streams}"], runs[f"none/{kind}/{streams}"]
+            ratio = statistics.median(ratios[f"{kind}/{streams}"])
             same = sum(a == b for a, b in zip(on["texts"], off["texts"]))
             result[f"{kind}_{streams}"] = {
-                "tok_s_ngram": round(on["tok_s"], 1),
-                "tok_s_none": round(off["tok_s"], 1),
+                f"tok_s_{args.method}": round(statistics.median(on["tok_s"]), 1),
+                "tok_s_none": round(statistics.median(off["tok_s"]), 1),
                 "ratio": round(ratio, 3),
+                "ratios": [round(r, 3) for r in ratios[f"{kind}/{streams}"]],
                 "identical": f"{same}/{len(on['texts'])}",
                 "failed": on["failed"] + off["failed"],
             }
