@@ -134,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             from pdserve.router.access import check_admin_exposure
 
             check_admin_exposure(config)  # before any worker starts
+        if args.command == "worker":
+            from pdserve.server.internal_api import check_worker_keys
+
+            check_worker_keys(config)
     except ConfigError as e:
         flags = {k for k, v in overrides.items() if v is not None}
         for key, problem in e.problems:

@@ -109,6 +109,11 @@ class ServerConfig:
     # Shared secret between router and workers: a worker with one rejects every route but /health
     # without it. Also read from PDSERVE_INTERNAL_TOKEN.
     internal_token: str | None = None
+    # Keys an outside router (a gateway's endpoint picker) presents as `Authorization: Bearer` to call
+    # this worker's OpenAI API (/v1/*, /tokenize, /detokenize) directly; never the internal routes, the
+    # KV plane or role switches (docs/security.md). Also PDSERVE_WORKER_API_KEYS (comma-separated).
+    # Needs the internal token: without one every route is open anyway.
+    worker_api_keys: list[str] = field(default_factory=list)
     router_url: str | None = None  # a worker registers itself there and sends heartbeats
     # OpenTelemetry collector (OTLP/HTTP, e.g. http://collector:4318) for request traces; unset: off
     # (also OTEL_EXPORTER_OTLP_ENDPOINT). See common/tracing.py.

@@ -20,7 +20,7 @@ from pdserve.config import Config
 # Sections and keys that do not change what a worker computes or how it serves.
 _SKIP_SECTIONS = ("router", "controller", "rollout", "worker")
 _SKIP_KEYS = {
-    "server": ("host", "port", "advertise_host", "router_url", "internal_token"),
+    "server": ("host", "port", "advertise_host", "router_url", "internal_token", "worker_api_keys"),
     "cache": ("kv_events_endpoint", "kv_events_snapshot_endpoint"),
     "disagg": ("prefill_endpoints",),
     "deployment": ("mode", "pd_ratio"),

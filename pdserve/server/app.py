@@ -16,9 +16,15 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.protocol.health import WorkerHealth
 from pdserve.server.errors import error_response
-from pdserve.server.internal_api import RequireInternalToken, install_internal_routes, internal_token
+from pdserve.server.internal_api import (
+    RequireInternalToken,
+    install_internal_routes,
+    internal_token,
+    worker_api_keys,
+)
 from pdserve.server.metrics import RequestTimer, ServerMetrics
 from pdserve.server.openai_api import OpenAIHandlers, install_openai_api
+from pdserve.server.prefiller import PrefillerResolver
 from pdserve.server.registration import register_with_routers
 from pdserve.server.role_switch import RoleSwitch, install_role_route
 from pdserve.server.roles import build_engine, worker_name
@@ -42,6 +48,7 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
     handlers = OpenAIHandlers(async_engine, engine.tokenizer, model_name, timer, aliases=model_names)
     handlers.reasoning = config.server.reasoning_parser
     handlers.tool_call_parser = config.server.tool_call_parser
+    handlers.prefill_resolver = PrefillerResolver()  # only a decode worker's connector acts on a peer
     if engine.images is not None:  # a vision-language model reads image_url parts
         handlers.vision, handlers.vision_limits = engine.images.slots, config.vision
     switch = RoleSwitch(config, async_engine)
@@ -60,6 +67,7 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
         yield
         if registration is not None:
             registration.cancel()
+        await handlers.prefill_resolver.close()
         # uvicorn has already let open connections finish (or cancelled them at its timeout).
         async_engine.shutdown(timeout=config.server.shutdown_timeout_s)
         engine.connector.close()
@@ -69,8 +77,10 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
     app.state.engine = async_engine
     install_openai_api(app, handlers, metrics, lambda: engine.max_model_len, config.server.max_body_bytes)
     token = internal_token(config.server.internal_token)
-    if token:
-        app.add_middleware(RequireInternalToken, token=token)
+    if token:  # outside routers' keys reach the OpenAI API only (server.worker_api_keys)
+        app.add_middleware(
+            RequireInternalToken, token=token, keys=worker_api_keys(config.server.worker_api_keys)
+        )
     install_internal_routes(app, async_engine, timer, switch.refusal)
     install_role_route(app, switch)
 

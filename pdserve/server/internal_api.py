@@ -7,6 +7,7 @@ aborts the request here, as any client disconnect does.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import os
@@ -28,6 +29,7 @@ from pdserve.common.errors import (
 )
 from pdserve.common.images import ImageInput
 from pdserve.common.sampling import SamplingParams, check_cache_salt
+from pdserve.config import Config, ConfigError
 from pdserve.protocol import INTERNAL_TOKEN_HEADER, InternalGenerateRequest
 from pdserve.protocol.stream import TokenLine
 from pdserve.server.errors import APIError, error_body, error_response
@@ -42,26 +44,76 @@ def internal_token(configured: str | None) -> str | None:
     return configured or os.environ.get("PDSERVE_INTERNAL_TOKEN") or None
 
 
+def worker_api_keys(configured: list[str]) -> list[str]:
+    """server.worker_api_keys and PDSERVE_WORKER_API_KEYS (comma-separated) together."""
+    env = [k.strip() for k in os.environ.get("PDSERVE_WORKER_API_KEYS", "").split(",") if k.strip()]
+    return [*configured, *env]
+
+
+def check_worker_keys(config: Config) -> None:
+    """Raise ConfigError (naming server.worker_api_keys) for keys without an internal token: such a
+    worker would gate its OpenAI API and leave /internal/* and the role switch open to anyone."""
+    if worker_api_keys(config.server.worker_api_keys) and not internal_token(config.server.internal_token):
+        raise ConfigError(
+            [
+                (
+                    "server.worker_api_keys",
+                    "worker API keys need an internal token (server.internal_token or "
+                    "PDSERVE_INTERNAL_TOKEN): without one the internal routes would stay open",
+                )
+            ]
+        )
+
+
 # Probes and Prometheus scrape these without the secret; they only read state.
 OPEN_PATHS = ("/health", "/metrics")
+# What a worker API key reaches: the OpenAI API and tokenization, nothing internal.
+_KEYED_PREFIXES = ("/v1/",)
+_KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
+
+
+def keyed_path(path: str) -> bool:
+    return path.startswith(_KEYED_PREFIXES) or path in _KEYED_PATHS
 
 
 class RequireInternalToken:
-    """Pure-ASGI gate: with a token configured, every route but OPEN_PATHS needs it."""
+    """Pure-ASGI gate: with a token configured, every route but OPEN_PATHS needs it; the OpenAI API
+    (keyed_path) also takes a worker API key (`Authorization: Bearer`), which reaches nothing else."""
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    def __init__(self, app: ASGIApp, token: str, keys: list[str] | None = None) -> None:
         self.app = app
         self.token = token.encode()
+        self.keys = [hashlib.sha256(k.encode()).digest() for k in keys or []]
+
+    def _key_ok(self, headers: dict[bytes, bytes]) -> bool:
+        auth = headers.get(b"authorization", b"").decode(errors="replace")
+        if not self.keys or not auth.lower().startswith("bearer "):
+            return False
+        d = hashlib.sha256(auth[7:].strip().encode()).digest()
+        ok = False
+        for stored in self.keys:  # every key compared, in constant time
+            ok |= hmac.compare_digest(d, stored)
+        return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope.get("headers") or []).get(INTERNAL_TOKEN_HEADER.encode(), b"")
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(INTERNAL_TOKEN_HEADER.encode(), b"")
             if not hmac.compare_digest(given, self.token):
-                await error_response(
-                    401, "this worker accepts requests from its router only", code="internal_token"
-                )(scope, receive, send)
-                return
+                keyed = keyed_path(scope["path"])
+                if not (keyed and self._key_ok(headers)):
+                    await self._refuse(keyed)(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
+
+    def _refuse(self, keyed: bool):
+        if keyed and self.keys:
+            return error_response(
+                401,
+                "a valid worker API key is required (Authorization: Bearer ...)",
+                code="invalid_api_key",
+            )
+        return error_response(401, "this worker accepts requests from its router only", code="internal_token")
 
 
 def install_internal_routes(

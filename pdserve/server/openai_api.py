@@ -32,6 +32,7 @@ from pdserve.server.tokenize_api import install_tokenize_api
 
 _DISCONNECT_POLL_S = 0.5
 PREFILL_HEADER = "x-pdserve-prefill"  # set by the router: the prefill worker's bootstrap endpoint
+LLMD_PREFILL_HEADER = "x-prefiller-host-port"  # llm-d's: the prefill worker's HTTP host:port (prefiller.py)
 log = logging.getLogger(__name__)
 
 
@@ -150,6 +151,16 @@ class OpenAIHandlers:
         self.reasoning: str | None = None  # server.reasoning_parser: chat answers' reasoning_content
         self.tool_call_parser: str | None = None  # server.tool_call_parser (None: from the template)
         self.vision_limits = VisionConfig()
+        # A decode worker: resolves llm-d's prefill header (x-prefiller-host-port) to a KV endpoint.
+        self.prefill_resolver: Any = None
+
+    async def _prefill_peer(self, http: Request) -> str | None:
+        """The prefill worker to pull the prompt's KV from: pdserve's header, else llm-d's (resolved),
+        else None (prefill here)."""
+        peer = http.headers.get(PREFILL_HEADER)
+        if peer or self.prefill_resolver is None:
+            return peer
+        return await self.prefill_resolver.resolve(http.headers.get(LLMD_PREFILL_HEADER))
 
     def _envelope(self, base_id: str, obj: str, **fields: Any) -> dict[str, Any]:
         """The fields every OpenAI response and chunk starts with."""
@@ -314,7 +325,7 @@ class OpenAIHandlers:
             raise APIError(400, "echo is not supported with stream", "echo", "invalid_value")
         if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry theirs too
             params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
-        choices = self._choices(prompts, params, req.n, req.cache_salt, http.headers.get(PREFILL_HEADER))
+        choices = self._choices(prompts, params, req.n, req.cache_salt, await self._prefill_peer(http))
         base_id = new_id("cmpl")
         tok = self.tokenizer
 
@@ -412,7 +423,7 @@ class OpenAIHandlers:
                     "invalid_value",
                 )
             params.structured = tools.constraint.to_wire()
-        choices = self._choices([prompt], params, req.n, req.cache_salt, http.headers.get(PREFILL_HEADER))
+        choices = self._choices([prompt], params, req.n, req.cache_salt, await self._prefill_peer(http))
         for c in choices:
             c.images = images
         base_id = new_id("chatcmpl")
