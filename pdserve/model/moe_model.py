@@ -15,7 +15,9 @@ import torch
 from pdserve.eplb.placement import LayerPlacement, slot_range
 from pdserve.model.arch import ModelArch
 from pdserve.model.experts import ExpertStack
-from pdserve.model.llama import DenseMLP, LlamaModel
+from pdserve.model.kernels.layer import FusedLayer, FusedStep
+from pdserve.model.linear import linear
+from pdserve.model.llama import DenseMLP, LlamaModel, rms_norm
 from pdserve.model.moe import MoEBlock, expert_keys
 from pdserve.model.quant import cat_rows
 
@@ -77,6 +79,72 @@ class MoEModel(LlamaModel):
         )
         del self._raw
 
+    def _fuse(self) -> _MoEFused | None:  # type: ignore[override]
+        """A decode-only step's layers through layer.c: dense layers whole, MoE layers their attention
+        half, with the MoE block between the calls. None where a layer cannot (q/k norms, MLA, a product
+        outside qgemm.c)."""
+        if self.arch.is_mla:
+            return None
+        layers, blocks, keep = [], [], []
+        for layer in self.layers:
+            mlp = layer.mlp
+            dense = isinstance(mlp, DenseMLP)
+            # layer.c keeps the norms' addresses: copies of its own, since the loader's tensors (which
+            # the layer may hold as they are) move when an expert-parallel model shares them.
+            norms = (layer.input_norm.clone(), layer.post_norm.clone())
+            f = None
+            if layer.q_norm is None:
+                f = FusedLayer.of(
+                    self.arch,
+                    layer.qkv,
+                    layer.o,
+                    mlp.gate_up if dense else None,
+                    mlp.down if dense else None,
+                    *norms,
+                    layer.qkv_bias,
+                )
+            if f is None:
+                return None
+            layers.append(f)
+            blocks.append(None if dense else mlp)
+            keep += norms
+        return _MoEFused(layers, blocks, keep) if layers else None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta,
+        kv_cache: torch.Tensor,
+        logits_indices: torch.Tensor | None,
+        layer_done: Callable[[int], None] | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """LlamaModel's step; a decode-only step runs each layer's attention in layer.c (the same values
+        as op by op, bit for bit) and each MoE block between those calls."""
+        fused = self.fused
+        n = input_ids.shape[0] if inputs_embeds is None else inputs_embeds.shape[0]
+        if fused is None or not FusedStep.applies(meta, n):  # then LlamaModel's step runs op by op
+            return super().forward(
+                input_ids, positions, meta, kv_cache, logits_indices, layer_done, inputs_embeds
+            )
+        # layer.c updates the rows in place: a copy of the caller's embeddings.
+        x = self.embed_tokens(input_ids).contiguous() if inputs_embeds is None else inputs_embeds.clone()
+        cos, sin = self.rotary.tables(positions)
+        step = FusedStep(meta, cos, sin, n, fused.scratch_per_row)
+        eps = self.arch.rms_norm_eps
+        for i, (f, block) in enumerate(zip(fused.layers, fused.blocks)):
+            step.run(f, x, kv_cache[i, 0], kv_cache[i, 1])
+            if block is not None:
+                x = x + block(rms_norm(x, self.layers[i].post_norm, eps))
+            if layer_done is not None:
+                layer_done(i)
+        if logits_indices is None:
+            return None
+        x = rms_norm(x[logits_indices], self.norm, eps)
+        return linear(x, self.lm_head).float()
+
     @property
     def num_physical(self) -> int:
         return self.phy2log.shape[1]
@@ -128,6 +196,17 @@ class MoEModel(LlamaModel):
     def set_load_hook(self, hook: Callable[[int, torch.Tensor], None] | None) -> None:
         for b in self.blocks:
             b.expert_load_hook = hook
+
+
+class _MoEFused:
+    """The layers of a MoE model's decode-only step as layer.c runs them, and the MoE block after each
+    attention-only layer (None after a dense one)."""
+
+    def __init__(
+        self, layers: list[FusedLayer], blocks: list[MoEBlock | None], keep: list[torch.Tensor]
+    ) -> None:
+        self.layers, self.blocks, self._keep = layers, blocks, keep
+        self.scratch_per_row = max(f.scratch_per_row for f in layers)
 
 
 def pack_experts(

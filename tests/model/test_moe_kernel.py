@@ -112,3 +112,80 @@ def test_kernel_reads_each_stacked_format_as_dequantized():
         for e in range(3):
             assert torch.equal(st.dense()[e], quantize(w[e], mode).dequantize())
     assert torch.equal(ExpertStack.pack(w, "none", torch.float32, "cpu").dense(), w)
+
+
+def _decode_step(model, lens, seed=1):
+    """A step of decodes with contexts `lens` over a random paged cache."""
+    from pdserve.model.attention import build_metadata
+
+    g = torch.Generator().manual_seed(seed)
+    a, block = model.arch, 16
+    blocks = 8 + sum(-(-n // block) for n in lens)
+    kv = torch.randn(a.kv_cache_shape(blocks * block), generator=g)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    seqs, p = [], 0
+    for n in sorted(lens):
+        nb = -(-n // block)
+        seqs.append((perm[p : p + nb], n - 1, 1))
+        p += nb
+    meta = build_metadata(seqs, block, a.sliding_window, "cpu")
+    ids = torch.randint(0, a.vocab_size, (len(lens),), generator=g)
+    return ids, torch.tensor([n - 1 for n in sorted(lens)]), meta, kv
+
+
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-moe"])
+@pytest.mark.parametrize("quant", ["none", "int4"])
+@pytest.mark.parametrize("lens", [[5], [3, 9, 17, 40, 41, 100, 30, 33, 64, 12]], ids=["one", "ten"])
+def test_moe_decode_step_through_layer_c_is_the_op_by_op_step(name, quant, lens):
+    """A decode-only step of a MoE model: each layer's attention half in layer.c (dense layers whole),
+    the MoE blocks between the calls; the same logits and cache as op by op, bit for bit."""
+    from pdserve.config import ModelConfig
+    from pdserve.model.kernels import layer as fused_kernels
+    from pdserve.model.loader import build_model, load_model_files
+
+    if not fused_kernels.available():
+        pytest.skip("no C compiler here: layers run op by op")
+    model = build_model(load_model_files(name), model_config=ModelConfig(quantization=quant)).model
+    assert model.fused is not None
+    ids, positions, meta, kv = _decode_step(model, lens)
+    last = torch.arange(len(ids))
+    got_kv, done = kv.clone(), []
+    got = model.forward(ids, positions, meta, got_kv, last, layer_done=done.append)
+    fused, model.fused = model.fused, None
+    try:
+        want_kv = kv.clone()
+        want = model.forward(ids, positions, meta, want_kv, last)
+    finally:
+        model.fused = fused
+    assert done == list(range(model.arch.num_layers))
+    assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
+    assert not torch.equal(got_kv, kv)  # the step wrote its keys and values
+
+
+def test_moe_models_layer_c_does_not_take_run_op_by_op():
+    """q/k norms (Qwen3-MoE) and latent attention are not in layer.c."""
+    from pdserve.model.loader import build_model, load_model_files
+
+    for name in ("tiny-qwen3-moe", "tiny-deepseek-v3"):
+        assert build_model(load_model_files(name)).model.fused is None
+
+
+def test_fused_moe_step_holds_when_the_loaded_weights_move():
+    """An expert-parallel model moves the loaded weights into shared memory, and another engine built
+    on the same weights (tests do this) may hold some of them as they are: its fused step must not keep
+    their old addresses."""
+    from pdserve.config import ModelConfig
+    from pdserve.model.kernels import layer as fused_kernels
+    from pdserve.model.loader import build_model, load_model_files
+
+    if not fused_kernels.available():
+        pytest.skip("no C compiler here: layers run op by op")
+    loaded = load_model_files("tiny-qwen2-moe")
+    model = build_model(loaded, model_config=ModelConfig(quantization="int8")).model
+    ids, positions, meta, kv = _decode_step(model, [7, 20, 33])
+    last = torch.arange(len(ids))
+    want = model.forward(ids, positions, meta, kv.clone(), last)
+    for v in loaded.weights.values():
+        v.share_memory_()  # a new storage for each: the old one is freed
+        torch.zeros(v.shape).fill_(float("nan"))  # and likely reused
+    assert torch.equal(model.forward(ids, positions, meta, kv.clone(), last), want)

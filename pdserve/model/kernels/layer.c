@@ -33,7 +33,7 @@ typedef struct {              /* a weight in qgemm.c's tile layout: bits 32, 8 o
     const void *w, *d, *m;
 } pd_weight;
 
-typedef struct {              /* one layer, fixed at load */
+typedef struct {              /* one layer, fixed at load; inter 0: no MLP (gate_up, down unused) */
     pd_weight qkv, o, gate_up, down;
     const float *input_norm, *post_norm, *qkv_bias;   /* qkv_bias may be NULL */
     float eps, scale;
@@ -197,6 +197,7 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, flo
     sync_phase(me);
     product(me, &L->o, att, H * D, o, n);
     add_into(me, x, o, (int64_t)n * hd);
+    if (L->inter == 0) return;   /* the attention half only: a MoE block follows in Python */
 
     norm_rows(me, x, L->post_norm, h, n, hd, L->eps);
     product(me, &L->gate_up, h, hd, gu, n);

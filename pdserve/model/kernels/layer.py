@@ -118,16 +118,18 @@ class FusedLayer:
         qkv_bias: torch.Tensor | None,
     ) -> FusedLayer | None:
         """None unless every product runs qgemm.c and the norms and bias are float32 (the caller
-        leaves out what layer.c does not do: q/k norms, MoE)."""
+        leaves out what layer.c does not do: q/k norms). gate_up and down None: the attention half
+        only (the residual stream after the attention; a MoE block follows op by op)."""
         if _fns() is None:
             return None
-        ws = [_weight(w) for w in (qkv, o, gate_up, down)]
+        mlp = [Weight(), Weight()] if gate_up is None else [_weight(gate_up), _weight(down)]
+        ws = [_weight(qkv), _weight(o), *mlp]
         floats = [t for t in (input_norm, post_norm, qkv_bias) if t is not None]
         if any(w is None for w in ws) or any(
             t.dtype != torch.float32 or not t.is_contiguous() for t in floats
         ):
             return None
-        inter = gate_up.shape[0] // 2
+        inter = 0 if gate_up is None else gate_up.shape[0] // 2
         s = Layer(
             *ws,
             input_norm.data_ptr(),
