@@ -7,7 +7,8 @@ Those bytes ÷ the copy bandwidth measured in the same process (`Tensor.copy_` o
 decode_roofline.py) is the step's floor. For 8 and 32 decode rows and each of float32, int8 and int4
 the script prints the median step, the bytes it read, and step ÷ floor (goal: <= 1.3); then int4's
 step ÷ float32's (goal: <= 0.5), and the step with the experts run slot by slot (the torch loop,
-model/moe.py `routed_experts_loop`) ÷ with the grouped kernel. One JSON line. About a minute.
+model/moe.py `routed_experts_loop`) ÷ with the grouped kernel. Every case and both paths are timed in
+each of 5 rounds beside that round's bandwidth; medians of the rounds. One JSON line. About a minute.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class _Step:
         self.model.forward(self.ids, self.pos, self.meta, self.kv, self.last)
 
     def seconds(self, steps: int) -> float:
-        self()
+        self()  # warm: the previous case's weights evicted this one's from the caches
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -110,7 +111,8 @@ class _Step:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per case (median)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds over every case (medians)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per case and path in a round")
     ap.add_argument("--rows", default="8,32")
     args = ap.parse_args()
 
@@ -125,39 +127,63 @@ def main() -> int:
     arch = scaled_arch()
     weights = tiny_random_weights(arch, 0)
     rows_list = [int(r) for r in args.rows.split(",")]
-    out: dict = {"benchmark": "moe_decode", "threads": args.threads, "cpu": describe(), "cases": []}
-    steps: dict[tuple[str, int], float] = {}
-    bw = []
-    for mode in ("none", "int8", "int4"):
-        loaded = LoadedModel("moe-decode-bench", arch, weights, None)
-        model = build_model(loaded, model_config=ModelConfig(quantization=mode))
+    modes = ("none", "int8", "int4")
+    cases = {}
+    for mode in modes:
+        model = build_model(
+            LoadedModel("moe-decode-bench", arch, weights, None), model_config=ModelConfig(quantization=mode)
+        )
         for rows in rows_list:
             step = _Step(model, rows, seed=rows)
-            read = step.bytes_read()
+            cases[(mode, rows)] = (step, step.bytes_read())
+    del weights
+    kernel = moe.routed_experts
+    # The machine's speed drifts: every case and both paths are timed in each round, beside that
+    # round's copy bandwidth, and each ratio is the median of its rounds' ratios.
+    per: dict[tuple[str, int], dict[str, list[float]]] = {
+        c: {"step": [], "floor": [], "loop": []} for c in cases
+    }
+    bws = []
+    for _ in range(args.rounds):
+        bw = _copy_bandwidth()
+        bws.append(bw)
+        for c, (step, read) in cases.items():
             seconds = step.seconds(args.steps)
-            bw.append(_copy_bandwidth())
-            kernel = moe.routed_experts
             moe.routed_experts = moe.routed_experts_loop  # the slot-by-slot path, for the ratio only
             try:
-                loop = step.seconds(max(3, args.steps // 2))
+                loop = step.seconds(args.steps)
             finally:
                 moe.routed_experts = kernel
-            steps[(mode, rows)] = seconds
-            floor = read / bw[-1]
-            out["cases"].append(
-                {
-                    "quantization": mode,
-                    "rows": rows,
-                    "step_ms": round(seconds * 1e3, 2),
-                    "bytes_read_mb": round(read / 1e6, 1),
-                    "copy_bw_gb_s": round(bw[-1] / 1e9, 2),
-                    "step_over_floor": round(seconds / floor, 3),
-                    "loop_over_grouped": round(loop / seconds, 3),
-                }
-            )
-        del model
-    out["int4_over_float32"] = {str(r): round(steps[("int4", r)] / steps[("none", r)], 3) for r in rows_list}
-    out["goals"] = {"step_over_floor": "<= 1.3", "int4_over_float32": "<= 0.5"}
+            per[c]["step"].append(seconds)
+            per[c]["floor"].append(seconds / (read / bw))
+            per[c]["loop"].append(loop / seconds)
+    med = statistics.median
+    out: dict = {
+        "benchmark": "moe_decode",
+        "threads": args.threads,
+        "cpu": describe(),
+        "copy_bw_gb_s": [round(min(bws) / 1e9, 2), round(max(bws) / 1e9, 2)],
+        "cases": [
+            {
+                "quantization": mode,
+                "rows": rows,
+                "step_ms": round(med(per[(mode, rows)]["step"]) * 1e3, 2),
+                "bytes_read_mb": round(cases[(mode, rows)][1] / 1e6, 1),
+                "step_over_floor": round(med(per[(mode, rows)]["floor"]), 3),
+                "step_over_floor_range": [
+                    round(min(per[(mode, rows)]["floor"]), 3),
+                    round(max(per[(mode, rows)]["floor"]), 3),
+                ],
+                "loop_over_grouped": round(med(per[(mode, rows)]["loop"]), 3),
+            }
+            for mode, rows in cases
+        ],
+        "int4_over_float32": {
+            str(r): round(med([a / b for a, b in zip(per[("int4", r)]["step"], per[("none", r)]["step"])]), 3)
+            for r in rows_list
+        },
+        "goals": {"step_over_floor": "<= 1.3", "int4_over_float32": "<= 0.5"},
+    }
     print(json.dumps(out))
     return 0
 
