@@ -14,7 +14,7 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 from pdserve.config_flags import add_flags, flag_overrides  # noqa: E402 - after the OpenMP setting
-from pdserve.config_rules import MODES, WORKER_ROLES  # noqa: E402
+from pdserve.config_rules import ENGINES, MODES, WORKER_ROLES  # noqa: E402
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="ROLE=URL",
         help="a static worker, e.g. decode=http://10.0.0.2:8001 (repeatable); workers can "
-        "also register themselves with --router-url",
+        "also register themselves with --router-url. Another engine's worker, which the router fronts: "
+        "vllm=http://10.0.0.3:8000,events=tcp://10.0.0.3:5557,replay=tcp://10.0.0.3:5558 (or sglang=...)",
     )
     _add_engine_flags(router)
     worker = sub.add_parser("worker", help="one worker process (pdserve serve starts these)")
@@ -175,10 +176,27 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "router":
         workers = list(config.router.workers)
         for spec in args.worker:
-            role, _, url = spec.partition("=")
-            if not url or role not in ("prefill", "decode", "mixed"):
-                parser.error(f"--worker wants ROLE=URL with ROLE prefill|decode|mixed, not {spec!r}")
-            workers.append({"role": role, "url": url})
+            role, _, rest = spec.partition("=")
+            url, *extra = rest.split(",")
+            entry = {"role": role, "url": url}
+            # vllm=URL,events=tcp://...,replay=tcp://...: another engine's KV event sockets
+            names = {"events": "kv_events_endpoint", "replay": "kv_events_replay_endpoint"}
+            for item in extra:
+                k, _, v = item.partition("=")
+                if k not in names or not v or role not in ENGINES:
+                    parser.error(
+                        f"--worker: {item!r} is not events=tcp://... or replay=tcp://... of a vllm|sglang worker"
+                    )
+                entry[names[k]] = v
+            if not url or role not in (*WORKER_ROLES, *ENGINES):
+                parser.error(
+                    f"--worker wants ROLE=URL with ROLE prefill|decode|mixed (pdserve) or vllm|sglang, not {spec!r}"
+                )
+            workers.append(entry)
+        from pdserve.config_rules import FORMATS
+
+        if problem := FORMATS["router.workers"](workers):
+            parser.error(f"--worker: {problem}")
         config = derive(config, {"router.workers": workers})
         from pdserve.router.gateway import create_router_app
         from pdserve.server.serving import run_uvicorn

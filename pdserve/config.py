@@ -188,8 +188,13 @@ class LoadBalancerConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    # static workers: [{url: ..., role: prefill|decode|mixed}]
+    # static workers: [{url: ..., role: prefill|decode|mixed}]; or other engines' workers, which the router
+    # fronts (docs/router.md): [{url: ..., role: vllm|sglang, kv_events_endpoint: tcp://..., kv_events_replay_endpoint:
+    # tcp://...}] (pdserve and other engines' workers are not mixed)
     workers: list[dict] = field(default_factory=list)
+    # The key the router presents (Authorization: Bearer) to vLLM/SGLang workers it fronts (their --api-key,
+    # or a pdserve worker's server.worker_api_keys); also PDSERVE_UPSTREAM_API_KEY. None: none sent.
+    upstream_api_key: str | None = None
     api_keys: list[str] = field(default_factory=list)  # also PDSERVE_API_KEYS (comma-separated); none: open
     # /admin/* keys (also PDSERVE_ADMIN_KEYS); set: only these
     admin_keys: list[str] = field(default_factory=list)

@@ -36,6 +36,9 @@ ATTENTION_KERNELS = ("auto", "torch")
 TRANSFER_BACKENDS = ("auto", "shm", "tcp", "mooncake", "nixl")
 MODES = ("pd", "mixed")
 WORKER_ROLES = ("mixed", "prefill", "decode")
+# Other engines' workers a router can front (router/front.py): their OpenAI API, metrics and KV events.
+ENGINES = ("vllm", "sglang")
+ENGINE_WORKER_KEYS = ("kv_events_endpoint", "kv_events_replay_endpoint")
 CONTROLLER_BACKENDS = ("local", "kubernetes")
 # The router's policies (router/policies.py POLICIES). Config never imports the router; a test keeps
 # the two lists equal.
@@ -235,13 +238,21 @@ def _cidrs(v: list[str]) -> str | None:
 
 
 def _workers(v: list[dict]) -> str | None:
+    roles = (*WORKER_ROLES, *ENGINES)
     for w in v:
         if not isinstance(w.get("url"), str) or not re.match(r"https?://", w["url"]):
             return f"{w!r} needs url: http(s)://host:port"
-        if w.get("role", "mixed") not in WORKER_ROLES:
-            return f"{w!r}: role {w.get('role')!r} is not allowed; allowed: {', '.join(WORKER_ROLES)}"
-        if set(w) - {"url", "role"}:
-            return f"{w!r}: unknown keys {sorted(set(w) - {'url', 'role'})}; known: url, role"
+        role = w.get("role", "mixed")
+        if role not in roles:
+            return f"{w!r}: role {role!r} is not allowed; allowed: {', '.join(roles)}"
+        known = {"url", "role", *(ENGINE_WORKER_KEYS if role in ENGINES else ())}
+        if set(w) - known:
+            return f"{w!r}: unknown keys {sorted(set(w) - known)}; known: {', '.join(sorted(known))}"
+        for key in ENGINE_WORKER_KEYS:
+            if key in w and (not isinstance(w[key], str) or _zmq_endpoint(w[key]) is not None):
+                return f"{w!r}: {key} {w[key]!r} is not a ZeroMQ endpoint (tcp://host:port)"
+    if len({w.get("role", "mixed") in ENGINES for w in v}) > 1:
+        return "vLLM/SGLang workers and pdserve workers cannot be mixed behind one router"
     return None
 
 

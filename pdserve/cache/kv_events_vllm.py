@@ -42,6 +42,7 @@ import msgpack
 import zmq
 
 from pdserve.cache.kv_events import KVEventPublisher
+from pdserve.cache.prefix_cache import block_hash
 from pdserve.protocol import KVEvent, KVSnapshot
 
 log = logging.getLogger(__name__)
@@ -380,7 +381,11 @@ class VLLMEventSubscriber:
         context: zmq.Context | None = None,
         replay_timeout: float = 2.0,
         rcvhwm: int = 100_000,
+        rehash: bool = False,
     ) -> None:
+        """`rehash`: name blocks by the router's own chain hash of their token ids (prefix_cache.
+        block_hash over the parent's), not the worker's hashes, whose function the router need not know
+        (vLLM's): a prompt's block hashes (prompt_hashes at the worker's block size) then match them."""
         self._ctx = context or zmq.Context.instance()
         self.replay_endpoint = replay_endpoint
         self.snapshot_endpoint = None  # the feed's snapshot logic does not apply
@@ -391,6 +396,11 @@ class VLLMEventSubscriber:
         self.replays = 0
         self.malformed = 0
         self._n = 0  # KVEvents given so far
+        self.rehash = rehash
+        self.block_size: int | None = None  # the worker's, from its BlockStored events (rehash)
+        self.unchained = 0  # stored blocks left out: their parent was never seen, or their tokens do not fit
+        # rehash: the worker's hash key -> (the router's chain hash, the mediums holding the block)
+        self._ours: dict[str, tuple[bytes, set[str]]] = {}
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -457,7 +467,40 @@ class VLLMEventSubscriber:
             sock.close()
 
     def _start(self, out: list) -> None:
+        self._ours.clear()
         out.append(KVSnapshot(worker_id=self.worker_id, seq=self._n, blocks={}))
+
+    def _rehashed(self, ev: BlockStored | BlockRemoved) -> tuple[list[str], str | None]:
+        """The event's blocks and parent as the router names them (rehash); ([], None) to skip it."""
+        medium = ev.medium or "GPU"
+        if isinstance(ev, BlockRemoved):
+            names = []
+            for h in ev.block_hashes:
+                entry = self._ours.get(hash_key(h))
+                if entry is None:
+                    continue
+                names.append(entry[0].hex())
+                entry[1].discard(medium)
+                if not entry[1]:
+                    del self._ours[hash_key(h)]
+            return names, None
+        bs, n = ev.block_size, len(ev.block_hashes)
+        parent: bytes | None = None
+        if ev.parent_block_hash is not None:
+            known = self._ours.get(hash_key(ev.parent_block_hash))
+            parent = known[0] if known is not None else None
+        if bs <= 0 or len(ev.token_ids) != bs * n or (ev.parent_block_hash is not None and parent is None):
+            self.unchained += n  # a gap before the subscription or a lost batch: the chain cannot be rebuilt
+            return [], None
+        self.block_size = bs
+        first_parent = parent.hex() if parent is not None else None
+        names = []
+        for i, h in enumerate(ev.block_hashes):
+            parent = block_hash(parent, ev.token_ids[i * bs : (i + 1) * bs])
+            entry = self._ours.setdefault(hash_key(h), (parent, set()))
+            entry[1].add(medium)
+            names.append(parent.hex())
+        return names, first_parent
 
     def _apply(self, seq: int, payload: bytes, out: list) -> None:
         expected = 0 if self.last_seq is None else self.last_seq + 1
@@ -476,13 +519,20 @@ class VLLMEventSubscriber:
                 self._start(out)
                 continue
             tier = TIER_OF_MEDIUM.get(ev.medium or "GPU", "disk")
+            if self.rehash:
+                names, parent_name = self._rehashed(ev)
+                if not names:
+                    continue
+            else:
+                parent = ev.parent_block_hash if isinstance(ev, BlockStored) else None
+                names = [hash_key(h) for h in ev.block_hashes]
+                parent_name = hash_key(parent) if parent is not None else None
             self._n += 1
-            parent = ev.parent_block_hash if isinstance(ev, BlockStored) else None
             out.append(
                 KVEvent(
                     type="stored" if isinstance(ev, BlockStored) else "removed",
-                    block_hashes=[hash_key(h) for h in ev.block_hashes],
-                    parent_hash=hash_key(parent) if parent is not None else None,
+                    block_hashes=names,
+                    parent_hash=parent_name,
                     tier=tier,  # type: ignore[arg-type]
                     worker_id=self.worker_id,
                     seq=self._n,

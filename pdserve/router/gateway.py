@@ -28,6 +28,7 @@ from pdserve.protocol.control import RoleChange
 from pdserve.router.access import Access, KeyStore, bearer_key, check_admin_exposure, exposure_warnings
 from pdserve.router.admission import Admission
 from pdserve.router.backend import RemoteBackend
+from pdserve.router.front import create_front_app, fronts_engines
 from pdserve.router.kv_index_feed import IndexFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Registry
@@ -54,6 +55,8 @@ _SUMMED = (
 
 def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
     """`fleet`: how the controller starts and stops workers (pdserve serve passes its local one)."""
+    if fronts_engines(config):  # vLLM or SGLang workers: forwarded as they are (router/front.py)
+        return create_front_app(config)
     rc = config.router
     check_admin_exposure(config)
     tracing.setup("pdserve-router", config.server.otlp_endpoint)

@@ -23,6 +23,8 @@ import logging
 import threading
 import time
 
+import zmq
+
 from pdserve.cache.kv_events import KVEventSubscriber
 from pdserve.cache.kv_events_vllm import VLLMEventSubscriber
 from pdserve.cache.kv_index import KVIndex
@@ -34,9 +36,12 @@ SNAPSHOT_RETRY_S = 5.0
 
 
 class IndexFeed:
-    def __init__(self, token: str | None = None) -> None:
-        """`token`: the internal token, which the workers' event sockets take (cache/kv_events.py)."""
+    def __init__(self, token: str | None = None, rehash: bool = False) -> None:
+        """`token`: the internal token, which the workers' event sockets take (cache/kv_events.py).
+        `rehash`: vLLM-format blocks are named by the router's hash of their token ids (workers of other
+        engines, whose hash function the router does not share; router/front.py)."""
         self.token = token
+        self.rehash = rehash
         self.index = KVIndex()
         self.lock = threading.Lock()
         # event endpoint -> subscriber (kv-index thread)
@@ -100,11 +105,15 @@ class IndexFeed:
             for ep, snap in list(self._wanted.items()):
                 if ep not in self._subs:
                     name = self._vllm.get(ep)
-                    self._subs[ep] = (
-                        VLLMEventSubscriber(ep, snap, name)
-                        if name is not None
-                        else KVEventSubscriber(ep, snap, token=self.token)
-                    )
+                    try:
+                        self._subs[ep] = (
+                            VLLMEventSubscriber(ep, snap, name, rehash=self.rehash)
+                            if name is not None
+                            else KVEventSubscriber(ep, snap, token=self.token)
+                        )
+                    except zmq.ZMQError as e:  # an endpoint ZMQ cannot connect to: the others go on
+                        log.warning("KV events from %s: %s; not following them", ep, e)
+                        self._wanted.pop(ep, None)
             busy = False
             for ep, sub in list(self._subs.items()):
                 try:
@@ -147,6 +156,15 @@ class IndexFeed:
             found = self.index.match(hashes)
         by_name = {w.health.worker_id: w.worker_id for w in registry.workers.values() if w.health}
         return {by_name[name]: hit for name, hit in found.items() if name in by_name}
+
+    def block_sizes(self) -> dict[str, int]:
+        """Worker name -> its block size, learnt from its events (vLLM format with rehash)."""
+        out = {}
+        for ep, sub in list(self._subs.items()):
+            bs = getattr(sub, "block_size", None)
+            if bs and (name := self._vllm.get(ep)):
+                out[name] = bs
+        return out
 
     def blocks_of(self, name: str | None) -> int:
         """How many blocks the index holds for a worker (by its own name)."""
