@@ -1,9 +1,12 @@
-"""The deploy/ assets, read for tests: the manifests and the metric names rules and dashboard query."""
+"""The deploy/ assets, read for tests: the manifests, the Helm chart's renders and the metric names rules
+and dashboard query."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+from functools import cache
 from pathlib import Path
 
 import yaml
@@ -14,6 +17,27 @@ METRIC = re.compile(r"\bpdserve_[a-z0-9_]+")
 
 def manifests() -> list[dict]:
     return [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "pdserve.yaml").read_text()) if d]
+
+
+@cache
+def render_module():
+    """deploy/render.py (deploy/ is no package): renders the chart with Helm's template engine."""
+    spec = importlib.util.spec_from_file_location("pdserve_deploy_render", DEPLOY / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+VALUE_SETS = ("laptop", "pd-hpa", "ep")  # deploy/helm/pdserve/ci/<name>-values.yaml
+
+
+def chart_values(value_set: str) -> dict:
+    return render_module().load_values(DEPLOY / "helm" / "pdserve" / "ci" / f"{value_set}-values.yaml")
+
+
+def chart_objects(value_set: str) -> list[dict]:
+    """The chart rendered with one of its value sets (release pdserve, namespace default)."""
+    return render_module().render(chart_values(value_set))
 
 
 def referenced_metrics() -> set[str]:
