@@ -1,12 +1,16 @@
-"""The Kubernetes manifest's processes run here for real: the router, prefill and decode containers'
-own arguments, environment (secrets filled in, the pod IP 127.0.0.1) and ConfigMap, with only
+"""The Helm chart's laptop deployment (deploy/helm/pdserve/ci/laptop-values.yaml, rendered by Helm's
+template engine) runs here for real: the router, prefill and decode containers' own arguments,
+environment (the rendered Secret's values filled in, the pod IP 127.0.0.1) and ConfigMap, with only
 ports, the model (a tiny one) and threads changed. Client keys, admin keys and the internal token
-together: the workers register themselves, a client key gets completions but no admin call,
-and every /metrics is scraped with no credentials, as Prometheus does."""
+together: the workers register themselves, a client key gets completions but no admin call, every
+/metrics and /health is read with no credentials, as Prometheus and the probes do; then the decode
+container's preStop hook drains its worker, which refuses new work from then on."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,19 +18,24 @@ import httpx
 import openai
 import pytest
 import yaml
-from deploy_assets import manifests
+from deploy_assets import chart_objects
 
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd, thread_env
+from pdserve.protocol import INTERNAL_TOKEN_HEADER
 
 pytestmark = pytest.mark.slow
-CLIENT, ADMIN, TOKEN = "sk-client-e2e", "sk-admin-e2e", "tok-e2e-5f1c"
-SECRETS = {"internal-token": TOKEN, "api-keys": f"{CLIENT},sk-client-other", "admin-keys": ADMIN}
+OBJECTS = chart_objects("laptop")
+[_SECRET] = [o for o in OBJECTS if o["kind"] == "Secret"]
+SECRETS = _SECRET["stringData"]
+CLIENT = SECRETS["api-keys"].split(",")[0]
+ADMIN = SECRETS["admin-keys"].split(",")[0]
+TOKEN = SECRETS["internal-token"]
 
 
 def _container(component: str) -> dict:
     [dep] = [
         d
-        for d in manifests()
+        for d in OBJECTS
         if d["kind"] == "Deployment" and d["metadata"]["labels"]["app.kubernetes.io/component"] == component
     ]
     [c] = dep["spec"]["template"]["spec"]["containers"]
@@ -38,7 +47,7 @@ def _env(c: dict) -> dict:
     for e in c.get("env", []):
         src = e.get("valueFrom", {})
         if "secretKeyRef" in src:
-            assert src["secretKeyRef"]["name"] == "pdserve-secrets"
+            assert src["secretKeyRef"]["name"] == _SECRET["metadata"]["name"]
             env[e["name"]] = SECRETS[src["secretKeyRef"]["key"]]
         elif src.get("fieldRef", {}).get("fieldPath") == "status.podIP":
             env[e["name"]] = "127.0.0.1"
@@ -81,8 +90,8 @@ def _start(tmp: Path, component: str, config: Path, router_url: str | None = Non
     )
 
 
-def test_the_manifests_secured_deployment_end_to_end(tmp_path):
-    config_map = next(d for d in manifests() if d["kind"] == "ConfigMap")
+def test_the_charts_secured_deployment_end_to_end(tmp_path):
+    config_map = next(d for d in OBJECTS if d["kind"] == "ConfigMap")
     cfg = yaml.safe_load(config_map["data"]["pdserve.yaml"])
     cfg["model"]["name"] = "tiny-qwen2"
     config = tmp_path / "pdserve.yaml"
@@ -155,5 +164,25 @@ def test_the_manifests_secured_deployment_end_to_end(tmp_path):
                 assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
             for srv in (prefill, decode):
                 assert "refuses" not in srv.log_tail(100_000)
+
+            # The preStop hook, as the kubelet runs it in the decode container (its port this one's).
+            hook = _container("decode")["lifecycle"]["preStop"]["exec"]["command"]
+            assert hook[0] == "python"
+            code = hook[2].replace("127.0.0.1:8000/", f"127.0.0.1:{decode.port}/")
+            assert code != hook[2]
+            env = _env(_container("decode"))
+            done = subprocess.run(
+                [sys.executable, *hook[1:2], code], env=env, capture_output=True, timeout=120
+            )
+            assert done.returncode == 0, done.stderr.decode()
+            job = {"request_id": "after-drain", "prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 1}}
+            r = httpx.post(
+                decode.url + "/internal/generate",
+                json=job,
+                headers={INTERNAL_TOKEN_HEADER: TOKEN},
+                timeout=10,
+            )
+            assert r.status_code == 503 and "leaving" in r.json()["error"]["message"], r.text
+            assert httpx.get(decode.url + "/metrics", timeout=10).status_code == 200  # still alive
     log = router.log_path.read_text(errors="replace")
     assert "!!!" not in log and "cannot register" not in log and ADMIN not in log and CLIENT not in log
