@@ -107,16 +107,18 @@ def test_quantized_ep_matches_ep1(quant, redundant):
         llm.engine.close()
 
 
-def test_runtime_rebalance_under_load_keeps_outputs():
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_runtime_rebalance_under_load_keeps_outputs(quant):
     """EP=2 with 4 redundant slots; the trigger checks every 2 steps with a threshold any skew
-    exceeds, and two placements are forced mid-generation on top."""
+    exceeds, and two placements are forced mid-generation on top. int4: packed slots move whole."""
     name = "tiny-mixtral"
     loaded = load_model_files(name)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    want = [o.token_ids for o in _llm(name, loaded).generate(PROMPTS, params)]
+    want = [o.token_ids for o in _llm(name, loaded, model__quantization=quant).generate(PROMPTS, params)]
     llm = _llm(
         name,
         loaded,
+        model__quantization=quant,
         model__expert_parallel=2,
         model__num_redundant_experts=4,
         model__eplb_interval=2,
