@@ -67,7 +67,7 @@ def test_rules_and_dashboard_query_pdserve_metrics():
 
 def test_the_router_has_admin_keys_and_shares_the_internal_token_with_its_workers():
     """Workers register with the router's internal token; /admin/* takes only admin keys
-    (the processes themselves run in test_manifest_e2e.py)."""
+    (the processes themselves run in test_chart_e2e.py)."""
 
     def secrets(component: str) -> dict[str, str]:
         [dep] = [

@@ -1,7 +1,7 @@
 """Who may call what on the router: client keys, admin keys, the internal token, open paths.
 
 The router app is the real one (create_router_app), spoken to over ASGI in this process; the
-same combination runs as real processes in tests/deploy/test_manifest_e2e.py.
+same combination runs as real processes in tests/deploy/test_chart_e2e.py.
 """
 
 from __future__ import annotations
