@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 from pathlib import Path
 
 import helm_python
@@ -24,6 +23,7 @@ from fastapi import FastAPI
 
 from pdserve.cli import _overrides, build_parser
 from pdserve.config import load_config
+from pdserve.deployment_plan import make_plan
 from pdserve.protocol import INTERNAL_TOKEN_HEADER
 from pdserve.protocol.control import LeaveRequest
 from pdserve.server.internal_api import OPEN_PATHS
@@ -52,6 +52,20 @@ def _pod_templates(obj: dict) -> list[dict]:
 
 def _selects(selector: dict, labels: dict) -> bool:
     return selector.items() <= labels.items()
+
+
+def _matches(selector: dict, obj: dict) -> bool:
+    """A label selector (matchLabels and matchExpressions) against an object's labels."""
+    labels = obj["metadata"].get("labels", {})
+    ops = {
+        "In": lambda k, vs: labels.get(k) in vs,
+        "NotIn": lambda k, vs: labels.get(k) not in vs,
+        "Exists": lambda k, vs: k in labels,
+        "DoesNotExist": lambda k, vs: k not in labels,
+    }
+    return _selects(selector.get("matchLabels", {}), labels) and all(
+        ops[e["operator"]](e["key"], e.get("values", [])) for e in selector.get("matchExpressions", [])
+    )
 
 
 def _workload(objs: list[dict], component: str) -> dict:
@@ -122,11 +136,8 @@ def test_secrets_services_and_selectors_are_wired(rendered):
     workloads = [o for o in objs if o["kind"] in WORKLOADS]
     pods = [(w, t) for w in workloads for t in _pod_templates(w)]
     for w, t in pods:
-        assert (
-            _selects(w["spec"]["selector"]["matchLabels"], t["metadata"]["labels"])
-            if "selector" in w["spec"]
-            else True
-        )
+        if "selector" in w["spec"]:  # a LeaderWorkerSet selects its own pods
+            assert _selects(w["spec"]["selector"]["matchLabels"], t["metadata"]["labels"])
         for c in t["spec"]["containers"]:
             for e in c.get("env", []):
                 ref = e.get("valueFrom", {}).get("secretKeyRef")
@@ -142,20 +153,12 @@ def test_secrets_services_and_selectors_are_wired(rendered):
             config_maps = {v["configMap"]["name"] for v in t["spec"]["volumes"] if "configMap" in v}
             assert config_maps <= {o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap"}
     for svc in (o for o in objs if o["kind"] == "Service"):
-        [(w, t)] = [(w, t) for w, t in pods if _selects(svc["spec"]["selector"], t["metadata"]["labels"])][:1]
-        ports = {p["name"] for c in t["spec"]["containers"] for p in c["ports"]}
+        selected = [(w, t) for w, t in pods if _selects(svc["spec"]["selector"], t["metadata"]["labels"])]
+        assert len({w["metadata"]["name"] for w, _ in selected}) == 1, svc["metadata"][
+            "name"
+        ]  # one component
+        ports = {p["name"] for c in selected[0][1]["spec"]["containers"] for p in c["ports"]}
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= ports, svc["metadata"]["name"]
-        # one component's pods, never two
-        assert (
-            len(
-                {
-                    w["metadata"]["name"]
-                    for w, t in pods
-                    if _selects(svc["spec"]["selector"], t["metadata"]["labels"])
-                }
-            )
-            == 1
-        )
     for pdb in (o for o in objs if o["kind"] == "PodDisruptionBudget"):
         assert any(_selects(pdb["spec"]["selector"]["matchLabels"], t["metadata"]["labels"]) for _, t in pods)
     for hpa in (o for o in objs if o["kind"] == "HorizontalPodAutoscaler"):
@@ -169,22 +172,9 @@ def test_secrets_services_and_selectors_are_wired(rendered):
             == target["metadata"]["labels"]["app.kubernetes.io/component"]
         )
     for sm in (o for o in objs if o["kind"] == "ServiceMonitor"):
-        names = {e["values"][0] for e in sm["spec"]["selector"]["matchExpressions"] if len(e["values"]) == 1}
-        components = {
-            v for e in sm["spec"]["selector"]["matchExpressions"] if len(e["values"]) > 1 for v in e["values"]
-        }
-        monitored = [
-            s
-            for s in objs
-            if s["kind"] == "Service"
-            and names <= set(s["metadata"]["labels"].values())
-            and s["metadata"]["labels"]["app.kubernetes.io/component"] in components
-        ]
-        assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in monitored} == {
-            "router",
-            "prefill",
-            "decode",
-        }
+        monitored = [o for o in objs if o["kind"] == "Service" and _matches(sm["spec"]["selector"], o)]
+        components = {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in monitored}
+        assert components == {"router", "prefill", "decode"}
         assert all(e["path"] == "/metrics" and e["port"] == "http" for e in sm["spec"]["endpoints"])
     for pool in (o for o in objs if o["kind"] == "InferencePool"):
         [(w, t)] = [
@@ -262,7 +252,18 @@ def test_processes_run_commands_and_config_pdserve_accepts(rendered, tmp_path):
         assert int(host.group(2)) in {p["port"] for p in svc["spec"]["ports"]}
         assert any(e["name"] == "PDSERVE_ADVERTISE_HOST" for e in c["env"])
     assert roles == {"prefill", "decode"}
-    shlex.split(" ".join(c["args"]))  # no stray quoting
+
+
+def test_the_deployment_plan_fits_the_model(rendered, tmp_path):
+    """What `pdserve serve --dry-run` checks against the model (read without its weights): the EP set's
+    ranks need a MoE model with enough expert slots (a tiny random one stands in for the volume's)."""
+    value_set, objs = rendered
+    override = {"model.name": "tiny-qwen3-moe"} if value_set == "ep" else {}
+    plan = make_plan(load_config(str(_config_file(objs, tmp_path)), override))
+    values = chart_values(value_set)
+    assert {rp.role: rp.expert_parallel for rp in plan.roles} == {
+        role: values.get(role, {}).get("expertParallel", 1) for role in ("prefill", "decode")
+    }
 
 
 def test_the_router_gets_every_key_the_workers_only_the_token(rendered):
