@@ -63,7 +63,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- $_ := set $deployment $role (mergeOverwrite (get $deployment $role | default dict) $r) -}}
 {{- end -}}
 {{- $_ := set $cfg "deployment" $deployment -}}
-{{- if .Values.router.encoderWorkers | kindIs "float64" -}}
+{{- if not (kindIs "invalid" .Values.router.encoderWorkers) -}}
 {{- $_ := set $cfg "router" (mergeOverwrite (get $cfg "router" | default dict) (dict "encoder_workers" (int .Values.router.encoderWorkers))) -}}
 {{- end -}}
 {{- if .Values.inferencePool.enabled -}}
