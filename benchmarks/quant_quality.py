@@ -60,17 +60,19 @@ TOPICS = [
 _RSS_CHILD = """
 import gc, json, sys
 from pdserve import LLM
-llm = LLM(model="smollm2-135m", quantization=sys.argv[1], device_blocks=256)
+llm = LLM(model=sys.argv[2], quantization=sys.argv[1], device_blocks=256)
 gc.collect()
 rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:"))
 print(json.dumps({"rss_bytes": rss * 1024, "weight_bytes": llm.engine.weight_bytes}))
 """
 
 
-def resident(mode: str) -> dict:
+def resident(mode: str, model: str) -> dict:
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, mode], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD, mode, model], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -80,6 +82,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--modes", default="int8,int4")
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="another model.name, e.g. a MoE one (tiny-mixtral: random weights)",
+    )
     args = ap.parse_args()
 
     import torch
@@ -91,7 +98,7 @@ def main() -> int:
     from pdserve.utils.cpu import describe
 
     torch.set_num_threads(args.threads)
-    llm = LLM(model="smollm2-135m", threads=args.threads, prefix_cache=False)
+    llm = LLM(model=args.model, threads=args.threads, prefix_cache=False, quantization="none")
     chats = [
         [{"role": "user", "content": f"Tell me about {t} in a short paragraph."}]
         for t in TOPICS[: args.prompts]
@@ -105,7 +112,7 @@ def main() -> int:
     for mode in args.modes.split(","):
         t0 = time.perf_counter()
         model = build_model(
-            load_model_files("smollm2-135m", quantization=mode),
+            load_model_files(args.model, quantization=mode),
             "float32",
             model_config=ModelConfig(quantization=mode),
         )
@@ -116,6 +123,7 @@ def main() -> int:
                 {
                     "benchmark": "quant_quality",
                     "mode": mode,
+                    "model": args.model,
                     "cpu": describe(),
                     "prompts": len(seqs),
                     "steps": args.steps,
@@ -129,9 +137,9 @@ def main() -> int:
             flush=True,
         )
         del model
-    base = resident("none")
+    base = resident("none", args.model)
     for mode in args.modes.split(","):
-        r = resident(mode)
+        r = resident(mode, args.model)
         below = base["rss_bytes"] - r["rss_bytes"]
         print(
             json.dumps(
