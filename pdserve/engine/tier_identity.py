@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [p for p in parts if isinstance(p, torch.Tensor)]
 
 
-def weights_digest(weights: dict[str, Any]) -> str:
+def weights_digest(weights: Mapping[str, Any]) -> str:
     """A digest of the weights: every tensor's name, shape, dtype and a spread sample of its values."""
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(weights):
@@ -47,7 +48,7 @@ def weights_digest(weights: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def tier_namespace(config: Config, max_model_len: int, weights: dict[str, Any]) -> str:
+def tier_namespace(config: Config, max_model_len: int, weights: Mapping[str, Any]) -> str:
     """`<readable name>-<digest>`: the name for people, the digest for correctness."""
     mc = config.model
     base = re.sub(r"[^A-Za-z0-9._-]", "_", Path(mc.name).name) or "model"
