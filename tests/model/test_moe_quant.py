@@ -58,10 +58,14 @@ def test_quantized_moe_against_float32(name):
         experts = model.model.blocks[0].placement.gate_up
         assert experts.kind == (mode if qgemm.available() else experts.kind) and experts.kind != "f32"
         got = sequence_logits(model, ids)
-        # The same values in float32: agreement within the roundings of a different order of sums.
+        # The same values in float32: agreement within the roundings of a different order of sums,
+        # or, where this CPU's kernel multiplies these rows on bfloat16 pairs (AVX512-BF16), within
+        # the activations' rounding too, which moves near-ties of a random model's logits.
         same = sequence_logits(build_model(_dequantized(loaded, mode)), ids)
         agree, kl = agreement_and_kl(same, got)
-        assert agree >= 0.95 and kl <= 1e-3, (mode, agree, kl)
+        bf16 = 0 < qgemm.bf16_rows(mode) <= len(ids)
+        min_agree, max_kl = (0.8, 1e-2) if bf16 else (0.95, 1e-3)
+        assert agree >= min_agree and kl <= max_kl, (mode, agree, kl)
         agree, kl = agreement_and_kl(want, got)
         min_agree, max_kl = FLOOR[name][mode]
         assert agree >= min_agree and kl <= max_kl, (mode, agree, kl)
