@@ -1,6 +1,6 @@
 """Expert-parallel load balancing: heatmap recorder, placement policy, trigger, dispatch."""
 
-from pdserve.eplb.dispatch import dispatch, log2phy
+from pdserve.eplb.dispatch import dispatch, dispatch_by_load, log2phy
 from pdserve.eplb.metrics import (
     BalancerMetrics,
     experts_moved,
@@ -17,6 +17,7 @@ __all__ = [
     "ExpertLoadRecorder",
     "ImbalanceTrigger",
     "dispatch",
+    "dispatch_by_load",
     "experts_moved",
     "imbalance",
     "log2phy",

@@ -1,7 +1,8 @@
 """Rank 0's expert balancer: recorder fed by the MoE layers, trigger checked every few steps, policy.
 
-Every rank routes the same tokens (attention is replicated), so rank 0's own routing choices are
-the global expert load: no counts need gathering. Every `interval` steps the balancer measures the
+The load is global: each rank counts the routed choices of the tokens it owns (recorder.StepCounts)
+and rank 0 records their sum over the ranks (`record_counts`), so the placement stays right when the
+ranks see different tokens. Every `interval` steps the balancer measures the
 max/mean rank load of the placement in force on the heatmap; when the trigger fires it plans a new
 placement (`rebalance_experts`, moving as few experts as it can) and hands it to the weight mover.
 """
@@ -48,6 +49,10 @@ class ExpertBalancer:
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """The MoE layers' expert_load_hook: `layer` is the model's layer index."""
         self.recorder.record(self._index[layer], topk_ids)
+
+    def record_counts(self, counts: torch.Tensor) -> None:
+        """A step's `[moe layers, experts]` counts, summed over the ranks."""
+        self.recorder.record_counts(counts)
 
     def end_step(self) -> torch.Tensor | None:
         """Close a step; a new placement when it is time to rebalance, else None."""

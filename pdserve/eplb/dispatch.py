@@ -1,8 +1,10 @@
 """Token dispatch: map each (token, logical expert) choice to one physical replica.
 
-Occurrences of one logical expert in a batch take its replicas in turn (round robin in token
-order), so replica loads differ by at most one token and the result is deterministic:
-the same batch always lands on the same slots, which keeps greedy outputs reproducible.
+`dispatch` takes an expert's replicas in turn (round robin in token order), so replica loads differ
+by at most one token. `dispatch_by_load` sends each choice to the replica whose rank has the least
+load assigned so far in the step, so a replica on a rank already busy with other experts' tokens
+takes fewer. Both are deterministic functions of the batch and the placement: every rank that sees
+the same batch picks the same slots, which keeps greedy outputs reproducible.
 """
 
 from __future__ import annotations
@@ -64,3 +66,56 @@ def dispatch(
     occ[order] = torch.arange(flat.numel()) - first[sorted_ids]
     pick = (occ + offset) % counts[flat]
     return slots[flat, pick].reshape(ids.shape)
+
+
+def slot_owner(num_physical: int, num_ranks: int) -> torch.Tensor:
+    """Rank of each physical slot: rank r owns slots r*P//R .. (r+1)*P//R (as eplb/placement.py)."""
+    ends = torch.arange(1, num_ranks + 1) * num_physical // num_ranks
+    return torch.searchsorted(ends, torch.arange(num_physical), right=True)
+
+
+def own_tokens(num_tokens: int, rank: int, world: int) -> tuple[int, int]:
+    """The tokens `lo..hi` of a step that rank `rank` accounts for (its shared-expert share and the
+    choices it counts for the balancer): an even split, so the ranks' shares add up to the batch."""
+    return num_tokens * rank // world, num_tokens * (rank + 1) // world
+
+
+def dispatch_by_load(
+    topk_ids: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], num_ranks: int
+) -> torch.Tensor:
+    """Physical slot ids, same shape as `topk_ids` (logical ids of one layer), replicas chosen by load.
+
+    `table` is `log2phy(phy2log, num_logical)`. The load of a rank is the number of choices assigned
+    to its slots so far in this call. Choices of experts with one slot are assigned first (they
+    have no choice); then, expert by expert in id order and token by token in batch order, each
+    choice of a replicated expert goes to the replica whose rank has the least load, ties to the
+    lower slot. Two replicas on one rank always tie, so only the lower one is used.
+    """
+    ids = torch.as_tensor(topk_ids, dtype=torch.long)
+    slots, counts = table
+    flat = ids.reshape(-1)
+    if flat.numel() == 0:
+        return ids.clone()
+    per_choice = counts[flat]
+    if (per_choice == 0).any():
+        raise ValueError("a routed expert has no replica in phy2log")
+    num_physical = int(counts.sum())
+    owner = slot_owner(num_physical, num_ranks)
+    out = slots[flat, 0]  # an expert's lowest slot (log2phy lists its slots in ascending order)
+    load = torch.bincount(owner[out[per_choice == 1]], minlength=num_ranks)
+    for e in torch.unique(flat[per_choice > 1]).tolist():
+        pos = (flat == e).nonzero().squeeze(1)
+        reps = slots[e, : int(counts[e])]
+        ranks = owner[reps]
+        first = torch.ones_like(ranks, dtype=torch.bool)
+        first[1:] = ranks[1:] != ranks[:-1]  # slots ascend, so a rank's replicas are adjacent
+        reps, ranks = reps[first], ranks[first]
+        # Replica j's m-th choice is taken at load load[rank j] + m. Greedy picks the least
+        # (load, slot) each time, and each replica's keys only grow, so the picks are the n
+        # smallest keys in order: the i-th choice in batch order gets the i-th smallest.
+        n = pos.numel()
+        keys = (load[ranks].unsqueeze(1) + torch.arange(n)) * num_physical + reps.unsqueeze(1)
+        chosen = torch.argsort(keys.reshape(-1))[:n] // n
+        out[pos] = reps[chosen]
+        load += torch.bincount(ranks[chosen], minlength=num_ranks)
+    return out.reshape(ids.shape)

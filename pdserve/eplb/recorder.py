@@ -1,7 +1,7 @@
 """Expert activation heatmap: per-layer counts over a sliding window of steps.
 
-The engine calls `record(layer, topk_ids)` from each MoE layer and `advance()` once per forward
-step. The window is a ring of per-step buckets plus a running sum, so reading the heatmap costs
+The engine calls `record(layer, topk_ids)` from each MoE layer, or `record_counts` with a step's
+counts summed over the expert-parallel ranks (`StepCounts`), and `advance()` once per forward step. The window is a ring of per-step buckets plus a running sum, so reading the heatmap costs
 one copy, not a sum over the window. A lock keeps a scrape from seeing a half-advanced ring.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 
 import torch
+
+from pdserve.eplb.dispatch import own_tokens
 
 
 class ExpertLoadRecorder:
@@ -80,6 +82,29 @@ class ExpertLoadRecorder:
     def register_metrics(self, registry, prefix: str = "pdserve_eplb") -> None:
         """Expose the heatmap as a gauge family read at scrape time (no copies kept up to date)."""
         registry.register(_HeatmapCollector(self, prefix))
+
+
+class StepCounts:
+    """One rank's share of the expert load in the current step: `[moe layers, experts]` counts of the
+    routed choices of the tokens this rank owns (`own_tokens`), so the ranks' counts sum to the step's
+    load whether they see the same batch (replicated attention) or different ones. The MoE layers feed
+    `record`; `take` returns the step's counts and starts the next step."""
+
+    def __init__(self, layer_ids: list[int], num_experts: int, rank: int = 0, world: int = 1) -> None:
+        self._index = {layer: j for j, layer in enumerate(layer_ids)}
+        self.num_experts, self.rank, self.world = num_experts, rank, world
+        self._counts = torch.zeros(len(self._index), num_experts, dtype=torch.long)
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """A MoE layer's expert_load_hook: `layer` is the model's layer index, `topk_ids` [tokens, k]."""
+        lo, hi = own_tokens(topk_ids.shape[0], self.rank, self.world)
+        ids = topk_ids[lo:hi].reshape(-1).to(torch.long).cpu()
+        if ids.numel():
+            self._counts[self._index[layer]] += torch.bincount(ids, minlength=self.num_experts)
+
+    def take(self) -> torch.Tensor:
+        counts, self._counts = self._counts, torch.zeros_like(self._counts)
+        return counts
 
 
 class _HeatmapCollector:

@@ -10,9 +10,11 @@ sums. With replicated attention every rank already holds every token, so this al
 dispatch-and-combine: it moves [tokens, hidden] per layer where an all-to-all would move only the
 routed rows, which is fine on one host and keeps every rank's activations identical.
 
-Rank 0 also runs the expert balancer (eplb/balancer.py) and drives the weight mover on every rank:
-a new placement is announced with FLAG_PREPARE (each rank builds it in the background) and switched
-to with FLAG_COMMIT at the start of a later step, on all ranks at the same step boundary.
+After each step the ranks sum their counts of the expert choices of the tokens each owns (one small
+all-reduce): that is the global load that rank 0's expert balancer (eplb/balancer.py) reads. Rank 0
+drives the weight mover on every rank: a new placement is announced with FLAG_PREPARE (each rank
+builds it in the background) and switched to with FLAG_COMMIT at the start of a later step, on all
+ranks at the same step boundary.
 
 Exposure: the ranks meet through a file store in a private directory and gloo connects them over
 loopback only; nothing listens beyond this host (a TCP store and gloo's default device would listen
@@ -43,6 +45,7 @@ import torch.multiprocessing as mp
 from pdserve.config import ModelConfig
 from pdserve.eplb.balancer import ExpertBalancer
 from pdserve.eplb.mover import ExpertWeightMover
+from pdserve.eplb.recorder import StepCounts
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.ep_protocol import (
@@ -187,7 +190,9 @@ class ExpertParallelModel:
             mc.eplb_interval,
             mc.eplb_threshold,
         )
-        self.model.set_load_hook(self.eplb.record)
+        # Each rank counts its own tokens' choices; the sum over the ranks is the step's load.
+        self._counts = StepCounts(self.model.moe_ids, arch.num_experts, 0, world)
+        self.model.set_load_hook(self._counts.record)
         self._step = 0
         self._pending: torch.Tensor | None = None  # planned, not yet announced
         self._preparing: torch.Tensor | None = None  # announced, being built on every rank
@@ -260,7 +265,17 @@ class ExpertParallelModel:
                 self.mover.prepare(self._pending)
                 self._preparing, self._pending = self._pending, None
             self.model.set_step(self._step)
-            logits = self.model.forward(input_ids, positions, meta, kv_cache, logits_indices, layer_done)
+            try:
+                logits = self.model.forward(input_ids, positions, meta, kv_cache, logits_indices, layer_done)
+                counts = self._counts.take()
+                if r.comm is not None:
+                    counts = r.comm.all_reduce(counts)
+            except BaseException as exc:
+                if r.comm is not None:
+                    # A step cut short (a dead rank, or an error here) leaves the ranks out of step.
+                    r.error = exc
+                raise
+            self.eplb.record_counts(counts)
             self._step += 1
         planned = self.eplb.end_step()
         if planned is not None and self._pending is None and self._preparing is None:
@@ -408,6 +423,8 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
         gemm_kernel=spec.gemm_kernel,
     )
     mover = ExpertWeightMover(model)
+    counts = StepCounts(model.moe_ids, spec.arch.num_experts, spec.rank, spec.world)
+    model.set_load_hook(counts.record)
     kv = None
     idle = timedelta(seconds=WORKER_IDLE_TIMEOUT_S)
     with torch.inference_mode():
@@ -439,6 +456,7 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
             ids, positions, meta = decode_step(h, ints, mask, device)
             model.set_step(h.step)
             model.forward(ids, positions, meta, kv, None)
+            comm.all_reduce(counts.take())  # this rank's share of the step's expert load, to rank 0
 
 
 def _worker_kv(spec: _WorkerSpec, slots: int, path: str, device: torch.device) -> torch.Tensor:

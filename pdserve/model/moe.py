@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pdserve.eplb.dispatch import dispatch
+from pdserve.eplb.dispatch import dispatch_by_load, own_tokens
 from pdserve.eplb.placement import LayerPlacement
 from pdserve.model.arch import ModelArch
 from pdserve.model.experts import ExpertStack
@@ -129,19 +129,19 @@ class MoEBlock:
         self.rank, self.world, self.combine = rank, world, combine
         # Called with (layer, logical topk ids) every forward: the EPLB recorder's feed.
         self.expert_load_hook: Callable[[int, torch.Tensor], None] | None = None
-        self.step_offset = 0  # rotates the replica that takes an expert's first token
+        self.step_offset = 0  # the step number, set by the model before each step
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(F.linear(h.float(), self.gate), self.arch, self.bias)
         if self.expert_load_hook is not None:
             self.expert_load_hook(self.layer, ids)
         pl = self.placement  # read once: a swap can only happen between steps
-        slots = ids if pl.identity else dispatch(ids, table=pl.table, offset=self.step_offset)
+        # Replicas by load: the same batch and placement give the same slots on every rank.
+        slots = ids if pl.identity else dispatch_by_load(ids, pl.table, self.world)
         out = routed_experts(h, slots, weights.to(h.dtype), pl)
         if self.shared is not None:
             # Each rank runs the shared expert on its own slice of the tokens; the combine sums them.
-            t = h.shape[0]
-            lo, hi = t * self.rank // self.world, t * (self.rank + 1) // self.world
+            lo, hi = own_tokens(h.shape[0], self.rank, self.world)
             if hi > lo:
                 s = self.shared(h[lo:hi])
                 if self.shared_gate is not None:

@@ -15,6 +15,7 @@ from pdserve.eplb import (
     ExpertLoadRecorder,
     ImbalanceTrigger,
     dispatch,
+    dispatch_by_load,
     experts_moved,
     imbalance,
     log2phy,
@@ -22,6 +23,7 @@ from pdserve.eplb import (
     replica_counts,
     sustained,
 )
+from pdserve.eplb.dispatch import own_tokens, slot_owner
 
 # ------------------------------------------------------------------ dispatch
 
@@ -60,6 +62,73 @@ def test_dispatch_with_prebuilt_table_and_errors():
     with pytest.raises(ValueError):
         dispatch(torch.tensor([[4]]), table=table)
     assert dispatch(torch.empty(0, 2, dtype=torch.long), PHY2LOG).shape == (0, 2)
+
+
+def _greedy_reference(ids: torch.Tensor, phy2log: torch.Tensor, ranks: int) -> torch.Tensor:
+    """dispatch_by_load's rule, one choice at a time: single-slot experts first, then each replicated
+    expert's choices in batch order to the replica on the least-loaded rank, ties to the lower slot."""
+    p = phy2log.numel()
+    owner = [next(r for r in range(ranks) if s < (r + 1) * p // ranks) for s in range(p)]
+    reps = {e: [s for s in range(p) if int(phy2log[s]) == e] for e in set(phy2log.tolist())}
+    flat, out, load = ids.reshape(-1).tolist(), [0] * ids.numel(), [0] * ranks
+    for i, e in enumerate(flat):
+        if len(reps[e]) == 1:
+            out[i] = reps[e][0]
+            load[owner[out[i]]] += 1
+    for e in sorted({e for e in flat if len(reps[e]) > 1}):
+        for i in [i for i, x in enumerate(flat) if x == e]:
+            out[i] = min(reps[e], key=lambda s: (load[owner[s]], s))
+            load[owner[out[i]]] += 1
+    return torch.tensor(out).reshape(ids.shape)
+
+
+def test_dispatch_by_load_prefers_the_replica_on_the_idle_rank():
+    # 2 ranks, 3 slots each. Expert 0 has a replica on each rank; rank 0 also holds the single slots
+    # of experts 1 and 2, which this batch loads with 6 choices, rank 1 holds expert 3 (1 choice).
+    phy2log = torch.tensor([0, 1, 2, 0, 3, 4])
+    ids = torch.tensor([[1, 2], [1, 2], [1, 2], [3, 0], [0, 4], [0, 1], [0, 2], [0, 3]])
+    slots = dispatch_by_load(ids, log2phy(phy2log, 5), 2)
+    assert torch.equal(phy2log[slots], ids)
+    loads = torch.bincount(slot_owner(6, 2)[slots.reshape(-1)], minlength=2).tolist()
+    # Rank 0 starts at 8 (experts 1, 2), rank 1 at 3 (experts 3, 4): expert 0's five choices fill
+    # rank 1 up to rank 0's level (5 there), and round robin would put two or three on rank 0.
+    assert loads == [8, 8]
+    assert torch.equal(slots, _greedy_reference(ids, phy2log, 2))
+    rr = torch.bincount(slot_owner(6, 2)[dispatch(ids, phy2log).reshape(-1)], minlength=2).tolist()
+    assert max(rr) > max(loads)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_dispatch_by_load_matches_the_greedy_rule_and_is_deterministic(ranks):
+    g = torch.Generator().manual_seed(ranks)
+    phy2log = torch.cat([torch.arange(6), torch.tensor([0, 0, 2, 5, 1, 0])])[torch.randperm(12, generator=g)]
+    table = log2phy(phy2log, 6)
+    for t in (1, 7, 40):
+        ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(t)])
+        ids[: t // 2, 0] = 0  # a hot expert
+        slots = dispatch_by_load(ids, table, ranks)
+        assert torch.equal(slots, dispatch_by_load(ids.clone(), log2phy(phy2log.clone(), 6), ranks))
+        assert torch.equal(phy2log[slots], ids)
+        assert torch.equal(slots, _greedy_reference(ids, phy2log, ranks))
+    assert dispatch_by_load(torch.empty(0, 2, dtype=torch.long), table, ranks).shape == (0, 2)
+    with pytest.raises(ValueError):
+        dispatch_by_load(torch.tensor([[5, 6]]), log2phy(phy2log, 7), ranks)
+
+
+def test_dispatch_by_load_ties_go_to_the_lower_slot():
+    phy2log = torch.tensor([0, 1, 0, 1])  # 2 ranks: slots 0, 1 on rank 0, slots 2, 3 on rank 1
+    slots = dispatch_by_load(torch.tensor([[0], [0], [0]]), log2phy(phy2log, 2), 2)
+    assert slots.reshape(-1).tolist() == [0, 2, 0]
+    # One rank: both replicas tie on every choice, so the lower slot takes them all.
+    assert dispatch_by_load(torch.tensor([[1], [1]]), log2phy(phy2log, 2), 1).reshape(-1).tolist() == [1, 1]
+
+
+def test_own_tokens_split_the_batch():
+    for t in (0, 1, 5, 16):
+        for world in (1, 2, 3, 4):
+            parts = [own_tokens(t, r, world) for r in range(world)]
+            assert parts[0][0] == 0 and parts[-1][1] == t
+            assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
 
 
 # ------------------------------------------------------------------ trigger
@@ -173,3 +242,54 @@ def test_benchmark_prints_one_json_line():
     d = json.loads(lines[0])
     assert set(d["nodes1"]) == {"zipf", "drift", "coding"}
     assert {"none", "greedy", "ours"} <= set(d["nodes1"]["zipf"])
+
+
+# ------------------------------------------------------------------ global counts
+
+
+def test_balancer_load_is_the_sum_of_each_rank_s_own_counts(tmp_path):
+    """Two ranks joined by the expert-parallel channel (gloo over loopback, in two threads) count the
+    choices of different tokens; the balancer's heatmap is their sum, not rank 0's share."""
+    import threading
+
+    from pdserve.eplb.balancer import ExpertBalancer
+    from pdserve.eplb.recorder import StepCounts
+    from pdserve.model.ep_protocol import Comm
+    from pdserve.model.expert_parallel import _file_store, _process_group
+
+    layers, experts = [1, 3], 6
+    g = torch.Generator().manual_seed(7)
+    # Replicated attention: both ranks route one batch and each counts its half. Data-parallel
+    # attention: each rank routes its own batch (a one-rank split owns all of it).
+    shared = torch.randint(0, experts, (9, 2), generator=g)
+    own = [torch.randint(0, 3, (5, 2), generator=g), torch.randint(3, experts, (11, 2), generator=g)]
+    want = torch.zeros(2, experts, dtype=torch.long)
+    for j in range(2):
+        want[j] += torch.bincount(shared.reshape(-1), minlength=experts)
+        want[j] += sum(torch.bincount(b.reshape(-1), minlength=experts) for b in own)
+    balancer = ExpertBalancer(layers, experts, torch.arange(experts).repeat(2, 1), 2, interval=0)
+    got: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            pg = _process_group(_file_store(str(tmp_path / "store"), 2), r, 2, torch.device("cpu"))
+            comm = Comm(pg, r, 2, torch.device("cpu"), 60.0)
+            replicated, mine = StepCounts(layers, experts, r, 2), StepCounts(layers, experts)
+            for layer in layers:
+                replicated.record(layer, shared)
+                mine.record(layer, own[r])
+            got[r] = comm.all_reduce(replicated.take() + mine.take())
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert torch.equal(got[0], want) and torch.equal(got[1], want)
+    balancer.record_counts(got[0])
+    balancer.end_step()
+    assert balancer.to_dict()["counts"] == want.tolist()

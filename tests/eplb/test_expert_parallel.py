@@ -65,6 +65,11 @@ def test_ep_matches_ep1(name, ep, redundant):
     try:
         got = llm.generate(PROMPTS, PARAMS)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        # Each rank counts only the tokens it owns: the balancer's load is their sum, the whole batch
+        # (the choices themselves may differ where a near tie in the gate falls the other way).
+        heat, ref_heat = llm.engine.model.eplb.to_dict(), ref.engine.model.eplb.to_dict()
+        assert heat["steps_in_window"] == ref_heat["steps_in_window"]
+        assert heat["total"] == ref_heat["total"] and heat["total"][0] > 0
         for g, w in zip(got, want):
             for a, b in zip(g.logprobs, w.logprobs):
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
