@@ -391,7 +391,7 @@ class Front:
         async def body() -> AsyncIterator[bytes]:
             ok = False
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in resp.aiter_bytes():  # decoded: the client gets no content-encoding
                     if state["prefill"]:  # the first bytes: the prompt is computed
                         w.queued_prefill_tokens -= state["prefill"]
                         state["prefill"] = 0
