@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from pdserve.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 
@@ -88,8 +89,11 @@ class Comm:
         return buf
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, within the deadline: a rank that is gone or stuck fails the step."""
         buf = t.to(self.device).contiguous()
-        self.pg.allreduce([buf]).wait()
+        opts = dist.AllreduceOptions()
+        opts.timeout = self.timeout
+        self.pg.allreduce([buf], opts).wait()
         return buf.to(t.device)
 
 

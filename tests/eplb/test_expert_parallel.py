@@ -1,8 +1,8 @@
 """Expert parallelism across processes (gloo, one torch thread per rank) on tiny MoE models.
 
 EP=2 and EP=4 give EP=1's greedy tokens and logits; a runtime rebalance under load (the trigger's and
-forced ones, with redundant expert slots) leaves outputs identical; workers exit when rank 0 dies;
-a served EP model exposes /eplb and the balancer's metrics and stops its ranks on SIGTERM.
+forced ones, with redundant expert slots) leaves outputs identical; workers exit when rank 0 dies, and
+rank 0's engine raises (not hangs) when a worker is killed or stuck; a served EP model exposes /eplb and the balancer's metrics and stops its ranks on SIGTERM.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -207,6 +209,50 @@ def test_workers_exit_when_rank0_is_killed():
         assert _wait_gone(workers, 15) == []
     finally:
         proc.kill()
+
+
+def _outcome_within(fn, seconds: float):
+    """fn()'s result or exception; fails the test if fn is still running after `seconds` (a hang)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # the outcome under test
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still waiting after {seconds} s: a lost rank hangs the engine"
+    return box.get("error", box.get("result"))
+
+
+@pytest.mark.parametrize("how", ["killed", "stuck"])
+def test_engine_fails_when_a_rank_is_lost(how):
+    """A rank killed outright (its connection closes) or stuck (SIGSTOP, as behind a cut link: only the
+    deadline can tell) makes the engine's next step raise instead of waiting forever, and every step
+    after it raise at once; close() still returns."""
+    llm = _llm("tiny-mixtral", load_model_files("tiny-mixtral"), model__expert_parallel=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    worker = llm.engine.model._ranks.procs[0]
+    try:
+        assert len(llm.generate(PROMPTS[:1], params)[0].token_ids) == 4
+        if how == "killed":
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join(30)
+        else:
+            # The step's deadline, shortened so the test is quick: the group keeps OP_TIMEOUT_S.
+            llm.engine.model._ranks.comm.timeout = timedelta(seconds=5)
+            os.kill(worker.pid, signal.SIGSTOP)
+        err = _outcome_within(lambda: llm.generate(PROMPTS[:2], params), 120)
+        assert isinstance(err, RuntimeError), err
+        again = _outcome_within(lambda: llm.generate(PROMPTS[:1], params), 60)
+        assert isinstance(again, RuntimeError) and "rank failed" in str(again), again
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGKILL)
+        _outcome_within(llm.engine.close, 120)
 
 
 def test_served_ep_model_exposes_eplb_and_stops_cleanly(tmp_path):
