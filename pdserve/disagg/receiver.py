@@ -26,6 +26,7 @@ import zmq
 from pdserve.cache.kv_cache import raw_bytes_view
 from pdserve.common import tracing
 from pdserve.config import Config, served_names
+from pdserve.disagg.binding import bind_again
 from pdserve.disagg.parallel import ParallelLoads
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.reply_sockets import ReplySockets
@@ -159,7 +160,7 @@ class DecodeConnector(KVConnector):
                 self.raw.shape[2], self.raw.shape[3] * self.raw.shape[4], self.block_size, max_model_len
             ),
         )
-        self._pull.bind(bind_endpoint)
+        bind_again(self._pull, bind_endpoint)  # the port a closed connector held, maybe
         warn_if_open(self._pull.getsockopt_string(zmq.LAST_ENDPOINT), self.key)
         self.endpoint = with_host(self._pull.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         # mooncake, nixl: prefill workers write into the registered pool one-sidedly; nothing here

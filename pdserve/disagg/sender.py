@@ -25,6 +25,7 @@ from pdserve.common import tracing
 from pdserve.common.images import ImageInput
 from pdserve.common.sampling import SamplingParams
 from pdserve.config import Config, served_names
+from pdserve.disagg.binding import bind_again
 from pdserve.disagg.peer import HOST, LivenessClock, process_gone
 from pdserve.disagg.pipeline import ChunkPipeline
 from pdserve.disagg.reply_sockets import ReplySockets
@@ -154,7 +155,7 @@ class PrefillConnector(KVConnector):
         self._bootstrap.setsockopt(
             zmq.MAXMSGSIZE, job_bytes_limit(kv_cache.shape[2], self.block_size, config.vision)
         )
-        self._bootstrap.bind(bootstrap_endpoint)
+        bind_again(self._bootstrap, bootstrap_endpoint)  # the port a closed connector held, maybe
         warn_if_open(self._bootstrap.getsockopt_string(zmq.LAST_ENDPOINT), self.key)
         self.endpoint = with_host(self._bootstrap.getsockopt_string(zmq.LAST_ENDPOINT), advertise_host)
         # Started here so a missing package fails the worker at start, not each job; used by the
