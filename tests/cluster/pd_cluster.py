@@ -86,7 +86,10 @@ def recovery_s(outs: list[Outcome], fault_at: float) -> float:
 
 
 class PDCluster:
-    def __init__(self, workdir: Path, redis: bool = True, otlp_port: int | None = None) -> None:
+    def __init__(
+        self, workdir: Path, redis: bool = True, otlp_port: int | None = None, overrides: dict | None = None
+    ) -> None:
+        self.overrides = overrides or {}  # config sections merged over CONFIG's (e.g. a soak's limits)
         self.otlp_port = (
             otlp_port  # every process exports its trace spans to this port of the test host (None: off)
         )
@@ -112,32 +115,17 @@ class PDCluster:
 
     def _start(self, redis: bool) -> None:
         cfg = dict(CONFIG)
+        for section, values in self.overrides.items():
+            cfg[section] = {**cfg.get(section, {}), **values}
         if self.otlp_port:  # a receiver in the test process: every host reaches it at the bridge's address
             cfg["server"] = {**cfg["server"], "otlp_endpoint": f"http://{self.net.gateway}:{self.otlp_port}"}
         if "redis" in self.net.hosts:
             h = self.host("redis")
             self.redis_url = f"redis://{h.ip}:{REDIS_PORT}/0"
             cfg["cache"] = {**cfg["cache"], "remote": self.redis_url}
-            srv = self.net.start(
-                h,
-                "redis",
-                [
-                    "redis-server",
-                    "--bind",
-                    h.ip,
-                    "--port",
-                    str(REDIS_PORT),
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--protected-mode",
-                    "no",
-                    "--dir",
-                    str(self.workdir),
-                ],
-                REDIS_PORT,
-            )
+            if cfg["router"].get("shared_limits") is True:  # an override asking for this cluster's Redis
+                cfg["router"] = {**cfg["router"], "shared_limits": self.redis_url}
+            srv = self.start_redis()
             self.procs["redis"] = srv
         self.cfg = cfg
         self.config_path = self.workdir / "pdserve.yaml"
@@ -165,15 +153,29 @@ class PDCluster:
             self.procs[name].wait_ready(timeout=300)
         self.wait_healthy(set(ROLES))
 
+    def start_redis(self) -> ServerProcess:
+        """Start (or restart, on the same host and port) the Redis server; wait_ready() it."""
+        h = self.host("redis")
+        n = len(h.procs)
+        cmd = ["redis-server", "--bind", h.ip, "--port", str(REDIS_PORT), "--save", "", "--appendonly", "no"]
+        cmd += ["--protected-mode", "no", "--dir", str(self.workdir)]
+        srv = self.procs["redis"] = self.net.start(h, "redis" if not n else f"redis-{n + 1}", cmd, REDIS_PORT)
+        return srv
+
+    def worker_config(self, name: str, starts: int, transfer: dict | None) -> Path:
+        """The config file a worker starts with (a subclass may give each worker its own)."""
+        config = self.slow_config_path if name == SLOW_PREFILL else self.config_path
+        if transfer is not None:
+            config = self.workdir / f"pdserve-{name}-{starts + 1}.yaml"
+            config.write_text(yaml.safe_dump({**self.cfg, "transfer": transfer}))
+        return config
+
     def start_worker(self, name: str, transfer: dict | None = None) -> ServerProcess:
         """Start (or restart: a fresh process, the same host, ports and name) a worker; `transfer`
         replaces the config's transfer section for this process."""
         h = self.host(name)
         starts = len(h.procs)
-        config = self.slow_config_path if name == SLOW_PREFILL else self.config_path
-        if transfer is not None:
-            config = self.workdir / f"pdserve-{name}-{starts + 1}.yaml"
-            config.write_text(yaml.safe_dump({**self.cfg, "transfer": transfer}))
+        config = self.worker_config(name, starts, transfer)
         cmd = pdserve_cmd() + [
             "worker",
             "--role",

@@ -1,0 +1,1049 @@
+"""A chaos soak: a whole PD deployment under twice its capacity while faults drawn from a seed overlap.
+
+The deployment (tests/cluster/pd_cluster.py, each process on its own network-namespace host): two
+router replicas with the controller on and their rate limits shared through Redis, two prefill and
+two decode workers (tiny-qwen2, random weights: fast, and its greedy output depends on the KV), the
+Redis host as their shared KV tier, and each worker's disk tier on one small tmpfs.
+
+Phases, all in one run:
+1. reference: every request of the mixed pool (multi-turn chat over a shared system prompt, long
+   prompts, short ones, streamed and not, structured outputs through response_format, sampled
+   ones) once, fault-free: the text each greedy request must give again;
+2. capacity: a closed loop at a few concurrencies; capacity is the best goodput (requests done
+   right with their time to first token within the SLO, per second);
+3. baseline: an open (Poisson) load at twice the capacity, no faults: the goodput faults are
+   measured against;
+4. chaos: the same load for --duration seconds while the fault schedule runs (each fault in its own
+   thread, so they overlap; one fault per target at a time): kill -9 and restart of a worker, a
+   host's link down, SIGSTOP/SIGCONT, a slow link (tbf token bucket; netem is not needed), router-b
+   partitioned from a worker, a role switch and back, Redis killed and restarted, the disk tier full,
+   hostile clients (oversized, malformed, NaN sampling values, slow readers, disconnects) and a
+   hostile peer on every worker's KV socket;
+5. drain: load stopped, faults lifted, every worker healthy and idle.
+
+Violations (each printed with the seed, the exit status is 1 when there is any): a request that got
+neither its reference text nor a clear refusal (a 4xx with an OpenAI-style body, or a 429/503 with
+Retry-After), a transport error, a stream that ended in an error event, a request past its deadline;
+a hostile request answered other than with a 4xx; KV blocks still held after the drain; a process
+whose file descriptors or threads grew past its post-warm-up count (plus a small slack for pooled
+connections and lazily started threads) or whose resident memory grew more than --rss-tolerance
+over its post-warm-up value. Printed: the schedule, each phase's figures, goodput with each fault
+kind active / baseline goodput, and a chart (PNG; CSV beside it) of every process's memory over time.
+
+Needs root, iproute2 and redis-server (network namespaces); prints why and exits 0 otherwise.
+
+Usage: python benchmarks/chaos_soak.py [--duration 1800] [--seed 1] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import csv
+import json
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the namespace hosts live with the cluster tests
+
+from cluster.cluster_hosts import Cluster, ShapingUnavailable, unavailable, wait_until  # noqa: E402
+from cluster.pd_cluster import ADMIN, KV_PORT, MODEL, ROLES, PDCluster, prompt  # noqa: E402
+
+from pdserve.bench.json_schemas import schemas  # noqa: E402
+from pdserve.utils.cpu import describe  # noqa: E402
+
+API_KEY = "sk-chaos-soak"
+DEADLINE_S = 120.0  # a request still unanswered after this long has hung
+SLO_TTFT_S = 2.0  # the controller's default time-to-first-token SLO (goodput counts requests within it)
+CLIENT_CAP = 96  # requests in flight from this process at most; an arrival beyond is counted, not sent
+FD_SLACK, THREAD_SLACK = 16, 8  # pooled connections to restarted peers, lazily started executor threads
+SAMPLE_S = 2.0
+# A stream already answered 200 can only end with an error event; these types say "retry later" as a
+# 503 would (no worker could continue it), and count as clear refusals, printed apart.
+CLEAR_STREAM_ERRORS = ("service_unavailable",)
+OVERRIDES = {
+    "router": {
+        "api_keys": [API_KEY],
+        "requests_per_minute": 1_000_000,  # never reached: the buckets live in Redis, which faults
+        "shared_limits": True,
+        # Overload is shed, not queued without bound: a bounded queue with a deadline, then 503.
+        "max_concurrent": 4,
+        "max_queue": 8,
+        "queue_timeout_s": 2,
+        "request_timeout_s": 60,
+    },
+    "controller": {
+        "enabled": True,
+        "interval_s": 2,
+        "cooldown_s": 20,
+        "drain_timeout_s": 5,
+    },
+}
+FAULT_KINDS = [
+    "kill9",
+    "link_down",
+    "sigstop",
+    "slow_link",
+    "router_partition",
+    "role_switch",
+    "redis_restart",
+    "disk_full",
+    "hostile_clients",
+    "hostile_peer",
+]
+OMITTED = {
+    "rollout": "`pdserve rollout` needs a router with a fleet that starts workers (pdserve serve's local "
+    "fleet, or Kubernetes); routers started alone on namespace hosts have none "
+    "(tests/control/test_rollout_e2e.py covers it under load)",
+    "rollback": "the same: a rollback is a rollout that starts the old version through the fleet",
+}
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class Spec:
+    key: str
+    kind: str
+    path: str
+    body: dict
+    stream: bool
+    greedy: bool = True
+
+
+def request_pool(seed: int) -> list[Spec]:
+    """The mixed workload: each spec is sent many times; greedy ones must give their reference text."""
+    rng = random.Random(seed)
+    system = {"role": "system", "content": "You are a careful assistant. " * 12}  # the shared prefix
+    out: list[Spec] = []
+    for i in range(8):  # multi-turn chat: later turns extend earlier ones
+        turns = [system]
+        for t in range(1 + i % 3):
+            turns += [{"role": "user", "content": f"Question {i}.{t}: tell me about item {i * 7 + t}."}]
+            if t < i % 3:
+                turns += [{"role": "assistant", "content": f"Item {i * 7 + t} is fine."}]
+        stream = bool(i % 2)
+        body = {"model": MODEL, "messages": turns, "max_tokens": 16, "temperature": 0, "stream": stream}
+        out.append(Spec(f"chat{i}", "chat", "/v1/chat/completions", body, stream))
+    for i in range(4):  # long prompts
+        body = {"model": MODEL, "prompt": prompt(1000 + i, 320), "max_tokens": 8, "temperature": 0}
+        body |= {"ignore_eos": True, "stream": bool(i % 2)}
+        out.append(Spec(f"long{i}", "long", "/v1/completions", body, bool(i % 2)))
+    for i in range(8):  # short completions, mostly streamed
+        body = {"model": MODEL, "prompt": prompt(2000 + i, 48), "max_tokens": 24, "temperature": 0}
+        body |= {"ignore_eos": True, "stream": i % 4 != 0}
+        out.append(Spec(f"short{i}", "short", "/v1/completions", body, i % 4 != 0))
+    for i, schema in enumerate(schemas(4, seed=seed)):
+        fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": schema}}
+        msgs = [{"role": "user", "content": f"Describe record {i} as JSON."}]
+        body = {"model": MODEL, "messages": msgs, "max_tokens": 64, "temperature": 0, "response_format": fmt}
+        body |= {"stream": bool(i % 2)}
+        out.append(Spec(f"json{i}", "structured", "/v1/chat/completions", body, bool(i % 2)))
+    for i in range(2):  # sampled: no reference text, only a clean answer
+        body = {"model": MODEL, "prompt": prompt(3000 + i, 32), "max_tokens": 16, "temperature": 0.8}
+        body |= {"seed": rng.randrange(1 << 30), "stream": True}
+        out.append(Spec(f"sampled{i}", "sampled", "/v1/completions", body, True, greedy=False))
+    return out
+
+
+@dataclass
+class Result:
+    spec: str
+    kind: str
+    router: str
+    start: float
+    status: int | None = None
+    text: str = ""
+    ttft: float | None = None
+    seconds: float = 0.0
+    outcome: str = ""  # ok | refused | refused mid-stream | violation
+    why: str = ""
+    stream_error: str = ""  # a clear error event that ended a stream already answered 200
+
+
+def _headers() -> dict:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _text_of(kind: str, choice: dict) -> str:
+    if "message" in choice:
+        return choice["message"].get("content") or ""
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice.get("text") or ""
+
+
+def send(url: str, spec: Spec, router: str) -> Result:
+    """One request; classified against nothing yet (see classify)."""
+    r = Result(spec.key, spec.kind, router, time.monotonic())
+    try:
+        with httpx.Client(timeout=httpx.Timeout(DEADLINE_S, connect=10), headers=_headers()) as c:
+            if not spec.stream:
+                resp = c.post(url + spec.path, json=spec.body)
+                r.status, r.ttft = resp.status_code, time.monotonic() - r.start
+                if resp.status_code == 200:
+                    r.text = _text_of(spec.kind, resp.json()["choices"][0])
+                else:
+                    r.why = _refusal(resp.status_code, resp.headers, resp.text)
+            else:
+                with c.stream("POST", url + spec.path, json=spec.body) as resp:
+                    r.status = resp.status_code
+                    if resp.status_code != 200:
+                        resp.read()
+                        r.why = _refusal(resp.status_code, resp.headers, resp.text)
+                    else:
+                        parts = []
+                        for line in resp.iter_lines():
+                            if time.monotonic() - r.start > DEADLINE_S:
+                                r.why = f"hang: still streaming after {DEADLINE_S:.0f}s"
+                                break
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            ev = json.loads(line[6:])
+                            if "error" in ev:
+                                err = ev["error"]
+                                if err.get("type") in CLEAR_STREAM_ERRORS and err.get("message"):
+                                    r.stream_error = f"{err.get('code')}: {err['message']}"
+                                else:
+                                    r.why = f"stream ended in an unclear error event: {err}"
+                                break
+                            if r.ttft is None:
+                                r.ttft = time.monotonic() - r.start
+                            if ev.get("choices"):
+                                parts.append(_text_of(spec.kind, ev["choices"][0]))
+                        r.text = "".join(parts)
+    except httpx.TimeoutException as e:
+        r.why = f"hang: no answer within {DEADLINE_S:.0f}s ({type(e).__name__})"
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        r.why = f"transport error: {type(e).__name__}: {e}"
+    r.seconds = time.monotonic() - r.start
+    return r
+
+
+def _refusal(status: int, headers, body: str) -> str:
+    """'' for a clear refusal (4xx with an OpenAI-style error body; 429/503 with Retry-After too),
+    else what is wrong with it."""
+    try:
+        clear = isinstance(json.loads(body).get("error", {}).get("message"), str)
+    except (ValueError, AttributeError):
+        clear = False
+    if status in (429, 503):
+        return "" if "retry-after" in headers else f"{status} without Retry-After"
+    if 400 <= status < 500:
+        return "" if clear else f"{status} without an OpenAI-style error body: {body[:200]!r}"
+    return f"{status}: {body[:200]!r}"
+
+
+def classify(r: Result, spec: Spec, refs: dict[str, str]) -> None:
+    if r.status == 200 and not r.why and r.stream_error:
+        r.outcome = "refused mid-stream"
+    elif r.status == 200 and not r.why:
+        if r.seconds > DEADLINE_S:
+            r.outcome, r.why = "violation", f"answered after its deadline ({r.seconds:.0f}s)"
+        elif spec.greedy and spec.key in refs and r.text != refs[spec.key]:
+            r.outcome, r.why = "violation", f"text differs from the reference: {r.text[:80]!r}"
+        else:
+            r.outcome = "ok"
+    elif r.status is not None and r.status != 200 and not r.why:
+        r.outcome = "refused"
+    else:
+        r.outcome = "violation"
+
+
+# ---------------------------------------------------------------------------------------------- deployment
+
+
+class SoakCluster(PDCluster):
+    """PDCluster with each worker's own config (no throttled transfer; a disk tier on one tmpfs)."""
+
+    def __init__(self, workdir: Path, disk_mb: int) -> None:
+        self.disk = workdir / "disk"
+        self.disk.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={disk_mb}m", "pdsoak", str(self.disk)], check=True
+        )
+        try:
+            super().__init__(workdir, overrides=OVERRIDES)
+        except BaseException:
+            subprocess.run(["umount", "-l", str(self.disk)], check=False)
+            raise
+
+    def worker_config(self, name: str, starts: int, transfer: dict | None) -> Path:
+        import yaml
+
+        d = self.disk / name
+        d.mkdir(exist_ok=True)
+        path = self.workdir / f"soak-{name}.yaml"
+        cache = {
+            **self.cfg["cache"],
+            "disk_cache_dir": str(d),
+            "disk_cache_gb": 0.004,
+            "host_cache_gb": 0.002,
+        }
+        path.write_text(yaml.safe_dump({**self.cfg, "cache": cache}))
+        return path
+
+    def close(self) -> None:
+        super().close()
+        subprocess.run(["umount", "-l", str(self.disk)], check=False)
+
+
+def _admin(c: PDCluster, method: str, path: str, router: str = "router", **kw) -> httpx.Response:
+    return httpx.request(
+        method,
+        c.procs[router].url + path,
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=kw.pop("timeout", 30),
+        **kw,
+    )
+
+
+def held_blocks(c: PDCluster, violations: list[str], timeout: float = 120) -> int:
+    """KV blocks neither free nor cached on the workers once idle (waits up to `timeout` for that)."""
+    last: dict[str, object] = {}
+
+    def idle() -> bool:
+        for n in ROLES:
+            try:
+                h = last[n] = c.health(n)
+            except (httpx.HTTPError, ValueError) as e:
+                last[n] = repr(e)
+                return False
+            busy = h.get("running") or h.get("waiting") or h.get("loading") or h.get("kv_prefill_jobs_active")
+            if busy or h.get("kv_blocks_quarantined") or h.get("kv_blocks_free") != h.get("kv_blocks_total"):
+                return False
+        return True
+
+    deadline = time.monotonic() + timeout
+    while not idle():
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    held = 0
+    for n, h in last.items():
+        if not isinstance(h, dict) or "kv_blocks_total" not in h:
+            violations.append(f"after the drain {n} reports no KV pool: {str(h)[:300]}")
+        elif h["kv_blocks_free"] != h["kv_blocks_total"] or h.get("running") or h.get("waiting"):
+            held += h["kv_blocks_total"] - h["kv_blocks_free"]
+            keys = (
+                "kv_blocks_free",
+                "kv_blocks_total",
+                "running",
+                "waiting",
+                "loading",
+                "kv_prefill_jobs_active",
+            )
+            print(f"{n} not idle after the drain: " + ", ".join(f"{k}={h.get(k)}" for k in keys))
+    return held
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def _tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                todo += [int(x) for x in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def proc_stats(pid: int) -> tuple[int, int, int] | None:
+    """(RSS bytes, open fds, threads) of a process and its children; None once it is gone."""
+    rss = fds = threads = 0
+    try:
+        for p in _tree(pid):
+            status = Path(f"/proc/{p}/status").read_text()
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            if fields.get("State", "").strip().startswith("Z"):
+                return None if p == pid else (rss, fds, threads)
+            rss += int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+            threads += int(fields["Threads"])
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+    except (OSError, KeyError, ValueError):
+        return None if rss == 0 else (rss, fds, threads)
+    return rss, fds, threads
+
+
+class Sampler(threading.Thread):
+    def __init__(self, c: PDCluster, t0: float) -> None:
+        super().__init__(daemon=True)
+        self.c, self.t0 = c, t0
+        self.rows: list[tuple[float, str, int, int, int, int]] = []  # t, name, pid, rss, fds, threads
+        self.stop = threading.Event()
+
+    def sample(self) -> None:
+        now = time.monotonic() - self.t0
+        for name, srv in list(self.c.procs.items()):
+            st = proc_stats(srv.proc.pid)
+            if st is not None:
+                self.rows.append((now, name, srv.proc.pid, *st))
+
+    def run(self) -> None:
+        while not self.stop.wait(SAMPLE_S):
+            self.sample()
+
+    def last(self, name: str, pid: int, before: float) -> tuple[int, int, int] | None:
+        rows = [r for r in self.rows if r[1] == name and r[2] == pid and r[0] <= before]
+        return rows[-1][3:] if rows else None
+
+
+def tcp_tally(c: PDCluster, name: str, pid: int) -> str:
+    """The process's TCP sockets counted by (state, peer address), most first: what an fd growth is."""
+    r = c.net.run(c.host(name), ["ss", "-tanpH"])
+    counts: dict[str, int] = {}
+    for line in r.stdout.splitlines():
+        parts = line.split()
+        if f"pid={pid}," in line and len(parts) >= 5:
+            key = f"{parts[0]} {parts[4].rsplit(':', 1)[0]}:{parts[4].rsplit(':', 1)[1] if parts[0] == 'LISTEN' else '*'}"
+            counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:6]) or "none"
+
+
+def chart(rows, out: Path, marks: dict[str, float]) -> str:
+    csv_path = out / "chaos_soak_memory.csv"
+    with csv_path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["t_s", "process", "pid", "rss_bytes", "fds", "threads"])
+        w.writerows(rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"{csv_path} (matplotlib is not installed: no PNG)"
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for name in sorted({r[1] for r in rows}):
+        pts = [(r[0], r[3] / 2**20) for r in rows if r[1] == name]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, lw=1)
+    for label, t in marks.items():
+        ax.axvline(t, color="grey", ls=":", lw=1)
+        ax.text(t, ax.get_ylim()[1], label, fontsize=7, rotation=90, va="top")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("RSS (MiB, with children)")
+    ax.set_title("chaos soak: resident memory per process")
+    ax.legend(fontsize=7, loc="upper left")
+    png = out / "chaos_soak_memory.png"
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return f"{png} (data: {csv_path})"
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+class Load:
+    """Open-loop Poisson arrivals (or a closed loop) of the pool's requests over both routers."""
+
+    def __init__(self, c: PDCluster, pool: list[Spec], refs: dict[str, str], seed: int) -> None:
+        self.c, self.pool, self.refs = c, pool, refs
+        self.rng = random.Random(seed)
+        self.results: list[Result] = []
+        self.capped = 0
+        self.lock = threading.Lock()
+        self.exe = concurrent.futures.ThreadPoolExecutor(CLIENT_CAP)
+        self.inflight = 0
+
+    def _one(self, spec: Spec, router: str) -> Result:
+        try:
+            r = send(self.c.procs[router].url, spec, router)
+            classify(r, spec, self.refs)
+            with self.lock:
+                self.results.append(r)
+            return r
+        finally:
+            with self.lock:
+                self.inflight -= 1
+
+    def submit(self) -> None:
+        spec = self.rng.choice(self.pool)
+        router = self.rng.choice(("router", "router-b"))
+        with self.lock:
+            if self.inflight >= CLIENT_CAP:
+                self.capped += 1
+                return
+            self.inflight += 1
+        self.exe.submit(self._one, spec, router)
+
+    def open_loop(self, rate: float, seconds: float, stop: threading.Event | None = None) -> None:
+        end = time.monotonic() + seconds
+        nxt = time.monotonic()
+        while time.monotonic() < end and not (stop and stop.is_set()):
+            nxt += self.rng.expovariate(rate)
+            time.sleep(max(0.0, nxt - time.monotonic()))
+            self.submit()
+
+    def closed_loop(self, concurrency: int, seconds: float) -> list[Result]:
+        end = time.monotonic() + seconds
+        rng = random.Random(self.rng.random())
+
+        def worker() -> list[Result]:
+            got = []
+            while time.monotonic() < end:
+                with self.lock:
+                    self.inflight += 1
+                got.append(self._one(rng.choice(self.pool), rng.choice(("router", "router-b"))))
+            return got
+
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as ex:
+            return [r for f in [ex.submit(worker) for _ in range(concurrency)] for r in f.result()]
+
+    def wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.inflight == 0:
+                    return True
+            time.sleep(0.5)
+        return False
+
+
+def goodput(results: list[Result], seconds: float, slo: bool = True) -> float:
+    """Right answers per second; with `slo`, only those whose first token came within the SLO."""
+    good = [
+        r for r in results if r.outcome == "ok" and (not slo or (r.ttft is not None and r.ttft <= SLO_TTFT_S))
+    ]
+    return len(good) / seconds if seconds > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- faults
+
+
+@dataclass
+class Fault:
+    at: float  # seconds into the chaos phase
+    kind: str
+    target: str
+    hold: float  # how long the fault lasts
+    began: float | None = None
+    ended: float | None = None
+    note: str = ""
+
+    def line(self) -> str:
+        return f"t={self.at:7.1f}s {self.kind:<16} {self.target:<10} for {self.hold:4.1f}s {self.note}"
+
+
+def schedule(seed: int, duration: float, kinds: list[str]) -> list[Fault]:
+    """Every kind at least once, then more drawn at random: about one fault start per 12 s."""
+    rng = random.Random(seed)
+    workers = list(ROLES)
+    n = max(len(kinds), int(duration / 12))
+    picks = rng.sample(kinds, len(kinds)) + [rng.choice(kinds) for _ in range(n - len(kinds))]
+    out = []
+    span = duration * 0.85  # the last faults end before the chaos phase does
+    for i, kind in enumerate(picks):
+        at = span * (i + rng.random() * 0.8) / len(picks)
+        hold = rng.uniform(3, 12)
+        target = {"redis_restart": "redis", "router_partition": rng.choice(workers)}.get(
+            kind, rng.choice(workers)
+        )
+        if kind in ("hostile_clients", "hostile_peer"):
+            target = "routers" if kind == "hostile_clients" else rng.choice(workers)
+        out.append(Fault(at, kind, target, hold))
+    return sorted(out, key=lambda f: f.at)
+
+
+class Spawner(threading.Thread):
+    """Starts the processes a fault restarts. Every process is started with PR_SET_PDEATHSIG, which
+    fires when the *thread* that forked it exits: a worker started from a fault's own thread got
+    SIGTERM as soon as that fault ended. This thread lives as long as the run."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.jobs: queue.Queue = queue.Queue()
+
+    def run(self) -> None:
+        while True:
+            fn, fut = self.jobs.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the fault that asked
+                fut.set_exception(e)
+
+    def call(self, fn, timeout: float = 60):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs.put((fn, fut))
+        return fut.result(timeout)
+
+
+class Chaos:
+    def __init__(self, c: SoakCluster, violations: list[str], seed: int) -> None:
+        self.spawner = Spawner()
+        self.spawner.start()
+        self.c, self.violations = c, violations
+        self.rng = random.Random(seed + 1)
+        self.locks: dict[str, threading.Lock] = {n: threading.Lock() for n in [*ROLES, "redis", "routers"]}
+        self.hostile_results: list[str] = []
+
+    def run(self, f: Fault, t0: float) -> None:
+        time.sleep(max(0.0, t0 + f.at - time.monotonic()))
+        lock = self.locks[f.target]
+        if not lock.acquire(timeout=60):
+            f.note = "skipped: its target was busy with another fault for 60 s"
+            return
+        try:
+            f.began = time.monotonic() - t0
+            getattr(self, f.kind)(f)
+        except Exception as e:  # a fault that could not be made is a finding, not a crash of the soak
+            self.violations.append(
+                f"fault {f.kind} on {f.target} at {f.at:.1f}s failed: {type(e).__name__}: {e}"
+            )
+        finally:
+            f.ended = time.monotonic() - t0
+            lock.release()
+
+    # -- each fault restores what it broke before it returns
+
+    def kill9(self, f: Fault) -> None:
+        srv = self.c.procs[f.target]
+        srv.kill()
+        time.sleep(f.hold)
+        self.spawner.call(lambda: self.c.start_worker(f.target)).wait_ready(timeout=300)
+        self.c.wait_healthy({f.target}, timeout=120)
+
+    def link_down(self, f: Fault) -> None:
+        h = self.c.host(f.target)
+        self.c.net.link(h, up=False)
+        try:
+            time.sleep(f.hold)
+        finally:
+            self.c.net.link(h, up=True)
+
+    def sigstop(self, f: Fault) -> None:
+        srv = self.c.procs[f.target]
+        Cluster.pause(srv, True)
+        try:
+            time.sleep(f.hold)
+        finally:
+            Cluster.pause(srv, False)
+
+    def slow_link(self, f: Fault) -> None:
+        h = self.c.host(f.target)
+        self.c.net.shape(h, 2_000_000)
+        try:
+            time.sleep(f.hold)
+        finally:
+            self.c.net.shape(h, None)
+
+    def router_partition(self, f: Fault) -> None:
+        a, b = self.c.host("router-b"), self.c.host(f.target)
+        self.c.net.cut(a, b)
+        try:
+            time.sleep(f.hold)
+        finally:
+            self.c.net.cut(a, b, cut=False)
+
+    def role_switch(self, f: Fault) -> None:
+        w = self.c.workers().get(f.target)
+        if w is None or not w.get("healthy"):
+            f.note = "skipped: the worker is not healthy at the router"
+            return
+        role = w["role"]
+        other = "decode" if role == "prefill" else "prefill"
+        r = _admin(self.c, "POST", f"/admin/workers/{w['id']}/role", json={"role": other}, timeout=120)
+        f.note = f"{role}->{other}: {r.status_code}"
+        if r.status_code != 200:
+            if r.status_code >= 500:
+                self.violations.append(f"role switch of {f.target} answered {r.status_code}: {r.text[:200]}")
+            return
+        time.sleep(f.hold)
+        wid = self.c.workers()[f.target]["id"]
+        back = _admin(self.c, "POST", f"/admin/workers/{wid}/role", json={"role": role}, timeout=120)
+        f.note += f", back {back.status_code}"
+        if back.status_code != 200:  # refused (a clear 4xx/503, the worker keeps serving): retry
+            f.note += f" ({back.text[:160]})"
+            wait_until(
+                lambda: (
+                    _admin(
+                        self.c, "POST", f"/admin/workers/{wid}/role", json={"role": role}, timeout=120
+                    ).status_code
+                    == 200
+                ),
+                120,
+                f"{f.target} back to {role}",
+                period=2,
+            )
+
+    def redis_restart(self, f: Fault) -> None:
+        self.c.procs["redis"].kill()
+        time.sleep(f.hold)
+        self.spawner.call(self.c.start_redis)
+        wait_until(
+            lambda: (
+                self.c.net.run(
+                    self.c.host("redis"), ["redis-cli", "-h", self.c.host("redis").ip, "ping"]
+                ).stdout.strip()
+                == "PONG"
+            ),
+            30,
+            "redis back",
+        )
+
+    def disk_full(self, f: Fault) -> None:
+        filler = self.c.disk / f"filler-{f.at:.0f}"
+        with filler.open("wb") as out:
+            try:
+                while True:
+                    out.write(b"\0" * (1 << 20))
+                    out.flush()
+            except OSError:
+                pass  # ENOSPC: the tier is full
+        try:
+            time.sleep(f.hold)
+        finally:
+            filler.unlink(missing_ok=True)
+
+    def hostile_clients(self, f: Fault) -> None:
+        end = time.monotonic() + f.hold
+        urls = [self.c.procs[n].url for n in ("router", "router-b")]
+        while time.monotonic() < end:
+            url = self.rng.choice(urls)
+            what = self.rng.choice(["oversized", "malformed", "nan", "slow_reader", "disconnect"])
+            try:
+                self._hostile(url, what)
+            except httpx.HTTPError as e:
+                self.violations.append(f"hostile {what} to {url}: {type(e).__name__}: {e}")
+
+    def _hostile(self, url: str, what: str) -> None:
+        h = {**_headers(), "Content-Type": "application/json"}
+        with httpx.Client(timeout=30, headers=h) as c:
+            if what in ("oversized", "malformed", "nan"):
+                body = {
+                    "oversized": json.dumps({"model": MODEL, "prompt": [5] * 200_000, "max_tokens": 4}),
+                    "malformed": '{"model": "' + MODEL + '", "prompt": [1, 2,',
+                    "nan": '{"model": "' + MODEL + '", "prompt": [1, 2, 3], "temperature": NaN}',
+                }[what]
+                r = c.post(url + "/v1/completions", content=body)
+                self.hostile_results.append(f"{what}:{r.status_code}")
+                if not 400 <= r.status_code < 500 or _refusal(r.status_code, r.headers, r.text):
+                    self.violations.append(f"hostile {what} answered {r.status_code}: {r.text[:200]}")
+                return
+            body = {"model": MODEL, "prompt": prompt(self.rng.randrange(10**6), 40), "max_tokens": 48}
+            body |= {"stream": True, "ignore_eos": True}
+            with c.stream("POST", url + "/v1/completions", json=body) as r:
+                self.hostile_results.append(f"{what}:{r.status_code}")
+                lines = r.iter_lines()
+                for i, _ in enumerate(lines):
+                    if what == "disconnect" or i >= 4:
+                        break  # closing the response drops the connection mid-stream
+                    time.sleep(1.0)  # a slow reader
+
+    def hostile_peer(self, f: Fault) -> None:
+        """Garbage, unsigned, wrongly signed and oversized frames at the worker's KV socket, and its
+        internal HTTP API called without the token: each must be dropped or refused."""
+        import zmq
+
+        from pdserve.protocol import PD_DONE, pack
+
+        h = self.c.host(f.target)
+        endpoint = f"tcp://{h.ip}:{KV_PORT}"
+        s = zmq.Context.instance().socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 2000)
+        s.setsockopt(zmq.SNDTIMEO, 2000)
+        try:
+            s.connect(endpoint)
+            for i in range(200):
+                ids = {"request_id": f"soak{i}", "transfer_id": f"soak{i}"}
+                for frame in (b"\xc1garbage", pack({"type": PD_DONE, **ids, "token": 1}), pack([1, 2, 3])):
+                    try:
+                        s.send(frame)
+                    except zmq.Again:
+                        break
+            try:
+                s.send(b"\0" * (32 << 20))  # over any frame limit
+            except zmq.Again:
+                pass
+        finally:
+            s.close()
+        for path in ("/internal/generate", "/internal/role", "/v1/completions"):
+            r = httpx.post(
+                h.url(8000) + path, json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2}, timeout=30
+            )
+            self.hostile_results.append(f"peer{path}:{r.status_code}")
+            if r.status_code not in (401, 403, 404, 405):
+                self.violations.append(
+                    f"{f.target}{path} without the internal token answered {r.status_code}"
+                )
+        time.sleep(f.hold)
+
+
+def probe_kinds(c: SoakCluster) -> tuple[list[str], dict[str, str]]:
+    kinds, omitted = list(FAULT_KINDS), dict(OMITTED)
+    try:  # a slow link needs the tbf qdisc
+        h = c.host("decode-a")
+        c.net.shape(h, 50_000_000)
+        c.net.shape(h, None)
+    except ShapingUnavailable as e:
+        kinds.remove("slow_link")
+        omitted["slow_link"] = str(e)
+    if shutil.which("redis-cli") is None:
+        kinds.remove("redis_restart")
+        omitted["redis_restart"] = "redis-cli is not installed (it tells when the restarted Redis answers)"
+    return kinds, omitted
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def _commit() -> str:
+    r = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return r.stdout.strip() or "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--duration", type=float, default=1800, help="seconds of the chaos phase")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--capacity-s", type=float, default=30, help="seconds of the capacity measurement")
+    ap.add_argument("--baseline-s", type=float, default=None, help="fault-free load (default: duration/6)")
+    ap.add_argument("--rss-tolerance", type=float, default=0.10)
+    ap.add_argument(
+        "--out", type=Path, default=None, help="where the chart and CSV go (default: the workdir)"
+    )
+    ap.add_argument("--workdir", type=Path, default=None)
+    args = ap.parse_args(argv)
+    seed = args.seed
+    reason = unavailable() or (None if shutil.which("redis-server") else "redis-server is not installed")
+    if reason:
+        print(f"chaos_soak: skipped: {reason}")
+        return 0
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-soak-"))
+    out = args.out or workdir
+    out.mkdir(parents=True, exist_ok=True)
+    baseline_s = args.baseline_s or max(30.0, min(300.0, args.duration / 6))
+    violations: list[str] = []
+    print(f"chaos_soak seed={seed} duration={args.duration:.0f}s commit={_commit()} cpu={describe()}")
+    t_setup = time.monotonic()
+    c = SoakCluster(workdir, disk_mb=24)
+    try:
+        return _soak(c, args, seed, baseline_s, out, violations, t_setup)
+    finally:
+        c.close()
+
+
+def _soak(
+    c: SoakCluster, args, seed: int, baseline_s: float, out: Path, violations: list[str], t0: float
+) -> int:
+    print(f"deployment up in {time.monotonic() - t0:.0f}s (namespace hosts: {', '.join(c.net.hosts)})")
+    kinds, omitted = probe_kinds(c)
+    for k, why in omitted.items():
+        print(f"fault kind left out: {k}: {why}")
+    sampler = Sampler(c, t0)
+    sampler.start()
+    marks: dict[str, float] = {}
+    pool = request_pool(seed)
+
+    # 1. references, fault-free
+    refs: dict[str, str] = {}
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        for spec, r in zip(pool, ex.map(lambda s: send(c.router.url, s, "router"), pool)):
+            if r.status != 200 or r.why:
+                violations.append(f"reference {spec.key} (fault-free) failed: {r.status} {r.why}")
+            elif spec.greedy:
+                refs[spec.key] = r.text
+    if violations:
+        return _report(violations, seed)
+    load = Load(c, pool, refs, seed)
+
+    # 2. capacity: a closed loop at a few concurrencies, briefly
+    cap, per = 0.0, args.capacity_s / 3
+    for conc in (2, 4, 8):
+        rs = load.closed_loop(conc, per)
+        g = goodput(rs, per)
+        ttfts = sorted(r.ttft for r in rs if r.ttft is not None)
+        p90 = ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else float("nan")
+        print(f"capacity: concurrency {conc}: {len(rs)} requests, goodput {g:.2f}/s, TTFT p90 {p90:.2f}s")
+        cap = max(cap, g)
+    if cap <= 0:
+        violations.append("capacity: no request met the SLO fault-free")
+        return _report(violations, seed)
+    rate = 2 * cap
+    print(
+        f"capacity {cap:.2f} req/s within TTFT {SLO_TTFT_S}s; load: {rate:.2f} req/s (Poisson), both routers"
+    )
+
+    # 3. baseline: the same load, no faults
+    n0 = len(load.results)
+    tb = time.monotonic()
+    load.open_loop(rate, baseline_s)
+    load.wait_idle(DEADLINE_S + 10)
+    base_results = load.results[n0:]
+    base_good = goodput(base_results, baseline_s)
+    base_ok = goodput(base_results, baseline_s, slo=False)
+    marks["warm"] = time.monotonic() - t0
+    sampler.sample()
+    warm = {(n, srv.proc.pid): proc_stats(srv.proc.pid) for n, srv in c.procs.items()}
+    for n in ("router", "router-b"):
+        print(f"{n} TCP sockets after the baseline: {tcp_tally(c, n, c.procs[n].proc.pid)}")
+    print(
+        f"baseline ({baseline_s:.0f}s, no faults): {len(base_results)} requests, "
+        f"{_counts(base_results)}, goodput {base_good:.2f}/s, right answers {base_ok:.2f}/s "
+        f"({time.monotonic() - tb:.0f}s)"
+    )
+
+    # 4. chaos
+    plan = schedule(seed, args.duration, kinds)
+    print(f"fault schedule (seed {seed}):")
+    for f in plan:
+        print("  " + f.line())
+    chaos = Chaos(c, violations, seed)
+    n1 = len(load.results)
+    tc = time.monotonic()
+    marks["chaos"] = tc - t0
+    threads = [threading.Thread(target=chaos.run, args=(f, tc), daemon=True) for f in plan]
+    for t in threads:
+        t.start()
+    load.open_loop(rate, args.duration)
+    marks["drain"] = time.monotonic() - t0
+
+    # 5. drain: faults lifted (each restores its own), the load's last answers in, workers idle
+    for t in threads:
+        t.join(timeout=max(1.0, 420 - (time.monotonic() - tc - args.duration)))
+        if t.is_alive():
+            violations.append("a fault did not finish within 420 s of the chaos phase's end")
+    if not load.wait_idle(DEADLINE_S + 30):
+        violations.append(f"client requests still in flight {DEADLINE_S + 30:.0f}s after the load stopped")
+    load.exe.shutdown(wait=False)
+    try:
+        c.wait_healthy(set(ROLES), timeout=120)
+    except AssertionError as e:
+        violations.append(f"after the drain: {e}")
+    leaked = held_blocks(c, violations)
+    if leaked:
+        violations.append(f"{leaked} KV blocks still held after the drain")
+    time.sleep(2 * SAMPLE_S)
+    sampler.sample()
+    sampler.stop.set()
+    t_end = time.monotonic() - t0
+
+    chaos_results = load.results[n1:]
+    for r in chaos_results:
+        if r.outcome == "violation":
+            violations.append(f"request {r.spec} via {r.router} at {r.start - tc:.1f}s: {r.why}")
+    print(f"chaos ({args.duration:.0f}s): {len(chaos_results)} requests, {_counts(chaos_results)}")
+    print(f"requests not sent (client cap {CLIENT_CAP} in flight): {load.capped}")
+    print(f"hostile: {_tally(chaos.hostile_results)}")
+    print("fault log:")
+    for f in plan:
+        span = (
+            f"ran {f.began:.1f}-{f.ended:.1f}s"
+            if f.began is not None and f.ended is not None
+            else "did not run"
+        )
+        print(f"  {f.line()} {span}")
+
+    # goodput while each kind was active, against the baseline
+    ratios = {}
+    for kind in kinds:
+        spans = [(f.began, f.ended) for f in plan if f.kind == kind and f.began is not None and f.ended]
+        secs = sum(b - a for a, b in spans)
+        rs = [r for r in chaos_results if any(a <= r.start - tc <= b for a, b in spans)]
+        ratios[kind] = (
+            goodput(rs, secs) / base_good if secs and base_good else float("nan"),
+            goodput(rs, secs, slo=False) / base_ok if secs and base_ok else float("nan"),
+            len(rs),
+        )
+    quiet = [
+        r
+        for r in chaos_results
+        if not any(f.began is not None and f.ended and f.began <= r.start - tc <= f.ended for f in plan)
+    ]
+    print(
+        f"with faults / without: goodput (TTFT <= {SLO_TTFT_S}s; baseline {base_good:.2f}/s) and right "
+        f"answers (baseline {base_ok:.2f}/s), per fault kind active:"
+    )
+    for kind, (g, ok, n) in ratios.items():
+        print(f"  {kind:<18} goodput {g:5.2f}  right answers {ok:5.2f}  ({n} requests)")
+    whole = (
+        goodput(chaos_results, args.duration) / base_good if base_good else float("nan"),
+        goodput(chaos_results, args.duration, slo=False) / base_ok if base_ok else float("nan"),
+    )
+    print(f"  {'whole chaos phase':<18} goodput {whole[0]:5.2f}  right answers {whole[1]:5.2f}")
+    print(f"  (requests started while no fault was active: {len(quiet)})")
+
+    # memory, fds and threads of every process that lived from warm-up to the end
+    print(
+        f"{'process':<10} {'pid':>8} {'RSS warm MiB':>13} {'end MiB':>8} {'growth':>7} {'fds':>9} {'threads':>9}"
+    )
+    for name, srv in c.procs.items():
+        key = (name, srv.proc.pid)
+        end = proc_stats(srv.proc.pid)
+        if end is None:
+            violations.append(f"{name} (pid {srv.proc.pid}) is not running after the drain")
+            continue
+        base = warm.get(key)
+        note = ""
+        if base is None:  # restarted during the chaos: its warm-up is its first sample 30 s after start
+            first = [r for r in sampler.rows if r[1] == name and r[2] == srv.proc.pid]
+            later = [r for r in first if r[0] >= first[0][0] + 30] if first else []
+            if not later:
+                print(f"{name:<10} {srv.proc.pid:>8} restarted too late to have a warm-up value")
+                continue
+            base, note = later[0][3:], " (restarted; warm-up 30 s after)"
+        growth = end[0] / base[0] - 1
+        print(
+            f"{name:<10} {srv.proc.pid:>8} {base[0] / 2**20:13.1f} {end[0] / 2**20:8.1f} {growth:+7.1%} "
+            f"{base[1]:>4}->{end[1]:<4} {base[2]:>4}->{end[2]:<4}{note}"
+        )
+        if growth > args.rss_tolerance:
+            violations.append(f"{name}: RSS grew {growth:+.1%} over its post-warm-up value")
+        if end[1] > base[1] + FD_SLACK:
+            violations.append(
+                f"{name}: {end[1]} fds after the drain, {base[1]} after warm-up; its TCP sockets by "
+                f"state and peer: {tcp_tally(c, name, srv.proc.pid)}"
+            )
+        if end[2] > base[2] + THREAD_SLACK:
+            violations.append(f"{name}: {end[2]} threads after the drain, {base[2]} after warm-up")
+    marks["end"] = t_end
+    print(f"memory chart: {chart(sampler.rows, out, marks)}")
+    return _report(violations, seed)
+
+
+def _counts(rs: list[Result]) -> str:
+    return _tally([r.outcome for r in rs])
+
+
+def _tally(xs: list[str]) -> str:
+    counts: dict[str, int] = {}
+    for x in xs:
+        counts[x] = counts.get(x, 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+
+
+def _report(violations: list[str], seed: int) -> int:
+    if not violations:
+        print(f"chaos_soak seed={seed}: no violations")
+        return 0
+    print(f"chaos_soak seed={seed}: {len(violations)} violations (rerun with --seed {seed} to reproduce):")
+    for v in violations:
+        print("  VIOLATION " + v)
+    return 1
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # close() tears the hosts down
+    sys.exit(main())
