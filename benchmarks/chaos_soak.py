@@ -22,13 +22,15 @@ Phases, all in one run:
 5. drain: load stopped, faults lifted, every worker healthy and idle.
 
 Violations (each printed with the seed, the exit status is 1 when there is any): a request that got
-neither its reference text nor a clear refusal (a 4xx with an OpenAI-style body, or a 429/503 with
-Retry-After), a transport error, a stream that ended in an error event, a request past its deadline;
-a hostile request answered other than with a 4xx; KV blocks still held after the drain; a process
-whose file descriptors or threads grew past its post-warm-up count (plus a small slack for pooled
-connections and lazily started threads) or whose resident memory grew more than --rss-tolerance
-over its post-warm-up value. Printed: the schedule, each phase's figures, goodput with each fault
-kind active / baseline goodput, and a chart (PNG; CSV beside it) of every process's memory over time.
+neither its reference text nor a clear refusal (a 4xx with an OpenAI-style body, a 429/503 with
+Retry-After, or for a stream already answered 200 an error event of type service_unavailable,
+counted apart as "refused mid-stream"), a transport error, a request past its deadline; a hostile
+request answered other than with a 4xx; KV blocks still held after the drain; a process whose file
+descriptors or threads grew past its post-warm-up count (plus a small slack for pooled connections
+and lazily started threads) or whose resident memory grew more than --rss-tolerance over its
+post-warm-up value (warm-up: the baseline and the chaos phase's first third; for a process
+restarted later, its first 30 s). Printed: the schedule, each phase's figures, goodput with each
+fault kind active / baseline goodput, and a chart (PNG; CSV beside it) of every process's memory.
 
 Needs root, iproute2 and redis-server (network namespaces); prints why and exits 0 otherwise.
 
@@ -233,6 +235,16 @@ def send(url: str, spec: Spec, router: str) -> Result:
         r.why = f"transport error: {type(e).__name__}: {e}"
     r.seconds = time.monotonic() - r.start
     return r
+
+
+def send_until_admitted(url: str, spec: Spec, deadline_s: float = 300) -> Result:
+    """`send`, again after each 429/503 (waiting its Retry-After) until admitted or `deadline_s`."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        r = send(url, spec, "router")
+        if r.status not in (429, 503) or r.why or time.monotonic() > deadline:
+            return r
+        time.sleep(2.0)
 
 
 def _refusal(status: int, headers, body: str) -> str:
@@ -860,7 +872,7 @@ def _soak(
     # 1. references, fault-free
     refs: dict[str, str] = {}
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
-        for spec, r in zip(pool, ex.map(lambda s: send(c.router.url, s, "router"), pool)):
+        for spec, r in zip(pool, ex.map(lambda s: send_until_admitted(c.router.url, s), pool)):
             if r.status != 200 or r.why:
                 violations.append(f"reference {spec.key} (fault-free) failed: {r.status} {r.why}")
             elif spec.greedy:
@@ -894,7 +906,7 @@ def _soak(
     base_results = load.results[n0:]
     base_good = goodput(base_results, baseline_s)
     base_ok = goodput(base_results, baseline_s, slo=False)
-    marks["warm"] = time.monotonic() - t0
+    marks["baseline end"] = time.monotonic() - t0
     sampler.sample()
     warm = {(n, srv.proc.pid): proc_stats(srv.proc.pid) for n, srv in c.procs.items()}
     for n in ("router", "router-b"):
@@ -995,7 +1007,10 @@ def _soak(
         if end is None:
             violations.append(f"{name} (pid {srv.proc.pid}) is not running after the drain")
             continue
-        base = warm.get(key)
+        # Warm-up: the baseline and the first third of the chaos phase, so that one-time growth (a
+        # code path's first use, a fault's first recovery) is behind it and what follows is a trend.
+        warm_at = marks["chaos"] + args.duration / 3
+        base = sampler.last(name, srv.proc.pid, warm_at) if key in warm else None
         note = ""
         if base is None:  # restarted during the chaos: its warm-up is its first sample 30 s after start
             first = [r for r in sampler.rows if r[1] == name and r[2] == srv.proc.pid]
@@ -1018,6 +1033,7 @@ def _soak(
             )
         if end[2] > base[2] + THREAD_SLACK:
             violations.append(f"{name}: {end[2]} threads after the drain, {base[2]} after warm-up")
+    marks["warm-up end"] = marks["chaos"] + args.duration / 3
     marks["end"] = t_end
     print(f"memory chart: {chart(sampler.rows, out, marks)}")
     return _report(violations, seed)

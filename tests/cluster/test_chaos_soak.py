@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ def _soak_module():
     spec = importlib.util.spec_from_file_location("chaos_soak", SCRIPT)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["chaos_soak"] = mod  # its dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
