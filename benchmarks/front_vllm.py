@@ -108,7 +108,7 @@ def vllm_side(args, tmp: Path, python: Path) -> dict:
             kv = {
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
-                "endpoint": f"tcp://127.0.0.1:{events}",
+                "endpoint": f"tcp://*:{events}",  # vLLM binds a wildcard endpoint, connects to any other
                 "replay_endpoint": f"tcp://127.0.0.1:{replay}",
                 "topic": "kv",
             }
@@ -120,10 +120,12 @@ def vllm_side(args, tmp: Path, python: Path) -> dict:
                 json.dumps(kv),
             ]
             env = vllm_cpu.server_env(thread_env(1), cache, [cores[i % len(cores)]], 1)
+            # Two workers compiling side by side on a busy machine outlast vLLM's default 600 s.
+            env["VLLM_ENGINE_READY_TIMEOUT_S"] = str(int(args.start_timeout))
             procs.append(ServerProcess(cmd, port, tmp / f"vllm{i}.log", env=env, nice=args.nice))
             specs += [
                 "--worker",
-                f"vllm={procs[-1].url},events={kv['endpoint']},replay={kv['replay_endpoint']}",
+                f"vllm={procs[-1].url},events=tcp://127.0.0.1:{events},replay={kv['replay_endpoint']}",
             ]
             urls.append(procs[-1].url)
         for p in procs:
@@ -208,7 +210,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=2048)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=32, help="vLLM's CPU attention takes multiples of 32")
     ap.add_argument("--policy", default="cost")
     ap.add_argument("--pdserve-model", default="smollm2-135m")
     ap.add_argument("--nice", type=int, default=10)

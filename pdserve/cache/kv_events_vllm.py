@@ -15,7 +15,8 @@ The wire, as vLLM's `vllm.distributed.kv_events` defines it:
   one pdserve's benchmarks install among them; `vllm`), or as an array with the tag first (earlier
   ones; `vllm-array`). Readers here take either, and a batch written as a map too.
 - replay: a ROUTER socket; a request `[b"", start_seq]` (8 bytes, big-endian) is answered with
-  `[b"", seq, payload]` for each buffered batch from start_seq on, then `[b"", -1, b""]`.
+  `[b"", seq, payload]` for each buffered batch from start_seq on, then `[b"", -1, b""]` (recent vLLM
+  releases answer `[b"", topic, seq, payload]`; the subscriber reads both).
 
 pdserve's 16-byte block hashes travel as bytes (vLLM's hashes are bytes or ints). The medium names
 the tier: GPU (device; on a CPU worker too: it is where the running requests' KV lives), CPU
@@ -457,6 +458,8 @@ class VLLMEventSubscriber:
                         f"replay from {self.replay_endpoint} unfinished within {self.replay_timeout}s"
                     )
                 frames = sock.recv_multipart()
+                if len(frames) == 4:  # recent vLLM releases put the topic before the seq
+                    frames = [frames[0], *frames[2:]]
                 if len(frames) != 3 or len(frames[1]) != 8:
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)

@@ -6,12 +6,14 @@ fronted through `--worker vllm=...`: multi-turn conversations land on the worker
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+import zmq
 
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 from pdserve.cache.kv_events_vllm import (
@@ -84,6 +86,32 @@ def test_blocks_are_renamed_by_the_routers_hash_of_their_tokens():
         assert _apply(sub, 7, _stored(prompt[16:], bs, tail)[0]) == []  # 2 tokens for one block: refused
     finally:
         sub.close()
+
+
+def test_replay_answers_with_a_topic_frame_are_read():
+    """Recent vLLM releases answer a replay request with [b"", topic, seq, payload] frames."""
+    ctx = zmq.Context.instance()
+    replay = ctx.socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    port = replay.bind_to_random_port("tcp://127.0.0.1")
+    payload = encode_batch(EventBatch(1.0, [AllBlocksCleared()]))
+
+    def answer() -> None:
+        if replay.poll(20_000):
+            client, _, start = replay.recv_multipart()
+            seq = int.from_bytes(start, "big")
+            replay.send_multipart([client, b"", b"kv@h@m", seq.to_bytes(8, "big"), payload])
+            replay.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    t = threading.Thread(target=answer)
+    t.start()
+    sub = VLLMEventSubscriber("inproc://front-replay", f"tcp://127.0.0.1:{port}", "w", replay_timeout=20)
+    try:
+        assert sub.replay(5) == [(5, payload)]
+    finally:
+        t.join()
+        sub.close()
+        replay.close()
 
 
 def test_load_gauges_from_vllm_and_sglang_metric_names():
