@@ -72,15 +72,21 @@ def test_a_server_that_cannot_import_fails_instead_of_skipping(tmp_path):
 
 def scrape_counter(text: str, pattern: str) -> float | None:
     """Sum of samples of the first Prometheus counter whose name matches pattern, or None."""
-    total, seen = 0.0, False
+    total, name = 0.0, None
     for line in text.splitlines():
         if line.startswith("#") or not line.strip():
             continue
         m = re.match(r"([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)", line)
-        if m and re.search(pattern, m.group(1)) and m.group(1).endswith("_total"):
+        # One counter only: a worker also exports vLLM's names for the same counts (vllm:*).
+        if (
+            m
+            and re.search(pattern, m.group(1))
+            and m.group(1).endswith("_total")
+            and name in (None, m.group(1))
+        ):
             total += float(m.group(3))
-            seen = True
-    return total if seen else None
+            name = m.group(1)
+    return total if name is not None else None
 
 
 def token_counters(url: str) -> tuple[float | None, float | None]:
