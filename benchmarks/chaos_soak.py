@@ -29,7 +29,7 @@ request answered other than with a 4xx; KV blocks still held after the drain; a 
 descriptors or threads grew past its post-warm-up count (plus a small slack for pooled connections
 and lazily started threads) or whose resident memory grew more than --rss-tolerance over its
 post-warm-up value (warm-up: the baseline and the chaos phase's first third; for a process
-restarted later, its first 30 s). Printed: the schedule, each phase's figures, goodput with each
+restarted later, the first third of its life, at least 30 s). Printed: the schedule, each phase's figures, goodput with each
 fault kind active / baseline goodput, and a chart (PNG; CSV beside it) of every process's memory.
 
 Needs root, iproute2 and redis-server (network namespaces); prints why and exits 0 otherwise.
@@ -684,19 +684,16 @@ class Chaos:
         wid = self.c.workers()[f.target]["id"]
         back = _admin(self.c, "POST", f"/admin/workers/{wid}/role", json={"role": role}, timeout=120)
         f.note += f", back {back.status_code}"
-        if back.status_code != 200:  # refused (a clear 4xx/503, the worker keeps serving): retry
-            f.note += f" ({back.text[:160]})"
-            wait_until(
-                lambda: (
-                    _admin(
-                        self.c, "POST", f"/admin/workers/{wid}/role", json={"role": role}, timeout=120
-                    ).status_code
-                    == 200
-                ),
-                120,
-                f"{f.target} back to {role}",
-                period=2,
-            )
+        # Refused (the controller may have moved another worker meanwhile: "the last decode worker"
+        # is a clear 409 and the worker keeps serving): retried for 120 s. Only a 5xx is a violation.
+        deadline = time.monotonic() + 120
+        while back.status_code != 200 and time.monotonic() < deadline:
+            time.sleep(2)
+            back = _admin(self.c, "POST", f"/admin/workers/{wid}/role", json={"role": role}, timeout=120)
+        if back.status_code != 200:
+            f.note += f"; still {other} after 120 s: {back.status_code} {back.text[:160]}"
+            if back.status_code >= 500:
+                self.violations.append(f"role switch of {f.target} back to {role}: {back.text[:200]}")
 
     def redis_restart(self, f: Fault) -> None:
         self.c.procs["redis"].kill()
@@ -1012,13 +1009,15 @@ def _soak(
         warm_at = marks["chaos"] + args.duration / 3
         base = sampler.last(name, srv.proc.pid, warm_at) if key in warm else None
         note = ""
-        if base is None:  # restarted during the chaos: its warm-up is its first sample 30 s after start
+        if base is None:  # restarted during the chaos
             first = [r for r in sampler.rows if r[1] == name and r[2] == srv.proc.pid]
-            later = [r for r in first if r[0] >= first[0][0] + 30] if first else []
+            # its warm-up: the first third of its life (at least 30 s), as for the others
+            span = max(30.0, (t_end - first[0][0]) / 3) if first else 0.0
+            later = [r for r in first if r[0] >= first[0][0] + span] if first else []
             if not later:
                 print(f"{name:<10} {srv.proc.pid:>8} restarted too late to have a warm-up value")
                 continue
-            base, note = later[0][3:], " (restarted; warm-up 30 s after)"
+            base, note = later[0][3:], f" (restarted; warm-up its first {span:.0f} s)"
         growth = end[0] / base[0] - 1
         print(
             f"{name:<10} {srv.proc.pid:>8} {base[0] / 2**20:13.1f} {end[0] / 2**20:8.1f} {growth:+7.1%} "
@@ -1026,12 +1025,14 @@ def _soak(
         )
         if growth > args.rss_tolerance:
             violations.append(f"{name}: RSS grew {growth:+.1%} over its post-warm-up value")
-        if end[1] > base[1] + FD_SLACK:
+        # Redis's fds and threads are its clients' pooled connections (the routers' and workers'
+        # pools grow with concurrency, reconnect after its restart): its memory is checked, not them.
+        if name != "redis" and end[1] > base[1] + FD_SLACK:
             violations.append(
                 f"{name}: {end[1]} fds after the drain, {base[1]} after warm-up; its TCP sockets by "
                 f"state and peer: {tcp_tally(c, name, srv.proc.pid)}"
             )
-        if end[2] > base[2] + THREAD_SLACK:
+        if name != "redis" and end[2] > base[2] + THREAD_SLACK:
             violations.append(f"{name}: {end[2]} threads after the drain, {base[2]} after warm-up")
     marks["warm-up end"] = marks["chaos"] + args.duration / 3
     marks["end"] = t_end
