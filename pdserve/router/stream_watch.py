@@ -58,8 +58,15 @@ async def watched(
                 raise item
             yield item
     finally:
+        # A consumer that stops at its last line (a finished request) leaves the body's end unread:
+        # read it (briefly), so the connection goes back to the pool whole. A pump cancelled
+        # mid-read left its connection neither pooled nor closed (CLOSE-WAIT once the worker
+        # hung up), one per request.
+        if not tasks[0].done():
+            await asyncio.wait({tasks[0]}, timeout=0.5)
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def unless_silent(aw, healthy: Callable[[], bool], period_s: float):
