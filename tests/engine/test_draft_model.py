@@ -6,14 +6,14 @@ a draft method without a model is a config error naming the key."""
 from __future__ import annotations
 
 import pytest
+from engine_runs import REPEATS
+from engine_runs import generate as _generate
 from pd_harness import MODEL, mixed_outputs, pd_pair, prompts
 
 from pdserve import SamplingParams
 from pdserve.config import load_config
 from pdserve.config_rules import ConfigError
 from pdserve.engine.engine import LLMEngine
-
-REPEATS = [[5, 6, 7, 8] * 6, [(7 * i + 3) % 250 + 1 for i in range(30)], [9, 10, 11] * 5 + [9, 10]]
 
 
 def _engine(draft: str | None, adaptive: bool = False, model: str = "tiny-qwen2", **more) -> LLMEngine:
@@ -27,21 +27,6 @@ def _engine(draft: str | None, adaptive: bool = False, model: str = "tiny-qwen2"
         **more,
     }
     return LLMEngine(load_config(None, cfg))
-
-
-def _generate(engine: LLMEngine, batch: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
-    for i, p in enumerate(batch):
-        engine.add_request(f"r{i}-{engine.num_steps}", p, params)
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.request_id.split("-")[0], []).extend(o.new_token_ids)
-    assert engine.pool.num_free == engine.pool.num_blocks
-    engine.pool.check_integrity()
-    if engine.drafter is not None:
-        assert engine.drafter.pool.num_free == engine.drafter.pool.num_blocks
-        assert not engine.drafter.seqs
-    return out
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

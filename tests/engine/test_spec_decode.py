@@ -15,6 +15,8 @@ import math
 import jsonschema
 import pytest
 import torch
+from engine_runs import REPEATS
+from engine_runs import generate as _generate
 from pd_harness import mixed_outputs, pd_pair, prompts
 
 from pdserve import SamplingParams
@@ -49,21 +51,6 @@ def _engine(model: str, spec: str, **more) -> LLMEngine:
             },
         )
     )
-
-
-def _generate(engine: LLMEngine, batch: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
-    for i, p in enumerate(batch):
-        engine.add_request(f"r{i}-{engine.num_steps}", p, params)
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.request_id.split("-")[0], []).extend(o.new_token_ids)
-    assert engine.pool.num_free == engine.pool.num_blocks
-    engine.pool.check_integrity()
-    return out
-
-
-REPEATS = [[5, 6, 7, 8] * 6, [(7 * i + 3) % 250 + 1 for i in range(30)], [9, 10, 11] * 5 + [9, 10]]
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])

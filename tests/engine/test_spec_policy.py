@@ -10,6 +10,7 @@ their expected tokens repay the rows they add, by the machine's measured step co
 from __future__ import annotations
 
 import pytest
+from engine_runs import REPEATS, generate
 
 from pdserve import SamplingParams
 from pdserve.config import load_config
@@ -89,9 +90,6 @@ def test_costs_are_cached_per_key(tmp_path, monkeypatch):
     assert load_cached(b) is None  # unreadable: measured again, not a crash
 
 
-REPEATS = [[5, 6, 7, 8] * 6, [(7 * i + 3) % 250 + 1 for i in range(30)], [9, 10, 11] * 5 + [9, 10]]
-
-
 def _engine(spec: str) -> LLMEngine:
     cfg = {
         "model.name": "tiny-llama",
@@ -103,16 +101,7 @@ def _engine(spec: str) -> LLMEngine:
 
 
 def _generate(engine: LLMEngine) -> dict[str, list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for i, p in enumerate(REPEATS):
-        engine.add_request(f"r{i}", p, params)
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert engine.pool.num_free == engine.pool.num_blocks
-    engine.pool.check_integrity()
-    return out
+    return generate(engine, REPEATS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
 
 
 def test_engine_follows_the_costs_and_keeps_greedy_output(tmp_path, monkeypatch):
