@@ -5,10 +5,11 @@ whose install finished and imported, so a half-done install is never taken for a
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 from typing import Callable
+
+from pdserve.utils.paths import cache_root
 
 
 class InstallError(RuntimeError):
@@ -16,8 +17,7 @@ class InstallError(RuntimeError):
 
 
 def cache_dir(name: str) -> Path:
-    root = os.environ.get("PDSERVE_CACHE") or "~/.cache/pdserve"
-    return Path(root).expanduser() / name
+    return cache_root() / name
 
 
 def venv_python(cache: Path) -> Path:

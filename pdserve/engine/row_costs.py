@@ -26,6 +26,7 @@ import torch
 
 from pdserve.model.attention import build_metadata
 from pdserve.utils.cpu import cpu_flags, cpu_name
+from pdserve.utils.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,7 @@ def cache_key(parts: dict[str, Any]) -> str:
 
 
 def cache_path(key: str) -> Path:
-    root = Path(os.environ.get("PDSERVE_CACHE") or "~/.cache/pdserve").expanduser()
-    return root / "row-costs" / f"{key}.json"
+    return cache_root() / "row-costs" / f"{key}.json"
 
 
 def load_cached(key: str) -> RowCosts | None:

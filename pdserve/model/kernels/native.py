@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from pdserve.utils.cpu import cpu_flags, feature_key
+from pdserve.utils.paths import cache_root
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -43,7 +44,7 @@ CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-fPIC", "
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE") or "~/.cache/pdserve").expanduser() / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str | None:
