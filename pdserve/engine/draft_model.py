@@ -3,8 +3,8 @@ in one batched step as n-gram drafts are (engine/spec_decode.py).
 
 The draft model keeps its own paged KV cache and block pool, one block table per running request.
 Each step it first catches up on the tokens it has not seen (the whole prompt the first time, then
-the tokens the last verification emitted) in one batched forward, whose last rows give the first
-draft tokens; k - 1 batched decode steps give the rest, greedily. Drafts are proposals only: the
+the tokens the last verification emitted) in batched forwards of at most the scheduler's token
+budget, whose last rows give the first draft tokens; k - 1 batched decode steps give the rest, greedily. Drafts are proposals only: the
 target accepts or rejects them, so greedy output is the target's whatever the draft model says,
 and sampled output keeps the target's distribution (a greedy draft is a fixed proposal, as n-gram
 drafts are).
@@ -12,8 +12,8 @@ drafts are).
 After a verification the draft model's KV holds valid entries up to the last accepted draft: its
 entries after that are of rejected tokens and are computed again from the emitted ones. A request
 the draft model has not seen (a new one, a migrated one, one preempted and resumed) starts by
-catching up its whole sequence. A request that stops running loses its draft state and blocks at
-the next step, whatever ended it.
+catching up its whole sequence. A request that stops running (finished, aborted, preempted) loses
+its draft state and blocks then, between steps as well as in one.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class DraftModel:
             )
         self.name = dmc.name
         self.block_size = config.cache.block_size
+        self.max_tokens = sc.max_num_batched_tokens  # a catch-up forward's rows at most, as a target step's
         self.model = build_model(loaded, dmc.dtype, dmc.device, max_model_len, dmc)
         del loaded
         self.device = self.model.device
@@ -78,10 +79,12 @@ class DraftModel:
             num_blocks,
         )
 
-    def release(self, alive: set[str]) -> None:
-        """Frees the draft state of every request not in `alive`."""
-        for rid in [r for r in self.seqs if r not in alive]:
-            self.pool.free(self.seqs.pop(rid).blocks)
+    def drop(self, request_id: str) -> None:
+        """Frees a request's draft state: it stopped running (finished, aborted, failed, migrated away
+        or preempted), whenever that happened; a request that runs again catches up from its start."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.pool.free(seq.blocks)
 
     def _reserve(self, seq: DraftSeq, positions: int) -> bool:
         need = -(-positions // self.block_size) - len(seq.blocks)
@@ -108,18 +111,36 @@ class DraftModel:
                 ready.append((req, seq, depth))
         if not ready:
             return {}
-        # Catch-up: every token the draft model has not seen; the last one's logits give draft 1.
-        ids: list[int] = []
-        positions: list[int] = []
-        seqs = []
-        last_rows: list[int] = []
-        for req, seq, _ in ready:
-            start, end = seq.computed, req.num_tokens
-            ids += req.all_token_ids[start:end]
-            positions += range(start, end)
-            seqs.append((seq.blocks, start, end - start))
-            last_rows.append(len(ids) - 1)
-        drafts = [[t] for t in self._argmax(ids, positions, seqs, last_rows)]
+        # Catch-up: every token the draft model has not seen, in forwards of at most the scheduler's
+        # token budget (a new request's whole prompt would otherwise run as one); a request's last
+        # caught-up token's logits give its first draft.
+        first: list[int] = [0] * len(ready)
+        todo = [(i, seq.computed, req.num_tokens) for i, (req, seq, _) in enumerate(ready)]
+        while todo:
+            ids: list[int] = []
+            positions: list[int] = []
+            seqs = []
+            rows: list[int] = []
+            ends: list[int] = []  # the requests whose catch-up ends in this forward, by row
+            left = []
+            for i, start, end in todo:
+                room = self.max_tokens - len(ids)
+                if room <= 0:
+                    left.append((i, start, end))
+                    continue
+                stop = min(end, start + room)
+                ids += ready[i][0].all_token_ids[start:stop]
+                positions += range(start, stop)
+                seqs.append((ready[i][1].blocks, start, stop - start))
+                if stop == end:
+                    rows.append(len(ids) - 1)
+                    ends.append(i)
+                else:
+                    left.append((i, stop, end))
+            for i, t in zip(ends, self._argmax(ids, positions, seqs, rows)):
+                first[i] = t
+            todo = left
+        drafts = [[t] for t in first]
         # Decode steps: each feeds the draft before it, for the requests that go that deep.
         steps = max(depth for _, _, depth in ready)
         for j in range(1, steps):
@@ -138,6 +159,7 @@ class DraftModel:
         return out
 
     def _argmax(self, ids: list[int], positions: list[int], seqs: list, rows: list[int]) -> list[int]:
+        """The greedy token after each of `rows` (none: the forward only writes KV)."""
         meta = build_metadata(seqs, self.block_size, self.model.arch.sliding_window, self.device)
         dev = self.device
         logits = self.model.forward(
@@ -145,9 +167,9 @@ class DraftModel:
             torch.tensor(positions, device=dev),
             meta,
             self.kv_cache,
-            torch.tensor(rows, dtype=torch.long, device=dev),
+            torch.tensor(rows, dtype=torch.long, device=dev) if rows else None,
         )
-        return logits.argmax(-1).tolist()
+        return logits.argmax(-1).tolist() if rows else []
 
     def settle(self, req: Request, accepted: int) -> None:
         """The verification of the request's last proposal accepted `accepted` drafts: the draft KV
@@ -159,7 +181,8 @@ class DraftModel:
         seq.pending = None
 
     def close(self) -> None:
-        self.release(set())
+        for rid in list(self.seqs):
+            self.drop(rid)
         close = getattr(self.model, "close", None)
         if close is not None:
             close()

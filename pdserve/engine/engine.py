@@ -353,6 +353,8 @@ class LLMEngine:
         self.preemptions_total += len(step.preempted)
         for req in step.preempted:
             req.draft_tokens = []
+            if self.drafter is not None:
+                self.drafter.drop(req.request_id)
         for req in step.to_load:
             if req.prefill_peers:
                 req.prefill_attempts.append(req.prefill_peers[0])  # the peer start_load asks
@@ -408,8 +410,6 @@ class LLMEngine:
         self.step_seconds[kind] += elapsed
         if decode_only and self.row_costs is not None:
             self.row_costs.observe(rows, elapsed - drafting)
-        if self.drafter is not None:  # the draft state of requests that stopped running this step
-            self.drafter.release({r.request_id for r in self.scheduler.running})
         return outputs
 
     def _poll_images(self) -> list[RequestOutput]:
@@ -473,8 +473,6 @@ class LLMEngine:
         a draft model's, engine/draft_model.py), each cut to what is expected to pay for its rows
         (engine/spec_policy.py)."""
         sc = self.config.scheduler
-        if self.drafter is not None:
-            self.drafter.release({r.request_id for r in self.scheduler.running})
         decoding = 0
         drafted: list[Request] = []
         depths: list[int] = []  # a draft model's: how deep each request may draft
@@ -633,6 +631,8 @@ class LLMEngine:
         self.scheduler.finish(req, reason, held)
         if self.images is not None:
             self.images.drop(req.request_id)
+        if self.drafter is not None:
+            self.drafter.drop(req.request_id)
         detok = self.detoks.pop(req.request_id)
         del self.requests[req.request_id]
         out = RequestOutput(

@@ -94,3 +94,41 @@ def test_int4_smollm2_drafts_for_its_float32_self():
     s = on.stats()
     # int4 agrees with float32 on most greedy tokens (benchmarks/quant_quality.py).
     assert s["spec_accepted_tokens_total"] >= 0.5 * s["spec_draft_tokens_total"] > 0
+
+
+def test_catch_up_runs_within_the_step_token_budget():
+    budget = 8  # below every REPEATS prompt: each new request's catch-up takes several forwards
+    want = _generate(_engine(None, **{"scheduler.max_num_batched_tokens": budget}), REPEATS, GREEDY)
+    engine = _engine("tiny-mistral", **{"scheduler.max_num_batched_tokens": budget})
+    drafter = engine.drafter
+    assert drafter is not None
+    rows: list[int] = []
+    forward = drafter.model.forward
+
+    def counted(input_ids, *args, **kwargs):  # the real forward, its row count noted
+        rows.append(int(input_ids.shape[0]))
+        return forward(input_ids, *args, **kwargs)
+
+    drafter.model.forward = counted
+    assert _generate(engine, REPEATS, GREEDY) == want
+    assert rows and max(rows) <= budget
+    assert sum(rows) >= sum(len(p) for p in REPEATS)  # every prompt token was caught up
+    assert engine.stats()["spec_accepted_tokens_total"] > 0
+
+
+def test_draft_state_is_freed_when_a_request_ends_between_steps():
+    engine = _engine("tiny-mistral")
+    drafter = engine.drafter
+    assert drafter is not None
+    for i, p in enumerate(REPEATS):
+        engine.add_request(f"r{i}", p, GREEDY)
+    while len(drafter.seqs) < len(REPEATS):  # every request has drafted at least once
+        engine.step()
+    engine.abort_request("r1")
+    assert "r1" not in drafter.seqs  # at once, not at the next step
+    held = sum(len(s.blocks) for s in drafter.seqs.values())
+    assert drafter.pool.num_free == drafter.pool.num_blocks - held
+    for rid in ("r0", "r2"):
+        engine.abort_request(rid)
+    assert not engine.has_unfinished()  # no step follows: the aborts alone freed the draft pool
+    assert not drafter.seqs and drafter.pool.num_free == drafter.pool.num_blocks
