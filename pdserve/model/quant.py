@@ -124,14 +124,24 @@ def can_quantize(w: torch.Tensor | Staged, mode: str) -> bool:
 class QuantizedWeight:
     """A packed [N, K] weight; `linear(x, w)` calls `matmul`."""
 
-    def __init__(self, staged: Staged, device: torch.device | str = "cpu", native: bool = False) -> None:
-        """native: run pdserve's kernel (kernels/qgemm.py) for float32 activations on CPU."""
+    def __init__(
+        self,
+        staged: Staged,
+        device: torch.device | str = "cpu",
+        native: bool = False,
+        activations: str = "none",
+    ) -> None:
+        """native: run pdserve's kernel (kernels/qgemm.py) for float32 activations on CPU. activations
+        "int8": a native int4 weight quantizes every product's activations to int8 per row in blocks of
+        32 (kernels/qgemm_q8.c); otherwise they stay float32."""
         self.mode = staged.mode
         self.shape = staged.shape
         self.device = torch.device(device)
         self.on_cpu = self.device.type == "cpu"
         self.native = native and self.on_cpu and staged.shape[0] % qgemm.TILE == 0 and qgemm.available()
         self.tiled: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+        # Only int4 has the integer kernel; int8 weights keep float32 activations in either mode.
+        self.int8_activations = activations == "int8" and self.native and self.mode == "int4"
         if self.native:
             if self.mode == "int8":
                 self.tiled = (*qgemm.tile_int8(staged.q, staged.scale), None)
@@ -195,7 +205,8 @@ class QuantizedWeight:
         """(bits, w, d, m) as qgemm.c takes them; native weights only."""
         assert self.native
         w, d, m = self.tiled
-        return (8 if self.mode == "int8" else 4), w, d, (d if m is None else m)
+        bits = 8 if self.mode == "int8" else 4 | (qgemm.AQ8 if self.int8_activations else 0)
+        return bits, w, d, (d if m is None else m)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [N, K] matrix."""
@@ -228,18 +239,24 @@ class QuantizedWeight:
 
 
 def pack(
-    w: torch.Tensor | Staged, mode: str, dtype: torch.dtype, device, native: bool = False
+    w: torch.Tensor | Staged,
+    mode: str,
+    dtype: torch.dtype,
+    device,
+    native: bool = False,
+    activations: str = "none",
 ) -> torch.Tensor | QuantizedWeight | qgemm.TiledFloat:
     """The weight as the model keeps it: float in `dtype`, or packed for `mode`. `native`: in the
     layout of pdserve's kernel (kernels/qgemm.py) where float32 activations on CPU allow it, float32
-    weights too. A weight int4 cannot hold (odd shapes of tiny test models) stays float."""
+    weights too. A weight int4 cannot hold (odd shapes of tiny test models) stays float.
+    `activations`: model.activation_quantization (QuantizedWeight)."""
     if mode == "none" or not can_quantize(w, mode):
         t = w.dequantize() if isinstance(w, Staged) else w
         cpu32 = t.device.type == "cpu" and torch.device(device).type == "cpu" and dtype == torch.float32
         if native and cpu32 and qgemm.TiledFloat.fits(t):
             return qgemm.TiledFloat(t)  # converted as it is tiled: one float32 copy made, not two
         return t.to(dtype=dtype, device=device).contiguous()
-    return QuantizedWeight(as_staged(w, mode), device, native and dtype == torch.float32)
+    return QuantizedWeight(as_staged(w, mode), device, native and dtype == torch.float32, activations)
 
 
 def as_staged(w: torch.Tensor | Staged, mode: str) -> Staged:

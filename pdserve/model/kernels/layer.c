@@ -28,7 +28,7 @@ void pd_attend_task(const float *q, int64_t q_row, const float *kc, const float 
                     int64_t tstride, const int64_t *first, const int64_t *ctx, float *out, int H, int KVH, int D,
                     int bs, float scale, int hp, int task);
 
-typedef struct {              /* a weight in qgemm.c's tile layout: bits 32, 8 or 4 */
+typedef struct {              /* a weight in qgemm.c's tile layout: bits 32, 8 or 4 (| PD_AQ8: qgemm_q8.c) */
     int bits, n, k;
     const void *w, *d, *m;
 } pd_weight;
@@ -141,13 +141,16 @@ static void product(member *me, const pd_weight *w, const float *x, int64_t ldx,
     float sx[8 * (w->k / 32) + 1];    /* qgemm.c's direct rows: at most 8 */
     pd_qgemm_sums(w->bits, x, ldx, M, w->k, sx);
     /* Each thread rounds its own copy of the rows (M x K, a few microseconds): no phase for it. */
-    uint16_t *xb = pd_qgemm_bf16_x(w->bits, x, ldx, M, w->k);
+    void *xq = pd_qgemm_q8_x(w->bits, x, ldx, M, w->k);    /* int8 activations: every path the same */
+    uint16_t *xb = xq ? NULL : pd_qgemm_bf16_x(w->bits, x, ldx, M, w->k);
     const int tiles = w->n / 16, chunk = tiles / (8 * me->T) > 1 ? tiles / (8 * me->T) : 1;
     for (int t; (t = grab(me, chunk)) < tiles;) {
         const int t1 = t + chunk < tiles ? t + chunk : tiles;
-        if (xb) pd_qgemm_bf16_tiles(w->bits, w->w, w->d, w->m, xb, y, w->n, M, w->k, t, t1);
+        if (xq) pd_qgemm_q8_tiles(w->bits, w->w, w->d, w->m, xq, y, w->n, M, w->k, t, t1);
+        else if (xb) pd_qgemm_bf16_tiles(w->bits, w->w, w->d, w->m, xb, y, w->n, M, w->k, t, t1);
         else pd_qgemm_tiles(w->bits, w->w, w->d, w->m, x, ldx, y, w->n, M, w->k, sx, t, t1);
     }
+    pd_qgemm_q8_free(xq);
     pd_qgemm_bf16_free(xb);
     sync_phase(me);
 }

@@ -20,7 +20,8 @@
    A tile's result does not depend on which thread computes it or with which others, so the output
    is that of the slot-by-slot path bit for bit (same qgemm.c calls with the same rows).
 
-   Weights in qgemm.c's tile layout (bits 32, 8 or 4), slot s at a fixed byte stride from slot 0. */
+   Weights in qgemm.c's tile layout (bits 32, 8 or 4; int4 | PD_AQ8 quantizes each slot's rows to int8
+   as qgemm_q8.c does for every other int4 product), slot s at a fixed byte stride from slot 0. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,10 +43,11 @@ typedef struct { int slot, t0; } item;
 
 /* The product of slot a's rows through tiles [t0, t0 + chunk). */
 static void tile_item(const pd_experts *E, int s, const float *x, int M, const float *sx, const uint16_t *xb,
-                      float *y, int t0, int chunk) {
+                      const void *xq, float *y, int t0, int chunk) {
     const int tiles = E->n / NC, t1 = t0 + chunk < tiles ? t0 + chunk : tiles;
     const void *w = E->w + E->sw * s, *d = E->d + E->sd * s, *m = E->m + E->sm * s;
-    if (xb) pd_qgemm_bf16_tiles(E->bits, w, d, m, xb, y, E->n, M, E->k, t0, t1);
+    if (xq) pd_qgemm_q8_tiles(E->bits, w, d, m, xq, y, E->n, M, E->k, t0, t1);
+    else if (xb) pd_qgemm_bf16_tiles(E->bits, w, d, m, xb, y, E->n, M, E->k, t0, t1);
     else pd_qgemm_tiles(E->bits, w, d, m, x, E->k, y, E->n, M, E->k, sx, t0, t1);
 }
 
@@ -100,7 +102,8 @@ void pd_moe(const pd_experts *gu, const pd_experts *dn, int T, int k, const int6
     const int tiles_max = (I2 > H ? I2 : H) / NC;
     item *items = malloc(sizeof(item) * ((size_t)na * tiles_max + 1));
     uint16_t **xb = calloc((size_t)na, sizeof(uint16_t *));
-    if (!wr || !xs || !items || !xb) abort();
+    void **xq = calloc((size_t)na, sizeof(void *));
+    if (!wr || !xs || !items || !xb || !xq) abort();
     int cg, cd, ni;
 
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -112,7 +115,8 @@ void pd_moe(const pd_experts *gu, const pd_experts *dn, int T, int k, const int6
         for (int j = 0; j < na; j++) {
             const int s = act[j], r0 = off[s], M = off[s + 1] - r0;
             pd_qgemm_sums(gu->bits, xs + (int64_t)r0 * H, H, M, H, sxx + r0 * gx);
-            xb[j] = pd_qgemm_bf16_x(gu->bits, xs + (int64_t)r0 * H, H, M, H);
+            xq[j] = pd_qgemm_q8_x(gu->bits, xs + (int64_t)r0 * H, H, M, H);
+            xb[j] = xq[j] ? NULL : pd_qgemm_bf16_x(gu->bits, xs + (int64_t)r0 * H, H, M, H);
         }
 #pragma omp single
         ni = items_of(gu, act, na, omp_get_num_threads(), items, &cg);
@@ -120,7 +124,7 @@ void pd_moe(const pd_experts *gu, const pd_experts *dn, int T, int k, const int6
 #pragma omp for schedule(dynamic)
         for (int i = 0; i < ni; i++) {
             const int j = items[i].slot, s = act[j], r0 = off[s];
-            tile_item(gu, s, xs + (int64_t)r0 * H, off[s + 1] - r0, sxx + r0 * gx, xb[j], g + (int64_t)r0 * I2,
+            tile_item(gu, s, xs + (int64_t)r0 * H, off[s + 1] - r0, sxx + r0 * gx, xb[j], xq[j], g + (int64_t)r0 * I2,
                       items[i].t0, cg);
         }
         /* 4. SiLU * up, and the down product's preparation */
@@ -130,8 +134,10 @@ void pd_moe(const pd_experts *gu, const pd_experts *dn, int T, int k, const int6
         for (int j = 0; j < na; j++) {
             const int s = act[j], r0 = off[s], M = off[s + 1] - r0;
             pd_qgemm_bf16_free(xb[j]);
+            pd_qgemm_q8_free(xq[j]);
             pd_qgemm_sums(dn->bits, a + (int64_t)r0 * I, I, M, I, sxa + r0 * ga);
-            xb[j] = pd_qgemm_bf16_x(dn->bits, a + (int64_t)r0 * I, I, M, I);
+            xq[j] = pd_qgemm_q8_x(dn->bits, a + (int64_t)r0 * I, I, M, I);
+            xb[j] = xq[j] ? NULL : pd_qgemm_bf16_x(dn->bits, a + (int64_t)r0 * I, I, M, I);
         }
 #pragma omp single
         ni = items_of(dn, act, na, omp_get_num_threads(), items, &cd);
@@ -139,11 +145,11 @@ void pd_moe(const pd_experts *gu, const pd_experts *dn, int T, int k, const int6
 #pragma omp for schedule(dynamic)
         for (int i = 0; i < ni; i++) {
             const int j = items[i].slot, s = act[j], r0 = off[s];
-            tile_item(dn, s, a + (int64_t)r0 * I, off[s + 1] - r0, sxa + r0 * ga, xb[j], ys + (int64_t)r0 * H,
+            tile_item(dn, s, a + (int64_t)r0 * I, off[s + 1] - r0, sxa + r0 * ga, xb[j], xq[j], ys + (int64_t)r0 * H,
                       items[i].t0, cd);
         }
 #pragma omp for schedule(static)
-        for (int j = 0; j < na; j++) pd_qgemm_bf16_free(xb[j]);
+        for (int j = 0; j < na; j++) pd_qgemm_bf16_free(xb[j]), pd_qgemm_q8_free(xq[j]);
         /* 6. each token's weighted sum, its rows in sorted order; each product rounded on its own */
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) {
@@ -155,5 +161,5 @@ void pd_moe(const pd_experts *gu, const pd_experts *dn, int T, int k, const int6
             }
         }
     }
-    free(xb), free(items), free(xs), free(wr), free(ints);
+    free(xq), free(xb), free(items), free(xs), free(wr), free(ints);
 }

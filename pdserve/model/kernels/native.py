@@ -36,6 +36,8 @@ _MFLAGS = {
     "avx512bw": "-mavx512bw",
     "avx512vl": "-mavx512vl",
     "avx512_bf16": "-mavx512bf16",
+    "avx512_vnni": "-mavx512vnni",  # qgemm_q8.c's vpdpbusd (with avx512vl)
+    "avx_vnni": "-mavxvnni",
 }
 # Never -ffast-math: linking a shared library with it pulls in crtfastmath, which sets flush-to-zero
 # for the whole process as the library loads (caught by a test: subnormal floats vanished elsewhere).
@@ -53,9 +55,9 @@ def _compiler() -> str | None:
 
 # Libraries that link other kernels' sources in beside their own (the fused decode layer calls them).
 LINKED = {
-    "qgemm": ["qgemm_bf16"],
-    "layer": ["qgemm", "qgemm_bf16", "norm", "decode_attention"],
-    "moe": ["layer", "qgemm", "qgemm_bf16", "norm", "decode_attention"],
+    "qgemm": ["qgemm_bf16", "qgemm_q8"],
+    "layer": ["qgemm", "qgemm_bf16", "qgemm_q8", "norm", "decode_attention"],
+    "moe": ["layer", "qgemm", "qgemm_bf16", "qgemm_q8", "norm", "decode_attention"],
 }
 
 

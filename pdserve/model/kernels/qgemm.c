@@ -341,11 +341,18 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
     }
 }
 
-/* bits: 4, 8 or 32 (the layouts above; d and m float16 for 4, d float for 8). A small product (one row
+/* bits: 4, 8 or 32 (the layouts above; d and m float16 for 4, d float for 8), or 4 | PD_AQ8 (qgemm_q8.c). A small product (one row
    through a small matrix) runs on the calling thread: waking the pool costs more than the work. */
 void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,
               int64_t ldy, int M, int N, int K, int threads) {
     const int64_t work = (int64_t)M * N * K;
+    void *xq = pd_qgemm_q8_x(bits, x, ldx, M, K);     /* qgemm_q8.c: int4 with int8 activations */
+    if (xq) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work >= (1 << 17))
+        for (int t = 0; t < N / NC; t++) pd_qgemm_q8_tiles(bits, w, d, m, xq, y, ldy, M, K, t, t + 1);
+        pd_qgemm_q8_free(xq);
+        return;
+    }
     float sx[8 * (K / 32) + 1];
     pd_qgemm_sums(bits, x, ldx, M, K, sx);
     uint16_t *xb = pd_qgemm_bf16_x(bits, x, ldx, M, K);     /* qgemm_bf16.c: NULL below its rows */

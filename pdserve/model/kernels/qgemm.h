@@ -1,5 +1,5 @@
-/* What qgemm.c and qgemm_bf16.c share, and what layer.c calls of them: the tile shape and the
-   bfloat16 products' entry points. */
+/* What qgemm.c and qgemm_bf16.c share, and what layer.c calls of them: the tile shape, the
+   bfloat16 products' and the int8-activation products' entry points. */
 #ifndef PD_QGEMM_H
 #define PD_QGEMM_H
 #include <stdint.h>
@@ -16,4 +16,13 @@ uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K);
 void pd_qgemm_bf16_free(uint16_t *xb);
 void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
                          int64_t ldy, int M, int K, int t0, int t1);
+
+/* qgemm_q8.c: int4 with the activations quantized to int8 per row in blocks of 32 (bits 4 | PD_AQ8).
+   pd_qgemm_q8_x prepares the rows (NULL for any other bits: the kernels above run), then the
+   output tiles [t0, t1); free the rows with pd_qgemm_q8_free. */
+#define PD_AQ8 256
+void *pd_qgemm_q8_x(int bits, const float *x, int64_t ldx, int M, int K);
+void pd_qgemm_q8_free(void *xq);
+void pd_qgemm_q8_tiles(int bits, const void *w, const void *d, const void *m, const void *xq, float *y,
+                       int64_t ldy, int M, int K, int t0, int t1);
 #endif

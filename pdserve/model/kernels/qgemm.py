@@ -12,6 +12,9 @@ from pdserve.model.kernels.native import function, ptr
 
 _I, _I64, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 TILE = 16  # output channels per tile (NC in the C file)
+# A flag on int4's bits (PD_AQ8 in qgemm.h): every product of that weight quantizes its activations to
+# int8 per row in blocks of 32 and multiplies in integers (qgemm_q8.c).
+AQ8 = 256
 
 
 @lru_cache(maxsize=1)
@@ -33,6 +36,29 @@ def bf16_rows(mode: str) -> int:
         return 0
     fn.restype = ctypes.c_int
     return int(fn({"int4": 4, "int8": 8}[mode]))
+
+
+@lru_cache(maxsize=1)
+def q8_variant() -> str:
+    """The int8-activation kernel this build runs: "vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "c"."""
+    fn = function("qgemm", "pd_qgemm_q8_variant", [])
+    if fn is None:
+        return "none"
+    fn.restype = ctypes.c_int
+    return {0: "c", 1: "avx2", 2: "vnni"}[int(fn())]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's int8 activations of x [M, K] float32: q int8 [M, K], and per block of 32 values the
+    scale sx and sx * sum q [M, K/32] (x = q * sx within one rounding step a value)."""
+    fn = function("qgemm", "pd_qgemm_q8_rows", [_P, _I64, _I, _I, _P, _P, _P])
+    assert fn is not None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] % 32 == 0
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    sx, ss = torch.empty(m, k // 32), torch.empty(m, k // 32)
+    fn(ptr(x), k, m, k, ptr(q), ptr(sx), ptr(ss))
+    return q, sx, ss
 
 
 def tile_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:

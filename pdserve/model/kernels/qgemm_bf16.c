@@ -200,7 +200,7 @@ static float *group_sums(uint16_t *xb, int M, int K) { return (float *)(xb + (si
 /* The entry points (qgemm.h): pd_qgemm and layer.c's products, which hand out tiles themselves.
    x [M, K] as bf16 [M, K] (round to nearest even), or NULL where the float32 kernel runs. */
 uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
-    if (bits == 32 || M < (bits == 4 ? BF16_ROWS4 : BF16_ROWS8)) return NULL;
+    if ((bits != 4 && bits != 8) || M < (bits == 4 ? BF16_ROWS4 : BF16_ROWS8)) return NULL;
     const size_t sums = bits == 4 && M < BF16_ROWS ? (size_t)M * (K / 32) * 4 : 0;     /* tile_q4's */
     uint16_t *xb = aligned_alloc(64, ((size_t)M * K * 2 + sums + 63) / 64 * 64);
     if (xb == NULL) return NULL;

@@ -1,0 +1,289 @@
+/* int4 products with the activations quantized to int8 (model.activation_quantization: int8), as
+   llama.cpp multiplies its Q4_1 weights: each row of x is quantized on its own in blocks of 32 input
+   values (one per weight group), qx = rint(x * 127 / max|x|), with the block's scale sx = max|x| / 127
+   and ss = sx * sum qx. Within a group w = q * d + m, so
+
+       sum over the group of w * (sx * qx) = (d * sx) * I + m * ss,   I = sum q * qx (exact, in int32),
+
+   and y = the groups' terms added in group order, each as two float FMAs:
+       acc = fma(d * sx, I, acc); acc = fma(m, ss, acc).
+   That is the product of the dequantized weight with the *quantized* activations, rounded only where
+   float arithmetic rounds the per-group terms. The integer sums are exact whatever their order, and
+   the float steps are the same for every row whatever the rows around it (1 row, a batch, a
+   speculative verify step, a thread's chunk of tiles), so a row's output depends on that row alone.
+
+   Why: the float32 kernel (qgemm.c) dequantizes every weight to float and runs one FMA per weight
+   and row; here 4-bit by 8-bit products run 32 a instruction (AVX2 vpmaddubsw: unsigned nibbles x
+   signed activations, summed in pairs to int16; AVX-512 VNNI or AVX-VNNI vpdpbusd: four into int32),
+   and the float work is two FMAs per group of 32.
+
+   The weight stays in qgemm.c's int4 tile layout (nib[t][k/2][c]: value k of channel c in the low
+   nibble, k+1 in the high; d, m [t][k/32][c] float16). A 32-byte load holds input values 4j..4j+3
+   of the tile's 16 channels; the nibbles are rearranged in registers so that each 32-bit lane holds
+   one channel's four consecutive values (the operand order vpdpbusd and vpmaddubsw + vpmaddwd
+   want): channels 0-3 and 8-11 in one vector, 4-7 and 12-15 in the other. The activations' four
+   bytes are then one broadcast. Past MRQ rows the rearranged weights of a run of groups go to an L1
+   buffer once and every block of rows reads them.
+
+   Variants by the build's flags (native.py): AVX2 (vpmaddubsw; int16 sums stay exact over a group:
+   16 products of at most 15 * 127 each), AVX-512 VNNI with VL or AVX-VNNI (vpdpbusd on the same
+   256-bit vectors), and portable C. All compute the same integers and the same float operations in
+   the same order, so they agree bit for bit. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "qgemm.h"
+
+/* The prepared rows: q int8 [M][K], then sx [M][K/32] and ss [M][K/32] floats. */
+static inline int8_t *rows_q(void *xq) { return (int8_t *)xq; }
+static inline float *rows_sx(void *xq, int M, int K) { return (float *)((int8_t *)xq + (size_t)M * K); }
+static inline float *rows_ss(void *xq, int M, int K) { return rows_sx(xq, M, K) + (size_t)M * (K / 32); }
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q8_AVX2 1
+#include <immintrin.h>
+#endif
+
+/* One block of 32 values: the reference the vector version below reproduces (rint rounds half to
+   even, as vroundps does). |x * 127 / amax| <= 127 up to one rounding, so the clamp never bites on
+   finite input; NaN becomes 0 instead of undefined. */
+static void quantize_block_c(const float *x, int8_t *q, float *sx, float *ss) {
+    float amax = 0.0f;
+    for (int k = 0; k < 32; k++) {
+        const float a = fabsf(x[k]);
+        amax = a > amax ? a : amax;
+    }
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int k = 0; k < 32; k++) {
+        float v = rintf(x[k] * id);
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v == v ? v : 0.0f;
+        q[k] = (int8_t)v;
+        sum += q[k];
+    }
+    *sx = amax / 127.0f;
+    *ss = *sx * (float)sum;
+}
+
+#ifdef Q8_AVX2
+static void quantize_block(const float *x, int8_t *q, float *sx, float *ss) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], a = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(x + 8 * j), a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[j]));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    if (!(amax > 0.0f) || !(amax <= 3.4e38f)) {    /* zeros, NaN or inf: the reference's special cases */
+        quantize_block_c(x, q, sx, ss);
+        return;
+    }
+    const __m256 id = _mm256_set1_ps(127.0f / amax);
+    __m256i i32[4];
+    for (int j = 0; j < 4; j++)
+        i32[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    /* packs interleave the lanes: 0-3 8-11 | 4-7 12-15 ... ; the permute restores the order */
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    *sx = amax / 127.0f;
+    *ss = *sx * (float)_mm_cvtsi128_si32(s4);
+}
+#else
+#define quantize_block quantize_block_c
+#endif
+
+/* x [M, K] (ldx apart) quantized for pd_qgemm_q8_tiles, where `bits` asks for it (PD_AQ8 with int4);
+   else NULL and the other kernels run. */
+void *pd_qgemm_q8_x(int bits, const float *x, int64_t ldx, int M, int K) {
+    if (bits != (4 | PD_AQ8) || M <= 0) return NULL;
+    void *xq = aligned_alloc(64, ((size_t)M * K + (size_t)M * (K / 32) * 8 + 63) / 64 * 64);
+    if (xq == NULL) abort();
+    int8_t *q = rows_q(xq);
+    float *sx = rows_sx(xq, M, K), *ss = rows_ss(xq, M, K);
+    const int G = K / 32;
+    for (int i = 0; i < M; i++)
+        for (int g = 0; g < G; g++)
+            quantize_block(x + i * ldx + g * 32, q + (size_t)i * K + g * 32, sx + (size_t)i * G + g,
+                           ss + (size_t)i * G + g);
+    return xq;
+}
+
+void pd_qgemm_q8_free(void *xq) { free(xq); }
+
+/* The rows' copy of the prepared activations as Python checks them: q [M][K] int8, sx and ss [M][K/32]. */
+void pd_qgemm_q8_rows(const float *x, int64_t ldx, int M, int K, int8_t *q, float *sx, float *ss) {
+    void *xq = pd_qgemm_q8_x(4 | PD_AQ8, x, ldx, M, K);
+    if (xq == NULL) return;
+    memcpy(q, rows_q(xq), (size_t)M * K);
+    memcpy(sx, rows_sx(xq, M, K), sizeof(float) * M * (K / 32));
+    memcpy(ss, rows_ss(xq, M, K), sizeof(float) * M * (K / 32));
+    free(xq);
+}
+
+#ifdef Q8_AVX2
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q8_VNNI 1
+#define DPBUSD(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
+#elif defined(__AVXVNNI__)
+#define Q8_VNNI 1
+#define DPBUSD(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+#endif
+
+#define MRQ 4    /* rows a block: 8 integer accumulators, 2 weight vectors, a broadcast */
+#define QG 16    /* groups a buffered run: 16 x 512 bytes of rearranged weights, in L1 */
+
+/* 32 bytes of a tile (input values 4j..4j+3 of its 16 channels as nibble pairs) into two vectors of
+   one channel's four values per 32-bit lane: w0 channels 0-3 | 8-11, w1 4-7 | 12-15. */
+static inline __attribute__((always_inline)) void widen(const uint8_t *p, __m256i *w0, __m256i *w1) {
+    const __m256i mask = _mm256_set1_epi8(15);
+    /* qwords 0 2 1 3: lane 0 = values 4j, 4j+1 of channels 0-7 then 4j+2, 4j+3 of channels 0-7 */
+    const __m256i v = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)p), 0xd8);
+    const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+    *w0 = _mm256_unpacklo_epi16(a, b);
+    *w1 = _mm256_unpackhi_epi16(a, b);
+}
+
+/* Rows [mr] of a tile over groups [g0, g1): their partial outputs accumulate in y, in the vectors'
+   channel order (restored by the caller at the tile's end). wb: the run's rearranged weights, or
+   NULL to rearrange them here (few rows: each is used once). */
+static inline __attribute__((always_inline)) void rows_q8(int mr, const __m256i *wb, const uint8_t *nib,
+                                                          const uint16_t *d, const uint16_t *m, const int8_t *q,
+                                                          const float *sx, const float *ss, int K, int g0, int g1,
+                                                          float *y, int64_t ldy) {
+    const int G = K / 32;
+    for (int g = g0; g < g1; g++) {
+        __m256i acc[MRQ][2];
+        for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            __m256i w0, w1;
+            if (wb) w0 = _mm256_load_si256(wb + ((g - g0) * 8 + j) * 2), w1 = _mm256_load_si256(wb + ((g - g0) * 8 + j) * 2 + 1);
+            else widen(nib + ((int64_t)g * 8 + j) * 32, &w0, &w1);
+            for (int r = 0; r < mr; r++) {
+                int32_t four;
+                memcpy(&four, q + (int64_t)r * K + g * 32 + 4 * j, 4);
+                const __m256i xv = _mm256_set1_epi32(four);
+#ifdef Q8_VNNI
+                acc[r][0] = DPBUSD(acc[r][0], w0, xv);
+                acc[r][1] = DPBUSD(acc[r][1], w1, xv);
+#else
+                acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(w0, xv));
+                acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(w1, xv));
+#endif
+            }
+        }
+        const __m256 dl = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g * NC)));
+        const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g * NC + 8)));
+        const __m256 ml = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g * NC)));
+        const __m256 mh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g * NC + 8)));
+        const __m256 dv[2] = {_mm256_permute2f128_ps(dl, dh, 0x20), _mm256_permute2f128_ps(dl, dh, 0x31)};
+        const __m256 mv[2] = {_mm256_permute2f128_ps(ml, mh, 0x20), _mm256_permute2f128_ps(ml, mh, 0x31)};
+        for (int r = 0; r < mr; r++) {
+            const __m256 s = _mm256_set1_ps(sx[r * G + g]), z = _mm256_set1_ps(ss[r * G + g]);
+            for (int h = 0; h < 2; h++) {
+#ifdef Q8_VNNI
+                const __m256 f = _mm256_cvtepi32_ps(acc[r][h]);
+#else
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][h], _mm256_set1_epi16(1)));
+#endif
+                float *o = y + r * ldy + 8 * h;
+                __m256 a = g ? _mm256_loadu_ps(o) : _mm256_setzero_ps();
+                a = _mm256_fmadd_ps(_mm256_mul_ps(dv[h], s), f, a);
+                a = _mm256_fmadd_ps(mv[h], z, a);
+                _mm256_storeu_ps(o, a);
+            }
+        }
+    }
+}
+
+static void tile_q8(const uint8_t *nib, const uint16_t *d, const uint16_t *m, const int8_t *q, const float *sx,
+                    const float *ss, int M, int K, float *y, int64_t ldy) {
+    const int G = K / 32;
+    __m256i wb[QG * 16] __attribute__((aligned(64)));
+    for (int g0 = 0; g0 < G; g0 += QG) {
+        const int g1 = g0 + QG < G ? g0 + QG : G;
+        const __m256i *buf = NULL;
+        if (M > MRQ) {
+            for (int g = g0; g < g1; g++)
+                for (int j = 0; j < 8; j++) widen(nib + ((int64_t)g * 8 + j) * 32, &wb[((g - g0) * 8 + j) * 2], &wb[((g - g0) * 8 + j) * 2 + 1]);
+            buf = wb;
+        }
+        int i = 0;
+        for (; i + MRQ <= M; i += MRQ)
+            rows_q8(MRQ, buf, nib, d, m, q + (int64_t)i * K, sx + i * G, ss + i * G, K, g0, g1, y + i * ldy, ldy);
+        const int8_t *qi = q + (int64_t)i * K;
+        const float *sxi = sx + i * G, *ssi = ss + i * G;
+        float *yi = y + i * ldy;
+        switch (M - i) {   /* constant row counts, so each call unrolls */
+            case 3: rows_q8(3, buf, nib, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
+            case 2: rows_q8(2, buf, nib, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
+            case 1: rows_q8(1, buf, nib, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
+            default: break;
+        }
+    }
+    for (int i = 0; i < M; i++) {   /* the vectors' channel order (0-3 8-11 | 4-7 12-15) back to 0-15 */
+        float *o = y + i * ldy;
+        const __m256 a = _mm256_loadu_ps(o), b = _mm256_loadu_ps(o + 8);
+        _mm256_storeu_ps(o, _mm256_permute2f128_ps(a, b, 0x20));
+        _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(a, b, 0x31));
+    }
+}
+#else
+static float half_to_float(uint16_t h) {  /* IEEE binary16 -> float, subnormals included */
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, f = h & 1023;
+    union { uint32_t u; float f; } v;
+    if (e == 31) v.u = sign | 0x7f800000u | (f << 13);
+    else if (e) v.u = sign | ((e + 112) << 23) | (f << 13);
+    else { v.f = (float)f * (1.0f / 16777216.0f); v.u |= sign; }
+    return v.f;
+}
+
+static void tile_q8(const uint8_t *nib, const uint16_t *d, const uint16_t *m, const int8_t *q, const float *sx,
+                    const float *ss, int M, int K, float *y, int64_t ldy) {
+    const int G = K / 32;
+    for (int i = 0; i < M; i++)
+        for (int c = 0; c < NC; c++) {
+            float acc = 0.0f;
+            for (int g = 0; g < G; g++) {
+                int32_t I = 0;
+                for (int kp = 0; kp < 16; kp++) {
+                    const uint8_t b = nib[((int64_t)g * 16 + kp) * NC + c];
+                    I += (b & 15) * q[(int64_t)i * K + g * 32 + 2 * kp] + (b >> 4) * q[(int64_t)i * K + g * 32 + 2 * kp + 1];
+                }
+                const float dd = half_to_float(d[g * NC + c]) * sx[i * G + g];
+                acc = fmaf(dd, (float)I, acc);
+                acc = fmaf(half_to_float(m[g * NC + c]), ss[i * G + g], acc);
+            }
+            y[i * ldy + c] = acc;
+        }
+}
+#endif
+
+/* Output tiles [t0, t1) of the product of an int4 weight (qgemm.c's layout) with rows prepared by
+   pd_qgemm_q8_x. A tile's result does not depend on which thread computes it or with which others. */
+void pd_qgemm_q8_tiles(int bits, const void *w, const void *d, const void *m, const void *xq, float *y,
+                       int64_t ldy, int M, int K, int t0, int t1) {
+    (void)bits;
+    void *x = (void *)xq;
+    const int8_t *q = rows_q(x);
+    const float *sx = rows_sx(x, M, K), *ss = rows_ss(x, M, K);
+    for (int t = t0; t < t1; t++)
+        tile_q8((const uint8_t *)w + (int64_t)t * (K / 2) * NC, (const uint16_t *)d + (int64_t)t * (K / 32) * NC,
+                (const uint16_t *)m + (int64_t)t * (K / 32) * NC, q, sx, ss, M, K, y + t * NC, ldy);
+}
+
+/* Which variant this build runs (tests and benchmarks print it). */
+int pd_qgemm_q8_variant(void) {
+#if defined(Q8_VNNI)
+    return 2;
+#elif defined(Q8_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
