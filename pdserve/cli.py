@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(pdserve plan --help)",
     )
     sub.add_parser(
+        "agent",
+        help="start and stop this host's workers for a router's fleet (controller.backend: hosts; "
+        "pdserve agent --help)",
+    )
+    sub.add_parser(
         "rollout",
         help="replace a running deployment's workers with a new config, canary first, rolled "
         "back on an SLO breach (pdserve rollout --help)",
@@ -110,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.planner.cli import main as planner_main
 
         return planner_main(argv)
+    if argv[:1] == ["agent"]:
+        from pdserve.control.host_agent import main as agent_main
+
+        return agent_main(argv[1:])
     if argv[:1] == ["rollout"]:
         from pdserve.control.rollout import main as rollout_main
 

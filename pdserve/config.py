@@ -26,6 +26,10 @@ class ModelConfig:
     # auto: native kernels (C, built with the system compiler on first use; torch's path where none builds)
     attention_kernel: str = "auto"  # decode attention reading the paged KV in place (float32, CPU); or torch
     gemm_kernel: str = "auto"  # quantized products, float32 activations not rounded (CPU); or torch
+    # int4 products on CPU: none keeps the activations float32; int8 quantizes each row to int8 in blocks
+    # of 32 (a scale each) and multiplies in integers, as llama.cpp does: faster, a little less exact (a
+    # row's result never depends on the rows beside it). int8 and float32 weights keep float activations.
+    activation_quantization: str = "none"
     device: str = "cpu"  # cpu or cuda
     max_model_len: int | None = None  # defaults to the model's context length
     seed: int = 0  # weights of the tiny random models
@@ -265,7 +269,10 @@ class ControllerConfig:
     drain_timeout_s: float = 30.0  # a draining worker's requests may finish this long, then move elsewhere
     # after a switch to decode, workers over the pool's mean hand the excess streams on
     rebalance: bool = True
-    backend: str = "local"  # local: start and stop worker processes; kubernetes: scale Deployments
+    # local: start and stop worker processes; kubernetes: scale Deployments; hosts: ask the host agents
+    # (`pdserve agent`) in `agents` to start and stop workers on their hosts
+    backend: str = "local"
+    agents: list[str] = field(default_factory=list)  # hosts: each worker host's agent URL
     namespace: str = "default"  # kubernetes: where the pools' Deployments live
     prefill_deployment: str = "pdserve-prefill"
     decode_deployment: str = "pdserve-decode"

@@ -33,13 +33,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 # auto: as the weights are stored (model/stored_quant.py), resolved when the model is read.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 ATTENTION_KERNELS = ("auto", "torch")
+ACTIVATION_QUANTIZATIONS = ("none", "int8")  # model/kernels/qgemm_q8.c
 TRANSFER_BACKENDS = ("auto", "shm", "tcp", "mooncake", "nixl")
 MODES = ("pd", "mixed")
 WORKER_ROLES = ("mixed", "prefill", "decode")
 # Other engines' workers a router can front (router/front.py): their OpenAI API, metrics and KV events.
 ENGINES = ("vllm", "sglang")
 ENGINE_WORKER_KEYS = ("kv_events_endpoint", "kv_events_replay_endpoint")
-CONTROLLER_BACKENDS = ("local", "kubernetes")
+CONTROLLER_BACKENDS = ("local", "kubernetes", "hosts")
 # The router's policies (router/policies.py POLICIES). Config never imports the router; a test keeps
 # the two lists equal.
 POLICIES = ("round_robin", "least_load", "power_of_two", "cache_aware", "cost")
@@ -60,6 +61,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.quantization": QUANTIZATIONS,
     "model.attention_kernel": ATTENTION_KERNELS,
     "model.gemm_kernel": ATTENTION_KERNELS,
+    "model.activation_quantization": ACTIVATION_QUANTIZATIONS,
     "transfer.backend": TRANSFER_BACKENDS,
     "deployment.mode": MODES,
     "load_balancer.prefill": POLICIES,
@@ -381,6 +383,17 @@ def check(cfg: Config) -> None:
                 "(the gap between them is the hysteresis)",
             )
         )
+    if c.backend == "hosts":
+        bad = [a for a in c.agents if not a.startswith(("http://", "https://"))]
+        if not c.agents or bad:
+            found.append(
+                (
+                    "controller.agents",
+                    (f"{bad[0]!r} is not a URL; " if bad else "is empty; ")
+                    + "allowed: the URL of each worker host's agent (`pdserve agent`), "
+                    "e.g. http://10.0.0.3:7070, when controller.backend is hosts",
+                )
+            )
     sc = cfg.scheduler
     if sc.speculative_method == "draft" and not sc.speculative_model:
         found.append(

@@ -90,15 +90,16 @@ class LocalFleet:
     def version_file(self, version: str) -> Path | None:
         return self.versions.get(version)
 
-    def remember(self, w: Worker) -> None:
+    async def remember(self, w: Worker) -> None:
         """Keep the config file `w` runs under its version (before it is stopped: for a rollback)."""
         proc = self._process(w)
         if proc is not None and w.version:
             self.versions.setdefault(w.version, proc.config_file)
 
-    async def start(self, role: str, config_file: Path, timeout_s: float) -> str:
+    async def start(self, role: str, config_file: Path, timeout_s: float, near: str | None = None) -> str:
         """Start a worker of `role` reading `config_file`; its URL once it answers /health. One that
-        exits or stays silent past `timeout_s` is stopped, and the RuntimeError carries its log's tail."""
+        exits or stays silent past `timeout_s` is stopped, and the RuntimeError carries its log's tail.
+        `near` (the URL of the worker it replaces) does not matter on one host."""
         config = load_config(config_file, role=role)
         proc = WorkerProcess(
             role,

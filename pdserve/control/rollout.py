@@ -101,13 +101,15 @@ class Admin:
         return read(r.text, version)
 
     def start(
-        self, role: str, timeout_s: float, config: dict | None = None, version: str | None = None
+        self,
+        role: str,
+        timeout_s: float,
+        config: dict | None = None,
+        version: str | None = None,
+        replaces: str | None = None,
     ) -> dict:
-        return self.call(
-            "POST",
-            "/admin/workers",
-            json={"role": role, "config": config, "version": version, "timeout_s": timeout_s},
-        )
+        body = {"role": role, "config": config, "version": version, "timeout_s": timeout_s}
+        return self.call("POST", "/admin/workers", json={**body, "replaces": replaces})
 
     def retire(self, worker_id: str, drain_timeout_s: float | None) -> dict:
         return self.call(
@@ -161,7 +163,12 @@ class Rollout:
                 )
                 steps.append(Step(old))
                 try:
-                    new = self.admin.start(old["role"], self.s.health_timeout_s, config=self.config.to_dict())
+                    new = self.admin.start(
+                        old["role"],
+                        self.s.health_timeout_s,
+                        config=self.config.to_dict(),
+                        replaces=old["id"],
+                    )
                 except AdminError as e:
                     if e.status != 502:  # refused (no fleet, a bad config): not the new worker's fault
                         raise
@@ -225,7 +232,10 @@ class Rollout:
             try:
                 if step.old_retired:
                     back = self.admin.start(
-                        step.old["role"], self.s.health_timeout_s, version=step.old["version"]
+                        step.old["role"],
+                        self.s.health_timeout_s,
+                        version=step.old["version"],
+                        replaces=step.new["id"] if step.new is not None else None,  # on the old one's host
                     )
                     self.say(f"  {back['id']} runs version {back.get('version')} again")
                 if step.new is not None:

@@ -40,9 +40,9 @@ class RolloutFleet(Protocol):
 
     def version_file(self, version: str) -> Path | None: ...
 
-    def remember(self, w: Worker) -> None: ...
+    async def remember(self, w: Worker) -> None: ...
 
-    async def start(self, role: str, config_file: Path, timeout_s: float) -> str: ...
+    async def start(self, role: str, config_file: Path, timeout_s: float, near: str | None = None) -> str: ...
 
     async def remove(self, w: Worker) -> None: ...
 
@@ -120,11 +120,18 @@ def install_rollout_routes(
                 )
             path = found
         timeout = body.timeout_s or config.rollout.health_timeout_s
+        near = None
+        if body.replaces is not None:
+            old = registry.workers.get(body.replaces)
+            near = old.url if old is not None else None
         try:
-            url = await rfleet.start(body.role, path, timeout)
+            url = await rfleet.start(body.role, path, timeout, near)
         except RuntimeError as e:
             return error_response(502, str(e), code="worker_unhealthy")
-        w = registry.add_static(url, body.role)
+        # A worker that registers itself (one a host agent started) is not added twice.
+        w = next((x for x in registry.workers.values() if x.url == url.rstrip("/")), None)
+        if w is None:
+            w = registry.add_static(url, body.role)
         await registry.check(client, w, time.monotonic())
         log.info("worker %s (%s, version %s) started at %s", w.worker_id, w.role, w.version, w.url)
         return w.describe()
@@ -149,7 +156,7 @@ def install_rollout_routes(
                 # moved its streams already (migration); the process is stopped all the same.
                 log.warning("worker %s is down; retiring it without emptying: %s", worker_id, e)
                 moved = 0
-            rfleet.remember(w)
+            await rfleet.remember(w)
             await rfleet.remove(w)
         except (SwitchRefused, RuntimeError) as e:
             await back_into_service(registry, client, w)  # still running (empty_worker undoes its own)

@@ -73,3 +73,31 @@ class StartWorker(BaseModel):
     config: dict | None = None
     version: str | None = None
     timeout_s: float | None = Field(default=None, gt=0)  # to become healthy (None: rollout.health_timeout_s)
+    # The worker it replaces: a fleet of several hosts starts the new one on that worker's host.
+    replaces: str | None = None
+
+
+class HostStart(BaseModel):
+    """Body of `POST /agent/workers` at a host agent (control/host_agent.py): start one worker of
+    `role` on the agent's host running `config` (as `Config.to_dict()` writes it). Ports left unset
+    are picked free by the worker; a host's first worker may be given fixed ones."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["prefill", "decode"]
+    config: dict
+    port: int | None = Field(default=None, ge=1, le=65535)
+    kv_port: int | None = Field(default=None, ge=1, le=65535)
+    kv_events_port: int | None = Field(default=None, ge=1, le=65535)
+
+
+class HostWorker(BaseModel):
+    """One worker a host agent started, as `GET /agent/workers` lists it."""
+
+    id: str
+    role: str
+    pid: int
+    url: str | None = None  # None until the worker has bound its port
+    alive: bool
+    healthy: bool = False
+    exit_code: int | None = None
+    log_tail: str = ""  # the end of its log once it has exited
