@@ -4,8 +4,9 @@ not the thread pool's). Shows where each path (rows in registers, the dequantize
 pairs where the CPU has them) pays, as a ratio: quantized ÷ float32 time, below 1 where the
 quantized product is faster. Prints one JSON line.
 
-`int4_a8` is int4 with the activations quantized to int8 per row (model.activation_quantization:
-int8, qgemm_q8.c); `int4_a8_vs_int4` its time against the float-activation int4 kernel's.
+`int4_a8` and `int8_a8` are int4 and int8 with the activations quantized to int8 per row
+(model.activation_quantization: int8, qgemm_q8.c); `int4_a8_vs_int4` and `int8_a8_vs_int8` their
+times against the float-activation kernels'.
 
 The matrix is the default model's gate/up product (3072 x 576) by default: small enough to stay in
 the last-level cache, so the figure is the kernel's arithmetic, not the memory's speed
@@ -58,8 +59,9 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(args.n, args.k, generator=g) * 0.05
     weights = {mode: pack(w, mode, torch.float32, "cpu", native=True) for mode in ("none", "int8", "int4")}
-    # int4 with its activations quantized to int8 (model.activation_quantization: int8).
-    weights["int4_a8"] = pack(w, "int4", torch.float32, "cpu", native=True, activations="int8")
+    # With the activations quantized to int8 (model.activation_quantization: int8).
+    for mode in ("int8", "int4"):
+        weights[f"{mode}_a8"] = pack(w, mode, torch.float32, "cpu", native=True, activations="int8")
 
     result: dict = {
         "benchmark": "qgemm_rows",
@@ -76,6 +78,7 @@ def main() -> int:
             "int4_vs_f32": round(us["int4"] / us["none"], 3),
             "int8_vs_f32": round(us["int8"] / us["none"], 3),
             "int4_a8_vs_int4": round(us["int4_a8"] / us["int4"], 3),
+            "int8_a8_vs_int8": round(us["int8_a8"] / us["int8"], 3),
         }
     print(json.dumps(result))
     return 0

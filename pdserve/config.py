@@ -26,9 +26,9 @@ class ModelConfig:
     # auto: native kernels (C, built with the system compiler on first use; torch's path where none builds)
     attention_kernel: str = "auto"  # decode attention reading the paged KV in place (float32, CPU); or torch
     gemm_kernel: str = "auto"  # quantized products, float32 activations not rounded (CPU); or torch
-    # int4 products on CPU: none keeps the activations float32; int8 quantizes each row to int8 in blocks
-    # of 32 (a scale each) and multiplies in integers, as llama.cpp does: faster, a little less exact (a
-    # row's result never depends on the rows beside it). int8 and float32 weights keep float activations.
+    # int4 and int8 products on CPU: none keeps the activations float32; int8 quantizes each row to int8
+    # in blocks of 32 (a scale each) and multiplies in integers, as llama.cpp does: faster, a little less
+    # exact (a row's result never depends on the rows beside it). float32 weights keep float activations.
     activation_quantization: str = "none"
     device: str = "cpu"  # cpu or cuda
     max_model_len: int | None = None  # defaults to the model's context length

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config_rules import (
+    ACTIVATION_QUANTIZATIONS,
     ATTENTION_KERNELS,
     DTYPES,
     QUANTIZATIONS,
@@ -62,6 +63,11 @@ FLAGS: dict[str, Flag] = {
         "model.gemm_kernel",
         "quantized products: native kernel where it builds, or torch",
         choices=tuple(ATTENTION_KERNELS),
+    ),
+    "activation_quantization": Flag(
+        "model.activation_quantization",
+        "quantized products: float32 activations (none) or quantized to int8 per row (faster, less exact)",
+        choices=tuple(ACTIVATION_QUANTIZATIONS),
     ),
     "device": Flag("model.device", "cpu or cuda"),
     "max_model_len": Flag("model.max_model_len", type=int),

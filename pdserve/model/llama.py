@@ -139,14 +139,18 @@ class LlamaModel:
         quantization: str = "none",
         attention_kernel: str = "auto",
         gemm_kernel: str = "auto",
+        activation_quantization: str = "none",
     ) -> None:
         """`weights`: float tensors in HF naming; with `quantization`, the linear layers' matrices may
-        come already quantized from the file (quant.Staged) and every one is packed for its kernel."""
+        come already quantized from the file (quant.Staged) and every one is packed for its kernel.
+        `activation_quantization` (model.activation_quantization): "int8" gives every int4 product
+        int8 activations (kernels/qgemm_q8.c), the fused decode layer's included."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
         self.quantization = quantization
         self.native_gemm = gemm_kernel == "auto"
+        self.activation_quantization = activation_quantization
         big = {
             k
             for k in weights
@@ -224,7 +228,14 @@ class LlamaModel:
         return FusedStack(fused) if fused else None
 
     def _pack(self, w, mode: str | None = None):
-        return pack(w, self.quantization if mode is None else mode, self.dtype, self.device, self.native_gemm)
+        return pack(
+            w,
+            self.quantization if mode is None else mode,
+            self.dtype,
+            self.device,
+            self.native_gemm,
+            self.activation_quantization,
+        )
 
     def _build_mlp(self, i: int, w: dict) -> Callable[[torch.Tensor], torch.Tensor]:
         p = f"model.layers.{i}.mlp."

@@ -301,6 +301,7 @@ def build_model(
             quant,
             mc.attention_kernel,
             mc.gemm_kernel,
+            mc.activation_quantization,
         )
     from pdserve.model.expert_parallel import ExpertParallelModel  # quantizes its experts too
 

@@ -132,16 +132,15 @@ class QuantizedWeight:
         activations: str = "none",
     ) -> None:
         """native: run pdserve's kernel (kernels/qgemm.py) for float32 activations on CPU. activations
-        "int8": a native int4 weight quantizes every product's activations to int8 per row in blocks of
-        32 (kernels/qgemm_q8.c); otherwise they stay float32."""
+        "int8": a native weight quantizes every product's activations to int8 per row in blocks of 32
+        and multiplies in integers (kernels/qgemm_q8.c); otherwise they stay float32."""
         self.mode = staged.mode
         self.shape = staged.shape
         self.device = torch.device(device)
         self.on_cpu = self.device.type == "cpu"
         self.native = native and self.on_cpu and staged.shape[0] % qgemm.TILE == 0 and qgemm.available()
         self.tiled: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
-        # Only int4 has the integer kernel; int8 weights keep float32 activations in either mode.
-        self.int8_activations = activations == "int8" and self.native and self.mode == "int4"
+        self.int8_activations = activations == "int8" and self.native
         if self.native:
             if self.mode == "int8":
                 self.tiled = (*qgemm.tile_int8(staged.q, staged.scale), None)
@@ -205,7 +204,7 @@ class QuantizedWeight:
         """(bits, w, d, m) as qgemm.c takes them; native weights only."""
         assert self.native
         w, d, m = self.tiled
-        bits = 8 if self.mode == "int8" else 4 | (qgemm.AQ8 if self.int8_activations else 0)
+        bits = (8 if self.mode == "int8" else 4) | (qgemm.AQ8 if self.int8_activations else 0)
         return bits, w, d, (d if m is None else m)
 
     def dequantize(self) -> torch.Tensor:

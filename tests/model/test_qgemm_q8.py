@@ -87,6 +87,43 @@ def test_product_is_the_dequantized_weight_times_the_quantized_activations(m):
     assert_within(_product(w, x), ref, bound, f"{m} rows")
 
 
+def _weight8(n=N, k=K, seed=0) -> QuantizedWeight:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return QuantizedWeight(quantize(w, "int8"), "cpu", native=True, activations="int8")
+
+
+def _reference8(w: QuantizedWeight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weights: per group acc = fma(sx, I, acc), then times the channel's scale (G + 2 roundings)."""
+    q, sx, _ = qgemm.quantize_rows(x)
+    m, k = x.shape
+    g = k // 32
+    xhat = (q.double().view(m, g, 32) * sx.double()[..., None]).view(m, k)
+    wq = w.tiled[0].transpose(1, 2).reshape(w.shape).double()  # [N, K] integers
+    scale = w.scale.double()
+    ref = (xhat @ wq.t()) * scale
+    ints = torch.einsum("mgk,ngk->mng", q.double().view(m, g, 32), wq.view(-1, g, 32)).abs()
+    mag = (ints * sx.double()[:, None, :]).sum(-1) * scale.abs()
+    return ref, (g + 3) * U32 * mag * (1 + 1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 33])
+def test_int8_weight_product_is_the_weight_times_the_quantized_activations(m):
+    w, x = _weight8(), _rows(m)
+    ref, bound = _reference8(w, x)
+    bits, t, d, mm = w.operands()
+    assert bits == 8 | qgemm.AQ8
+    assert_within(qgemm.qgemm(bits, t, d, mm, x, N), ref, bound, f"{m} rows")
+
+
+@needs_kernel
+def test_int8_weight_rows_are_the_same_alone_and_in_any_batch():
+    w, x = _weight8(), _rows(17, seed=4)
+    alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(17)])
+    for size in (2, 4, 5, 8, 9, 17):
+        assert torch.equal(w.matmul(x[:size]), alone[:size]), size
+
+
 @needs_kernel
 def test_error_against_float_activations_is_within_the_int8_rounding():
     """|y - x @ w.T| <= sum over groups of (sx / 2) * sum |w| (each value moved by half a step at most),
@@ -129,9 +166,8 @@ def test_linear_and_matmul_take_the_int8_activation_path():
     assert torch.equal(w.matmul(x), _product(w, x))
     plain = QuantizedWeight(quantize(w.dequantize(), "int4"), "cpu", native=True)
     assert plain.operands()[0] == 4  # the default keeps float activations
-    # int8 weights have no integer kernel: their activations stay float32 in this mode.
     w8 = QuantizedWeight(quantize(torch.randn(32, 64), "int8"), "cpu", native=True, activations="int8")
-    assert w8.operands()[0] == 8
+    assert w8.operands()[0] == 8 | qgemm.AQ8
 
 
 @needs_kernel
@@ -153,10 +189,134 @@ def test_portable_build_matches_this_cpus_build(tmp_path):
     fn.restype = None
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [i, p, p, p, p, i64, p, i64, i, i, i, i]
-    w = _weight()
-    bits, t, d, m = w.operands()
-    for rows in (1, 3, 9):
-        x = _rows(rows, seed=rows)
-        y = torch.empty(rows, N)
-        fn(bits, t.data_ptr(), d.data_ptr(), m.data_ptr(), x.data_ptr(), K, y.data_ptr(), N, rows, N, K, 1)
-        assert torch.equal(y, _product(w, x)), rows
+    for w in (_weight(), _weight8()):
+        bits, t, d, m = w.operands()
+        for rows in (1, 3, 9):
+            x = _rows(rows, seed=rows)
+            y = torch.empty(rows, N)
+            fn(
+                bits,
+                t.data_ptr(),
+                d.data_ptr(),
+                m.data_ptr(),
+                x.data_ptr(),
+                K,
+                y.data_ptr(),
+                N,
+                rows,
+                N,
+                K,
+                1,
+            )
+            assert torch.equal(y, w.matmul(x)), (bits, rows)
+
+
+# ---------------------------------------------------------------- through a model
+
+
+def _tiny_model(activations: str):
+    from pdserve.model.arch import TINY_CONFIGS
+    from pdserve.model.llama import LlamaModel
+    from pdserve.model.loader import tiny_random_weights
+
+    arch = TINY_CONFIGS["tiny-llama"]
+    return LlamaModel(
+        arch,
+        tiny_random_weights(arch, 0),
+        torch.float32,
+        "cpu",
+        1024,
+        "int4",
+        activation_quantization=activations,
+    )
+
+
+def _decode_logits(model, kv0, seqs, picked, prefill=0):
+    """Logits of decode rows `picked` (indices into seqs: (blocks, context, token)), in one step, with a
+    prefill of `prefill` tokens after them when asked (such a step runs op by op)."""
+    from pdserve.model.attention import build_metadata
+
+    chosen = sorted(picked, key=lambda i: seqs[i][1])
+    spec = [(seqs[i][0], seqs[i][1] - 1, 1) for i in chosen]
+    ids, pos = [seqs[i][2] for i in chosen], [seqs[i][1] - 1 for i in chosen]
+    if prefill:
+        spec.append(([60, 61], 0, prefill))
+        ids += list(range(1, prefill + 1))
+        pos += list(range(prefill))
+    meta = build_metadata(spec, 16, model.arch.sliding_window, "cpu")
+    out = model.forward(torch.tensor(ids), torch.tensor(pos), meta, kv0.clone(), torch.arange(len(ids)))
+    return {i: out[j] for j, i in enumerate(chosen)}
+
+
+@needs_kernel
+def test_a_sequences_logits_do_not_depend_on_the_step_around_it():
+    """int4 with int8 activations: a decode row's logits alone, in steps of 2..33 rows, fused (one call)
+    and op by op, and beside a prefill, bit for bit."""
+    model = _tiny_model("int8")
+    assert model.fused is not None
+    a = model.arch
+    g = torch.Generator().manual_seed(5)
+    kv0 = torch.randn(a.num_layers, 2, 64 * 16, a.num_kv_heads, a.head_dim, generator=g)
+    seqs = [([i], 3 + i % 13, int(torch.randint(0, a.vocab_size, (1,), generator=g))) for i in range(33)]
+    seqs = [([i], 2 + i // 3, seqs[i][2]) for i in range(33)]  # contexts 2..12 within one block each
+    alone = {i: _decode_logits(model, kv0, seqs, [i])[i] for i in range(33)}
+    for size in (2, 5, 8, 9, 16, 33):
+        picked = list(range(0, 33, max(1, 33 // size)))[:size]
+        got = _decode_logits(model, kv0, seqs, picked)
+        assert all(torch.equal(got[i], alone[i]) for i in picked), size
+    fused, model.fused = model.fused, None
+    try:
+        got = _decode_logits(model, kv0, seqs, list(range(33)))
+        assert all(torch.equal(got[i], alone[i]) for i in range(33)), "op by op"
+        got = _decode_logits(model, kv0, seqs, [4, 20], prefill=7)
+        assert all(torch.equal(got[i], alone[i]) for i in (4, 20)), "beside a prefill"
+    finally:
+        model.fused = fused
+
+
+@needs_kernel
+def test_the_models_int4_products_take_int8_activations_and_stay_close():
+    """Every int4 weight of the model carries the flag (the fused layer reads it from there); the
+    logits stay close to the float-activation model's."""
+    from pdserve.model.quant import QuantizedWeight as QW
+
+    a8, f32 = _tiny_model("int8"), _tiny_model("none")
+    layer = a8.layers[0]
+    int4 = [w for w in vars(layer).values() if isinstance(w, QW) and w.mode == "int4"]
+    int4 += [w for w in vars(layer.mlp).values() if isinstance(w, QW) and w.mode == "int4"]
+    assert len(int4) >= 3 and all(w.operands()[0] == 4 | qgemm.AQ8 for w in int4)
+    a = a8.arch
+    kv0 = torch.randn(
+        a.num_layers, 2, 64 * 16, a.num_kv_heads, a.head_dim, generator=torch.Generator().manual_seed(2)
+    )
+    seqs = [([i], 2 + i, 7 * i + 1) for i in range(8)]
+    x, y = _decode_logits(a8, kv0, seqs, range(8)), _decode_logits(f32, kv0, seqs, range(8))
+    for i in range(8):
+        assert not torch.equal(x[i], y[i])  # the mode is in effect
+        assert float((x[i] - y[i]).abs().max()) < 0.05 * float(y[i].abs().max())
+
+
+def test_a_bad_activation_quantization_exits_2_naming_the_key(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pdserve.config import ConfigError, load_config
+
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  activation_quantization: int4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    [(key, msg)] = e.value.problems
+    assert key == "model.activation_quantization" and "'int4'" in msg and "int8" in msg
+    f.write_text("model:\n  activation_quantization: int8\n")
+    assert load_config(f).model.activation_quantization == "int8"
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "serve", "--activation-quantization", "fp8", "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=300,
+    )
+    assert r.returncode == 2 and "'fp8'" in r.stderr and "int8" in r.stderr, r.stderr

@@ -17,7 +17,8 @@ void pd_qgemm_bf16_free(uint16_t *xb);
 void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
                          int64_t ldy, int M, int K, int t0, int t1);
 
-/* qgemm_q8.c: int4 with the activations quantized to int8 per row in blocks of 32 (bits 4 | PD_AQ8).
+/* qgemm_q8.c: int4 or int8 with the activations quantized to int8 per row in blocks of 32 (bits 4 or 8,
+   | PD_AQ8).
    pd_qgemm_q8_x prepares the rows (NULL for any other bits: the kernels above run), then the
    output tiles [t0, t1); free the rows with pd_qgemm_q8_free. */
 #define PD_AQ8 256

@@ -12,8 +12,8 @@ from pdserve.model.kernels.native import function, ptr
 
 _I, _I64, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 TILE = 16  # output channels per tile (NC in the C file)
-# A flag on int4's bits (PD_AQ8 in qgemm.h): every product of that weight quantizes its activations to
-# int8 per row in blocks of 32 and multiplies in integers (qgemm_q8.c).
+# A flag on int4's or int8's bits (PD_AQ8 in qgemm.h): every product of that weight quantizes its
+# activations to int8 per row in blocks of 32 and multiplies in integers (qgemm_q8.c).
 AQ8 = 256
 
 

@@ -1,4 +1,4 @@
-/* int4 products with the activations quantized to int8 (model.activation_quantization: int8), as
+/* int4 (and int8) products with the activations quantized to int8 (model.activation_quantization: int8), as
    llama.cpp multiplies its Q4_1 weights: each row of x is quantized on its own in blocks of 32 input
    values (one per weight group), qx = rint(x * 127 / max|x|), with the block's scale sx = max|x| / 127
    and ss = sx * sum qx. Within a group w = q * d + m, so
@@ -24,6 +24,10 @@
    want): channels 0-3 and 8-11 in one vector, 4-7 and 12-15 in the other. The activations' four
    bytes are then one broadcast. Past MRQ rows the rearranged weights of a run of groups go to an L1
    buffer once and every block of rows reads them.
+
+   int8 weights (q[t][k][c] int8, one scale d per channel: w = q * d) take the same rows: per group
+   acc = fma(sx, I, acc), and y = acc * d at the end. Both operands are signed there, so the weight's
+   magnitude is the unsigned operand and its sign moves onto the activations (vpsignb) first.
 
    Variants by the build's flags (native.py): AVX2 (vpmaddubsw; int16 sums stay exact over a group:
    16 products of at most 15 * 127 each), AVX-512 VNNI with VL or AVX-VNNI (vpdpbusd on the same
@@ -97,10 +101,10 @@ static void quantize_block(const float *x, int8_t *q, float *sx, float *ss) {
 #define quantize_block quantize_block_c
 #endif
 
-/* x [M, K] (ldx apart) quantized for pd_qgemm_q8_tiles, where `bits` asks for it (PD_AQ8 with int4);
+/* x [M, K] (ldx apart) quantized for pd_qgemm_q8_tiles, where `bits` asks for it (PD_AQ8 with 4 or 8);
    else NULL and the other kernels run. */
 void *pd_qgemm_q8_x(int bits, const float *x, int64_t ldx, int M, int K) {
-    if (bits != (4 | PD_AQ8) || M <= 0) return NULL;
+    if ((bits != (4 | PD_AQ8) && bits != (8 | PD_AQ8)) || M <= 0) return NULL;
     void *xq = aligned_alloc(64, ((size_t)M * K + (size_t)M * (K / 32) * 8 + 63) / 64 * 64);
     if (xq == NULL) abort();
     int8_t *q = rows_q(xq);
@@ -149,10 +153,38 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *p, __m256
     *w1 = _mm256_unpackhi_epi16(a, b);
 }
 
+/* The int8 tile's input values 4j..4j+3 (four rows of 16 bytes) into the same lane order as widen's. */
+static inline __attribute__((always_inline)) void widen8(const int8_t *p, __m256i *w0, __m256i *w1) {
+    const __m256i a = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)p), 0xd8);
+    const __m256i b = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(p + 32)), 0xd8);
+    /* per lane: values 4j and 4j+1 (or 4j+2, 4j+3) of 8 channels, interleaved by byte */
+    const __m256i ab = _mm256_unpacklo_epi8(a, _mm256_srli_si256(a, 8));
+    const __m256i cd = _mm256_unpacklo_epi8(b, _mm256_srli_si256(b, 8));
+    *w0 = _mm256_unpacklo_epi16(ab, cd);
+    *w1 = _mm256_unpackhi_epi16(ab, cd);
+}
+
 /* Rows [mr] of a tile over groups [g0, g1): their partial outputs accumulate in y, in the vectors'
    channel order (restored by the caller at the tile's end). wb: the run's rearranged weights, or
    NULL to rearrange them here (few rows: each is used once). */
-static inline __attribute__((always_inline)) void rows_q8(int mr, const __m256i *wb, const uint8_t *nib,
+/* The vectors of weights a run of groups holds per four input values: int4 2 (the nibbles), int8 4
+   (magnitudes and the signed values, for vpsignb). */
+#define WV(bits) ((bits) == 4 ? 2 : 4)
+
+/* The weights for input values 4j..4j+3 of group g, as vectors w[WV]. */
+static inline __attribute__((always_inline)) void weights_at(int bits, const __m256i *wb, const void *wt, int g,
+                                                             int g0, int j, __m256i *w) {
+    if (wb) {
+        for (int v = 0; v < WV(bits); v++) w[v] = _mm256_load_si256(wb + ((g - g0) * 8 + j) * WV(bits) + v);
+    } else if (bits == 4) {
+        widen((const uint8_t *)wt + ((int64_t)g * 8 + j) * 32, &w[0], &w[1]);
+    } else {
+        widen8((const int8_t *)wt + ((int64_t)g * 32 + 4 * j) * NC, &w[2], &w[3]);
+        w[0] = _mm256_abs_epi8(w[2]), w[1] = _mm256_abs_epi8(w[3]);
+    }
+}
+
+static inline __attribute__((always_inline)) void rows_q8(int bits, int mr, const __m256i *wb, const void *wt,
                                                           const uint16_t *d, const uint16_t *m, const int8_t *q,
                                                           const float *sx, const float *ss, int K, int g0, int g1,
                                                           float *y, int64_t ldy) {
@@ -161,21 +193,35 @@ static inline __attribute__((always_inline)) void rows_q8(int mr, const __m256i 
         __m256i acc[MRQ][2];
         for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
-            __m256i w0, w1;
-            if (wb) w0 = _mm256_load_si256(wb + ((g - g0) * 8 + j) * 2), w1 = _mm256_load_si256(wb + ((g - g0) * 8 + j) * 2 + 1);
-            else widen(nib + ((int64_t)g * 8 + j) * 32, &w0, &w1);
+            __m256i w[4];
+            weights_at(bits, wb, wt, g, g0, j, w);
             for (int r = 0; r < mr; r++) {
                 int32_t four;
                 memcpy(&four, q + (int64_t)r * K + g * 32 + 4 * j, 4);
                 const __m256i xv = _mm256_set1_epi32(four);
+                for (int h = 0; h < 2; h++) {
+                    /* int8: |w| times x with w's sign (each pair at most 2 * 127 * 127, within int16) */
+                    const __m256i xs = bits == 4 ? xv : _mm256_sign_epi8(xv, w[2 + h]);
 #ifdef Q8_VNNI
-                acc[r][0] = DPBUSD(acc[r][0], w0, xv);
-                acc[r][1] = DPBUSD(acc[r][1], w1, xv);
+                    acc[r][h] = DPBUSD(acc[r][h], w[h], xs);
 #else
-                acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(w0, xv));
-                acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(w1, xv));
+                    const __m256i p = _mm256_maddubs_epi16(w[h], xs);
+                    acc[r][h] = bits == 4 ? _mm256_add_epi16(acc[r][h], p)
+                                          : _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 #endif
+                }
             }
+        }
+        if (bits == 8) {   /* the channel's scale comes at the end (tile_q8) */
+            for (int r = 0; r < mr; r++) {
+                const __m256 s = _mm256_set1_ps(sx[r * G + g]);
+                for (int h = 0; h < 2; h++) {
+                    float *o = y + r * ldy + 8 * h;
+                    const __m256 a = g ? _mm256_loadu_ps(o) : _mm256_setzero_ps();
+                    _mm256_storeu_ps(o, _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(acc[r][h]), a));
+                }
+            }
+            continue;
         }
         const __m256 dl = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g * NC)));
         const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + g * NC + 8)));
@@ -201,37 +247,50 @@ static inline __attribute__((always_inline)) void rows_q8(int mr, const __m256i 
     }
 }
 
-static void tile_q8(const uint8_t *nib, const uint16_t *d, const uint16_t *m, const int8_t *q, const float *sx,
-                    const float *ss, int M, int K, float *y, int64_t ldy) {
-    const int G = K / 32;
+/* One tile (bits 4: wt the nibbles, d and m float16 [G][16]; bits 8: wt the bytes, d float [16]). */
+static inline __attribute__((always_inline)) void tile_bits(int bits, const void *wt, const void *d, const void *m,
+                                                            const int8_t *q, const float *sx, const float *ss, int M,
+                                                            int K, float *y, int64_t ldy) {
+    const int G = K / 32, qg = bits == 4 ? QG : QG / 2;   /* 8 KB of buffered vectors either way */
     __m256i wb[QG * 16] __attribute__((aligned(64)));
-    for (int g0 = 0; g0 < G; g0 += QG) {
-        const int g1 = g0 + QG < G ? g0 + QG : G;
+    for (int g0 = 0; g0 < G; g0 += qg) {
+        const int g1 = g0 + qg < G ? g0 + qg : G;
         const __m256i *buf = NULL;
         if (M > MRQ) {
             for (int g = g0; g < g1; g++)
-                for (int j = 0; j < 8; j++) widen(nib + ((int64_t)g * 8 + j) * 32, &wb[((g - g0) * 8 + j) * 2], &wb[((g - g0) * 8 + j) * 2 + 1]);
+                for (int j = 0; j < 8; j++) weights_at(bits, NULL, wt, g, g0, j, &wb[((g - g0) * 8 + j) * WV(bits)]);
             buf = wb;
         }
         int i = 0;
         for (; i + MRQ <= M; i += MRQ)
-            rows_q8(MRQ, buf, nib, d, m, q + (int64_t)i * K, sx + i * G, ss + i * G, K, g0, g1, y + i * ldy, ldy);
+            rows_q8(bits, MRQ, buf, wt, d, m, q + (int64_t)i * K, sx + i * G, ss + i * G, K, g0, g1, y + i * ldy, ldy);
         const int8_t *qi = q + (int64_t)i * K;
         const float *sxi = sx + i * G, *ssi = ss + i * G;
         float *yi = y + i * ldy;
         switch (M - i) {   /* constant row counts, so each call unrolls */
-            case 3: rows_q8(3, buf, nib, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
-            case 2: rows_q8(2, buf, nib, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
-            case 1: rows_q8(1, buf, nib, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
+            case 3: rows_q8(bits, 3, buf, wt, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
+            case 2: rows_q8(bits, 2, buf, wt, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
+            case 1: rows_q8(bits, 1, buf, wt, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
             default: break;
         }
     }
     for (int i = 0; i < M; i++) {   /* the vectors' channel order (0-3 8-11 | 4-7 12-15) back to 0-15 */
         float *o = y + i * ldy;
-        const __m256 a = _mm256_loadu_ps(o), b = _mm256_loadu_ps(o + 8);
-        _mm256_storeu_ps(o, _mm256_permute2f128_ps(a, b, 0x20));
-        _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(a, b, 0x31));
+        __m256 a = _mm256_loadu_ps(o), b = _mm256_loadu_ps(o + 8);
+        __m256 lo = _mm256_permute2f128_ps(a, b, 0x20), hi = _mm256_permute2f128_ps(a, b, 0x31);
+        if (bits == 8) lo = _mm256_mul_ps(lo, _mm256_loadu_ps((const float *)d)), hi = _mm256_mul_ps(hi, _mm256_loadu_ps((const float *)d + 8));
+        _mm256_storeu_ps(o, lo);
+        _mm256_storeu_ps(o + 8, hi);
     }
+}
+
+static void tile_q4(const void *wt, const void *d, const void *m, const int8_t *q, const float *sx, const float *ss,
+                    int M, int K, float *y, int64_t ldy) {
+    tile_bits(4, wt, d, m, q, sx, ss, M, K, y, ldy);
+}
+static void tile_q8(const void *wt, const void *d, const int8_t *q, const float *sx, int M, int K, float *y,
+                    int64_t ldy) {
+    tile_bits(8, wt, d, NULL, q, sx, NULL, M, K, y, ldy);
 }
 #else
 static float half_to_float(uint16_t h) {  /* IEEE binary16 -> float, subnormals included */
@@ -243,9 +302,27 @@ static float half_to_float(uint16_t h) {  /* IEEE binary16 -> float, subnormals 
     return v.f;
 }
 
-static void tile_q8(const uint8_t *nib, const uint16_t *d, const uint16_t *m, const int8_t *q, const float *sx,
-                    const float *ss, int M, int K, float *y, int64_t ldy) {
+static void tile_q8(const void *wt, const void *d, const int8_t *q, const float *sx, int M, int K, float *y,
+                    int64_t ldy) {
     const int G = K / 32;
+    const int8_t *w = wt;
+    for (int i = 0; i < M; i++)
+        for (int c = 0; c < NC; c++) {
+            float acc = 0.0f;
+            for (int g = 0; g < G; g++) {
+                int32_t I = 0;
+                for (int k = g * 32; k < g * 32 + 32; k++) I += w[(int64_t)k * NC + c] * q[(int64_t)i * K + k];
+                acc = fmaf(sx[i * G + g], (float)I, acc);
+            }
+            y[i * ldy + c] = acc * ((const float *)d)[c];
+        }
+}
+
+static void tile_q4(const void *wt, const void *dv, const void *mv, const int8_t *q, const float *sx, const float *ss,
+                    int M, int K, float *y, int64_t ldy) {
+    const int G = K / 32;
+    const uint8_t *nib = wt;
+    const uint16_t *d = dv, *m = mv;
     for (int i = 0; i < M; i++)
         for (int c = 0; c < NC; c++) {
             float acc = 0.0f;
@@ -264,17 +341,19 @@ static void tile_q8(const uint8_t *nib, const uint16_t *d, const uint16_t *m, co
 }
 #endif
 
-/* Output tiles [t0, t1) of the product of an int4 weight (qgemm.c's layout) with rows prepared by
+/* Output tiles [t0, t1) of the product of an int4 or int8 weight (qgemm.c's layouts) with rows prepared by
    pd_qgemm_q8_x. A tile's result does not depend on which thread computes it or with which others. */
 void pd_qgemm_q8_tiles(int bits, const void *w, const void *d, const void *m, const void *xq, float *y,
                        int64_t ldy, int M, int K, int t0, int t1) {
-    (void)bits;
     void *x = (void *)xq;
     const int8_t *q = rows_q(x);
     const float *sx = rows_sx(x, M, K), *ss = rows_ss(x, M, K);
     for (int t = t0; t < t1; t++)
-        tile_q8((const uint8_t *)w + (int64_t)t * (K / 2) * NC, (const uint16_t *)d + (int64_t)t * (K / 32) * NC,
-                (const uint16_t *)m + (int64_t)t * (K / 32) * NC, q, sx, ss, M, K, y + t * NC, ldy);
+        if ((bits & ~PD_AQ8) == 8)
+            tile_q8((const int8_t *)w + (int64_t)t * K * NC, (const float *)d + t * NC, q, sx, M, K, y + t * NC, ldy);
+        else
+            tile_q4((const uint8_t *)w + (int64_t)t * (K / 2) * NC, (const uint16_t *)d + (int64_t)t * (K / 32) * NC,
+                    (const uint16_t *)m + (int64_t)t * (K / 32) * NC, q, sx, ss, M, K, y + t * NC, ldy);
 }
 
 /* Which variant this build runs (tests and benchmarks print it). */
