@@ -16,11 +16,18 @@ scale_inv[n // bn, k // bk], with (bn, bk) config.json's `quantization_config.we
 (128x128 when absent). Where N or K is not a multiple of the block, the last blocks are partial.
 They are dequantized as they are read (in float32, then to the target dtype), a bounded number of
 rows at a time.
+
+A MoE layer's experts stacked in one 3-D tensor (transformers 5's fused `gate_up_proj`) are read one
+expert at a time (`read_index`). The KV tiers' weight digest (`digest`) samples each tensor's stored
+bytes as the tensor is read for the build, so that start-up reads the files once; a tensor the build
+never read whole is sampled from its file, a few elements.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +44,9 @@ DEFAULT_BLOCK = (128, 128)
 _CHUNK = 1 << 24
 # A safetensors header larger than this is not one (the format's own reader caps it at 100 MB).
 _MAX_HEADER = 100 << 20
+# Elements of each tensor the weight digest reads: any two different checkpoints (a fine-tune changes
+# every matrix) differ there.
+DIGEST_SAMPLES = 257
 
 _DTYPES = {
     "F64": torch.float64,
@@ -119,6 +129,11 @@ def dequantize_fp8(
     """w = q * scale_inv over blocks of `block` (the last ones partial), in `dtype`. The product is taken
     in float32, which holds it to one rounding (an FP8 value has 4 significant bits)."""
     s = scale_inv.float()
+    if q.dim() == 3 and s.dim() == 3 and s.shape[0] == q.shape[0]:  # stacked experts, a grid each
+        out3 = torch.empty(q.shape, dtype=dtype)
+        for i in range(q.shape[0]):
+            out3[i] = dequantize_fp8(q[i], s[i], block, dtype)
+        return out3
     if q.dim() != 2:
         if s.numel() != 1:
             raise ValueError(f"an FP8 tensor of shape {tuple(q.shape)} needs one scale, got {tuple(s.shape)}")
@@ -162,6 +177,7 @@ class HFWeights(Mapping[str, torch.Tensor]):
         dtype: torch.dtype | None = None,
     ) -> None:
         self._index, self.block, self.dtype = index, block, dtype
+        self._samples: dict[str, bytes] = {}  # a hash of the digest's sample of each tensor read whole so far
         # An ordered set: the file order, scales left out.
         self._names = dict.fromkeys(
             k for k in index if not (k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] in index)
@@ -189,6 +205,7 @@ class HFWeights(Mapping[str, torch.Tensor]):
         """The same tensors, read as `dtype` (see the class docstring)."""
         view = HFWeights.__new__(HFWeights)
         view._index, view._names, view.block, view.dtype = self._index, self._names, self.block, dtype
+        view._samples = self._samples
         return view
 
     def stored(self, name: str) -> StoredTensor:
@@ -205,24 +222,77 @@ class HFWeights(Mapping[str, torch.Tensor]):
         t = self._read(name)
         if t.dtype in FP8:
             return dequantize_fp8(t, self._read(name + SCALE_SUFFIX), self.block, self.dtype or torch.float32)
+        return self._converted(t)
+
+    def read_index(self, name: str, i: int) -> torch.Tensor:
+        """`self[name][i]` with only that slice read: one expert of a stacked [E, N, K] tensor. FP8 scales
+        are one per tensor or one grid per expert ([E, N / bn, K / bk])."""
+        if name not in self._names:
+            raise KeyError(name)
+        st = self._index[name]
+        if not st.shape or not 0 <= i < st.shape[0]:
+            raise IndexError(f"{name}: index {i} outside its shape {list(st.shape)}")
+        t = self._read(name, i)
+        if t.dtype in FP8:
+            s = self._read(name + SCALE_SUFFIX)
+            s = s[i] if s.dim() == len(st.shape) else s
+            return dequantize_fp8(t, s, self.block, self.dtype or torch.float32)
+        return self._converted(t)
+
+    def _converted(self, t: torch.Tensor) -> torch.Tensor:
         if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
             return t.to(self.dtype)
         return t
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The stored tensor, or its slice `index` along the first dimension."""
         st = self._index[name]
+        shape, offset, nbytes = st.shape, st.offset, st.nbytes
+        if index is not None:
+            shape = shape[1:]
+            nbytes //= st.shape[0]
+            offset += index * nbytes
         trim_heap()
-        t = torch.empty(st.shape, dtype=st.dtype)
-        buf = memoryview(t.view(-1).view(torch.uint8).numpy()) if st.nbytes else memoryview(b"")
+        t = torch.empty(shape, dtype=st.dtype)
+        buf = memoryview(t.view(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
         with open(st.file, "rb", buffering=0) as f:
-            f.seek(st.offset)
+            f.seek(offset)
             done = 0
-            while done < st.nbytes:  # one read returns at most ~2 GB
+            while done < nbytes:  # one read returns at most ~2 GB
                 n = f.readinto(buf[done:])
                 if not n:
                     raise ValueError(f"{st.file}: ends inside tensor {name}")
                 done += n
+        if index is None and name not in self._samples:
+            flat = t.view(-1)
+            self._samples[name] = _sample_hash(
+                flat[_sample_index(flat.numel())].view(torch.uint8).numpy().tobytes()
+            )
         return t
+
+    def digest(self) -> str:
+        """A digest of the checkpoint: every stored tensor's name, dtype, shape and a spread sample of its
+        stored values (FP8 scales included), the same whatever the files' names, sharding or order, and
+        whatever has been read: a tensor read whole was sampled as it was read, any other is sampled
+        from its file now."""
+        h = hashlib.blake2b(digest_size=16)
+        for name in sorted(self._index):
+            st = self._index[name]
+            h.update(f"{name}|{list(st.shape)}|{st.dtype}|".encode())
+            sample = self._samples.get(name)
+            h.update(sample if sample is not None else _sample_hash(self._sample_from_file(st)))
+        return h.hexdigest()
+
+    @staticmethod
+    def _sample_from_file(st: StoredTensor) -> bytes:
+        size = st.dtype.itemsize
+        fd = os.open(st.file, os.O_RDONLY)
+        try:
+            return b"".join(
+                os.pread(fd, size, st.offset + int(j) * size) for j in _sample_index(st.nbytes // size)
+            )
+        finally:
+            os.close(fd)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -232,6 +302,18 @@ class HFWeights(Mapping[str, torch.Tensor]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._names
+
+
+def _sample_hash(sample: bytes) -> bytes:
+    """What the digest keeps of a tensor's sample (a model may have tens of thousands of tensors)."""
+    return hashlib.blake2b(sample, digest_size=16).digest()
+
+
+def _sample_index(numel: int) -> torch.Tensor:
+    """The elements the digest samples: evenly spaced, first and last included (in integers: a float
+    linspace rounds past the end)."""
+    k = min(numel, DIGEST_SAMPLES)
+    return torch.arange(k, dtype=torch.int64) * (numel - 1) // max(k - 1, 1)
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -49,8 +49,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class LoadedModel:
     name: str
     arch: ModelArch
-    # HF names -> float tensors (or quant.Staged from a GGUF file); a Hugging Face directory's dense
-    # weights as hf_files.HFWeights, read from disk on each access.
+    # HF names -> float tensors (or quant.Staged from a GGUF file); a Hugging Face directory's weights
+    # as hf_files.HFWeights (a MoE model's as moe.StreamedMoEWeights), read from disk on each access.
     weights: Mapping[str, Any]
     tokenizer: TokenizerWrapper
     vision: Any = None  # a vision-language model's tower and projector (vlm.VisionBundle)
@@ -165,9 +165,9 @@ def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
 
 
 def load_hf_dir(path: Path) -> LoadedModel:
-    """A dense model's weights stay on disk (hf_files.HFWeights): `build_model` reads them one at a time,
-    each converted (or quantized) as it arrives. A MoE model's are read here, in their stored dtype (FP8
-    dequantized to float32), since its experts are stacked into one tensor a layer."""
+    """The weights stay on disk (hf_files.HFWeights): `build_model` reads them one at a time in their
+    stored dtype (FP8 dequantized to float32), each converted (or quantized) as it arrives; a MoE
+    model's experts one expert at a time, into their layer's packed stack (moe.StreamedMoEWeights)."""
     cfg = json.loads((path / "config.json").read_text())
     if vlm.is_llava_config(cfg):
         arch, text, vision = vlm.load_llava_dir(path)

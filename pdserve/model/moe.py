@@ -14,8 +14,10 @@ slots are the logical experts and nothing is dispatched.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-from typing import Callable
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,8 @@ import torch.nn.functional as F
 from pdserve.eplb.dispatch import dispatch_by_load, own_tokens
 from pdserve.eplb.placement import LayerPlacement
 from pdserve.model.arch import ModelArch
-from pdserve.model.experts import ExpertStack
+from pdserve.model.experts import ExpertSource, ExpertStack
+from pdserve.model.hf_files import HFWeights
 from pdserve.model.kernels.layer import silu_mul
 from pdserve.model.kernels.moe import grouped_moe
 
@@ -168,33 +171,99 @@ def expert_keys(layer: int) -> tuple[str, str]:
     return p + "gate_up", p + "down"
 
 
-def canonical_moe_weights(weights: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
+def _canonical_names(
+    names: Iterable[str], arch: ModelArch
+) -> tuple[dict[str, str], dict[str, str], dict[int, list[dict[str, str]]]]:
+    """A checkpoint's names sorted out: (our name -> its name for every tensor but the experts; our
+    stacked expert key -> its fused 3-D tensor; MoE layer -> each expert's gate_proj / up_proj /
+    down_proj names), for the layers whose experts are stored one by one."""
+    plain: dict[str, str] = {}
+    fused: dict[str, str] = {}
+    per: dict[tuple[int, int], dict[str, str]] = {}
+    for name in names:
+        n = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+        m = _EXPERT.match(n)
+        if m:
+            per.setdefault((int(m[1]), int(m[2])), {})[_MIXTRAL.get(m[3], m[3])] = name
+            continue
+        m = _FUSED.match(n)
+        if m:
+            fused[expert_keys(int(m[1]))[0 if m[2] == "gate_up_proj" else 1]] = name
+            continue
+        plain[n] = name
+    layers: dict[int, list[dict[str, str]]] = {}
+    for layer in arch.moe_layer_ids():
+        if expert_keys(layer)[0] in fused:
+            continue
+        try:
+            layers[layer] = [per.pop((layer, e)) for e in range(arch.num_experts)]
+            for x in layers[layer]:
+                x["gate_proj"], x["up_proj"], x["down_proj"]  # noqa: B018 - each present
+        except KeyError as exc:
+            raise ValueError(f"layer {layer}: missing weights of expert {exc} in the checkpoint") from None
+    return plain, fused, layers
+
+
+def canonical_moe_weights(weights: Mapping[str, torch.Tensor], arch: ModelArch) -> Mapping[str, Any]:
     """Rename a MoE checkpoint to our names and stack each layer's experts.
 
     Accepts Mixtral's `block_sparse_moe.experts.N.w1/w2/w3`, the `mlp.experts.N.gate_proj/up_proj/
     down_proj` of Mixtral, Qwen-MoE and DeepSeek, and transformers 5's fused 3-D
-    `mlp.experts.gate_up_proj/down_proj`; `shared_experts` (DeepSeek) becomes `shared_expert` (Qwen)."""
-    out: dict[str, torch.Tensor] = {}
-    per: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-    for name, t in weights.items():
-        n = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.shared_experts.", ".mlp.shared_expert.")
-        m = _EXPERT.match(n)
-        if m:
-            per.setdefault((int(m[1]), int(m[2])), {})[_MIXTRAL.get(m[3], m[3])] = t
-            continue
-        m = _FUSED.match(n)
-        if m:
-            out[expert_keys(int(m[1]))[0 if m[2] == "gate_up_proj" else 1]] = t
-            continue
-        out[n] = t
-    for layer in arch.moe_layer_ids():
+    `mlp.experts.gate_up_proj/down_proj`; `shared_experts` (DeepSeek) becomes `shared_expert` (Qwen).
+    Weights in memory are stacked here; a checkpoint on disk (hf_files.HFWeights) stays there: its
+    experts come as `ExpertSource`s that the model packs expert by expert (`StreamedMoEWeights`)."""
+    if isinstance(weights, HFWeights):
+        return StreamedMoEWeights(weights, arch)
+    plain, fused, layers = _canonical_names(weights, arch)
+    out = {n: weights[src] for n, src in plain.items()}
+    out.update({k: weights[src] for k, src in fused.items()})
+    for layer, experts in layers.items():
         gu_key, down_key = expert_keys(layer)
-        if gu_key in out:
-            continue
-        try:
-            experts = [per.pop((layer, e)) for e in range(arch.num_experts)]
-            out[gu_key] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in experts])
-            out[down_key] = torch.stack([x["down_proj"] for x in experts])
-        except KeyError as exc:
-            raise ValueError(f"layer {layer}: missing weights of expert {exc} in the checkpoint") from None
+        out[gu_key] = torch.stack(
+            [torch.cat([weights[x["gate_proj"]], weights[x["up_proj"]]]) for x in experts]
+        )
+        out[down_key] = torch.stack([weights[x["down_proj"]] for x in experts])
     return out
+
+
+class StreamedMoEWeights(Mapping[str, Any]):
+    """A MoE checkpoint on disk in our names: a tensor read on each access (hf_files.HFWeights), a layer's
+    stacked experts an `ExpertSource` that reads one expert at a time (its gate and up rows
+    concatenated, as the stack holds them)."""
+
+    def __init__(self, hf: HFWeights, arch: ModelArch) -> None:
+        self.hf = hf
+        plain, fused, layers = _canonical_names(hf, arch)
+        self._plain = plain
+        self._experts: dict[str, ExpertSource] = {}
+        for key, src in fused.items():
+            self._experts[key] = ExpertSource(hf.stored(src).shape, functools.partial(hf.read_index, src))
+        for layer, experts in layers.items():
+            gu_key, down_key = expert_keys(layer)
+            g, d = hf.stored(experts[0]["gate_proj"]).shape, hf.stored(experts[0]["down_proj"]).shape
+            self._experts[gu_key] = ExpertSource(
+                (len(experts), 2 * g[0], g[1]),
+                lambda i, x=experts: torch.cat([hf[x[i]["gate_proj"]], hf[x[i]["up_proj"]]]),
+            )
+            self._experts[down_key] = ExpertSource(
+                (len(experts), *d), lambda i, x=experts: hf[x[i]["down_proj"]]
+            )
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self._experts:
+            return self._experts[name]
+        return self.hf[self._plain[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._plain
+        yield from self._experts
+
+    def __len__(self) -> int:
+        return len(self._plain) + len(self._experts)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._plain or name in self._experts
+
+    def digest(self) -> str:
+        """The checkpoint's (hf_files.HFWeights.digest)."""
+        return self.hf.digest()

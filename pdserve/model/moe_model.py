@@ -7,7 +7,7 @@ are the source the weight mover copies from. A rank's device holds only its phys
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
 import torch
@@ -40,7 +40,7 @@ class MoEModel(LlamaModel):
     def __init__(
         self,
         arch: ModelArch,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, Any],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
@@ -52,14 +52,17 @@ class MoEModel(LlamaModel):
         quantization: str = "none",
         attention_kernel: str = "auto",
         gemm_kernel: str = "auto",
+        activation_quantization: str = "none",
     ) -> None:
         """`quantization` applies to the experts as to every linear layer (quant.py's formats); the
-        experts may come packed already (`pack_experts`, shared between ranks)."""
+        experts may come packed already (`pack_experts`, shared between ranks).
+        `activation_quantization` too (LlamaModel's), the experts' products included."""
         self.moe_ids = arch.moe_layer_ids()
         keys = {k for i in self.moe_ids for k in expert_keys(i)}
         # Host copies in their packed format: the mover's source.
         native = gemm_kernel == "auto" and torch.device(device).type == "cpu"
         packed = pack_experts(weights, arch, quantization, dtype, native)
+        packed = {k: v.with_activations(activation_quantization) for k, v in packed.items()}
         self.expert_store = [tuple(packed[k] for k in expert_keys(i)) for i in self.moe_ids]
         self.phy2log = (
             phy2log if phy2log is not None else initial_placement(arch, arch.num_experts, world)
@@ -69,13 +72,14 @@ class MoEModel(LlamaModel):
         self.blocks: list[MoEBlock] = []
         super().__init__(
             arch,
-            {k: v for k, v in weights.items() if k not in keys},
+            _Without(weights, keys),  # read as the layers are built, where a checkpoint streams
             dtype,
             device,
             max_model_len,
             quantization,
             attention_kernel,
             gemm_kernel,
+            activation_quantization,
         )
         del self._raw
 
@@ -198,6 +202,28 @@ class MoEModel(LlamaModel):
             b.expert_load_hook = hook
 
 
+class _Without(Mapping[str, Any]):
+    """`weights` but `keys`, each value read when asked for (a dict comprehension would read every
+    tensor of a checkpoint on disk at once)."""
+
+    def __init__(self, weights: Mapping[str, Any], keys: set[str]) -> None:
+        self._weights, self._keys = weights, keys
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self._keys:
+            raise KeyError(name)
+        return self._weights[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k in self._weights if k not in self._keys)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, name: object) -> bool:
+        return name not in self._keys and name in self._weights
+
+
 class _MoEFused:
     """The layers of a MoE model's decode-only step as layer.c runs them, and the MoE block after each
     attention-only layer (None after a dense one)."""
@@ -213,7 +239,7 @@ def pack_experts(
     weights: Mapping[str, Any], arch: ModelArch, mode: str, dtype: torch.dtype, native: bool
 ) -> dict[str, ExpertStack]:
     """Every MoE layer's stacked experts packed for `mode` (experts.py), on the host; stacks packed
-    already are kept."""
+    already are kept, and a checkpoint's (experts.ExpertSource) are read and packed expert by expert."""
     out = {}
     for i in arch.moe_layer_ids():
         for k in expert_keys(i):
