@@ -39,7 +39,7 @@ from pdserve.engine.scheduler import Scheduler, blocks_needed
 from pdserve.engine.spec_decode import eligible, propose
 from pdserve.engine.spec_policy import acceptance, choose
 from pdserve.engine.tier_fetch import TierFetcher
-from pdserve.engine.tier_identity import tier_key, tier_namespace
+from pdserve.engine.tier_identity import digested_as_read, tier_key, tier_namespace, weights_digest
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
 from pdserve.model.stored_quant import with_resolved_quantization
 from pdserve.utils.runtime import memory_status, trim_heap, tune_malloc
@@ -76,8 +76,11 @@ class LLMEngine:
         self.max_model_len = min(
             mc.max_model_len or loaded.arch.max_position_embeddings, loaded.arch.max_position_embeddings
         )
-        namespace = tier_namespace(config, self.max_model_len, loaded.weights)  # before packing takes them
+        # Weights in memory are digested before packing takes them; a checkpoint on disk after the build,
+        # from the samples the build's reads took (its files read once).
+        early = None if digested_as_read(loaded.weights) else weights_digest(loaded.weights)
         self.model = build_model(loaded, mc.dtype, mc.device, self.max_model_len, mc)
+        namespace = tier_namespace(config, self.max_model_len, early or weights_digest(loaded.weights))
         self.weight_bytes = getattr(self.model, "resident_weight_bytes", self.model.weight_bytes)()
         self.images = image_embeddings(loaded.vision, config) if loaded.vision is not None else None
         del loaded

@@ -3,7 +3,8 @@
 Block hashes cover token ids only, so everything else that shapes the KV goes into the namespace:
 the weights themselves (a digest, not a directory's base name: two models in directories of the
 same name must never share blocks), the quantization, the dtype, RoPE fixed at the served length.
-The blocks' checksum is keyed with the internal token where one is set, so a process without it
+A checkpoint on disk is digested from samples of its stored tensors taken as the build reads them, so
+start-up reads its files once. The blocks' checksum is keyed with the internal token where one is set, so a process without it
 cannot plant blocks that other workers would load."""
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from typing import Any
 import torch
 
 from pdserve.config import Config
+from pdserve.model.hf_files import DIGEST_SAMPLES
 from pdserve.model.stored_quant import resolve_quantization
 
 # Elements read from each tensor: any two different checkpoints (a fine-tune changes every matrix)
 # differ there, and the digest costs milliseconds for any model size.
-_SAMPLES = 257
+_SAMPLES = DIGEST_SAMPLES
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -33,8 +35,19 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [p for p in parts if isinstance(p, torch.Tensor)]
 
 
+def digested_as_read(weights: Mapping[str, Any]) -> bool:
+    """Whether `weights` is a checkpoint on disk that samples its tensors for the digest as the build
+    reads them (hf_files.HFWeights, moe.StreamedMoEWeights): digest it after the build, and the files
+    are read once."""
+    return callable(getattr(weights, "digest", None))
+
+
 def weights_digest(weights: Mapping[str, Any]) -> str:
-    """A digest of the weights: every tensor's name, shape, dtype and a spread sample of its values."""
+    """A digest of the weights: every tensor's name, shape, dtype and a spread sample of its values; a
+    checkpoint on disk gives its own (of the stored tensors, hf_files.HFWeights.digest), with no read
+    beyond what the build has read."""
+    if digested_as_read(weights):
+        return weights.digest()  # type: ignore[attr-defined]
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(weights):
         for t in _tensors(weights[name]):
@@ -48,12 +61,14 @@ def weights_digest(weights: Mapping[str, Any]) -> str:
     return h.hexdigest()
 
 
-def tier_namespace(config: Config, max_model_len: int, weights: Mapping[str, Any]) -> str:
-    """`<readable name>-<digest>`: the name for people, the digest for correctness."""
+def tier_namespace(config: Config, max_model_len: int, weights: Mapping[str, Any] | str) -> str:
+    """`<readable name>-<digest>`: the name for people, the digest for correctness. `weights`: the
+    weights, or their digest (`weights_digest`) taken already."""
     mc = config.model
     base = re.sub(r"[^A-Za-z0-9._-]", "_", Path(mc.name).name) or "model"
     quant = resolve_quantization(mc.quantization, mc.name)  # `auto` and what it resolves to name the same KV
-    key = f"{weights_digest(weights)}|{mc.dtype}|{max_model_len}|{quant}"
+    digest = weights if isinstance(weights, str) else weights_digest(weights)
+    key = f"{digest}|{mc.dtype}|{max_model_len}|{quant}"
     return f"{base}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 
