@@ -112,6 +112,7 @@ class _WorkerSpec:
     quantization: str = "none"
     attention_kernel: str = "auto"
     gemm_kernel: str = "auto"
+    activation_quantization: str = "none"
 
 
 class ExpertParallelModel:
@@ -160,6 +161,7 @@ class ExpertParallelModel:
                     quant,
                     mc.attention_kernel,
                     mc.gemm_kernel,
+                    mc.activation_quantization,
                 ),
                 weights,
                 _rank_device(device, 0, world),
@@ -178,6 +180,7 @@ class ExpertParallelModel:
             quantization=quant,
             attention_kernel=mc.attention_kernel,
             gemm_kernel=mc.gemm_kernel,
+            activation_quantization=mc.activation_quantization,
         )
         self.device, self.max_model_len = self.model.device, self.model.max_model_len
         self.mover = ExpertWeightMover(self.model)
@@ -421,6 +424,7 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
         quantization=spec.quantization,
         attention_kernel=spec.attention_kernel,
         gemm_kernel=spec.gemm_kernel,
+        activation_quantization=spec.activation_quantization,
     )
     mover = ExpertWeightMover(model)
     counts = StepCounts(model.moe_ids, spec.arch.num_experts, spec.rank, spec.world)

@@ -320,3 +320,61 @@ def test_a_bad_activation_quantization_exits_2_naming_the_key(tmp_path):
         timeout=300,
     )
     assert r.returncode == 2 and "'fp8'" in r.stderr and "int8" in r.stderr, r.stderr
+
+
+def _tiny_moe(activations: str):
+    from pdserve.config import ModelConfig
+    from pdserve.model.loader import build_model, load_model_files
+
+    mc = ModelConfig(name="tiny-mixtral", quantization="int4", activation_quantization=activations)
+    return build_model(
+        load_model_files("tiny-mixtral", quantization="int4"), "float32", model_config=mc
+    ).model
+
+
+@needs_kernel
+def test_a_moe_models_experts_take_int8_activations():
+    """The experts' stacks carry the flag (the grouped kernel and the slot loop read it there), so the
+    model's logits move off the float-activation model's, a little."""
+    model = _tiny_moe("int8")
+    stacks = [s for pair in model.expert_store for s in pair]
+    assert stacks and all(s.operands()[0] == 4 | qgemm.AQ8 for s in stacks)
+    a = model.arch
+    kv0 = torch.randn(
+        a.num_layers, 2, 64 * 16, a.num_kv_heads, a.head_dim, generator=torch.Generator().manual_seed(6)
+    )
+    seqs = [([i], 2 + i, 5 * i + 3) for i in range(4)]
+    got, ref = (
+        _decode_logits(model, kv0, seqs, range(4)),
+        _decode_logits(_tiny_moe("none"), kv0, seqs, range(4)),
+    )
+    for i in range(4):
+        assert not torch.equal(got[i], ref[i])
+        assert float((got[i] - ref[i]).abs().max()) < 0.05 * float(ref[i].abs().max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_routed_experts_rows_are_their_own_in_the_grouped_kernel_and_the_loop(mode):
+    """A token's routed-expert output with int8 activations: the same alone and among 2..33 tokens (its
+    experts' other rows change), through moe.c and the slot-by-slot path."""
+    from pdserve.eplb.placement import LayerPlacement
+    from pdserve.model.experts import ExpertStack
+    from pdserve.model.moe import routed_experts, routed_experts_loop
+
+    e, h, inter, k = 8, 64, 96, 2
+    g = torch.Generator().manual_seed(7)
+    gu = ExpertStack.pack(torch.randn(e, 2 * inter, h, generator=g) / 8, mode, torch.float32, "cpu")
+    dn = ExpertStack.pack(torch.randn(e, h, inter, generator=g) / 10, mode, torch.float32, "cpu")
+    gu, dn = gu.with_activations("int8"), dn.with_activations("int8")
+    pl = LayerPlacement.build(torch.arange(e), e, 0, e, gu, dn)
+    x = torch.randn(33, h, generator=g)
+    slots = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(33)])
+    weights = torch.rand(33, k, generator=g)
+    alone = torch.cat(
+        [routed_experts(x[i : i + 1], slots[i : i + 1], weights[i : i + 1], pl) for i in range(33)]
+    )
+    for size in (2, 5, 9, 17, 33):
+        for fn in (routed_experts, routed_experts_loop):
+            got = fn(x[:size], slots[:size], weights[:size], pl)
+            assert torch.equal(got, alone[:size]), (size, fn.__name__)
