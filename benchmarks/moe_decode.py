@@ -114,6 +114,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="rounds over every case (medians)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per case and path in a round")
     ap.add_argument("--rows", default="8,32")
+    ap.add_argument(
+        "--activations", default="none", help="model.activation_quantization of the int8 and int4 cases"
+    )
     args = ap.parse_args()
 
     import torch
@@ -131,7 +134,10 @@ def main() -> int:
     cases = {}
     for mode in modes:
         model = build_model(
-            LoadedModel("moe-decode-bench", arch, weights, None), model_config=ModelConfig(quantization=mode)
+            LoadedModel("moe-decode-bench", arch, weights, None),
+            model_config=ModelConfig(
+                quantization=mode, activation_quantization="none" if mode == "none" else args.activations
+            ),
         )
         for rows in rows_list:
             step = _Step(model, rows, seed=rows)
@@ -161,6 +167,7 @@ def main() -> int:
     out: dict = {
         "benchmark": "moe_decode",
         "threads": args.threads,
+        "activations": args.activations,
         "cpu": describe(),
         "copy_bw_gb_s": [round(min(bws) / 1e9, 2), round(max(bws) / 1e9, 2)],
         "cases": [
