@@ -167,6 +167,22 @@ static inline __attribute__((always_inline)) void widen8(const int8_t *p, __m256
 /* Rows [mr] of a tile over groups [g0, g1): their partial outputs accumulate in y, in the vectors'
    channel order (restored by the caller at the tile's end). wb: the run's rearranged weights, or
    NULL to rearrange them here (few rows: each is used once). */
+/* Groups ahead that the loops prefetch, as qgemm.c's direct rows do (a decode step's products are
+   small and threads' chunks of tiles interleave, so the hardware prefetcher keeps restarting): a
+   tile's groups follow each other and tiles follow each other, so past a tile's end this is the next
+   tile's start. */
+#define PF_GROUPS 8
+static inline __attribute__((always_inline)) void prefetch_group(int bits, const void *wt, const void *d,
+                                                                 const void *m, int64_t g) {
+    if (bits == 4) {
+        for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch((const char *)wt + g * 16 * NC + b, 0, 3);
+        if ((g & 1) == 0)   /* two groups' float16 scales (or offsets) a line */
+            __builtin_prefetch((const uint16_t *)d + g * NC, 0, 3), __builtin_prefetch((const uint16_t *)m + g * NC, 0, 3);
+    } else {
+        for (int b = 0; b < 32 * NC; b += 64) __builtin_prefetch((const char *)wt + g * 32 * NC + b, 0, 3);
+    }
+}
+
 /* The vectors of weights a run of groups holds per four input values: int4 2 (the nibbles), int8 4
    (magnitudes and the signed values, for vpsignb). */
 #define WV(bits) ((bits) == 4 ? 2 : 4)
@@ -190,6 +206,7 @@ static inline __attribute__((always_inline)) void rows_q8(int bits, int mr, cons
                                                           float *y, int64_t ldy) {
     const int G = K / 32;
     for (int g = g0; g < g1; g++) {
+        if (!wb) prefetch_group(bits, wt, d, m, g + PF_GROUPS);   /* the buffered runs prefetch as they fill */
         __m256i acc[MRQ][2];
         for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
@@ -257,8 +274,10 @@ static inline __attribute__((always_inline)) void tile_bits(int bits, const void
         const int g1 = g0 + qg < G ? g0 + qg : G;
         const __m256i *buf = NULL;
         if (M > MRQ) {
-            for (int g = g0; g < g1; g++)
+            for (int g = g0; g < g1; g++) {
+                prefetch_group(bits, wt, d, m, g + PF_GROUPS);
                 for (int j = 0; j < 8; j++) weights_at(bits, NULL, wt, g, g0, j, &wb[((g - g0) * 8 + j) * WV(bits)]);
+            }
             buf = wb;
         }
         int i = 0;
@@ -348,6 +367,16 @@ void pd_qgemm_q8_tiles(int bits, const void *w, const void *d, const void *m, co
     void *x = (void *)xq;
     const int8_t *q = rows_q(x);
     const float *sx = rows_sx(x, M, K), *ss = rows_ss(x, M, K);
+#ifdef Q8_AVX2
+    for (int g = 0; t0 < t1 && g < PF_GROUPS && g < K / 32; g++) {   /* a chunk's first groups */
+        if ((bits & ~PD_AQ8) == 8)
+            prefetch_group(8, (const int8_t *)w + (int64_t)t0 * K * NC, d, m, g);
+        else
+            prefetch_group(4, (const uint8_t *)w + (int64_t)t0 * (K / 2) * NC,
+                           (const uint16_t *)d + (int64_t)t0 * (K / 32) * NC,
+                           (const uint16_t *)m + (int64_t)t0 * (K / 32) * NC, g);
+    }
+#endif
     for (int t = t0; t < t1; t++)
         if ((bits & ~PD_AQ8) == 8)
             tile_q8((const int8_t *)w + (int64_t)t * K * NC, (const float *)d + t * NC, q, sx, M, K, y + t * NC, ldy);
