@@ -170,21 +170,49 @@ def test_linear_and_matmul_take_the_int8_activation_path():
     assert w8.operands()[0] == 8 | qgemm.AQ8
 
 
-@needs_kernel
-def test_portable_build_matches_this_cpus_build(tmp_path):
-    """The portable C variant (no vector flags) against the one this CPU runs: the same integers and the
-    same float steps in the same order, so the same bits."""
-    cc = native._compiler()
+# Builds of the kernel by vector flags: (name, flags, the CPU features it needs to run, its variant).
+VARIANTS = [
+    ("portable", [], [], 0),
+    ("avx2", ["-mavx2", "-mfma", "-mf16c"], ["avx2", "fma", "f16c"], 1),
+    (
+        "avx512-vnni",
+        ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+        ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"],
+        2,
+    ),
+    ("avx-vnni", ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"], ["avx2", "fma", "f16c", "avx_vnni"], 2),
+]
+
+
+def _build(tmp_path, name: str, flags: list[str]) -> ctypes.CDLL | None:
     srcs = [str(native.HERE / f"{n}.c") for n in ("qgemm", "qgemm_bf16", "qgemm_q8")]
-    out = tmp_path / "portable.so"
+    out = tmp_path / f"{name}.so"
     proc = subprocess.run(
-        [cc, *native.CFLAGS, *srcs, "-o", str(out), "-lm"], capture_output=True, text=True, check=False
+        [native._compiler(), *native.CFLAGS, *flags, *srcs, "-o", str(out), "-lm"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
-    if proc.returncode != 0:
-        pytest.skip(f"the portable build failed here: {proc.stderr[-400:]}")
-    lib = ctypes.CDLL(str(out))
+    return ctypes.CDLL(str(out)) if proc.returncode == 0 else None
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,flags,needs,variant", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_each_variant_matches_this_cpus_build(tmp_path, name, flags, needs, variant):
+    """Every variant builds (a compiler without the flag, or another architecture, skips it); those this
+    CPU can run give this CPU's own build's results bit for bit: the same integers and the same float
+    steps in the same order. The portable variant runs everywhere."""
+    from pdserve.utils.cpu import cpu_flags
+
+    lib = _build(tmp_path, name, flags)
+    if lib is None:
+        if not flags:
+            pytest.fail("the portable build failed")
+        pytest.skip(f"{name}: this compiler or architecture does not take {flags}")
+    if not set(needs) <= cpu_flags():
+        pytest.skip(f"{name} built; this CPU cannot run it")
     lib.pd_qgemm_q8_variant.restype = ctypes.c_int
-    assert lib.pd_qgemm_q8_variant() == 0
+    assert lib.pd_qgemm_q8_variant() == variant
     fn = lib.pd_qgemm
     fn.restype = None
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -194,21 +222,9 @@ def test_portable_build_matches_this_cpus_build(tmp_path):
         for rows in (1, 3, 9):
             x = _rows(rows, seed=rows)
             y = torch.empty(rows, N)
-            fn(
-                bits,
-                t.data_ptr(),
-                d.data_ptr(),
-                m.data_ptr(),
-                x.data_ptr(),
-                K,
-                y.data_ptr(),
-                N,
-                rows,
-                N,
-                K,
-                1,
-            )
-            assert torch.equal(y, w.matmul(x)), (bits, rows)
+            ptrs = (t.data_ptr(), d.data_ptr(), m.data_ptr(), x.data_ptr())
+            fn(bits, *ptrs, K, y.data_ptr(), N, rows, N, K, 1)
+            assert torch.equal(y, w.matmul(x)), (name, bits, rows)
 
 
 # ---------------------------------------------------------------- through a model
