@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from pdserve.model.quant import Staged, can_quantize, quantize
 from pdserve.utils.runtime import trim_heap
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -44,6 +45,8 @@ DEFAULT_BLOCK = (128, 128)
 _CHUNK = 1 << 24
 # A safetensors header larger than this is not one (the format's own reader caps it at 100 MB).
 _MAX_HEADER = 100 << 20
+# Bytes of a large matrix read at once where it is quantized as it is read (`HFWeights.quantized`).
+_ROWS_READ = 16 << 20
 # Elements of each tensor the weight digest reads: any two different checkpoints (a fine-tune changes
 # every matrix) differ there.
 DIGEST_SAMPLES = 257
@@ -244,14 +247,17 @@ class HFWeights(Mapping[str, torch.Tensor]):
             return t.to(self.dtype)
         return t
 
-    def _read(self, name: str, index: int | None = None) -> torch.Tensor:
-        """The stored tensor, or its slice `index` along the first dimension."""
+    def _read(self, name: str, index: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """The stored tensor; its slice `index` along the first dimension; or with `stop`, the slices
+        `index` to `stop` (rows)."""
         st = self._index[name]
         shape, offset, nbytes = st.shape, st.offset, st.nbytes
         if index is not None:
-            shape = shape[1:]
-            nbytes //= st.shape[0]
-            offset += index * nbytes
+            row = nbytes // st.shape[0]
+            count = 1 if stop is None else stop - index
+            shape = st.shape[1:] if stop is None else (count, *st.shape[1:])
+            offset += index * row
+            nbytes = count * row
         trim_heap()
         t = torch.empty(shape, dtype=st.dtype)
         buf = memoryview(t.view(-1).view(torch.uint8).numpy()) if nbytes else memoryview(b"")
@@ -269,6 +275,39 @@ class HFWeights(Mapping[str, torch.Tensor]):
                 flat[_sample_index(flat.numel())].view(torch.uint8).numpy().tobytes()
             )
         return t
+
+    def quantized(self, name: str, mode: str) -> Staged | None:
+        """`quant.quantize(self[name], mode)`, read a bounded number of rows at a time: a large matrix (an
+        output head) is never whole in its stored dtype beside its quantized copy. Both formats quantize
+        row by row (int8 a scale a row, int4 groups along a row), so the result is quantize's, bit for
+        bit. None where this does not apply (not a float matrix, FP8, a shape `mode` cannot hold)."""
+        st = self._index.get(name)
+        if (
+            name not in self._names
+            or st is None
+            or st.dtype in FP8
+            or not st.dtype.is_floating_point
+            or len(st.shape) != 2
+            or not can_quantize(torch.empty(st.shape, device="meta"), mode)
+        ):
+            return None
+        n, k = st.shape
+        step = max(1, _ROWS_READ // max(1, k * st.dtype.itemsize))
+        q = scale = zero = None
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            part = quantize(self._converted(self._read(name, r0, r1)), mode)
+            if q is None:
+                q = torch.empty((n, *part.q.shape[1:]), dtype=part.q.dtype)
+                scale = torch.empty((n, *part.scale.shape[1:]), dtype=part.scale.dtype)
+                if part.zero is not None:
+                    zero = torch.empty((n, *part.zero.shape[1:]), dtype=part.zero.dtype)
+            q[r0:r1] = part.q
+            scale[r0:r1] = part.scale  # type: ignore[index]
+            if zero is not None:
+                zero[r0:r1] = part.zero
+        assert q is not None and scale is not None
+        return Staged(mode, q, scale, zero)
 
     def digest(self) -> str:
         """A digest of the checkpoint: every stored tensor's name, dtype, shape and a spread sample of its

@@ -8,7 +8,8 @@ pluggable: MoE models (moe_model.py) put a MoE block there.
 from __future__ import annotations
 
 from collections import ChainMap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +127,18 @@ class DecoderLayer:
         return x + self.mlp(rms_norm(x, self.post_norm, self.arch.rms_norm_eps))
 
 
+def _read_for(w: Mapping[str, Any], source: Mapping[str, Any], name: str, mode: str) -> Any:
+    """w[name] to be packed for `mode`: a checkpoint on disk (hf_files.HFWeights) quantizes a large
+    matrix as it reads its rows, so the output head is never whole in its stored dtype beside its
+    quantized copy (the largest transient of loading a quantized model)."""
+    quantized = getattr(source, "quantized", None)
+    if mode != "none" and quantized is not None:
+        staged = quantized(name, mode)
+        if staged is not None:
+            return staged
+    return w[name]
+
+
 class LlamaModel:
     """Holds the weights; `forward` runs one engine step over flattened tokens."""
 
@@ -165,8 +178,9 @@ class LlamaModel:
         # The (tied) embedding is int8 when quantized: the output head runs the int8 kernel and the
         # embedding lookup dequantizes the few rows it reads; int4's groups would cost more than they save there.
         qhead = "none" if quantization == "none" else "int8"
-        self.embed = pack(w["model.embed_tokens.weight"], qhead if head_key is None else "none")
-        self.lm_head = self.embed if head_key is None else pack(w[head_key], qhead)
+        embed_mode = qhead if head_key is None else "none"
+        self.embed = pack(_read_for(w, weights, "model.embed_tokens.weight", embed_mode), embed_mode)
+        self.lm_head = self.embed if head_key is None else pack(_read_for(w, weights, head_key, qhead), qhead)
         self.norm = w["model.norm.weight"]
         self.layers = []
         for i in range(arch.num_layers):

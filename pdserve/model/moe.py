@@ -29,6 +29,7 @@ from pdserve.model.experts import ExpertSource, ExpertStack
 from pdserve.model.hf_files import HFWeights
 from pdserve.model.kernels.layer import silu_mul
 from pdserve.model.kernels.moe import grouped_moe
+from pdserve.model.quant import Staged
 
 
 def select_experts(
@@ -263,6 +264,10 @@ class StreamedMoEWeights(Mapping[str, Any]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._plain or name in self._experts
+
+    def quantized(self, name: str, mode: str) -> Staged | None:
+        """hf_files.HFWeights.quantized, in our names (None for the experts)."""
+        return self.hf.quantized(self._plain[name], mode) if name in self._plain else None
 
     def digest(self) -> str:
         """The checkpoint's (hf_files.HFWeights.digest)."""

@@ -223,6 +223,11 @@ class _Without(Mapping[str, Any]):
     def __contains__(self, name: object) -> bool:
         return name not in self._keys and name in self._weights
 
+    def quantized(self, name: str, mode: str) -> Any:
+        """The source's `quantized` (hf_files.HFWeights.quantized) where it has one, else None."""
+        quantized = getattr(self._weights, "quantized", None)
+        return None if quantized is None or name in self._keys else quantized(name, mode)
+
 
 class _MoEFused:
     """The layers of a MoE model's decode-only step as layer.c runs them, and the MoE block after each

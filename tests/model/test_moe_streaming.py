@@ -2,7 +2,8 @@
 - the model it gives is the one the earlier path gave (every tensor read, the experts stacked in
   their stored dtype, then packed), bit for bit: the packed expert stacks and the logits, for bf16
   and FP8 block-scaled experts, stored one by one, in Mixtral's names or as transformers 5's fused
-  3-D tensors, in float32, int8 and int4, on standard and latent attention;
+  3-D tensors, in float32, int8 and int4 (the output head quantized as its rows are read), on
+  standard and latent attention;
 - loading creates no tensor holding a layer's experts other than the packed stack it keeps (the
   earlier path's stacked copy is caught by the same check)."""
 
@@ -15,10 +16,12 @@ from paged_logits import paged_logits
 from torch.overrides import TorchFunctionMode
 
 from pdserve.config import ModelConfig
+from pdserve.model import hf_files
 from pdserve.model.arch import ModelArch
 from pdserve.model.hf_files import HFWeights
 from pdserve.model.loader import LoadedModel, build_model, load_hf_dir
 from pdserve.model.moe import StreamedMoEWeights, canonical_moe_weights
+from pdserve.model.quant import quantize
 
 
 def _eager(path) -> LoadedModel:
@@ -51,7 +54,9 @@ IDS = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(1)).t
     ],
 )
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
-def test_streaming_gives_the_model_of_the_earlier_path(tmp_path, family, layout, fp8, mode):
+def test_streaming_gives_the_model_of_the_earlier_path(tmp_path, monkeypatch, family, layout, fp8, mode):
+    # The quantized output head is read 100 rows at a time (HFWeights.quantized), the last read short.
+    monkeypatch.setattr(hf_files, "_ROWS_READ", 100 * 64 * 2)
     write_checkpoint(tmp_path / "ckpt", family, layout, fp8)
     loaded = load_hf_dir(tmp_path / "ckpt")
     assert isinstance(loaded.weights, StreamedMoEWeights)
@@ -111,3 +116,15 @@ def test_loading_holds_no_copy_of_a_layers_experts(tmp_path, mode, fp8):
     assert _copies_beside_the_stacks(lambda: load_hf_dir(path), mode) == []
     # The earlier path's stacked copy in the stored dtype (float32 for FP8) is caught.
     assert _copies_beside_the_stacks(lambda: _eager(path), mode)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_matrix_quantized_as_its_rows_are_read_is_quantize_of_the_whole(tmp_path, monkeypatch, mode):
+    write_checkpoint(tmp_path / "ckpt", "llama")
+    monkeypatch.setattr(hf_files, "_ROWS_READ", 37 * 64 * 2)  # 37 rows a read: 14 reads, the last short
+    weights = HFWeights.open(tmp_path / "ckpt")
+    got, want = weights.quantized("lm_head.weight", mode), quantize(weights["lm_head.weight"], mode)
+    assert got is not None and got.mode == want.mode == mode
+    for a, b in ((got.q, want.q), (got.scale, want.scale), (got.zero, want.zero)):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+    assert weights.quantized("model.norm.weight", mode) is None  # not a matrix
