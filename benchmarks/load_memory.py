@@ -1,12 +1,15 @@
 """Peak resident set while loading a Hugging Face checkpoint ÷ the resident set once it is loaded.
 
-A child process writes a scaled random Llama-shaped checkpoint in bfloat16 (hidden 1024, 12 layers,
-GQA 16/4 heads, intermediate 2816, the default model's tokenizer and vocabulary: about 470 MB in two
-shards) to a temporary directory. Then, for each quantization, a fresh child process imports
-everything, reads its own VmHWM, starts an offline engine on the directory as a worker does
-(load, the KV tiers' weight digest, build, heap trim; a KV pool of 16 blocks), and reads VmRSS and
-VmHWM again. Figure: peak ÷ final resident set (goal ≤ 1.2); also the load's own rise, (peak −
-before) ÷ (final − before), and the weight bytes. Prints one JSON line per mode.
+A child process writes a scaled random checkpoint in bfloat16 to a temporary directory: `dense`, a
+Llama shape (hidden 1024, 12 layers, GQA 16/4 heads, intermediate 2816, the default model's tokenizer
+and vocabulary: about 470 MB in two shards); `moe`, a Qwen3-MoE shape (hidden 1024, 6 layers, GQA
+16/4 heads with q/k norms, 16 experts of intermediate 512 a layer, top 4, each expert's matrices
+stored apart as HF stores them: about 535 MB in two shards, 57% of it experts). Then, for each
+quantization, a fresh child process imports everything, reads its own VmHWM, starts an offline
+engine on the directory as a worker does (load, build, the KV tiers' weight digest, heap trim; a KV
+pool of 16 blocks), and reads VmRSS and VmHWM again. Figure: peak ÷ final resident set (goal ≤ 1.2);
+also the load's own rise, (peak − before) ÷ (final − before), and the weight bytes. Prints one JSON
+line per model and mode.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import torch
 from safetensors.torch import save_file
 from pdserve.model.loader import default_gguf_path, load_gguf_tokenizer
 
-path, hidden, layers = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+path, hidden, layers, kind = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+experts, expert_inter = int(sys.argv[5]), int(sys.argv[6])
 tok = load_gguf_tokenizer(str(default_gguf_path()))
 heads, kv_heads, inter, vocab = hidden // 64, max(1, hidden // 256), hidden * 11 // 4, tok.vocab_size
 cfg = {
@@ -38,6 +42,12 @@ cfg = {
     "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_ids[0],
 }
+if kind == "moe":
+    cfg.update({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 64,
+        "num_experts": experts, "num_experts_per_tok": 4, "moe_intermediate_size": expert_inter,
+        "norm_topk_prob": True,
+    })
 (path / "config.json").write_text(json.dumps(cfg))
 tok.tok.save(str(path / "tokenizer.json"))
 g = torch.Generator().manual_seed(0)
@@ -55,9 +65,22 @@ for i in range(layers):
         p + "post_attention_layernorm.weight": torch.ones(hidden).bfloat16(),
         p + "self_attn.q_proj.weight": rand(hidden, hidden), p + "self_attn.k_proj.weight": rand(kv, hidden),
         p + "self_attn.v_proj.weight": rand(kv, hidden), p + "self_attn.o_proj.weight": rand(hidden, hidden),
-        p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
-        p + "mlp.down_proj.weight": rand(hidden, inter),
     })
+    if kind == "dense":
+        s.update({
+            p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+        })
+        continue
+    s[p + "self_attn.q_norm.weight"] = torch.ones(64).bfloat16()
+    s[p + "self_attn.k_norm.weight"] = torch.ones(64).bfloat16()
+    s[p + "mlp.gate.weight"] = rand(experts, hidden)
+    for e in range(experts):
+        q = f"{p}mlp.experts.{e}."
+        s.update({
+            q + "gate_proj.weight": rand(expert_inter, hidden), q + "up_proj.weight": rand(expert_inter, hidden),
+            q + "down_proj.weight": rand(hidden, expert_inter),
+        })
 for i, s in enumerate(shards):
     save_file(s, str(path / f"model-{i + 1:05d}-of-00002.safetensors"), metadata={"format": "pt"})
 print(sum(f.stat().st_size for f in path.glob("*.safetensors")))
@@ -90,18 +113,41 @@ print(json.dumps({"before": before, "rss": rss, "peak": peak, "weight_bytes": ll
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="dense,moe", help="checkpoints to load: dense, moe")
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--modes", default="none,int8")
+    ap.add_argument("--layers", type=int, default=None, help="default: 12 dense, 6 moe")
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--expert-intermediate", type=int, default=512)
+    ap.add_argument("--modes", default="none,int8,int4")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    for kind in args.models.split(","):
+        if kind not in ("dense", "moe"):
+            print(f"--models: {kind!r} is not dense or moe", file=sys.stderr)
+            return 2
+        if not _run(kind, args):
+            return 1
+    return 0
 
+
+def _run(kind: str, args: argparse.Namespace) -> bool:
     from pdserve.utils.cpu import describe
 
+    layers = args.layers or (12 if kind == "dense" else 6)
     with tempfile.TemporaryDirectory(prefix="pdserve-load-memory-") as tmp:
         t0 = time.perf_counter()
         written = subprocess.run(
-            [sys.executable, "-c", _WRITE, tmp, str(args.hidden), str(args.layers)],
+            [
+                sys.executable,
+                "-c",
+                _WRITE,
+                tmp,
+                str(args.hidden),
+                str(layers),
+                kind,
+                str(args.experts),
+                str(args.expert_intermediate),
+            ],
             capture_output=True,
             text=True,
             check=True,
@@ -116,7 +162,7 @@ def main() -> int:
             )
             if out.returncode != 0:
                 print(out.stderr, file=sys.stderr)
-                return 1
+                return False
             r = json.loads(out.stdout.strip().splitlines()[-1])
             # The model's own share: the process before loading (torch, the tokenizer, a tiny engine)
             # is the same in both, so peak ÷ final undersells what loading adds; the rise shows it.
@@ -126,6 +172,7 @@ def main() -> int:
                     {
                         "benchmark": "load_memory",
                         "cpu": describe(),
+                        "model": kind,
                         "quantization": mode,
                         "checkpoint_mb": round(file_bytes / 1e6, 1),
                         "weight_mb": round(r["weight_bytes"] / 1e6, 1),
@@ -141,7 +188,7 @@ def main() -> int:
                 ),
                 flush=True,
             )
-    return 0
+    return True
 
 
 if __name__ == "__main__":
