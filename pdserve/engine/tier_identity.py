@@ -69,6 +69,8 @@ def tier_namespace(config: Config, max_model_len: int, weights: Mapping[str, Any
     quant = resolve_quantization(mc.quantization, mc.name)  # `auto` and what it resolves to name the same KV
     digest = weights if isinstance(weights, str) else weights_digest(weights)
     key = f"{digest}|{mc.dtype}|{max_model_len}|{quant}"
+    if mc.activation_quantization != "none":  # int8 activations write other KV; the default's names stay
+        key += f"|activations={mc.activation_quantization}"
     return f"{base}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 

@@ -394,3 +394,25 @@ def test_routed_experts_rows_are_their_own_in_the_grouped_kernel_and_the_loop(mo
         for fn in (routed_experts, routed_experts_loop):
             got = fn(x[:size], slots[:size], weights[:size], pl)
             assert torch.equal(got, alone[:size]), (size, fn.__name__)
+
+
+def test_kv_tiers_keep_int8_activation_blocks_apart():
+    """A shared disk or Redis tier names blocks by what shaped them: int8 activations write other KV,
+    so their namespace differs; the default's is what it was (the digest, dtype, length and
+    quantization alone)."""
+    import dataclasses
+    import hashlib
+
+    from pdserve.config import Config
+    from pdserve.engine.tier_identity import tier_namespace
+    from pdserve.model.stored_quant import resolve_quantization
+
+    cfg = Config()
+    a8 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, activation_quantization="int8"))
+    digest = "d" * 32
+    assert tier_namespace(a8, 2048, digest) != tier_namespace(cfg, 2048, digest)
+    quant = resolve_quantization(cfg.model.quantization, cfg.model.name)
+    key = f"{digest}|float32|2048|{quant}".encode()
+    assert (
+        tier_namespace(cfg, 2048, digest) == "smollm2-135m-" + hashlib.blake2b(key, digest_size=6).hexdigest()
+    )
