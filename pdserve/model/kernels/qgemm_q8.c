@@ -138,7 +138,11 @@ void pd_qgemm_q8_rows(const float *x, int64_t ldx, int M, int K, int8_t *q, floa
 #define DPBUSD(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
 #endif
 
-#define MRQ 4    /* rows a block: 8 integer accumulators, 2 weight vectors, a broadcast */
+/* Rows a block: 8 integer accumulators, 2 weight vectors, a broadcast. 2, 3 and 4 measured within a
+   few percent of each other at 8-32 rows (4 ahead), 5 and 6 slower (-DMRQ=n builds another). */
+#ifndef MRQ
+#define MRQ 4
+#endif
 #define QG 16    /* groups a buffered run: 16 x 512 bytes of rearranged weights, in L1 */
 
 /* 32 bytes of a tile (input values 4j..4j+3 of its 16 channels as nibble pairs) into two vectors of
@@ -287,7 +291,21 @@ static inline __attribute__((always_inline)) void tile_bits(int bits, const void
         const float *sxi = sx + i * G, *ssi = ss + i * G;
         float *yi = y + i * ldy;
         switch (M - i) {   /* constant row counts, so each call unrolls */
+#if MRQ > 7
+            case 7: rows_q8(bits, 7, buf, wt, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
+#endif
+#if MRQ > 6
+            case 6: rows_q8(bits, 6, buf, wt, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
+#endif
+#if MRQ > 5
+            case 5: rows_q8(bits, 5, buf, wt, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
+#endif
+#if MRQ > 4
+            case 4: rows_q8(bits, 4, buf, wt, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
+#endif
+#if MRQ > 3
             case 3: rows_q8(bits, 3, buf, wt, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
+#endif
             case 2: rows_q8(bits, 2, buf, wt, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
             case 1: rows_q8(bits, 1, buf, wt, d, m, qi, sxi, ssi, K, g0, g1, yi, ldy); break;
             default: break;
