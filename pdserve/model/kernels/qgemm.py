@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import torch
 
-from pdserve.model.kernels.native import function, ptr
+from pdserve.model.kernels.native import function, load, ptr
 
 _I, _I64, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 TILE = 16  # output channels per tile (NC in the C file)
@@ -41,11 +41,10 @@ def bf16_rows(mode: str) -> int:
 @lru_cache(maxsize=1)
 def q8_variant() -> str:
     """The int8-activation kernel this build runs: "vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "c"."""
-    fn = function("qgemm", "pd_qgemm_q8_variant", [])
-    if fn is None:
+    lib = load("qgemm")
+    if lib is None:
         return "none"
-    fn.restype = ctypes.c_int
-    return {0: "c", 1: "avx2", 2: "vnni"}[int(fn())]
+    return {0: "c", 1: "avx2", 2: "vnni"}[int(lib.pd_qgemm_q8_variant())]  # ctypes' default: an int
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
