@@ -156,8 +156,8 @@ class LlamaModel:
     ) -> None:
         """`weights`: float tensors in HF naming; with `quantization`, the linear layers' matrices may
         come already quantized from the file (quant.Staged) and every one is packed for its kernel.
-        `activation_quantization` (model.activation_quantization): "int8" gives every int4 product
-        int8 activations (kernels/qgemm_q8.c), the fused decode layer's included."""
+        `activation_quantization` (model.activation_quantization): "int8" gives every int4 and int8
+        product int8 activations (kernels/qgemm_q8.c), the fused decode layer's and the head's included."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
