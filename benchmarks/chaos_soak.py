@@ -1,9 +1,13 @@
 """A chaos soak: a whole PD deployment under twice its capacity while faults drawn from a seed overlap.
 
 The deployment (tests/cluster/pd_cluster.py, each process on its own network-namespace host): two
-router replicas with the controller on and their rate limits shared through Redis, two prefill and
-two decode workers (tiny-qwen2, random weights: fast, and its greedy output depends on the KV), the
-Redis host as their shared KV tier, and each worker's disk tier on one small tmpfs.
+router replicas with their rate limits shared through Redis, the controller on in one of them
+(controller.backend: hosts), two prefill and two decode workers (tiny-qwen2, random weights: fast,
+and its greedy output depends on the KV), the Redis host as their shared KV tier, and each
+worker's disk tier on one small tmpfs. Each worker host runs a host agent (`pdserve agent`) that
+starts its workers: the soak's first ones, and those the controller adds or a rollout starts.
+Workers are counted by process: a host may run none (the controller removed its worker) or two
+(a rollout's new one beside the old one).
 
 Phases, all in one run:
 1. reference: every request of the mixed pool (multi-turn chat over a shared system prompt, long
@@ -17,8 +21,11 @@ Phases, all in one run:
    thread, so they overlap; one fault per target at a time): kill -9 and restart of a worker, a
    host's link down, SIGSTOP/SIGCONT, a slow link (tbf token bucket; netem is not needed), router-b
    partitioned from a worker, a role switch and back, Redis killed and restarted, the disk tier full,
-   hostile clients (oversized, malformed, NaN sampling values, slow readers, disconnects) and a
-   hostile peer on every worker's KV socket;
+   hostile clients (oversized, malformed, NaN sampling values, slow readers, disconnects), a
+   hostile peer on every worker's KV socket, a rollout (`pdserve rollout` of the other of two
+   versions, canary first) and a rollback (a rollout whose SLO check fails: its new worker is
+   replaced by the old version again); a rollout that stops and rolls back because another fault
+   took its new worker is an outcome, not a violation;
 5. drain: load stopped, faults lifted, every worker healthy and idle.
 
 Violations (each printed with the seed, the exit status is 1 when there is any): a request that got
@@ -29,8 +36,9 @@ request answered other than with a 4xx; KV blocks still held after the drain; a 
 descriptors or threads grew past its post-warm-up count (plus a small slack for pooled connections
 and lazily started threads) or whose resident memory grew more than --rss-tolerance over its
 post-warm-up value (warm-up: the baseline and the chaos phase's first third; for a process
-restarted later, the first third of its life, at least 30 s). Printed: the schedule, each phase's figures, goodput with each
-fault kind active / baseline goodput, and a chart (PNG; CSV beside it) of every process's memory.
+restarted later, the first third of its life, at least 30 s); a rollout that exits other than done
+(0) or rolled back (1). Printed: the schedule, each phase's figures, goodput with each fault kind
+active / baseline goodput, and a chart (PNG; CSV beside it) of every process's memory.
 
 Needs root, iproute2 and redis-server (network namespaces); prints why and exits 0 otherwise.
 
@@ -63,9 +71,21 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the namespace hosts live with the cluster tests
 
 from cluster.cluster_hosts import Cluster, ShapingUnavailable, unavailable, wait_until  # noqa: E402
-from cluster.pd_cluster import ADMIN, KV_PORT, MODEL, ROLES, PDCluster, prompt  # noqa: E402
+from cluster.pd_cluster import (  # noqa: E402
+    ADMIN,
+    EVENTS_PORT,
+    KV_PORT,
+    MODEL,
+    PORT,
+    ROLES,
+    TOKEN,
+    PDCluster,
+    prompt,
+)
 
 from pdserve.bench.json_schemas import schemas  # noqa: E402
+from pdserve.bench.procs import pdserve_cmd, thread_env  # noqa: E402
+from pdserve.protocol import INTERNAL_TOKEN_HEADER  # noqa: E402
 from pdserve.utils.cpu import describe  # noqa: E402
 
 API_KEY = "sk-chaos-soak"
@@ -74,6 +94,7 @@ SLO_TTFT_S = 2.0  # the controller's default time-to-first-token SLO (goodput co
 CLIENT_CAP = 96  # requests in flight from this process at most; an arrival beyond is counted, not sent
 FD_SLACK, THREAD_SLACK = 16, 8  # pooled connections to restarted peers, lazily started executor threads
 SAMPLE_S = 2.0
+AGENT_PORT = 7070
 # A stream already answered 200 can only end with an error event; these types say "retry later" as a
 # 503 would (no worker could continue it), and count as clear refusals, printed apart.
 CLEAR_STREAM_ERRORS = ("service_unavailable",)
@@ -93,6 +114,10 @@ OVERRIDES = {
         "interval_s": 2,
         "cooldown_s": 20,
         "drain_timeout_s": 5,
+        # The deployment's four workers: one the controller adds replaces one that is down (killed,
+        # stopped, cut off), and it removes one again once the pools are cold.
+        "min_workers": 4,
+        "max_workers": 4,
     },
 }
 FAULT_KINDS = [
@@ -106,13 +131,11 @@ FAULT_KINDS = [
     "disk_full",
     "hostile_clients",
     "hostile_peer",
+    "rollout",
+    "rollback",
 ]
-OMITTED = {
-    "rollout": "`pdserve rollout` needs a router with a fleet that starts workers (pdserve serve's local "
-    "fleet, or Kubernetes); routers started alone on namespace hosts have none "
-    "(tests/control/test_rollout_e2e.py covers it under load)",
-    "rollback": "the same: a rollback is a rollout that starts the old version through the fleet",
-}
+OMITTED: dict[str, str] = {}
+FLEET_KINDS = ("rollout", "rollback")  # the whole fleet's: one at a time, beside every other fault
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -280,8 +303,57 @@ def classify(r: Result, spec: Spec, refs: dict[str, str]) -> None:
 # ---------------------------------------------------------------------------------------------- deployment
 
 
+class _Pid:
+    """What the soak reads of a process it did not start itself (a host agent's worker)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return -1
+        return None if stat[stat.rindex(")") + 2] not in "ZX" else -1
+
+
+class AgentWorker:
+    """A worker its host's agent started (the agent is its parent: it reaps and restarts it)."""
+
+    def __init__(self, c: SoakCluster, name: str, hw: dict) -> None:
+        self.c, self.name, self.id = c, name, hw["id"]
+        self.proc = _Pid(hw["pid"])
+        # Until the worker has bound its port the agent lists no URL: the host's fixed port for now,
+        # the listing's once it is known (SoakCluster.refresh_all).
+        self.url = (hw.get("url") or c.host(name).url(PORT)).rstrip("/")
+        self.log_path = c.workdir / f"agent-{name}" / f"{self.id}.log"
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its children at once: a crash, not a drain."""
+        for pid in _tree(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        def ready() -> bool:
+            hw = self.c.agent_worker(self.name, self.id)
+            if hw is not None and not hw["alive"]:
+                raise RuntimeError(
+                    f"{self.id} on {self.name} exited with {hw['exit_code']}: {hw['log_tail']}"
+                )
+            if hw is not None and hw.get("url"):
+                self.url = hw["url"].rstrip("/")
+            return bool(hw and hw["healthy"])
+
+        wait_until(ready, timeout, f"{self.id} on {self.name} healthy")
+
+
 class SoakCluster(PDCluster):
-    """PDCluster with each worker's own config (no throttled transfer; a disk tier on one tmpfs)."""
+    """PDCluster whose workers a host agent on each worker host starts (`pdserve agent`), as the
+    routers' fleet (controller.backend: hosts) does for a rollout; each worker's disk tier on one
+    tmpfs; no throttled transfer."""
 
     def __init__(self, workdir: Path, disk_mb: int) -> None:
         self.disk = workdir / "disk"
@@ -291,24 +363,155 @@ class SoakCluster(PDCluster):
         )
         try:
             super().__init__(workdir, overrides=OVERRIDES)
+            self.refresh_all()  # from here on each worker is known by its host and its agent's id
         except BaseException:
             subprocess.run(["umount", "-l", str(self.disk)], check=False)
             raise
 
+    def _start(self, redis: bool) -> None:
+        agents = [self.host(n).url(AGENT_PORT) for n in ROLES]
+        controller = {**self.overrides.get("controller", {}), "backend": "hosts", "agents": agents}
+        self.overrides = {**self.overrides, "controller": controller}
+        super()._start(redis)
+
+    def router_config(self, name: str) -> Path:
+        """One controller for the deployment (router's): two would both act on every reading."""
+        if name == "router":
+            return self.config_path
+        import yaml
+
+        path = self.workdir / f"{name}.yaml"
+        path.write_text(
+            yaml.safe_dump({**self.cfg, "controller": {**self.cfg["controller"], "enabled": False}})
+        )
+        return path
+
     def worker_config(self, name: str, starts: int, transfer: dict | None) -> Path:
         import yaml
 
-        d = self.disk / name
-        d.mkdir(exist_ok=True)
-        path = self.workdir / f"soak-{name}.yaml"
-        cache = {
-            **self.cfg["cache"],
-            "disk_cache_dir": str(d),
-            "disk_cache_gb": 0.004,
-            "host_cache_gb": 0.002,
-        }
+        # One config for every worker (and the routers): a rollout's version is a config's; the
+        # disk tier's directory is each agent's (--disk-cache-dir), one per worker.
+        path = self.workdir / "soak-workers.yaml"
+        cache = {**self.cfg["cache"], "disk_cache_gb": 0.004, "host_cache_gb": 0.002}
         path.write_text(yaml.safe_dump({**self.cfg, "cache": cache}))
         return path
+
+    def agent_call(self, name: str, method: str, path: str, **kw) -> httpx.Response:
+        return httpx.request(
+            method,
+            self.host(name).url(AGENT_PORT) + path,
+            headers={INTERNAL_TOKEN_HEADER: TOKEN},
+            timeout=kw.pop("timeout", 60),
+            **kw,
+        )
+
+    def agent_workers(self, name: str) -> list[dict]:
+        return self.agent_call(name, "GET", "/agent/workers").json()["workers"]
+
+    def agent_worker(self, name: str, worker_id: str) -> dict | None:
+        return next((w for w in self.agent_workers(name) if w["id"] == worker_id), None)
+
+    def _agent(self, name: str) -> None:
+        key = f"agent-{name}"
+        if key in self.procs:
+            return
+        h = self.host(name)
+        routers = f"{self.host('router').url(PORT)},{self.host('router-b').url(PORT)}"
+        cmd = pdserve_cmd() + ["agent", "--config", str(self.config_path), "--host", h.ip]
+        cmd += ["--port", str(AGENT_PORT), "--router-url", routers, "--threads", "1"]
+        cmd += ["--log-dir", str(self.workdir / key), "--disk-cache-dir", str(self.disk / name)]
+        self.procs[key] = self.net.start(h, key, cmd, AGENT_PORT, env=thread_env(1))
+        self.procs[key].wait_ready(timeout=120)
+
+    def start_worker(self, name: str, transfer: dict | None = None) -> AgentWorker:  # type: ignore[override]
+        """The host's first worker, through its agent, on the deployment's fixed ports."""
+        import yaml
+
+        self._agent(name)
+        config = yaml.safe_load(self.worker_config(name, 0, transfer).read_text())
+        body = {"role": ROLES[name], "config": config, "port": PORT, "kv_port": KV_PORT}
+        r = self.agent_call(name, "POST", "/agent/workers", json={**body, "kv_events_port": EVENTS_PORT})
+        r.raise_for_status()
+        w = self.procs[name] = AgentWorker(self, name, r.json())
+        return w
+
+    def restart_worker(self, name: str, w: AgentWorker) -> AgentWorker:
+        """`w` (exited) again, as a supervisor restarts a crashed process: its agent starts it with
+        the same role, config, ports and disk tier."""
+        wait_until(lambda: w.proc.poll() is not None, 30, f"{w.id} gone")
+        r = self.agent_call(name, "POST", f"/agent/workers/{w.id}/restart")
+        r.raise_for_status()
+        new = self.procs[f"{name}/{r.json()['id']}"] = AgentWorker(self, name, r.json())
+        return new
+
+    def version_files(self) -> tuple[Path, Path]:
+        """The deployment's config (A) and a second version (B) that changes a setting greedy
+        outputs do not depend on: the two versions rollouts move the fleet between."""
+        import yaml
+
+        a = self.worker_config("", 0, None)
+        b = self.workdir / "soak-workers-b.yaml"
+        data = yaml.safe_load(a.read_text())
+        b.write_text(yaml.safe_dump({**data, "scheduler": {**data.get("scheduler", {}), "max_num_seqs": 48}}))
+        return a, b
+
+    def other_version(self) -> Path:
+        """The version file most workers do not run now."""
+        from pdserve.config import load_config
+        from pdserve.version import config_digest, version_label
+
+        a, b = self.version_files()
+        va, vb = (version_label(config_digest(load_config(p))) for p in (a, b))
+        now = [w.get("version") for w in self.workers().values()]
+        return b if now.count(va) >= now.count(vb) else a
+
+    # Once up, workers are named "<host>/<agent's id>" in `procs`: a host may run none (the
+    # controller removed it), or two (a rollout's replacement beside the old one; one the
+    # controller added). Each process's memory, fds and threads are its own row.
+
+    def live(self) -> dict[str, AgentWorker]:
+        return {n: w for n, w in self.procs.items() if isinstance(w, AgentWorker)}
+
+    def refresh_all(self) -> None:
+        """`procs` as the agents list them: live workers added, exited ones dropped (their samples stay)."""
+        for host in ROLES:
+            try:
+                listed = self.agent_workers(host)
+            except (httpx.HTTPError, ValueError):
+                continue  # its link is down: as it was
+            alive = {f"{host}/{w['id']}": w for w in listed if w["alive"]}
+            for label in [n for n in self.procs if n == host or n.startswith(host + "/")]:
+                if label not in alive:
+                    del self.procs[label]
+            for label, w in alive.items():
+                if label not in self.procs:
+                    self.procs[label] = AgentWorker(self, host, w)
+                elif w.get("url"):  # bound since it was first listed
+                    self.procs[label].url = w["url"].rstrip("/")
+
+    def current(self, host: str) -> AgentWorker | None:
+        """The host's newest live worker (a rollout's replacement once it runs), None if none runs."""
+        self.refresh_all()
+        mine = [w for n, w in self.live().items() if n.startswith(host + "/")]
+        return max(mine, key=lambda w: int(w.id.rsplit("-", 1)[1]), default=None)
+
+    def wait_live_healthy(self, urls: list[str] | None = None, timeout: float = 60) -> None:
+        """The given worker URLs (default: every live worker's) healthy at both routers."""
+
+        def ok() -> bool:
+            want = set(urls) if urls is not None else {w.url for w in self.live().values()}
+            for r in ("router", "router-b"):
+                got = httpx.get(
+                    self.procs[r].url + "/admin/workers",
+                    timeout=5,
+                    headers={"Authorization": f"Bearer {ADMIN}"},
+                ).json()["workers"]
+                healthy = {w["url"].rstrip("/") for w in got if w.get("healthy")}
+                if not want <= healthy:
+                    return False
+            return True
+
+        wait_until(ok, timeout, "live workers healthy at both routers")
 
     def close(self) -> None:
         super().close()
@@ -325,14 +528,15 @@ def _admin(c: PDCluster, method: str, path: str, router: str = "router", **kw) -
     )
 
 
-def held_blocks(c: PDCluster, violations: list[str], timeout: float = 120) -> int:
-    """KV blocks neither free nor cached on the workers once idle (waits up to `timeout` for that)."""
+def held_blocks(c: SoakCluster, violations: list[str], timeout: float = 120) -> int:
+    """KV blocks neither free nor cached on the live workers once idle (waits up to `timeout`)."""
     last: dict[str, object] = {}
+    live = c.live()
 
     def idle() -> bool:
-        for n in ROLES:
+        for n, w in live.items():
             try:
-                h = last[n] = c.health(n)
+                h = last[n] = httpx.get(w.url + "/health", timeout=5).json()
             except (httpx.HTTPError, ValueError) as e:
                 last[n] = repr(e)
                 return False
@@ -380,11 +584,12 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def proc_stats(pid: int) -> tuple[int, int, int] | None:
-    """(RSS bytes, open fds, threads) of a process and its children; None once it is gone."""
+def proc_stats(pid: int, children: bool = True) -> tuple[int, int, int] | None:
+    """(RSS bytes, open fds, threads) of a process and (unless told not to) its children; None once
+    it is gone. A host agent's children are its workers, each counted on its own."""
     rss = fds = threads = 0
     try:
-        for p in _tree(pid):
+        for p in _tree(pid) if children else [pid]:
             status = Path(f"/proc/{p}/status").read_text()
             fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
             if fields.get("State", "").strip().startswith("Z"):
@@ -398,7 +603,7 @@ def proc_stats(pid: int) -> tuple[int, int, int] | None:
 
 
 class Sampler(threading.Thread):
-    def __init__(self, c: PDCluster, t0: float) -> None:
+    def __init__(self, c: SoakCluster, t0: float) -> None:
         super().__init__(daemon=True)
         self.c, self.t0 = c, t0
         self.rows: list[tuple[float, str, int, int, int, int]] = []  # t, name, pid, rss, fds, threads
@@ -406,8 +611,9 @@ class Sampler(threading.Thread):
 
     def sample(self) -> None:
         now = time.monotonic() - self.t0
+        self.c.refresh_all()  # a rollout's, a restart's or the controller's new process; gone ones
         for name, srv in list(self.c.procs.items()):
-            st = proc_stats(srv.proc.pid)
+            st = proc_stats(srv.proc.pid, not name.startswith("agent-"))
             if st is not None:
                 self.rows.append((now, name, srv.proc.pid, *st))
 
@@ -422,7 +628,7 @@ class Sampler(threading.Thread):
 
 def tcp_tally(c: PDCluster, name: str, pid: int) -> str:
     """The process's TCP sockets counted by (state, peer address), most first: what an fd growth is."""
-    r = c.net.run(c.host(name), ["ss", "-tanpH"])
+    r = c.net.run(c.host(name.split("/")[0].removeprefix("agent-")), ["ss", "-tanpH"])
     counts: dict[str, int] = {}
     for line in r.stdout.splitlines():
         parts = line.split()
@@ -573,6 +779,8 @@ def schedule(seed: int, duration: float, kinds: list[str]) -> list[Fault]:
         )
         if kind in ("hostile_clients", "hostile_peer"):
             target = "routers" if kind == "hostile_clients" else rng.choice(workers)
+        if kind in FLEET_KINDS:
+            target = "fleet"
         out.append(Fault(at, kind, target, hold))
     return sorted(out, key=lambda f: f.at)
 
@@ -606,13 +814,16 @@ class Chaos:
         self.spawner.start()
         self.c, self.violations = c, violations
         self.rng = random.Random(seed + 1)
-        self.locks: dict[str, threading.Lock] = {n: threading.Lock() for n in [*ROLES, "redis", "routers"]}
+        self.locks: dict[str, threading.Lock] = {
+            n: threading.Lock() for n in [*ROLES, "redis", "routers", "fleet"]
+        }
         self.hostile_results: list[str] = []
 
     def run(self, f: Fault, t0: float) -> None:
         time.sleep(max(0.0, t0 + f.at - time.monotonic()))
         lock = self.locks[f.target]
-        if not lock.acquire(timeout=60):
+        # A rollout takes minutes: the next one waits for it longer than a fault waits for its target.
+        if not lock.acquire(timeout=600 if f.target == "fleet" else 60):
             f.note = "skipped: its target was busy with another fault for 60 s"
             return
         try:
@@ -629,11 +840,15 @@ class Chaos:
     # -- each fault restores what it broke before it returns
 
     def kill9(self, f: Fault) -> None:
-        srv = self.c.procs[f.target]
+        srv = self.c.current(f.target)
+        if srv is None:
+            f.note = "skipped: no worker runs on the host"
+            return
         srv.kill()
         time.sleep(f.hold)
-        self.spawner.call(lambda: self.c.start_worker(f.target)).wait_ready(timeout=300)
-        self.c.wait_healthy({f.target}, timeout=120)
+        new = self.c.restart_worker(f.target, srv)
+        new.wait_ready(timeout=300)
+        self.c.wait_live_healthy([new.url], timeout=120)
 
     def link_down(self, f: Fault) -> None:
         h = self.c.host(f.target)
@@ -644,7 +859,10 @@ class Chaos:
             self.c.net.link(h, up=True)
 
     def sigstop(self, f: Fault) -> None:
-        srv = self.c.procs[f.target]
+        srv = self.c.current(f.target)
+        if srv is None:
+            f.note = "skipped: no worker runs on the host"
+            return
         Cluster.pause(srv, True)
         try:
             time.sleep(f.hold)
@@ -766,8 +984,15 @@ class Chaos:
 
         from pdserve.protocol import PD_DONE, pack
 
-        h = self.c.host(f.target)
-        endpoint = f"tcp://{h.ip}:{KV_PORT}"
+        h, srv = self.c.host(f.target), self.c.current(f.target)
+        if srv is None:
+            f.note = "skipped: no worker runs on the host"
+            return
+        try:  # a rollout's worker binds a free KV port
+            endpoint = httpx.get(srv.url + "/health", timeout=5).json().get("kv_endpoint")
+        except (httpx.HTTPError, ValueError):
+            endpoint = None
+        endpoint = endpoint or f"tcp://{h.ip}:{KV_PORT}"
         s = zmq.Context.instance().socket(zmq.PUSH)
         s.setsockopt(zmq.LINGER, 2000)
         s.setsockopt(zmq.SNDTIMEO, 2000)
@@ -788,7 +1013,7 @@ class Chaos:
             s.close()
         for path in ("/internal/generate", "/internal/role", "/v1/completions"):
             r = httpx.post(
-                h.url(8000) + path, json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2}, timeout=30
+                srv.url + path, json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2}, timeout=30
             )
             self.hostile_results.append(f"peer{path}:{r.status_code}")
             if r.status_code not in (401, 403, 404, 405):
@@ -796,6 +1021,33 @@ class Chaos:
                     f"{f.target}{path} without the internal token answered {r.status_code}"
                 )
         time.sleep(f.hold)
+
+    # -- rollouts: `pdserve rollout` against router "router", whose fleet asks the host agents
+
+    def rollout(self, f: Fault) -> None:
+        """The fleet to the other version (A -> B, then B -> A), canary first. One of its new workers
+        killed meanwhile fails its health check, and the rollout rolls back: both end clean."""
+        to = self.c.other_version()
+        self._rollout(f, to, ["--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000"])
+
+    def rollback(self, f: Fault) -> None:
+        """A rollout whose SLO check no version passes: its first new worker is rolled back."""
+        self._rollout(f, self.c.other_version(), ["--slo-ttft-ms", "0.001"])
+
+    def _rollout(self, f: Fault, config: Path, slo: list[str]) -> None:
+        cmd = pdserve_cmd() + ["rollout", "--config", str(config), "--router", self.c.router.url]
+        cmd += ["--admin-key", ADMIN, "--window-s", "4", "--canary-weight", "0.5", "--max-error-rate", "1"]
+        cmd += ["--health-timeout-s", "240", "--drain-timeout-s", "5", *slo]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        lines = out.stdout.strip().splitlines()
+        f.note = f"{config.stem}: rc {out.returncode}: {lines[-1] if lines else out.stderr.strip()[-200:]}"
+        # 0: done; 1: stopped and rolled back (a new worker killed by another fault, an SLO breach).
+        # Anything else (a refused admin call, a crash) is a violation, with what it said.
+        if out.returncode not in (0, 1) or "Traceback" in out.stderr:
+            self.violations.append(
+                f"rollout to {config.stem}: rc {out.returncode}: {out.stdout[-800:]} {out.stderr[-800:]}"
+            )
+        print(f"rollout to {config.stem} ({f.kind} at {f.at:.0f}s):\n{out.stdout}", flush=True)
 
 
 def probe_kinds(c: SoakCluster) -> tuple[list[str], dict[str, str]]:
@@ -905,7 +1157,9 @@ def _soak(
     base_ok = goodput(base_results, baseline_s, slo=False)
     marks["baseline end"] = time.monotonic() - t0
     sampler.sample()
-    warm = {(n, srv.proc.pid): proc_stats(srv.proc.pid) for n, srv in c.procs.items()}
+    warm = {
+        (n, srv.proc.pid): proc_stats(srv.proc.pid, not n.startswith("agent-")) for n, srv in c.procs.items()
+    }
     for n in ("router", "router-b"):
         print(f"{n} TCP sockets after the baseline: {tcp_tally(c, n, c.procs[n].proc.pid)}")
     print(
@@ -938,7 +1192,7 @@ def _soak(
         violations.append(f"client requests still in flight {DEADLINE_S + 30:.0f}s after the load stopped")
     load.exe.shutdown(wait=False)
     try:
-        c.wait_healthy(set(ROLES), timeout=120)
+        c.wait_live_healthy(timeout=120)
     except AssertionError as e:
         violations.append(f"after the drain: {e}")
     leaked = held_blocks(c, violations)
@@ -968,7 +1222,12 @@ def _soak(
     # goodput while each kind was active, against the baseline
     ratios = {}
     for kind in kinds:
-        spans = [(f.began, f.ended) for f in plan if f.kind == kind and f.began is not None and f.ended]
+        # Only while the load ran: a fault still running after the chaos phase saw no requests then.
+        spans = [
+            (f.began, min(f.ended, args.duration))
+            for f in plan
+            if f.kind == kind and f.began is not None and f.ended and f.began < args.duration
+        ]
         secs = sum(b - a for a, b in spans)
         rs = [r for r in chaos_results if any(a <= r.start - tc <= b for a, b in spans)]
         ratios[kind] = (
@@ -986,6 +1245,9 @@ def _soak(
         f"answers (baseline {base_ok:.2f}/s), per fault kind active:"
     )
     for kind, (g, ok, n) in ratios.items():
+        if not n:
+            print(f"  {kind:<18} (no request started while it was active during the load)")
+            continue
         print(f"  {kind:<18} goodput {g:5.2f}  right answers {ok:5.2f}  ({n} requests)")
     whole = (
         goodput(chaos_results, args.duration) / base_good if base_good else float("nan"),
@@ -1000,7 +1262,7 @@ def _soak(
     )
     for name, srv in c.procs.items():
         key = (name, srv.proc.pid)
-        end = proc_stats(srv.proc.pid)
+        end = proc_stats(srv.proc.pid, not name.startswith("agent-"))
         if end is None:
             violations.append(f"{name} (pid {srv.proc.pid}) is not running after the drain")
             continue

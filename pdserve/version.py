@@ -3,7 +3,7 @@
 The digest is a stable hash (sha256 of canonical JSON, 12 hex digits) of the config a worker was
 started from, before its role's settings are applied, so that the prefill and decode workers of
 one deployment config carry one version, and without what names the process rather than what it
-runs (ports, hosts, its role, the router it registers with, the router's and controller's own
+runs (ports, hosts, its disk tier's directory, its role, the router it registers with, the router's and controller's own
 sections, instance counts, secrets). Two workers with equal labels run the same code and settings;
 `pdserve rollout` (control/rollout.py) replaces workers until every label is the new config's.
 """
@@ -21,7 +21,8 @@ from pdserve.config import Config
 _SKIP_SECTIONS = ("router", "controller", "rollout", "worker")
 _SKIP_KEYS = {
     "server": ("host", "port", "advertise_host", "router_url", "internal_token", "worker_api_keys"),
-    "cache": ("kv_events_endpoint", "kv_events_snapshot_endpoint"),
+    # The disk tier's directory is where on the host, not what: each worker of a host has its own.
+    "cache": ("kv_events_endpoint", "kv_events_snapshot_endpoint", "disk_cache_dir"),
     "disagg": ("prefill_endpoints",),
     "deployment": ("mode", "pd_ratio"),
 }

@@ -272,6 +272,7 @@ class Controller:
             None if wait is None else wait * 1000,
             None if backlog is None else backlog * 1000,
             forecast,
+            max(1, len({w.version for w in pre + dec if w.version})),
         )
 
     async def step(self) -> ControllerDecision:

@@ -21,11 +21,16 @@ import argparse
 import asyncio
 import itertools
 import logging
+import shutil
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import yaml
 
 from pdserve.config import Config, ConfigError, derive, load_config
@@ -35,6 +40,7 @@ from pdserve.worker_process import WorkerProcess
 log = logging.getLogger(__name__)
 KEEP_EXITED = 32  # exited workers listed (for their exit code, log tail and a restart), oldest dropped first
 STOP_GRACE_S = 5.0  # beyond the worker's own shutdown_timeout_s before SIGKILL
+THREADS = 4  # blocking calls at once (a drain waits on one for seconds)
 
 
 @dataclass
@@ -44,38 +50,47 @@ class Started:
     config_file: Path
     proc: WorkerProcess
     shutdown_s: float
+    disk: Path | None = None  # its disk tier's directory when the agent chose it
 
 
 class HostAgent:
-    def __init__(self, host: str, router_urls: list[str], threads: int, log_dir: Path) -> None:
+    def __init__(
+        self, host: str, router_urls: list[str], threads: int, log_dir: Path, disk_dir: Path | None = None
+    ) -> None:
         self.host, self.router_urls, self.threads, self.log_dir = host, router_urls, threads, log_dir
+        self.disk_dir = disk_dir  # each worker's disk tier in its own directory below it
         self.workers: dict[str, Started] = {}
         self._index = itertools.count(1)
+        self.http = httpx.Client(timeout=2.0)  # one pool for every health check, not one per call
 
-    def worker_config(self, req: HostStart, n: int) -> tuple[Path, Config]:
+    def worker_config(self, req: HostStart, n: int, disk: Path | None) -> tuple[Path, Config]:
         """The config file a worker reads: the given config bound to this host (ConfigError names a
         bad key). The routers' client and admin keys are left out: a worker takes the internal token."""
         raw = self.log_dir / f"{req.role}-{n}.given.yaml"
         raw.write_text(yaml.safe_dump(req.config))
         events = f"tcp://{self.host}:{req.kv_events_port or '*'}"
-        config = derive(
-            load_config(raw),
-            {
-                "deployment.mode": "pd",
-                "server.host": self.host,
-                "server.advertise_host": None,
-                "cache.kv_events_endpoint": events,
-                "router.api_keys": [],
-                "router.admin_keys": [],
-            },
-        )
+        bound: dict[str, object] = {
+            "deployment.mode": "pd",
+            "server.host": self.host,
+            "server.advertise_host": None,
+            "cache.kv_events_endpoint": events,
+            "router.api_keys": [],
+            "router.admin_keys": [],
+        }
+        if disk is not None:
+            disk.mkdir(parents=True, exist_ok=True)
+            bound["cache.disk_cache_dir"] = str(disk)
+        config = derive(load_config(raw), bound)
         path = self.log_dir / f"{req.role}-{n}.yaml"
         path.write_text(yaml.safe_dump(config.to_dict()))
         return path, config
 
-    def start(self, req: HostStart) -> Started:
+    def start(self, req: HostStart, disk: Path | None = None) -> Started:
+        """`disk`: a restarted worker's own disk tier directory (its blocks survive the restart)."""
         n = next(self._index)
-        path, config = self.worker_config(req, n)
+        if disk is None and self.disk_dir is not None:  # two workers must not share one tier's files
+            disk = self.disk_dir / f"{req.role}-{n}"
+        path, config = self.worker_config(req, n, disk)
         # Threads through the environment (WorkerProcess), not --threads: a flag would enter the
         # worker's version label, and a rollout compares that label with its config's.
         extra: list[str] = []
@@ -86,7 +101,7 @@ class HostAgent:
         if req.kv_port:
             extra += ["--kv-port", str(req.kv_port)]
         proc = WorkerProcess(req.role, n, path, self.host, self.threads, None, self.log_dir, extra)
-        s = Started(f"{req.role}-{n}", req, path, proc, config.server.shutdown_timeout_s)
+        s = Started(f"{req.role}-{n}", req, path, proc, config.server.shutdown_timeout_s, disk)
         self.workers[s.id] = s
         self._prune()
         log.info("started %s (pid %d, log %s)", s.id, proc.proc.pid, proc.log_path)
@@ -95,17 +110,16 @@ class HostAgent:
     def _prune(self) -> None:
         exited = [w for w in self.workers.values() if w.proc.proc.poll() is not None]
         for w in exited[: max(0, len(exited) - KEEP_EXITED)]:
+            w.proc.wait(0)  # reaped; closes its log
             del self.workers[w.id]
 
     def describe(self, s: Started, check_health: bool = True) -> HostWorker:
         p = s.proc
         code = p.proc.poll()
-        healthy = code is None and check_health and p.healthy()  # reads the port file once written
         if p.port is None and p.port_file.exists():
             p.port = int(p.port_file.read_text())
-        tail = ""
-        if code is not None:
-            tail = p.log_path.read_text(errors="replace")[-1500:] if p.log_path.exists() else ""
+        healthy = code is None and check_health and p.port is not None and self._healthy(p.url)
+        tail = _tail(p.log_path) if code is not None else ""
         return HostWorker(
             id=s.id,
             role=s.req.role,
@@ -117,11 +131,29 @@ class HostAgent:
             log_tail=tail,
         )
 
+    def _healthy(self, url: str) -> bool:
+        try:
+            return self.http.get(url + "/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def stop(self, s: Started) -> None:
         s.proc.stop()
         s.proc.wait(s.shutdown_s + STOP_GRACE_S)  # SIGKILL past it
         self.workers.pop(s.id, None)
+        if s.disk is not None:  # no other worker reads it
+            shutil.rmtree(s.disk, ignore_errors=True)
         log.info("stopped %s (exit %s)", s.id, s.proc.proc.returncode)
+
+
+def _tail(path: Path, n: int = 1500) -> str:
+    """The last `n` bytes of a log (read from there: a worker's log may be large)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, 2) - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def create_agent_app(agent: HostAgent, token: str):
@@ -130,7 +162,18 @@ def create_agent_app(agent: HostAgent, token: str):
     from pdserve.server.errors import error_response
     from pdserve.server.internal_api import RequireInternalToken
 
-    app = FastAPI(title="pdserve host agent")
+    @asynccontextmanager
+    async def lifespan(_app):
+        # Blocking work (a start, a drain, health checks) runs on these threads, all started now:
+        # the agent's footprint after start-up is its footprint.
+        pool = ThreadPoolExecutor(THREADS, thread_name_prefix="agent")
+        await asyncio.gather(
+            *(asyncio.get_running_loop().run_in_executor(pool, time.sleep, 0.05) for _ in range(THREADS))
+        )
+        asyncio.get_running_loop().set_default_executor(pool)
+        yield
+
+    app = FastAPI(title="pdserve host agent", lifespan=lifespan)
 
     def found(worker_id: str) -> Started | None:
         return agent.workers.get(worker_id)
@@ -171,8 +214,9 @@ def create_agent_app(agent: HostAgent, token: str):
             return unknown(worker_id)
         if s.proc.proc.poll() is None:
             return error_response(409, f"{worker_id} is running; stop it first", code="worker_running")
+        await asyncio.to_thread(s.proc.wait, 0)  # exited: closes its log file
         agent.workers.pop(worker_id, None)
-        new = await asyncio.to_thread(agent.start, s.req)
+        new = await asyncio.to_thread(agent.start, s.req, s.disk)
         return (await asyncio.to_thread(agent.describe, new, False)).model_dump()
 
     @app.delete("/agent/workers/{worker_id}")
@@ -196,6 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-url", default="", help="comma-separated routers its workers register with")
     p.add_argument("--threads", type=int, help="threads per worker (default: server.threads, else 1)")
     p.add_argument("--log-dir", help="worker configs and logs (default: a new temporary directory)")
+    p.add_argument(
+        "--disk-cache-dir",
+        help="this host's disk for the KV disk tier: each worker gets its own directory below it "
+        "(default: the config's cache.disk_cache_dir, shared)",
+    )
     return p
 
 
@@ -222,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     threads = args.threads or config.server.threads or 1
     routers = [u for u in args.router_url.split(",") if u]
-    agent = HostAgent(args.host, routers, threads, log_dir)
+    disk = Path(args.disk_cache_dir) if args.disk_cache_dir else None
+    agent = HostAgent(args.host, routers, threads, log_dir, disk)
     from pdserve.server.serving import bind_socket, run_uvicorn
 
     sock = bind_socket(args.host, args.port)

@@ -189,9 +189,15 @@ class Rollout:
                 self.say(f"  {verdict.reason}")
                 if not verdict.ok:
                     raise RolloutFailed(verdict.reason)
-                moved = self.admin.retire(old["id"], self.s.drain_timeout_s)["moved"]
+                try:
+                    moved = self.admin.retire(old["id"], self.s.drain_timeout_s)["moved"]
+                    self.say(f"  {old['id']} retired ({moved} requests moved)")
+                except AdminError as e:
+                    if e.status != 404:
+                        raise
+                    # Gone meanwhile (it died and the router forgot it): nothing is left to retire.
+                    self.say(f"  {old['id']} left the deployment by itself; nothing to retire")
                 steps[-1].old_retired = True
-                self.say(f"  {old['id']} retired ({moved} requests moved)")
             self.admin.canary(None)
         except (RolloutFailed, AdminError) as e:
             self.say(f"rollout stopped: {e}")

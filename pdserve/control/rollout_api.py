@@ -157,7 +157,14 @@ def install_rollout_routes(
                 log.warning("worker %s is down; retiring it without emptying: %s", worker_id, e)
                 moved = 0
             await rfleet.remember(w)
-            await rfleet.remove(w)
+            try:
+                await rfleet.remove(w)
+            except RuntimeError:
+                if w.healthy:
+                    raise
+                # Down and unknown to the fleet (it died; a supervisor may run its successor
+                # elsewhere): there is no process to stop, only the entry to forget.
+                log.warning("worker %s is down and not in the fleet; forgotten", worker_id)
         except (SwitchRefused, RuntimeError) as e:
             await back_into_service(registry, client, w)  # still running (empty_worker undoes its own)
             status, code = (e.status, e.code) if isinstance(e, SwitchRefused) else (409, "not_in_fleet")

@@ -99,6 +99,7 @@ class Reading:
     oldest_wait_ms: float | None = None  # the longest a request in flight has waited for its first token
     backlog_ms: float | None = None  # the wait ahead of a prompt sent now to the least-queued prefill worker
     itl_forecast_ms: float | None = None  # the mean gap forecast for a decode stream sent now
+    versions: int = 1  # versions the serving workers run: more than one while a rollout replaces them
 
 
 HOT, COLD, NEITHER = 1, -1, 0
@@ -192,6 +193,11 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
     if r.starting:
         # Figures without the new worker say nothing of the fleet with it: wait for it, from zero.
         return Decision("hold", f"{r.starting} worker(s) starting", inputs), State(last_action_at=last)
+    if r.versions > 1:
+        # A rollout adds and retires workers itself: a removal now could take its canary or the
+        # worker it is about to replace, and the figures mix two versions.
+        why = f"a rollout is under way ({r.versions} versions serve)"
+        return Decision("hold", why, inputs), State(last_action_at=last)
     # No latency in an idle interval: the pools are cold. No latency while requests are in flight
     # (long replies still decoding, or prompts queued behind a long prefill): that pool's reading is
     # unknown, unless it is over the SLO already (a wait or a backlog past it), and leaves its counts as they

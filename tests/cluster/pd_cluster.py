@@ -140,7 +140,7 @@ class PDCluster:
                 r,
                 name,
                 pdserve_cmd()
-                + ["router", "--config", str(self.config_path), "--host", r.ip, "--port", str(PORT)],
+                + ["router", "--config", str(self.router_config(name)), "--host", r.ip, "--port", str(PORT)],
                 PORT,
                 env=thread_env(1),
                 health_path="/metrics",
@@ -152,6 +152,10 @@ class PDCluster:
         for name in ROLES:
             self.procs[name].wait_ready(timeout=300)
         self.wait_healthy(set(ROLES))
+
+    def router_config(self, name: str) -> Path:
+        """The config file a router replica starts with (a subclass may give each its own)."""
+        return self.config_path
 
     def start_redis(self) -> ServerProcess:
         """Start (or restart, on the same host and port) the Redis server; wait_ready() it."""

@@ -44,6 +44,7 @@ def test_the_digest_names_what_a_worker_runs_not_where_it_runs(tmp_path):
         "deployment.prefill.instances": 3,
         "cache.kv_events_endpoint": "tcp://127.0.0.1:*",
         "server.internal_token": "secret",
+        "cache.disk_cache_dir": "/var/lib/pdserve/decode-7",  # each worker of a host has its own
     }
     assert config_digest(load_config(cfg, same)) == base
     # ... what the worker computes with is: a global key, a role's key, the model.

@@ -166,6 +166,22 @@ def test_nothing_more_while_a_started_worker_has_not_registered():
     assert all(i >= 20 + 3 - 1 for i, _ in actions[1:]), actions
 
 
+def test_nothing_while_a_rollout_runs_two_versions():
+    """Hot or cold, the fleet is the rollout's while two versions serve; the counts go on after."""
+    for ttft, itl, n in ((5000.0, 500.0, 2), (None, None, 4)):  # hot: add; cold with spares: remove
+        state = State()
+        actions = []
+        for i in range(30):
+            versions = 2 if i < 15 else 1
+            r = Reading(i * INTERVAL, n // 2 or 1, n // 2 or 1, ttft, itl, versions=versions)
+            d, state = decide(r, state, P)
+            if d.action != "hold":
+                actions.append(i)
+            elif versions > 1:
+                assert "rollout" in d.reason, d.reason
+        assert actions and actions[0] >= 15, actions
+
+
 def test_controller_config_is_checked_at_load(tmp_path):
     import subprocess
     import sys
