@@ -40,9 +40,13 @@ restarted later, the first third of its life, at least 30 s); a rollout that exi
 (0) or rolled back (1). Printed: the schedule, each phase's figures, goodput with each fault kind
 active / baseline goodput, and a chart (PNG; CSV beside it) of every process's memory.
 
-Needs root, iproute2 and redis-server (network namespaces); prints why and exits 0 otherwise.
+Needs redis-server. Hosts are network namespaces where the machine allows them (root, iproute2),
+else loopback addresses (`--hosts loopback`): every fault of a process, of Redis and of the
+requests still runs there; a link down, a slow link and a partition are left out, and without root
+so is the full disk (it needs a tmpfs mount), each printed with why.
 
-Usage: python benchmarks/chaos_soak.py [--duration 1800] [--seed 1] [--out DIR]
+Usage: python benchmarks/chaos_soak.py [--duration 1800] [--seed 1] [--out DIR] [--hosts auto|netns|loopback]
+       [--kinds kill9,sigstop,...]
 """
 
 from __future__ import annotations
@@ -70,7 +74,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the namespace hosts live with the cluster tests
 
-from cluster.cluster_hosts import Cluster, ShapingUnavailable, unavailable, wait_until  # noqa: E402
+from cluster.cluster_hosts import (  # noqa: E402
+    Cluster,
+    LoopbackCluster,
+    ShapingUnavailable,
+    unavailable,
+    wait_until,
+)
 from cluster.pd_cluster import (  # noqa: E402
     ADMIN,
     EVENTS_PORT,
@@ -323,6 +333,7 @@ class AgentWorker:
     def __init__(self, c: SoakCluster, name: str, hw: dict) -> None:
         self.c, self.name, self.id = c, name, hw["id"]
         self.proc = _Pid(hw["pid"])
+        self.healthy = bool(hw.get("healthy"))  # as its agent last listed it
         # Until the worker has bound its port the agent lists no URL: the host's fixed port for now,
         # the listing's once it is known (SoakCluster.refresh_all).
         self.url = (hw.get("url") or c.host(name).url(PORT)).rstrip("/")
@@ -355,17 +366,22 @@ class SoakCluster(PDCluster):
     routers' fleet (controller.backend: hosts) does for a rollout; each worker's disk tier on one
     tmpfs; no throttled transfer."""
 
-    def __init__(self, workdir: Path, disk_mb: int) -> None:
+    def __init__(self, workdir: Path, disk_mb: int, loopback: bool = False) -> None:
         self.disk = workdir / "disk"
         self.disk.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={disk_mb}m", "pdsoak", str(self.disk)], check=True
-        )
+        # The disk tier on a filesystem of its own, small enough to fill (a tmpfs: root); without
+        # one, a plain directory, and no disk_full fault.
+        self.own_disk = os.geteuid() == 0
+        if self.own_disk:
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={disk_mb}m", "pdsoak", str(self.disk)], check=True
+            )
         try:
-            super().__init__(workdir, overrides=OVERRIDES)
+            super().__init__(workdir, overrides=OVERRIDES, loopback=loopback)
             self.refresh_all()  # from here on each worker is known by its host and its agent's id
         except BaseException:
-            subprocess.run(["umount", "-l", str(self.disk)], check=False)
+            if self.own_disk:
+                subprocess.run(["umount", "-l", str(self.disk)], check=False)
             raise
 
     def _start(self, redis: bool) -> None:
@@ -486,14 +502,19 @@ class SoakCluster(PDCluster):
             for label, w in alive.items():
                 if label not in self.procs:
                     self.procs[label] = AgentWorker(self, host, w)
-                elif w.get("url"):  # bound since it was first listed
-                    self.procs[label].url = w["url"].rstrip("/")
+                    continue
+                known = self.procs[label]
+                assert isinstance(known, AgentWorker)
+                known.healthy = bool(w.get("healthy"))
+                if w.get("url"):  # bound since it was first listed
+                    known.url = w["url"].rstrip("/")
 
     def current(self, host: str) -> AgentWorker | None:
-        """The host's newest live worker (a rollout's replacement once it runs), None if none runs."""
+        """The host's newest serving worker (a rollout's replacement once it runs; one still
+        loading only when none serves), None if none runs."""
         self.refresh_all()
         mine = [w for n, w in self.live().items() if n.startswith(host + "/")]
-        return max(mine, key=lambda w: int(w.id.rsplit("-", 1)[1]), default=None)
+        return max(mine, key=lambda w: (w.healthy, int(w.id.rsplit("-", 1)[1])), default=None)
 
     def wait_live_healthy(self, urls: list[str] | None = None, timeout: float = 60) -> None:
         """The given worker URLs (default: every live worker's) healthy at both routers."""
@@ -515,7 +536,8 @@ class SoakCluster(PDCluster):
 
     def close(self) -> None:
         super().close()
-        subprocess.run(["umount", "-l", str(self.disk)], check=False)
+        if self.own_disk:
+            subprocess.run(["umount", "-l", str(self.disk)], check=False)
 
 
 def _admin(c: PDCluster, method: str, path: str, router: str = "router", **kw) -> httpx.Response:
@@ -1012,9 +1034,15 @@ class Chaos:
         finally:
             s.close()
         for path in ("/internal/generate", "/internal/role", "/v1/completions"):
-            r = httpx.post(
-                srv.url + path, json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2}, timeout=30
-            )
+            try:
+                r = httpx.post(
+                    srv.url + path, json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2}, timeout=30
+                )
+            except httpx.ConnectError:
+                if srv.proc.poll() is None:
+                    raise
+                f.note = f"{srv.id} left meanwhile (a rollout retired it)"  # nothing left to ask
+                break
             self.hostile_results.append(f"peer{path}:{r.status_code}")
             if r.status_code not in (401, 403, 404, 405):
                 self.violations.append(
@@ -1050,16 +1078,27 @@ class Chaos:
         print(f"rollout to {config.stem} ({f.kind} at {f.at:.0f}s):\n{out.stdout}", flush=True)
 
 
-def probe_kinds(c: SoakCluster) -> tuple[list[str], dict[str, str]]:
-    kinds, omitted = list(FAULT_KINDS), dict(OMITTED)
+def probe_kinds(c: SoakCluster, wanted: list[str]) -> tuple[list[str], dict[str, str]]:
+    kinds, omitted = list(wanted), dict(OMITTED)
+    if isinstance(c.net, LoopbackCluster):
+        for k in ("link_down", "router_partition", "slow_link"):
+            if k in kinds:
+                kinds.remove(k)
+                omitted[k] = "loopback hosts share one interface (network namespaces need root)"
+    if not c.own_disk and "disk_full" in kinds:
+        kinds.remove("disk_full")
+        omitted["disk_full"] = "the disk tier needs a small filesystem of its own to fill (a tmpfs: root)"
     try:  # a slow link needs the tbf qdisc
+        if "slow_link" not in kinds:
+            raise ShapingUnavailable("")
         h = c.host("decode-a")
         c.net.shape(h, 50_000_000)
         c.net.shape(h, None)
     except ShapingUnavailable as e:
-        kinds.remove("slow_link")
-        omitted["slow_link"] = str(e)
-    if shutil.which("redis-cli") is None:
+        if "slow_link" in kinds:
+            kinds.remove("slow_link")
+            omitted["slow_link"] = str(e)
+    if shutil.which("redis-cli") is None and "redis_restart" in kinds:
         kinds.remove("redis_restart")
         omitted["redis_restart"] = "redis-cli is not installed (it tells when the restarted Redis answers)"
     return kinds, omitted
@@ -1086,12 +1125,33 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help="where the chart and CSV go (default: the workdir)"
     )
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument(
+        "--hosts",
+        choices=("auto", "netns", "loopback"),
+        default="auto",
+        help="netns: network-namespace hosts (root); loopback: loopback addresses, without the link "
+        "faults; auto: netns where this machine can make them",
+    )
+    ap.add_argument(
+        "--kinds",
+        default=",".join(FAULT_KINDS),
+        help=f"fault kinds to draw from (default: all of {FAULT_KINDS})",
+    )
     args = ap.parse_args(argv)
     seed = args.seed
-    reason = unavailable() or (None if shutil.which("redis-server") else "redis-server is not installed")
-    if reason:
-        print(f"chaos_soak: skipped: {reason}")
+    wanted = [k for k in args.kinds.split(",") if k]
+    if bad := [k for k in wanted if k not in FAULT_KINDS]:
+        ap.error(f"--kinds: {bad} are not among {FAULT_KINDS}")
+    if shutil.which("redis-server") is None:
+        print("chaos_soak: skipped: redis-server is not installed")
         return 0
+    why_not = unavailable() if args.hosts != "loopback" else "--hosts loopback"
+    if why_not and args.hosts == "netns":
+        print(f"chaos_soak: skipped: {why_not}")
+        return 0
+    loopback = why_not is not None
+    if loopback:
+        print(f"chaos_soak: hosts on loopback addresses ({why_not})")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-soak-"))
     out = args.out or workdir
     out.mkdir(parents=True, exist_ok=True)
@@ -1099,18 +1159,26 @@ def main(argv: list[str] | None = None) -> int:
     violations: list[str] = []
     print(f"chaos_soak seed={seed} duration={args.duration:.0f}s commit={_commit()} cpu={describe()}")
     t_setup = time.monotonic()
-    c = SoakCluster(workdir, disk_mb=24)
+    c = SoakCluster(workdir, disk_mb=24, loopback=loopback)
     try:
-        return _soak(c, args, seed, baseline_s, out, violations, t_setup)
+        return _soak(c, args, seed, baseline_s, out, violations, t_setup, wanted)
     finally:
         c.close()
 
 
 def _soak(
-    c: SoakCluster, args, seed: int, baseline_s: float, out: Path, violations: list[str], t0: float
+    c: SoakCluster,
+    args,
+    seed: int,
+    baseline_s: float,
+    out: Path,
+    violations: list[str],
+    t0: float,
+    wanted: list[str],
 ) -> int:
-    print(f"deployment up in {time.monotonic() - t0:.0f}s (namespace hosts: {', '.join(c.net.hosts)})")
-    kinds, omitted = probe_kinds(c)
+    what = "loopback" if isinstance(c.net, LoopbackCluster) else "namespace"
+    print(f"deployment up in {time.monotonic() - t0:.0f}s ({what} hosts: {', '.join(c.net.hosts)})")
+    kinds, omitted = probe_kinds(c, wanted)
     for k, why in omitted.items():
         print(f"fault kind left out: {k}: {why}")
     sampler = Sampler(c, t0)

@@ -248,3 +248,65 @@ def wait_until(predicate, timeout: float, what: str, period: float = 0.2):
                 return last
         time.sleep(period)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+class LoopbackCluster:
+    """The same hosts without root: each host is its own loopback address (127.x.y.N, all of
+    127.0.0.0/8 reaches this machine), its processes run plainly. There is no link of a host's own
+    to take down, cut or slow (link, cut and shape raise ShapingUnavailable), and processes share
+    /dev/shm and the hostname: what stays testable is every fault of a process (kill, stop,
+    restart), of a peer (Redis) and of the requests."""
+
+    def __init__(self, host_names: list[str], workdir: Path, shm_mb: int = 512) -> None:
+        del shm_mb  # one /dev/shm for all
+        pid = os.getpid()
+        self.gateway = "127.0.0.1"
+        self.workdir = workdir
+        self.hosts = {
+            name: Host(name, "", f"127.{100 + pid % 100}.{pid // 100 % 250 + 1}.{10 + i}", "")
+            for i, name in enumerate(host_names)
+        }
+        self._closed = False
+        atexit.register(self.close)
+
+    def start(
+        self,
+        host: Host,
+        name: str,
+        cmd: list[str],
+        port: int,
+        env: dict | None = None,
+        health_path: str = "/health",
+    ) -> ServerProcess:
+        srv = ServerProcess(cmd, port, self.workdir / f"{name}.log", env=env, health_path=health_path)
+        srv.url = host.url(port)
+        host.procs.append(srv)
+        return srv
+
+    def run(self, host: Host, cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+    def link(self, host: Host, up: bool) -> None:
+        raise ShapingUnavailable("a loopback host has no link of its own (network namespaces need root)")
+
+    def cut(self, a: Host, b: Host, cut: bool = True) -> None:
+        raise ShapingUnavailable("loopback hosts share one interface: no path between two can be cut")
+
+    def shape(self, host: Host, bits_per_s: int | None) -> None:
+        raise ShapingUnavailable("a loopback host has no link of its own to slow")
+
+    pause = staticmethod(Cluster.pause)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        procs = [srv for host in self.hosts.values() for srv in host.procs]
+        for srv in procs:
+            for sig in (signal.SIGCONT, signal.SIGTERM):
+                try:
+                    os.killpg(srv.proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for srv in procs:
+            srv.stop(grace=10)

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import openai
 import yaml
-from cluster.cluster_hosts import Cluster, Host, wait_until
+from cluster.cluster_hosts import Cluster, Host, LoopbackCluster, wait_until
 
 from pdserve.bench.procs import ServerProcess, pdserve_cmd, thread_env
 
@@ -87,8 +87,14 @@ def recovery_s(outs: list[Outcome], fault_at: float) -> float:
 
 class PDCluster:
     def __init__(
-        self, workdir: Path, redis: bool = True, otlp_port: int | None = None, overrides: dict | None = None
+        self,
+        workdir: Path,
+        redis: bool = True,
+        otlp_port: int | None = None,
+        overrides: dict | None = None,
+        loopback: bool = False,
     ) -> None:
+        """`loopback`: hosts are loopback addresses (cluster_hosts.LoopbackCluster: no root, no link faults)."""
         self.overrides = overrides or {}  # config sections merged over CONFIG's (e.g. a soak's limits)
         self.otlp_port = (
             otlp_port  # every process exports its trace spans to this port of the test host (None: off)
@@ -96,7 +102,7 @@ class PDCluster:
         names = (
             ["router", *ROLES] + (["redis"] if redis and shutil.which("redis-server") else []) + ["router-b"]
         )
-        self.net = Cluster(names, workdir)
+        self.net: Cluster | LoopbackCluster = (LoopbackCluster if loopback else Cluster)(names, workdir)
         self.workdir = workdir
         self.procs: dict[str, ServerProcess] = {}
         self.receiver: Any = None  # the OTLP receiver (tests/otlp_receiver.py) when tracing is on

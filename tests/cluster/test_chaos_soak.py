@@ -4,7 +4,9 @@ this machine can make at least once). It must end with no violation: every reque
 its fault-free text or a clear refusal within its deadline, no KV block held after the drain, file
 descriptors, threads and resident memory of every process back within bounds of their post-warm-up
 values. Nothing here is timed: the load is derived from the capacity measured in the same run and
-bounded by the client's in-flight cap; goodput ratios are printed, not asserted."""
+bounded by the client's in-flight cap; goodput ratios are printed, not asserted. The loopback
+variant is what a machine without root runs: the same deployment on loopback addresses, with the
+faults that need no link of a host's own."""
 
 from __future__ import annotations
 
@@ -47,3 +49,24 @@ def test_chaos_soak_short(tmp_path, capsys):
     assert not violations, "\n".join(violations)
     assert rc == 0, out
     assert (tmp_path / "chaos_soak_memory.csv").exists()
+
+
+def test_chaos_soak_on_loopback_hosts(tmp_path, capsys):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    soak = _soak_module()
+    kinds = "kill9,sigstop,role_switch,redis_restart,hostile_clients,hostile_peer,rollback,link_down"
+    with timed("chaos soak on loopback hosts (test_chaos_soak.py)"):
+        rc = soak.main(
+            ["--hosts", "loopback", "--kinds", kinds, "--duration", "45", "--seed", "5"]
+            + ["--capacity-s", "6", "--baseline-s", "12"]
+            + ["--workdir", str(tmp_path / "w"), "--out", str(tmp_path)]
+        )
+    out = capsys.readouterr().out
+    print(out)
+    assert "loopback hosts: router, prefill-a" in out, out
+    assert "fault kind left out: link_down: loopback hosts share one interface" in out, out
+    violations = [x.split("VIOLATION ", 1)[1] for x in out.splitlines() if "  VIOLATION " in x]
+    assert not violations, "\n".join(violations)
+    assert rc == 0, out
+    assert "rollout to " in out, out  # the rollback ran through the host agents
