@@ -130,10 +130,13 @@ class HostsFleet:
         return len(self._pending)
 
     async def _find(self, w: Worker) -> tuple[str, HostWorker] | None:
+        """The agent's process of `w`: the same URL and, when `w` registered its pid, the same pid (a
+        process restarted on the same port is another worker, not the one to stop)."""
         for agent, ws in (await self._listing()).items():
             for hw in ws:
                 if hw.alive and hw.url is not None and hw.url.rstrip("/") == w.url.rstrip("/"):
-                    return agent, hw
+                    if w.pid is None or w.pid == hw.pid:
+                        return agent, hw
         return None
 
     async def remove(self, w: Worker) -> None:

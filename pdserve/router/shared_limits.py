@@ -68,6 +68,9 @@ return '0'
 )
 
 
+POOL_CONNECTIONS = 16  # each decision is one short script call
+
+
 class SharedRateLimiter(RateLimiter):
     def __init__(
         self,
@@ -85,7 +88,17 @@ class SharedRateLimiter(RateLimiter):
         self.url = url
         self.retry_after_s = retry_after_s
         self._errors = (RedisError, OSError, asyncio.TimeoutError)
-        self.client = aredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # A bounded pool: under overload every request in flight would otherwise hold a connection of
+        # its own, and the pool (and the router's fds) would grow to the peak. One that waits past
+        # the timeout for a free connection is a decision taken locally, as with Redis down.
+        pool = aredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=POOL_CONNECTIONS,
+            timeout=timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+        )
+        self.client = aredis.Redis(connection_pool=pool)
         self._admit = self.client.register_script(ADMIT)
         self._charge = self.client.register_script(CHARGE)
         self._down_until = 0.0
