@@ -451,11 +451,13 @@ class SoakCluster(PDCluster):
         w = self.procs[name] = AgentWorker(self, name, r.json())
         return w
 
-    def restart_worker(self, name: str, w: AgentWorker) -> AgentWorker:
+    def restart_worker(self, name: str, w: AgentWorker) -> AgentWorker | None:
         """`w` (exited) again, as a supervisor restarts a crashed process: its agent starts it with
         the same role, config, ports and disk tier."""
         wait_until(lambda: w.proc.poll() is not None, 30, f"{w.id} gone")
         r = self.agent_call(name, "POST", f"/agent/workers/{w.id}/restart")
+        if r.status_code == 404:  # the fleet retired it while it was down: not to be restarted
+            return None
         r.raise_for_status()
         new = self.procs[f"{name}/{r.json()['id']}"] = AgentWorker(self, name, r.json())
         return new
@@ -869,6 +871,9 @@ class Chaos:
         srv.kill()
         time.sleep(f.hold)
         new = self.c.restart_worker(f.target, srv)
+        if new is None:
+            f.note = f"{srv.id} was retired by the fleet while down: not restarted"
+            return
         new.wait_ready(timeout=300)
         self.c.wait_live_healthy([new.url], timeout=120)
 

@@ -129,18 +129,20 @@ class HostsFleet:
         ]
         return len(self._pending)
 
-    async def _find(self, w: Worker) -> tuple[str, HostWorker] | None:
+    async def _find(self, w: Worker, alive: bool = True) -> tuple[str, HostWorker] | None:
         """The agent's process of `w`: the same URL and, when `w` registered its pid, the same pid (a
-        process restarted on the same port is another worker, not the one to stop)."""
+        process restarted on the same port is another worker, not the one to stop). With
+        alive=False an exited one is found too."""
         for agent, ws in (await self._listing()).items():
             for hw in ws:
-                if hw.alive and hw.url is not None and hw.url.rstrip("/") == w.url.rstrip("/"):
+                if (hw.alive or not alive) and hw.url is not None and hw.url.rstrip("/") == w.url.rstrip("/"):
                     if w.pid is None or w.pid == hw.pid:
                         return agent, hw
         return None
 
     async def remove(self, w: Worker) -> None:
-        found = await self._find(w)
+        # One that died is removed from its agent's list too: no one restarts a retired worker.
+        found = await self._find(w) or await self._find(w, alive=False)
         if found is None:
             raise RuntimeError(f"worker {w.worker_id!r} ({w.url}) was not started by this fleet's agents")
         agent, hw = found
