@@ -50,6 +50,8 @@ class Pending:
 
 
 class HostsFleet:
+    workers_register = True  # the agents' workers register with the routers (pdserve agent --router-url)
+
     def __init__(self, config: Config, agents: list[str], token: str | None, work_dir: Path) -> None:
         self.config, self.agents = config, [a.rstrip("/") for a in agents]
         self.headers = {INTERNAL_TOKEN_HEADER: token} if token else {}

@@ -13,6 +13,7 @@ elsewhere they answer 501 (on Kubernetes a Deployment's rolling update replaces 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # the router hands these in; at run time the control plane im
     from pdserve.router.registry import Registry, Worker
 
 log = logging.getLogger(__name__)
+REGISTRATION_WAIT_S = 15.0  # for a started worker's own registration, before the router adds it itself
 
 
 class RolloutFleet(Protocol):
@@ -128,8 +130,17 @@ def install_rollout_routes(
             url = await rfleet.start(body.role, path, timeout, near)
         except RuntimeError as e:
             return error_response(502, str(e), code="worker_unhealthy")
-        # A worker that registers itself (one a host agent started) is not added twice.
-        w = next((x for x in registry.workers.values() if x.url == url.rstrip("/")), None)
+        # A worker that registers itself (one a host agent started) is not added twice: its
+        # registration is waited for (briefly: it is sent as the worker starts serving).
+        w = None
+        deadline = time.monotonic() + (
+            REGISTRATION_WAIT_S if getattr(rfleet, "workers_register", False) else 0
+        )
+        while True:
+            w = next((x for x in registry.workers.values() if x.url == url.rstrip("/")), None)
+            if w is not None or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.2)
         if w is None:
             w = registry.add_static(url, body.role)
         await registry.check(client, w, time.monotonic())
