@@ -219,19 +219,23 @@ class Cluster:
         if self._closed:
             return
         self._closed = True
-        procs = [srv for host in self.hosts.values() for srv in host.procs]
-        for srv in procs:  # all at once: each drains for up to its shutdown timeout
-            for sig in (signal.SIGCONT, signal.SIGTERM):  # a stopped process cannot act on SIGTERM
-                try:
-                    os.killpg(srv.proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        for srv in procs:
-            srv.stop(grace=10)
+        _stop_all(self.hosts)
         for host in self.hosts.values():
             _ip("netns", "del", host.ns, check=False)  # takes its end of the veth pair, and so both
             _ip("link", "del", host.port_dev, check=False)
         _ip("link", "del", self.bridge, check=False)
+
+
+def _stop_all(hosts: dict[str, Host]) -> None:
+    procs = [srv for host in hosts.values() for srv in host.procs]
+    for srv in procs:  # all at once: each drains for up to its shutdown timeout
+        for sig in (signal.SIGCONT, signal.SIGTERM):  # a stopped process cannot act on SIGTERM
+            try:
+                os.killpg(srv.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for srv in procs:
+        srv.stop(grace=10)
 
 
 def wait_until(predicate, timeout: float, what: str, period: float = 0.2):
@@ -269,19 +273,10 @@ class LoopbackCluster:
         self._closed = False
         atexit.register(self.close)
 
-    def start(
-        self,
-        host: Host,
-        name: str,
-        cmd: list[str],
-        port: int,
-        env: dict | None = None,
-        health_path: str = "/health",
-    ) -> ServerProcess:
-        srv = ServerProcess(cmd, port, self.workdir / f"{name}.log", env=env, health_path=health_path)
-        srv.url = host.url(port)
-        host.procs.append(srv)
-        return srv
+    def wrap(self, host: Host, cmd: list[str]) -> list[str]:
+        return cmd  # a loopback host is this machine as it is
+
+    start = Cluster.start
 
     def run(self, host: Host, cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -301,12 +296,4 @@ class LoopbackCluster:
         if self._closed:
             return
         self._closed = True
-        procs = [srv for host in self.hosts.values() for srv in host.procs]
-        for srv in procs:
-            for sig in (signal.SIGCONT, signal.SIGTERM):
-                try:
-                    os.killpg(srv.proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        for srv in procs:
-            srv.stop(grace=10)
+        _stop_all(self.hosts)
