@@ -14,7 +14,6 @@ feature set (build-<features>/), so a cache shared by different CPUs holds one b
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from pdserve.utils.cpu import cpu_flags, feature_key
+from pdserve.utils.paths import cache_root
 
 TARGETS = ("llama-server", "llama-quantize")
 
@@ -68,8 +68,7 @@ class BuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_CACHE") or "~/.cache/pdserve"
-    return Path(root).expanduser() / "llama.cpp"
+    return cache_root() / "llama.cpp"
 
 
 def default_gguf() -> Path | None:

@@ -15,6 +15,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from pdserve.utils.paths import cache_root
+
 # llama.cpp pre-tokenizer names whose vocabularies split digits one by one before the GPT-2 regex.
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
 _LLAMA3_SPLIT = (
@@ -202,7 +204,7 @@ def load_gguf_tokenizer(path: str) -> TokenizerWrapper:
     """The tokenizer alone, cached on disk: parsing a GGUF's token lists takes seconds."""
     st = os.stat(path)
     key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "tokenizers"
+    cache = cache_root() / "tokenizers"
     tok_file, meta_file = cache / f"{key}.json", cache / f"{key}.meta.json"
     if tok_file.exists() and meta_file.exists():
         meta = json.loads(meta_file.read_text())
