@@ -447,6 +447,7 @@ class LLMEngine:
             "dtype": mc.dtype,
             "device": mc.device,
             "gemm_kernel": mc.gemm_kernel,
+            "activation_quantization": mc.activation_quantization if drafter is None else "none",
             "attention_kernel": mc.attention_kernel,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
