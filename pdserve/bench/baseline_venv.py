@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
-from pdserve.utils.paths import cache_root
+from pdserve.common.paths import cache_root
 
 
 class InstallError(RuntimeError):

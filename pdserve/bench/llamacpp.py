@@ -21,8 +21,8 @@ import tarfile
 from pathlib import Path
 from typing import Callable
 
+from pdserve.common.paths import cache_root
 from pdserve.utils.cpu import cpu_flags, feature_key
-from pdserve.utils.paths import cache_root
 
 TARGETS = ("llama-server", "llama-quantize")
 

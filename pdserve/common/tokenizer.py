@@ -15,7 +15,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from pdserve.utils.paths import cache_root
+from pdserve.common.paths import cache_root
 
 # llama.cpp pre-tokenizer names whose vocabularies split digits one by one before the GPT-2 regex.
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from pdserve.common.paths import cache_root
 from pdserve.model.attention import build_metadata
 from pdserve.utils.cpu import cpu_flags, cpu_name
-from pdserve.utils.paths import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 from pathlib import Path
 
 from pdserve.bench.baseline_venv import cache_dir as baseline_dir
+from pdserve.common.paths import cache_root
 from pdserve.engine.row_costs import cache_path
 from pdserve.model.kernels.native import cache_dir as kernels_dir
-from pdserve.utils.paths import cache_root
 
 
 def test_every_cache_lives_under_the_one_root(monkeypatch, tmp_path):

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.common.paths import cache_root
 from pdserve.utils.cpu import cpu_flags, feature_key
-from pdserve.utils.paths import cache_root
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
