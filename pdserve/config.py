@@ -276,6 +276,10 @@ class ControllerConfig:
     namespace: str = "default"  # kubernetes: where the pools' Deployments live
     prefill_deployment: str = "pdserve-prefill"
     decode_deployment: str = "pdserve-decode"
+    # Redis URL of the lease router replicas hold to elect the one whose controller acts (unset:
+    # router.shared_limits' Redis when set, else every replica's controller acts: one router)
+    leader_lease: str | None = None
+    lease_s: float = 15.0  # a holder that stops renewing loses the lease after this long
 
 
 @dataclass(frozen=True)

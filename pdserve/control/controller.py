@@ -26,6 +26,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.config import Config
+from pdserve.control.leader import LeaderLease
 from pdserve.control.role_switch import SwitchRefused, back_into_service, empty_worker, even_out, switch_role
 from pdserve.control.scaling_policy import Decision, Params, Reading, State, decide, pressures
 from pdserve.protocol.control import ControllerDecision
@@ -193,6 +194,9 @@ class Controller:
         # Off (controller.enabled false): it still reads the fleet and exports the pressure gauges,
         # for an HPA to act on (deploy/k8s/hpa.yaml), but decides and does nothing.
         self.acting = config.controller.enabled
+        # Router replicas elect the one that acts (control/leader.py); one router needs no lease.
+        url = self.cc.leader_lease or config.router.shared_limits
+        self.lease = LeaderLease(url, config.model.name, self.cc.lease_s) if self.acting and url else None
         self.params = Params.from_config(self.cc)
         self.registry, self.client = registry, client
         self.ttft, self.itl = ttft, itl
@@ -222,6 +226,11 @@ class Controller:
             "pdserve_controller_workers",
             "Workers taking work, by role, at the last reading",
             ["role"],
+            registry=metrics,
+        )
+        self.m_leader = Gauge(
+            "pdserve_controller_leader",
+            "1 while this router's controller may act (it holds the lease, or needs none)",
             registry=metrics,
         )
 
@@ -288,6 +297,13 @@ class Controller:
             return ControllerDecision(
                 time=time.time(), action="hold", reason="controller.enabled is false", inputs=decision.inputs
             )
+        leads = self.lease is None or self.lease.held
+        self.m_leader.set(1 if leads else 0)
+        if not leads:
+            assert self.lease is not None
+            self.state = State()  # the leader's readings, not these, decide; start afresh on taking over
+            why = self.lease.describe()
+            return self._record(Decision("hold", why, decision.inputs), None, why, True)
         if decision.action == "hold":
             return self._record(decision, None, decision.reason, True)
         worker, ok, reason = None, True, decision.reason
@@ -356,12 +372,18 @@ class Controller:
         return w.worker_id
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.cc.interval_s)
-            try:
-                await self.step()
-            except Exception:  # noqa: BLE001 - the loop outlives one bad reading
-                log.exception("controller step failed")
+        lease = asyncio.create_task(self.lease.run()) if self.lease is not None else None
+        try:
+            while True:
+                await asyncio.sleep(self.cc.interval_s)
+                try:
+                    await self.step()
+                except Exception:  # noqa: BLE001 - the loop outlives one bad reading
+                    log.exception("controller step failed")
+        finally:
+            if lease is not None and self.lease is not None:
+                lease.cancel()
+                await self.lease.release()  # the next replica takes over at once, not after lease_s
 
     def describe(self) -> list[dict]:
         return [d.model_dump() for d in self.decisions]

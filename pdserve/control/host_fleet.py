@@ -60,12 +60,19 @@ class HostsFleet:
         self._pending: list[Pending] = []
         self._tasks: set[asyncio.Task] = set()
         self.versions: dict[str, Path] = {}  # version label -> the config file its workers read
+        self._client: httpx.AsyncClient | None = None  # one pool for every call (a start polls)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
 
     # ------------------------------------------------------------------ agents
 
     async def _call(self, method: str, agent: str, path: str, timeout: float = CALL_TIMEOUT_S, **kw):
-        async with httpx.AsyncClient(headers=self.headers, timeout=timeout) as c:
-            r = await c.request(method, agent + path, **kw)
+        if self._client is None:  # made on first use: inside the router's event loop
+            self._client = httpx.AsyncClient(headers=self.headers)
+        r = await self._client.request(method, agent + path, timeout=timeout, **kw)
         if r.status_code >= 400:
             raise RuntimeError(f"agent {agent} {method} {path}: {r.status_code} {r.text[:300]}")
         return r.json()

@@ -18,7 +18,7 @@ from pdserve.common import tracing
 from pdserve.common.images import image_slots
 from pdserve.config import Config, served_names
 from pdserve.control.controller import Controller, Fleet
-from pdserve.control.host_fleet import hosts_fleet
+from pdserve.control.host_fleet import HostsFleet, hosts_fleet
 from pdserve.control.role_switch import SwitchRefused, switch_role
 from pdserve.control.rollout_api import install_rollout_routes
 from pdserve.protocol import (
@@ -108,9 +108,10 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
         from pdserve.control.k8s_fleet import KubernetesFleet
 
         fleet = KubernetesFleet(config.controller)
+    hosts: HostsFleet | None = None
     if fleet is None and config.controller.backend == "hosts":
         # Rollouts need it with the controller off as well.
-        fleet = hosts_fleet(config)
+        fleet = hosts = hosts_fleet(config)
     # Off, it still exports each pool's pressure (for an HPA); on, it acts.
     controller = Controller(
         config,
@@ -153,7 +154,10 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
         backend.accepting = False
         task.cancel()
         control.cancel()
+        await asyncio.wait([control], timeout=2.0)  # it hands its controller lease on
         await client.aclose()
+        if hosts is not None:
+            await hosts.aclose()
         feed.close()
         tokenizer_pool.close()
 
