@@ -11,7 +11,8 @@ Routes (bodies in protocol/control.py):
 - `POST /agent/workers` (HostStart): start a worker; 201 with its HostWorker.
 - `GET /agent/workers`: every worker it started (exited ones too, with their exit code and log tail).
 - `GET /agent/workers/{id}/config`: the config the worker was started with (a rollback runs it again).
-- `POST /agent/workers/{id}/restart`: start an exited worker again, same role, config and ports.
+- `POST /agent/workers/{id}/restart`: start an exited worker again, same role, config and HTTP port
+  (the one it had, picked or given), so it returns at its URL.
 - `DELETE /agent/workers/{id}`: SIGTERM (the worker drains), SIGKILL after its shutdown timeout.
 """
 
@@ -216,7 +217,13 @@ def create_agent_app(agent: HostAgent, token: str):
             return error_response(409, f"{worker_id} is running; stop it first", code="worker_running")
         await asyncio.to_thread(s.proc.wait, 0)  # exited: closes its log file
         agent.workers.pop(worker_id, None)
-        new = await asyncio.to_thread(agent.start, s.req, s.disk)
+        # Back at the URL it had (its HTTP port, even one it was left to pick): the routers know a
+        # worker by its URL, so the restart is the same worker again, not a new one beside a dead entry.
+        p = s.proc
+        if p.port is None and p.port_file.exists():
+            p.port = int(p.port_file.read_text())
+        req = s.req if s.req.port or p.port is None else s.req.model_copy(update={"port": p.port})
+        new = await asyncio.to_thread(agent.start, req, s.disk)
         return (await asyncio.to_thread(agent.describe, new, False)).model_dump()
 
     @app.delete("/agent/workers/{worker_id}")

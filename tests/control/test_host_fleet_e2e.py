@@ -9,6 +9,8 @@ Real processes on loopback; the namespace-host version of this runs in benchmark
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 
 import httpx
@@ -131,3 +133,25 @@ def test_rollout_and_rollback_through_a_host_agent(tmp_path):
             first = {w["pid"] for w in alive}
             for w in now.values():
                 assert pool_at_start(w["url"])["config_digest"] == version.split("+")[1]
+
+        # A worker the rollback started (its port picked free) killed, then restarted by its agent,
+        # as a supervisor would: it comes back at its URL, so the router knows one worker there,
+        # not a dead entry beside a new one (a later rollout would replace both).
+        dead = next(w for w in _alive(agent) if w["role"] == "decode")
+        os.kill(dead["pid"], signal.SIGKILL)
+        wait_for(lambda: not any(w["id"] == dead["id"] for w in _alive(agent)), "the killed worker exited")
+        r = _agent_call(agent, "POST", f"/agent/workers/{dead['id']}/restart")
+        assert r.status_code == 201, r.text
+        back = wait_for(
+            lambda: next((w for w in _alive(agent) if w["id"] == r.json()["id"] and w["url"]), None),
+            "the restarted worker listed with its URL",
+        )
+        assert back["url"] == dead["url"] and back["pid"] != dead["pid"], (dead, back)
+        wait_for(
+            lambda: (
+                [(w["url"], w["healthy"]) for w in workers(url).values() if w["role"] == "decode"]
+                == [(dead["url"], True)]
+            ),
+            "the restarted worker healthy at its URL, alone in the decode pool",
+            timeout=300,
+        )
