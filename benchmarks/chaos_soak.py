@@ -1257,6 +1257,21 @@ def _soak(
         c.wait_live_healthy(timeout=120)
     except AssertionError as e:
         violations.append(f"after the drain: {e}")
+    # The fleet the controller keeps (min = max): processes beyond it after the drain are workers
+    # nobody stops (a restart racing a retire, a rollout replacing a dead entry). One the controller
+    # added for a worker that was down goes once the pools are cold: it is given that long.
+    want = OVERRIDES["controller"]["max_workers"]
+    settle = time.monotonic() + 120
+    while True:
+        c.refresh_all()
+        running = sorted(n for n in c.procs if "/" in n)
+        if len(running) == want or time.monotonic() > settle:
+            break
+        time.sleep(SAMPLE_S)
+    if len(running) != want:
+        violations.append(
+            f"{len(running)} worker processes after the drain, not {want}: {', '.join(running)}"
+        )
     leaked = held_blocks(c, violations)
     if leaked:
         violations.append(f"{leaked} KV blocks still held after the drain")
