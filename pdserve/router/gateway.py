@@ -143,6 +143,14 @@ def create_router_app(config: Config, fleet: Fleet | None = None) -> FastAPI:
                     # The context is the decode side's: a prefill worker's may be longer or shorter.
                     if w.role != "prefill" and not backend.max_model_len and h.max_model_len:
                         backend.max_model_len = h.max_model_len
+            # Workers that left the registry: their subscribers close (one per worker ever seen otherwise).
+            feed.retain(
+                {
+                    w.health.kv_events_endpoint
+                    for w in registry.workers.values()
+                    if w.health is not None and w.health.kv_events_endpoint
+                }
+            )
             await asyncio.sleep(rc.health_period_s)
 
     @asynccontextmanager

@@ -1,7 +1,8 @@
 """Feeds the router's global KV index from the workers' KV events (a thread owning the ZMQ sockets).
 
 Workers report their event endpoints in /health; the feed subscribes to each one it sees, takes a
-snapshot first (so a restarted router rebuilds the index), then applies events.
+snapshot first (so a restarted router rebuilds the index), then applies events. A worker that leaves
+the registry (retired, removed) is no longer followed: its subscriber is closed, its blocks dropped.
 
 A worker that restarts comes back with none of its blocks, often under the same name and event
 endpoint, and before it publishes anything the index would go on crediting it with the old
@@ -52,6 +53,8 @@ class IndexFeed:
         self._vllm: dict[str, str] = {}  # event endpoint -> worker name, for workers publishing vLLM's format
         self._instances: dict[str, object] = {}  # event endpoint -> the worker's instance
         self._renewed: set[str] = set()  # endpoints whose subscriber must be remade
+        self._names: dict[str, str] = {}  # event endpoint -> the worker's own name
+        self._dropped: dict[str, str | None] = {}  # endpoints no longer followed -> worker name
         self.restarts_seen = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-index", daemon=True)
@@ -75,6 +78,9 @@ class IndexFeed:
             if not name:
                 return
             self._vllm[endpoint] = name
+        if name:
+            self._names[endpoint] = name
+        self._dropped.pop(endpoint, None)  # a worker back before its subscriber was closed
         known = self._instances.get(endpoint)
         self._instances[endpoint] = instance
         if endpoint not in self._wanted:
@@ -94,8 +100,29 @@ class IndexFeed:
                 with self.lock:
                     self.index.remove_worker(name)
 
+    def retain(self, endpoints: set[str]) -> None:
+        """Stop following every worker whose endpoint is not in `endpoints` (the registered ones):
+        a retired or removed worker's subscriber would otherwise stay open for the router's life,
+        one per worker a rollout or the controller ever replaced, and its blocks stay indexed."""
+        for ep in [e for e in list(self._wanted) if e not in endpoints]:
+            self._wanted.pop(ep, None)
+            self._vllm.pop(ep, None)
+            self._instances.pop(ep, None)
+            self._dropped[ep] = self._names.pop(ep, None)
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            for ep in list(self._dropped):
+                name = self._dropped.pop(ep, None)
+                if ep in self._wanted:  # followed again meanwhile
+                    continue
+                old = self._subs.pop(ep, None)
+                if old is not None:
+                    old.close()
+                self._retry_at.pop(ep, None)
+                if name:
+                    with self.lock:
+                        self.index.remove_worker(name)
             for ep in list(self._renewed):
                 self._renewed.discard(ep)
                 old = self._subs.pop(ep, None)

@@ -75,3 +75,30 @@ def test_a_silent_snapshot_endpoint_does_not_hold_the_index():
     finally:
         feed.close()
         live.close()
+
+
+def test_a_worker_that_left_the_registry_is_no_longer_followed():
+    """retain(): the subscriber of a worker no longer registered closes and its blocks leave the
+    index; the others are kept; one registered again is followed again from its snapshot."""
+    feed = IndexFeed()
+    stay = KVEventPublisher("tcp://127.0.0.1:*", "stay", "tcp://127.0.0.1:*")
+    gone = KVEventPublisher("tcp://127.0.0.1:*", "gone", "tcp://127.0.0.1:*")
+    try:
+        stay.stored(["s1"])
+        gone.stored(["g1", "g2"])
+        for p in (stay, gone):
+            feed.watch(p.endpoint, p.snapshot_endpoint, p.worker_id, 1)
+        _until(lambda: feed.blocks_of("stay") == 1 and feed.blocks_of("gone") == 2, "both snapshots")
+        assert set(feed._subs) == {stay.endpoint, gone.endpoint}
+        feed.retain({stay.endpoint})
+        _until(lambda: set(feed._subs) == {stay.endpoint}, "the retired worker's subscriber closed")
+        assert feed.blocks_of("gone") == 0 and feed.blocks_of("stay") == 1
+        stay.stored(["s2"], parent="s1")
+        _until(lambda: feed.blocks_of("stay") == 2, "the kept worker's next event")
+        feed.retain({stay.endpoint})  # nothing else to drop: idempotent
+        feed.watch(gone.endpoint, gone.snapshot_endpoint, gone.worker_id, 1)  # registered again
+        _until(lambda: feed.blocks_of("gone") == 2, "the returning worker's snapshot")
+    finally:
+        feed.close()
+        stay.close()
+        gone.close()
