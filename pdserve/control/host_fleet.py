@@ -72,7 +72,10 @@ class HostsFleet:
     async def _call(self, method: str, agent: str, path: str, timeout: float = CALL_TIMEOUT_S, **kw):
         if self._client is None:  # made on first use: inside the router's event loop
             self._client = httpx.AsyncClient(headers=self.headers)
-        r = await self._client.request(method, agent + path, timeout=timeout, **kw)
+        try:
+            r = await self._client.request(method, agent + path, timeout=timeout, **kw)
+        except httpx.HTTPError as e:  # a failed call, as a refused one: the caller's 502, never a 500
+            raise RuntimeError(f"agent {agent} {method} {path}: {type(e).__name__}: {e}") from e
         if r.status_code >= 400:
             raise RuntimeError(f"agent {agent} {method} {path}: {r.status_code} {r.text[:300]}")
         return r.json()
