@@ -9,14 +9,21 @@ import torch
 from pdserve.model.attention import build_metadata
 
 
-def sequence_logits(model, ids: list[int], block: int = 16) -> torch.Tensor:
-    """float32 logits [len(ids), vocab] of one sequence, in a single pass over a paged KV cache."""
+def sequence_logits(model, ids: list[int], block: int = 16, chunk: int | None = None) -> torch.Tensor:
+    """float32 logits [len(ids), vocab] of one sequence over a paged KV cache: in a single pass, or
+    `chunk` positions a pass (a chunked prefill: the kernels then see at most that many rows)."""
     a = model.arch
     blocks = list(range((len(ids) + block - 1) // block))
     kv = torch.zeros(a.kv_cache_shape(len(blocks) * block), dtype=model.dtype)
-    meta = build_metadata([(blocks, 0, len(ids))], block, a.sliding_window, "cpu")
     n = len(ids)
-    return model.forward(torch.tensor(ids), torch.arange(n), meta, kv, torch.arange(n)).float()
+    step = chunk or max(n, 1)
+    out = []
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        meta = build_metadata([(blocks, s, e - s)], block, a.sliding_window, "cpu")
+        rows = torch.arange(e - s)  # every position's logits
+        out.append(model.forward(torch.tensor(ids[s:e]), torch.arange(s, e), meta, kv, rows).float())
+    return torch.cat(out)
 
 
 def agreement_and_kl(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:

@@ -58,14 +58,16 @@ def test_quantized_moe_against_float32(name):
         experts = model.model.blocks[0].placement.gate_up
         assert experts.kind == (mode if qgemm.available() else experts.kind) and experts.kind != "f32"
         got = sequence_logits(model, ids)
-        # The same values in float32: agreement within the roundings of a different order of sums,
-        # or, where this CPU's kernel multiplies these rows on bfloat16 pairs (AVX512-BF16), within
-        # the activations' rounding too, which moves near-ties of a random model's logits.
+        # The same values in float32: agreement within the roundings of a different order of sums.
+        # Where this CPU's kernel multiplies many rows on bfloat16 pairs (AVX512-BF16), the
+        # activations' rounding also moves experts of a routing as sensitive as DeepSeek's, so the
+        # arithmetic is checked in chunks below that row count (float32 activations); the full pass
+        # is held to the float32 floors below.
         same = sequence_logits(build_model(_dequantized(loaded, mode)), ids)
-        agree, kl = agreement_and_kl(same, got)
-        bf16 = 0 < qgemm.bf16_rows(mode) <= len(ids)
-        min_agree, max_kl = (0.8, 1e-2) if bf16 else (0.95, 1e-3)
-        assert agree >= min_agree and kl <= max_kl, (mode, agree, kl)
+        rows = qgemm.bf16_rows(mode)
+        exact = sequence_logits(model, ids, chunk=rows - 1) if 0 < rows <= len(ids) else got
+        agree, kl = agreement_and_kl(same, exact)
+        assert agree >= 0.95 and kl <= 1e-3, (mode, agree, kl)
         agree, kl = agreement_and_kl(want, got)
         min_agree, max_kl = FLOOR[name][mode]
         assert agree >= min_agree and kl <= max_kl, (mode, agree, kl)
