@@ -94,11 +94,15 @@ class WorkerProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def healthy(self) -> bool:
-        if self.port is None:
-            if not self.port_file.exists():
-                return False
+    def bound_port(self) -> int | None:
+        """The HTTP port, once the worker has written it (it picks a free one when given none)."""
+        if self.port is None and self.port_file.exists():
             self.port = int(self.port_file.read_text())
+        return self.port
+
+    def healthy(self) -> bool:
+        if self.bound_port() is None:
+            return False
         try:
             return httpx.get(self.url + "/health", timeout=2).status_code == 200
         except httpx.HTTPError:

@@ -117,15 +117,14 @@ class HostAgent:
     def describe(self, s: Started, check_health: bool = True) -> HostWorker:
         p = s.proc
         code = p.proc.poll()
-        if p.port is None and p.port_file.exists():
-            p.port = int(p.port_file.read_text())
-        healthy = code is None and check_health and p.port is not None and self._healthy(p.url)
+        port = p.bound_port()
+        healthy = code is None and check_health and port is not None and self._healthy(p.url)
         tail = _tail(p.log_path) if code is not None else ""
         return HostWorker(
             id=s.id,
             role=s.req.role,
             pid=p.proc.pid,
-            url=p.url if p.port is not None else None,
+            url=p.url if port is not None else None,
             alive=code is None,
             healthy=healthy,
             exit_code=code,
@@ -219,10 +218,8 @@ def create_agent_app(agent: HostAgent, token: str):
         agent.workers.pop(worker_id, None)
         # Back at the URL it had (its HTTP port, even one it was left to pick): the routers know a
         # worker by its URL, so the restart is the same worker again, not a new one beside a dead entry.
-        p = s.proc
-        if p.port is None and p.port_file.exists():
-            p.port = int(p.port_file.read_text())
-        req = s.req if s.req.port or p.port is None else s.req.model_copy(update={"port": p.port})
+        port = s.proc.bound_port()
+        req = s.req if s.req.port or port is None else s.req.model_copy(update={"port": port})
         new = await asyncio.to_thread(agent.start, req, s.disk)
         return (await asyncio.to_thread(agent.describe, new, False)).model_dump()
 

@@ -71,9 +71,7 @@ class LocalFleet:
                 )
                 self._added.remove(p)
                 continue
-            if p.port is None and p.port_file.exists():
-                p.port = int(p.port_file.read_text())
-            if p.port is None or p.url not in registered:
+            if p.bound_port() is None or p.url not in registered:
                 n += 1
             else:
                 self._added.remove(p)  # registered: counted with its pool from now on
@@ -137,10 +135,7 @@ class LocalFleet:
         return proc.url
 
     def _process(self, w: Worker) -> WorkerProcess | None:
-        for p in self.workers:
-            if p.port is None and p.port_file.exists():
-                p.port = int(p.port_file.read_text())
-        return next((p for p in self.workers if p.port is not None and p.url == w.url), None)
+        return next((p for p in self.workers if p.bound_port() is not None and p.url == w.url), None)
 
     async def remove(self, w: Worker) -> None:
         proc = self._process(w)
