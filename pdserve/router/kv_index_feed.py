@@ -116,19 +116,13 @@ class IndexFeed:
                 name = self._dropped.pop(ep, None)
                 if ep in self._wanted:  # followed again meanwhile
                     continue
-                old = self._subs.pop(ep, None)
-                if old is not None:
-                    old.close()
-                self._retry_at.pop(ep, None)
+                self._unsubscribe(ep)
                 if name:
                     with self.lock:
                         self.index.remove_worker(name)
             for ep in list(self._renewed):
                 self._renewed.discard(ep)
-                old = self._subs.pop(ep, None)
-                if old is not None:
-                    old.close()
-                self._retry_at.pop(ep, None)
+                self._unsubscribe(ep)
             for ep, snap in list(self._wanted.items()):
                 if ep not in self._subs:
                     name = self._vllm.get(ep)
@@ -151,6 +145,13 @@ class IndexFeed:
                 time.sleep(0.01)
         for sub in self._subs.values():
             sub.close()
+
+    def _unsubscribe(self, ep: str) -> None:
+        """Close `ep`'s subscriber and forget its snapshot retry (kv-index thread)."""
+        old = self._subs.pop(ep, None)
+        if old is not None:
+            old.close()
+        self._retry_at.pop(ep, None)
 
     def _update(self, ep: str, sub: KVEventSubscriber | VLLMEventSubscriber) -> bool:
         """Apply `sub`'s new events, then a snapshot when the index lacks or lost its worker's state."""
