@@ -28,7 +28,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pdserve.config import Config
 from pdserve.control.leader import LeaderLease
 from pdserve.control.role_switch import SwitchRefused, back_into_service, empty_worker, even_out, switch_role
-from pdserve.control.scaling_policy import Decision, Params, Reading, State, decide, pressures
+from pdserve.control.scaling_policy import (
+    Decision,
+    Params,
+    Reading,
+    State,
+    decide,
+    fleet_version,
+    pressures,
+)
 from pdserve.protocol.control import ControllerDecision
 
 if TYPE_CHECKING:  # the router hands these in; at run time the control plane imports no router module
@@ -40,8 +48,9 @@ log = logging.getLogger(__name__)
 class Fleet(Protocol):
     """Starts and stops workers of a pool (the controller switches roles itself)."""
 
-    async def add(self, role: str) -> str:
-        """Start one worker of `role`; returns what was started (it registers with the router itself)."""
+    async def add(self, role: str, like: Worker | None = None) -> str:
+        """Start one worker of `role` running the config `like` runs (its version; None: the
+        deployment's config); returns what was started (it registers with the router itself)."""
         ...
 
     async def remove(self, w: Worker) -> None:
@@ -56,7 +65,7 @@ class Fleet(Protocol):
 class NoFleet:
     """Where nothing can start or stop workers: the controller only switches roles."""
 
-    async def add(self, role: str) -> str:
+    async def add(self, role: str, like: Worker | None = None) -> str:
         raise RuntimeError(
             "this router cannot start workers (run it with `pdserve serve`, or controller.backend kubernetes)"
         )
@@ -351,7 +360,9 @@ class Controller:
         verb, role = d.action.split("_", 1)[0], d.action.rsplit("_", 1)[1]
         drain_s = self.cc.drain_timeout_s
         if verb == "add":
-            return await self.fleet.add(role)
+            serving = self.serving("prefill") + self.serving("decode")
+            version = fleet_version([w.version for w in serving])
+            return await self.fleet.add(role, next((w for w in serving if w.version == version), None))
         source = role if verb == "remove" else ("decode" if role == "prefill" else "prefill")
         candidates = sorted(self.serving(source), key=lambda w: (w.in_flight, w.worker_id))
         if not candidates:

@@ -2,8 +2,9 @@
 
 Each worker host runs `pdserve agent` (control/host_agent.py); `controller.agents` lists their URLs.
 The fleet asks them to start and stop workers, with the internal token:
-- add (the controller's scale-up): on the host with the fewest live workers; the worker registers
-  with the routers the agent names.
+- add (the controller's scale-up): on the host with the fewest live workers, running the version
+  most of the fleet runs (after a rollout, its new config); the worker registers with the routers
+  the agent names.
 - start (a rollout's new worker): on the host of the worker it replaces when one is named (a
   replacement keeps the host's share of the work), else on the least loaded; returned once healthy.
 - remove: the agent that started the worker (found by its URL) stops it.
@@ -111,9 +112,15 @@ class HostsFleet:
 
     # ------------------------------------------------------------------ the controller's Fleet
 
-    async def add(self, role: str) -> str:
+    async def add(self, role: str, like: Worker | None = None) -> str:
+        """A worker of `role` running `like`'s config (its version, read back from its agent)."""
+        config = self._config()
+        if like is not None and like.version:
+            await self.remember(like)
+            if like.version in self.versions:
+                config = yaml.safe_load(self.versions[like.version].read_text())
         agent = await self._pick()
-        body = HostStart(role=role, config=self._config())  # type: ignore[arg-type]
+        body = HostStart(role=role, config=config)  # type: ignore[arg-type]
         w = HostWorker(**await self._call("POST", agent, "/agent/workers", json=body.model_dump()))
         p = Pending(agent, w.id, time.monotonic() + START_TIMEOUT_S)
         self._pending.append(p)

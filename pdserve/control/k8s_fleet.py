@@ -53,7 +53,8 @@ class KubernetesFleet:
         self.apps.patch_namespaced_deployment_scale(name, self.namespace, {"spec": {"replicas": replicas}})
         return replicas
 
-    async def add(self, role: str) -> str:
+    async def add(self, role: str, like: Worker | None = None) -> str:
+        # The Deployment's pod template is the version its pods run (a rolling update sets it).
         replicas = await asyncio.to_thread(self._scale_by, role, 1)
         self._pending.append((-1, time.monotonic() + START_TIMEOUT_S))
         return f"deployment/{self.deployments[role]} replicas={replicas}"

@@ -41,16 +41,23 @@ class LocalFleet:
         self._added: list[WorkerProcess] = []  # started here, not yet registered
         self.versions: dict[str, Path] = {}  # version label -> the config file its workers read
 
-    async def add(self, role: str) -> str:
-        rc = getattr(self.config.deployment, role)
+    async def add(self, role: str, like: Worker | None = None) -> str:
+        """A worker of `role` reading the config file `like` reads (its version; after a rollout,
+        the new config), else the deployment's."""
+        config_file, config = self.config_file, self.config
+        if like is not None and like.version:
+            await self.remember(like)
+            if like.version in self.versions:
+                config_file = self.versions[like.version]
+                config = load_config(config_file)
         # A prefill or decode role's config always has its threads (config.apply_role: ROLE_THREADS).
         proc = WorkerProcess(
             role,
             next(self._index),
-            self.config_file,
+            config_file,
             "127.0.0.1",
-            for_role(self.config, role).server.threads,  # type: ignore[arg-type]
-            rc.cpu_affinity,
+            for_role(config, role).server.threads,  # type: ignore[arg-type]
+            getattr(config.deployment, role).cpu_affinity,
             self.log_dir,
             ["--router-url", self.router_url],
         )

@@ -13,7 +13,8 @@ of an old version (decode workers first: every request reaches one, so the canar
 3. for rollout.window_s the new worker must stay healthy, and then the new version's TTFT and TPOT
    p90 and its failed share, from the router's /metrics over the window, must be within the SLOs;
 4. the old worker is retired: no new work, its requests finish or move (no request is lost), stopped.
-A failure stops the rollout: the canary weight of the new version drops to 0, each replaced worker
+Old-version workers that join while it runs (the controller's scale-up, a crashed worker restarted
+with its old config) are replaced in turn before it ends. A failure stops the rollout: the canary weight of the new version drops to 0, each replaced worker
 gets its old version back (started first, then the new one is retired the same way), the canary is
 cleared, and the command exits 1.
 """
@@ -36,6 +37,7 @@ from pdserve.version import config_digest, version_label
 
 log = logging.getLogger(__name__)
 _UNHEALTHY_POLLS = 3  # in a row: one slow health check under load is not a failed worker
+MAX_PASSES = 4  # over the fleet's old-version workers: the ones found first, then any that joined
 
 
 class AdminError(Exception):
@@ -145,65 +147,91 @@ class Rollout:
         self.admin, self.config, self.s, self.say = admin, config, settings, say
         self.version = version_label(config_digest(config)) or ""
 
-    def run(self) -> Outcome:
-        todo = [w for w in self.admin.workers().values() if w.get("version") != self.version]
+    def _todo(self, seen: set[str]) -> list[dict]:
+        """Workers of another version not yet replaced (`seen`: the ones replaced and their
+        replacements), decode workers first."""
+        todo = [
+            w
+            for w in self.admin.workers().values()
+            if w.get("version") != self.version and w["id"] not in seen
+        ]
         mixed = [w["id"] for w in todo if w["role"] not in ("prefill", "decode")]
         if mixed:
             raise AdminError(f"only prefill and decode workers are rolled out; {mixed} are not")
-        todo.sort(key=lambda w: (w["role"] != "decode", w["id"]))
+        return sorted(todo, key=lambda w: (w["role"] != "decode", w["id"]))
+
+    def run(self) -> Outcome:
+        seen: set[str] = set()
+        todo = self._todo(seen)
         if not todo:
             return Outcome(True, self.version, f"every worker runs version {self.version} already")
         steps: list[Step] = []
         verdicts: list[Verdict] = []
         try:
-            for i, old in enumerate(todo):
-                weight = canary_weight(i, len(todo), self.s.canary_weight)
-                self.say(
-                    f"[{i + 1}/{len(todo)}] replacing {old['id']} ({old['role']}, version {old.get('version')})"
+            for _ in range(MAX_PASSES):
+                self._replace(todo, steps, verdicts, seen)
+                # Workers that joined meanwhile (the controller's scale-up, a crashed worker a
+                # supervisor restarted with its old config) run an old version too: the rollout
+                # ends only when none is left, or the fleet would stay mixed with no rollout to end it.
+                todo = self._todo(seen)
+                if not todo:
+                    break
+                self.say(f"{len(todo)} worker(s) of another version joined meanwhile")
+            else:
+                raise RolloutFailed(
+                    f"workers of another version kept joining ({len(todo)} after {MAX_PASSES} passes)"
                 )
-                steps.append(Step(old))
-                try:
-                    new = self.admin.start(
-                        old["role"],
-                        self.s.health_timeout_s,
-                        config=self.config.to_dict(),
-                        replaces=old["id"],
-                    )
-                except AdminError as e:
-                    if e.status != 502:  # refused (no fleet, a bad config): not the new worker's fault
-                        raise
-                    raise RolloutFailed(f"health check: {e}") from e
-                steps[-1].new = new
-                new = self.known(new)
-                if new.get("version") != self.version:
-                    raise RolloutFailed(
-                        f"the new worker runs version {new.get('version')}, not {self.version}"
-                    )
-                self.admin.canary(self.version, weight)
-                self.say(
-                    f"  {new['id']} is healthy; {weight:.0%} of new requests go to {self.version} first; "
-                    f"watching for {self.s.window_s:g}s"
-                )
-                verdict = self.watch(new["id"])
-                verdicts.append(verdict)
-                self.say(f"  {verdict.reason}")
-                if not verdict.ok:
-                    raise RolloutFailed(verdict.reason)
-                try:
-                    moved = self.admin.retire(old["id"], self.s.drain_timeout_s)["moved"]
-                    self.say(f"  {old['id']} retired ({moved} requests moved)")
-                except AdminError as e:
-                    if e.status != 404:
-                        raise
-                    # Gone meanwhile (it died and the router forgot it): nothing is left to retire.
-                    self.say(f"  {old['id']} left the deployment by itself; nothing to retire")
-                steps[-1].old_retired = True
             self.admin.canary(None)
         except (RolloutFailed, AdminError) as e:
             self.say(f"rollout stopped: {e}")
             self.rollback(steps)
             return Outcome(False, self.version, str(e), sum(s.old_retired for s in steps), verdicts)
         return Outcome(True, self.version, f"every worker runs version {self.version}", len(steps), verdicts)
+
+    def _replace(self, todo: list[dict], steps: list[Step], verdicts: list[Verdict], seen: set[str]) -> None:
+        """Replace each of `todo` in turn (one step each, appended to `steps`)."""
+        total = len(steps) + len(todo)
+        for old in todo:
+            i = len(steps)
+            weight = canary_weight(i, total, self.s.canary_weight)
+            self.say(f"[{i + 1}/{total}] replacing {old['id']} ({old['role']}, version {old.get('version')})")
+            steps.append(Step(old))
+            seen.add(old["id"])
+            try:
+                new = self.admin.start(
+                    old["role"],
+                    self.s.health_timeout_s,
+                    config=self.config.to_dict(),
+                    replaces=old["id"],
+                )
+            except AdminError as e:
+                if e.status != 502:  # refused (no fleet, a bad config): not the new worker's fault
+                    raise
+                raise RolloutFailed(f"health check: {e}") from e
+            steps[-1].new = new
+            seen.add(new["id"])
+            new = self.known(new)
+            if new.get("version") != self.version:
+                raise RolloutFailed(f"the new worker runs version {new.get('version')}, not {self.version}")
+            self.admin.canary(self.version, weight)
+            self.say(
+                f"  {new['id']} is healthy; {weight:.0%} of new requests go to {self.version} first; "
+                f"watching for {self.s.window_s:g}s"
+            )
+            verdict = self.watch(new["id"])
+            verdicts.append(verdict)
+            self.say(f"  {verdict.reason}")
+            if not verdict.ok:
+                raise RolloutFailed(verdict.reason)
+            try:
+                moved = self.admin.retire(old["id"], self.s.drain_timeout_s)["moved"]
+                self.say(f"  {old['id']} retired ({moved} requests moved)")
+            except AdminError as e:
+                if e.status != 404:
+                    raise
+                # Gone meanwhile (it died and the router forgot it): nothing is left to retire.
+                self.say(f"  {old['id']} left the deployment by itself; nothing to retire")
+            steps[-1].old_retired = True
 
     def known(self, new: dict, timeout_s: float = 10.0) -> dict:
         """`new` once the router has read its version (its first health check may have timed out)."""

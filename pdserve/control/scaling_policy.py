@@ -274,3 +274,18 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
                 f"{total} workers > min_workers ({p.min_workers})",
             )
     return hold("within the SLOs")
+
+
+def fleet_version(labels: list[str | None]) -> str | None:
+    """The version a worker the controller adds runs: the one most serving workers run (after a
+    rollout, its new version, not the deployment's first config: a worker of the old one would
+    leave the fleet mixed with no rollout to end it). None (the deployment's config) when no
+    label is known or two tie."""
+    counts: dict[str, int] = {}
+    for label in labels:
+        if label:
+            counts[label] = counts.get(label, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    if not ranked or (len(ranked) > 1 and ranked[0][1] == ranked[1][1]):
+        return None
+    return ranked[0][0]

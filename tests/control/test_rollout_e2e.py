@@ -1,8 +1,9 @@
 """`pdserve rollout` against a real deployment (`pdserve serve`: router + worker processes) while
 four clients stream greedy completions through the official openai client:
 - a rollout that completes: every worker is replaced by one of the new config (started by the
-  router's local fleet, canary first, checked, the old one drained and stopped); no request fails,
-  every output equals the offline engine's, GET /admin/workers shows only the new version;
+  router's local fleet, canary first, checked, the old one drained and stopped), a worker of the
+  old version that joins while it runs too; no request fails, every output equals the offline
+  engine's, GET /admin/workers shows only the new version;
 - a rollout that rolls back: the second new worker's SLO check fails (a TTFT SLO nobody meets,
   the injected breach), so every replaced worker gets its old version back (the first one's old
   process is gone by then: the fleet starts the old config again) and the new ones leave; no
@@ -96,7 +97,43 @@ def _gone(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] in "ZX"
 
 
+def _rollout_with_a_joiner(url: str, config: str, joiner: dict, *flags: str) -> tuple[str, dict, int]:
+    """Run the rollout CLI; once it starts its last replacement, pause it while a worker of the old
+    version joins (as the controller's scale-up or a restarted worker would), then let it go on.
+    Returns its output, the joiner and the exit code."""
+    cmd = pdserve_cmd() + ["rollout", "--config", config, "--router", url, "--admin-key", ADMIN, *flags]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    joined: dict = {}
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if not joined and "[2/2] replacing" in line:
+                # Paused, the rollout cannot look at the fleet again before the joiner registered.
+                os.kill(proc.pid, signal.SIGSTOP)
+                try:
+                    r = admin(url, "POST", "/admin/workers", json=joiner)
+                    assert r.status_code == 201, r.text
+                    joined = r.json()
+                finally:
+                    os.kill(proc.pid, signal.SIGCONT)
+        rc = proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return "".join(lines), joined, rc
+
+
 def test_a_rollout_under_load_replaces_every_worker(tmp_path):
+    """... and a worker of the old version that joins while it runs."""
     want = offline_outputs()
     new_cfg, new_version = _new_config(tmp_path)
     with _deployment(tmp_path, 1, 1) as srv:
@@ -105,33 +142,44 @@ def test_a_rollout_under_load_replaces_every_worker(tmp_path):
         before = workers(url)
         old_versions = {w["version"] for w in before.values()}
         assert len(old_versions) == 1 and None not in old_versions and new_version not in old_versions
-        load, out = _rollout_under_load(
-            url,
-            new_cfg,
-            "rollout",
-            "--window-s",
-            "1.5",
-            "--canary-weight",
-            "0.5",
-            "--slo-ttft-ms",
-            "60000",
-            "--slo-tpot-ms",
-            "60000",
-            "--max-error-rate",
-            "0.2",
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert "rollout complete" in out.stdout and "[2/2]" in out.stdout, out.stdout
+        # The deployment's own config (the router's and controller's sections are not in the version).
+        joiner = {"role": "decode", "config": {"model": {"name": MODEL}}, "timeout_s": 300}
+        load = Load(url)
+        try:
+            load.progress(4, "no progress before the rollout")
+            stdout, joined, rc = _rollout_with_a_joiner(
+                url,
+                new_cfg,
+                joiner,
+                "--window-s",
+                "1.5",
+                "--canary-weight",
+                "0.5",
+                "--slo-ttft-ms",
+                "60000",
+                "--slo-tpot-ms",
+                "60000",
+                "--max-error-rate",
+                "0.2",
+            )
+            load.progress(4, "no progress after the rollout")
+        finally:
+            load.finish()
+        print(stdout)
+        assert rc == 0, stdout
+        assert joined["version"] in old_versions, joined
+        assert "rollout complete" in stdout and "1 worker(s) of another version joined meanwhile" in stdout
+        assert f"[3/3] replacing {joined['id']}" in stdout, stdout
         # The canary: at weight 0.5, with the old decode worker still serving, the new one took requests.
-        first = re.search(r"within the SLOs over (\d+) requests", out.stdout)
-        assert first and int(first[1]) > 0, out.stdout
+        first = re.search(r"within the SLOs over (\d+) requests", stdout)
+        assert first and int(first[1]) > 0, stdout
         assert load.errors == []
         assert load.wrong(want) == []
         after = workers(url)
-        assert sorted(w["role"] for w in after.values()) == ["decode", "prefill"]
+        assert sorted(w["role"] for w in after.values()) == ["decode", "decode", "prefill"]
         assert {w["version"] for w in after.values()} == {new_version}
-        assert not set(after) & set(before)
-        for w in before.values():
+        assert not set(after) & (set(before) | {joined["id"]})
+        for w in [*before.values(), joined]:
             assert _gone(w["pid"]), f"{w['id']} still runs"
         assert admin(url, "GET", "/admin/canary").json() == {"version": None, "weight": None}
         metrics = httpx.get(url + "/metrics").text
