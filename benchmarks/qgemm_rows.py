@@ -8,6 +8,10 @@ quantized product is faster. Prints one JSON line.
 (model.activation_quantization: int8, qgemm_q8.c); `int4_a8_vs_int4` and `int8_a8_vs_int8` their
 times against the float-activation kernels'.
 
+Where the CPU has Intel AMX, `int4_amx_vs_avx512` and `int8_amx_vs_avx512` are the int4 and int8
+times on AMX's tiles against the same products with the tiles turned off (the AVX512-BF16 paths),
+for the row counts that take the tiles (qgemm.amx_rows).
+
 The matrix is the default model's gate/up product (3072 x 576) by default: small enough to stay in
 the last-level cache, so the figure is the kernel's arithmetic, not the memory's speed
 (decode_roofline.py measures that).
@@ -69,16 +73,25 @@ def main() -> int:
         "shape": [args.n, args.k],
         "threads": args.threads,
         "int8_activation_kernel": qgemm.q8_variant(),
+        "amx": qgemm.amx(),
     }
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, args.k, generator=g)
         us = {m: _best(lambda: linear(x, wt), args.repeats, 20) * 1e6 for m, wt in weights.items()}
+        tiled = [m for m in ("int4", "int8") if 0 < qgemm.amx_rows(m) <= rows]
+        qgemm.amx(False)
+        try:
+            off = {m: _best(lambda: linear(x, weights[m]), args.repeats, 20) * 1e6 for m in tiled}
+        finally:
+            qgemm.amx(True)
+        amx = {f"{m}_amx_vs_avx512": round(us[m] / off[m], 3) for m in off}
         result[f"rows_{rows}"] = {
             "us_per_row": {m: round(t / rows, 1) for m, t in us.items()},
             "int4_vs_f32": round(us["int4"] / us["none"], 3),
             "int8_vs_f32": round(us["int8"] / us["none"], 3),
             "int4_a8_vs_int4": round(us["int4_a8"] / us["int4"], 3),
             "int8_a8_vs_int8": round(us["int8_a8"] / us["int8"], 3),
+            **amx,
         }
     print(json.dumps(result))
     return 0

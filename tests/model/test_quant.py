@@ -129,6 +129,38 @@ def test_native_kernel_reads_strided_rows_and_keeps_threads_apart(rows):
         assert_within(want, ref, gamma(k + 4) * (x.double().abs() @ parts.t()), "int4 product")
 
 
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_amx_tiles_agree_with_the_vector_path_and_keep_each_rows_result(mode):
+    """Where the CPU has Intel AMX: the tile products (from bf16_rows, all rows including a last
+    block of fewer than 16) are within bfloat16's rounding of a float64 reference, as the
+    AVX512-BF16 path is, and a row's result does not depend on how many rows share the product."""
+    if not qgemm.available() or not qgemm.amx():
+        pytest.skip("no AMX tiles here (the CPU, the build or the kernel's permission)")
+    g = torch.Generator().manual_seed(5)
+    st = quantize(torch.randn(64, 576, generator=g), mode)
+    qw = QuantizedWeight(st, native=True)
+    rows = 53  # three blocks of 16 rows and one of 5
+    assert 0 < qgemm.amx_rows(mode) < rows - 16
+    x = torch.randn(rows, 576, generator=g)
+    w = st.dequantize()
+    ref = x.double() @ w.double().t()
+    # The activations rounded to bfloat16 (and int4's dequantized weight: the rounded tile), then
+    # float32 sums of exact products in any order.
+    u = 2.0**-8 * (2 if mode == "int4" else 1)
+    bound = (u + gamma(576 + 2)) * (x.double().abs() @ w.double().abs().t())
+    try:
+        on = linear(x, qw)
+        assert qgemm.amx(False) is False
+        off = linear(x, qw)
+    finally:
+        qgemm.amx(True)
+    assert_within(on, ref, bound, f"{mode} on AMX")
+    assert_within(off, ref, bound, f"{mode} on AVX512-BF16")
+    assert not torch.equal(on, off)  # the tiles ran: their sums go in another order
+    for m in (rows - 1, rows - 16, qgemm.amx_rows(mode) + 1):
+        torch.testing.assert_close(linear(x[:m], qw), on[:m], rtol=0, atol=0)
+
+
 def test_fused_rows_keep_their_groups_and_odd_shapes_stay_float():
     g = torch.Generator().manual_seed(2)
     a, b = (

@@ -38,6 +38,8 @@ _MFLAGS = {
     "avx512_bf16": "-mavx512bf16",
     "avx512_vnni": "-mavx512vnni",  # qgemm_q8.c's vpdpbusd (with avx512vl)
     "avx_vnni": "-mavxvnni",
+    "amx_tile": "-mamx-tile",  # qgemm_bf16.c's tile products (with amx_bf16)
+    "amx_bf16": "-mamx-bf16",
 }
 # Never -ffast-math: linking a shared library with it pulls in crtfastmath, which sets flush-to-zero
 # for the whole process as the library loads (caught by a test: subnormal floats vanished elsewhere).

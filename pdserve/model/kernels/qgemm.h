@@ -16,6 +16,10 @@ uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K);
 void pd_qgemm_bf16_free(uint16_t *xb);
 void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
                          int64_t ldy, int M, int K, int t0, int t1);
+/* 1 where those products take Intel AMX's tiles (built in and granted by the kernel); want 0 turns them
+   off (the vector paths run), 1 asks for them again. */
+int pd_qgemm_amx(int want);
+int pd_qgemm_amx_rows(int bits); /* from how many rows (bits 4 or 8) they take the tiles; 0: they do not */
 
 /* qgemm_q8.c: int4 or int8 with the activations quantized to int8 per row in blocks of 32 (bits 4 or 8,
    | PD_AQ8).

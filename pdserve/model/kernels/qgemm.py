@@ -38,6 +38,29 @@ def bf16_rows(mode: str) -> int:
     return int(fn({"int4": 4, "int8": 8}[mode]))
 
 
+def amx(want: bool = True) -> bool:
+    """Whether the bfloat16 products (bf16_rows) take Intel AMX's tiles: asked for (granted by the
+    kernel where the CPU has them and the build has them), or turned off with want=False, where the
+    AVX512-BF16 paths run (the same operands; sums in another order). Every library that links
+    qgemm_bf16.c (the fused decode layers, the MoE kernel) is told the same."""
+    got = []
+    for lib in ("qgemm", "layer", "moe"):
+        fn = function(lib, "pd_qgemm_amx", [_I])
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            got.append(bool(fn(1 if want else 0)))
+    return bool(got) and all(got)
+
+
+def amx_rows(mode: str) -> int:
+    """From how many rows products of an "int4" or "int8" weight take AMX's tiles (0: they do not)."""
+    fn = function("qgemm", "pd_qgemm_amx_rows", [_I])
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    return int(fn({"int4": 4, "int8": 8}[mode]))
+
+
 @lru_cache(maxsize=1)
 def q8_variant() -> str:
     """The int8-activation kernel this build runs: "vnni" (vpdpbusd), "avx2" (vpmaddubsw) or "c"."""

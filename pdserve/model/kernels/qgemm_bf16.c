@@ -194,6 +194,161 @@ static void tile_q8(const void *w, const void *d, const uint16_t *xb, float *y, 
     for (int i = 0; i < M; i++) _mm512_storeu_ps(yt + i * ldy, _mm512_mul_ps(_mm512_loadu_ps(yt + i * ldy), dc));
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* Intel AMX (where the CPU has it and the kernel grants it): the same bfloat16 pairs as above, 16 rows
+   by 16 channels by 32 input values an instruction (tdpbf16ps) into float32 sums held in a tile
+   register, where vdpbf16ps does 16 channels by 2 values. The tile's pairs for all of K are laid out
+   once per output tile, exactly as the rows above read them ([K/2][16]: a B tile's rows), and each
+   block of rows runs over all of K in registers. A row's sums do not depend on its block or on M
+   (the last rows take tiles of fewer rows), so a row's result is its own here too; the sums' order
+   differs from vdpbf16ps's, so the two agree to rounding, not bit for bit. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_state; /* 0: not asked yet, 1: granted, -1: refused, -2: turned off (pd_qgemm_amx) */
+
+/* Linux hands out the tile registers per process on request: asked before any tile is used (from
+   pd_qgemm_bf16_x, on the thread that prepares a product). */
+static int amx_request(void) {
+    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&amx_state, s, __ATOMIC_RELEASE);
+    }
+    return s > 0;
+}
+
+int pd_qgemm_amx(int want) {
+    if (!want) __atomic_store_n(&amx_state, -2, __ATOMIC_RELEASE);
+    else if (__atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) == -2) __atomic_store_n(&amx_state, 0, __ATOMIC_RELEASE);
+    return want ? amx_request() : 0;
+}
+
+static int amx_granted(void) { return __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) > 0; }
+
+/* From how many rows products of bits 4 or 8 take the tiles, where they are granted (else 0). */
+int pd_qgemm_amx_rows(int bits) { return amx_granted() ? (bits == 4 ? BF16_ROWS : BF16_ROWS8) : 0; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* tmm0-1: sums of two blocks of 16 rows; tmm2-3: their activations; tmm4: the weight's pairs;
+   tmm6-7: the last rem (< 16) rows' activations and sums. Loaded on every call: the tile
+   configuration is the thread's, and other code on the thread (torch's) may load its own. */
+static void amx_configure(int rem) {
+    amx_config c = {0};
+    c.palette = 1;
+    for (int i = 0; i < 5; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    if (rem) c.colsb[6] = c.colsb[7] = 64, c.rows[6] = c.rows[7] = (uint8_t)rem;
+    _tile_loadconfig(&c);
+}
+
+/* A thread's buffer for one output tile's pairs over all of K. */
+static __thread uint32_t *amx_wb;
+static __thread size_t amx_cap;
+
+static uint32_t *amx_pairs_buffer(int K) {
+    const size_t need = (size_t)K / 2 * NC * 4;
+    if (need > amx_cap) {
+        free(amx_wb);
+        amx_wb = aligned_alloc(64, (need + 63) / 64 * 64);
+        amx_cap = amx_wb ? need : 0;
+    }
+    return amx_wb;
+}
+
+/* y [M, 16] (ldy apart) = rows xb [M, K] (bf16) times wb [K/2][16] pairs, over all of K. */
+static void amx_rows(int M, const uint16_t *xb, int K, const uint32_t *wb, float *y, int64_t ldy) {
+    const int64_t sa = (int64_t)K * 2, sy = ldy * 4;
+    int i = 0;
+    for (; i + 32 <= M; i += 32) {
+        const uint16_t *a = xb + (int64_t)i * K;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int k = 0; k < K; k += 32) {
+            _tile_loadd(4, wb + (int64_t)k / 2 * NC, 64);
+            _tile_loadd(2, a + k, sa);
+            _tile_loadd(3, a + 16 * (int64_t)K + k, sa);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_dpbf16ps(1, 3, 4);
+        }
+        _tile_stored(0, y + i * ldy, sy);
+        _tile_stored(1, y + (i + 16) * ldy, sy);
+    }
+    for (; i + 16 <= M; i += 16) {
+        const uint16_t *a = xb + (int64_t)i * K;
+        _tile_zero(0);
+        for (int k = 0; k < K; k += 32) {
+            _tile_loadd(4, wb + (int64_t)k / 2 * NC, 64);
+            _tile_loadd(2, a + k, sa);
+            _tile_dpbf16ps(0, 2, 4);
+        }
+        _tile_stored(0, y + i * ldy, sy);
+    }
+    if (i < M) {
+        const uint16_t *a = xb + (int64_t)i * K;
+        _tile_zero(7);
+        for (int k = 0; k < K; k += 32) {
+            _tile_loadd(4, wb + (int64_t)k / 2 * NC, 64);
+            _tile_loadd(6, a + k, sa);
+            _tile_dpbf16ps(7, 6, 4);
+        }
+        _tile_stored(7, y + i * ldy, sy);
+    }
+}
+
+/* Output tiles [t0, t1) of an int4 (dequantized, rounded to pairs) or int8 (exact pairs, scaled per
+   channel after) weight on AMX; 0 where it does not run (not granted, K not in whole steps of 32, no
+   buffer), and the vector paths do. */
+static int amx_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y, int64_t ldy,
+                     int M, int K, int t0, int t1) {
+    if (!amx_granted() || K % 32) return 0;
+    uint32_t *wb = amx_pairs_buffer(K);
+    if (wb == NULL) return 0;
+    float buf[KB * NC] __attribute__((aligned(64)));
+    amx_configure(M % 16);
+    for (int t = t0; t < t1; t++) {
+        for (int k0 = 0; k0 < K; k0 += KB) {
+            const int k1 = k0 + KB < K ? k0 + KB : K;
+            if (bits == 8) {
+                q8_pairs((const int8_t *)w + (int64_t)t * K * NC + (int64_t)k0 * NC, k1 - k0, wb + (int64_t)k0 / 2 * NC);
+            } else {
+                pd_dequant_tile(bits, w, d, m, K, t, k0, k1, buf);
+                bf16_pairs(buf, k1 - k0, wb + (int64_t)k0 / 2 * NC);
+            }
+        }
+        float *yt = y + t * NC;
+        amx_rows(M, xb, K, wb, yt, ldy);
+        if (bits == 8) {
+            const __m512 dc = _mm512_loadu_ps((const float *)d + t * NC);
+            for (int i = 0; i < M; i++) _mm512_storeu_ps(yt + i * ldy, _mm512_mul_ps(_mm512_loadu_ps(yt + i * ldy), dc));
+        }
+    }
+    _tile_release();
+    return 1;
+}
+#else
+static int amx_request(void) { return 0; }
+int pd_qgemm_amx_rows(int bits) {
+    (void)bits;
+    return 0;
+}
+int pd_qgemm_amx(int want) {
+    (void)want;
+    return 0;
+}
+static int amx_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y, int64_t ldy,
+                     int M, int K, int t0, int t1) {
+    (void)bits, (void)w, (void)d, (void)m, (void)xb, (void)y, (void)ldy, (void)M, (void)K, (void)t0, (void)t1;
+    return 0;
+}
+#endif
+
 /* Where pd_qgemm_bf16_x keeps the rows' float32 sums per group of 32 (int4): after the rounded rows. */
 static float *group_sums(uint16_t *xb, int M, int K) { return (float *)(xb + (size_t)M * K); }
 
@@ -201,6 +356,7 @@ static float *group_sums(uint16_t *xb, int M, int K) { return (float *)(xb + (si
    x [M, K] as bf16 [M, K] (round to nearest even), or NULL where the float32 kernel runs. */
 uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
     if ((bits != 4 && bits != 8) || M < (bits == 4 ? BF16_ROWS4 : BF16_ROWS8)) return NULL;
+    amx_request();
     const size_t sums = bits == 4 && M < BF16_ROWS ? (size_t)M * (K / 32) * 4 : 0;     /* tile_q4's */
     uint16_t *xb = aligned_alloc(64, ((size_t)M * K * 2 + sums + 63) / 64 * 64);
     if (xb == NULL) return NULL;
@@ -220,6 +376,8 @@ uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
 void pd_qgemm_bf16_free(uint16_t *xb) { free(xb); }
 void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
                          int64_t ldy, int M, int K, int t0, int t1) {
+    /* AMX takes what the rounded tile and int8's pairs take: the same operands, many rows at once. */
+    if ((bits == 8 || M >= BF16_ROWS) && amx_tiles(bits, w, d, m, xb, y, ldy, M, K, t0, t1)) return;
     if (bits == 8) {
         for (int t = t0; t < t1; t++) tile_q8(w, d, xb, y, ldy, M, K, t);
         return;
@@ -234,6 +392,14 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
     for (int t = t0; t < t1; t++) tile_bf16(bits, w, d, m, xb, y, ldy, M, K, t);
 }
 #else
+int pd_qgemm_amx_rows(int bits) {
+    (void)bits;
+    return 0;
+}
+int pd_qgemm_amx(int want) {
+    (void)want;
+    return 0;
+}
 uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
     (void)bits, (void)x, (void)ldx, (void)M, (void)K;
     return 0;
