@@ -280,6 +280,10 @@ def build_model(
 ):
     """A LlamaModel, or for a MoE architecture an ExpertParallelModel (the same `forward`) that runs
     `model_config.expert_parallel` ranks and balances expert load."""
+    if device == "cpu" and (model_config is None or model_config.gemm_kernel != "torch"):
+        from pdserve.model.kernels import tuning
+
+        tuning.tune()  # the kernel paths this machine measured fastest (once per machine, cached)
     if not loaded.arch.is_moe:
         if model_config is not None and model_config.expert_parallel > 1:
             raise ValueError(

@@ -25,11 +25,14 @@ E, H, INTER, K = 8, 64, 96, 2
 def _reference_and_bound(x, slots, weights, gu, dn, lo, hi, mode):
     """float64 sum over the choices in [lo, hi) of weight * down(silu(gate) * up), and a bound on a
     float32 computation's error: each product within gamma(K + 2) of its absolute sums (plus
-    bfloat16's 2^-8 where this CPU rounds the activations of quantized products), SiLU's slope at
+    bfloat16's 2^-8 where this CPU rounds the activations of quantized products, twice that for
+    int4's rounded tile), SiLU's slope at
     most 1.1 plus a few roundings, and the weighted sum's k roundings."""
     wgu, wdn = gu.dense(torch.float64), dn.dense(torch.float64)
     H, INTER, K = gu.shape[1], dn.shape[1], slots.shape[1]  # noqa: N806
-    bf16 = 2.0**-8 if mode != "none" and qgemm.bf16_rows(mode) else 0.0
+    # int4 in the rounded tile (from 32 rows, or where AMX tiles take it: qgemm.amx_rows) rounds its
+    # dequantized weight as well.
+    bf16 = (2 if mode == "int4" else 1) * 2.0**-8 if mode != "none" and qgemm.bf16_rows(mode) else 0.0
     x64 = x.double()
     out = torch.zeros(x.shape[0], H, dtype=torch.float64)
     bound = torch.zeros_like(out)

@@ -52,6 +52,15 @@ def amx(want: bool = True) -> bool:
     return bool(got) and all(got)
 
 
+def amx_from(rows: int) -> None:
+    """From how many rows int4 products take the tiles (kernels/tuning.py measures it), in every
+    library that links the kernel; clamped to [bf16_rows("int4"), 32]."""
+    for lib in ("qgemm", "layer", "moe"):
+        fn = function(lib, "pd_qgemm_amx_from", [_I])
+        if fn is not None:
+            fn(rows)
+
+
 def amx_rows(mode: str) -> int:
     """From how many rows products of an "int4" or "int8" weight take AMX's tiles (0: they do not)."""
     fn = function("qgemm", "pd_qgemm_amx_rows", [_I])

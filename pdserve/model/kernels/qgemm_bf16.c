@@ -228,8 +228,18 @@ int pd_qgemm_amx(int want) {
 
 static int amx_granted(void) { return __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) > 0; }
 
+/* From how many rows int4 products take the tiles (the rounded tile): from BF16_ROWS unless measured
+   otherwise (qgemm.py tune_amx: below it the exact pairs with float32 group scales run). */
+static int amx_from4 = BF16_ROWS;
+
+void pd_qgemm_amx_from(int rows) {
+    __atomic_store_n(&amx_from4, rows < BF16_ROWS4 ? BF16_ROWS4 : rows > BF16_ROWS ? BF16_ROWS : rows, __ATOMIC_RELEASE);
+}
+
 /* From how many rows products of bits 4 or 8 take the tiles, where they are granted (else 0). */
-int pd_qgemm_amx_rows(int bits) { return amx_granted() ? (bits == 4 ? BF16_ROWS : BF16_ROWS8) : 0; }
+int pd_qgemm_amx_rows(int bits) {
+    return amx_granted() ? (bits == 4 ? __atomic_load_n(&amx_from4, __ATOMIC_ACQUIRE) : BF16_ROWS8) : 0;
+}
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -302,6 +312,27 @@ static void amx_rows(int M, const uint16_t *xb, int K, const uint32_t *wb, float
     }
 }
 
+/* Tile t of an int4 weight over all of K as rounded pairs wb [K/2][16], straight from its nibbles (no
+   float32 block between): lane c of pair row p = bf16(q[2p][c] d + m) | bf16(q[2p + 1][c] d + m) << 16. */
+static void amx_q4_pairs(const void *w, const void *d, const void *m, int K, int t, uint32_t *wb) {
+    const uint8_t *nib = (const uint8_t *)w + (int64_t)t * (K / 2) * NC;
+    const uint16_t *td = (const uint16_t *)d + (int64_t)t * (K / 32) * NC, *tm = (const uint16_t *)m + (int64_t)t * (K / 32) * NC;
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int g = 0; g < K / 32; g++) {
+        const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + g * NC)));
+        const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tm + g * NC)));
+        for (int kp = 0; kp < 16; kp++) {
+            const int64_t p = (int64_t)g * 16 + kp;
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(nib + p * NC)));
+            const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), dg, mg);
+            const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dg, mg);
+            const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+            const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+            _mm512_store_si512((void *)(wb + p * NC), _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
+        }
+    }
+}
+
 /* Output tiles [t0, t1) of an int4 (dequantized, rounded to pairs) or int8 (exact pairs, scaled per
    channel after) weight on AMX; 0 where it does not run (not granted, K not in whole steps of 32, no
    buffer), and the vector paths do. */
@@ -310,18 +341,12 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
     if (!amx_granted() || K % 32) return 0;
     uint32_t *wb = amx_pairs_buffer(K);
     if (wb == NULL) return 0;
-    float buf[KB * NC] __attribute__((aligned(64)));
     amx_configure(M % 16);
     for (int t = t0; t < t1; t++) {
-        for (int k0 = 0; k0 < K; k0 += KB) {
-            const int k1 = k0 + KB < K ? k0 + KB : K;
-            if (bits == 8) {
-                q8_pairs((const int8_t *)w + (int64_t)t * K * NC + (int64_t)k0 * NC, k1 - k0, wb + (int64_t)k0 / 2 * NC);
-            } else {
-                pd_dequant_tile(bits, w, d, m, K, t, k0, k1, buf);
-                bf16_pairs(buf, k1 - k0, wb + (int64_t)k0 / 2 * NC);
-            }
-        }
+        if (bits == 8)
+            q8_pairs((const int8_t *)w + (int64_t)t * K * NC, K, wb);
+        else
+            amx_q4_pairs(w, d, m, K, t, wb);
         float *yt = y + t * NC;
         amx_rows(M, xb, K, wb, yt, ldy);
         if (bits == 8) {
@@ -334,6 +359,7 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
 }
 #else
 static int amx_request(void) { return 0; }
+void pd_qgemm_amx_from(int rows) { (void)rows; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
     return 0;
@@ -377,7 +403,7 @@ void pd_qgemm_bf16_free(uint16_t *xb) { free(xb); }
 void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
                          int64_t ldy, int M, int K, int t0, int t1) {
     /* AMX takes what the rounded tile and int8's pairs take: the same operands, many rows at once. */
-    if ((bits == 8 || M >= BF16_ROWS) && amx_tiles(bits, w, d, m, xb, y, ldy, M, K, t0, t1)) return;
+    if ((bits == 8 || M >= pd_qgemm_amx_rows(4)) && amx_tiles(bits, w, d, m, xb, y, ldy, M, K, t0, t1)) return;
     if (bits == 8) {
         for (int t = t0; t < t1; t++) tile_q8(w, d, xb, y, ldy, M, K, t);
         return;
@@ -392,6 +418,7 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
     for (int t = t0; t < t1; t++) tile_bf16(bits, w, d, m, xb, y, ldy, M, K, t);
 }
 #else
+void pd_qgemm_amx_from(int rows) { (void)rows; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
     return 0;
