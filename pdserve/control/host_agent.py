@@ -25,6 +25,7 @@ import logging
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -62,6 +63,7 @@ class HostAgent:
         self.disk_dir = disk_dir  # each worker's disk tier in its own directory below it
         self.workers: dict[str, Started] = {}
         self._index = itertools.count(1)
+        self._starting = threading.Lock()  # a start and its retry (same key) run one after the other
         self.http = httpx.Client(timeout=2.0)  # one pool for every health check, not one per call
 
     def worker_config(self, req: HostStart, n: int, disk: Path | None) -> tuple[Path, Config]:
@@ -87,7 +89,17 @@ class HostAgent:
         return path, config
 
     def start(self, req: HostStart, disk: Path | None = None) -> Started:
-        """`disk`: a restarted worker's own disk tier directory (its blocks survive the restart)."""
+        """`disk`: a restarted worker's own disk tier directory (its blocks survive the restart). A
+        start with a key seen before returns the worker that start made (its caller lost the reply)."""
+        with self._starting:
+            if req.request_id is not None:
+                seen = next((w for w in self.workers.values() if w.req.request_id == req.request_id), None)
+                if seen is not None:
+                    log.info("start %s again: %s already runs it", req.request_id, seen.id)
+                    return seen
+            return self._start(req, disk)
+
+    def _start(self, req: HostStart, disk: Path | None) -> Started:
         n = next(self._index)
         if disk is None and self.disk_dir is not None:  # two workers must not share one tier's files
             disk = self.disk_dir / f"{req.role}-{n}"
@@ -129,6 +141,7 @@ class HostAgent:
             healthy=healthy,
             exit_code=code,
             log_tail=tail,
+            request_id=s.req.request_id,
         )
 
     def _healthy(self, url: str) -> bool:

@@ -8,6 +8,8 @@ The fleet asks them to start and stop workers, with the internal token:
 - start (a rollout's new worker): on the host of the worker it replaces when one is named (a
   replacement keeps the host's share of the work), else on the least loaded; returned once healthy.
 - remove: the agent that started the worker (found by its URL) stops it.
+A start carries an idempotency key and is sent again while no reply comes; one never confirmed has
+its worker stopped once its agent lists it.
 A rollback starts a version this fleet ran before: the config of a worker it retires is kept under
 that worker's version, read back from the worker's agent.
 """
@@ -18,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +41,7 @@ if TYPE_CHECKING:  # the router hands these in; at run time the control plane im
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # a worker added that has not registered by then is no longer counted as starting
 POLL_S = 0.5
+START_ATTEMPTS, START_RETRY_S = 4, 0.5  # a start whose reply was lost, sent again (0.5, 1, 1.5 s apart)
 CALL_TIMEOUT_S = 30.0  # one call to an agent (a stop waits for the worker's drain: see stop_timeout)
 
 
@@ -48,6 +52,10 @@ class Pending:
     until: float
     url: str | None = None
     exited: bool = False
+
+
+class AgentUnreachable(RuntimeError):
+    """A call that got no answer (refused, timed out, cut): the agent may have carried it out."""
 
 
 class HostsFleet:
@@ -62,6 +70,9 @@ class HostsFleet:
         self._tasks: set[asyncio.Task] = set()
         self.versions: dict[str, Path] = {}  # version label -> the config file its workers read
         self._client: httpx.AsyncClient | None = None  # one pool for every call (a start polls)
+        # Starts no reply confirmed (agent -> their keys): the worker one made is stopped once its
+        # agent lists it, so a lost reply leaves no worker nobody knows of.
+        self._abandoned: dict[str, set[str]] = {}
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -76,7 +87,7 @@ class HostsFleet:
         try:
             r = await self._client.request(method, agent + path, timeout=timeout, **kw)
         except httpx.HTTPError as e:  # a failed call, as a refused one: the caller's 502, never a 500
-            raise RuntimeError(f"agent {agent} {method} {path}: {type(e).__name__}: {e}") from e
+            raise AgentUnreachable(f"agent {agent} {method} {path}: {type(e).__name__}: {e}") from e
         if r.status_code >= 400:
             raise RuntimeError(f"agent {agent} {method} {path}: {r.status_code} {r.text[:300]}")
         return r.json()
@@ -93,7 +104,42 @@ class HostsFleet:
             return [HostWorker(**w) for w in got["workers"]]
 
         lists = await asyncio.gather(*(one(a) for a in self.agents))
-        return dict(zip(self.agents, lists))
+        listing = dict(zip(self.agents, lists))
+        for agent, ws in listing.items():
+            keys = self._abandoned.get(agent)
+            for w in ws:
+                if keys and w.request_id in keys and w.alive:
+                    keys.discard(w.request_id)
+                    self._spawn(self._stop_abandoned(agent, w))
+        return listing
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _stop_abandoned(self, agent: str, w: HostWorker) -> None:
+        log.warning("stopping worker %s on %s: its start was never confirmed", w.id, agent)
+        try:
+            await self._call("DELETE", agent, f"/agent/workers/{w.id}", timeout=CALL_TIMEOUT_S * 2)
+        except RuntimeError as e:
+            log.warning("could not stop worker %s on %s: %s", w.id, agent, e)
+
+    async def _start_on(self, agent: str, role: str, config: dict) -> HostWorker:
+        """POST a start, again with the same key while no reply comes (the agent answers a key it has
+        seen with the worker that start made, and makes no other). A start still unconfirmed is
+        remembered, and its worker stopped once the agent lists it."""
+        body = HostStart(role=role, config=config, request_id=uuid.uuid4().hex)  # type: ignore[arg-type]
+        for attempt in range(START_ATTEMPTS):
+            try:
+                return HostWorker(**await self._call("POST", agent, "/agent/workers", json=body.model_dump()))
+            except AgentUnreachable:
+                if attempt + 1 == START_ATTEMPTS:
+                    assert body.request_id is not None
+                    self._abandoned.setdefault(agent, set()).add(body.request_id)
+                    raise
+                await asyncio.sleep(START_RETRY_S * (attempt + 1))
+        raise AssertionError("unreachable")
 
     async def _pick(self, near: str | None = None) -> str:
         if near is not None:
@@ -120,13 +166,10 @@ class HostsFleet:
             if like.version in self.versions:
                 config = yaml.safe_load(self.versions[like.version].read_text())
         agent = await self._pick()
-        body = HostStart(role=role, config=config)  # type: ignore[arg-type]
-        w = HostWorker(**await self._call("POST", agent, "/agent/workers", json=body.model_dump()))
+        w = await self._start_on(agent, role, config)
         p = Pending(agent, w.id, time.monotonic() + START_TIMEOUT_S)
         self._pending.append(p)
-        task = asyncio.create_task(self._follow(p))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._follow(p))
         return f"{role} {w.id} on {agent}"
 
     async def _follow(self, p: Pending) -> None:
@@ -203,8 +246,7 @@ class HostsFleet:
         exits or stays silent past `timeout_s` is stopped, and the RuntimeError carries its log's tail."""
         agent = await self._pick(near)
         data = yaml.safe_load(config_file.read_text())
-        body = HostStart(role=role, config=data)  # type: ignore[arg-type]
-        w = HostWorker(**await self._call("POST", agent, "/agent/workers", json=body.model_dump()))
+        w = await self._start_on(agent, role, data)
         log.info("started a %s worker %s on %s with %s", role, w.id, agent, config_file.name)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -88,6 +88,9 @@ class HostStart(BaseModel):
     port: int | None = Field(default=None, ge=1, le=65535)
     kv_port: int | None = Field(default=None, ge=1, le=65535)
     kv_events_port: int | None = Field(default=None, ge=1, le=65535)
+    # An idempotency key: a start sent again with a key the agent has seen (its reply was lost)
+    # answers with the worker that start made, and makes no other.
+    request_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
 
 
 class HostWorker(BaseModel):
@@ -101,3 +104,4 @@ class HostWorker(BaseModel):
     healthy: bool = False
     exit_code: int | None = None
     log_tail: str = ""  # the end of its log once it has exited
+    request_id: str | None = None  # the key of the start that made it (HostStart.request_id)

@@ -4,11 +4,15 @@ workers, a router (`pdserve router`, controller.backend: hosts) asks it for more
   not run without one;
 - `pdserve rollout` under load replaces both workers through the agent: each new one on the host of
   the one it replaces, the old ones stopped by the agent, no request failed, every greedy output
-  equal to the offline engine's, and a rollout of the old config back (a rollback) the same.
+  equal to the offline engine's, and a rollout of the old config back (a rollback) the same;
+- a killed worker restarted by its agent comes back at its URL;
+- a start sent again with its idempotency key makes no second worker, and a fleet stops the worker
+  of a start it never saw confirmed.
 Real processes on loopback; the namespace-host version of this runs in benchmarks/chaos_soak.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -20,6 +24,7 @@ from load_client import ADMIN, MODEL, Load, offline_outputs, pool_at_start, wait
 
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 from pdserve.config import load_config
+from pdserve.control.host_fleet import HostsFleet
 from pdserve.protocol import INTERNAL_TOKEN_HEADER
 from pdserve.version import config_digest, version_label
 
@@ -155,3 +160,21 @@ def test_rollout_and_rollback_through_a_host_agent(tmp_path):
             "the restarted worker healthy at its URL, alone in the decode pool",
             timeout=300,
         )
+
+        # A start sent again with its key (its reply was lost) answers with the worker that start
+        # made, and makes no other.
+        body = {"role": "prefill", "config": config, "request_id": "lost-reply-1"}
+        a, b = (_agent_call(agent, "POST", "/agent/workers", json=body) for _ in range(2))
+        assert a.status_code == b.status_code == 201 and a.json()["id"] == b.json()["id"], (a.text, b.text)
+        assert [w["id"] for w in _alive(agent) if w["request_id"] == "lost-reply-1"] == [a.json()["id"]]
+        # A fleet that never saw that start confirmed stops its worker once the agent lists it.
+        fleet = HostsFleet(load_config(old_cfg), [agent], TOKEN, tmp_path / "fleet")
+        fleet._abandoned[agent] = {"lost-reply-1"}  # as _start_on leaves it when no attempt got a reply
+
+        async def list_and_settle() -> None:
+            await fleet._listing()
+            await asyncio.gather(*fleet._tasks)
+            await fleet.aclose()
+
+        asyncio.run(list_and_settle())
+        assert not any(w["id"] == a.json()["id"] for w in _alive(agent))
