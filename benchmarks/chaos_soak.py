@@ -836,8 +836,9 @@ class Chaos:
         time.sleep(max(0.0, t0 + f.at - time.monotonic()))
         lock = self.locks[f.target]
         # A rollout takes minutes: the next one waits for it longer than a fault waits for its target.
-        if not lock.acquire(timeout=600 if f.target == "fleet" else 60):
-            f.note = "skipped: its target was busy with another fault for 60 s"
+        wait = 600 if f.target == "fleet" else 60
+        if not lock.acquire(timeout=wait):
+            f.note = f"skipped: its target was busy with another fault for {wait} s"
             return
         try:
             f.began = time.monotonic() - t0
@@ -1004,6 +1005,9 @@ class Chaos:
         if srv is None:
             f.note = "skipped: no worker runs on the host"
             return
+        if not srv.healthy:  # still loading (no port bound yet) or being stopped: nothing listens
+            f.note = f"skipped: {srv.id}, the host's only worker, is not serving (starting or stopping)"
+            return
         try:  # a rollout's worker binds a free KV port
             endpoint = httpx.get(srv.url + "/health", timeout=5).json().get("kv_endpoint")
         except (httpx.HTTPError, ValueError):
@@ -1033,9 +1037,12 @@ class Chaos:
                     srv.url + path, json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2}, timeout=30
                 )
             except httpx.ConnectError:
-                if srv.proc.poll() is None:
-                    raise
-                f.note = f"{srv.id} left meanwhile (a rollout retired it)"  # nothing left to ask
+                hw = self.c.agent_worker(f.target, srv.id)
+                if hw is not None and hw["alive"] and hw["healthy"]:
+                    raise  # its agent says it serves, yet it refused the connection
+                # Retired, removed or killed meanwhile (a rollout, the controller, another fault):
+                # nothing is left to ask.
+                f.note = f"{srv.id} stopped serving meanwhile"
                 break
             self.hostile_results.append(f"peer{path}:{r.status_code}")
             if r.status_code not in (401, 403, 404, 405):
