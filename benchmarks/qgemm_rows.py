@@ -59,6 +59,9 @@ def main() -> int:
     if not qgemm.available():
         print(json.dumps({"benchmark": "qgemm_rows", "error": "the native kernel does not build here"}))
         return 1
+    from pdserve.model.kernels import tuning
+
+    tuning.tune()  # the paths this machine measured fastest, as a model load applies them
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(args.n, args.k, generator=g) * 0.05
