@@ -22,22 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def _best(fn, repeats: int, inner: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best
 
 
 def main() -> int:
@@ -60,6 +48,7 @@ def main() -> int:
         print(json.dumps({"benchmark": "qgemm_rows", "error": "the native kernel does not build here"}))
         return 1
     from pdserve.model.kernels import tuning
+    from pdserve.model.kernels.tuning import best_time
 
     tuning.tune()  # the paths this machine measured fastest, as a model load applies them
     torch.set_num_threads(args.threads)
@@ -80,11 +69,11 @@ def main() -> int:
     }
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, args.k, generator=g)
-        us = {m: _best(lambda: linear(x, wt), args.repeats, 20) * 1e6 for m, wt in weights.items()}
+        us = {m: best_time(lambda: linear(x, wt), args.repeats, 20) * 1e6 for m, wt in weights.items()}
         tiled = [m for m in ("int4", "int8") if 0 < qgemm.amx_rows(m) <= rows]
         qgemm.amx(False)
         try:
-            off = {m: _best(lambda: linear(x, weights[m]), args.repeats, 20) * 1e6 for m in tiled}
+            off = {m: best_time(lambda: linear(x, weights[m]), args.repeats, 20) * 1e6 for m in tiled}
         finally:
             qgemm.amx(True)
         amx = {f"{m}_amx_vs_avx512": round(us[m] / off[m], 3) for m in off}

@@ -129,17 +129,18 @@ class HostsFleet:
         """POST a start, again with the same key while no reply comes (the agent answers a key it has
         seen with the worker that start made, and makes no other). A start still unconfirmed is
         remembered, and its worker stopped once the agent lists it."""
-        body = HostStart(role=role, config=config, request_id=uuid.uuid4().hex)  # type: ignore[arg-type]
-        for attempt in range(START_ATTEMPTS):
+        key = uuid.uuid4().hex
+        body = HostStart(role=role, config=config, request_id=key).model_dump()  # type: ignore[arg-type]
+        for attempt in range(1, START_ATTEMPTS):
             try:
-                return HostWorker(**await self._call("POST", agent, "/agent/workers", json=body.model_dump()))
+                return HostWorker(**await self._call("POST", agent, "/agent/workers", json=body))
             except AgentUnreachable:
-                if attempt + 1 == START_ATTEMPTS:
-                    assert body.request_id is not None
-                    self._abandoned.setdefault(agent, set()).add(body.request_id)
-                    raise
-                await asyncio.sleep(START_RETRY_S * (attempt + 1))
-        raise AssertionError("unreachable")
+                await asyncio.sleep(START_RETRY_S * attempt)
+        try:
+            return HostWorker(**await self._call("POST", agent, "/agent/workers", json=body))
+        except AgentUnreachable:
+            self._abandoned.setdefault(agent, set()).add(key)
+            raise
 
     async def _pick(self, near: str | None = None) -> str:
         if near is not None:

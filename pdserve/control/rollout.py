@@ -14,9 +14,9 @@ of an old version (decode workers first: every request reaches one, so the canar
    p90 and its failed share, from the router's /metrics over the window, must be within the SLOs;
 4. the old worker is retired: no new work, its requests finish or move (no request is lost), stopped.
 Old-version workers that join while it runs (the controller's scale-up, a crashed worker restarted
-with its old config) are replaced in turn before it ends. A failure stops the rollout: the canary weight of the new version drops to 0, each replaced worker
-gets its old version back (started first, then the new one is retired the same way), the canary is
-cleared, and the command exits 1.
+with its old config) are replaced in turn before it ends. A failure stops the rollout: the canary
+weight of the new version drops to 0, each replaced worker gets its old version back (started
+first, then the new one is retired the same way), the canary is cleared, and the command exits 1.
 """
 
 from __future__ import annotations

@@ -38,27 +38,29 @@ def bf16_rows(mode: str) -> int:
     return int(fn({"int4": 4, "int8": 8}[mode]))
 
 
+def _in_every_library(symbol: str) -> list:
+    """`symbol` (int f(int)) of every library that links qgemm_bf16.c: each has its own copy of the
+    kernel's state (the fused decode layers, the MoE kernel), so each is told the same."""
+    fns = [function(lib, symbol, [_I]) for lib in ("qgemm", "layer", "moe")]
+    for fn in fns:
+        if fn is not None:
+            fn.restype = ctypes.c_int
+    return [fn for fn in fns if fn is not None]
+
+
 def amx(want: bool = True) -> bool:
     """Whether the bfloat16 products (bf16_rows) take Intel AMX's tiles: asked for (granted by the
     kernel where the CPU has them and the build has them), or turned off with want=False, where the
-    AVX512-BF16 paths run (the same operands; sums in another order). Every library that links
-    qgemm_bf16.c (the fused decode layers, the MoE kernel) is told the same."""
-    got = []
-    for lib in ("qgemm", "layer", "moe"):
-        fn = function(lib, "pd_qgemm_amx", [_I])
-        if fn is not None:
-            fn.restype = ctypes.c_int
-            got.append(bool(fn(1 if want else 0)))
+    AVX512-BF16 paths run (the same operands; sums in another order)."""
+    got = [bool(fn(1 if want else 0)) for fn in _in_every_library("pd_qgemm_amx")]
     return bool(got) and all(got)
 
 
 def amx_from(rows: int) -> None:
-    """From how many rows int4 products take the tiles (kernels/tuning.py measures it), in every
-    library that links the kernel; clamped to [bf16_rows("int4"), 32]."""
-    for lib in ("qgemm", "layer", "moe"):
-        fn = function(lib, "pd_qgemm_amx_from", [_I])
-        if fn is not None:
-            fn(rows)
+    """From how many rows int4 products take the tiles (kernels/tuning.py measures it); clamped to
+    [bf16_rows("int4"), 32]."""
+    for fn in _in_every_library("pd_qgemm_amx_from"):
+        fn(rows)
 
 
 def amx_rows(mode: str) -> int:

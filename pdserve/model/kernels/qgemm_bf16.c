@@ -229,11 +229,13 @@ int pd_qgemm_amx(int want) {
 static int amx_granted(void) { return __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) > 0; }
 
 /* From how many rows int4 products take the tiles (the rounded tile): from BF16_ROWS unless measured
-   otherwise (qgemm.py tune_amx: below it the exact pairs with float32 group scales run). */
+   otherwise (kernels/tuning.py: below it the exact pairs with float32 group scales run). */
 static int amx_from4 = BF16_ROWS;
 
-void pd_qgemm_amx_from(int rows) {
-    __atomic_store_n(&amx_from4, rows < BF16_ROWS4 ? BF16_ROWS4 : rows > BF16_ROWS ? BF16_ROWS : rows, __ATOMIC_RELEASE);
+int pd_qgemm_amx_from(int rows) {
+    rows = rows < BF16_ROWS4 ? BF16_ROWS4 : rows > BF16_ROWS ? BF16_ROWS : rows;
+    __atomic_store_n(&amx_from4, rows, __ATOMIC_RELEASE);
+    return rows;
 }
 
 /* From how many rows products of bits 4 or 8 take the tiles, where they are granted (else 0). */
@@ -290,26 +292,22 @@ static void amx_rows(int M, const uint16_t *xb, int K, const uint32_t *wb, float
         _tile_stored(0, y + i * ldy, sy);
         _tile_stored(1, y + (i + 16) * ldy, sy);
     }
-    for (; i + 16 <= M; i += 16) {
-        const uint16_t *a = xb + (int64_t)i * K;
-        _tile_zero(0);
-        for (int k = 0; k < K; k += 32) {
-            _tile_loadd(4, wb + (int64_t)k / 2 * NC, 64);
-            _tile_loadd(2, a + k, sa);
-            _tile_dpbf16ps(0, 2, 4);
-        }
-        _tile_stored(0, y + i * ldy, sy);
-    }
-    if (i < M) {
-        const uint16_t *a = xb + (int64_t)i * K;
-        _tile_zero(7);
-        for (int k = 0; k < K; k += 32) {
-            _tile_loadd(4, wb + (int64_t)k / 2 * NC, 64);
-            _tile_loadd(6, a + k, sa);
-            _tile_dpbf16ps(7, 6, 4);
-        }
-        _tile_stored(7, y + i * ldy, sy);
-    }
+/* One block of rows from row i over all of K: sums in tile C, activations in tile A (tile numbers
+   are part of the instruction, hence a macro). */
+#define AMX_BLOCK(C, A)                                                      \
+    do {                                                                     \
+        const uint16_t *a = xb + (int64_t)i * K;                             \
+        _tile_zero(C);                                                       \
+        for (int k = 0; k < K; k += 32) {                                    \
+            _tile_loadd(4, wb + (int64_t)k / 2 * NC, 64);                    \
+            _tile_loadd(A, a + k, sa);                                       \
+            _tile_dpbf16ps(C, A, 4);                                         \
+        }                                                                    \
+        _tile_stored(C, y + i * ldy, sy);                                    \
+    } while (0)
+    for (; i + 16 <= M; i += 16) AMX_BLOCK(0, 2);
+    if (i < M) AMX_BLOCK(7, 6); /* the last M % 16 rows: tiles 6 and 7 are configured that tall */
+#undef AMX_BLOCK
 }
 
 /* Tile t of an int4 weight over all of K as rounded pairs wb [K/2][16], straight from its nibbles (no
@@ -359,7 +357,7 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
 }
 #else
 static int amx_request(void) { return 0; }
-void pd_qgemm_amx_from(int rows) { (void)rows; }
+int pd_qgemm_amx_from(int rows) { return rows; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
     return 0;
@@ -418,7 +416,7 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
     for (int t = t0; t < t1; t++) tile_bf16(bits, w, d, m, xb, y, ldy, M, K, t);
 }
 #else
-void pd_qgemm_amx_from(int rows) { (void)rows; }
+int pd_qgemm_amx_from(int rows) { return rows; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
     return 0;

@@ -31,7 +31,8 @@ SHAPE = (1024, 1024)  # a product small enough to stay in cache: the kernels' ar
 NO_TILES = 32  # qgemm_bf16.c's BF16_ROWS: where int4 takes the tiles without a measurement
 
 
-def _best(fn, repeats: int = 5, inner: int = 4) -> float:
+def best_time(fn, repeats: int = 5, inner: int = 4) -> float:
+    """The fastest of `repeats` timings of `inner` calls of fn, per call (after one call to warm up)."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -58,7 +59,7 @@ def measure_int4_tiles() -> dict[int, float]:
             times = []
             for start in (rows, NO_TILES):
                 qgemm.amx_from(start)
-                times.append(_best(lambda: linear(x, qw)))
+                times.append(best_time(lambda: linear(x, qw)))
             ratios[rows] = times[0] / times[1]
     finally:
         torch.set_num_threads(threads)
