@@ -33,8 +33,12 @@ class ModelConfig:
     device: str = "cpu"  # cpu or cuda
     max_model_len: int | None = None  # defaults to the model's context length
     seed: int = 0  # weights of the tiny random models
-    # MoE models: ranks (processes) sharing the experts; attention is replicated on every rank.
+    # MoE models: ranks (processes) sharing the experts.
     expert_parallel: int = 1
+    # data: each rank attends its own share of the sequences and the MoE layers send tokens only to the
+    # ranks holding their experts (all-to-all); replicated: every rank attends every token and the MoE
+    # outputs are summed with an all-reduce. Data needs the KV pool shared by the ranks (CPU, one host).
+    ep_attention: str = "data"
     num_redundant_experts: int = 0  # extra physical expert slots per MoE layer, for replicas of hot experts
     eplb_interval: int = 32  # steps between imbalance checks of the expert balancer; 0 = off
     eplb_window: int = 256  # steps in the expert-load heatmap

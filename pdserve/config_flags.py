@@ -110,6 +110,11 @@ FLAGS: dict[str, Flag] = {
     "expert_parallel": Flag(
         "model.expert_parallel", "MoE models: processes sharing the experts (EP ranks)", int
     ),
+    "ep_attention": Flag(
+        "model.ep_attention",
+        "EP ranks: data (each attends its own sequences, tokens travel to their experts) or replicated",
+        choices=("data", "replicated"),
+    ),
     "host": Flag("server.host", "address to bind (0.0.0.0: every interface)"),
     "port": Flag("server.port", type=int),
     "insecure_admin": Flag(

@@ -93,11 +93,14 @@ class StepCounts:
     def __init__(self, layer_ids: list[int], num_experts: int, rank: int = 0, world: int = 1) -> None:
         self._index = {layer: j for j, layer in enumerate(layer_ids)}
         self.num_experts, self.rank, self.world = num_experts, rank, world
+        # Data-parallel attention: the rank sees only its own tokens, and counts them all.
+        self.all_own = False
         self._counts = torch.zeros(len(self._index), num_experts, dtype=torch.long)
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """A MoE layer's expert_load_hook: `layer` is the model's layer index, `topk_ids` [tokens, k]."""
-        lo, hi = own_tokens(topk_ids.shape[0], self.rank, self.world)
+        n = topk_ids.shape[0]
+        lo, hi = (0, n) if self.all_own else own_tokens(n, self.rank, self.world)
         ids = topk_ids[lo:hi].reshape(-1).to(torch.long).cpu()
         if ids.numel():
             self._counts[self._index[layer]] += torch.bincount(ids, minlength=self.num_experts)

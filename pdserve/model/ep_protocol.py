@@ -11,12 +11,15 @@ Rank 0 runs the engine. Before every model step it broadcasts, from rank 0 to ev
 3. with FLAG_PREPARE, the new placement phy2log int64[moe layers, physical slots];
 4. with OP_STEP, the step's integers as one int64 tensor: input ids, positions, slot mapping, the
    block size, the (start, rows, blocks per row) of each decode group and the (q_start, q_len,
-   ctx_len, blocks gathered (0: none), has_mask) of each prefill chunk, then their block indices;
+   ctx_len, blocks gathered (0: none), has_mask) of each prefill chunk, then their block indices,
+   then the rows whose logits the step wants (with data-parallel attention every rank computes some);
 5. with OP_STEP and masks present, every attention mask flattened into one uint8 tensor.
 
 Each length a receiver needs is in something it has already received, so every broadcast has a
 known size. OP_NOOP is a heartbeat (an idle engine sends one every few seconds so that the other
-ranks can tell a quiet rank 0 from a dead one); OP_STOP ends the worker loop.
+ranks can tell a quiet rank 0 from a dead one); OP_STOP ends the worker loop. FLAG_DP marks a step
+run with data-parallel attention (dp_attention.py): each rank computes its share of the sequences and
+the MoE layers exchange rows (ep_exchange.py), which needs the KV pool shared by every rank.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ OP_NOOP, OP_STEP, OP_STOP = 0, 1, 2
 FLAG_PREPARE = 1  # a new placement follows; start building it in the standby buffers
 FLAG_COMMIT = 2  # switch to the prepared placement before this step
 FLAG_KV = 4  # the KV cache changed: its path follows
+FLAG_DP = 8  # data-parallel attention this step
 
 
 @dataclass
@@ -48,10 +52,11 @@ class Header:
     masks: int = 0
     kv_slots: int = 0
     kv_path: int = 0
+    logits: int = 0  # rows whose logits the step wants, plus one (0: no logits)
 
     def to_tensor(self) -> torch.Tensor:
         t = torch.zeros(HEADER_LEN, dtype=torch.long)
-        t[:10] = torch.tensor(
+        t[:11] = torch.tensor(
             [
                 self.op,
                 self.flags,
@@ -63,13 +68,14 @@ class Header:
                 self.masks,
                 self.kv_slots,
                 self.kv_path,
+                self.logits,
             ]
         )
         return t
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "Header":
-        return cls(*t[:10].tolist())
+        return cls(*t[:11].tolist())
 
 
 class Comm:
@@ -96,9 +102,22 @@ class Comm:
         self.pg.allreduce([buf], opts).wait()
         return buf.to(t.device)
 
+    def all_to_all(self, t: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        """Rows of `t` to each rank (in_splits[r] rows to rank r, in order); returns the rows each rank
+        sent here (out_splits[r] from rank r), within the deadline."""
+        buf = t.to(self.device).contiguous()
+        out = torch.empty((sum(out_splits), *t.shape[1:]), dtype=t.dtype, device=self.device)
+        opts = dist.AllToAllOptions()
+        opts.timeout = self.timeout
+        self.pg.alltoall_base(out, buf, list(out_splits), list(in_splits), opts).wait()
+        return out.to(t.device)
+
 
 def encode_step(
-    input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    logits_indices: torch.Tensor | None = None,
 ) -> tuple[Header, torch.Tensor, torch.Tensor]:
     """The step's header (op, counts and lengths filled in), int payload and mask payload."""
     desc, data, masks = [meta.block_size], [], []
@@ -118,10 +137,18 @@ def encode_step(
             data.append(p.block_idx.reshape(-1))
         if p.mask is not None:
             masks.append(p.mask.reshape(-1))
+    logits = [] if logits_indices is None else [logits_indices.reshape(-1)]
     ints = torch.cat(
         [
             t.cpu().long()
-            for t in (input_ids, positions, meta.slot_mapping, torch.tensor(desc, dtype=torch.long), *data)
+            for t in (
+                input_ids,
+                positions,
+                meta.slot_mapping,
+                torch.tensor(desc, dtype=torch.long),
+                *data,
+                *logits,
+            )
         ]
     )
     mask = torch.cat([m.cpu().to(torch.uint8) for m in masks]) if masks else torch.zeros(0, dtype=torch.uint8)
@@ -132,14 +159,15 @@ def encode_step(
         chunks=len(meta.prefills),
         ints=ints.numel(),
         masks=mask.numel(),
+        logits=0 if logits_indices is None else logits_indices.numel() + 1,
     )
     return header, ints, mask
 
 
 def decode_step(
     h: Header, ints: torch.Tensor, mask: torch.Tensor, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """The inverse of encode_step: input ids, positions and attention metadata on `device`."""
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+    """The inverse of encode_step: input ids, positions, attention metadata and logits rows on `device`."""
     ints, mask = ints.to(device), mask.to(device).bool()
     t = h.tokens
     ids, positions, slots = ints[:t], ints[t : 2 * t], ints[2 * t : 3 * t]
@@ -166,4 +194,5 @@ def decode_step(
         meta.prefills.append(
             PrefillChunk(q_start, q_len, ctx, blocks, m, prefix_len=ctx - q_len if has_mask == 2 else 0)
         )
-    return ids, positions, meta
+    logits = ints[off : off + h.logits - 1] if h.logits else None
+    return ids, positions, meta, logits

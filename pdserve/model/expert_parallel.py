@@ -48,8 +48,11 @@ from pdserve.eplb.mover import ExpertWeightMover
 from pdserve.eplb.recorder import StepCounts
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata
+from pdserve.model.dp_attention import split_step, token_cost
+from pdserve.model.ep_exchange import ExpertExchange
 from pdserve.model.ep_protocol import (
     FLAG_COMMIT,
+    FLAG_DP,
     FLAG_KV,
     FLAG_PREPARE,
     HEADER_LEN,
@@ -115,6 +118,80 @@ class _WorkerSpec:
     activation_quantization: str = "none"
 
 
+def _after_collectives(layer_done, moe_ids: list[int], num_layers: int):
+    """(hook, finish): `layer_done` for layer i only once every rank has written layer i's KV. With
+    data-parallel attention another rank writes its own sequences' KV into the shared pool; a MoE
+    layer's exchange waits for every rank, which has passed that layer's attention by then, so a MoE
+    layer releases itself and the dense layers before it, and `finish` (after the last exchange of
+    the step) the rest."""
+    moe, fired = set(moe_ids), [-1]
+
+    def upto(i: int) -> None:
+        for j in range(fired[0] + 1, i + 1):
+            layer_done(j)
+        fired[0] = max(fired[0], i)
+
+    def hook(i: int) -> None:
+        if i in moe:
+            upto(i)
+
+    return hook, lambda: upto(num_layers - 1)
+
+
+def dp_step(
+    model: MoEModel,
+    exchange: ExpertExchange,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_cache: torch.Tensor,
+    logits_indices: torch.Tensor | None,
+    layer_done=None,
+) -> torch.Tensor | None:
+    """One step with data-parallel attention, on every rank alike: this rank's share of the sequences
+    through the model (the MoE layers exchanging rows), then every rank's logits rows to rank 0, which
+    returns them in the step's order (the other ranks return None)."""
+    rank, world = exchange.rank, exchange.world
+    shares = split_step(meta, input_ids.shape[0], logits_indices, world, token_cost(model.arch))
+    mine = shares[rank]
+    hook = finish = None
+    if layer_done is not None:
+        hook, finish = _after_collectives(layer_done, model.moe_ids, model.arch.num_layers)
+    model.set_exchange(exchange)
+    try:
+        logits = None
+        if mine.tokens.numel():
+            tok = mine.tokens.to(input_ids.device)
+            rows = None if logits_indices is None else mine.logits_rows.to(input_ids.device)
+            logits = model.forward(
+                input_ids.index_select(0, tok),
+                positions.index_select(0, tok),
+                mine.meta,
+                kv_cache,
+                rows,
+                hook,
+            )
+        else:
+            model.idle_step()
+        if logits_indices is None:
+            return None
+        vocab = model.arch.vocab_size
+        mine_logits = logits.float().cpu() if logits is not None else torch.zeros(0, vocab)
+        sizes = [s.logits_rows.numel() for s in shares]
+        got = exchange.comm.all_to_all(
+            mine_logits, sizes if rank == 0 else [0] * world, [mine_logits.shape[0]] + [0] * (world - 1)
+        )
+    finally:
+        model.set_exchange(None)
+        if finish is not None:
+            finish()
+    if rank != 0:
+        return None
+    out = torch.empty(logits_indices.numel(), got.shape[1], dtype=got.dtype)
+    out[torch.cat([s.logits_order for s in shares])] = got
+    return out.to(model.device)
+
+
 class ExpertParallelModel:
     """Rank 0 of a MoE model over `model_config.expert_parallel` ranks (one rank: no processes)."""
 
@@ -131,6 +208,9 @@ class ExpertParallelModel:
         if quant not in MODES:
             raise ValueError(f"model.quantization: {quant!r} is not one of {', '.join(MODES)}")
         self.arch, self.dtype, self.world = arch, dtype, world
+        if mc.ep_attention not in ("data", "replicated"):
+            raise ValueError(f"model.ep_attention: {mc.ep_attention!r} is not data or replicated")
+        self.data_parallel = mc.ep_attention == "data"
         phy2log = initial_placement(arch, num_physical, world)
         weights = loaded.weights
         self._ranks = _Ranks()
@@ -167,6 +247,7 @@ class ExpertParallelModel:
                 _rank_device(device, 0, world),
             )
         comm = self._ranks.comm
+        self.exchange = ExpertExchange(comm, 0, world) if comm is not None else None
         self.model = MoEModel(
             arch,
             weights,
@@ -243,8 +324,17 @@ class ExpertParallelModel:
             announce = self._pending is not None and (self._preparing is None or flags & FLAG_COMMIT)
             if announce:
                 flags |= FLAG_PREPARE
+            # Data-parallel attention needs every rank to see every sequence's KV: one shared pool.
+            dp = (
+                self.data_parallel
+                and self.exchange is not None
+                and self._kv_shared is not None
+                and self._kv_shared[0] == kv_cache.data_ptr()
+            )
+            if dp:
+                flags |= FLAG_DP
             if r.comm is not None:
-                h, ints, mask = encode_step(input_ids, positions, meta)
+                h, ints, mask = encode_step(input_ids, positions, meta, logits_indices)
                 extras = []
                 if kv_cache.data_ptr() != self._kv_ptr:
                     shared = self._kv_shared is not None and self._kv_shared[0] == kv_cache.data_ptr()
@@ -269,7 +359,22 @@ class ExpertParallelModel:
                 self._preparing, self._pending = self._pending, None
             self.model.set_step(self._step)
             try:
-                logits = self.model.forward(input_ids, positions, meta, kv_cache, logits_indices, layer_done)
+                self._counts.all_own = dp
+                if dp:
+                    logits = dp_step(
+                        self.model,
+                        self.exchange,
+                        input_ids,
+                        positions,
+                        meta,
+                        kv_cache,
+                        logits_indices,
+                        layer_done,
+                    )
+                else:
+                    logits = self.model.forward(
+                        input_ids, positions, meta, kv_cache, logits_indices, layer_done
+                    )
                 counts = self._counts.take()
                 if r.comm is not None:
                     counts = r.comm.all_reduce(counts)
@@ -427,6 +532,7 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
         activation_quantization=spec.activation_quantization,
     )
     mover = ExpertWeightMover(model)
+    exchange = ExpertExchange(comm, spec.rank, spec.world)
     counts = StepCounts(model.moe_ids, spec.arch.num_experts, spec.rank, spec.world)
     model.set_load_hook(counts.record)
     kv = None
@@ -457,9 +563,13 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
                 continue
             ints = comm.broadcast(torch.zeros(h.ints, dtype=torch.long))
             mask = comm.broadcast(torch.zeros(h.masks, dtype=torch.uint8)) if h.masks else torch.zeros(0)
-            ids, positions, meta = decode_step(h, ints, mask, device)
+            ids, positions, meta, logits = decode_step(h, ints, mask, device)
             model.set_step(h.step)
-            model.forward(ids, positions, meta, kv, None)
+            counts.all_own = bool(h.flags & FLAG_DP)
+            if counts.all_own:
+                dp_step(model, exchange, ids, positions, meta, kv, logits)
+            else:
+                model.forward(ids, positions, meta, kv, None)
             comm.all_reduce(counts.take())  # this rank's share of the step's expert load, to rank 0
 
 

@@ -131,6 +131,8 @@ class MoEBlock:
         self.placement = placement
         self.shared, self.shared_gate = shared, shared_gate
         self.rank, self.world, self.combine = rank, world, combine
+        # Data-parallel attention (ep_exchange.py): set for the steps whose tokens are this rank's own.
+        self.exchange: Callable[..., torch.Tensor] | None = None
         # Called with (layer, logical topk ids) every forward: the EPLB recorder's feed.
         self.expert_load_hook: Callable[[int, torch.Tensor], None] | None = None
         self.step_offset = 0  # the step number, set by the model before each step
@@ -141,7 +143,18 @@ class MoEBlock:
             self.expert_load_hook(self.layer, ids)
         pl = self.placement  # read once: a swap can only happen between steps
         # Replicas by load: the same batch and placement give the same slots on every rank.
-        slots = ids if pl.identity else dispatch_by_load(ids, pl.table, self.world)
+        slots = ids if pl.identity or not ids.numel() else dispatch_by_load(ids, pl.table, self.world)
+        if self.exchange is not None:
+            # h holds this rank's own tokens: their choices elsewhere travel, the shared expert runs here.
+            out = self.exchange(
+                h, slots, weights, pl, lambda x, s, w: routed_experts(x, s, w.to(x.dtype), pl)
+            )
+            if self.shared is not None and h.shape[0]:
+                s = self.shared(h)
+                if self.shared_gate is not None:
+                    s = torch.sigmoid(F.linear(h, self.shared_gate)) * s
+                out += s
+            return out
         out = routed_experts(h, slots, weights.to(h.dtype), pl)
         if self.shared is not None:
             # Each rank runs the shared expert on its own slice of the tokens; the combine sums them.

@@ -193,6 +193,18 @@ class MoEModel(LlamaModel):
         self.blocks.append(block)
         return block
 
+    def set_exchange(self, exchange: Callable[..., torch.Tensor] | None) -> None:
+        """Data-parallel attention's row exchange for the MoE blocks (None: the combine's all-reduce)."""
+        for b in self.blocks:
+            b.exchange = exchange
+
+    def idle_step(self) -> None:
+        """A step in which this rank has no sequence: it still takes part in every MoE layer's exchange,
+        in order, computing the rows the other ranks send it."""
+        empty = torch.zeros(0, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+        for b in self.blocks:
+            b(empty)
+
     def set_step(self, step: int) -> None:
         for b in self.blocks:
             b.step_offset = step

@@ -25,7 +25,7 @@ def test_step_encoding_round_trips():
     h, ints, mask = encode_step(ids, pos, meta)
     h2 = Header.from_tensor(h.to_tensor())
     assert h2 == h
-    ids2, pos2, meta2 = decode_step(h2, ints, mask, torch.device("cpu"))
+    ids2, pos2, meta2, _ = decode_step(h2, ints, mask, torch.device("cpu"))
     assert torch.equal(ids2, ids) and torch.equal(pos2, pos)
     assert torch.equal(meta2.slot_mapping, meta.slot_mapping)
     assert len(meta2.decode_groups) == len(meta.decode_groups) >= 2

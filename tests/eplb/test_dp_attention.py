@@ -1,0 +1,182 @@
+"""Data-parallel attention for expert parallelism: the split of a step over the ranks, and the row
+exchange of a MoE layer over a real gloo group (two ranks as threads of this process)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pdserve.eplb.placement import LayerPlacement, slot_range
+from pdserve.model.attention import build_metadata
+from pdserve.model.dp_attention import assign, split_step
+from pdserve.model.ep_exchange import ExpertExchange, plan_dispatch, slot_owners
+from pdserve.model.ep_protocol import Comm
+
+BS = 4
+
+
+def _meta(seqs):
+    return build_metadata(seqs, BS, None, "cpu")
+
+
+def _step():
+    """Five decodes of different contexts and two prefill chunks (one after cached context)."""
+    seqs = [([i * 8 + j for j in range(8)], ctx, 1) for i, ctx in enumerate([3, 30, 7, 12, 25])]
+    seqs += [([40 + j for j in range(6)], 0, 9), ([50 + j for j in range(8)], 10, 6)]
+    n = sum(s[2] for s in seqs)
+    return seqs, _meta(seqs), n
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_row_goes_to_exactly_one_rank_with_its_own_metadata(world):
+    seqs, meta, n = _step()
+    logits = torch.tensor([0, 2, 4, 13, 19])  # some decodes, the chunks' last rows
+    shares = split_step(meta, n, logits, world, per_token=10)
+    rows = torch.cat([s.tokens for s in shares])
+    assert sorted(rows.tolist()) == list(range(n))
+    order = torch.cat([s.logits_order for s in shares])
+    assert sorted(order.tolist()) == list(range(5))
+    for s in shares:
+        # The share's metadata is the step's, restricted: the same slots and the same attended keys.
+        torch.testing.assert_close(s.meta.slot_mapping, meta.slot_mapping[s.tokens])
+        mine = {int(t) for t in s.tokens}
+        for r, o in zip(s.logits_rows.tolist(), s.logits_order.tolist()):
+            assert int(s.tokens[r]) == int(logits[o])
+        # Rebuilding the metadata from this rank's sequences alone gives the same attention inputs.
+        own, start = [], 0
+        for seq in seqs:
+            if start in mine:
+                own.append(seq)
+            start += seq[2]
+        want = _meta(sorted(own, key=lambda q: (q[2] != 1,)))
+        got_rows = [g.block_idx.shape[0] for g in s.meta.decode_groups]
+        assert sum(got_rows) == sum(g.block_idx.shape[0] for g in want.decode_groups)
+        assert [(p.q_len, p.ctx_len) for p in s.meta.prefills] == [
+            (p.q_len, p.ctx_len) for p in want.prefills
+        ]
+        start = 0
+        for g in s.meta.decode_groups:
+            assert g.start == start
+            first, ctx = g.attended()
+            m = g.mask.reshape(g.mask.shape[0], -1).to(torch.int8)
+            assert torch.equal(ctx, (m.shape[1] - m.flip(1).argmax(1)).long())
+            start += g.block_idx.shape[0]
+        for p in s.meta.prefills:
+            assert p.q_start == start
+            start += p.q_len
+
+
+def test_lpt_balances_decode_rows_by_attended_keys():
+    # 32 decodes at context 2,048 over 2 ranks: 16 each; mixed contexts: within one row of the mean.
+    units = [(0, i, 1, 2048) for i in range(32)]
+    ranks = assign(units, 2, per_token=100)
+    assert ranks.count(0) == ranks.count(1) == 16
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(100, 4000, (64,), generator=g).tolist()
+    units = [(0, i, 1, c) for i, c in enumerate(ctx)]
+    for world in (2, 4):
+        ranks = assign(units, world, per_token=0)
+        load = [sum(c for c, r in zip(ctx, ranks) if r == k) for k in range(world)]
+        assert max(load) - min(load) <= max(ctx)
+        assert max(load) / (sum(load) / world) <= 1.1
+    assert assign([], 3, 5) == []
+
+
+def test_plan_sends_a_token_once_to_each_remote_rank_of_its_choices():
+    owners = slot_owners(8, 2)  # slots 0-3 on rank 0, 4-7 on rank 1
+    assert owners.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    slots = torch.tensor([[0, 1], [4, 5], [1, 6], [7, 2]])
+    plan = plan_dispatch(slots, owners, 0, 2)
+    assert plan.rows[0].numel() == 0
+    assert plan.rows[1].tolist() == [1, 2, 3]
+    assert plan.slots[1].tolist() == [[4, 5], [-1, 6], [7, -1]]
+    empty = plan_dispatch(torch.zeros(0, 2, dtype=torch.long), owners, 1, 2)
+    assert [r.numel() for r in empty.rows] == [0, 0]
+
+
+def _expert(x, slot):
+    """A stand-in expert with a different linear map per slot (deterministic, exact in float64)."""
+    return x * (slot + 1) + slot
+
+
+def _all_choices(h, slots, w):
+    out = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j in range(slots.shape[1]):
+            out[t] += w[t, j] * _expert(h[t], int(slots[t, j]))
+    return out
+
+
+def _run_ranks(world, fn):
+    """fn(rank, comm) on `world` threads, each with its own gloo group over one in-memory store."""
+    store = dist.HashStore()
+    results, errors = [None] * world, []
+
+    def body(rank):
+        try:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timedelta(seconds=60)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            pg = dist.ProcessGroupGloo(store, rank, world, opts)
+            results[rank] = fn(rank, Comm(pg, rank, world, torch.device("cpu"), 60))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchange_gives_every_choice_and_sends_only_remote_rows(world):
+    P, H, k = 8, 16, 2
+    phy2log = torch.arange(P)
+    g = torch.Generator().manual_seed(world)
+    # Each rank's own tokens (rank 2 of 3 has none: it still takes part).
+    toks = [
+        torch.randn(5, H, generator=g, dtype=torch.float64),
+        torch.randn(3, H, generator=g, dtype=torch.float64),
+    ]
+    toks += [torch.zeros(0, H, dtype=torch.float64)] * (world - 2)
+    slots = [
+        torch.stack([torch.randperm(P, generator=g)[:k] for _ in range(t.shape[0])])
+        if t.shape[0]
+        else torch.zeros(0, k, dtype=torch.long)
+        for t in toks
+    ]
+    weights = [torch.rand(t.shape[0], k, generator=g) for t in toks]
+
+    def fn(rank, comm):
+        lo, hi = slot_range(P, rank, world)
+        pl = LayerPlacement.build(phy2log, P, lo, hi, None, None)
+
+        def compute(x, s, w):
+            out = torch.zeros_like(x)
+            for t in range(x.shape[0]):
+                for j in range(s.shape[1]):
+                    if lo <= int(s[t, j]) < hi:
+                        out[t] += w[t, j].double() * _expert(x[t], int(s[t, j]))
+            return out
+
+        ex = ExpertExchange(comm, rank, world)
+        out = ex(toks[rank], slots[rank], weights[rank], pl, compute)
+        return out, ex.dispatch_bytes, ex.combine_bytes
+
+    res = _run_ranks(world, fn)
+    owners = slot_owners(P, world)
+    for rank in range(world):
+        out, sent, back = res[rank]
+        torch.testing.assert_close(out, _all_choices(toks[rank], slots[rank], weights[rank].double()))
+        # Bytes: a row per token per remote rank among its choices' owners.
+        remote = sum(len({int(owners[s]) for s in row} - {rank}) for row in slots[rank])
+        assert sent == remote * H * 8
+    # What a rank sends back is what the others sent it.
+    assert sum(r[2] for r in res) == sum(r[1] for r in res)
