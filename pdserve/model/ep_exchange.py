@@ -8,7 +8,7 @@ choices and sends one row back, which the token's rank adds to its own slots' su
 design's all-reduce of every token's hidden state.
 
 Three all-to-alls a layer, each with the deadline of every collective: the row counts, the rows with
-their choices, the results. The rows travel in the model's dtype and the results come back in it, so
+their choices (one message in float32; the rows and the choices apart in other dtypes), the results. The rows travel in the model's dtype and the results come back in it, so
 the values equal EP=1's up to the order of the final sum.
 """
 
@@ -94,21 +94,31 @@ class ExpertExchange:
         send_rows = torch.cat(plan.rows)
         k = slots.shape[1]
         x_send = h.index_select(0, send_rows.to(h.device))
-        # A choice travels as its slot and its gate weight's bits, one int64 tensor with the slots.
+        slots_send = torch.cat(plan.slots).reshape(-1, k)
         w_send = torch.cat([w32.cpu()[r] for r in plan.rows]) if send_rows.numel() else w32.new_zeros(0, k)
-        meta_send = torch.cat(
-            [torch.cat(plan.slots).reshape(-1, k), w_send.reshape(-1, k).view(torch.int32).long()], dim=1
-        )
-        x_recv = self.comm.all_to_all(x_send, recv, sizes)
-        meta_recv = self.comm.all_to_all(meta_send, recv, sizes)
+        H = h.shape[1]
+        if h.dtype == torch.float32:
+            # One message: the rows with their choices (slot ids are exact in float32 below 2**24).
+            got = self.comm.all_to_all(
+                torch.cat([x_send.cpu(), slots_send.float(), w_send.reshape(-1, k)], dim=1), recv, sizes
+            )
+            x_recv, s_recv, w_recv = got[:, :H], got[:, H : H + k].long(), got[:, H + k :]
+        else:
+            # The rows in their dtype; a choice as its slot and its gate weight's bits, one int64 tensor.
+            x_recv = self.comm.all_to_all(x_send, recv, sizes)
+            meta = torch.cat([slots_send, w_send.reshape(-1, k).view(torch.int32).long()], dim=1)
+            meta = self.comm.all_to_all(meta, recv, sizes)
+            s_recv, w_recv = meta[:, :k], meta[:, k:].int().view(torch.float32)
         self.dispatch_bytes += x_send.numel() * x_send.element_size()
         self.dispatch_rows += int(send_rows.numel())
         # This rank's own choices (the other ranks' slots are outside [lo, hi) and skipped).
         out = compute(h, slots, w32) if h.shape[0] else torch.zeros_like(h)
         if x_recv.shape[0]:
-            s_recv = meta_recv[:, :k].contiguous()
-            w_recv = meta_recv[:, k:].int().view(torch.float32).contiguous()
-            y = compute(x_recv.to(h.device), s_recv.to(slots.device), w_recv.to(slots.device))
+            y = compute(
+                x_recv.contiguous().to(h.device),
+                s_recv.contiguous().to(slots.device),
+                w_recv.contiguous().to(slots.device),
+            )
         else:
             y = x_recv.new_zeros(0, h.shape[1])
         back = self.comm.all_to_all(y.to(h.dtype), sizes, recv)
