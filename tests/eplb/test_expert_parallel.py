@@ -45,7 +45,7 @@ def _llm(name, loaded, **kw):
 def _chunked_logits(model, ids: list[int]) -> torch.Tensor:
     """Prefill in two chunks then decode two tokens on a private KV cache."""
     a, block = model.arch, 16
-    kv = torch.zeros(a.num_layers, 2, 4 * block, a.num_kv_heads, a.head_dim)
+    kv = torch.zeros(a.kv_cache_shape(4 * block))
     out, done = [], 0
     for n in (len(ids) - 8, 6, 1, 1):
         meta = build_metadata([(list(range(4)), done, n)], block, a.sliding_window, "cpu")
@@ -58,15 +58,37 @@ def _chunked_logits(model, ids: list[int]) -> torch.Tensor:
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("name,ep,redundant", [("tiny-qwen2-moe", 2, 0), ("tiny-deepseek-moe", 4, 4)])
-def test_ep_matches_ep1(name, ep, redundant):
+@pytest.mark.parametrize(
+    "name,ep,redundant,attention",
+    [
+        ("tiny-qwen2-moe", 2, 0, "data"),
+        ("tiny-qwen2-moe", 2, 0, "replicated"),
+        ("tiny-deepseek-moe", 4, 4, "data"),
+        ("tiny-deepseek-moe", 4, 4, "replicated"),
+        ("tiny-mixtral", 4, 0, "data"),
+        ("tiny-qwen3-moe", 2, 2, "data"),
+        ("tiny-deepseek-v3", 2, 0, "data"),
+        ("tiny-deepseek-v2-lite", 4, 0, "data"),
+        ("tiny-kimi", 2, 0, "data"),
+    ],
+)
+def test_ep_matches_ep1(name, ep, redundant, attention):
+    """Every MoE family, both attention modes: EP=N gives EP=1's greedy tokens and logprobs."""
     loaded = load_model_files(name)
     ref = _llm(name, loaded)
     want = ref.generate(PROMPTS, PARAMS)
-    llm = _llm(name, loaded, model__expert_parallel=ep, model__num_redundant_experts=redundant)
+    llm = _llm(
+        name,
+        loaded,
+        model__expert_parallel=ep,
+        model__num_redundant_experts=redundant,
+        model__ep_attention=attention,
+    )
     try:
         got = llm.generate(PROMPTS, PARAMS)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        # Data-parallel steps sent rows between the ranks; replicated ones none.
+        assert (llm.engine.model.exchange.dispatch_rows > 0) == (attention == "data")
         # Each rank counts only the tokens it owns: the balancer's load is their sum, the whole batch
         # (the choices themselves may differ where a near tie in the gate falls the other way).
         heat, ref_heat = llm.engine.model.eplb.to_dict(), ref.engine.model.eplb.to_dict()
