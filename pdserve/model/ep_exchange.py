@@ -111,16 +111,18 @@ class ExpertExchange:
             s_recv, w_recv = meta[:, :k], meta[:, k:].int().view(torch.float32)
         self.dispatch_bytes += x_send.numel() * x_send.element_size()
         self.dispatch_rows += int(send_rows.numel())
-        # This rank's own choices (the other ranks' slots are outside [lo, hi) and skipped).
-        out = compute(h, slots, w32) if h.shape[0] else torch.zeros_like(h)
-        if x_recv.shape[0]:
-            y = compute(
-                x_recv.contiguous().to(h.device),
-                s_recv.contiguous().to(slots.device),
-                w_recv.contiguous().to(slots.device),
+        # This rank's slots over its own tokens and the rows it received in one call, so each of its
+        # experts is read once a step (the other ranks' slots are outside [lo, hi) and skipped).
+        t = h.shape[0]
+        if t + x_recv.shape[0]:
+            both = compute(
+                torch.cat([h, x_recv.to(h.device, h.dtype)]),
+                torch.cat([slots, s_recv.to(slots.device)]).contiguous(),
+                torch.cat([w32, w_recv.to(w32.device)]).contiguous(),
             )
         else:
-            y = x_recv.new_zeros(0, h.shape[1])
+            both = torch.zeros_like(h)
+        out, y = both[:t], both[t:]
         back = self.comm.all_to_all(y.to(h.dtype), sizes, recv)
         self.combine_bytes += y.numel() * h.element_size()
         if send_rows.numel():
