@@ -70,6 +70,9 @@ BASELINE = "llama-server"
 DISTURBED = 0.05  # share of all cores used by other processes above which figures are flagged
 
 
+SERVER_CPU: list[float] = []  # each measured server group's CPU seconds (CpuWatch counts them as ours)
+
+
 class Skip(Exception):
     """This system cannot run here; the message says why."""
 
@@ -97,6 +100,13 @@ def bench_server(
     args,
     start_timeout: float | None = None,
 ) -> list[dict]:
+    try:
+        return _bench(name, srv, sessions, levels, model, args, start_timeout)
+    finally:
+        SERVER_CPU.append(srv.cpu_s)
+
+
+def _bench(name, srv, sessions, levels, model, args, start_timeout) -> list[dict]:
     points = []
     with srv:
         try:
@@ -313,6 +323,7 @@ class CpuWatch:
 
     def __init__(self):
         self.t0, self.busy0, self.ours0 = time.perf_counter(), self._busy(), self._ours()
+        self.servers0 = len(SERVER_CPU)
 
     @staticmethod
     def _busy() -> float | None:
@@ -334,7 +345,10 @@ class CpuWatch:
         wall = time.perf_counter() - self.t0
         if busy is None or self.busy0 is None or wall <= 0:
             return None
-        other = (busy - self.busy0) - (self._ours() - self.ours0)
+        # A server's processes it never waited for (vLLM's engine core) are missing from the children's
+        # rusage; its group's CPU, taken before it stopped, has them.
+        ours = max(self._ours() - self.ours0, sum(SERVER_CPU[self.servers0 :]))
+        other = (busy - self.busy0) - ours
         return max(0.0, other / (wall * (os.cpu_count() or 1)))
 
 

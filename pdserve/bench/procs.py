@@ -88,6 +88,7 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.health_path = health_path
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.cpu_s = 0.0  # the group's CPU seconds, taken as stop() begins (group_cpu_s)
         self._log = open(self.log_path, "wb")
         full = (["nice", "-n", str(nice)] if nice else []) + cmd
         from pdserve.utils.process import die_with_parent
@@ -132,8 +133,31 @@ class ServerProcess:
         except ProcessLookupError:
             pass
 
+    def group_cpu_s(self) -> float:
+        """CPU seconds used so far by the server's process group: every live member's own time and that
+        of the children it reaped. Taken before stop(), it also covers processes the leader never waits
+        for (a vLLM engine core), which this process's getrusage(RUSAGE_CHILDREN) would miss."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            f = stat[stat.rindex(")") + 2 :].split()
+            # After the command: state, ppid, pgrp, ..., utime (12th), stime, cutime, cstime.
+            if int(f[2]) == self.proc.pid:
+                total += sum(int(x) for x in f[11:15])
+        return total / tick
+
     def stop(self, grace: float = 20.0) -> None:
         if self.proc.poll() is None:
+            try:
+                self.cpu_s = self.group_cpu_s()
+            except OSError:  # no /proc
+                pass
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(timeout=grace)

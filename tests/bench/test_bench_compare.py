@@ -105,3 +105,23 @@ def test_compare_runs_pdserve_and_skips_unbuilt_llama_server(tmp_path):
     md = (out / "compare.md").read_text()
     assert "| pdserve-mixed | 1 | 2 | 4/0 |" in md and "skipped" in md
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_group_cpu_counts_processes_the_leader_never_waits_for(tmp_path):
+    """A server whose worker burns CPU in a grandchild it never reaps (as vLLM's engine core): the
+    group's CPU, taken as stop() begins, has it; this process's children's rusage would not."""
+    from pdserve.bench.procs import ServerProcess, free_port
+
+    burn = "import time; t = time.process_time(); [0 for _ in iter(lambda: time.process_time() - t > 0.5, True)]; time.sleep(60)"
+    leader = (
+        f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {burn!r}]); time.sleep(60)"
+    )
+    srv = ServerProcess([sys.executable, "-c", leader], free_port(), tmp_path / "srv.log")
+    import time
+
+    deadline = time.monotonic() + 30
+    while srv.group_cpu_s() < 0.5:
+        assert time.monotonic() < deadline, "the grandchild's CPU never showed"
+        time.sleep(0.2)
+    srv.stop(grace=5)
+    assert srv.cpu_s >= 0.5
