@@ -87,6 +87,7 @@ class Comm:
         self.host_only = pg is not None and pg.name() == "gloo"
         self.device = torch.device("cpu") if self.host_only else device
         self.timeout = timedelta(seconds=timeout_s)
+        self.shm = None  # ep_shm.ShmAllToAll: the all-to-all of ranks on one host, where it builds
 
     def broadcast(self, t: torch.Tensor, timeout: timedelta | None = None) -> torch.Tensor:
         """Rank 0 sends `t`; other ranks pass a buffer of the same shape and get rank 0's values back."""
@@ -105,6 +106,8 @@ class Comm:
     def all_to_all(self, t: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
         """Rows of `t` to each rank (in_splits[r] rows to rank r, in order); returns the rows each rank
         sent here (out_splits[r] from rank r), within the deadline."""
+        if self.shm is not None and t.device.type == "cpu":
+            return self.shm.all_to_all(t, out_splits, in_splits, self.timeout)
         buf = t.to(self.device).contiguous()
         out = torch.empty((sum(out_splits), *t.shape[1:]), dtype=t.dtype, device=self.device)
         opts = dist.AllToAllOptions()

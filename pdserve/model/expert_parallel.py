@@ -46,6 +46,7 @@ from pdserve.config import ModelConfig
 from pdserve.eplb.balancer import ExpertBalancer
 from pdserve.eplb.mover import ExpertWeightMover
 from pdserve.eplb.recorder import StepCounts
+from pdserve.model import ep_shm
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.dp_attention import split_step, token_cost
@@ -116,6 +117,7 @@ class _WorkerSpec:
     attention_kernel: str = "auto"
     gemm_kernel: str = "auto"
     activation_quantization: str = "none"
+    exchange_path: str = ""  # ep_shm's mailboxes (rank 0 made them); empty: gloo's all-to-all
 
 
 def _after_collectives(layer_done, moe_ids: list[int], num_layers: int):
@@ -403,19 +405,28 @@ class _Ranks:
         self._last_send = time.monotonic()
         self._store = None
         self._store_dir: str | None = None
+        self._shm_path: str | None = None
 
     def start(self, world: int, spec: _WorkerSpec, weights: dict, device: torch.device) -> None:
         self._store_dir = tempfile.mkdtemp(prefix="pdserve-ep-")  # mode 0700: this user's processes only
         path = os.path.join(self._store_dir, "store")
         self._store = _file_store(path, world)
+        shm = None
+        if device.type == "cpu" and ep_shm.available():
+            shm = ep_shm.create(world)
+            self._shm_path = shm
         ctx = mp.get_context("spawn")
         for rank in range(1, world):
-            s = _WorkerSpec(**{**spec.__dict__, "rank": rank, "store_path": path})
+            s = _WorkerSpec(**{**spec.__dict__, "rank": rank, "store_path": path, "exchange_path": shm or ""})
             p = ctx.Process(target=worker_loop, args=(s, weights), name=f"pdserve-ep{rank}", daemon=True)
             p.start()
             self.procs.append(p)
         try:
             self.comm = Comm(self._connect(world, device), 0, world, device, OP_TIMEOUT_S)
+            if shm is not None:
+                # Every rank mapped the mailboxes before joining the group: the name can go now.
+                self.comm.shm = ep_shm.ShmAllToAll(shm, 0, world)
+                self._unlink_shm()
         except BaseException:
             self.close()
             raise
@@ -488,6 +499,15 @@ class _Ranks:
                 p.join(5)
         if self._store_dir is not None:
             shutil.rmtree(self._store_dir, ignore_errors=True)
+        self._unlink_shm()
+
+    def _unlink_shm(self) -> None:
+        if self._shm_path is not None:
+            try:
+                os.unlink(self._shm_path)
+            except FileNotFoundError:
+                pass
+            self._shm_path = None
 
 
 # ---------------------------------------------------------------- ranks 1..N-1
@@ -513,9 +533,12 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL binds a rank's communicator to its current device
     store = _file_store(spec.store_path, spec.world)
+    # Mapped before joining the group: rank 0 unlinks the name once every rank has joined.
+    shm = ep_shm.ShmAllToAll(spec.exchange_path, spec.rank, spec.world) if spec.exchange_path else None
     comm = Comm(
         _process_group(store, spec.rank, spec.world, device), spec.rank, spec.world, device, OP_TIMEOUT_S
     )
+    comm.shm = shm
     model = MoEModel(
         spec.arch,
         weights,

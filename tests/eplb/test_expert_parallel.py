@@ -325,17 +325,24 @@ def test_served_ep_model_exposes_eplb_and_stops_cleanly(tmp_path):
         assert _wait_gone(workers, 15) == [], srv.log_tail()
 
 
-def test_pd_decode_worker_with_ep_reads_transferred_kv(tmp_path):
+@pytest.mark.parametrize("prefill_ep,decode_ep", [(2, 2), (2, 4)])
+def test_pd_decode_worker_with_ep_reads_transferred_kv(tmp_path, prefill_ep, decode_ep):
     """In the PD deployment the prefill worker writes the prompt's KV into the decode worker's pool;
-    the decode worker's other rank maps that pool, so EP=2 decodes EP=1's tokens."""
+    the decode worker's other ranks map that pool (each attends the sequences the step gives it), so
+    EP=2 or 4 decodes EP=1's tokens, also from a prefill worker of another EP size."""
     port = free_port()
     prompt = "The capital of France is a city with a long history and many famous buildings, such as"
+    cfg = tmp_path / "ep.yaml"
+    cfg.write_text(
+        f"deployment:\n  prefill:\n    expert_parallel: {prefill_ep}\n"
+        f"  decode:\n    expert_parallel: {decode_ep}\n"
+    )
     cmd = pdserve_cmd() + [
         "serve",
+        "--config",
+        str(cfg),
         "--model",
         "tiny-mixtral",
-        "--expert-parallel",
-        "2",
         "--threads",
         "1",
         "--port",
@@ -364,3 +371,7 @@ def test_pd_decode_worker_with_ep_reads_transferred_kv(tmp_path):
         decode = next(w for w in httpx.get(srv.url + "/health").json()["workers"] if w["role"] == "decode")
         stats = httpx.get(decode["url"] + "/health").json()
         assert stats["prefill_tokens_computed"] == 0 and stats["kv_transfers_completed_total"] >= 1, stats
+        ranks = {w["role"]: w["url"] for w in httpx.get(srv.url + "/health").json()["workers"]}
+        for role, ep in (("prefill", prefill_ep), ("decode", decode_ep)):
+            placement = httpx.get(ranks[role] + "/eplb").json()
+            assert placement["num_ranks"] == ep, (role, placement)
