@@ -184,3 +184,26 @@ def test_exchange_gives_every_choice_and_sends_only_remote_rows(world, dtype):
         assert sent == remote * H * toks[rank].element_size()
     # What a rank sends back is what the others sent it.
     assert sum(r[2] for r in res) == sum(r[1] for r in res)
+
+
+@pytest.mark.slow
+def test_wide_ep_benchmark_prints_its_ratios():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    args = ["--sequences", "4", "--context", "64", "--layers", "2", "--experts", "4", "--hidden", "64"]
+    r = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "wide_ep.py"), *args, "--steps", "1", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["benchmark"] == "wide_ep" and set(out["tok_s"]) == {"ep1", "replicated", "data"}
+    assert out["attended_max_over_mean"] == 1.0  # 4 equal sequences over 2 ranks
+    # A token goes to the other rank at most once a layer: never more than the all-reduce's rows.
+    assert 0 < out["rank0_sent_bytes_per_layer_step"] <= out["allreduce_payload_bytes_per_layer"]
