@@ -220,6 +220,13 @@ class AsyncEngine:
         while not self._stop:
             self._drain_commands()
             if not self.engine.has_unfinished():
+                # A model of several processes (expert parallelism) may lose one while idle.
+                failure = getattr(self.engine.model, "failure", None)
+                lost = failure() if failure is not None else None
+                if lost is not None:
+                    log.error("engine failed while idle: %s", lost)
+                    self.dead = lost
+                    return
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue

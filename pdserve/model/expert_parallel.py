@@ -307,6 +307,11 @@ class ExpertParallelModel:
     def close(self) -> None:
         self._finalizer()
 
+    def failure(self) -> BaseException | None:
+        """Why the rank group cannot run a step, or None: read while the engine is idle, so a rank that
+        dies between requests fails the worker's health at once rather than the next request."""
+        return self._ranks.failure()
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -466,6 +471,15 @@ class _Ranks:
         except BaseException as exc:
             self.error = exc
             raise
+
+    def failure(self) -> BaseException | None:
+        if self.error is None and not self._closed.is_set():
+            dead = [p for p in self.procs if p.exitcode is not None]
+            if dead:
+                self.error = RuntimeError(
+                    f"expert-parallel rank {dead[0].name} exited with code {dead[0].exitcode}"
+                )
+        return self.error
 
     def _heartbeat(self) -> None:
         while not self._closed.wait(HEARTBEAT_S / 2):

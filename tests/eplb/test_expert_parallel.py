@@ -285,6 +285,41 @@ def test_engine_fails_when_a_rank_is_lost(how):
         _outcome_within(llm.engine.close, 120)
 
 
+def test_served_ep_worker_fails_its_health_when_a_rank_dies_while_idle(tmp_path):
+    """No request needs to fail first: the idle engine sees the lost rank and /health answers 503
+    engine_dead, which the router reads to route around the worker."""
+    port = free_port()
+    cmd = pdserve_cmd() + [
+        "serve",
+        "--mode",
+        "mixed",
+        "--model",
+        "tiny-mixtral",
+        "--expert-parallel",
+        "2",
+        "--threads",
+        "1",
+        "--port",
+        str(port),
+        "--device-blocks",
+        "64",
+    ]
+    with ServerProcess(cmd, port, tmp_path / "server.log") as srv:
+        srv.wait_ready(timeout=120)
+        worker_url = srv.url  # mixed mode: the worker serves the API itself
+        assert httpx.get(worker_url + "/health").json()["role"] == "mixed"
+        (rank1,) = [
+            w for w in _children(srv.proc.pid) if b"spawn_main" in Path(f"/proc/{w}/cmdline").read_bytes()
+        ]
+        os.kill(rank1, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (r := httpx.get(worker_url + "/health")).status_code == 200:
+            assert time.monotonic() < deadline, srv.log_tail()
+            time.sleep(0.2)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+        assert "exited" in r.json()["error"]["message"], r.text
+
+
 def test_served_ep_model_exposes_eplb_and_stops_cleanly(tmp_path):
     port = free_port()
     cmd = pdserve_cmd() + [
