@@ -77,7 +77,16 @@ class Admin:
 
     def __init__(self, url: str, key: str | None, timeout_s: float = 900.0) -> None:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
+        # A connection per call: a rollout sits idle between calls for longer than the router keeps a
+        # connection open (a worker's start, a drain), and a POST sent on a connection the server has
+        # just closed fails with "Server disconnected" and cannot be retried safely (a start is not
+        # idempotent). The calls are few.
+        self.http = httpx.Client(
+            base_url=url.rstrip("/"),
+            headers=headers,
+            timeout=timeout_s,
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
 
     def call(self, method: str, path: str, **kw) -> dict:
         try:

@@ -205,3 +205,41 @@ def test_rollout_cli_exits_2_on_a_bad_config_and_1_when_the_router_is_unreachabl
     good.write_text("model: {name: tiny-qwen2}\n")
     assert main(["--config", str(good), "--router", f"http://127.0.0.1:{free_port()}"]) == 1
     assert "GET /admin/workers" in capsys.readouterr().err
+
+
+def test_admin_calls_never_reuse_a_connection_the_router_may_have_closed():
+    """A server that answers one request per connection and drops the next one sent on it, as a router
+    does when a connection idled past its keep-alive while the rollout waited: every call still gets
+    its answer, because each goes on a fresh connection."""
+    import json as _json
+    import socket
+    import threading
+
+    from pdserve.control.rollout import Admin
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    body = _json.dumps({"workers": []}).encode()
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                conn.recv(65536)  # a second request on this connection: dropped unanswered
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        admin = Admin(f"http://127.0.0.1:{srv.getsockname()[1]}", None, timeout_s=10)
+        for _ in range(3):
+            assert admin.workers() == {}
+    finally:
+        srv.close()
