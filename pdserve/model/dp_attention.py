@@ -30,7 +30,6 @@ class StepShare:
     meta: AttentionMetadata  # their attention metadata, rows renumbered 0..t-1
     logits_rows: torch.Tensor  # int64 [l]: rows of `tokens` whose logits the step wants
     logits_order: torch.Tensor  # int64 [l]: where each of those rows goes in the step's logits
-    cost: int  # the balance's measure: token cost plus attended keys
     attended: int  # keys attended by this rank's queries (KV read by its attention)
 
 
@@ -58,14 +57,15 @@ def _units(meta: AttentionMetadata) -> list[tuple[int, int, int, int]]:
 
 
 def assign(units: list[tuple[int, int, int, int]], world: int, per_token: int) -> list[int]:
-    """The rank of each unit: largest cost first onto the least loaded rank (ties: the lower rank)."""
-    order = sorted(range(len(units)), key=lambda u: (-(units[u][2] * per_token + units[u][3]), u))
+    """The rank of each unit: largest cost (tokens x per_token + attended keys) first onto the least
+    loaded rank (ties: the lower rank)."""
+    cost = [n * per_token + keys for _, _, n, keys in units]
     heap = [(0, r) for r in range(world)]
     ranks = [0] * len(units)
-    for u in order:
+    for u in sorted(range(len(units)), key=lambda u: (-cost[u], u)):
         load, r = heapq.heappop(heap)
         ranks[u] = r
-        heapq.heappush(heap, (load + units[u][2] * per_token + units[u][3], r))
+        heapq.heappush(heap, (load + cost[u], r))
     return ranks
 
 
@@ -123,7 +123,6 @@ def split_step(
                 ),
                 torch.tensor([i for i, _ in local], dtype=torch.long),
                 torch.tensor([o for _, o in local], dtype=torch.long),
-                sum(u[2] * per_token + u[3] for u in mine),
                 sum(u[3] for u in mine),
             )
         )

@@ -8,8 +8,9 @@ choices and sends one row back, which the token's rank adds to its own slots' su
 design's all-reduce of every token's hidden state.
 
 Three all-to-alls a layer, each with the deadline of every collective: the row counts, the rows with
-their choices (one message in float32; the rows and the choices apart in other dtypes), the results. The rows travel in the model's dtype and the results come back in it, so
-the values equal EP=1's up to the order of the final sum.
+their choices (one message in float32; the rows and the choices apart in other dtypes), the results.
+The rows travel in the model's dtype and the results come back in it, so the values equal EP=1's up
+to the order of the final sum.
 """
 
 from __future__ import annotations

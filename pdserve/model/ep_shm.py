@@ -2,8 +2,8 @@
 
 A MoE layer with data-parallel attention exchanges rows twice (ep_exchange.py), and a decode step's
 messages are small: through gloo each costs a few socket round trips and thread wake-ups, through
-shared memory a copy and a flag. One file in /dev/shm (mode 0600, made by rank 0, unlinked when the
-group closes) holds a mailbox per ordered pair of ranks: a header of counters and a payload area of
+shared memory a copy and a flag. One file in /dev/shm (mode 0600, made by rank 0, unlinked once every
+rank has mapped it) holds a mailbox per ordered pair of ranks: a header of counters and a payload area of
 `capacity` bytes. The writer waits until the reader has taken its previous message (`ack`), copies
 the rows in, then publishes the message count (`seq`, a release store, kernels/shm_wait.c); the
 reader waits for `seq` (an acquire wait), copies the rows out and acknowledges. A message larger than
@@ -43,8 +43,6 @@ def _lib():
     lib.pd_shm_wait.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int]
     lib.pd_shm_store.restype = None
     lib.pd_shm_store.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    lib.pd_shm_load.restype = ctypes.c_int64
-    lib.pd_shm_load.argtypes = [ctypes.c_void_p]
     return lib
 
 

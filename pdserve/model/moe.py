@@ -145,26 +145,23 @@ class MoEBlock:
         # Replicas by load: the same batch and placement give the same slots on every rank.
         slots = ids if pl.identity or not ids.numel() else dispatch_by_load(ids, pl.table, self.world)
         if self.exchange is not None:
-            # h holds this rank's own tokens: their choices elsewhere travel, the shared expert runs here.
+            # h holds this rank's own tokens: their choices elsewhere travel, the shared expert runs on all.
             out = self.exchange(
                 h, slots, weights, pl, lambda x, s, w: routed_experts(x, s, w.to(x.dtype), pl)
             )
-            if self.shared is not None and h.shape[0]:
-                s = self.shared(h)
-                if self.shared_gate is not None:
-                    s = torch.sigmoid(F.linear(h, self.shared_gate)) * s
-                out += s
-            return out
-        out = routed_experts(h, slots, weights.to(h.dtype), pl)
-        if self.shared is not None:
+            lo, hi = 0, h.shape[0]
+        else:
+            out = routed_experts(h, slots, weights.to(h.dtype), pl)
             # Each rank runs the shared expert on its own slice of the tokens; the combine sums them.
             lo, hi = own_tokens(h.shape[0], self.rank, self.world)
-            if hi > lo:
-                s = self.shared(h[lo:hi])
-                if self.shared_gate is not None:
-                    s = torch.sigmoid(F.linear(h[lo:hi], self.shared_gate)) * s
-                out[lo:hi] += s
-        return self.combine(out) if self.combine is not None else out
+        if self.shared is not None and hi > lo:
+            s = self.shared(h[lo:hi])
+            if self.shared_gate is not None:
+                s = torch.sigmoid(F.linear(h[lo:hi], self.shared_gate)) * s
+            out[lo:hi] += s
+        if self.exchange is None and self.combine is not None:
+            out = self.combine(out)
+        return out
 
     def weight_tensors(self) -> list[torch.Tensor]:
         extra = self.shared.weight_tensors() if self.shared is not None else []

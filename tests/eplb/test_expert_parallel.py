@@ -207,6 +207,30 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _mixed_ep2_cmd(port: int) -> list[str]:
+    """`pdserve serve` of tiny-mixtral in mixed mode with EP=2, one thread per rank."""
+    return pdserve_cmd() + [
+        "serve",
+        "--mode",
+        "mixed",
+        "--model",
+        "tiny-mixtral",
+        "--expert-parallel",
+        "2",
+        "--threads",
+        "1",
+        "--port",
+        str(port),
+        "--device-blocks",
+        "64",
+    ]
+
+
+def _ep_ranks(pid: int) -> list[int]:
+    """The expert-parallel ranks `pid` spawned (its children started by multiprocessing's spawn)."""
+    return [w for w in _children(pid) if b"spawn_main" in Path(f"/proc/{w}/cmdline").read_bytes()]
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
@@ -232,7 +256,7 @@ def test_workers_exit_when_rank0_is_killed():
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        workers = [w for w in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{w}/cmdline").read_bytes()]
+        workers = _ep_ranks(proc.pid)
         assert len(workers) == 1
         proc.kill()
         proc.wait(10)
@@ -289,28 +313,12 @@ def test_served_ep_worker_fails_its_health_when_a_rank_dies_while_idle(tmp_path)
     """No request needs to fail first: the idle engine sees the lost rank and /health answers 503
     engine_dead, which the router reads to route around the worker."""
     port = free_port()
-    cmd = pdserve_cmd() + [
-        "serve",
-        "--mode",
-        "mixed",
-        "--model",
-        "tiny-mixtral",
-        "--expert-parallel",
-        "2",
-        "--threads",
-        "1",
-        "--port",
-        str(port),
-        "--device-blocks",
-        "64",
-    ]
+    cmd = _mixed_ep2_cmd(port)
     with ServerProcess(cmd, port, tmp_path / "server.log") as srv:
         srv.wait_ready(timeout=120)
         worker_url = srv.url  # mixed mode: the worker serves the API itself
         assert httpx.get(worker_url + "/health").json()["role"] == "mixed"
-        (rank1,) = [
-            w for w in _children(srv.proc.pid) if b"spawn_main" in Path(f"/proc/{w}/cmdline").read_bytes()
-        ]
+        (rank1,) = _ep_ranks(srv.proc.pid)
         os.kill(rank1, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while (r := httpx.get(worker_url + "/health")).status_code == 200:
@@ -322,26 +330,10 @@ def test_served_ep_worker_fails_its_health_when_a_rank_dies_while_idle(tmp_path)
 
 def test_served_ep_model_exposes_eplb_and_stops_cleanly(tmp_path):
     port = free_port()
-    cmd = pdserve_cmd() + [
-        "serve",
-        "--mode",
-        "mixed",
-        "--model",
-        "tiny-mixtral",
-        "--expert-parallel",
-        "2",
-        "--threads",
-        "1",
-        "--port",
-        str(port),
-        "--device-blocks",
-        "64",
-    ]
+    cmd = _mixed_ep2_cmd(port)
     with ServerProcess(cmd, port, tmp_path / "server.log") as srv:
         srv.wait_ready(timeout=120)
-        workers = [
-            w for w in _children(srv.proc.pid) if b"spawn_main" in Path(f"/proc/{w}/cmdline").read_bytes()
-        ]
+        workers = _ep_ranks(srv.proc.pid)
         assert len(workers) == 1, srv.log_tail()
         r = httpx.post(
             srv.url + "/v1/completions",

@@ -22,8 +22,6 @@
 
 void pd_shm_store(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
-int64_t pd_shm_load(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-
 static double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
