@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -91,10 +90,9 @@ def test_a_silent_peer_fails_the_call_at_the_deadline():
     try:
         view = ep_shm.ShmAllToAll(path, 0, 2, 1024)
         ep_shm.ShmAllToAll(path, 1, 2, 1024).close()  # rank 1 joins (this process's pid) and never sends
-        t0 = time.monotonic()
+        # The deadline's own message: the peer's process is alive (this one), only silent.
         with pytest.raises(ep_shm.PeerLost, match="did not answer"):
             view.all_to_all(torch.zeros(2, 3), [1, 1], [1, 1], timedelta(seconds=0.5))
-        assert time.monotonic() - t0 < 10
         view.close()
     finally:
         os.unlink(path)
@@ -116,10 +114,9 @@ def test_a_dead_peer_fails_the_call_at_once():
         try:
             assert child.stdout.readline().strip() == "joined"
             child.kill()  # not reaped yet: a zombie, as a killed rank is until rank 0 joins it
-            t0 = time.monotonic()
+            # "is gone" comes only from the watch on the peer's process, never from the deadline.
             with pytest.raises(ep_shm.PeerLost, match="is gone"):
-                view.all_to_all(torch.zeros(2, 3), [1, 1], [1, 1], timedelta(seconds=60))
-            assert time.monotonic() - t0 < 10
+                view.all_to_all(torch.zeros(2, 3), [1, 1], [1, 1], timedelta(seconds=600))
         finally:
             child.kill()
             child.wait(10)
