@@ -76,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--router-url", help="register with this router and send it heartbeats")
     worker.add_argument("--port-file", help="write the bound HTTP port here once listening (with --port 0)")
     _add_engine_flags(worker)
+    ep_rank = sub.add_parser(
+        "ep-rank",
+        help="an expert-parallel rank on another host than rank 0's worker (model.ep_rendezvous)",
+    )
+    ep_rank.add_argument("--rank", type=int, required=True, help="this rank: model.ep_local_ranks or above")
+    ep_rank.add_argument(
+        "--role", choices=WORKER_ROLES, help="the worker's role, for its deployment.<role> settings"
+    )
+    _add_engine_flags(ep_rank)
     encoder = sub.add_parser(
         "encoder",
         help="an encoder worker: a vision-language model's vision tower, for the "
@@ -133,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides = _overrides(args)
     try:
         # A worker runs with its role's settings (deployment.<role>); its own flags win over them.
-        config = load_config(args.config, overrides, role=args.role if args.command == "worker" else None)
+        config = load_config(
+            args.config, overrides, role=args.role if args.command in ("worker", "ep-rank") else None
+        )
         # A worker's version names the deployment config it came from, before its role's settings.
         digest = config_digest(load_config(args.config, overrides)) if args.command == "worker" else None
         if args.command == "serve":
@@ -160,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             + format_plan(plan)
         )
         return 0
+    if args.command == "ep-rank":  # no HTTP port: steps come from rank 0
+        from pdserve.model.ep_remote import check_rank, run_rank
+
+        if problem := check_rank(config, args.rank):
+            print(f"pdserve: config error: {problem}", file=sys.stderr)
+            return 2
+        return run_rank(config, args.rank)
     if args.command == "encoder":  # no HTTP port: jobs come over ZeroMQ
         from pdserve.engine.encoder_worker import EncoderWorker
 

@@ -37,8 +37,16 @@ class ModelConfig:
     expert_parallel: int = 1
     # data: each rank attends its own share of the sequences and the MoE layers send tokens only to the
     # ranks holding their experts (all-to-all); replicated: every rank attends every token and the MoE
-    # outputs are summed with an all-reduce. Data needs the KV pool shared by the ranks (CPU, one host).
+    # outputs are summed with an all-reduce. Replicated needs every rank on one host.
     ep_attention: str = "data"
+    # EP across hosts: "host:port" where rank 0 meets the ranks of other hosts (host: rank 0's address
+    # on the network they share); None: every rank on this host. With it, ep_local_ranks ranks start
+    # here (rank 0 included) and ranks ep_local_ranks..expert_parallel-1 join with `pdserve ep-rank`.
+    ep_rendezvous: str | None = None
+    ep_local_ranks: int | None = None  # None: all expert_parallel ranks on this host
+    # Deadline of each exchange between EP ranks: a rank silent this long (lost, stopped, cut off) fails
+    # the worker, whose /health then says so.
+    ep_timeout_s: float = 60.0
     num_redundant_experts: int = 0  # extra physical expert slots per MoE layer, for replicas of hot experts
     eplb_interval: int = 32  # steps between imbalance checks of the expert balancer; 0 = off
     eplb_window: int = 256  # steps in the expert-load heatmap

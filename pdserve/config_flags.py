@@ -115,6 +115,14 @@ FLAGS: dict[str, Flag] = {
         "EP ranks: data (each attends its own sequences, tokens travel to their experts) or replicated",
         choices=("data", "replicated"),
     ),
+    "ep_rendezvous": Flag(
+        "model.ep_rendezvous", "EP across hosts: host:port where rank 0 meets the ranks of other hosts"
+    ),
+    "ep_local_ranks": Flag(
+        "model.ep_local_ranks",
+        "EP ranks started on this host (rank 0 included); the rest: pdserve ep-rank",
+        int,
+    ),
     "host": Flag("server.host", "address to bind (0.0.0.0: every interface)"),
     "port": Flag("server.port", type=int),
     "insecure_admin": Flag(

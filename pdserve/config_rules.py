@@ -98,6 +98,8 @@ _ONE, _POSITIVE, _PORT = Bound(1), Bound(0, above=True), Bound(0, 65535)
 BOUNDS: dict[str, Bound] = {
     "model.max_model_len": _ONE,
     "model.expert_parallel": _ONE,
+    "model.ep_local_ranks": _ONE,
+    "model.ep_timeout_s": _POSITIVE,
     "model.eplb_window": _ONE,
     "model.eplb_threshold": Bound(1.0),
     "cache.block_size": _ONE,
@@ -200,6 +202,13 @@ def _device(v: str) -> str | None:
     return f"{v!r} is not a device; allowed: cpu, cuda, cuda:N, xpu, xpu:N, mps"
 
 
+def _host_port(v: str) -> str | None:
+    m = re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[^\s:/\[\]]+):(\d{1,5})", v)
+    if m and 0 < int(m.group(2)) < 65536 and m.group(1) not in ("0.0.0.0", "[::]"):
+        return None
+    return f"{v!r} is not host:port; allowed: an address of this host and a port, e.g. 10.0.0.2:29500"
+
+
 def _non_empty(v: str) -> str | None:
     return None if v.strip() else "must not be empty"
 
@@ -268,6 +277,7 @@ def _cores(v: list[int]) -> str | None:
 FORMATS: dict[str, Callable[[Any], str | None]] = {
     "model.name": _non_empty,
     "model.device": _device,
+    "model.ep_rendezvous": _host_port,
     "cache.remote": _remote,
     "router.shared_limits": _remote,
     "controller.leader_lease": _remote,
@@ -359,6 +369,34 @@ def problems(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
     return out
 
 
+def _ep_problems(cfg: Config) -> list[tuple[str, str]]:
+    """Expert parallelism across hosts: the ranks of other hosts need a rendezvous and data-parallel
+    attention (replicated attention maps one host's KV pool)."""
+    m = cfg.model
+    local = m.ep_local_ranks
+    if local is None:
+        return []
+    if local > m.expert_parallel:
+        return [("model.ep_local_ranks", f"{local} is above model.expert_parallel ({m.expert_parallel})")]
+    if local < m.expert_parallel and not m.ep_rendezvous:
+        return [
+            (
+                "model.ep_rendezvous",
+                "is not set; allowed: host:port of rank 0 when model.ep_local_ranks is below "
+                "model.expert_parallel (ranks on other hosts join there)",
+            )
+        ]
+    if local < m.expert_parallel and m.ep_attention != "data":
+        return [
+            (
+                "model.ep_attention",
+                f"{m.ep_attention!r} needs every rank on one host; allowed: data when "
+                "model.ep_local_ranks is below model.expert_parallel",
+            )
+        ]
+    return []
+
+
 def check(cfg: Config) -> None:
     """Raises ConfigError listing every bad value of `cfg`."""
     found = problems(cfg)
@@ -398,6 +436,7 @@ def check(cfg: Config) -> None:
                     "e.g. http://10.0.0.3:7070, when controller.backend is hosts",
                 )
             )
+    found += _ep_problems(cfg)
     sc = cfg.scheduler
     if sc.speculative_method == "draft" and not sc.speculative_model:
         found.append(

@@ -106,6 +106,25 @@ def test_cli_exits_2_on_a_bad_worker_flag_and_names_it():
         ({"load_balancer.prefill": "fastest"}, "load_balancer.prefill", "least_load"),
         ({"scheduler.speculative_method": "eagle"}, "scheduler.speculative_method", "ngram"),
         ({"scheduler.num_speculative_tokens": 0}, "scheduler.num_speculative_tokens", "from 1 to 16"),
+        ({"model.ep_rendezvous": "0.0.0.0:29500"}, "model.ep_rendezvous", "host:port"),
+        ({"model.ep_rendezvous": "10.0.0.2"}, "model.ep_rendezvous", "host:port"),
+        ({"model.ep_timeout_s": 0}, "model.ep_timeout_s", "above 0"),
+        ({"model.expert_parallel": 2, "model.ep_local_ranks": 3}, "model.ep_local_ranks", "above"),
+        (
+            {"model.expert_parallel": 2, "model.ep_local_ranks": 1},
+            "model.ep_rendezvous",
+            "host:port of rank 0",
+        ),
+        (
+            {
+                "model.expert_parallel": 2,
+                "model.ep_local_ranks": 1,
+                "model.ep_rendezvous": "10.0.0.2:29500",
+                "model.ep_attention": "replicated",
+            },
+            "model.ep_attention",
+            "one host",
+        ),
         (
             {"scheduler.prompt_lookup_min": 5, "scheduler.prompt_lookup_max": 3},
             "scheduler.prompt_lookup_min",

@@ -7,6 +7,7 @@ stays evictable, and allocation evicts such blocks (LRU leaves first) once the f
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from pdserve.cache.prefix_cache import PrefixCache
 
@@ -23,6 +24,9 @@ class BlockPool:
         self.prefix_cache = prefix_cache
         self._free: deque[int] = deque(range(num_blocks))
         self._refcount = [0] * num_blocks
+        # Told of every allocation (blocks about to get new contents), e.g. by expert-parallel ranks
+        # whose copies of those blocks go stale (model/ep_kv.py).
+        self.on_allocate: Callable[[list[int]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -51,6 +55,8 @@ class BlockPool:
         blocks = [self._free.popleft() for _ in range(n)]
         for b in blocks:
             self._refcount[b] = 1
+        if self.on_allocate is not None:
+            self.on_allocate(blocks)
         return blocks
 
     def incref(self, blocks: list[int]) -> None:

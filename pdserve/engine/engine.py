@@ -17,6 +17,7 @@ from pdserve.cache.tiers.manager import TieredKVStore
 from pdserve.common.detokenizer import IncrementalDetokenizer, NoText
 from pdserve.common.errors import DuplicateRequestId, InvalidParam
 from pdserve.common.images import ImageInput
+from pdserve.common.internal_token import internal_token
 from pdserve.common.outputs import RequestOutput, TokenLogprob  # noqa: F401 (RequestOutput re-exported)
 from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.config import Config
@@ -79,7 +80,9 @@ class LLMEngine:
         # Weights in memory are digested before packing takes them; a checkpoint on disk after the build,
         # from the samples the build's reads took (its files read once).
         early = None if digested_as_read(loaded.weights) else weights_digest(loaded.weights)
-        self.model = build_model(loaded, mc.dtype, mc.device, self.max_model_len, mc)
+        self.model = build_model(
+            loaded, mc.dtype, mc.device, self.max_model_len, mc, internal_token(config.server.internal_token)
+        )
         namespace = tier_namespace(config, self.max_model_len, early or weights_digest(loaded.weights))
         self.weight_bytes = getattr(self.model, "resident_weight_bytes", self.model.weight_bytes)()
         self.images = image_embeddings(loaded.vision, config) if loaded.vision is not None else None
@@ -107,6 +110,8 @@ class LLMEngine:
             else None
         )
         self.pool = BlockPool(num_blocks, self.prefix_cache)
+        # Expert-parallel ranks with KV pools of their own learn which blocks got new contents.
+        self.pool.on_allocate = getattr(self.model, "kv_blocks_allocated", None)
         # A decode worker's pool lives in shared memory (shm_path) so that prefill workers write into it,
         # and so does an expert-parallel worker's on CPU: every rank maps it (model/expert_parallel.py).
         ep = mc.expert_parallel > 1

@@ -8,12 +8,13 @@ non-expert products plus the keys its queries attend, longest first onto the lea
 LPT rule), ties to the lower rank, so a step's cost per rank stays within one sequence of the mean.
 
 The KV pool of one host is shared by its ranks (rank 0's pool in /dev/shm), so a sequence may run
-on a different rank from one step to the next without moving its KV.
+on a different rank from one step to the next without moving its KV. Ranks that cannot share it
+(other hosts) keep their own pools: rank 0 then chooses the split itself, counting the KV blocks
+each rank would have to be sent, and sends it with the step (ep_kv.py).
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, replace
 
 import torch
@@ -42,7 +43,7 @@ def token_cost(arch: ModelArch) -> int:
     return max(1, (h * (q + kv) + q * h) // (2 * q))
 
 
-def _units(meta: AttentionMetadata) -> list[tuple[int, int, int, int]]:
+def step_units(meta: AttentionMetadata) -> list[tuple[int, int, int, int]]:
     """(kind, index, tokens, attended keys) of every sequence: kind 0 a decode row (index: its token
     row in the step), 1 a prefill chunk (index into meta.prefills)."""
     out = []
@@ -56,16 +57,24 @@ def _units(meta: AttentionMetadata) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def assign(units: list[tuple[int, int, int, int]], world: int, per_token: int) -> list[int]:
-    """The rank of each unit: largest cost (tokens x per_token + attended keys) first onto the least
-    loaded rank (ties: the lower rank)."""
+def assign(
+    units: list[tuple[int, int, int, int]],
+    world: int,
+    per_token: int,
+    extra: list[list[int]] | None = None,
+) -> list[int]:
+    """The rank of each unit: largest cost (tokens x per_token + attended keys) first onto the rank
+    where it would finish first (ties: the lower rank); `extra[u][r]`, where given, is what placing
+    unit u on rank r costs beyond that (its KV blocks the rank lacks, ep_kv.py). Without it this is
+    the LPT rule: the least loaded rank."""
     cost = [n * per_token + keys for _, _, n, keys in units]
-    heap = [(0, r) for r in range(world)]
+    load = [0] * world
     ranks = [0] * len(units)
     for u in sorted(range(len(units)), key=lambda u: (-cost[u], u)):
-        load, r = heapq.heappop(heap)
+        add = extra[u] if extra is not None else [0] * world
+        r = min(range(world), key=lambda r: (load[r] + add[r], r))
         ranks[u] = r
-        heapq.heappush(heap, (load + cost[u], r))
+        load[r] += cost[u] + add[r]
     return ranks
 
 
@@ -75,10 +84,15 @@ def split_step(
     logits_indices: torch.Tensor | None,
     world: int,
     per_token: int,
+    ranks: list[int] | None = None,
 ) -> list[StepShare]:
-    """Each rank's share of a step: its sequences' rows, their metadata, and its logits rows."""
-    units = _units(meta)
-    ranks = assign(units, world, per_token)
+    """Each rank's share of a step: its sequences' rows, their metadata, and its logits rows; `ranks`
+    (one per unit of `step_units(meta)`), where given, is the assignment, else `assign`'s."""
+    units = step_units(meta)
+    if ranks is None:
+        ranks = assign(units, world, per_token)
+    elif len(ranks) != len(units):
+        raise ValueError(f"{len(ranks)} ranks for a step of {len(units)} sequences")
     want = logits_indices.tolist() if logits_indices is not None else []
     where = {t: i for i, t in enumerate(want)}
     shares = []

@@ -68,6 +68,9 @@ class ExpertExchange:
         self.dispatch_bytes = 0  # hidden rows sent to other ranks
         self.combine_bytes = 0  # result rows sent back
         self.dispatch_rows = 0
+        # Ranks with KV pools of their own (ep_kv.py): blocks rank 0 sent, KV rows rank 0 received.
+        self.kv_shipped_bytes = 0
+        self.kv_mirrored_bytes = 0
 
     def owners(self, num_physical: int) -> torch.Tensor:
         if num_physical not in self._owners:

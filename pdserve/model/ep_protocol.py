@@ -13,13 +13,17 @@ Rank 0 runs the engine. Before every model step it broadcasts, from rank 0 to ev
    block size, the (start, rows, blocks per row) of each decode group and the (q_start, q_len,
    ctx_len, blocks gathered (0: none), has_mask) of each prefill chunk, then their block indices,
    then the rows whose logits the step wants (with data-parallel attention every rank computes some);
-5. with OP_STEP and masks present, every attention mask flattened into one uint8 tensor.
+5. with OP_STEP and masks present, every attention mask flattened into one uint8 tensor;
+6. with FLAG_PRIVATE (ranks with KV pools of their own, ep_kv.py), the step's plan: the rank of each
+   sequence and the blocks rank 0 sends each rank before the step.
 
 Each length a receiver needs is in something it has already received, so every broadcast has a
 known size. OP_NOOP is a heartbeat (an idle engine sends one every few seconds so that the other
-ranks can tell a quiet rank 0 from a dead one); OP_STOP ends the worker loop. FLAG_DP marks a step
-run with data-parallel attention (dp_attention.py): each rank computes its share of the sequences and
-the MoE layers exchange rows (ep_exchange.py), which needs the KV pool shared by every rank.
+ranks can tell a quiet rank 0 from a dead one), which every rank answers with a one-value
+all-reduce (so rank 0 can tell a quiet rank from a lost one); OP_STOP ends the worker loop.
+FLAG_DP marks a step run with data-parallel attention (dp_attention.py): each rank computes its share
+of the sequences and the MoE layers exchange rows (ep_exchange.py); every rank reads rank 0's KV pool,
+or with FLAG_PRIVATE its own.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ FLAG_PREPARE = 1  # a new placement follows; start building it in the standby bu
 FLAG_COMMIT = 2  # switch to the prepared placement before this step
 FLAG_KV = 4  # the KV cache changed: its path follows
 FLAG_DP = 8  # data-parallel attention this step
+FLAG_PRIVATE = 16  # ... with private KV pools: the step's plan follows (ep_kv.py)
 
 
 @dataclass
@@ -53,10 +58,11 @@ class Header:
     kv_slots: int = 0
     kv_path: int = 0
     logits: int = 0  # rows whose logits the step wants, plus one (0: no logits)
+    plan: int = 0  # length of the step's plan (FLAG_PRIVATE)
 
     def to_tensor(self) -> torch.Tensor:
         t = torch.zeros(HEADER_LEN, dtype=torch.long)
-        t[:11] = torch.tensor(
+        t[:12] = torch.tensor(
             [
                 self.op,
                 self.flags,
@@ -69,13 +75,14 @@ class Header:
                 self.kv_slots,
                 self.kv_path,
                 self.logits,
+                self.plan,
             ]
         )
         return t
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "Header":
-        return cls(*t[:11].tolist())
+        return cls(*t[:12].tolist())
 
 
 class Comm:
@@ -95,11 +102,11 @@ class Comm:
         self.pg.broadcast(buf, 0, timeout or self.timeout).wait()
         return buf
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, timeout: timedelta | None = None) -> torch.Tensor:
         """Sum over the ranks, within the deadline: a rank that is gone or stuck fails the step."""
         buf = t.to(self.device).contiguous()
         opts = dist.AllreduceOptions()
-        opts.timeout = self.timeout
+        opts.timeout = timeout or self.timeout
         self.pg.allreduce([buf], opts).wait()
         return buf.to(t.device)
 

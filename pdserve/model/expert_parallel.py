@@ -28,6 +28,8 @@ disappears, exits. Rank 0 raises on a dead worker, which fails the engine instea
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 import shutil
 import signal
@@ -38,6 +40,7 @@ import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -49,13 +52,16 @@ from pdserve.eplb.recorder import StepCounts
 from pdserve.model import ep_shm
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata
-from pdserve.model.dp_attention import split_step, token_cost
+from pdserve.model.dp_attention import split_step, step_units, token_cost
 from pdserve.model.ep_exchange import ExpertExchange
+from pdserve.model.ep_hosts import is_loopback, own_address, publish_spec, rendezvous_store, split_address
+from pdserve.model.ep_kv import Residency, StepPlan, decode_plan, encode_plan, mirror, ship
 from pdserve.model.ep_protocol import (
     FLAG_COMMIT,
     FLAG_DP,
     FLAG_KV,
     FLAG_PREPARE,
+    FLAG_PRIVATE,
     HEADER_LEN,
     OP_NOOP,
     OP_STEP,
@@ -71,9 +77,8 @@ from pdserve.model.stored_quant import resolve_quantization
 from pdserve.utils.shm import attach_shared_kv
 
 log = logging.getLogger(__name__)
-HEARTBEAT_S = 2.0  # an idle rank 0 sends a NOOP this often
+HEARTBEAT_S = 2.0  # an idle rank 0 sends a NOOP this often, which every rank answers
 WORKER_IDLE_TIMEOUT_S = 30.0  # a worker hearing nothing from rank 0 this long exits
-OP_TIMEOUT_S = 120.0  # deadline of any collective inside a step (and of start-up)
 
 
 def _rank_device(device: str, rank: int, world: int) -> torch.device:
@@ -83,26 +88,33 @@ def _rank_device(device: str, rank: int, world: int) -> torch.device:
     return d
 
 
-def _process_group(store, rank: int, world: int, device: torch.device):
-    """NCCL when every rank has its own GPU, else gloo (device tensors then travel through host memory)."""
+def _process_group(store, rank: int, world: int, device: torch.device, timeout_s: float, host: str):
+    """NCCL when every rank has its own GPU, else gloo (device tensors then travel through host memory),
+    listening on `host` only: loopback when the ranks share one host."""
     if device.type == "cuda" and dist.is_nccl_available() and torch.cuda.device_count() >= world:
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timedelta(seconds=OP_TIMEOUT_S)
+        opts._timeout = timedelta(seconds=timeout_s)
         return dist.ProcessGroupNCCL(store, rank, world, opts)
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timedelta(seconds=OP_TIMEOUT_S)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # ranks share one host
+    opts._timeout = timedelta(seconds=timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
-def _file_store(path: str, world: int):
+def _file_store(path: str, world: int, timeout_s: float):
     store = dist.FileStore(path, world)
-    store.set_timeout(timedelta(seconds=OP_TIMEOUT_S))
+    store.set_timeout(timedelta(seconds=timeout_s))
     return store
 
 
+def _store(spec: "RankSpec", rank0: bool):
+    if spec.rendezvous:
+        return rendezvous_store(spec.rendezvous, spec.token, rank0)
+    return _file_store(spec.store_path, spec.world, spec.timeout_s)
+
+
 @dataclass
-class _WorkerSpec:
+class RankSpec:
     arch: ModelArch
     dtype: torch.dtype
     device: str
@@ -118,6 +130,24 @@ class _WorkerSpec:
     gemm_kernel: str = "auto"
     activation_quantization: str = "none"
     exchange_path: str = ""  # ep_shm's mailboxes (rank 0 made them); empty: gloo's all-to-all
+    timeout_s: float = 60.0  # deadline of each collective (model.ep_timeout_s)
+    rendezvous: str = ""  # model.ep_rendezvous: the TCP store of ranks on several hosts; empty: a file store
+    token: str | None = None  # the internal token (names the rendezvous' keys)
+    host: str = "127.0.0.1"  # the address this rank's gloo device listens on
+
+
+# The values of a spec that ranks of other hosts read from the rendezvous (ep_hosts.publish_spec).
+SHARED_SPEC = (
+    "dtype",
+    "max_model_len",
+    "world",
+    "threads",
+    "quantization",
+    "attention_kernel",
+    "gemm_kernel",
+    "activation_quantization",
+    "timeout_s",
+)
 
 
 def _after_collectives(layer_done, moe_ids: list[int], num_layers: int):
@@ -149,18 +179,36 @@ def dp_step(
     kv_cache: torch.Tensor,
     logits_indices: torch.Tensor | None,
     layer_done=None,
+    plan: StepPlan | None = None,
 ) -> torch.Tensor | None:
     """One step with data-parallel attention, on every rank alike: this rank's share of the sequences
     through the model (the MoE layers exchanging rows), then every rank's logits rows to rank 0, which
-    returns them in the step's order (the other ranks return None)."""
+    returns them in the step's order (the other ranks return None). With `plan` the ranks keep private
+    KV pools (ep_kv.py): the split is the plan's, the blocks it names are sent first, and the KV the
+    other ranks wrote reaches rank 0's pool before the step returns."""
     rank, world = exchange.rank, exchange.world
-    shares = split_step(meta, input_ids.shape[0], logits_indices, world, token_cost(model.arch))
+    shares = split_step(
+        meta,
+        input_ids.shape[0],
+        logits_indices,
+        world,
+        token_cost(model.arch),
+        None if plan is None else plan.ranks,
+    )
     mine = shares[rank]
     hook = finish = None
-    if layer_done is not None:
+    if layer_done is not None and plan is None:
         hook, finish = _after_collectives(layer_done, model.moe_ids, model.arch.num_layers)
+    elif layer_done is not None:  # every layer's KV is in rank 0's pool once the mirror is done
+
+        def finish() -> None:
+            for i in range(model.arch.num_layers):
+                layer_done(i)
+
     model.set_exchange(exchange)
     try:
+        if plan is not None:
+            exchange.kv_shipped_bytes += ship(exchange.comm, kv_cache, meta.block_size, plan.ship)
         logits = None
         if mine.tokens.numel():
             tok = mine.tokens.to(input_ids.device)
@@ -175,6 +223,8 @@ def dp_step(
             )
         else:
             model.idle_step()
+        if plan is not None:
+            exchange.kv_mirrored_bytes += mirror(exchange.comm, kv_cache, shares)
         if logits_indices is None:
             return None
         vocab = model.arch.vocab_size
@@ -198,9 +248,17 @@ class ExpertParallelModel:
     """Rank 0 of a MoE model over `model_config.expert_parallel` ranks (one rank: no processes)."""
 
     def __init__(
-        self, loaded, dtype: torch.dtype, device: str, max_model_len: int | None, mc: ModelConfig
+        self,
+        loaded,
+        dtype: torch.dtype,
+        device: str,
+        max_model_len: int | None,
+        mc: ModelConfig,
+        token: str | None = None,
     ) -> None:
+        """`token`: the internal token, which names the rendezvous of ranks on other hosts."""
         arch, world = loaded.arch, int(mc.expert_parallel)
+        local = int(mc.ep_local_ranks or world)
         num_physical = arch.num_experts + int(mc.num_redundant_experts)
         if world < 1 or mc.num_redundant_experts < 0:
             raise ValueError("model.expert_parallel must be >= 1 and model.num_redundant_experts >= 0")
@@ -213,6 +271,17 @@ class ExpertParallelModel:
         if mc.ep_attention not in ("data", "replicated"):
             raise ValueError(f"model.ep_attention: {mc.ep_attention!r} is not data or replicated")
         self.data_parallel = mc.ep_attention == "data"
+        # Ranks on other hosts keep their own KV pools (ep_kv.py); so, then, do this host's.
+        self.private = local < world
+        if self.private and not (self.data_parallel and mc.ep_rendezvous):
+            raise ValueError("ranks on other hosts need model.ep_rendezvous and model.ep_attention: data")
+        if mc.ep_rendezvous and not token and not is_loopback(split_address(mc.ep_rendezvous)[0]):
+            raise ValueError(
+                "model.ep_rendezvous off loopback needs the internal token (server.internal_token or "
+                "PDSERVE_INTERNAL_TOKEN): it names the rendezvous, so only the deployment's ranks join"
+            )
+        if self.private and torch.device(device).type != "cpu":
+            raise ValueError("expert parallelism across hosts runs on CPU only")
         phy2log = initial_placement(arch, num_physical, world)
         weights = loaded.weights
         self._ranks = _Ranks()
@@ -227,9 +296,11 @@ class ExpertParallelModel:
                 else v.to(dtype if v.is_floating_point() else v.dtype).share_memory_()
                 for k, v in weights.items()
             }
+            host = own_address(split_address(mc.ep_rendezvous)[0]) if mc.ep_rendezvous else "127.0.0.1"
             self._ranks.start(
                 world,
-                _WorkerSpec(
+                local,
+                RankSpec(
                     arch,
                     dtype,
                     device,
@@ -244,6 +315,10 @@ class ExpertParallelModel:
                     mc.attention_kernel,
                     mc.gemm_kernel,
                     mc.activation_quantization,
+                    timeout_s=float(mc.ep_timeout_s),
+                    rendezvous=mc.ep_rendezvous or "",
+                    token=token,
+                    host=host,
                 ),
                 weights,
                 _rank_device(device, 0, world),
@@ -284,6 +359,7 @@ class ExpertParallelModel:
         self._preparing: torch.Tensor | None = None  # announced, being built on every rank
         self._kv_shared: tuple[int, str] | None = None  # (data_ptr, /dev/shm path) of rank 0's pool
         self._kv_ptr: int | None = None  # the KV cache the other ranks know
+        self._residency: Residency | None = None  # with private pools: which rank holds which block
         self._finalizer = weakref.finalize(self, self._ranks.close)
 
     @property
@@ -303,6 +379,13 @@ class ExpertParallelModel:
     def share_kv_cache(self, kv_cache: torch.Tensor, path: str | None) -> None:
         """The engine's KV pool lives in the file `path` (/dev/shm): the other ranks map it too."""
         self._kv_shared = (kv_cache.data_ptr(), path) if path else None
+
+    def kv_blocks_allocated(self, blocks: list[int]) -> None:
+        """The engine's pool handed `blocks` out anew (block_pool.BlockPool.on_allocate): the other
+        ranks' copies of them are stale."""
+        res = self._residency
+        if res is not None and blocks:
+            res.allocated(blocks)
 
     def close(self) -> None:
         self._finalizer()
@@ -331,20 +414,25 @@ class ExpertParallelModel:
             announce = self._pending is not None and (self._preparing is None or flags & FLAG_COMMIT)
             if announce:
                 flags |= FLAG_PREPARE
-            # Data-parallel attention needs every rank to see every sequence's KV: one shared pool.
-            dp = (
-                self.data_parallel
-                and self.exchange is not None
-                and self._kv_shared is not None
-                and self._kv_shared[0] == kv_cache.data_ptr()
+            # Data-parallel attention needs every rank to see every sequence's KV: one shared pool, or
+            # private pools kept in step by ep_kv.py.
+            shared = (
+                not self.private and self._kv_shared is not None and self._kv_shared[0] == kv_cache.data_ptr()
             )
+            dp = self.data_parallel and self.exchange is not None and (shared or self.private)
+            plan = None
             if dp:
                 flags |= FLAG_DP
+            if dp and self.private:
+                flags |= FLAG_PRIVATE
+                blocks = kv_cache.shape[2] // meta.block_size
+                if kv_cache.data_ptr() != self._kv_ptr or self._residency is None:
+                    self._residency = Residency(self.world, blocks)  # a new pool: nothing held yet
+                plan = self._residency.plan(meta, step_units(meta), token_cost(self.arch))
             if r.comm is not None:
                 h, ints, mask = encode_step(input_ids, positions, meta, logits_indices)
                 extras = []
                 if kv_cache.data_ptr() != self._kv_ptr:
-                    shared = self._kv_shared is not None and self._kv_shared[0] == kv_cache.data_ptr()
                     path = torch.tensor(
                         list(self._kv_shared[1].encode()) if shared else [], dtype=torch.uint8
                     )
@@ -354,6 +442,9 @@ class ExpertParallelModel:
                 if announce:
                     extras.append(self._pending)
                 extras += [ints, mask] if h.masks else [ints]
+                if plan is not None:
+                    extras.append(encode_plan(plan))
+                    h.plan = extras[-1].numel()
                 h.flags, h.step, h.kv_slots = flags, self._step, kv_cache.shape[2]
                 r.send(h, [e for e in extras if e.numel()])
                 self._kv_ptr = kv_cache.data_ptr()
@@ -377,6 +468,7 @@ class ExpertParallelModel:
                         kv_cache,
                         logits_indices,
                         layer_done,
+                        plan,
                     )
                 else:
                     logits = self.model.forward(
@@ -390,6 +482,8 @@ class ExpertParallelModel:
                     # A step cut short (a dead rank, or an error here) leaves the ranks out of step.
                     r.error = exc
                 raise
+            if plan is not None:
+                self._residency.update(plan)
             self.eplb.record_counts(counts)
             self._step += 1
         planned = self.eplb.end_step()
@@ -412,22 +506,31 @@ class _Ranks:
         self._store_dir: str | None = None
         self._shm_path: str | None = None
 
-    def start(self, world: int, spec: _WorkerSpec, weights: dict, device: torch.device) -> None:
-        self._store_dir = tempfile.mkdtemp(prefix="pdserve-ep-")  # mode 0700: this user's processes only
-        path = os.path.join(self._store_dir, "store")
-        self._store = _file_store(path, world)
+    def start(self, world: int, local: int, spec: RankSpec, weights: dict, device: torch.device) -> None:
+        """Spawn ranks 1..local-1 here and form the group with them and with the ranks of other hosts
+        (local..world-1, which join at the rendezvous)."""
+        path = ""
+        if spec.rendezvous:
+            self._store = rendezvous_store(spec.rendezvous, spec.token, True)
+            shared = {k: getattr(spec, k) for k in SHARED_SPEC}
+            shared["dtype"] = str(spec.dtype).removeprefix("torch.")
+            publish_spec(self._store, shared, spec.arch, spec.phy2log)
+        else:
+            self._store_dir = tempfile.mkdtemp(prefix="pdserve-ep-")  # mode 0700: this user's processes only
+            path = os.path.join(self._store_dir, "store")
+            self._store = _file_store(path, world, spec.timeout_s)
         shm = None
-        if device.type == "cpu" and ep_shm.available():
+        if device.type == "cpu" and local == world and ep_shm.available():
             shm = ep_shm.create(world)
             self._shm_path = shm
         ctx = mp.get_context("spawn")
-        for rank in range(1, world):
-            s = _WorkerSpec(**{**spec.__dict__, "rank": rank, "store_path": path, "exchange_path": shm or ""})
+        for rank in range(1, local):
+            s = RankSpec(**{**spec.__dict__, "rank": rank, "store_path": path, "exchange_path": shm or ""})
             p = ctx.Process(target=worker_loop, args=(s, weights), name=f"pdserve-ep{rank}", daemon=True)
             p.start()
             self.procs.append(p)
         try:
-            self.comm = Comm(self._connect(world, device), 0, world, device, OP_TIMEOUT_S)
+            self.comm = Comm(self._connect(world, device, spec), 0, world, device, spec.timeout_s)
             if shm is not None:
                 # Every rank mapped the mailboxes before joining the group: the name can go now.
                 self.comm.shm = ep_shm.ShmAllToAll(shm, 0, world)
@@ -437,18 +540,20 @@ class _Ranks:
             raise
         threading.Thread(target=self._heartbeat, name="pdserve-ep-heartbeat", daemon=True).start()
 
-    def _connect(self, world: int, device: torch.device):
+    def _connect(self, world: int, device: torch.device, spec: RankSpec):
         """Rank 0's process group, failing fast if a worker dies while the group forms."""
         box: dict = {}
 
         def connect() -> None:
             try:
-                box["pg"] = _process_group(self._store, 0, world, device)
+                box["pg"] = _process_group(self._store, 0, world, device, spec.timeout_s, spec.host)
             except BaseException as exc:
                 box["error"] = exc
 
         t = threading.Thread(target=connect, name="pdserve-ep-connect", daemon=True)
         t.start()
+        if spec.rendezvous and len(self.procs) + 1 < world:
+            log.info("expert parallelism: waiting at %s for the ranks of other hosts", spec.rendezvous)
         while t.is_alive():
             t.join(0.2)
             dead = [p for p in self.procs if p.exitcode is not None]
@@ -490,8 +595,10 @@ class _Ranks:
                     continue
                 try:
                     self.send(Header(OP_NOOP))
-                except BaseException:
-                    log.exception("expert-parallel heartbeat failed: a rank is gone")
+                    self.comm.all_reduce(torch.zeros(1))  # every rank answers: none is lost
+                except BaseException as exc:
+                    self.error = self.error or exc
+                    log.error("expert-parallel heartbeat failed, a rank is gone: %s", exc)
                     return
 
     def close(self) -> None:
@@ -535,24 +642,21 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
-    """Rank > 0: build this rank's part of the model, then follow rank 0's steps until OP_STOP."""
+def worker_loop(spec: RankSpec, weights: dict, store=None) -> bool:
+    """Rank > 0: build this rank's part of the model, join the group (through `store`, or the spec's),
+    then follow rank 0's steps until OP_STOP (True) or until rank 0 is gone (False)."""
     # A signal to the process group (Ctrl-C, SIGTERM's drain) is for rank 0: it finishes its requests,
     # which need these ranks, and then stops them with OP_STOP.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(spec.threads)  # as rank 0, so replicated attention computes identical bits
-    threading.Thread(target=_exit_with_parent, args=(spec.parent_pid,), daemon=True).start()
+    if spec.parent_pid:
+        threading.Thread(target=_exit_with_parent, args=(spec.parent_pid,), daemon=True).start()
     device = _rank_device(spec.device, spec.rank, spec.world)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL binds a rank's communicator to its current device
-    store = _file_store(spec.store_path, spec.world)
-    # Mapped before joining the group: rank 0 unlinks the name once every rank has joined.
-    shm = ep_shm.ShmAllToAll(spec.exchange_path, spec.rank, spec.world) if spec.exchange_path else None
-    comm = Comm(
-        _process_group(store, spec.rank, spec.world, device), spec.rank, spec.world, device, OP_TIMEOUT_S
-    )
-    comm.shm = shm
+    # The model first: the group's deadlines start once it has formed.
+    comms: list[Comm] = []
     model = MoEModel(
         spec.arch,
         weights,
@@ -562,12 +666,29 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
         phy2log=spec.phy2log,
         rank=spec.rank,
         world=spec.world,
-        combine=comm.all_reduce,
+        combine=lambda t: comms[0].all_reduce(t),
         quantization=spec.quantization,
         attention_kernel=spec.attention_kernel,
         gemm_kernel=spec.gemm_kernel,
         activation_quantization=spec.activation_quantization,
     )
+    # Mapped before joining the group: rank 0 unlinks the name once every rank has joined.
+    shm = ep_shm.ShmAllToAll(spec.exchange_path, spec.rank, spec.world) if spec.exchange_path else None
+    pg = _process_group(
+        store if store is not None else _store(spec, False),
+        spec.rank,
+        spec.world,
+        device,
+        spec.timeout_s,
+        spec.host,
+    )
+    comm = Comm(pg, spec.rank, spec.world, device, spec.timeout_s)
+    comm.shm = shm
+    comms.append(comm)
+    return _follow(spec, model, comm, device)
+
+
+def _follow(spec: RankSpec, model: MoEModel, comm: Comm, device: torch.device) -> bool:
     mover = ExpertWeightMover(model)
     exchange = ExpertExchange(comm, spec.rank, spec.world)
     counts = StepCounts(model.moe_ids, spec.arch.num_experts, spec.rank, spec.world)
@@ -582,9 +703,12 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
                 )
             except RuntimeError as exc:
                 log.warning("expert-parallel rank %d: rank 0 is gone (%s); exiting", spec.rank, exc)
-                return
+                return False
             if h.op == OP_STOP:
-                return
+                return True
+            if h.op == OP_NOOP:
+                comm.all_reduce(torch.zeros(1))  # the heartbeat's answer
+                continue
             if h.flags & FLAG_KV:
                 path = (
                     bytes(comm.broadcast(torch.zeros(h.kv_path, dtype=torch.uint8)).tolist()).decode()
@@ -601,20 +725,30 @@ def worker_loop(spec: _WorkerSpec, weights: dict) -> None:
             ints = comm.broadcast(torch.zeros(h.ints, dtype=torch.long))
             mask = comm.broadcast(torch.zeros(h.masks, dtype=torch.uint8)) if h.masks else torch.zeros(0)
             ids, positions, meta, logits = decode_step(h, ints, mask, device)
+            plan = None
+            if h.flags & FLAG_PRIVATE:
+                plan = decode_plan(
+                    comm.broadcast(torch.zeros(h.plan, dtype=torch.long)), len(step_units(meta)), spec.world
+                )
             model.set_step(h.step)
             counts.all_own = bool(h.flags & FLAG_DP)
             if counts.all_own:
-                dp_step(model, exchange, ids, positions, meta, kv, logits)
+                dp_step(model, exchange, ids, positions, meta, kv, logits, plan=plan)
             else:
                 model.forward(ids, positions, meta, kv, None)
             comm.all_reduce(counts.take())  # this rank's share of the step's expert load, to rank 0
 
 
-def _worker_kv(spec: _WorkerSpec, slots: int, path: str, device: torch.device) -> torch.Tensor:
-    """Rank 0's pool mapped from `path`, or a private cache of the same shape."""
+def _worker_kv(spec: RankSpec, slots: int, path: str, device: torch.device) -> torch.Tensor:
+    """Rank 0's pool mapped from `path`, or a private cache of the same shape (on the host: zero pages
+    that become resident as blocks are written, so a rank holds what its sequences use)."""
     a = spec.arch
     shape = a.kv_cache_shape(slots)
-    if not path:
-        return torch.zeros(shape, dtype=spec.dtype, device=device)
     es = torch.empty((), dtype=spec.dtype).element_size()
+    if not path:
+        if device.type != "cpu":
+            return torch.zeros(shape, dtype=spec.dtype, device=device)
+        size = es * math.prod(shape)
+        pages = np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=np.uint8, count=size)  # keeps the map
+        return torch.from_numpy(pages).view(spec.dtype).view(shape)
     return torch.from_numpy(attach_shared_kv(path, shape, es)).view(spec.dtype).view(shape)

@@ -277,9 +277,11 @@ def build_model(
     device: str = "cpu",
     max_model_len: int | None = None,
     model_config: ModelConfig | None = None,
+    token: str | None = None,
 ):
     """A LlamaModel, or for a MoE architecture an ExpertParallelModel (the same `forward`) that runs
-    `model_config.expert_parallel` ranks and balances expert load."""
+    `model_config.expert_parallel` ranks and balances expert load (`token`: the internal token, which
+    names the rendezvous of ranks on other hosts)."""
     if device == "cpu" and (model_config is None or model_config.gemm_kernel != "torch"):
         from pdserve.model.kernels import tuning
 
@@ -310,5 +312,5 @@ def build_model(
     from pdserve.model.expert_parallel import ExpertParallelModel  # quantizes its experts too
 
     return ExpertParallelModel(
-        loaded, torch_dtype(dtype), device, max_model_len, model_config or ModelConfig()
+        loaded, torch_dtype(dtype), device, max_model_len, model_config or ModelConfig(), token
     )

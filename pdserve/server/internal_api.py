@@ -28,6 +28,7 @@ from pdserve.common.errors import (
     RequestMoved,
 )
 from pdserve.common.images import ImageInput
+from pdserve.common.internal_token import internal_token
 from pdserve.common.sampling import SamplingParams, check_cache_salt
 from pdserve.config import Config, ConfigError
 from pdserve.protocol import INTERNAL_TOKEN_HEADER, InternalGenerateRequest
@@ -38,10 +39,6 @@ from pdserve.server.openai_api import PREFILL_HEADER
 
 if TYPE_CHECKING:  # the router imports this module (internal_token) and must not load the engine
     from pdserve.engine.async_engine import AsyncEngine
-
-
-def internal_token(configured: str | None) -> str | None:
-    return configured or os.environ.get("PDSERVE_INTERNAL_TOKEN") or None
 
 
 def worker_api_keys(configured: list[str]) -> list[str]:

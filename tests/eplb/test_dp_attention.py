@@ -3,18 +3,14 @@ exchange of a MoE layer over a real gloo group (two ranks as threads of this pro
 
 from __future__ import annotations
 
-import threading
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
+from gloo_ranks import run_ranks
 
 from pdserve.eplb.placement import LayerPlacement, slot_range
 from pdserve.model.attention import build_metadata
 from pdserve.model.dp_attention import assign, split_step
 from pdserve.model.ep_exchange import ExpertExchange, plan_dispatch, slot_owners
-from pdserve.model.ep_protocol import Comm
 
 BS = 4
 
@@ -111,30 +107,6 @@ def _all_choices(h, slots, w):
     return out
 
 
-def _run_ranks(world, fn):
-    """fn(rank, comm) on `world` threads, each with its own gloo group over one in-memory store."""
-    store = dist.HashStore()
-    results, errors = [None] * world, []
-
-    def body(rank):
-        try:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timedelta(seconds=60)
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            pg = dist.ProcessGroupGloo(store, rank, world, opts)
-            results[rank] = fn(rank, Comm(pg, rank, world, torch.device("cpu"), 60))
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return results
-
-
 @pytest.mark.parametrize("world,dtype", [(2, torch.float64), (3, torch.float64), (2, torch.float32)])
 def test_exchange_gives_every_choice_and_sends_only_remote_rows(world, dtype):
     """float32 rows travel with their choices in one message, other dtypes apart: both checked."""
@@ -171,7 +143,7 @@ def test_exchange_gives_every_choice_and_sends_only_remote_rows(world, dtype):
         out = ex(toks[rank], slots[rank], weights[rank], pl, compute)
         return out, ex.dispatch_bytes, ex.combine_bytes
 
-    res = _run_ranks(world, fn)
+    res = run_ranks(world, fn)
     owners = slot_owners(P, world)
     for rank in range(world):
         out, sent, back = res[rank]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.eplb import (
@@ -247,15 +248,11 @@ def test_benchmark_prints_one_json_line():
 # ------------------------------------------------------------------ global counts
 
 
-def test_balancer_load_is_the_sum_of_each_rank_s_own_counts(tmp_path):
+def test_balancer_load_is_the_sum_of_each_rank_s_own_counts():
     """Two ranks joined by the expert-parallel channel (gloo over loopback, in two threads) count the
     choices of different tokens; the balancer's heatmap is their sum, not rank 0's share."""
-    import threading
-
     from pdserve.eplb.balancer import ExpertBalancer
     from pdserve.eplb.recorder import StepCounts
-    from pdserve.model.ep_protocol import Comm
-    from pdserve.model.expert_parallel import _file_store, _process_group
 
     layers, experts = [1, 3], 6
     g = torch.Generator().manual_seed(7)
@@ -268,27 +265,15 @@ def test_balancer_load_is_the_sum_of_each_rank_s_own_counts(tmp_path):
         want[j] += torch.bincount(shared.reshape(-1), minlength=experts)
         want[j] += sum(torch.bincount(b.reshape(-1), minlength=experts) for b in own)
     balancer = ExpertBalancer(layers, experts, torch.arange(experts).repeat(2, 1), 2, interval=0)
-    got: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
 
-    def rank(r: int) -> None:
-        try:
-            pg = _process_group(_file_store(str(tmp_path / "store"), 2), r, 2, torch.device("cpu"))
-            comm = Comm(pg, r, 2, torch.device("cpu"), 60.0)
-            replicated, mine = StepCounts(layers, experts, r, 2), StepCounts(layers, experts)
-            for layer in layers:
-                replicated.record(layer, shared)
-                mine.record(layer, own[r])
-            got[r] = comm.all_reduce(replicated.take() + mine.take())
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
+    def rank(r: int, comm):
+        replicated, mine = StepCounts(layers, experts, r, 2), StepCounts(layers, experts)
+        for layer in layers:
+            replicated.record(layer, shared)
+            mine.record(layer, own[r])
+        return comm.all_reduce(replicated.take() + mine.take())
 
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors and not any(t.is_alive() for t in threads)
+    got = run_ranks(2, rank)
     assert torch.equal(got[0], want) and torch.equal(got[1], want)
     balancer.record_counts(got[0])
     balancer.end_step()

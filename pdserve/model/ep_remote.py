@@ -1,0 +1,92 @@
+"""`pdserve ep-rank`: an expert-parallel rank on a host other than rank 0's.
+
+It loads the model from this host's copy (the same model.name, seed and quantization as the
+worker's config), meets rank 0 at model.ep_rendezvous, checks that its model is rank 0's, takes the
+values every rank shares from rank 0's spec, builds its slots of the experts and follows rank 0's
+steps until rank 0 stops it or is lost; then it exits (a supervisor starts it again for the next
+rank 0).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.common.internal_token import internal_token
+from pdserve.config import Config
+from pdserve.model.ep_hosts import (
+    check_arch,
+    is_loopback,
+    own_address,
+    read_spec,
+    rendezvous_store,
+    split_address,
+)
+from pdserve.model.expert_parallel import RankSpec, worker_loop
+from pdserve.model.loader import load_model_files
+
+log = logging.getLogger(__name__)
+
+
+def check_rank(config: Config, rank: int) -> str | None:
+    """Why `rank` cannot join under `config` (a message), or None."""
+    mc = config.model
+    world = mc.expert_parallel
+    local = mc.ep_local_ranks or world
+    if not mc.ep_rendezvous:
+        return "model.ep_rendezvous is not set: ranks of other hosts meet rank 0 there"
+    if not internal_token(config.server.internal_token) and not is_loopback(
+        split_address(mc.ep_rendezvous)[0]
+    ):
+        return "model.ep_rendezvous off loopback needs the internal token (server.internal_token or PDSERVE_INTERNAL_TOKEN)"
+    if not local <= rank < world:
+        return (
+            f"--rank {rank}: ranks {local}..{world - 1} join from other hosts "
+            f"(model.expert_parallel {world}, model.ep_local_ranks {local})"
+        )
+    return None
+
+
+def run_rank(config: Config, rank: int) -> int:
+    """Join, follow rank 0, and return the exit code: 0 when rank 0 stopped this rank, 1 when the
+    group broke (rank 0 or a peer lost, a deadline missed)."""
+    mc = config.model
+    token = internal_token(config.server.internal_token)
+    host = split_address(mc.ep_rendezvous)[0]
+    log.info("expert-parallel rank %d: meeting rank 0 at %s", rank, mc.ep_rendezvous)
+    store = rendezvous_store(mc.ep_rendezvous, token, False)
+    doc = read_spec(store)
+    loaded = load_model_files(mc.name, mc.seed, doc["quantization"])
+    check_arch(doc, loaded.arch)
+    if mc.device == "cpu" and mc.gemm_kernel != "torch":
+        from pdserve.model.kernels import tuning
+
+        tuning.tune()  # as the loader does for rank 0: this machine's kernel paths
+    spec = RankSpec(
+        loaded.arch,
+        getattr(torch, doc["dtype"]),
+        mc.device,
+        int(doc["max_model_len"]),
+        doc["phy2log"],
+        rank,
+        int(doc["world"]),
+        "",
+        int(doc["threads"]),
+        0,  # no parent to follow: rank 0's heartbeats tell this rank it is alive
+        doc["quantization"],
+        doc["attention_kernel"],
+        doc["gemm_kernel"],
+        doc["activation_quantization"],
+        timeout_s=float(doc["timeout_s"]),
+        rendezvous=mc.ep_rendezvous,
+        token=token,
+        host=own_address(host),
+    )
+    try:
+        stopped = worker_loop(spec, loaded.weights, store)
+    except RuntimeError as exc:  # a collective failed: the group is gone, rank 0 fails its worker
+        log.error("expert-parallel rank %d: the rank group broke: %s", rank, exc)
+        return 1
+    log.info("expert-parallel rank %d: %s", rank, "stopped by rank 0" if stopped else "rank 0 is gone")
+    return 0 if stopped else 1
