@@ -3,7 +3,8 @@
 Each rank's MoE layers read their slots from an active `LayerPlacement`. `prepare(phy2log)` fills
 a standby buffer of the same shape on a background thread while steps keep running on the active
 one: a slot whose expert the rank already holds is copied from the active buffer (device to device),
-any other from the full expert weights kept in host memory (the "moved" experts). `commit()`,
+any other from the full expert weights kept in host memory (the "moved" experts), or, on a rank
+that holds only its own slots (another host's), from the experts rank 0 sent it (model/ep_fetch.py). `commit()`,
 called between two steps, waits for the build and then swaps every layer's placement pointer, so
 no step ever sees a half-moved layer. The old buffers become the next standby: two buffers per
 layer, allocated once. (Initial slots may be views of the host store: those are never written, the
@@ -28,14 +29,16 @@ class ExpertWeightMover:
         self._next: list[LayerPlacement] | None = None
         self._phy2log: torch.Tensor | None = None
         self._error: BaseException | None = None
+        self._fetched: dict = {}
         self.moved = 0  # slots of the last prepare copied from host memory
 
     @property
     def busy(self) -> bool:
         return self._thread is not None
 
-    def prepare(self, phy2log: torch.Tensor) -> None:
-        """Start building `phy2log` ([moe layers, P], P unchanged) in the standby buffers."""
+    def prepare(self, phy2log: torch.Tensor, fetched: dict | None = None) -> None:
+        """Start building `phy2log` ([moe layers, P], P unchanged) in the standby buffers; `fetched`:
+        the experts this rank lacks, by (layer, expert), one slot each (no host copy of them all)."""
         if self._thread is not None:
             raise RuntimeError("a placement is already being prepared")
         phy2log = torch.as_tensor(phy2log, dtype=torch.long).cpu()
@@ -44,6 +47,7 @@ class ExpertWeightMover:
         if phy2log.min() < 0 or phy2log.max() >= self.model.arch.num_experts:
             raise ValueError("placement names an expert out of range")
         self._phy2log, self._error, self._next = phy2log.clone(), None, None
+        self._fetched = fetched or {}
         self._thread = threading.Thread(target=self._build, name="eplb-mover", daemon=True)
         self._thread.start()
 
@@ -61,10 +65,11 @@ class ExpertWeightMover:
         for j, (block, placement) in enumerate(zip(self.model.blocks, self._next)):
             old = block.placement
             block.placement = placement  # the swap: one pointer per layer
-            aliases = old.gate_up.shares_storage(self.model.expert_store[j][0])
+            store = self.model.expert_store
+            aliases = store is not None and old.gate_up.shares_storage(store[j][0])
             self._standby[j] = None if aliases else (old.gate_up, old.down)
         self.model.phy2log = self._phy2log
-        self._next = None
+        self._next, self._fetched = None, {}
         return self.moved
 
     def _build(self) -> None:
@@ -84,6 +89,11 @@ class ExpertWeightMover:
                     if e in have:
                         gate_up.copy_slot_(s, cur.gate_up, have[e])
                         down.copy_slot_(s, cur.down, have[e])
+                    elif (j, e) in self._fetched:
+                        got_gate_up, got_down = self._fetched[(j, e)]
+                        gate_up.copy_slot_(s, got_gate_up, 0)
+                        down.copy_slot_(s, got_down, 0)
+                        moved += 1
                     else:
                         gate_up.copy_slot_(s, m.expert_store[j][0], e)
                         down.copy_slot_(s, m.expert_store[j][1], e)

@@ -23,8 +23,9 @@ from pdserve.model.ep_hosts import (
     rendezvous_store,
     split_address,
 )
-from pdserve.model.expert_parallel import RankSpec, worker_loop
+from pdserve.model.expert_parallel import RankSpec, join_and_follow, rank_model
 from pdserve.model.loader import load_model_files
+from pdserve.utils.runtime import memory_status, trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,23 @@ def run_rank(config: Config, rank: int) -> int:
         rendezvous=mc.ep_rendezvous,
         token=token,
         host=own_address(host),
+        local=int(doc["local"]),
     )
+    model, comms = rank_model(spec, loaded.weights)
+    del loaded  # the checkpoint's tensors: only what the model keeps stays
+    model.keep_own_experts()
+    trim_heap()
+    mem = memory_status()
+    if mem:
+        log.info(
+            "expert-parallel rank %d: %.1f MB of weights, resident set %.1f MB (peak %.1f MB)",
+            rank,
+            model.weight_bytes() / 1e6,
+            mem[0] / 1e6,
+            mem[1] / 1e6,
+        )
     try:
-        stopped = worker_loop(spec, loaded.weights, store)
+        stopped = join_and_follow(spec, model, comms, store)
     except RuntimeError as exc:  # a collective failed: the group is gone, rank 0 fails its worker
         log.error("expert-parallel rank %d: the rank group broke: %s", rank, exc)
         return 1

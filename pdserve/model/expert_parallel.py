@@ -54,7 +54,15 @@ from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.dp_attention import split_step, step_units, token_cost
 from pdserve.model.ep_exchange import ExpertExchange
-from pdserve.model.ep_hosts import is_loopback, own_address, publish_spec, rendezvous_store, split_address
+from pdserve.model.ep_fetch import fetch_experts
+from pdserve.model.ep_hosts import (
+    START_TIMEOUT_S,
+    is_loopback,
+    own_address,
+    publish_spec,
+    rendezvous_store,
+    split_address,
+)
 from pdserve.model.ep_kv import Residency, StepPlan, decode_plan, encode_plan, mirror, ship
 from pdserve.model.ep_protocol import (
     FLAG_COMMIT,
@@ -96,7 +104,9 @@ def _process_group(store, rank: int, world: int, device: torch.device, timeout_s
         opts._timeout = timedelta(seconds=timeout_s)
         return dist.ProcessGroupNCCL(store, rank, world, opts)
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timedelta(seconds=timeout_s)
+    # The group's own deadline is the rendezvous' (ranks of other hosts load their model first); every
+    # collective passes the step's deadline itself (ep_protocol.Comm).
+    opts._timeout = timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
@@ -134,6 +144,7 @@ class RankSpec:
     rendezvous: str = ""  # model.ep_rendezvous: the TCP store of ranks on several hosts; empty: a file store
     token: str | None = None  # the internal token (names the rendezvous' keys)
     host: str = "127.0.0.1"  # the address this rank's gloo device listens on
+    local: int = 1  # ranks 0..local-1 share rank 0's host (and its copy of every expert)
 
 
 # The values of a spec that ranks of other hosts read from the rendezvous (ep_hosts.publish_spec).
@@ -147,6 +158,7 @@ SHARED_SPEC = (
     "gemm_kernel",
     "activation_quantization",
     "timeout_s",
+    "local",
 )
 
 
@@ -273,6 +285,8 @@ class ExpertParallelModel:
         self.data_parallel = mc.ep_attention == "data"
         # Ranks on other hosts keep their own KV pools (ep_kv.py); so, then, do this host's.
         self.private = local < world
+        self._local = local  # ranks 0..local-1 map the host copy of every expert
+        self.experts_sent_bytes = 0  # experts sent to ranks of other hosts for new placements
         if self.private and not (self.data_parallel and mc.ep_rendezvous):
             raise ValueError("ranks on other hosts need model.ep_rendezvous and model.ep_attention: data")
         if mc.ep_rendezvous and not token and not is_loopback(split_address(mc.ep_rendezvous)[0]):
@@ -319,6 +333,7 @@ class ExpertParallelModel:
                     rendezvous=mc.ep_rendezvous or "",
                     token=token,
                     host=host,
+                    local=local,
                 ),
                 weights,
                 _rank_device(device, 0, world),
@@ -453,6 +468,11 @@ class ExpertParallelModel:
                 self.eplb.committed(self._preparing)
                 self._preparing = None
             if announce:
+                if self._local < self.world:  # after every broadcast of the step, as the ranks do
+                    own = [(b.placement.gate_up, b.placement.down) for b in self.model.blocks]
+                    self.experts_sent_bytes += fetch_experts(
+                        r.comm, self.model.phy2log, self._pending, self._local, self.model.expert_store, own
+                    ).sent_bytes
                 self.mover.prepare(self._pending)
                 self._preparing, self._pending = self._pending, None
             self.model.set_step(self._step)
@@ -642,9 +662,17 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def worker_loop(spec: RankSpec, weights: dict, store=None) -> bool:
-    """Rank > 0: build this rank's part of the model, join the group (through `store`, or the spec's),
-    then follow rank 0's steps until OP_STOP (True) or until rank 0 is gone (False)."""
+def worker_loop(spec: RankSpec, weights: dict) -> bool:
+    """A rank > 0 on rank 0's host: build this rank's part of the model, join the group, then follow
+    rank 0's steps until OP_STOP (True) or until rank 0 is gone (False)."""
+    model, comms = rank_model(spec, weights)
+    del weights
+    return join_and_follow(spec, model, comms)
+
+
+def rank_model(spec: RankSpec, weights) -> tuple[MoEModel, list[Comm]]:
+    """This rank's part of the model (built before the group forms: its deadlines start then), and
+    the list its combine reads the group's Comm from once joined."""
     # A signal to the process group (Ctrl-C, SIGTERM's drain) is for rank 0: it finishes its requests,
     # which need these ranks, and then stops them with OP_STOP.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -655,7 +683,6 @@ def worker_loop(spec: RankSpec, weights: dict, store=None) -> bool:
     device = _rank_device(spec.device, spec.rank, spec.world)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL binds a rank's communicator to its current device
-    # The model first: the group's deadlines start once it has formed.
     comms: list[Comm] = []
     model = MoEModel(
         spec.arch,
@@ -672,6 +699,12 @@ def worker_loop(spec: RankSpec, weights: dict, store=None) -> bool:
         gemm_kernel=spec.gemm_kernel,
         activation_quantization=spec.activation_quantization,
     )
+    return model, comms
+
+
+def join_and_follow(spec: RankSpec, model: MoEModel, comms: list[Comm], store=None) -> bool:
+    """Join the group (through `store`, or the spec's), then follow rank 0's steps."""
+    device = model.device
     # Mapped before joining the group: rank 0 unlinks the name once every rank has joined.
     shm = ep_shm.ShmAllToAll(spec.exchange_path, spec.rank, spec.world) if spec.exchange_path else None
     pg = _process_group(
@@ -718,8 +751,9 @@ def _follow(spec: RankSpec, model: MoEModel, comm: Comm, device: torch.device) -
                 kv = _worker_kv(spec, h.kv_slots, path, device)
             if h.flags & FLAG_COMMIT:
                 mover.commit()
+            placement = None
             if h.flags & FLAG_PREPARE:
-                mover.prepare(comm.broadcast(torch.zeros_like(model.phy2log)))
+                placement = comm.broadcast(torch.zeros_like(model.phy2log))
             if h.op != OP_STEP:
                 continue
             ints = comm.broadcast(torch.zeros(h.ints, dtype=torch.long))
@@ -730,6 +764,12 @@ def _follow(spec: RankSpec, model: MoEModel, comm: Comm, device: torch.device) -
                 plan = decode_plan(
                     comm.broadcast(torch.zeros(h.plan, dtype=torch.long)), len(step_units(meta)), spec.world
                 )
+            if placement is not None:
+                fetched = {}
+                if spec.local < spec.world:  # ranks of other hosts get the experts they lack
+                    own = [(b.placement.gate_up, b.placement.down) for b in model.blocks]
+                    fetched = fetch_experts(comm, model.phy2log, placement, spec.local, None, own).experts
+                mover.prepare(placement, fetched)
             model.set_step(h.step)
             counts.all_own = bool(h.flags & FLAG_DP)
             if counts.all_own:

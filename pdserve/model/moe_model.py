@@ -8,6 +8,7 @@ are the source the weight mover copies from. A rank's device holds only its phys
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -63,7 +64,9 @@ class MoEModel(LlamaModel):
         native = gemm_kernel == "auto" and torch.device(device).type == "cpu"
         packed = pack_experts(weights, arch, quantization, dtype, native)
         packed = {k: v.with_activations(activation_quantization) for k, v in packed.items()}
-        self.expert_store = [tuple(packed[k] for k in expert_keys(i)) for i in self.moe_ids]
+        self.expert_store: list[tuple[ExpertStack, ...]] | None = [
+            tuple(packed[k] for k in expert_keys(i)) for i in self.moe_ids
+        ]
         self.phy2log = (
             phy2log if phy2log is not None else initial_placement(arch, arch.num_experts, world)
         ).long()
@@ -158,6 +161,7 @@ class MoEModel(LlamaModel):
         host a view of it when the slots hold a run of consecutive experts (the initial placement):
         then the experts are in memory once, whatever the number of ranks."""
         lo, hi = slot_range(phy2log.numel(), self.rank, self.world)
+        assert self.expert_store is not None, "placements are built from the host copy"
         gate_up, down = self.expert_store[j]
         ids = phy2log[lo:hi]
         first = int(ids[0]) if ids.numel() else 0
@@ -192,6 +196,15 @@ class MoEModel(LlamaModel):
         )
         self.blocks.append(block)
         return block
+
+    def keep_own_experts(self) -> None:
+        """Hold only this rank's slots (a rank on another host): each layer's slots become copies of
+        their own, and the host copy of every expert goes (new experts then come from rank 0)."""
+        for b in self.blocks:
+            p = b.placement
+            own = torch.arange(len(p.gate_up))
+            b.placement = replace(p, gate_up=p.gate_up[own], down=p.down[own])
+        self.expert_store = None
 
     def set_exchange(self, exchange: Callable[..., torch.Tensor] | None) -> None:
         """Data-parallel attention's row exchange for the MoE blocks (None: the combine's all-reduce)."""

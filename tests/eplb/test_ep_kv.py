@@ -1,6 +1,6 @@
-"""KV of expert-parallel ranks with pools of their own (model/ep_kv.py): which blocks a step reads and
-writes, rank 0's record of what each rank holds, the plan on the wire, and the bytes moved over a
-real gloo group (ranks as threads of this process)."""
+"""Ranks of other hosts: their KV pools (model/ep_kv.py: which blocks a step reads and writes, rank
+0's record of what each rank holds, the plan on the wire, the bytes moved) and the experts they are
+sent for new placements (model/ep_fetch.py), over a real gloo group (ranks as threads)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import pytest
 import torch
 from gloo_ranks import run_ranks
 
+from pdserve.eplb.placement import slot_range
 from pdserve.model.attention import build_metadata
 from pdserve.model.dp_attention import split_step, step_units
+from pdserve.model.ep_fetch import fetch_experts, missing
 from pdserve.model.ep_kv import (
     Residency,
     StepPlan,
@@ -19,6 +21,7 @@ from pdserve.model.ep_kv import (
     ship,
     unit_kv,
 )
+from pdserve.model.experts import ExpertStack
 
 BS = 4
 
@@ -129,3 +132,38 @@ def test_ship_and_mirror_move_exact_bytes(world, dtype):
     for slot in range(8 * BS):
         src = out[written[slot]][1] if slot in written and written[slot] else out[0][1]
         assert torch.equal(final0[:, :, slot], src[:, :, slot]), slot
+
+
+@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+def test_ranks_of_other_hosts_get_the_experts_a_placement_gives_them_byte_for_byte(mode):
+    """Rank 0 (every expert) sends ranks 1 and 2 (other hosts: their own slots only) the experts the new
+    placement puts in their slots and the old one did not; each arrives as the same packed tensors."""
+    g = torch.Generator().manual_seed(0)
+    experts, layers, world = 8, 2, 3
+    store = [
+        (
+            ExpertStack.pack(torch.randn(experts, 64, 64, generator=g), mode, torch.float32, "cpu"),
+            ExpertStack.pack(torch.randn(experts, 64, 32, generator=g), mode, torch.float32, "cpu"),
+        )
+        for _ in range(layers)
+    ]
+    old = torch.arange(experts).repeat(layers, 1)
+    new = torch.stack([torch.randperm(experts, generator=g) for _ in range(layers)])
+
+    def body(rank, comm):
+        lo, hi = slot_range(experts, rank, world)
+        own = [(gu[old[j, lo:hi]], dn[old[j, lo:hi]]) for j, (gu, dn) in enumerate(store)]
+        return fetch_experts(comm, old, new, 1, store if rank == 0 else None, own)
+
+    out = run_ranks(world, body)
+    assert out[0].experts == {} and out[0].sent_bytes > 0
+    sent = 0
+    for r in range(1, world):
+        assert sorted(out[r].experts) == missing(old, new, r, world)
+        for (j, e), (gu, dn) in out[r].experts.items():
+            for got, want in zip((gu, dn), store[j]):
+                assert got.kind == want.kind and len(got) == 1
+                for a, b in zip(got.tensors, want.tensors):
+                    assert torch.equal(a[0], b[e])
+                    sent += a.numel() * a.element_size()
+    assert out[0].sent_bytes == sent

@@ -3,6 +3,8 @@ changes which slots hold which experts without changing a single logit."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -75,6 +77,12 @@ def test_swap_keeps_logits_and_moves_weights(quant):
         want.append(_step(ref, kv_ref, [token], 12 + step))
         got.append(_step(ep, kv_ep, [token], 12 + step))
         token = int(want[-1].argmax())
+        # A build runs beside the steps and commits at the first step after it is done: waiting for
+        # it here makes that the next step, however busy the machine.
+        deadline = time.monotonic() + 60
+        while ep.mover.busy and not ep.mover.ready():
+            assert time.monotonic() < deadline, "the placement build never finished"
+            time.sleep(0.01)
     for w, x in zip(want, got):
         torch.testing.assert_close(x, w, atol=1e-4, rtol=1e-4)
     assert torch.equal(ep.model.phy2log, placements[1]) and not torch.equal(old, placements[1])
