@@ -129,3 +129,30 @@ class BalancerMetrics:
         self.moved.inc(moved)
         self.rebalances.inc()
         self.seconds.set(seconds)
+
+
+class EPTrafficCollector:
+    """`pdserve_ep_bytes_total{kind}` and `pdserve_ep_steps_total` of an expert-parallel worker, read
+    at scrape time from `read()` (ExpertParallelModel.traffic)."""
+
+    def __init__(self, read) -> None:
+        self._read = read
+
+    def describe(self):
+        return []  # registering must not trigger a collect
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        t = dict(self._read())
+        steps = t.pop("steps", 0)
+        fam = CounterMetricFamily(
+            "pdserve_ep_bytes",
+            "Bytes between rank 0 and the other expert-parallel ranks, by kind (dispatch, combine, "
+            "kv_shipped, experts: sent by rank 0; kv_mirrored, logits: received by it)",
+            labels=["kind"],
+        )
+        for kind, v in t.items():
+            fam.add_metric([kind], v)
+        yield fam
+        yield CounterMetricFamily("pdserve_ep_steps", "Steps run by the expert-parallel ranks", value=steps)

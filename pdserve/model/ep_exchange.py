@@ -71,6 +71,7 @@ class ExpertExchange:
         # Ranks with KV pools of their own (ep_kv.py): blocks rank 0 sent, KV rows rank 0 received.
         self.kv_shipped_bytes = 0
         self.kv_mirrored_bytes = 0
+        self.logits_bytes = 0  # logits rows gathered at rank 0 (rank 0: received; others: sent)
 
     def owners(self, num_physical: int) -> torch.Tensor:
         if num_physical not in self._owners:

@@ -245,6 +245,10 @@ def dp_step(
         got = exchange.comm.all_to_all(
             mine_logits, sizes if rank == 0 else [0] * world, [mine_logits.shape[0]] + [0] * (world - 1)
         )
+        row = vocab * got.element_size()
+        exchange.logits_bytes += row * (
+            sum(sizes[1:]) if rank == 0 else (mine_logits.shape[0] if rank else 0)
+        )
     finally:
         model.set_exchange(None)
         if finish is not None:
@@ -394,6 +398,23 @@ class ExpertParallelModel:
     def share_kv_cache(self, kv_cache: torch.Tensor, path: str | None) -> None:
         """The engine's KV pool lives in the file `path` (/dev/shm): the other ranks map it too."""
         self._kv_shared = (kv_cache.data_ptr(), path) if path else None
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes between rank 0 and the other ranks since start, by kind (rank 0's side: what it sent
+        of dispatch, combine, KV blocks and experts; what it received of KV rows and logits), and
+        the steps run: the EP plane's load on the network (/metrics pdserve_ep_bytes_total)."""
+        ex = self.exchange
+        if ex is None:
+            return {}
+        return {
+            "dispatch": ex.dispatch_bytes,
+            "combine": ex.combine_bytes,
+            "kv_shipped": ex.kv_shipped_bytes,
+            "kv_mirrored": ex.kv_mirrored_bytes,
+            "logits": ex.logits_bytes,
+            "experts": self.experts_sent_bytes,
+            "steps": self._step,
+        }
 
     def kv_blocks_allocated(self, blocks: list[int]) -> None:
         """The engine's pool handed `blocks` out anew (block_pool.BlockPool.on_allocate): the other

@@ -105,14 +105,19 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
 
     # MoE models: the expert-load heatmap and placement (EPLB), and the balancer's gauges in /metrics.
     eplb = getattr(engine.model, "eplb", None)
+    traffic = getattr(engine.model, "traffic", None)  # expert parallelism's bytes between ranks
     if eplb is not None:
         eplb.register_metrics(metrics.registry)
+    if traffic is not None and traffic():
+        from pdserve.eplb.metrics import EPTrafficCollector
+
+        metrics.registry.register(EPTrafficCollector(traffic))
 
     @app.get("/eplb")
     async def eplb_heatmap():
         if eplb is None:
             return error_response(404, "the model has no MoE layers", code="not_moe")
-        return eplb.to_dict()
+        return {**eplb.to_dict(), **({"traffic": traffic()} if traffic is not None and traffic() else {})}
 
     return app
 

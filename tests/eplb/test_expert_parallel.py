@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
@@ -194,6 +195,11 @@ def test_runtime_rebalance_under_load_keeps_outputs(quant):
         llm.engine.close()
 
 
+def metrics_for(name: str, text: str) -> str:
+    """The lines of one metric family in an exposition."""
+    return "\n".join(line for line in text.splitlines() if name in line) + "\n"
+
+
 def _children(pid: int) -> list[int]:
     kids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -347,6 +353,13 @@ def test_served_ep_model_exposes_eplb_and_stops_cleanly(tmp_path):
         metrics = httpx.get(srv.url + "/metrics").text
         assert 'pdserve_eplb_expert_activations{expert="0",layer="0"}' in metrics
         assert "pdserve_eplb_imbalance" in metrics
+        # The EP plane's traffic: the prompt's rank sent tokens to the other rank's experts.
+        traffic = heat["traffic"]
+        assert traffic["steps"] >= 8 and traffic["dispatch"] + traffic["combine"] > 0
+        family = next(text_string_to_metric_families(metrics_for("pdserve_ep_bytes", metrics)))
+        by_kind = {s.labels["kind"]: s.value for s in family.samples if s.name.endswith("_total")}
+        assert set(by_kind) == {"dispatch", "combine", "kv_shipped", "kv_mirrored", "logits", "experts"}
+        assert by_kind["dispatch"] + by_kind["combine"] >= traffic["dispatch"] + traffic["combine"]
         os.kill(srv.proc.pid, signal.SIGTERM)  # the server only: it must stop its ranks itself
         assert srv.proc.wait(30) == 0, srv.log_tail()
         assert _wait_gone(workers, 15) == [], srv.log_tail()
