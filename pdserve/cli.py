@@ -80,7 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
         "ep-rank",
         help="an expert-parallel rank on another host than rank 0's worker (model.ep_rendezvous)",
     )
-    ep_rank.add_argument("--rank", type=int, required=True, help="this rank: model.ep_local_ranks or above")
+    which = ep_rank.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rank", type=int, help="this rank: model.ep_local_ranks or above")
+    which.add_argument(
+        "--pod-index",
+        type=int,
+        help="this host's place among the worker's hosts (1, 2, ...): it runs ranks pod-index x "
+        "model.ep_local_ranks onwards, model.ep_local_ranks of them, one process each",
+    )
     ep_rank.add_argument(
         "--role", choices=WORKER_ROLES, help="the worker's role, for its deployment.<role> settings"
     )
@@ -172,12 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.command == "ep-rank":  # no HTTP port: steps come from rank 0
-        from pdserve.model.ep_remote import check_rank, run_rank
+        from pdserve.model.ep_remote import check_rank, host_ranks, run_rank, run_ranks
 
-        if problem := check_rank(config, args.rank):
-            print(f"pdserve: config error: {problem}", file=sys.stderr)
-            return 2
-        return run_rank(config, args.rank)
+        ranks = [args.rank] if args.rank is not None else host_ranks(config, args.pod_index)
+        for rank in ranks:
+            if problem := check_rank(config, rank):
+                print(f"pdserve: config error: {problem}", file=sys.stderr)
+                return 2
+        if args.rank is not None:
+            return run_rank(config, args.rank)
+        return run_ranks(argv, ranks)
     if args.command == "encoder":  # no HTTP port: jobs come over ZeroMQ
         from pdserve.engine.encoder_worker import EncoderWorker
 

@@ -43,7 +43,7 @@ class ModelConfig:
     # on the network they share); None: every rank on this host. With it, ep_local_ranks ranks start
     # here (rank 0 included) and ranks ep_local_ranks..expert_parallel-1 join with `pdserve ep-rank`.
     ep_rendezvous: str | None = None
-    ep_local_ranks: int | None = None  # None: all expert_parallel ranks on this host
+    ep_local_ranks: int | None = None  # None (or expert_parallel or more): every rank on this host
     # Deadline of each exchange between EP ranks: a rank silent this long (lost, stopped, cut off) fails
     # the worker, whose /health then says so.
     ep_timeout_s: float = 60.0

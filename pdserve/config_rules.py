@@ -370,28 +370,31 @@ def problems(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
 
 
 def _ep_problems(cfg: Config) -> list[tuple[str, str]]:
-    """Expert parallelism across hosts: the ranks of other hosts need a rendezvous and data-parallel
+    """Expert parallelism across hosts: a worker with ranks on other hosts (fewer model.ep_local_ranks
+    than its expert_parallel, the global one or its role's) needs a rendezvous and data-parallel
     attention (replicated attention maps one host's KV pool)."""
     m = cfg.model
-    local = m.ep_local_ranks
-    if local is None:
+    if m.ep_local_ranks is None:
         return []
-    if local > m.expert_parallel:
-        return [("model.ep_local_ranks", f"{local} is above model.expert_parallel ({m.expert_parallel})")]
-    if local < m.expert_parallel and not m.ep_rendezvous:
+    worlds = [m.expert_parallel] + [
+        r.expert_parallel for r in (cfg.deployment.prefill, cfg.deployment.decode) if r.expert_parallel
+    ]
+    if not any(m.ep_local_ranks < w for w in worlds):
+        return []
+    if not m.ep_rendezvous:
         return [
             (
                 "model.ep_rendezvous",
                 "is not set; allowed: host:port of rank 0 when model.ep_local_ranks is below "
-                "model.expert_parallel (ranks on other hosts join there)",
+                "expert_parallel (ranks on other hosts join there)",
             )
         ]
-    if local < m.expert_parallel and m.ep_attention != "data":
+    if m.ep_attention != "data":
         return [
             (
                 "model.ep_attention",
                 f"{m.ep_attention!r} needs every rank on one host; allowed: data when "
-                "model.ep_local_ranks is below model.expert_parallel",
+                "model.ep_local_ranks is below expert_parallel",
             )
         ]
     return []

@@ -109,7 +109,11 @@ def test_cli_exits_2_on_a_bad_worker_flag_and_names_it():
         ({"model.ep_rendezvous": "0.0.0.0:29500"}, "model.ep_rendezvous", "host:port"),
         ({"model.ep_rendezvous": "10.0.0.2"}, "model.ep_rendezvous", "host:port"),
         ({"model.ep_timeout_s": 0}, "model.ep_timeout_s", "above 0"),
-        ({"model.expert_parallel": 2, "model.ep_local_ranks": 3}, "model.ep_local_ranks", "above"),
+        (
+            {"deployment.decode.expert_parallel": 4, "model.ep_local_ranks": 2},
+            "model.ep_rendezvous",
+            "host:port of rank 0",
+        ),
         (
             {"model.expert_parallel": 2, "model.ep_local_ranks": 1},
             "model.ep_rendezvous",

@@ -10,6 +10,9 @@ rank 0).
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import time
 
 import torch
 
@@ -34,7 +37,7 @@ def check_rank(config: Config, rank: int) -> str | None:
     """Why `rank` cannot join under `config` (a message), or None."""
     mc = config.model
     world = mc.expert_parallel
-    local = mc.ep_local_ranks or world
+    local = min(world, mc.ep_local_ranks or world)
     if not mc.ep_rendezvous:
         return "model.ep_rendezvous is not set: ranks of other hosts meet rank 0 there"
     if not internal_token(config.server.internal_token) and not is_loopback(
@@ -47,6 +50,39 @@ def check_rank(config: Config, rank: int) -> str | None:
             f"(model.expert_parallel {world}, model.ep_local_ranks {local})"
         )
     return None
+
+
+def host_ranks(config: Config, pod_index: int) -> list[int]:
+    """The ranks of the worker's host number `pod_index` (rank 0's is 0), model.ep_local_ranks each."""
+    world = config.model.expert_parallel
+    local = min(world, config.model.ep_local_ranks or world)
+    return list(range(pod_index * local, (pod_index + 1) * local))
+
+
+def run_ranks(argv: list[str], ranks: list[int]) -> int:
+    """Several ranks on this host: `pdserve ep-rank --rank r` for each (the same arguments
+    otherwise), one process each; the first to exit with an error stops the others (the group is
+    broken without it) and gives the exit code."""
+    base = [a for i, a in enumerate(argv) if not _pod_index_arg(argv, i)]
+    procs = [subprocess.Popen([sys.executable, "-m", "pdserve.cli", *base, "--rank", str(r)]) for r in ranks]
+    try:
+        while True:
+            for p in procs:
+                code = p.poll()
+                if code is not None and (code != 0 or all(q.poll() is not None for q in procs)):
+                    return code if code != 0 else max(q.returncode for q in procs)
+            time.sleep(0.5)
+    finally:
+        for p in procs:  # the group is broken without the one that failed: nothing left to drain
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _pod_index_arg(argv: list[str], i: int) -> bool:
+    """argv[i] is --pod-index, its value, or --pod-index=N."""
+    a = argv[i]
+    return a == "--pod-index" or a.startswith("--pod-index=") or (i > 0 and argv[i - 1] == "--pod-index")
 
 
 def run_rank(config: Config, rank: int) -> int:

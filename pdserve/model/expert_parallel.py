@@ -274,7 +274,7 @@ class ExpertParallelModel:
     ) -> None:
         """`token`: the internal token, which names the rendezvous of ranks on other hosts."""
         arch, world = loaded.arch, int(mc.expert_parallel)
-        local = int(mc.ep_local_ranks or world)
+        local = min(world, int(mc.ep_local_ranks or world))
         num_physical = arch.num_experts + int(mc.num_redundant_experts)
         if world < 1 or mc.num_redundant_experts < 0:
             raise ValueError("model.expert_parallel must be >= 1 and model.num_redundant_experts >= 0")

@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from pdserve.cli import _overrides, build_parser
 from pdserve.config import load_config
 from pdserve.deployment_plan import make_plan
+from pdserve.model.ep_remote import check_rank, host_ranks
 from pdserve.protocol import INTERNAL_TOKEN_HEADER
 from pdserve.protocol.control import LeaveRequest
 from pdserve.server.internal_api import OPEN_PATHS
@@ -46,7 +47,8 @@ def _pod_templates(obj: dict) -> list[dict]:
         return [obj["spec"]["template"]]
     if obj["kind"] == "LeaderWorkerSet":
         t = obj["spec"]["leaderWorkerTemplate"]
-        return [t["workerTemplate"], *([t["leaderTemplate"]] if "leaderTemplate" in t else [])]
+        # The leader's first: with EP over several pods it runs the worker, the others its ranks.
+        return [*([t["leaderTemplate"]] if "leaderTemplate" in t else []), t["workerTemplate"]]
     return []
 
 
@@ -254,6 +256,64 @@ def test_processes_run_commands_and_config_pdserve_accepts(rendered, tmp_path):
     assert roles == {"prefill", "decode"}
 
 
+def _expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """$(VAR) in a container's args, as Kubernetes expands them from the container's environment."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
+
+
+def test_ep_over_several_pods_runs_every_rank_once(tmp_path, monkeypatch):
+    """A LeaderWorkerSet group of podsPerGroup pods: the leader's worker starts its pod's ranks and
+    serves the rendezvous on a port its container declares; each other pod's `pdserve ep-rank
+    --pod-index` runs the next ranks; together they are every rank once, with the config and the
+    internal token the leader has."""
+    objs = chart_objects("ep")
+    cfg_file = _config_file(objs, tmp_path)
+    [secret] = [o for o in objs if o["kind"] == "Secret"]
+    monkeypatch.setenv("PDSERVE_INTERNAL_TOKEN", secret["stringData"]["internal-token"])  # as the pods get it
+    groups = [
+        o
+        for o in objs
+        if o["kind"] == "LeaderWorkerSet" and "leaderTemplate" in o["spec"]["leaderWorkerTemplate"]
+    ]
+    assert groups, "the ep value set spreads a worker's ranks over pods"
+    for w in groups:
+        size = w["spec"]["leaderWorkerTemplate"]["size"]
+        leader, other = _pod_templates(w)
+        env = {
+            "LWS_LEADER_ADDRESS": f"{w['metadata']['name']}-0.{w['metadata']['name']}",
+            "LWS_WORKER_INDEX": "0",
+        }
+        [lc] = leader["spec"]["containers"]
+        args = build_parser().parse_args(_expand(lc["args"], env))
+        config = load_config(str(cfg_file), _overrides(args), role=args.role)
+        world, local = config.model.expert_parallel, config.model.ep_local_ranks
+        assert args.command == "worker" and local * size == world
+        host, port = config.model.ep_rendezvous.rsplit(":", 1)
+        assert host == env["LWS_LEADER_ADDRESS"]
+        assert int(port) in {p["containerPort"] for p in lc["ports"] if p["name"] == "ep-rendezvous"}
+        ranks = list(range(local))
+        [rc] = other["spec"]["containers"]
+        assert "ports" not in rc and not _selects(leader["metadata"]["labels"], other["metadata"]["labels"])
+        for index in range(1, size):
+            r_args = build_parser().parse_args(_expand(rc["args"], {**env, "LWS_WORKER_INDEX": str(index)}))
+            r_config = load_config(str(cfg_file), _overrides(r_args), role=r_args.role)
+            assert r_args.command == "ep-rank" and r_args.role == args.role
+            assert r_config.model == config.model  # the same model, ranks and rendezvous as the leader's
+            mine = host_ranks(r_config, r_args.pod_index)
+            assert all(check_rank(r_config, r) is None for r in mine)
+            ranks += mine
+        assert ranks == list(range(world))
+
+        def secrets(c: dict) -> dict:
+            return {
+                e["name"]: e["valueFrom"]["secretKeyRef"]
+                for e in c["env"]
+                if "secretKeyRef" in e.get("valueFrom", {})
+            }
+
+        assert secrets(rc) == {"PDSERVE_INTERNAL_TOKEN": secrets(lc)["PDSERVE_INTERNAL_TOKEN"]}
+
+
 def test_the_deployment_plan_fits_the_model(rendered, tmp_path):
     """What `pdserve serve --dry-run` checks against the model (read without its weights): the EP set's
     ranks need a MoE model with enough expert slots (a tiny random one stands in for the volume's)."""
@@ -320,6 +380,10 @@ def test_the_controller_gets_its_account_and_the_names_of_the_pools(tmp_path):
         ({"secrets": {"adminKeys": []}}, "secrets.adminKeys"),
         ({"inferencePool": {"enabled": True}}, "secrets.workerApiKeys"),
         ({"decode": {"podsPerGroup": 2}}, "decode.podsPerGroup"),
+        (
+            {"decode": {"workload": "LeaderWorkerSet", "expertParallel": 3, "podsPerGroup": 2}},
+            "decode.podsPerGroup",
+        ),
         ({"prefill": {"workload": "StatefulSet"}}, "prefill.workload"),
         ({"prefill": {"workload": "LeaderWorkerSet"}, "controller": {"enabled": True}}, "prefill.workload"),
     ],

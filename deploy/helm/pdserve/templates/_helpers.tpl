@@ -107,6 +107,9 @@ containers:
       - {{ printf "tcp://0.0.0.0:%d" (int $v.kvEventsPort) | quote }}
       - --threads
       - {{ int $v.threads | quote }}
+      {{- if gt (int $v.podsPerGroup) 1 }}
+      {{- include "pdserve.epHostArgs" $v | nindent 6 }}
+      {{- end }}
     env:
       - name: PDSERVE_ADVERTISE_HOST
         valueFrom: {fieldRef: {fieldPath: status.podIP}}
@@ -120,6 +123,9 @@ containers:
       - {name: http, containerPort: {{ $port }}}
       - {name: {{ ternary "kv-bootstrap" "kv" (eq .role "prefill") }}, containerPort: {{ int $v.kvPort }}}
       - {name: kv-events, containerPort: {{ int $v.kvEventsPort }}}
+      {{- if gt (int $v.podsPerGroup) 1 }}
+      - {name: ep-rendezvous, containerPort: {{ int $v.epRendezvousPort }}}
+      {{- end }}
     # Ready: /health answers 200 (503 once the engine failed or shuts down); alive: the same page,
     # allowed a minute of failures (a dead engine gets the pod restarted); started: the model loaded.
     readinessProbe: {httpGet: {path: /health, port: http}, periodSeconds: 5, failureThreshold: 2}
@@ -175,5 +181,70 @@ prometheus.io/path: /metrics
 checksum/config: {{ include "pdserve.config" . | sha256sum | trunc 16 }}
 {{- with .Values.podAnnotations }}
 {{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+
+{{/* Expert-parallel ranks across the pods of a LeaderWorkerSet group: each pod runs expertParallel ÷
+podsPerGroup ranks, and they meet at the leader's address (LWS_LEADER_ADDRESS, set by the
+LeaderWorkerSet controller; Kubernetes expands $(VAR) in args). */}}
+{{- define "pdserve.epHostArgs" -}}
+{{- if gt (int .podsPerGroup) 1 -}}
+- --ep-local-ranks
+- {{ div (int .expertParallel) (int .podsPerGroup) | quote }}
+- --ep-rendezvous
+- {{ printf "$(LWS_LEADER_ADDRESS):%d" (int .epRendezvousPort) | quote }}
+{{- end -}}
+{{- end -}}
+
+{{/* The pod of a LeaderWorkerSet group's other ranks: dict "root" $ "role" "prefill"|"decode". No
+HTTP port: its ranks follow rank 0's steps, and exit when rank 0 is lost (the group restarts). */}}
+{{- define "pdserve.epRankPodSpec" -}}
+{{- $root := .root -}}
+{{- $v := get $root.Values .role -}}
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets: {{- toYaml . | nindent 2 }}
+{{- end }}
+containers:
+  - name: {{ .role }}-ranks
+    image: {{ include "pdserve.image" $root }}
+    imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+    args:
+      - ep-rank
+      - --role
+      - {{ .role }}
+      - --config
+      - /etc/pdserve/pdserve.yaml
+      - --threads
+      - {{ int $v.threads | quote }}
+      {{- include "pdserve.epHostArgs" $v | nindent 6 }}
+      - --pod-index
+      - "$(LWS_WORKER_INDEX)"
+    env:
+      - name: PDSERVE_INTERNAL_TOKEN
+        valueFrom: {secretKeyRef: {name: {{ include "pdserve.secretName" $root }}, key: internal-token}}
+    {{- with $v.resources }}
+    resources: {{- toYaml . | nindent 6 }}
+    {{- end }}
+    volumeMounts:
+      - {name: config, mountPath: /etc/pdserve}
+      {{- if $root.Values.model.volume }}
+      - {name: model, mountPath: {{ $root.Values.model.mountPath }}, readOnly: true}
+      {{- end }}
+volumes:
+  - name: config
+    configMap: {name: {{ include "pdserve.fullname" $root }}-config}
+  {{- if $root.Values.model.volume }}
+  - name: model
+    {{- toYaml $root.Values.model.volume | nindent 4 }}
+  {{- end }}
+{{- with $v.nodeSelector }}
+nodeSelector: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.tolerations }}
+tolerations: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.affinity }}
+affinity: {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
