@@ -32,13 +32,19 @@ class ExpertBalancer:
         window: int = 256,
         interval: int = 32,
         threshold: float = 1.2,
+        num_nodes: int = 1,
+        num_groups: int | None = None,
     ) -> None:
+        """`num_nodes`: the hosts the ranks span (node n holds ranks n*R//N .. (n+1)*R//N), so a
+        replica's copy stays within a host and group-limited routing (`num_groups` expert groups)
+        touches few hosts (policy.py)."""
         self.layer_ids = list(layer_ids)
         self._index = {layer: j for j, layer in enumerate(self.layer_ids)}
         self.recorder = ExpertLoadRecorder(len(self.layer_ids), num_experts, window)
         self.trigger = ImbalanceTrigger(threshold, TRIGGER_WINDOW, TRIGGER_COOLDOWN)
         self.phy2log = phy2log.clone()  # the placement in force
         self.num_ranks, self.interval = num_ranks, interval
+        self.num_nodes, self.num_groups = num_nodes, num_groups
         self.steps = 0
         self.last_imbalance = 1.0
         self.rebalances = 0
@@ -67,7 +73,14 @@ class ExpertBalancer:
             self.metrics.set_rank_load(loads)
         if not self.trigger.observe(self.last_imbalance):
             return None
-        new = rebalance_experts(heat, self.phy2log.shape[1], self.num_ranks, current=self.phy2log)
+        new = rebalance_experts(
+            heat,
+            self.phy2log.shape[1],
+            self.num_ranks,
+            self.num_nodes,
+            current=self.phy2log,
+            num_groups=self.num_groups,
+        )
         return self.plan(new) if not torch.equal(new, self.phy2log) else None
 
     def plan(self, new: torch.Tensor) -> torch.Tensor:

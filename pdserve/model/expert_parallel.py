@@ -369,6 +369,10 @@ class ExpertParallelModel:
             mc.eplb_window,
             mc.eplb_interval,
             mc.eplb_threshold,
+            # Hosts of ep_local_ranks ranks each: replicas placed within a host, expert groups kept
+            # on few hosts.
+            num_nodes=world // local if world % local == 0 else 1,
+            num_groups=arch.n_group if arch.n_group > 1 and world // local > 1 else None,
         )
         # Each rank counts its own tokens' choices; the sum over the ranks is the step's load.
         self._counts = StepCounts(self.model.moe_ids, arch.num_experts, 0, world)

@@ -94,6 +94,8 @@ def test_ranks_of_other_hosts_give_ep1_tokens(name, world, local):
     d = _Deployment(name, world, local)
     try:
         assert d.model.private
+        # The balancer places replicas host by host where the hosts hold equal shares of the ranks.
+        assert d.model.eplb.num_nodes == (world // local if world % local == 0 else 1)
         _assert_same(d.llm.generate(PROMPTS, PARAMS), want)
         ex = d.model.exchange
         assert ex.dispatch_rows > 0 and ex.kv_mirrored_bytes > 0
