@@ -69,6 +69,46 @@ class Outcome:
     times: list[float] = field(default_factory=list)  # each chunk's arrival (time.monotonic())
 
 
+def stream_completion(
+    url: str,
+    p: list[int],
+    max_tokens: int,
+    on_token=None,
+    timeout: float = 60,
+    headers: dict | None = None,
+    model: str = MODEL,
+) -> Outcome:
+    """One streamed greedy completion from `url` (the official client); `on_token(n)` after each
+    chunk with the chunks so far."""
+    out, t0 = Outcome(), time.monotonic()
+    client = openai.OpenAI(
+        base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout, default_headers=headers
+    )
+    try:
+        chunks = client.completions.create(
+            model=model,
+            prompt=p,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        parts, last = [], t0
+        for c in chunks:
+            parts.append(c.choices[0].text if c.choices else "")
+            out.chunks += 1
+            now = time.monotonic()
+            out.times.append(now)
+            out.max_gap, last = max(out.max_gap, now - last), now
+            if on_token is not None:
+                on_token(out.chunks)
+        out.text = "".join(parts)
+    except openai.APIError as e:
+        out.error = f"{type(e).__name__}: {e}"
+    out.seconds = time.monotonic() - t0
+    return out
+
+
 def recovery_s(outs: list[Outcome], fault_at: float) -> float:
     """Time to recover from a fault at `fault_at`: until the longest stall after it ended. Over the
     streams still running at the fault, the longest wait for a chunk after it (the fault opens the
@@ -311,30 +351,7 @@ class PDCluster:
         """One streamed greedy completion through the router (the official client); `on_token(n)`
         after each chunk with the chunks so far. `router` may name a worker, reached directly (with
         the internal token and the prefill peer in `headers`, as the router sends them)."""
-        out, t0 = Outcome(), time.monotonic()
-        try:
-            chunks = self.client(timeout, router, headers).completions.create(
-                model=MODEL,
-                prompt=p,
-                max_tokens=max_tokens,
-                temperature=0,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
-            parts, last = [], t0
-            for c in chunks:
-                parts.append(c.choices[0].text if c.choices else "")
-                out.chunks += 1
-                now = time.monotonic()
-                out.times.append(now)
-                out.max_gap, last = max(out.max_gap, now - last), now
-                if on_token is not None:
-                    on_token(out.chunks)
-            out.text = "".join(parts)
-        except openai.APIError as e:
-            out.error = f"{type(e).__name__}: {e}"
-        out.seconds = time.monotonic() - t0
-        return out
+        return stream_completion(self.procs[router].url, p, max_tokens, on_token, timeout, headers)
 
     def load(
         self,

@@ -11,14 +11,12 @@ import concurrent.futures
 import functools
 import subprocess
 import threading
-import time
 
 import httpx
-import openai
 import pytest
 import yaml
 from cluster.cluster_hosts import Cluster, unavailable, wait_until
-from cluster.pd_cluster import ADMIN, CONFIG, KV_PORT, PORT, Outcome, prompt
+from cluster.pd_cluster import ADMIN, CONFIG, KV_PORT, PORT, Outcome, prompt, stream_completion
 
 from pdserve.bench.procs import ServerProcess, pdserve_cmd, thread_env
 
@@ -103,30 +101,7 @@ class EPCluster:
         )
 
     def stream(self, p: list[int], max_tokens: int, on_token=None) -> Outcome:
-
-        out, t0 = Outcome(), time.monotonic()
-        client = openai.OpenAI(
-            base_url=self.procs["router"].url + "/v1", api_key="unused", max_retries=0, timeout=120
-        )
-        try:
-            parts = []
-            for c in client.completions.create(
-                model=MODEL,
-                prompt=p,
-                max_tokens=max_tokens,
-                temperature=0,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            ):
-                parts.append(c.choices[0].text if c.choices else "")
-                out.chunks += 1
-                if on_token is not None:
-                    on_token(out.chunks)
-            out.text = "".join(parts)
-        except openai.APIError as e:
-            out.error = f"{type(e).__name__}: {e}"
-        out.seconds = time.monotonic() - t0
-        return out
+        return stream_completion(self.procs["router"].url, p, max_tokens, on_token, timeout=120, model=MODEL)
 
     def load(self, prompts: list[list[int]], max_tokens: int, on_token=None) -> list[Outcome]:
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:

@@ -11,19 +11,13 @@ import time
 
 import pytest
 import torch
+from ep_runs import PARAMS, PROMPTS, assert_same
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.procs import free_port, pdserve_cmd
 from pdserve.model.ep_hosts import publish_spec, read_spec, rendezvous_store
 from pdserve.model.loader import load_model_files
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Once upon a time",
-    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,",
-]
-PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
 # Chunked prefills beside decodes, and a pool small enough that blocks are handed out again.
 ENGINE = dict(threads=1, device_blocks=48, max_num_batched_tokens=24)
 
@@ -69,19 +63,6 @@ class _Deployment:
             self.kill()
 
 
-def _assert_same(got, want) -> None:
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for g, w in zip(got, want):
-        for a, b in zip(g.logprobs, w.logprobs):
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
-            torch.testing.assert_close(
-                torch.tensor([lp for _, lp in a.top]),
-                torch.tensor([lp for _, lp in b.top]),
-                atol=1e-4,
-                rtol=1e-4,
-            )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name,world,local",
@@ -96,10 +77,10 @@ def test_ranks_of_other_hosts_give_ep1_tokens(name, world, local):
         assert d.model.private
         # The balancer places replicas host by host where the hosts hold equal shares of the ranks.
         assert d.model.eplb.num_nodes == (world // local if world % local == 0 else 1)
-        _assert_same(d.llm.generate(PROMPTS, PARAMS), want)
+        assert_same(d.llm.generate(PROMPTS, PARAMS), want)
         ex = d.model.exchange
         assert ex.dispatch_rows > 0 and ex.kv_mirrored_bytes > 0
-        _assert_same(d.llm.generate(PROMPTS[::-1], PARAMS), want[::-1])  # cached prefixes, other ranks
+        assert_same(d.llm.generate(PROMPTS[::-1], PARAMS), want[::-1])  # cached prefixes, other ranks
         assert ex.kv_shipped_bytes > 0  # some sequence ran where its cached blocks were not
         d.llm.engine.pool.check_integrity()
     finally:
@@ -181,22 +162,20 @@ def test_the_rendezvous_is_named_by_the_internal_token():
         read_spec(stranger)
 
 
+def _refused(*args: str) -> str:
+    """`pdserve ep-rank` of tiny-mixtral at EP=2 with `args`, without an internal token: exit 2, and
+    what it printed."""
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_INTERNAL_TOKEN"}
+    cmd = pdserve_cmd() + ["ep-rank", "--model", "tiny-mixtral", "--expert-parallel", "2", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr
+    return r.stderr
+
+
 def test_ep_rank_refuses_a_rank_that_is_not_another_hosts():
-    base = pdserve_cmd() + ["ep-rank", "--model", "tiny-mixtral", "--expert-parallel", "2"]
-    r = subprocess.run(base + ["--rank", "1"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "model.ep_rendezvous" in r.stderr, r.stderr
-    r = subprocess.run(
-        base + ["--rank", "0", "--ep-local-ranks", "1", "--ep-rendezvous", "127.0.0.1:29999"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    assert "model.ep_rendezvous" in _refused("--rank", "1")
+    local = ["--ep-local-ranks", "1"]
+    assert "ranks 1..1 join from other hosts" in _refused(
+        "--rank", "0", *local, "--ep-rendezvous", "127.0.0.1:29999"
     )
-    assert r.returncode == 2 and "ranks 1..1 join from other hosts" in r.stderr, r.stderr
-    r = subprocess.run(
-        base + ["--rank", "1", "--ep-local-ranks", "1", "--ep-rendezvous", "10.0.0.2:29999"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={k: v for k, v in os.environ.items() if k != "PDSERVE_INTERNAL_TOKEN"},
-    )
-    assert r.returncode == 2 and "needs the internal token" in r.stderr, r.stderr
+    assert "needs the internal token" in _refused("--rank", "1", *local, "--ep-rendezvous", "10.0.0.2:29999")

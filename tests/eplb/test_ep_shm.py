@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from datetime import timedelta
 
 import pytest
 import torch
+from gloo_ranks import in_threads
 
 from pdserve.model import ep_shm
 
@@ -23,20 +23,7 @@ def _ranks(world, capacity, fn):
     path = ep_shm.create(world, capacity)
     try:
         views = [ep_shm.ShmAllToAll(path, r, world, capacity) for r in range(world)]
-        out, errors = [None] * world, []
-
-        def body(r):
-            try:
-                out[r] = fn(r, views[r])
-            except BaseException as e:  # surfaced below
-                errors.append(e)
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        out = in_threads(world, lambda r: fn(r, views[r]), timeout=60)
         for v in views:
             v.close()
         return out

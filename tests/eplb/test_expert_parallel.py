@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from ep_runs import PARAMS, PROMPTS, assert_same
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,13 +28,6 @@ from pdserve.model.attention import build_metadata
 from pdserve.model.loader import load_model_files
 
 pytestmark = pytest.mark.slow
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Once upon a time",
-    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,",
-]
-PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
 # A small token budget: long prompts prefill in chunks, in the same steps as other requests' decodes.
 ENGINE = dict(threads=1, device_blocks=96, max_num_batched_tokens=24)
 
@@ -86,7 +80,7 @@ def test_ep_matches_ep1(name, ep, redundant, attention):
     )
     try:
         got = llm.generate(PROMPTS, PARAMS)
-        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert_same(got, want)
         # Data-parallel steps sent rows between the ranks; replicated ones none.
         assert (llm.engine.model.exchange.dispatch_rows > 0) == (attention == "data")
         # Each rank counts only the tokens it owns: the balancer's load is their sum, the whole batch
@@ -94,15 +88,6 @@ def test_ep_matches_ep1(name, ep, redundant, attention):
         heat, ref_heat = llm.engine.model.eplb.to_dict(), ref.engine.model.eplb.to_dict()
         assert heat["steps_in_window"] == ref_heat["steps_in_window"]
         assert heat["total"] == ref_heat["total"] and heat["total"][0] > 0
-        for g, w in zip(got, want):
-            for a, b in zip(g.logprobs, w.logprobs):
-                assert [t for t, _ in a.top] == [t for t, _ in b.top]
-                torch.testing.assert_close(
-                    torch.tensor([lp for _, lp in a.top]),
-                    torch.tensor([lp for _, lp in b.top]),
-                    atol=1e-4,
-                    rtol=1e-4,
-                )
         ids = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(3)).tolist()
         torch.testing.assert_close(
             _chunked_logits(llm.engine.model, ids),
