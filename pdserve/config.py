@@ -274,7 +274,8 @@ class ControllerConfig:
     # readings of the last sustain_intervals + 1 a condition must hold to act (hysteresis)
     sustain_intervals: int = 3
     cooldown_s: float = 30.0  # no action this long after the last one
-    # both pools over their SLOs at max_workers: move a worker to the one this x as far over
+    # at max_workers, a worker moves to a hot pool this x as far over its SLO as the other pool (over
+    # one worker fewer, when that one is within its SLO)
     imbalance: float = 3.0
     min_workers: int = 2
     max_workers: int = 4

@@ -21,13 +21,16 @@ were. Hysteresis, so that it never flaps:
   the pool (sustain_intervals + 1 unless set), the newest among them: one reading between hot ones
   (a lull in arrivals, a slow step) does not restart the count, and noise that crosses the line
   every other reading never acts;
-- a switch takes a worker only from a cold pool, so the pool it leaves must be well under its SLO
-  (not merely under `high`), and moving it back needs the reverse condition, sustained;
+- a switch takes a worker from a cold pool, so the pool it leaves must be well under its SLO (not
+  merely under `high`), and moving it back needs the reverse condition, sustained; only at
+  `max_workers`, with nowhere else to get one, does a pool far over its SLO take a worker from a
+  pool within it (below);
 - after any action nothing happens for `cooldown_s`, nor while a worker it started has not yet
   registered; the counts start again after that.
 Order of preference: a hot pool takes a worker from a cold pool (a switch costs no start-up),
-else a new worker below `max_workers`; at `max_workers` with both pools hot, a worker moves to the
-one `imbalance` times as far over its SLO; when both pools stay cold, one worker goes (drained first)
+else a new worker below `max_workers`; at `max_workers`, a worker moves to a hot pool `imbalance`
+times as far over its SLO as the pool it leaves (that one's pressure over one worker fewer, when it
+is not hot itself); when both pools stay cold, one worker goes (drained first)
 down to `min_workers`. Each pool keeps at least one worker.
 """
 
@@ -257,6 +260,19 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
             return act(f"switch_to_{role}", f"{what}; the {other} pool is under {p.low:g}")
         if total < p.max_workers:
             return act(f"add_{role}", f"{what}; no spare {other} worker")
+        # At max_workers, the other pool within its SLO but not cold (a cold one gives a worker by
+        # the sustained rule above): move a worker when this pool is `imbalance` times as far over as
+        # the other would be with one worker fewer (its load spread over the rest), so the move
+        # lowers the worse pressure and cannot simply reverse it.
+        donor, donor_known = (dec, dec_known) if role == "prefill" else (pre, pre_known)
+        if donor_known and _mark(donor, p) == NEITHER and n_other > 1:
+            after = donor * n_other / (n_other - 1)
+            if pressure >= p.imbalance * after:
+                return act(
+                    f"switch_to_{role}",
+                    f"{what}; at max_workers, the {other} pool at {donor:.2f} would be at {after:.2f} "
+                    f"with one worker fewer, the {role} pool {pressure / after:.1f}x as far over",
+                )
         return hold(f"{what}, but no spare {other} worker and the fleet is at max_workers ({p.max_workers})")
     if (
         pre_known

@@ -225,6 +225,19 @@ def test_at_max_workers_with_both_pools_over_a_far_worse_pool_takes_a_worker():
     assert replay([(1200.0, 900.0)] * 20, n_prefill=1, n_decode=2, params=at_max) == []
 
 
+def test_at_max_workers_a_far_hot_pool_takes_a_worker_from_one_within_its_slo():
+    """A prompt-heavy phase with the fleet full: prefill 4.5x over its SLO, decode at 0.6 (within it,
+    not cold). With one decode worker fewer the decode pool would be at 1.2: prefill is 3.75x as far
+    over, so a decode worker moves, once. Decode at 0.9 (1.8 with one fewer): prefill 2.5x, hold."""
+    at_max = Params(**{**P.__dict__, "max_workers": 3})
+    assert replay([(4500.0, 60.0)] * 8, n_prefill=1, n_decode=2, params=at_max) == [(2, "switch_to_prefill")]
+    assert replay([(4500.0, 90.0)] * 8, n_prefill=1, n_decode=2, params=at_max) == []
+    # The same for a decode pool far over with the prefill pool within its SLO.
+    assert replay([(700.0, 500.0)] * 8, n_prefill=2, n_decode=1, params=at_max) == [(2, "switch_to_decode")]
+    # A pool of one worker gives none.
+    assert replay([(4500.0, 60.0)] * 8, n_prefill=2, n_decode=1, params=at_max) == []
+
+
 def test_an_interval_without_first_tokens_under_load_is_not_a_cold_prefill_pool():
     # Long replies decode (ITL over its SLO); no new request, so no first token: TTFT unknown.
     # The fleet is at max_workers: only a switch could help, and nothing says prefill is idle.
