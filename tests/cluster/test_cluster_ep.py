@@ -11,12 +11,14 @@ import concurrent.futures
 import functools
 import subprocess
 import threading
+import time
 
 import httpx
 import pytest
 import yaml
 from cluster.cluster_hosts import Cluster, unavailable, wait_until
-from cluster.pd_cluster import ADMIN, CONFIG, KV_PORT, PORT, Outcome, prompt, stream_completion
+from cluster.figures import record, timed
+from cluster.pd_cluster import ADMIN, CONFIG, KV_PORT, PORT, Outcome, prompt, recovery_s, stream_completion
 
 from pdserve.bench.procs import ServerProcess, pdserve_cmd, thread_env
 
@@ -84,6 +86,26 @@ class EPCluster:
         srv = self.procs[name] = self.net.start(h, name, cmd, PORT, env=thread_env(1))
         return srv
 
+    def leaked_blocks(self, names: tuple[str, ...], timeout: float = 60) -> int:
+        """KV blocks the named workers still hold (neither free nor cached) once they are idle."""
+
+        def health(n: str) -> dict:
+            return httpx.get(self.procs[n].url + "/health", timeout=5).json()
+
+        def idle() -> bool:
+            return all(
+                not (h := health(n))["running"]
+                and not h["waiting"]
+                and h["kv_blocks_free"] == h["kv_blocks_total"]
+                for n in names
+            )
+
+        try:
+            wait_until(idle, timeout, f"idle pools on {list(names)}")
+        except AssertionError as e:
+            print(e)
+        return sum(h["kv_blocks_total"] - h["kv_blocks_free"] for h in map(health, names))
+
     def workers(self) -> dict[str, dict]:
         by_ip = {h.ip: n for n, h in self.net.hosts.items()}
         got = httpx.get(
@@ -120,11 +142,12 @@ def cluster(tmp_path_factory):
     reason = unavailable()
     if reason:
         pytest.skip(reason)
-    c = EPCluster(tmp_path_factory.mktemp("ep-cluster"))
-    try:
-        yield c
-    finally:
-        c.close()
+    with timed("EP across hosts (test_cluster_ep.py)"):
+        c = EPCluster(tmp_path_factory.mktemp("ep-cluster"))
+        try:
+            yield c
+        finally:
+            c.close()
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,9 +188,12 @@ def test_a_cut_between_the_ep_hosts_fails_the_worker_and_loses_no_request(cluste
     fired = threading.Event()
     before = cluster.workers()["ep-a"]["requests"]
 
+    at: list[float] = []
+
     def on_token(n: int) -> None:
         if n >= 8 and not fired.is_set():
             fired.set()
+            at.append(time.monotonic())
             cluster.net.cut(a, b)
 
     try:
@@ -179,5 +205,15 @@ def test_a_cut_between_the_ep_hosts_fails_the_worker_and_loses_no_request(cluste
         health = httpx.get(cluster.procs["ep-a"].url + "/health", timeout=5)
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead", health.text
         wait_until(lambda: not cluster.workers()["ep-a"]["healthy"], 30, "the router to mark ep-a unhealthy")
+        leaked = cluster.leaked_blocks(("prefill", "solo"))
+        record(
+            "a cut between a decode worker's two EP hosts (its streams retried or migrated)",
+            sum(o.error is None for o in outs),
+            sum(o.error is not None for o in outs),
+            recovery_s(outs, at[0]),
+            leaked,
+            f"model.ep_timeout_s 5; the EP worker's /health: {health.json()['error']['code']}",
+        )
+        assert leaked == 0
     finally:
         cluster.net.cut(a, b, cut=False)
