@@ -1,14 +1,16 @@
 """Expert parallelism: one worker as N processes, each holding a slice of the physical expert slots.
 
 Rank 0 lives in the engine's process; `ExpertParallelModel` has LlamaModel's `forward`, so the
-engine is unchanged. Ranks 1..N-1 are spawned processes running `worker_loop`. Every step rank 0
-broadcasts the step's inputs (ep_protocol.py); then every rank runs the whole attention for the whole
-batch (replicated attention; on CPU the ranks map rank 0's KV pool in /dev/shm, so their identical
-writes land in one pool, elsewhere each rank has its own), and each MoE layer computes the routed choices
-that land in the rank's own slots (plus its share of the shared expert) and all-reduces the partial
-sums. With replicated attention every rank already holds every token, so this all-reduce is the
-dispatch-and-combine: it moves [tokens, hidden] per layer where an all-to-all would move only the
-routed rows, which is fine on one host and keeps every rank's activations identical.
+engine is unchanged. Ranks 1..N-1 are processes spawned on this host running `worker_loop`, or
+`pdserve ep-rank` processes on other hosts (ep_remote.py). Every step rank 0 broadcasts the step's
+inputs (ep_protocol.py). With data-parallel attention (model.ep_attention: data, `dp_step`) each rank
+runs attention, dense layers and shared experts for its own share of the sequences and a MoE layer
+sends a token's row only to the ranks holding its chosen experts (dp_attention.py, ep_exchange.py).
+With replicated attention every rank runs the whole attention for the whole batch (on CPU the
+ranks map rank 0's KV pool in /dev/shm, so their identical writes land in one pool), each MoE layer
+computes the routed choices that land in the rank's own slots (plus its share of the shared expert)
+and all-reduces the partial sums: it moves [tokens, hidden] per layer, which is fine on one host and
+keeps every rank's activations identical.
 
 After each step the ranks sum their counts of the expert choices of the tokens each owns (one small
 all-reduce): that is the global load that rank 0's expert balancer (eplb/balancer.py) reads. Rank 0
@@ -16,13 +18,16 @@ drives the weight mover on every rank: a new placement is announced with FLAG_PR
 builds it in the background) and switched to with FLAG_COMMIT at the start of a later step, on all
 ranks at the same step boundary.
 
-Exposure: the ranks meet through a file store in a private directory and gloo connects them over
-loopback only; nothing listens beyond this host (a TCP store and gloo's default device would listen
-on every interface, unauthenticated, for the engine's lifetime).
+Exposure: the ranks of one host meet through a file store in a private directory and gloo connects
+them over loopback only; nothing listens beyond this host (a TCP store and gloo's default device
+would listen on every interface, unauthenticated, for the engine's lifetime). Ranks on other hosts
+(model.ep_rendezvous) meet at a TCP store whose keys the internal token names (ep_hosts.py), keep KV
+pools of their own (ep_kv.py) and only their own expert slots (ep_fetch.py).
 
-Failure: any collective has a deadline. A worker that hears nothing from rank 0 (no step, no
-heartbeat) for WORKER_IDLE_TIMEOUT_S, whose connection to rank 0 breaks, or whose parent process
-disappears, exits. Rank 0 raises on a dead worker, which fails the engine instead of hanging it.
+Failure: any collective has a deadline (model.ep_timeout_s), and an idle rank 0's heartbeat is
+answered by every rank. A worker that hears nothing from rank 0 (no step, no heartbeat) for
+WORKER_IDLE_TIMEOUT_S, whose connection to rank 0 breaks, or whose parent process disappears, exits.
+Rank 0 raises on a dead or silent worker, which fails the engine instead of hanging it.
 """
 
 from __future__ import annotations
