@@ -43,6 +43,22 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def local_ranks(world: int, ep_local_ranks: int | None) -> int:
+    """Ranks on rank 0's host (model.ep_local_ranks; unset, or world and above: every rank)."""
+    return min(world, ep_local_ranks or world)
+
+
+def rendezvous_problem(address: str | None, token: str | None) -> str | None:
+    """Why ranks may not meet at `address` (a message), or None: off loopback the internal token
+    names the rendezvous, so without one any process could join."""
+    if address and not token and not is_loopback(split_address(address)[0]):
+        return (
+            "model.ep_rendezvous off loopback needs the internal token (server.internal_token or "
+            "PDSERVE_INTERNAL_TOKEN): it names the rendezvous, so only the deployment's ranks join"
+        )
+    return None
+
+
 def own_address(peer_host: str) -> str:
     """This host's address on the route to `peer_host` (no packet is sent)."""
     if is_loopback(peer_host):

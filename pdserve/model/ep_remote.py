@@ -20,9 +20,10 @@ from pdserve.common.internal_token import internal_token
 from pdserve.config import Config
 from pdserve.model.ep_hosts import (
     check_arch,
-    is_loopback,
+    local_ranks,
     own_address,
     read_spec,
+    rendezvous_problem,
     rendezvous_store,
     split_address,
 )
@@ -37,13 +38,11 @@ def check_rank(config: Config, rank: int) -> str | None:
     """Why `rank` cannot join under `config` (a message), or None."""
     mc = config.model
     world = mc.expert_parallel
-    local = min(world, mc.ep_local_ranks or world)
+    local = local_ranks(world, mc.ep_local_ranks)
     if not mc.ep_rendezvous:
         return "model.ep_rendezvous is not set: ranks of other hosts meet rank 0 there"
-    if not internal_token(config.server.internal_token) and not is_loopback(
-        split_address(mc.ep_rendezvous)[0]
-    ):
-        return "model.ep_rendezvous off loopback needs the internal token (server.internal_token or PDSERVE_INTERNAL_TOKEN)"
+    if problem := rendezvous_problem(mc.ep_rendezvous, internal_token(config.server.internal_token)):
+        return problem
     if not local <= rank < world:
         return (
             f"--rank {rank}: ranks {local}..{world - 1} join from other hosts "
@@ -54,8 +53,7 @@ def check_rank(config: Config, rank: int) -> str | None:
 
 def host_ranks(config: Config, pod_index: int) -> list[int]:
     """The ranks of the worker's host number `pod_index` (rank 0's is 0), model.ep_local_ranks each."""
-    world = config.model.expert_parallel
-    local = min(world, config.model.ep_local_ranks or world)
+    local = local_ranks(config.model.expert_parallel, config.model.ep_local_ranks)
     return list(range(pod_index * local, (pod_index + 1) * local))
 
 

@@ -59,12 +59,13 @@ from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata
 from pdserve.model.dp_attention import split_step, step_units, token_cost
 from pdserve.model.ep_exchange import ExpertExchange
-from pdserve.model.ep_fetch import fetch_experts
+from pdserve.model.ep_fetch import Fetched, fetch_experts
 from pdserve.model.ep_hosts import (
     START_TIMEOUT_S,
-    is_loopback,
+    local_ranks,
     own_address,
     publish_spec,
+    rendezvous_problem,
     rendezvous_store,
     split_address,
 )
@@ -251,9 +252,7 @@ def dp_step(
             mine_logits, sizes if rank == 0 else [0] * world, [mine_logits.shape[0]] + [0] * (world - 1)
         )
         row = vocab * got.element_size()
-        exchange.logits_bytes += row * (
-            sum(sizes[1:]) if rank == 0 else (mine_logits.shape[0] if rank else 0)
-        )
+        exchange.logits_bytes += row * (sum(sizes[1:]) if rank == 0 else mine_logits.shape[0])
     finally:
         model.set_exchange(None)
         if finish is not None:
@@ -279,7 +278,7 @@ class ExpertParallelModel:
     ) -> None:
         """`token`: the internal token, which names the rendezvous of ranks on other hosts."""
         arch, world = loaded.arch, int(mc.expert_parallel)
-        local = min(world, int(mc.ep_local_ranks or world))
+        local = local_ranks(world, mc.ep_local_ranks)
         num_physical = arch.num_experts + int(mc.num_redundant_experts)
         if world < 1 or mc.num_redundant_experts < 0:
             raise ValueError("model.expert_parallel must be >= 1 and model.num_redundant_experts >= 0")
@@ -298,11 +297,8 @@ class ExpertParallelModel:
         self.experts_sent_bytes = 0  # experts sent to ranks of other hosts for new placements
         if self.private and not (self.data_parallel and mc.ep_rendezvous):
             raise ValueError("ranks on other hosts need model.ep_rendezvous and model.ep_attention: data")
-        if mc.ep_rendezvous and not token and not is_loopback(split_address(mc.ep_rendezvous)[0]):
-            raise ValueError(
-                "model.ep_rendezvous off loopback needs the internal token (server.internal_token or "
-                "PDSERVE_INTERNAL_TOKEN): it names the rendezvous, so only the deployment's ranks join"
-            )
+        if problem := rendezvous_problem(mc.ep_rendezvous, token):
+            raise ValueError(problem)
         if self.private and torch.device(device).type != "cpu":
             raise ValueError("expert parallelism across hosts runs on CPU only")
         phy2log = initial_placement(arch, num_physical, world)
@@ -498,10 +494,9 @@ class ExpertParallelModel:
                 self.eplb.committed(self._preparing)
                 self._preparing = None
             if announce:
-                if self._local < self.world:  # after every broadcast of the step, as the ranks do
-                    own = [(b.placement.gate_up, b.placement.down) for b in self.model.blocks]
-                    self.experts_sent_bytes += fetch_experts(
-                        r.comm, self.model.phy2log, self._pending, self._local, self.model.expert_store, own
+                if self.private:  # after every broadcast of the step, as the ranks do
+                    self.experts_sent_bytes += _fetch(
+                        self.model, r.comm, self._pending, self._local
                     ).sent_bytes
                 self.mover.prepare(self._pending)
                 self._preparing, self._pending = self._pending, None
@@ -797,8 +792,7 @@ def _follow(spec: RankSpec, model: MoEModel, comm: Comm, device: torch.device) -
             if placement is not None:
                 fetched = {}
                 if spec.local < spec.world:  # ranks of other hosts get the experts they lack
-                    own = [(b.placement.gate_up, b.placement.down) for b in model.blocks]
-                    fetched = fetch_experts(comm, model.phy2log, placement, spec.local, None, own).experts
+                    fetched = _fetch(model, comm, placement, spec.local).experts
                 mover.prepare(placement, fetched)
             model.set_step(h.step)
             counts.all_own = bool(h.flags & FLAG_DP)
@@ -807,6 +801,13 @@ def _follow(spec: RankSpec, model: MoEModel, comm: Comm, device: torch.device) -
             else:
                 model.forward(ids, positions, meta, kv, None)
             comm.all_reduce(counts.take())  # this rank's share of the step's expert load, to rank 0
+
+
+def _fetch(model: MoEModel, comm: Comm, placement: torch.Tensor, local: int) -> Fetched:
+    """ep_fetch.fetch_experts from the placement in force to `placement`, with this rank's own slots
+    as the formats' templates (rank 0 sends from its copy of every expert)."""
+    own = [(b.placement.gate_up, b.placement.down) for b in model.blocks]
+    return fetch_experts(comm, model.phy2log, placement, local, model.expert_store, own)
 
 
 def _worker_kv(spec: RankSpec, slots: int, path: str, device: torch.device) -> torch.Tensor:
