@@ -28,6 +28,8 @@ HOSTS = ["router", "prefill", "ep-a", "ep-b", "solo"]
 RENDEZVOUS_PORT = 29500
 MAX_TOKENS = 32
 FAULT_TOKENS = 256
+# The EP worker's deadline: the cut shows by it; long enough for a loaded 2-core machine's healthy ranks.
+EP_TIMEOUT_S = 10
 
 
 class EPCluster:
@@ -52,7 +54,7 @@ class EPCluster:
             "expert_parallel": 2,
             "ep_local_ranks": 1,
             "ep_rendezvous": f"{a.ip}:{RENDEZVOUS_PORT}",
-            "ep_timeout_s": 5,
+            "ep_timeout_s": EP_TIMEOUT_S,
         }
         self.ep_config = self.workdir / "pdserve-ep.yaml"
         self.ep_config.write_text(yaml.safe_dump({**cfg, "model": ep}))
@@ -212,7 +214,7 @@ def test_a_cut_between_the_ep_hosts_fails_the_worker_and_loses_no_request(cluste
             sum(o.error is not None for o in outs),
             recovery_s(outs, at[0]),
             leaked,
-            f"model.ep_timeout_s 5; the EP worker's /health: {health.json()['error']['code']}",
+            f"model.ep_timeout_s {EP_TIMEOUT_S}; the EP worker's /health: {health.json()['error']['code']}",
         )
         assert leaked == 0
     finally:
