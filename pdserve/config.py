@@ -47,6 +47,10 @@ class ModelConfig:
     # Deadline of each exchange between EP ranks: a rank silent this long (lost, stopped, cut off) fails
     # the worker, whose /health then says so.
     ep_timeout_s: float = 60.0
+    # Two micro-batches a step with data-parallel attention, one's token exchange in flight while the
+    # other computes (as SGLang's two-batch overlap); each reads the rank's experts, so it pays only
+    # where the waits it hides cost more than a second read of the experts (docs/eplb.md).
+    ep_overlap: bool = False
     num_redundant_experts: int = 0  # extra physical expert slots per MoE layer, for replicas of hot experts
     eplb_interval: int = 32  # steps between imbalance checks of the expert balancer; 0 = off
     eplb_window: int = 256  # steps in the expert-load heatmap

@@ -118,6 +118,11 @@ FLAGS: dict[str, Flag] = {
     "ep_rendezvous": Flag(
         "model.ep_rendezvous", "EP across hosts: host:port where rank 0 meets the ranks of other hosts"
     ),
+    "ep_overlap": Flag(
+        "model.ep_overlap",
+        "EP with data attention: two micro-batches a step, one's token exchange overlapping the other's compute",
+        switch=True,
+    ),
     "ep_local_ranks": Flag(
         "model.ep_local_ranks",
         "EP ranks started on this host (rank 0 included); the rest: pdserve ep-rank",

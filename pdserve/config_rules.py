@@ -400,6 +400,20 @@ def _ep_problems(cfg: Config) -> list[tuple[str, str]]:
     return []
 
 
+def _overlap_problems(cfg: Config) -> list[tuple[str, str]]:
+    """Two micro-batches overlap the token exchange of data-parallel attention: replicated attention
+    exchanges nothing."""
+    m = cfg.model
+    if m.ep_overlap and m.ep_attention != "data":
+        return [
+            (
+                "model.ep_overlap",
+                f"true needs model.ep_attention: data (it is {m.ep_attention!r}); allowed: false",
+            )
+        ]
+    return []
+
+
 def check(cfg: Config) -> None:
     """Raises ConfigError listing every bad value of `cfg`."""
     found = problems(cfg)
@@ -440,6 +454,7 @@ def check(cfg: Config) -> None:
                 )
             )
     found += _ep_problems(cfg)
+    found += _overlap_problems(cfg)
     sc = cfg.scheduler
     if sc.speculative_method == "draft" and not sc.speculative_model:
         found.append(

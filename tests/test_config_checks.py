@@ -130,6 +130,12 @@ def test_cli_exits_2_on_a_bad_worker_flag_and_names_it():
             "one host",
         ),
         (
+            {"model.ep_overlap": True, "model.ep_attention": "replicated"},
+            "model.ep_overlap",
+            "needs model.ep_attention: data",
+        ),
+        ({"model.ep_overlap": "yes"}, "model.ep_overlap", "true or false"),
+        (
             {"scheduler.prompt_lookup_min": 5, "scheduler.prompt_lookup_max": 3},
             "scheduler.prompt_lookup_min",
             "at most scheduler.prompt_lookup_max",

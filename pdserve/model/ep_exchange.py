@@ -10,7 +10,8 @@ design's all-reduce of every token's hidden state.
 Three all-to-alls a layer, each with the deadline of every collective: the row counts, the rows with
 their choices (one message in float32; the rows and the choices apart in other dtypes), the results.
 The rows travel in the model's dtype and the results come back in it, so the values equal EP=1's up
-to the order of the final sum.
+to the order of the final sum. With two micro-batches (ep_overlap.py) each all-to-all is started,
+the baton passed to the other micro-batch, and its answer read once the baton is back.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Callable
 import torch
 
 from pdserve.eplb.placement import LayerPlacement, slot_range
+from pdserve.model.ep_overlap import Baton
 
 # (rows, slots [n, k] with -1 where another rank computes the choice, weights [n, k] float32) -> [n, H]
 Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -62,7 +64,7 @@ def plan_dispatch(slots: torch.Tensor, owners: torch.Tensor, rank: int, world: i
 class ExpertExchange:
     """One rank's dispatch and combine over `comm` (ep_protocol.Comm); counts the bytes it sends."""
 
-    def __init__(self, comm, rank: int, world: int) -> None:
+    def __init__(self, comm, rank: int, world: int, overlap: bool = False) -> None:
         self.comm, self.rank, self.world = comm, rank, world
         self._owners: dict[int, torch.Tensor] = {}
         self.dispatch_bytes = 0  # hidden rows sent to other ranks
@@ -72,6 +74,15 @@ class ExpertExchange:
         self.kv_shipped_bytes = 0
         self.kv_mirrored_bytes = 0
         self.logits_bytes = 0  # logits rows gathered at rank 0 (rank 0: received; others: sent)
+        self.baton = Baton() if overlap else None  # two micro-batches a step (model.ep_overlap)
+
+    def _all_to_all(self, t: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        lane = self.baton.lane() if self.baton is not None else None
+        if lane is None:
+            return self.comm.all_to_all(t, out_splits, in_splits)
+        pending = self.comm.start_all_to_all(t, out_splits, in_splits, lane)
+        self.baton.pass_()  # the other micro-batch computes while this message is in flight
+        return pending.wait()
 
     def owners(self, num_physical: int) -> torch.Tensor:
         if num_physical not in self._owners:
@@ -91,9 +102,7 @@ class ExpertExchange:
         with or without tokens."""
         plan = plan_dispatch(slots.cpu(), self.owners(pl.phy2log.numel()), self.rank, self.world)
         sizes = [int(r.numel()) for r in plan.rows]
-        counts = self.comm.all_to_all(
-            torch.tensor(sizes, dtype=torch.long), [1] * self.world, [1] * self.world
-        )
+        counts = self._all_to_all(torch.tensor(sizes, dtype=torch.long), [1] * self.world, [1] * self.world)
         recv = counts.tolist()
         w32 = weights.float()
         send_rows = torch.cat(plan.rows)
@@ -104,15 +113,15 @@ class ExpertExchange:
         H = h.shape[1]
         if h.dtype == torch.float32:
             # One message: the rows with their choices (slot ids are exact in float32 below 2**24).
-            got = self.comm.all_to_all(
+            got = self._all_to_all(
                 torch.cat([x_send.cpu(), slots_send.float(), w_send.reshape(-1, k)], dim=1), recv, sizes
             )
             x_recv, s_recv, w_recv = got[:, :H], got[:, H : H + k].long(), got[:, H + k :]
         else:
             # The rows in their dtype; a choice as its slot and its gate weight's bits, one int64 tensor.
-            x_recv = self.comm.all_to_all(x_send, recv, sizes)
+            x_recv = self._all_to_all(x_send, recv, sizes)
             meta = torch.cat([slots_send, w_send.reshape(-1, k).view(torch.int32).long()], dim=1)
-            meta = self.comm.all_to_all(meta, recv, sizes)
+            meta = self._all_to_all(meta, recv, sizes)
             s_recv, w_recv = meta[:, :k], meta[:, k:].int().view(torch.float32)
         self.dispatch_bytes += x_send.numel() * x_send.element_size()
         self.dispatch_rows += int(send_rows.numel())
@@ -128,7 +137,7 @@ class ExpertExchange:
         else:
             both = torch.zeros_like(h)
         out, y = both[:t], both[t:]
-        back = self.comm.all_to_all(y.to(h.dtype), sizes, recv)
+        back = self._all_to_all(y.to(h.dtype), sizes, recv)
         self.combine_bytes += y.numel() * h.element_size()
         if send_rows.numel():
             out.index_add_(0, send_rows.to(h.device), back.to(h.device))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -113,14 +114,35 @@ class Comm:
     def all_to_all(self, t: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
         """Rows of `t` to each rank (in_splits[r] rows to rank r, in order); returns the rows each rank
         sent here (out_splits[r] from rank r), within the deadline."""
+        return self.start_all_to_all(t, out_splits, in_splits).wait()
+
+    def start_all_to_all(
+        self, t: torch.Tensor, out_splits: list[int], in_splits: list[int], lane: int = 0
+    ) -> "Pending":
+        """all_to_all begun: `wait()` on the result returns the rows. On shared memory `lane` picks the
+        mailboxes (one per micro-batch); gloo matches a group's collectives by their order, which
+        every rank keeps."""
         if self.shm is not None and t.device.type == "cpu":
-            return self.shm.all_to_all(t, out_splits, in_splits, self.timeout)
+            return self.shm.start(t, out_splits, in_splits, self.timeout, lane)
         buf = t.to(self.device).contiguous()
         out = torch.empty((sum(out_splits), *t.shape[1:]), dtype=t.dtype, device=self.device)
         opts = dist.AllToAllOptions()
         opts.timeout = self.timeout
-        self.pg.alltoall_base(out, buf, list(out_splits), list(in_splits), opts).wait()
-        return out.to(t.device)
+        work = self.pg.alltoall_base(out, buf, list(out_splits), list(in_splits), opts)
+        return Pending(work.wait, out, t.device)
+
+
+class Pending:
+    """A collective in flight: `wait()` finishes it within its deadline and returns its rows."""
+
+    def __init__(
+        self, finish: Callable[[], object], out: torch.Tensor, device: torch.device | None = None
+    ) -> None:
+        self._finish, self._out, self._device = finish, out, device
+
+    def wait(self) -> torch.Tensor:
+        self._finish()
+        return self._out if self._device is None else self._out.to(self._device)
 
 
 def encode_step(

@@ -118,6 +118,7 @@ def run_rank(config: Config, rank: int) -> int:
         token=token,
         host=own_address(host),
         local=int(doc["local"]),
+        overlap=bool(doc.get("overlap", False)),
     )
     model, comms = rank_model(spec, loaded.weights)
     del loaded  # the checkpoint's tensors: only what the model keeps stays

@@ -10,6 +10,10 @@ reader waits for `seq` (an acquire wait), copies the rows out and acknowledges. 
 the payload area goes in rounds of chunks, every rank writing its round's chunks before reading the
 round's: a rank only waits for what its peers do before they wait for it, so rounds never deadlock.
 
+Two lanes of mailboxes, one per micro-batch of a step (ep_overlap.py): a lane's message may be in
+flight while the other lane's is written, read or computed. `start` writes a message and `wait` reads
+the answer, so a rank can compute between them; a message of several rounds goes whole in `start`.
+
 Every wait has the group's deadline and watches the peer's process: a dead peer fails the step at
 once, a stopped one at the deadline, as with gloo.
 """
@@ -24,11 +28,13 @@ from datetime import timedelta
 
 import torch
 
+from pdserve.model.ep_protocol import Pending
 from pdserve.model.kernels import native
 
 HEADER = 64  # bytes per mailbox before its payload: seq, ack, nbytes (int64), padding to a cache line
 PIDS = 4096  # bytes at the start of the file: each rank's pid (int64), then padding
 CAPACITY = 4 << 20  # payload bytes per mailbox; larger messages go in chunks
+LANES = 2  # mailbox sets: one per micro-batch of an overlapped step
 
 
 class PeerLost(RuntimeError):
@@ -52,7 +58,7 @@ def available() -> bool:
 
 
 def file_size(world: int, capacity: int = CAPACITY) -> int:
-    return PIDS + world * world * (HEADER + capacity)
+    return PIDS + LANES * world * world * (HEADER + capacity)
 
 
 def create(world: int, capacity: int = CAPACITY, directory: str = "/dev/shm") -> str:
@@ -83,11 +89,11 @@ class ShmAllToAll:
         self._base = self._buf.data_ptr()
         self._pids = self._buf[:PIDS].view(torch.int64)
         self._pids[rank] = os.getpid()
-        self._sent = [0] * world  # messages (chunks) written to each rank
-        self._taken = [0] * world  # messages read from each rank
+        self._sent = [[0] * world for _ in range(LANES)]  # per lane: messages (chunks) written to each rank
+        self._taken = [[0] * world for _ in range(LANES)]  # per lane: messages read from each rank
 
-    def _box(self, src: int, dst: int) -> int:
-        return PIDS + (src * self.world + dst) * (HEADER + self.capacity)
+    def _box(self, src: int, dst: int, lane: int) -> int:
+        return PIDS + ((lane * self.world + src) * self.world + dst) * (HEADER + self.capacity)
 
     def _wait(self, addr: int, want: int, peer: int, timeout_s: float) -> None:
         pid = int(self._pids[peer])
@@ -101,11 +107,24 @@ class ShmAllToAll:
         self, t: torch.Tensor, out_splits: list[int], in_splits: list[int], timeout: timedelta
     ) -> torch.Tensor:
         """gloo's all_to_all on CPU tensors: in_splits[r] rows of `t` to rank r, out_splits[r] rows from it."""
+        return self.start(t, out_splits, in_splits, timeout).wait()
+
+    def start(
+        self,
+        t: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        timeout: timedelta,
+        lane: int = 0,
+    ) -> Pending:
+        """all_to_all's first half on `lane`: this rank's rows written to its peers' mailboxes. The
+        returned Pending's `wait` reads theirs. Every rank starts and waits a lane's messages in the
+        same order; between the halves it may use the other lane."""
         t = t.contiguous()
         row = math.prod(t.shape[1:]) * t.element_size()
         out = torch.empty((sum(out_splits), *t.shape[1:]), dtype=t.dtype)
-        src_bytes = t.view(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
-        dst_bytes = out.view(-1).view(torch.uint8) if out.numel() else torch.zeros(0, dtype=torch.uint8)
+        src = t.view(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+        dst = out.view(-1).view(torch.uint8) if out.numel() else torch.zeros(0, dtype=torch.uint8)
         send_at = [sum(in_splits[:r]) * row for r in range(self.world)]
         recv_at = [sum(out_splits[:r]) * row for r in range(self.world)]
         send_n = [in_splits[r] * row for r in range(self.world)]
@@ -113,45 +132,57 @@ class ShmAllToAll:
         # This rank's own rows never touch the mailboxes.
         me = self.rank
         if send_n[me]:
-            dst_bytes[recv_at[me] : recv_at[me] + recv_n[me]].copy_(
-                src_bytes[send_at[me] : send_at[me] + send_n[me]]
-            )
-        cap = self.capacity
-        chunks = lambda n: max(1, -(-n // cap))  # noqa: E731 - an empty message is one empty chunk
+            dst[recv_at[me] : recv_at[me] + recv_n[me]].copy_(src[send_at[me] : send_at[me] + send_n[me]])
         peers = [r for r in range(self.world) if r != me]
-        rounds = max([chunks(send_n[r]) for r in peers] + [chunks(recv_n[r]) for r in peers] + [0])
+        rounds = max(
+            [self._chunks(send_n[r]) for r in peers] + [self._chunks(recv_n[r]) for r in peers] + [0]
+        )
         s = timeout.total_seconds()
         for k in range(rounds):
-            for d in peers:
-                if k >= chunks(send_n[d]):
-                    continue
-                box = self._box(me, d)
-                self._wait(box + 8, self._sent[d], d, s)  # the reader took the previous message
-                lo = k * cap
-                n = min(cap, send_n[d] - lo)
-                if n > 0:
-                    self._buf[box + HEADER : box + HEADER + n].copy_(
-                        src_bytes[send_at[d] + lo : send_at[d] + lo + n]
-                    )
-                self._buf[box + 16 : box + 24].view(torch.int64)[0] = n
-                self._sent[d] += 1
-                self.lib.pd_shm_store(self._base + box, self._sent[d])
-            for r in peers:
-                if k >= chunks(recv_n[r]):
-                    continue
-                box = self._box(r, me)
-                self._wait(box, self._taken[r] + 1, r, s)
-                n = int(self._buf[box + 16 : box + 24].view(torch.int64)[0])
-                lo = k * cap
-                if n != min(cap, recv_n[r] - lo) and not (n == 0 and recv_n[r] == 0):
-                    raise PeerLost(f"rank {r} sent {n} bytes where {min(cap, recv_n[r] - lo)} were due")
-                if n > 0:
-                    dst_bytes[recv_at[r] + lo : recv_at[r] + lo + n].copy_(
-                        self._buf[box + HEADER : box + HEADER + n]
-                    )
-                self._taken[r] += 1
-                self.lib.pd_shm_store(self._base + box + 8, self._taken[r])
-        return out
+            self._write(k, src, send_at, send_n, lane, s)
+            if k < rounds - 1:  # a round's chunks are read before the next round's are written
+                self._read(k, dst, recv_at, recv_n, lane, s)
+        last = rounds - 1
+        return Pending(lambda: self._read(last, dst, recv_at, recv_n, lane, s) if last >= 0 else None, out)
+
+    def _chunks(self, n: int) -> int:
+        return max(1, -(-n // self.capacity))  # an empty message is one empty chunk
+
+    def _write(self, k: int, src: torch.Tensor, at: list[int], size: list[int], lane: int, s: float) -> None:
+        """Round k's chunk to every peer."""
+        cap = self.capacity
+        for d in range(self.world):
+            if d == self.rank or k >= self._chunks(size[d]):
+                continue
+            box = self._box(self.rank, d, lane)
+            sent = self._sent[lane]
+            self._wait(box + 8, sent[d], d, s)  # the reader took the previous message
+            lo = k * cap
+            n = min(cap, size[d] - lo)
+            if n > 0:
+                self._buf[box + HEADER : box + HEADER + n].copy_(src[at[d] + lo : at[d] + lo + n])
+            self._buf[box + 16 : box + 24].view(torch.int64)[0] = n
+            sent[d] += 1
+            self.lib.pd_shm_store(self._base + box, sent[d])
+
+    def _read(self, k: int, dst: torch.Tensor, at: list[int], size: list[int], lane: int, s: float) -> None:
+        """Round k's chunk from every peer."""
+        cap = self.capacity
+        for r in range(self.world):
+            if r == self.rank or k >= self._chunks(size[r]):
+                continue
+            box = self._box(r, self.rank, lane)
+            taken = self._taken[lane]
+            self._wait(box, taken[r] + 1, r, s)
+            n = int(self._buf[box + 16 : box + 24].view(torch.int64)[0])
+            lo = k * cap
+            due = min(cap, size[r] - lo)
+            if n != due and not (n == 0 and size[r] == 0):
+                raise PeerLost(f"rank {r} sent {n} bytes where {due} were due")
+            if n > 0:
+                dst[at[r] + lo : at[r] + lo + n].copy_(self._buf[box + HEADER : box + HEADER + n])
+            taken[r] += 1
+            self.lib.pd_shm_store(self._base + box + 8, taken[r])
 
     def close(self) -> None:
         del self._buf, self._pids

@@ -32,6 +32,7 @@ Rank 0 raises on a dead or silent worker, which fails the engine instead of hang
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import mmap
@@ -57,7 +58,7 @@ from pdserve.eplb.recorder import StepCounts
 from pdserve.model import ep_shm
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata
-from pdserve.model.dp_attention import split_step, step_units, token_cost
+from pdserve.model.dp_attention import StepShare, split_step, step_units, token_cost
 from pdserve.model.ep_exchange import ExpertExchange
 from pdserve.model.ep_fetch import Fetched, fetch_experts
 from pdserve.model.ep_hosts import (
@@ -70,6 +71,7 @@ from pdserve.model.ep_hosts import (
     split_address,
 )
 from pdserve.model.ep_kv import Residency, StepPlan, decode_plan, encode_plan, mirror, ship
+from pdserve.model.ep_overlap import Baton
 from pdserve.model.ep_protocol import (
     FLAG_COMMIT,
     FLAG_DP,
@@ -151,6 +153,7 @@ class RankSpec:
     token: str | None = None  # the internal token (names the rendezvous' keys)
     host: str = "127.0.0.1"  # the address this rank's gloo device listens on
     local: int = 1  # ranks 0..local-1 share rank 0's host (and its copy of every expert)
+    overlap: bool = False  # two micro-batches a step (model.ep_overlap; every rank alike)
 
 
 # The values of a spec that ranks of other hosts read from the rendezvous (ep_hosts.publish_spec).
@@ -165,6 +168,7 @@ SHARED_SPEC = (
     "activation_quantization",
     "timeout_s",
     "local",
+    "overlap",
 )
 
 
@@ -227,20 +231,11 @@ def dp_step(
     try:
         if plan is not None:
             exchange.kv_shipped_bytes += ship(exchange.comm, kv_cache, meta.block_size, plan.ship)
-        logits = None
-        if mine.tokens.numel():
-            tok = mine.tokens.to(input_ids.device)
-            rows = None if logits_indices is None else mine.logits_rows.to(input_ids.device)
-            logits = model.forward(
-                input_ids.index_select(0, tok),
-                positions.index_select(0, tok),
-                mine.meta,
-                kv_cache,
-                rows,
-                hook,
-            )
+        wanted = logits_indices is not None
+        if exchange.baton is None:
+            logits = _run_share(model, mine, input_ids, positions, kv_cache, wanted, hook)
         else:
-            model.idle_step()
+            logits = _run_halves(model, exchange.baton, mine, input_ids, positions, kv_cache, wanted, hook)
         if plan is not None:
             exchange.kv_mirrored_bytes += mirror(exchange.comm, kv_cache, shares)
         if logits_indices is None:
@@ -262,6 +257,74 @@ def dp_step(
     out = torch.empty(logits_indices.numel(), got.shape[1], dtype=got.dtype)
     out[torch.cat([s.logits_order for s in shares])] = got
     return out.to(model.device)
+
+
+def _run_share(
+    model: MoEModel,
+    share: StepShare,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    wanted: bool,
+    hook,
+) -> torch.Tensor | None:
+    """`share` through the model: the logits of its logits rows, in its order (None when the step
+    wants none or the share has no logits row)."""
+    if not share.tokens.numel():
+        model.idle_step()
+        return None
+    tok = share.tokens.to(input_ids.device)
+    rows = share.logits_rows.to(input_ids.device) if wanted else None
+    return model.forward(
+        input_ids.index_select(0, tok), positions.index_select(0, tok), share.meta, kv_cache, rows, hook
+    )
+
+
+def _run_halves(
+    model: MoEModel,
+    baton: Baton,
+    mine: StepShare,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    wanted: bool,
+    hook,
+) -> torch.Tensor | None:
+    """`mine` as two micro-batches overlapping their exchanges (ep_overlap.py); the same result as
+    `_run_share`. Each half's tokens, renumbered within it, map back through `mine.tokens`."""
+    halves = split_step(
+        mine.meta,
+        mine.tokens.numel(),
+        mine.logits_rows if wanted else None,
+        2,
+        token_cost(model.arch),
+    )
+    for h in halves:
+        h.tokens = mine.tokens[h.tokens]
+    both = hook
+    if hook is not None:  # a layer is done once both micro-batches (those with tokens) passed it
+        need, seen = sum(1 for h in halves if h.tokens.numel()), [0] * model.arch.num_layers
+
+        def both(i: int) -> None:
+            seen[i] += 1
+            if seen[i] == need:
+                hook(i)
+
+    out = baton.run(
+        *[
+            functools.partial(_run_share, model, h, input_ids, positions, kv_cache, wanted, both)
+            for h in halves
+        ]
+    )
+    if not wanted or not mine.logits_rows.numel():
+        return None
+    got = [(h, x) for h, x in zip(halves, out) if x is not None]
+    logits = torch.empty(
+        mine.logits_rows.numel(), got[0][1].shape[1], dtype=got[0][1].dtype, device=got[0][1].device
+    )
+    for h, x in got:
+        logits[h.logits_order.to(x.device)] = x
+    return logits
 
 
 class ExpertParallelModel:
@@ -290,6 +353,8 @@ class ExpertParallelModel:
         self.arch, self.dtype, self.world = arch, dtype, world
         if mc.ep_attention not in ("data", "replicated"):
             raise ValueError(f"model.ep_attention: {mc.ep_attention!r} is not data or replicated")
+        if mc.ep_overlap and mc.ep_attention != "data":
+            raise ValueError("model.ep_overlap needs model.ep_attention: data")
         self.data_parallel = mc.ep_attention == "data"
         # Ranks on other hosts keep their own KV pools (ep_kv.py); so, then, do this host's.
         self.private = local < world
@@ -339,12 +404,13 @@ class ExpertParallelModel:
                     token=token,
                     host=host,
                     local=local,
+                    overlap=mc.ep_overlap,
                 ),
                 weights,
                 _rank_device(device, 0, world),
             )
         comm = self._ranks.comm
-        self.exchange = ExpertExchange(comm, 0, world) if comm is not None else None
+        self.exchange = ExpertExchange(comm, 0, world, mc.ep_overlap) if comm is not None else None
         self.model = MoEModel(
             arch,
             weights,
@@ -748,7 +814,7 @@ def join_and_follow(spec: RankSpec, model: MoEModel, comms: list[Comm], store=No
 
 def _follow(spec: RankSpec, model: MoEModel, comm: Comm, device: torch.device) -> bool:
     mover = ExpertWeightMover(model)
-    exchange = ExpertExchange(comm, spec.rank, spec.world)
+    exchange = ExpertExchange(comm, spec.rank, spec.world, spec.overlap)
     counts = StepCounts(model.moe_ids, spec.arch.num_experts, spec.rank, spec.world)
     model.set_load_hook(counts.record)
     kv = None

@@ -1,16 +1,23 @@
 """Data-parallel attention for expert parallelism: the split of a step over the ranks, and the row
-exchange of a MoE layer over a real gloo group (two ranks as threads of this process)."""
+exchange of a MoE layer over a real gloo group or shared-memory mailboxes (ranks as threads of this
+process), in one batch or as two micro-batches overlapping their exchanges."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
-from gloo_ranks import run_ranks
+from gloo_ranks import in_threads, run_ranks
 
 from pdserve.eplb.placement import LayerPlacement, slot_range
+from pdserve.model import ep_shm
 from pdserve.model.attention import build_metadata
 from pdserve.model.dp_attention import assign, split_step
 from pdserve.model.ep_exchange import ExpertExchange, plan_dispatch, slot_owners
+from pdserve.model.ep_overlap import Baton
+from pdserve.model.ep_protocol import Comm
 
 BS = 4
 
@@ -158,6 +165,110 @@ def test_exchange_gives_every_choice_and_sends_only_remote_rows(world, dtype):
     assert sum(r[2] for r in res) == sum(r[1] for r in res)
 
 
+def _shm_ranks(world, capacity, fn):
+    """fn(rank, comm) with each rank's all-to-all through one file of mailboxes (ep_shm)."""
+    path = ep_shm.create(world, capacity)
+    try:
+        views = [ep_shm.ShmAllToAll(path, r, world, capacity) for r in range(world)]
+
+        def rank(r):
+            comm = Comm(None, r, world, torch.device("cpu"), 60)
+            comm.shm = views[r]
+            return fn(r, comm)
+
+        return in_threads(world, rank)
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("world,transport", [(2, "gloo"), (3, "gloo"), (2, "shm"), (3, "shm")])
+def test_two_micro_batches_overlap_their_exchanges_and_give_every_choice(world, transport):
+    """Each rank's tokens as two micro-batches through 4 MoE layers: every all-to-all is started, the
+    baton passed to the other micro-batch and the answer read once it is back (gloo: collectives in
+    flight; shm: a lane of mailboxes each, small enough that long messages go in rounds). Every token
+    gets every choice, exactly as one batch would (float64); the last rank of 3 has no tokens at all
+    and rank 1's second micro-batch none, yet each takes part in every exchange."""
+    P, H, k, L = 6, 8, 2, 4
+    phy2log = torch.arange(P)
+    g = torch.Generator().manual_seed(10 + world)
+    counts = [(4, 3), (2, 0)] + [(0, 0)] * (world - 2)
+    toks = [[torch.randn(n, H, generator=g, dtype=torch.float64) for n in c] for c in counts]
+    slots = [
+        [
+            [
+                torch.stack([torch.randperm(P, generator=g)[:k] for _ in range(n)])
+                if n
+                else torch.zeros(0, k, dtype=torch.long)
+                for n in c
+            ]
+            for _ in range(L)
+        ]
+        for c in counts
+    ]
+    weights = [[[torch.rand(n, k, generator=g) for n in c] for _ in range(L)] for c in counts]
+
+    def fn(rank, comm):
+        lo, hi = slot_range(P, rank, world)
+        pl = LayerPlacement.build(phy2log, P, lo, hi, None, None)
+
+        def compute(x, s, w):
+            out = torch.zeros_like(x)
+            for t in range(x.shape[0]):
+                for j in range(s.shape[1]):
+                    if lo <= int(s[t, j]) < hi:
+                        out[t] += w[t, j].to(x.dtype) * _expert(x[t], int(s[t, j]))
+            return out
+
+        ex = ExpertExchange(comm, rank, world, overlap=True)
+        lanes = []
+
+        def lane(m):
+            def run():
+                lanes.append((m, threading.current_thread().name))
+                h = toks[rank][m]
+                for layer in range(L):
+                    h = ex(h, slots[rank][layer][m], weights[rank][layer][m], pl, compute) / 8
+                return h
+
+            return run
+
+        return ex.baton.run(lane(0), lane(1)), lanes
+
+    res = (run_ranks if transport == "gloo" else lambda w, f: _shm_ranks(w, 64, f))(world, fn)
+    for rank in range(world):
+        outs, lanes = res[rank]
+        assert len({name for _, name in lanes}) == 2  # two threads, one micro-batch each
+        for m in range(2):
+            want = toks[rank][m]
+            for layer in range(L):
+                want = _all_choices(want, slots[rank][layer][m], weights[rank][layer][m].double()) / 8
+            torch.testing.assert_close(outs[m], want, atol=0, rtol=0)
+
+
+def test_a_failed_micro_batch_stops_the_other_at_its_next_exchange():
+    """The baton: a lane that raises ends its turn; the other stops at its next hand-over (it never
+    waits for a partner that is gone), and `run` raises the cause, not the other lane's stop."""
+    baton = Baton()
+    steps = []
+
+    def first():
+        steps.append("a0")
+        baton.pass_()
+        steps.append("a1")
+        baton.pass_()
+        steps.append("a2")  # never: the other lane failed meanwhile
+
+    def second():
+        steps.append("b0")
+        raise ValueError("peer lost")
+
+    with pytest.raises(ValueError, match="peer lost"):
+        baton.run(first, second)
+    assert steps == ["a0", "b0"]
+    # The baton serves the next step afresh.
+    assert baton.run(lambda: 1, lambda: 2) == (1, 2)
+
+
 @pytest.mark.slow
 def test_wide_ep_benchmark_prints_its_ratios():
     import json
@@ -167,6 +278,7 @@ def test_wide_ep_benchmark_prints_its_ratios():
 
     root = Path(__file__).resolve().parents[2]
     args = ["--sequences", "4", "--context", "64", "--layers", "2", "--experts", "4", "--hidden", "64"]
+    args += ["--prefill-sequences", "2", "--prefill-chunk", "16"]
     r = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "wide_ep.py"), *args, "--steps", "1", "--rounds", "1"],
         capture_output=True,
@@ -175,7 +287,8 @@ def test_wide_ep_benchmark_prints_its_ratios():
     )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["benchmark"] == "wide_ep" and set(out["tok_s"]) == {"ep1", "replicated", "data"}
+    assert out["benchmark"] == "wide_ep" and set(out["tok_s"]) == {"ep1", "replicated", "data", "overlap"}
+    assert out["overlap_over_data"] > 0 and out["prefill_overlap_over_data"] > 0
     assert out["attended_max_over_mean"] == 1.0  # 4 equal sequences over 2 ranks
     # A token goes to the other rank at most once a layer: never more than the all-reduce's rows.
     assert 0 < out["rank0_sent_bytes_per_layer_step"] <= out["allreduce_payload_bytes_per_layer"]

@@ -65,14 +65,21 @@ class _Deployment:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name,world,local",
-    [("tiny-mixtral", 2, 1), ("tiny-deepseek-v3", 3, 2), ("tiny-qwen3-moe", 2, 1)],
+    "name,world,local,overlap",
+    [
+        ("tiny-mixtral", 2, 1, False),
+        ("tiny-deepseek-v3", 3, 2, False),
+        ("tiny-qwen3-moe", 2, 1, False),
+        ("tiny-qwen3-moe", 3, 1, True),
+    ],
 )
-def test_ranks_of_other_hosts_give_ep1_tokens(name, world, local):
+def test_ranks_of_other_hosts_give_ep1_tokens(name, world, local, overlap):
     """EP across hosts: greedy tokens and logprobs equal EP=1's, again on prefix-cache hits (blocks
-    computed by one rank, read by another), with KV sent to the ranks and mirrored back."""
+    computed by one rank, read by another), with KV sent to the ranks and mirrored back. With two
+    micro-batches (the ranks read model.ep_overlap from rank 0's spec) gloo's all-to-alls are in
+    flight while the other micro-batch computes."""
     want = LLM(model=name, loaded=load_model_files(name), **ENGINE).generate(PROMPTS, PARAMS)
-    d = _Deployment(name, world, local)
+    d = _Deployment(name, world, local, model__ep_overlap=overlap)
     try:
         assert d.model.private
         # The balancer places replicas host by host where the hosts hold equal shares of the ranks.

@@ -64,10 +64,13 @@ def _chunked_logits(model, ids: list[int]) -> torch.Tensor:
         ("tiny-deepseek-v3", 2, 0, "data"),
         ("tiny-deepseek-v2-lite", 4, 0, "data"),
         ("tiny-kimi", 2, 0, "data"),
+        ("tiny-mixtral", 4, 0, "overlap"),
+        ("tiny-deepseek-v3", 2, 0, "overlap"),
     ],
 )
 def test_ep_matches_ep1(name, ep, redundant, attention):
-    """Every MoE family, both attention modes: EP=N gives EP=1's greedy tokens and logprobs."""
+    """Every MoE family, both attention modes (data also with two micro-batches overlapping their
+    exchanges, model.ep_overlap): EP=N gives EP=1's greedy tokens and logprobs."""
     loaded = load_model_files(name)
     ref = _llm(name, loaded)
     want = ref.generate(PROMPTS, PARAMS)
@@ -76,13 +79,15 @@ def test_ep_matches_ep1(name, ep, redundant, attention):
         loaded,
         model__expert_parallel=ep,
         model__num_redundant_experts=redundant,
-        model__ep_attention=attention,
+        model__ep_attention="data" if attention == "overlap" else attention,
+        model__ep_overlap=attention == "overlap",
     )
     try:
+        assert (llm.engine.model.exchange.baton is not None) == (attention == "overlap")
         got = llm.generate(PROMPTS, PARAMS)
         assert_same(got, want)
         # Data-parallel steps sent rows between the ranks; replicated ones none.
-        assert (llm.engine.model.exchange.dispatch_rows > 0) == (attention == "data")
+        assert (llm.engine.model.exchange.dispatch_rows > 0) == (attention != "replicated")
         # Each rank counts only the tokens it owns: the balancer's load is their sum, the whole batch
         # (the choices themselves may differ where a near tie in the gate falls the other way).
         heat, ref_heat = llm.engine.model.eplb.to_dict(), ref.engine.model.eplb.to_dict()
@@ -272,14 +277,18 @@ def _outcome_within(fn, seconds: float):
     return box.get("error", box.get("result"))
 
 
-@pytest.mark.parametrize("how", ["killed", "stuck"])
-def test_engine_fails_when_a_rank_is_lost(how):
+@pytest.mark.parametrize("how,overlap", [("killed", False), ("stuck", False), ("stuck", True)])
+def test_engine_fails_when_a_rank_is_lost(how, overlap):
     """A rank killed outright (its connection closes) or stuck (SIGSTOP, as behind a cut link: only the
     deadline can tell) makes the engine's next step raise instead of waiting forever, and every step
-    after it raise at once; close() still returns."""
+    after it raise at once; close() still returns. With two micro-batches the other one stops too."""
     # A short deadline (model.ep_timeout_s) keeps the stuck case quick.
     llm = _llm(
-        "tiny-mixtral", load_model_files("tiny-mixtral"), model__expert_parallel=2, model__ep_timeout_s=5
+        "tiny-mixtral",
+        load_model_files("tiny-mixtral"),
+        model__expert_parallel=2,
+        model__ep_timeout_s=5,
+        model__ep_overlap=overlap,
     )
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     worker = llm.engine.model._ranks.procs[0]
@@ -350,15 +359,17 @@ def test_served_ep_model_exposes_eplb_and_stops_cleanly(tmp_path):
         assert _wait_gone(workers, 15) == [], srv.log_tail()
 
 
-@pytest.mark.parametrize("prefill_ep,decode_ep", [(2, 2), (2, 4)])
-def test_pd_decode_worker_with_ep_reads_transferred_kv(tmp_path, prefill_ep, decode_ep):
+@pytest.mark.parametrize("prefill_ep,decode_ep,overlap", [(2, 2, False), (2, 4, False), (2, 2, True)])
+def test_pd_decode_worker_with_ep_reads_transferred_kv(tmp_path, prefill_ep, decode_ep, overlap):
     """In the PD deployment the prefill worker writes the prompt's KV into the decode worker's pool;
     the decode worker's other ranks map that pool (each attends the sequences the step gives it), so
-    EP=2 or 4 decodes EP=1's tokens, also from a prefill worker of another EP size."""
+    EP=2 or 4 decodes EP=1's tokens, also from a prefill worker of another EP size. With two
+    micro-batches a step a layer's KV is shipped once both have written it."""
     port = free_port()
     prompt = "The capital of France is a city with a long history and many famous buildings, such as"
     cfg = tmp_path / "ep.yaml"
     cfg.write_text(
+        f"model:\n  ep_overlap: {str(overlap).lower()}\n"
         f"deployment:\n  prefill:\n    expert_parallel: {prefill_ep}\n"
         f"  decode:\n    expert_parallel: {decode_ep}\n"
     )
