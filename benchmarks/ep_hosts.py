@@ -20,6 +20,9 @@ thread per rank. Then:
    the larger of each exchange's two directions summed (dispatch and combine both ways, the KV rows
    and logits rank b sends, the blocks rank a sends). Prints measured ÷ predicted per cap (goal
    within 0.7-1.3) as a table and one JSON line. About five minutes on 2 cores.
+
+--overlap runs the worker with model.ep_overlap (two micro-batches a step, one's exchange in flight
+while the other computes): run it with and without to compare the step per cap.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rates", default="200,50", help="link caps in Mbit/s, comma-separated")
+    ap.add_argument("--overlap", action="store_true", help="model.ep_overlap: two micro-batches a step")
     args = ap.parse_args()
     why_not = unavailable()
     with tempfile.TemporaryDirectory(prefix="pdserve-ep-hosts-") as tmp:
@@ -153,6 +157,7 @@ def run(net, ckpt: Path, cfg: dict, work: Path, args, why_not: str | None) -> in
             "ep_rendezvous": f"{a.ip}:{RENDEZVOUS_PORT}",
             "eplb_interval": 8,
             "eplb_threshold": 1.0,
+            "ep_overlap": args.overlap,
         },
         "cache": {"device_blocks": 256, "prefix_cache": False},
         "server": {"internal_token": TOKEN, "worker_api_keys": [KEY]},
@@ -209,6 +214,7 @@ def run(net, ckpt: Path, cfg: dict, work: Path, args, why_not: str | None) -> in
                     "hosts": "loopback" if why_not else "network namespaces",
                     "link_caps": why_not or "tbf on both hosts",
                     "streams": args.streams,
+                    "overlap": args.overlap,
                     "ep_bytes_per_step": {k: round(v) for k, v in per_step.items()},
                     "link_bytes_per_step": round(link_bytes(per_step)),
                     "rank1_rss_anon_mb": round(rss_b / 1e6, 1),

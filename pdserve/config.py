@@ -51,6 +51,10 @@ class ModelConfig:
     # other computes (as SGLang's two-batch overlap); each reads the rank's experts, so it pays only
     # where the waits it hides cost more than a second read of the experts (docs/eplb.md).
     ep_overlap: bool = False
+    # The dtype a token's hidden state travels in to the ranks holding its experts (data attention):
+    # model (its own) or bfloat16 (half a float32 model's dispatch bytes; those experts then see it
+    # rounded to bfloat16). Their results come back in the model's dtype.
+    ep_dispatch_dtype: str = "model"
     num_redundant_experts: int = 0  # extra physical expert slots per MoE layer, for replicas of hot experts
     eplb_interval: int = 32  # steps between imbalance checks of the expert balancer; 0 = off
     eplb_window: int = 256  # steps in the expert-load heatmap

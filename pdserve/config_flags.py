@@ -123,6 +123,11 @@ FLAGS: dict[str, Flag] = {
         "EP with data attention: two micro-batches a step, one's token exchange overlapping the other's compute",
         switch=True,
     ),
+    "ep_dispatch_dtype": Flag(
+        "model.ep_dispatch_dtype",
+        "EP with data attention: dtype of the rows sent to other ranks' experts",
+        choices=("model", "bfloat16"),
+    ),
     "ep_local_ranks": Flag(
         "model.ep_local_ranks",
         "EP ranks started on this host (rank 0 included); the rest: pdserve ep-rank",

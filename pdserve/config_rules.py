@@ -37,6 +37,7 @@ ACTIVATION_QUANTIZATIONS = ("none", "int8")  # model/kernels/qgemm_q8.c
 TRANSFER_BACKENDS = ("auto", "shm", "tcp", "mooncake", "nixl")
 MODES = ("pd", "mixed")
 EP_ATTENTION = ("data", "replicated")  # model/dp_attention.py, model/expert_parallel.py
+EP_DISPATCH_DTYPES = ("model", "bfloat16")  # model/ep_exchange.py
 WORKER_ROLES = ("mixed", "prefill", "decode")
 # Other engines' workers a router can front (router/front.py): their OpenAI API, metrics and KV events.
 ENGINES = ("vllm", "sglang")
@@ -60,6 +61,7 @@ def _per_role(rules: dict[str, Any]) -> dict[str, Any]:
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": DTYPES,
     "model.ep_attention": EP_ATTENTION,
+    "model.ep_dispatch_dtype": EP_DISPATCH_DTYPES,
     "model.quantization": QUANTIZATIONS,
     "model.attention_kernel": ATTENTION_KERNELS,
     "model.gemm_kernel": ATTENTION_KERNELS,

@@ -135,6 +135,7 @@ def test_cli_exits_2_on_a_bad_worker_flag_and_names_it():
             "needs model.ep_attention: data",
         ),
         ({"model.ep_overlap": "yes"}, "model.ep_overlap", "true or false"),
+        ({"model.ep_dispatch_dtype": "fp8"}, "model.ep_dispatch_dtype", "bfloat16"),
         (
             {"scheduler.prompt_lookup_min": 5, "scheduler.prompt_lookup_max": 3},
             "scheduler.prompt_lookup_min",

@@ -9,8 +9,9 @@ design's all-reduce of every token's hidden state.
 
 Three all-to-alls a layer, each with the deadline of every collective: the row counts, the rows with
 their choices (one message in float32; the rows and the choices apart in other dtypes), the results.
-The rows travel in the model's dtype and the results come back in it, so the values equal EP=1's up
-to the order of the final sum. With two micro-batches (ep_overlap.py) each all-to-all is started,
+The rows travel in the model's dtype (or in model.ep_dispatch_dtype: bfloat16 halves a float32
+model's rows, and the receiving experts see them rounded) and the results come back in the model's
+dtype; in the model's dtype the values equal EP=1's up to the order of the final sum. With two micro-batches (ep_overlap.py) each all-to-all is started,
 the baton passed to the other micro-batch, and its answer read once the baton is back.
 """
 
@@ -64,8 +65,12 @@ def plan_dispatch(slots: torch.Tensor, owners: torch.Tensor, rank: int, world: i
 class ExpertExchange:
     """One rank's dispatch and combine over `comm` (ep_protocol.Comm); counts the bytes it sends."""
 
-    def __init__(self, comm, rank: int, world: int, overlap: bool = False) -> None:
+    def __init__(
+        self, comm, rank: int, world: int, overlap: bool = False, dispatch_dtype: torch.dtype | None = None
+    ) -> None:
+        """`dispatch_dtype`: the rows' dtype on the way to other ranks (None: the model's)."""
         self.comm, self.rank, self.world = comm, rank, world
+        self.dispatch_dtype = dispatch_dtype
         self._owners: dict[int, torch.Tensor] = {}
         self.dispatch_bytes = 0  # hidden rows sent to other ranks
         self.combine_bytes = 0  # result rows sent back
@@ -107,11 +112,11 @@ class ExpertExchange:
         w32 = weights.float()
         send_rows = torch.cat(plan.rows)
         k = slots.shape[1]
-        x_send = h.index_select(0, send_rows.to(h.device))
+        x_send = h.index_select(0, send_rows.to(h.device)).to(self.dispatch_dtype or h.dtype)
         slots_send = torch.cat(plan.slots).reshape(-1, k)
         w_send = torch.cat([w32.cpu()[r] for r in plan.rows]) if send_rows.numel() else w32.new_zeros(0, k)
         H = h.shape[1]
-        if h.dtype == torch.float32:
+        if x_send.dtype == torch.float32:
             # One message: the rows with their choices (slot ids are exact in float32 below 2**24).
             got = self._all_to_all(
                 torch.cat([x_send.cpu(), slots_send.float(), w_send.reshape(-1, k)], dim=1), recv, sizes

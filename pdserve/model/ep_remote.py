@@ -119,6 +119,7 @@ def run_rank(config: Config, rank: int) -> int:
         host=own_address(host),
         local=int(doc["local"]),
         overlap=bool(doc.get("overlap", False)),
+        dispatch_dtype=str(doc.get("dispatch_dtype", "model")),
     )
     model, comms = rank_model(spec, loaded.weights)
     del loaded  # the checkpoint's tensors: only what the model keeps stays

@@ -154,6 +154,7 @@ class RankSpec:
     host: str = "127.0.0.1"  # the address this rank's gloo device listens on
     local: int = 1  # ranks 0..local-1 share rank 0's host (and its copy of every expert)
     overlap: bool = False  # two micro-batches a step (model.ep_overlap; every rank alike)
+    dispatch_dtype: str = "model"  # model.ep_dispatch_dtype (every rank alike)
 
 
 # The values of a spec that ranks of other hosts read from the rendezvous (ep_hosts.publish_spec).
@@ -169,6 +170,7 @@ SHARED_SPEC = (
     "timeout_s",
     "local",
     "overlap",
+    "dispatch_dtype",
 )
 
 
@@ -257,6 +259,13 @@ def dp_step(
     out = torch.empty(logits_indices.numel(), got.shape[1], dtype=got.dtype)
     out[torch.cat([s.logits_order for s in shares])] = got
     return out.to(model.device)
+
+
+def dispatch_dtype(name: str) -> torch.dtype | None:
+    """model.ep_dispatch_dtype's dtype (None: the model's own)."""
+    if name not in ("model", "bfloat16"):
+        raise ValueError(f"model.ep_dispatch_dtype: {name!r} is not model or bfloat16")
+    return None if name == "model" else torch.bfloat16
 
 
 def _run_share(
@@ -353,6 +362,7 @@ class ExpertParallelModel:
         self.arch, self.dtype, self.world = arch, dtype, world
         if mc.ep_attention not in ("data", "replicated"):
             raise ValueError(f"model.ep_attention: {mc.ep_attention!r} is not data or replicated")
+        dispatch_dtype(mc.ep_dispatch_dtype)  # a bad name fails here, before any rank starts
         if mc.ep_overlap and mc.ep_attention != "data":
             raise ValueError("model.ep_overlap needs model.ep_attention: data")
         self.data_parallel = mc.ep_attention == "data"
@@ -405,12 +415,17 @@ class ExpertParallelModel:
                     host=host,
                     local=local,
                     overlap=mc.ep_overlap,
+                    dispatch_dtype=mc.ep_dispatch_dtype,
                 ),
                 weights,
                 _rank_device(device, 0, world),
             )
         comm = self._ranks.comm
-        self.exchange = ExpertExchange(comm, 0, world, mc.ep_overlap) if comm is not None else None
+        self.exchange = (
+            ExpertExchange(comm, 0, world, mc.ep_overlap, dispatch_dtype(mc.ep_dispatch_dtype))
+            if comm is not None
+            else None
+        )
         self.model = MoEModel(
             arch,
             weights,
@@ -814,7 +829,7 @@ def join_and_follow(spec: RankSpec, model: MoEModel, comms: list[Comm], store=No
 
 def _follow(spec: RankSpec, model: MoEModel, comm: Comm, device: torch.device) -> bool:
     mover = ExpertWeightMover(model)
-    exchange = ExpertExchange(comm, spec.rank, spec.world, spec.overlap)
+    exchange = ExpertExchange(comm, spec.rank, spec.world, spec.overlap, dispatch_dtype(spec.dispatch_dtype))
     counts = StepCounts(model.moe_ids, spec.arch.num_experts, spec.rank, spec.world)
     model.set_load_hook(counts.record)
     kv = None

@@ -165,6 +165,50 @@ def test_exchange_gives_every_choice_and_sends_only_remote_rows(world, dtype):
     assert sum(r[2] for r in res) == sum(r[1] for r in res)
 
 
+def test_bfloat16_dispatch_rounds_only_the_rows_sent_and_halves_their_bytes():
+    """model.ep_dispatch_dtype bfloat16 on a float32 model: a choice computed on another rank sees
+    its token's row rounded to bfloat16, one computed here the row itself; the results come back in
+    float32; the rows sent cost 2 bytes a value."""
+    world, P, H, k = 2, 8, 16, 2
+    phy2log = torch.arange(P)
+    g = torch.Generator().manual_seed(7)
+    toks = [torch.randn(6, H, generator=g), torch.randn(4, H, generator=g)]
+    slots = [torch.stack([torch.randperm(P, generator=g)[:k] for _ in range(t.shape[0])]) for t in toks]
+    weights = [torch.rand(t.shape[0], k, generator=g) for t in toks]
+    owners = slot_owners(P, world)
+
+    def fn(rank, comm):
+        lo, hi = slot_range(P, rank, world)
+        pl = LayerPlacement.build(phy2log, P, lo, hi, None, None)
+
+        def compute(x, s, w):
+            out = torch.zeros_like(x)
+            for t in range(x.shape[0]):
+                for j in range(s.shape[1]):
+                    if lo <= int(s[t, j]) < hi:
+                        out[t] += w[t, j].to(x.dtype) * _expert(x[t], int(s[t, j]))
+            return out
+
+        ex = ExpertExchange(comm, rank, world, dispatch_dtype=torch.bfloat16)
+        return ex(toks[rank], slots[rank], weights[rank], pl, compute), ex.dispatch_bytes
+
+    res = run_ranks(world, fn)
+    for rank in range(world):
+        out, sent = res[rank]
+        assert out.dtype == torch.float32
+        h, want = toks[rank].double(), torch.zeros(toks[rank].shape, dtype=torch.float64)
+        for t in range(h.shape[0]):
+            for j in range(k):
+                s = int(slots[rank][t, j])
+                x = h[t] if int(owners[s]) == rank else h[t].bfloat16().double()
+                want[t] += float(weights[rank][t, j]) * _expert(x, s)
+        # float32 products and sums of a few terms: a few units of float32 rounding of the largest.
+        tol = 8 * 2**-24 * float(want.abs().max())
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=1e-6)
+        remote = sum(len({int(owners[s]) for s in row} - {rank}) for row in slots[rank])
+        assert remote > 0 and sent == remote * H * 2
+
+
 def _shm_ranks(world, capacity, fn):
     """fn(rank, comm) with each rank's all-to-all through one file of mailboxes (ep_shm)."""
     path = ep_shm.create(world, capacity)

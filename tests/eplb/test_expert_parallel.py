@@ -134,6 +134,28 @@ def test_quantized_ep_matches_ep1(quant, redundant, attention, gemm):
         llm.engine.close()
 
 
+def test_bfloat16_dispatch_halves_the_rows_bytes_and_stays_near_ep1():
+    """model.ep_dispatch_dtype bfloat16 on a float32 model: the rows sent to the other rank cost 2
+    bytes a value, and until a near tie first falls the other way (the random models have many) each
+    step's top logprob stays within 0.1 of EP=1's: the rounding of a row (2**-9 relative) moves the
+    logits far less than that."""
+    name = "tiny-mixtral"
+    loaded = load_model_files(name)
+    want = _llm(name, loaded).generate(PROMPTS, PARAMS)
+    llm = _llm(name, loaded, model__expert_parallel=2, model__ep_dispatch_dtype="bfloat16")
+    try:
+        got = llm.generate(PROMPTS, PARAMS)
+        ex = llm.engine.model.exchange
+        assert ex.dispatch_rows > 0 and ex.dispatch_bytes == ex.dispatch_rows * loaded.arch.hidden_size * 2
+        for g, w in zip(got, want):
+            for a, b, ta, tb in zip(g.logprobs, w.logprobs, g.token_ids, w.token_ids):
+                assert abs(a.top[0][1] - b.top[0][1]) <= 0.1
+                if ta != tb:
+                    break
+    finally:
+        llm.engine.close()
+
+
 @pytest.mark.parametrize("quant", ["none", "int4"])
 def test_runtime_rebalance_under_load_keeps_outputs(quant):
     """EP=2 with 4 redundant slots; the trigger checks every 2 steps with a threshold any skew
