@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from pdserve.model.arch import ModelArch
+from pdserve.utils.shm import SHM_DIR, sweep_stale
 
-SHM_DIR = Path("/dev/shm")
 _SHM_NAME = re.compile(r"pdserve-kv-(\d+)-[0-9a-f]+$")
 
 
@@ -90,31 +90,7 @@ def is_pool_path(path: str, pid: int | None) -> bool:
 
 def sweep_stale_shm() -> None:
     """Remove pools left by killed workers (their pid no longer runs): kill -9 skips atexit."""
-    if not SHM_DIR.is_dir():
-        return
-    for p in SHM_DIR.glob("pdserve-kv-*"):
-        m = _SHM_NAME.match(p.name)
-        if m and not pid_alive(int(m.group(1))):
-            _unlink(p)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process on this host still runs. A killed child its parent has not reaped yet is
-    a zombie: signal 0 still reaches it, so /proc is asked first."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rindex(")") + 2] not in "ZX"
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    sweep_stale(SHM_DIR, "pdserve-kv")
 
 
 def raw_bytes_view(kv: torch.Tensor) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from pdserve.cache.kv_cache import pid_alive
+from pdserve.utils.shm import pid_alive
 
 HOST = socket.gethostname()
 

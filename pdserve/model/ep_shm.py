@@ -25,11 +25,13 @@ import math
 import mmap
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
 from pdserve.model.ep_protocol import Pending
 from pdserve.model.kernels import native
+from pdserve.utils.shm import sweep_stale
 
 HEADER = 64  # bytes per mailbox before its payload: seq, ack, nbytes (int64), padding to a cache line
 PIDS = 4096  # bytes at the start of the file: each rank's pid (int64), then padding
@@ -62,7 +64,9 @@ def file_size(world: int, capacity: int = CAPACITY) -> int:
 
 
 def create(world: int, capacity: int = CAPACITY, directory: str = "/dev/shm") -> str:
-    """Rank 0 makes the file (sparse: pages cost memory once written) and returns its path."""
+    """Rank 0 makes the file (sparse: pages cost memory once written) and returns its path. It is
+    unlinked once every rank has mapped it; files of a rank 0 killed before that go here."""
+    sweep_stale(Path(directory), "pdserve-ep")
     path = os.path.join(directory, f"pdserve-ep-{os.getpid()}-{os.urandom(4).hex()}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
