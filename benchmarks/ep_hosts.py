@@ -12,13 +12,13 @@ thread per rank. Then:
    step come from the worker's `pdserve_ep_bytes_total` and `pdserve_ep_steps_total`.
 2. Resident set of host b's rank: its anonymous memory (RssAnon: what it allocated, not the
    checkpoint's file pages nor its KV pool's shared pages) less a bare process's (torch and pdserve imported), ÷ the weights it must
-   hold: the non-expert weights + its 8 of 16 slots per layer + the standby buffers once the balancer
-   has moved experts (it runs every 8 steps here). Goal <= 1.15. Host a's rank 0 holds every expert:
+   hold: the non-expert weights but the output head (rank 0 runs it over every rank's final rows)
+   + its 8 of 16 slots per layer + the standby buffers once the balancer has moved experts (it runs every 8 steps here). Goal <= 1.15. Host a's rank 0 holds every expert:
    it is the source the other ranks' moves come from.
 3. Link caps (--rates, Mbit/s; a tbf token bucket on each host's interface, both directions): the
    same load per cap; predicted step = uncapped step + bytes per step ÷ rate, where the bytes are
    the larger of each exchange's two directions summed (dispatch and combine both ways, the KV rows
-   and logits rank b sends, the blocks rank a sends). Prints measured ÷ predicted per cap (goal
+   and final rows for the logits rank b sends, the blocks rank a sends). Prints measured ÷ predicted per cap (goal
    within 0.7-1.3) as a table and one JSON line. About five minutes on 2 cores.
 
 --overlap runs the worker with model.ep_overlap (two micro-batches a step, one's exchange in flight
@@ -69,12 +69,13 @@ def rss_anon(pid: int) -> int:
 
 
 def weight_bytes(cfg: dict, slots: int) -> tuple[int, int]:
-    """(non-expert, one expert slot of every MoE layer) bytes in float32."""
+    """(non-expert but the output head, one expert slot of every MoE layer) bytes in float32: a rank
+    of another host drops an untied head (rank 0 computes every rank's logits)."""
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
     per_layer = h * q + 2 * h * kv + q * h + 2 * h + 2 * cfg["head_dim"] + cfg["num_experts"] * h
-    dense = 2 * vocab * h + layers * per_layer + h
+    dense = vocab * h + layers * per_layer + h
     expert = 3 * cfg["moe_intermediate_size"] * h
     return 4 * dense, 4 * expert * layers * slots
 

@@ -149,7 +149,8 @@ class EPTrafficCollector:
         fam = CounterMetricFamily(
             "pdserve_ep_bytes",
             "Bytes between rank 0 and the other expert-parallel ranks, by kind (dispatch, combine, "
-            "kv_shipped, experts: sent by rank 0; kv_mirrored, logits: received by it)",
+            "kv_shipped, experts: sent by rank 0; kv_mirrored, logits (the final rows rank 0 computes "
+            "the logits from): received by it)",
             labels=["kind"],
         )
         for kind, v in t.items():

@@ -78,7 +78,8 @@ class ExpertExchange:
         # Ranks with KV pools of their own (ep_kv.py): blocks rank 0 sent, KV rows rank 0 received.
         self.kv_shipped_bytes = 0
         self.kv_mirrored_bytes = 0
-        self.logits_bytes = 0  # logits rows gathered at rank 0 (rank 0: received; others: sent)
+        # the rows rank 0 computes the step's logits from (rank 0: received; others: sent)
+        self.logits_bytes = 0
         self.baton = Baton() if overlap else None  # two micro-batches a step (model.ep_overlap)
 
     def _all_to_all(self, t: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:

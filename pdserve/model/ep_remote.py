@@ -124,6 +124,7 @@ def run_rank(config: Config, rank: int) -> int:
     model, comms = rank_model(spec, loaded.weights)
     del loaded  # the checkpoint's tensors: only what the model keeps stays
     model.keep_own_experts()
+    model.drop_head()
     trim_heap()
     mem = memory_status()
     if mem:

@@ -206,8 +206,11 @@ def dp_step(
     plan: StepPlan | None = None,
 ) -> torch.Tensor | None:
     """One step with data-parallel attention, on every rank alike: this rank's share of the sequences
-    through the model (the MoE layers exchanging rows), then every rank's logits rows to rank 0, which
-    returns them in the step's order (the other ranks return None). With `plan` the ranks keep private
+    through the model (the MoE layers exchanging rows), then every rank's final-normed rows of the
+    logits the step wants to rank 0, which runs the output head over all of them at once and returns
+    the logits in the step's order (the other ranks return None). A row is `hidden` values where its
+    logits are `vocab`: across hosts the logits rows were most of a step's bytes, and the head's
+    weights are read on one rank only. With `plan` the ranks keep private
     KV pools (ep_kv.py): the split is the plan's, the blocks it names are sent first, and the KV the
     other ranks wrote reaches rank 0's pool before the step returns."""
     rank, world = exchange.rank, exchange.world
@@ -235,30 +238,30 @@ def dp_step(
             exchange.kv_shipped_bytes += ship(exchange.comm, kv_cache, meta.block_size, plan.ship)
         wanted = logits_indices is not None
         if exchange.baton is None:
-            logits = _run_share(model, mine, input_ids, positions, kv_cache, wanted, hook)
+            rows = _run_share(model, mine, input_ids, positions, kv_cache, wanted, hook)
         else:
-            logits = _run_halves(model, exchange.baton, mine, input_ids, positions, kv_cache, wanted, hook)
+            rows = _run_halves(model, exchange.baton, mine, input_ids, positions, kv_cache, wanted, hook)
         if plan is not None:
             exchange.kv_mirrored_bytes += mirror(exchange.comm, kv_cache, shares)
         if logits_indices is None:
             return None
-        vocab = model.arch.vocab_size
-        mine_logits = logits.float().cpu() if logits is not None else torch.zeros(0, vocab)
+        H = model.arch.hidden_size
+        mine_rows = rows.cpu() if rows is not None else torch.zeros(0, H, dtype=model.dtype)
         sizes = [s.logits_rows.numel() for s in shares]
         got = exchange.comm.all_to_all(
-            mine_logits, sizes if rank == 0 else [0] * world, [mine_logits.shape[0]] + [0] * (world - 1)
+            mine_rows, sizes if rank == 0 else [0] * world, [mine_rows.shape[0]] + [0] * (world - 1)
         )
-        row = vocab * got.element_size()
-        exchange.logits_bytes += row * (sum(sizes[1:]) if rank == 0 else mine_logits.shape[0])
+        row = H * got.element_size()
+        exchange.logits_bytes += row * (sum(sizes[1:]) if rank == 0 else mine_rows.shape[0])
     finally:
         model.set_exchange(None)
         if finish is not None:
             finish()
     if rank != 0:
         return None
-    out = torch.empty(logits_indices.numel(), got.shape[1], dtype=got.dtype)
+    out = torch.empty(logits_indices.numel(), H, dtype=got.dtype)
     out[torch.cat([s.logits_order for s in shares])] = got
-    return out.to(model.device)
+    return model.head(out.to(model.device))
 
 
 def dispatch_dtype(name: str) -> torch.dtype | None:
@@ -277,15 +280,21 @@ def _run_share(
     wanted: bool,
     hook,
 ) -> torch.Tensor | None:
-    """`share` through the model: the logits of its logits rows, in its order (None when the step
-    wants none or the share has no logits row)."""
+    """`share` through the model: the final-normed rows of its logits rows, in its order (None when
+    the step wants none or the share has no logits row)."""
     if not share.tokens.numel():
         model.idle_step()
         return None
     tok = share.tokens.to(input_ids.device)
     rows = share.logits_rows.to(input_ids.device) if wanted else None
     return model.forward(
-        input_ids.index_select(0, tok), positions.index_select(0, tok), share.meta, kv_cache, rows, hook
+        input_ids.index_select(0, tok),
+        positions.index_select(0, tok),
+        share.meta,
+        kv_cache,
+        rows,
+        hook,
+        head=False,
     )
 
 
@@ -328,12 +337,12 @@ def _run_halves(
     if not wanted or not mine.logits_rows.numel():
         return None
     got = [(h, x) for h, x in zip(halves, out) if x is not None]
-    logits = torch.empty(
+    rows = torch.empty(
         mine.logits_rows.numel(), got[0][1].shape[1], dtype=got[0][1].dtype, device=got[0][1].device
     )
     for h, x in got:
-        logits[h.logits_order.to(x.device)] = x
-    return logits
+        rows[h.logits_order.to(x.device)] = x
+    return rows
 
 
 class ExpertParallelModel:

@@ -257,7 +257,7 @@ class LlamaModel:
         return DenseMLP.packed(self._pack(gate_up), self._pack(w[p + "down_proj.weight"]))
 
     def _weights(self) -> list:
-        tensors = [self.lm_head, self.norm]
+        tensors = [t for t in (self.lm_head, self.norm) if t is not None]
         for layer in self.layers:
             tensors += [
                 *layer.attention_weights(),
@@ -291,10 +291,12 @@ class LlamaModel:
         logits_indices: torch.Tensor | None,
         layer_done: Callable[[int], None] | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        head: bool = True,
     ) -> torch.Tensor | None:
         """kv_cache: arch.kv_cache_shape(slots) ([layers, 2, slots, kv_heads, head_dim], or one latent
         plane with MLA). Returns float32 logits [len(logits_indices), V]
-        (None without logits_indices: expert-parallel ranks other than 0 need no logits).
+        (None without logits_indices: expert-parallel ranks other than 0 need no logits); with
+        `head` False the final-normed rows [len(logits_indices), hidden] instead, for `head()` later.
         `layer_done(i)` runs once layer i's KV is written (a prefill worker ships it while i+1 computes).
         `inputs_embeds` [tokens, hidden] replaces the embedding lookup (a VLM's image rows, model/vlm.py)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -318,4 +320,16 @@ class LlamaModel:
         if logits_indices is None:
             return None
         x = rms_norm(x[logits_indices], self.norm, self.arch.rms_norm_eps)
+        return self.head(x) if head else x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final-normed rows [n, hidden]."""
+        if self.lm_head is None:
+            raise RuntimeError("this model's output head was dropped (an expert-parallel rank other than 0)")
         return linear(x, self.lm_head).float()
+
+    def drop_head(self) -> None:
+        """Let the output head go where logits are never computed here (expert-parallel ranks of other
+        hosts: rank 0 runs the head over every rank's rows); a tied head stays, as the embedding."""
+        if self.lm_head is not self.embed:
+            self.lm_head = None

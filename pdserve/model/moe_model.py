@@ -17,7 +17,6 @@ from pdserve.eplb.placement import LayerPlacement, slot_range
 from pdserve.model.arch import ModelArch
 from pdserve.model.experts import ExpertStack
 from pdserve.model.kernels.layer import FusedLayer, FusedStep
-from pdserve.model.linear import linear
 from pdserve.model.llama import DenseMLP, LlamaModel, rms_norm
 from pdserve.model.moe import MoEBlock, expert_keys
 from pdserve.model.quant import cat_rows
@@ -127,6 +126,7 @@ class MoEModel(LlamaModel):
         logits_indices: torch.Tensor | None,
         layer_done: Callable[[int], None] | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        head: bool = True,
     ) -> torch.Tensor | None:
         """LlamaModel's step; a decode-only step runs each layer's attention in layer.c (the same values
         as op by op, bit for bit) and each MoE block between those calls."""
@@ -134,7 +134,7 @@ class MoEModel(LlamaModel):
         n = input_ids.shape[0] if inputs_embeds is None else inputs_embeds.shape[0]
         if fused is None or not FusedStep.applies(meta, n):  # then LlamaModel's step runs op by op
             return super().forward(
-                input_ids, positions, meta, kv_cache, logits_indices, layer_done, inputs_embeds
+                input_ids, positions, meta, kv_cache, logits_indices, layer_done, inputs_embeds, head
             )
         # layer.c updates the rows in place: a copy of the caller's embeddings.
         x = self.embed_tokens(input_ids).contiguous() if inputs_embeds is None else inputs_embeds.clone()
@@ -150,7 +150,7 @@ class MoEModel(LlamaModel):
         if logits_indices is None:
             return None
         x = rms_norm(x[logits_indices], self.norm, eps)
-        return linear(x, self.lm_head).float()
+        return self.head(x) if head else x
 
     @property
     def num_physical(self) -> int:

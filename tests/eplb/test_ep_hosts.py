@@ -188,3 +188,23 @@ def test_ep_rank_refuses_a_rank_that_is_not_another_hosts():
         "--rank", "0", *local, "--ep-rendezvous", "127.0.0.1:29999"
     )
     assert "needs the internal token" in _refused("--rank", "1", *local, "--ep-rendezvous", "10.0.0.2:29999")
+
+
+@pytest.mark.parametrize("name,tied", [("tiny-qwen2", False), ("tiny-llama", True)])
+def test_a_rank_of_another_host_drops_an_untied_output_head(name, tied):
+    """Rank 0 runs the output head over every rank's final rows, so `pdserve ep-rank` lets an untied
+    head go (vocab x hidden values fewer resident); a tied head is the embedding and stays."""
+    from pdserve.model.loader import build_model
+
+    model = build_model(load_model_files(name))
+    a = model.arch
+    before = model.resident_weight_bytes()
+    rows = torch.randn(2, a.hidden_size)
+    want = model.head(rows)
+    model.drop_head()
+    assert before - model.resident_weight_bytes() == (0 if tied else a.vocab_size * a.hidden_size * 4)
+    if tied:
+        assert torch.equal(model.head(rows), want)
+    else:
+        with pytest.raises(RuntimeError, match="dropped"):
+            model.head(rows)
