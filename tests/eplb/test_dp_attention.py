@@ -114,11 +114,27 @@ def _all_choices(h, slots, w):
     return out
 
 
+def _rank_experts(P, rank, world):
+    """Rank `rank`'s placement of P identity slots, and its compute: the stand-in experts of the
+    choices in its slots, the others skipped (as routed_experts skips other ranks' slots)."""
+    lo, hi = slot_range(P, rank, world)
+    pl = LayerPlacement.build(torch.arange(P), P, lo, hi, None, None)
+
+    def compute(x, s, w):
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(s.shape[1]):
+                if lo <= int(s[t, j]) < hi:
+                    out[t] += w[t, j].to(x.dtype) * _expert(x[t], int(s[t, j]))
+        return out
+
+    return pl, compute
+
+
 @pytest.mark.parametrize("world,dtype", [(2, torch.float64), (3, torch.float64), (2, torch.float32)])
 def test_exchange_gives_every_choice_and_sends_only_remote_rows(world, dtype):
     """float32 rows travel with their choices in one message, other dtypes apart: both checked."""
     P, H, k = 8, 16, 2
-    phy2log = torch.arange(P)
     g = torch.Generator().manual_seed(world)
     # Each rank's own tokens (rank 2 of 3 has none: it still takes part).
     toks = [
@@ -135,16 +151,7 @@ def test_exchange_gives_every_choice_and_sends_only_remote_rows(world, dtype):
     weights = [torch.rand(t.shape[0], k, generator=g) for t in toks]
 
     def fn(rank, comm):
-        lo, hi = slot_range(P, rank, world)
-        pl = LayerPlacement.build(phy2log, P, lo, hi, None, None)
-
-        def compute(x, s, w):
-            out = torch.zeros_like(x)
-            for t in range(x.shape[0]):
-                for j in range(s.shape[1]):
-                    if lo <= int(s[t, j]) < hi:
-                        out[t] += w[t, j].to(x.dtype) * _expert(x[t], int(s[t, j]))
-            return out
+        pl, compute = _rank_experts(P, rank, world)
 
         ex = ExpertExchange(comm, rank, world)
         out = ex(toks[rank], slots[rank], weights[rank], pl, compute)
@@ -170,7 +177,6 @@ def test_bfloat16_dispatch_rounds_only_the_rows_sent_and_halves_their_bytes():
     its token's row rounded to bfloat16, one computed here the row itself; the results come back in
     float32; the rows sent cost 2 bytes a value."""
     world, P, H, k = 2, 8, 16, 2
-    phy2log = torch.arange(P)
     g = torch.Generator().manual_seed(7)
     toks = [torch.randn(6, H, generator=g), torch.randn(4, H, generator=g)]
     slots = [torch.stack([torch.randperm(P, generator=g)[:k] for _ in range(t.shape[0])]) for t in toks]
@@ -178,16 +184,7 @@ def test_bfloat16_dispatch_rounds_only_the_rows_sent_and_halves_their_bytes():
     owners = slot_owners(P, world)
 
     def fn(rank, comm):
-        lo, hi = slot_range(P, rank, world)
-        pl = LayerPlacement.build(phy2log, P, lo, hi, None, None)
-
-        def compute(x, s, w):
-            out = torch.zeros_like(x)
-            for t in range(x.shape[0]):
-                for j in range(s.shape[1]):
-                    if lo <= int(s[t, j]) < hi:
-                        out[t] += w[t, j].to(x.dtype) * _expert(x[t], int(s[t, j]))
-            return out
+        pl, compute = _rank_experts(P, rank, world)
 
         ex = ExpertExchange(comm, rank, world, dispatch_dtype=torch.bfloat16)
         return ex(toks[rank], slots[rank], weights[rank], pl, compute), ex.dispatch_bytes
@@ -233,7 +230,6 @@ def test_two_micro_batches_overlap_their_exchanges_and_give_every_choice(world, 
     gets every choice, exactly as one batch would (float64); the last rank of 3 has no tokens at all
     and rank 1's second micro-batch none, yet each takes part in every exchange."""
     P, H, k, L = 6, 8, 2, 4
-    phy2log = torch.arange(P)
     g = torch.Generator().manual_seed(10 + world)
     counts = [(4, 3), (2, 0)] + [(0, 0)] * (world - 2)
     toks = [[torch.randn(n, H, generator=g, dtype=torch.float64) for n in c] for c in counts]
@@ -252,16 +248,7 @@ def test_two_micro_batches_overlap_their_exchanges_and_give_every_choice(world, 
     weights = [[[torch.rand(n, k, generator=g) for n in c] for _ in range(L)] for c in counts]
 
     def fn(rank, comm):
-        lo, hi = slot_range(P, rank, world)
-        pl = LayerPlacement.build(phy2log, P, lo, hi, None, None)
-
-        def compute(x, s, w):
-            out = torch.zeros_like(x)
-            for t in range(x.shape[0]):
-                for j in range(s.shape[1]):
-                    if lo <= int(s[t, j]) < hi:
-                        out[t] += w[t, j].to(x.dtype) * _expert(x[t], int(s[t, j]))
-            return out
+        pl, compute = _rank_experts(P, rank, world)
 
         ex = ExpertExchange(comm, rank, world, overlap=True)
         lanes = []
