@@ -11,8 +11,9 @@ Three all-to-alls a layer, each with the deadline of every collective: the row c
 their choices (one message in float32; the rows and the choices apart in other dtypes), the results.
 The rows travel in the model's dtype (or in model.ep_dispatch_dtype: bfloat16 halves a float32
 model's rows, and the receiving experts see them rounded) and the results come back in the model's
-dtype; in the model's dtype the values equal EP=1's up to the order of the final sum. With two micro-batches (ep_overlap.py) each all-to-all is started,
-the baton passed to the other micro-batch, and its answer read once the baton is back.
+dtype; in the model's dtype the values equal EP=1's up to the order of the final sum. With two
+micro-batches (ep_overlap.py) each all-to-all is started, the baton passed to the other
+micro-batch, and its answer read once the baton is back.
 """
 
 from __future__ import annotations

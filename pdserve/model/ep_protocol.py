@@ -118,7 +118,7 @@ class Comm:
 
     def start_all_to_all(
         self, t: torch.Tensor, out_splits: list[int], in_splits: list[int], lane: int = 0
-    ) -> "Pending":
+    ) -> Pending:
         """all_to_all begun: `wait()` on the result returns the rows. On shared memory `lane` picks the
         mailboxes (one per micro-batch); gloo matches a group's collectives by their order, which
         every rank keeps."""
