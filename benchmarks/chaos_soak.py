@@ -541,6 +541,25 @@ def _admin(c: PDCluster, method: str, path: str, router: str = "router", **kw) -
     )
 
 
+def _last_decisions(c: SoakCluster, n: int = 3) -> list[str]:
+    """Each router's last controller decisions and the fleet they read: why the fleet is its size."""
+    out = []
+    for r in ("router", "router-b"):
+        try:
+            ds = _admin(c, "GET", "/admin/controller", router=r).json()[-n:]
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            out.append(f"{r}: GET /admin/controller failed: {e}")
+            continue
+        for d in ds:
+            i = d.get("inputs", {})
+            fleet = (
+                f"{i.get('n_prefill', '?')}P+{i.get('n_decode', '?')}D, pressures "
+                f"{i.get('prefill_pressure', '?')}/{i.get('decode_pressure', '?')}"
+            )
+            out.append(f"{r}'s controller: {d['action']} ({fleet}): {d['reason']}")
+    return out
+
+
 def held_blocks(c: SoakCluster, violations: list[str], timeout: float = 120) -> int:
     """KV blocks neither free nor cached on the live workers once idle (waits up to `timeout`)."""
     last: dict[str, object] = {}
@@ -1277,7 +1296,8 @@ def _soak(
         time.sleep(SAMPLE_S)
     if len(running) != want:
         violations.append(
-            f"{len(running)} worker processes after the drain, not {want}: {', '.join(running)}"
+            f"{len(running)} worker processes after the drain, not {want}: {', '.join(running)}; "
+            + "; ".join(_last_decisions(c))
         )
     leaked = held_blocks(c, violations)
     if leaked:

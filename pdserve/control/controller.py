@@ -170,7 +170,12 @@ class DecodeForecast:
         """streams: running streams per decode worker now; gap_ms: the interval's mean gap (None: no
         gap in it). Returns milliseconds, or None while the step cost is unknown."""
         self.counts.append((now, streams))
-        if gap_ms is not None and streams > 0:
+        if streams <= 0:
+            # An idle pool: a stream sent now sees one stream's gap however many workers the pool
+            # has, so it says nothing of the pool's size (the fit kept from a busy phase, noise
+            # and faults included, would keep an idle pool from ever reading as cold).
+            return None
+        if gap_ms is not None:
             self.samples.append((streams, gap_ms))
         ns = [n for n, _ in self.samples]
         if len(ns) < 4 or max(ns) - min(ns) < self.spread:

@@ -430,6 +430,17 @@ def test_the_decode_forecast_is_the_measured_step_cost_at_the_streams_to_come():
     # One load level (streams 2-3 throughout): the slope is not measured, no forecast.
     f = DecodeForecast(horizon_s=10.0)
     assert all(f.update(2.0 * i, 2.0 + i % 2, 60.0 + 40.0 * (i % 2)) is None for i in range(10))
+    # The load gone (no stream runs): no forecast, however steep the fit kept from the busy phase, so
+    # the idle pool reads as cold and a worker added for the load can go again.
+    f = DecodeForecast(horizon_s=10.0)
+    for i in range(6):
+        f.update(2.0 * i, 2.0 * i + 1, 60.0 + 5.0 * (2.0 * i + 1))
+    assert f.update(12.0, 0.0, None) is None
+    idle = [Reading(i * INTERVAL, 3, 1, itl_forecast_ms=f.update(14.0 + i, 0.0, None)) for i in range(8)]
+    assert actions(decide_all(idle)[0]) == [(5, "remove_prefill")]
+    # (the fit's gap at one stream, 65 ms of a 100 ms SLO, read as the idle pool's: never cold)
+    stale = [Reading(i * INTERVAL, 3, 1, itl_forecast_ms=65.0) for i in range(8)]
+    assert actions(decide_all(stale)[0]) == []
     # Gaps that fall as streams rise (noise, other load leaving the CPU) are no step cost.
     f = DecodeForecast(horizon_s=10.0)
     assert all(f.update(2.0 * i, 2.0 * i, 200.0 - 10.0 * i) is None for i in range(8))
