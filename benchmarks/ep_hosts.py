@@ -13,8 +13,11 @@ thread per rank. Then:
 2. Resident set of host b's rank: its anonymous memory (RssAnon: what it allocated, not the
    checkpoint's file pages nor its KV pool's shared pages) less a bare process's (torch and pdserve imported), ÷ the weights it must
    hold: the non-expert weights but the output head (rank 0 runs it over every rank's final rows)
-   + its 8 of 16 slots per layer + the standby buffers once the balancer has moved experts (it runs every 8 steps here). Goal <= 1.15. Host a's rank 0 holds every expert:
-   it is the source the other ranks' moves come from.
+   + its 8 of 16 slots per layer + the standby buffers once the balancer has moved experts (it runs every 8 steps here). Goal <= 1.15.
+   Host a's worker (rank 0) likewise: its anonymous and shared memory (the weights rank 0 shares
+   with ranks it spawns live in shared memory), not the KV pool's file nor file pages, less a bare
+   worker process's, ÷ the non-expert weights with the output head + its 8 slots + standby. No rank
+   holds every expert: a move fetches each expert from a rank holding it (model/ep_fetch.py).
 3. Link caps (--rates, Mbit/s; a tbf token bucket on each host's interface, both directions): the
    same load per cap; predicted step = uncapped step + bytes per step ÷ rate, where the bytes are
    the larger of each exchange's two directions summed (dispatch and combine both ways, the KV rows
@@ -61,11 +64,34 @@ _BARE = (
     "import torch, pdserve.model.expert_parallel, pdserve.engine.engine\n"
     "print(dict(l.split(':', 1) for l in open('/proc/self/status'))['RssAnon'].split()[0])"
 )
+_BARE_WORKER = _BARE.replace(
+    "pdserve.engine.engine", "pdserve.engine.engine, pdserve.server.app, pdserve.cli"
+)
 
 
 def rss_anon(pid: int) -> int:
     status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
     return int(status["RssAnon"].split()[0]) * 1024
+
+
+def own_memory(pid: int) -> int:
+    """Resident bytes of a process's anonymous and shared-memory mappings, but the KV pool's file:
+    what it allocated, not libraries' or the checkpoint's file pages."""
+    total, own = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+            path = " ".join(fields[5:])
+            own = (
+                not path
+                or path.startswith("[heap]")
+                or (
+                    (path.startswith("/dev/shm/") or path.startswith("/memfd:")) and "pdserve-kv-" not in path
+                )
+            )
+        elif own and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
 
 
 def weight_bytes(cfg: dict, slots: int) -> tuple[int, int]:
@@ -189,6 +215,13 @@ def run(net, ckpt: Path, cfg: dict, work: Path, args, why_not: str | None) -> in
         )
         held = dense + slots * (2 if moved else 1)
         rss_b = rss_anon(rank1.pid)
+        bare_a = (
+            int(subprocess.run([sys.executable, "-c", _BARE_WORKER], capture_output=True, text=True).stdout)
+            * 1024
+        )
+        head = 0 if cfg.get("tie_word_embeddings") else 4 * cfg["vocab_size"] * cfg["hidden_size"]
+        held_a = held + head
+        mem_a = own_memory(worker.proc.pid)
         rows = [{"rate_mbit": None, "step_ms": step * 1e3, "predicted_ms": step * 1e3}]
         if why_not is None:
             for rate in [float(r) for r in args.rates.split(",") if r]:
@@ -223,6 +256,10 @@ def run(net, ckpt: Path, cfg: dict, work: Path, args, why_not: str | None) -> in
                     "rank1_weights_mb": round(held / 1e6, 1),
                     "standby_counted": moved,
                     "rank1_rss_over_weights": round((rss_b - bare) / held, 3),
+                    "rank0_memory_mb": round(mem_a / 1e6, 1),
+                    "bare_worker_rss_anon_mb": round(bare_a / 1e6, 1),
+                    "rank0_weights_mb": round(held_a / 1e6, 1),
+                    "rank0_memory_over_weights": round((mem_a - bare_a) / held_a, 3),
                     "goal_rss": "<= 1.15",
                     "steps": [
                         {k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()} for r in rows

@@ -3,8 +3,9 @@
 Each rank's MoE layers read their slots from an active `LayerPlacement`. `prepare(phy2log)` fills
 a standby buffer of the same shape on a background thread while steps keep running on the active
 one: a slot whose expert the rank already holds is copied from the active buffer (device to device),
-any other from the full expert weights kept in host memory (the "moved" experts), or, on a rank
-that holds only its own slots (another host's), from the experts rank 0 sent it (model/ep_fetch.py). `commit()`,
+any other from the full expert weights kept in host memory (the "moved" experts; ranks on one
+host share that copy), or, where the ranks span hosts and each holds only its own slots, from the
+experts the ranks holding them sent (model/ep_fetch.py). `commit()`,
 called between two steps, waits for the build and then swaps every layer's placement pointer, so
 no step ever sees a half-moved layer. The old buffers become the next standby: two buffers per
 layer, allocated once. (Initial slots may be views of the host store: those are never written, the
@@ -18,6 +19,7 @@ import threading
 import torch
 
 from pdserve.eplb.placement import LayerPlacement, slot_range
+from pdserve.utils.runtime import trim_heap
 
 
 class ExpertWeightMover:
@@ -69,7 +71,12 @@ class ExpertWeightMover:
             aliases = store is not None and old.gate_up.shares_storage(store[j][0])
             self._standby[j] = None if aliases else (old.gate_up, old.down)
         self.model.phy2log = self._phy2log
-        self._next, self._fetched = None, {}
+        fetched, self._next, self._fetched = self._fetched, None, {}
+        if fetched:
+            # The experts that came from other ranks (and the exchange's buffers) are freed now: hand
+            # that memory back, or the heap keeps a move's worth of it resident (utils/runtime.py).
+            del fetched
+            trim_heap()
         return self.moved
 
     def _build(self) -> None:
@@ -95,6 +102,8 @@ class ExpertWeightMover:
                         down.copy_slot_(s, got_down, 0)
                         moved += 1
                     else:
+                        if m.expert_store is None:
+                            raise RuntimeError(f"expert {e} of MoE layer {j} was neither held nor fetched")
                         gate_up.copy_slot_(s, m.expert_store[j][0], e)
                         down.copy_slot_(s, m.expert_store[j][1], e)
                         moved += 1

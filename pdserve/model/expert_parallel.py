@@ -90,6 +90,7 @@ from pdserve.model.ep_protocol import (
 from pdserve.model.moe_model import MoEModel, initial_placement, pack_experts
 from pdserve.model.quant import MODES
 from pdserve.model.stored_quant import resolve_quantization
+from pdserve.utils.runtime import trim_heap
 from pdserve.utils.shm import attach_shared_kv
 
 log = logging.getLogger(__name__)
@@ -375,10 +376,11 @@ class ExpertParallelModel:
         if mc.ep_overlap and mc.ep_attention != "data":
             raise ValueError("model.ep_overlap needs model.ep_attention: data")
         self.data_parallel = mc.ep_attention == "data"
-        # Ranks on other hosts keep their own KV pools (ep_kv.py); so, then, do this host's.
+        # Ranks on other hosts keep their own KV pools (ep_kv.py) and only their own expert slots
+        # (ep_fetch.py); so, then, do this host's.
         self.private = local < world
-        self._local = local  # ranks 0..local-1 map the host copy of every expert
-        self.experts_sent_bytes = 0  # experts sent to ranks of other hosts for new placements
+        self._local = local  # ranks per host: 0..local-1 on this one
+        self.experts_sent_bytes = 0  # experts this rank sent to the others for new placements
         if self.private and not (self.data_parallel and mc.ep_rendezvous):
             raise ValueError("ranks on other hosts need model.ep_rendezvous and model.ep_attention: data")
         if problem := rendezvous_problem(mc.ep_rendezvous, token):
@@ -450,6 +452,14 @@ class ExpertParallelModel:
             gemm_kernel=mc.gemm_kernel,
             activation_quantization=mc.activation_quantization,
         )
+        if self.private:
+            # Every rank has built its slots from the shared copy: each keeps its own, and the copy
+            # of every expert goes (the spawned ranks' arguments share this dict: emptied, it holds
+            # nothing there either). New placements fetch experts from the ranks holding them.
+            self.model.keep_own_experts()
+            weights.clear()
+            del experts
+            trim_heap()
         self.device, self.max_model_len = self.model.device, self.model.max_model_len
         self.mover = ExpertWeightMover(self.model)
         self.eplb = ExpertBalancer(
@@ -584,11 +594,12 @@ class ExpertParallelModel:
                 self.eplb.committed(self._preparing)
                 self._preparing = None
             if announce:
+                got = None
                 if self.private:  # after every broadcast of the step, as the ranks do
-                    self.experts_sent_bytes += _fetch(
-                        self.model, r.comm, self._pending, self._local
-                    ).sent_bytes
-                self.mover.prepare(self._pending)
+                    got = _fetch(self.model, r.comm, self._pending, self._local)
+                    self.experts_sent_bytes += got.sent_bytes
+                self.mover.prepare(self._pending, got.experts if got is not None else None)
+                del got  # the mover alone holds the fetched experts: it lets go of them at the commit
                 self._preparing, self._pending = self._pending, None
             self.model.set_step(self._step)
             try:
@@ -781,7 +792,11 @@ def worker_loop(spec: RankSpec, weights: dict) -> bool:
     """A rank > 0 on rank 0's host: build this rank's part of the model, join the group, then follow
     rank 0's steps until OP_STOP (True) or until rank 0 is gone (False)."""
     model, comms = rank_model(spec, weights)
-    del weights
+    if spec.local < spec.world:  # ranks span hosts: each keeps only its own slots, as rank 0 does
+        model.keep_own_experts()
+    # The process's arguments hold this dict: emptied, the shared copy is no longer mapped here.
+    weights.clear()
+    trim_heap()
     return join_and_follow(spec, model, comms)
 
 
@@ -880,10 +895,12 @@ def _follow(spec: RankSpec, model: MoEModel, comm: Comm, device: torch.device) -
                     comm.broadcast(torch.zeros(h.plan, dtype=torch.long)), len(step_units(meta)), spec.world
                 )
             if placement is not None:
-                fetched = {}
-                if spec.local < spec.world:  # ranks of other hosts get the experts they lack
-                    fetched = _fetch(model, comm, placement, spec.local).experts
-                mover.prepare(placement, fetched)
+                # No rank holds every expert where the ranks span hosts: each fetches what it lacks
+                # (handed to the mover alone, which lets go of it at the commit).
+                private = spec.local < spec.world
+                mover.prepare(
+                    placement, _fetch(model, comm, placement, spec.local).experts if private else None
+                )
             model.set_step(h.step)
             counts.all_own = bool(h.flags & FLAG_DP)
             if counts.all_own:
@@ -893,11 +910,11 @@ def _follow(spec: RankSpec, model: MoEModel, comm: Comm, device: torch.device) -
             comm.all_reduce(counts.take())  # this rank's share of the step's expert load, to rank 0
 
 
-def _fetch(model: MoEModel, comm: Comm, placement: torch.Tensor, local: int) -> Fetched:
-    """ep_fetch.fetch_experts from the placement in force to `placement`, with this rank's own slots
-    as the formats' templates (rank 0 sends from its copy of every expert)."""
+def _fetch(model: MoEModel, comm: Comm, placement: torch.Tensor, per_host: int) -> Fetched:
+    """ep_fetch.fetch_experts from the placement in force to `placement`: this rank's slots are what
+    it sends from."""
     own = [(b.placement.gate_up, b.placement.down) for b in model.blocks]
-    return fetch_experts(comm, model.phy2log, placement, local, model.expert_store, own)
+    return fetch_experts(comm, model.phy2log, placement, per_host, own)
 
 
 def _worker_kv(spec: RankSpec, slots: int, path: str, device: torch.device) -> torch.Tensor:

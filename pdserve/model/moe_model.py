@@ -2,7 +2,8 @@
 
 The same decoder as llama.py with a MoE block as the MLP of the MoE layers. The full expert weights
 stay where the loader put them (host memory, shared between expert-parallel ranks on one host): they
-are the source the weight mover copies from. A rank's device holds only its physical slots.
+are the source the weight mover copies from, unless the ranks span hosts (then each rank keeps only
+its slots, `keep_own_experts`). A rank's device holds only its physical slots.
 """
 
 from __future__ import annotations
@@ -198,8 +199,9 @@ class MoEModel(LlamaModel):
         return block
 
     def keep_own_experts(self) -> None:
-        """Hold only this rank's slots (a rank on another host): each layer's slots become copies of
-        their own, and the host copy of every expert goes (new experts then come from rank 0)."""
+        """Hold only this rank's slots (ranks that span hosts): each layer's slots become copies of
+        their own, and the host copy of every expert goes (new experts then come from the ranks
+        holding them, model/ep_fetch.py)."""
         for b in self.blocks:
             p = b.placement
             own = torch.arange(len(p.gate_up))

@@ -15,6 +15,7 @@ from ep_runs import PARAMS, PROMPTS, assert_same
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.procs import free_port, pdserve_cmd
+from pdserve.eplb.placement import slot_range
 from pdserve.model.ep_hosts import publish_spec, read_spec, rendezvous_store
 from pdserve.model.loader import load_model_files
 
@@ -95,19 +96,24 @@ def test_ranks_of_other_hosts_give_ep1_tokens(name, world, local, overlap):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quant", ["none", "int4"])
-def test_expert_moves_across_hosts_keep_outputs(quant):
-    """Placements forced mid-generation move experts on the other host's rank too: it holds only its
-    slots, so rank 0 sends it the experts it lacks (int4: packed tensors and scales). int4 runs on
-    torch's products: the native kernels' bfloat16 activations make a row depend on its step's rows."""
+@pytest.mark.parametrize("quant,world,local", [("none", 3, 2), ("int4", 2, 1)])
+def test_expert_moves_across_hosts_keep_outputs(quant, world, local):
+    """Placements forced mid-generation move experts on every rank: the ranks span hosts, so none
+    holds every expert (rank 0 and the rank it spawned on its host included); each fetches what it
+    lacks from a rank holding it (int4: packed tensors and scales). int4 runs on torch's products:
+    the native kernels' bfloat16 activations make a row depend on its step's rows."""
     name = "tiny-mixtral"
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     common = dict(model__quantization=quant, model__gemm_kernel="torch" if quant != "none" else "auto")
     ref = LLM(model=name, loaded=load_model_files(name), **ENGINE, **common)
     want = [o.token_ids for o in ref.generate(PROMPTS, params)]
-    d = _Deployment(name, 2, 1, model__num_redundant_experts=4, **common)
+    slots = 16 + 4
+    d = _Deployment(name, world, local, model__num_redundant_experts=4, **common)
     g = torch.Generator().manual_seed(5)
     try:
+        rank0 = d.model.model
+        assert rank0.expert_store is None
+        assert all(len(b.placement.gate_up) == len(range(*slot_range(slots, 0, world))) for b in rank0.blocks)
         engine = d.llm.engine
         for i, p in enumerate(PROMPTS):
             engine.add_request(str(i), d.llm.tokenizer.encode(p), params)
@@ -115,7 +121,7 @@ def test_expert_moves_across_hosts_keep_outputs(quant):
         step = 0
         while engine.has_unfinished():
             if step in (4, 16):
-                layers = d.model.model.phy2log.shape[0]
+                layers = rank0.phy2log.shape[0]
                 d.model.request_placement(
                     torch.stack(
                         [
@@ -132,7 +138,7 @@ def test_expert_moves_across_hosts_keep_outputs(quant):
         assert [outputs[str(i)] for i in range(len(PROMPTS))] == want
         assert d.model.eplb.rebalances >= 2 and d.model.experts_sent_bytes > 0
     finally:
-        assert d.close() == [0]
+        assert d.close() == [0] * (world - local)
 
 
 @pytest.mark.slow

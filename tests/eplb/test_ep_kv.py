@@ -1,6 +1,7 @@
 """Ranks of other hosts: their KV pools (model/ep_kv.py: which blocks a step reads and writes, rank
-0's record of what each rank holds, the plan on the wire, the bytes moved) and the experts they are
-sent for new placements (model/ep_fetch.py), over a real gloo group (ranks as threads)."""
+0's record of what each rank holds, the plan on the wire, the bytes moved) and the experts ranks
+fetch for new placements from the ranks holding them (model/ep_fetch.py), over a real gloo group
+(ranks as threads)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from gloo_ranks import run_ranks
 from pdserve.eplb.placement import slot_range
 from pdserve.model.attention import build_metadata
 from pdserve.model.dp_attention import split_step, step_units
-from pdserve.model.ep_fetch import fetch_experts, missing
+from pdserve.model.ep_fetch import fetch_experts, missing, plan_fetch
 from pdserve.model.ep_kv import (
     Residency,
     StepPlan,
@@ -134,10 +135,54 @@ def test_ship_and_mirror_move_exact_bytes(world, dtype):
         assert torch.equal(final0[:, :, slot], src[:, :, slot]), slot
 
 
+def _holders(old: torch.Tensor, j: int, e: int, world: int) -> list[int]:
+    ranges = [slot_range(old.shape[1], r, world) for r in range(world)]
+    return [r for r, (lo, hi) in enumerate(ranges) if e in old[j, lo:hi].tolist()]
+
+
+def test_each_missing_expert_comes_from_a_holder_on_the_same_host_where_there_is_one():
+    """The plan every rank computes alike: an expert a rank lacks comes from a rank holding it under
+    the placement in force, on the rank's own host where one does, else the holder with the fewest
+    experts to send so far (so no one rank sends them all)."""
+    g = torch.Generator().manual_seed(3)
+    experts, layers, world = 16, 3, 4  # 24 slots: 6 a rank, 8 of them replicas
+    old = torch.stack(
+        [
+            torch.cat([torch.randperm(experts, generator=g), torch.randperm(experts, generator=g)[:8]])
+            for _ in range(layers)
+        ]
+    )
+    new = torch.stack(
+        [
+            torch.cat([torch.randperm(experts, generator=g), torch.randperm(experts, generator=g)[:8]])
+            for _ in range(layers)
+        ]
+    )
+    for per_host in (1, 2, 4):
+        plan = plan_fetch(old, new, world, per_host)
+        sends = [0] * world
+        for d in range(world):
+            assert [(j, e) for j, e, _ in plan[d]] == missing(old, new, d, world)
+            for j, e, src in plan[d]:
+                holders = _holders(old, j, e, world)
+                assert src in holders and src != d
+                near = [r for r in holders if r // per_host == d // per_host]
+                assert src in (near or holders)
+                sends[src] += 1
+        assert sum(sends) == sum(len(missing(old, new, d, world)) for d in range(world))
+        assert sum(1 for n in sends if n) > 1, sends  # spread over the holders
+    # An expert no rank holds cannot be fetched: a clear error, not a wrong slot.
+    with pytest.raises(ValueError, match="no rank holds expert"):
+        plan_fetch(torch.zeros(1, 4, dtype=torch.long), torch.arange(4).view(1, 4), 2, 1)
+
+
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
-def test_ranks_of_other_hosts_get_the_experts_a_placement_gives_them_byte_for_byte(mode):
-    """Rank 0 (every expert) sends ranks 1 and 2 (other hosts: their own slots only) the experts the new
-    placement puts in their slots and the old one did not; each arrives as the same packed tensors."""
+@pytest.mark.parametrize("per_host", [1, 2])
+def test_ranks_get_the_experts_a_placement_gives_them_byte_for_byte_from_the_ranks_holding_them(
+    mode, per_host
+):
+    """No rank holds every expert: each sends from its own slots the experts the new placement gives
+    other ranks, and each gets what it lacks as the same packed tensors."""
     g = torch.Generator().manual_seed(0)
     experts, layers, world = 8, 2, 3
     store = [
@@ -147,23 +192,28 @@ def test_ranks_of_other_hosts_get_the_experts_a_placement_gives_them_byte_for_by
         )
         for _ in range(layers)
     ]
-    old = torch.arange(experts).repeat(layers, 1)
-    new = torch.stack([torch.randperm(experts, generator=g) for _ in range(layers)])
+    slots = experts + 4
+    old = torch.stack(
+        [torch.cat([torch.randperm(experts, generator=g), torch.arange(4)]) for _ in range(layers)]
+    )
+    new = torch.stack(
+        [torch.cat([torch.randperm(experts, generator=g), torch.arange(4, 8)]) for _ in range(layers)]
+    )
 
     def body(rank, comm):
-        lo, hi = slot_range(experts, rank, world)
+        lo, hi = slot_range(slots, rank, world)
         own = [(gu[old[j, lo:hi]], dn[old[j, lo:hi]]) for j, (gu, dn) in enumerate(store)]
-        return fetch_experts(comm, old, new, 1, store if rank == 0 else None, own)
+        return fetch_experts(comm, old, new, per_host, own)
 
     out = run_ranks(world, body)
-    assert out[0].experts == {} and out[0].sent_bytes > 0
-    sent = 0
-    for r in range(1, world):
+    received = 0
+    for r in range(world):
         assert sorted(out[r].experts) == missing(old, new, r, world)
         for (j, e), (gu, dn) in out[r].experts.items():
             for got, want in zip((gu, dn), store[j]):
                 assert got.kind == want.kind and len(got) == 1
                 for a, b in zip(got.tensors, want.tensors):
                     assert torch.equal(a[0], b[e])
-                    sent += a.numel() * a.element_size()
-    assert out[0].sent_bytes == sent
+                    received += a.numel() * a.element_size()
+    assert sum(o.sent_bytes for o in out) == received > 0
+    assert sum(1 for o in out if o.sent_bytes) > 1  # not one sender for every move
