@@ -282,9 +282,9 @@ class ControllerConfig:
     # readings of the last sustain_intervals + 1 a condition must hold to act (hysteresis)
     sustain_intervals: int = 3
     cooldown_s: float = 30.0  # no action this long after the last one
-    # at max_workers, a worker moves to a hot pool this x as far over its SLO as the other pool (over
-    # one worker fewer, when that one is within its SLO)
-    imbalance: float = 3.0
+    # at max_workers, a worker moves to a hot pool from one that is not cold when the worse of the two
+    # pressures is predicted this x lower after the move (each pool's load spread over its workers)
+    switch_gain: float = 1.25
     min_workers: int = 2
     max_workers: int = 4
     drain_timeout_s: float = 30.0  # a draining worker's requests may finish this long, then move elsewhere

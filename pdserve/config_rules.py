@@ -152,7 +152,7 @@ BOUNDS: dict[str, Bound] = {
     "controller.sustain_intervals": _ONE,
     "controller.min_workers": Bound(2),
     "controller.max_workers": Bound(2),
-    "controller.imbalance": Bound(1, above=True),
+    "controller.switch_gain": Bound(1),
     "controller.lease_s": Bound(3),
     "rollout.canary_weight": Bound(0, 1),
     "rollout.window_s": _POSITIVE,

@@ -165,6 +165,7 @@ class DecodeForecast:
         self.horizon_s, self.spread = horizon_s, spread
         self.samples: deque[tuple[float, float]] = deque(maxlen=keep)
         self.counts: deque[tuple[float, float]] = deque(maxlen=trend)
+        self.base_ms: float | None = None  # the fit's gap at no stream: the step's fixed cost
 
     def update(self, now: float, streams: float, gap_ms: float | None) -> float | None:
         """streams: running streams per decode worker now; gap_ms: the interval's mean gap (None: no
@@ -179,13 +180,16 @@ class DecodeForecast:
             self.samples.append((streams, gap_ms))
         ns = [n for n, _ in self.samples]
         if len(ns) < 4 or max(ns) - min(ns) < self.spread:
+            self.base_ms = None
             return None
         mean_n, mean_g = sum(ns) / len(ns), sum(g for _, g in self.samples) / len(ns)
         per_stream = sum((n - mean_n) * (g - mean_g) for n, g in self.samples) / sum(
             (n - mean_n) ** 2 for n in ns
         )
         if per_stream <= 0:
+            self.base_ms = None
             return None
+        self.base_ms = max(0.0, mean_g - per_stream * mean_n)
         (t0, n0) = self.counts[0]
         growth = max(0.0, (streams - n0) / (now - t0)) if now > t0 else 0.0
         return mean_g + per_stream * (streams + growth * self.horizon_s - mean_n)
@@ -296,6 +300,7 @@ class Controller:
             None if backlog is None else backlog * 1000,
             forecast,
             max(1, len({w.version for w in pre + dec if w.version})),
+            self.forecast.base_ms if streams else None,
         )
 
     async def step(self) -> ControllerDecision:

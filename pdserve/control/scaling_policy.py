@@ -23,15 +23,21 @@ were. Hysteresis, so that it never flaps:
   every other reading never acts;
 - a switch takes a worker from a cold pool, so the pool it leaves must be well under its SLO (not
   merely under `high`), and moving it back needs the reverse condition, sustained; only at
-  `max_workers`, with nowhere else to get one, does a pool far over its SLO take a worker from a
-  pool within it (below);
+  `max_workers`, with nowhere else to get one, does a hot pool take a worker from a pool that is
+  not cold, and only when the move is predicted to lower the worse of the two pressures (below),
+  which the reverse move then cannot;
 - after any action nothing happens for `cooldown_s`, nor while a worker it started has not yet
   registered; the counts start again after that.
 Order of preference: a hot pool takes a worker from a cold pool (a switch costs no start-up),
-else a new worker below `max_workers`; at `max_workers`, a worker moves to a hot pool `imbalance`
-times as far over its SLO as the pool it leaves (that one's pressure over one worker fewer, when it
-is not hot itself); when both pools stay cold, one worker goes (drained first)
-down to `min_workers`. Each pool keeps at least one worker.
+else a new worker below `max_workers`; at `max_workers`, a worker moves to a hot pool when the
+worse pressure predicted after the move is `switch_gain` times lower than the hot pool's now; when
+both pools stay cold, one worker goes (drained first) down to `min_workers`. Each pool keeps at
+least one worker.
+
+The prediction (`pressure_after`) spreads the load-dependent part of a pool's figures over its
+workers after the move: the decode gap less the step's fixed cost (the intercept of the step cost
+the controller fits to this machine's readings, `Reading.decode_base_ms`; zero until measured, which
+over-predicts the pool losing a worker), KV usage, and the prefill pool's waits and backlog whole.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ class Params:
     cooldown_s: float
     min_workers: int
     max_workers: int
-    imbalance: float
+    switch_gain: float
     window: int = 0  # readings a condition is counted over; 0: sustain_intervals + 1
 
     @classmethod
@@ -77,7 +83,7 @@ class Params:
             c.cooldown_s,
             c.min_workers,
             c.max_workers,
-            c.imbalance,
+            c.switch_gain,
         )
 
     @property
@@ -103,6 +109,7 @@ class Reading:
     backlog_ms: float | None = None  # the wait ahead of a prompt sent now to the least-queued prefill worker
     itl_forecast_ms: float | None = None  # the mean gap forecast for a decode stream sent now
     versions: int = 1  # versions the serving workers run: more than one while a rollout replaces them
+    decode_base_ms: float | None = None  # the decode step's fixed cost (the fitted gap at no stream)
 
 
 HOT, COLD, NEITHER = 1, -1, 0
@@ -160,6 +167,32 @@ def pressures(r: Reading, p: Params) -> tuple[float, float]:
     return pre, dec
 
 
+def pressure_after(r: Reading, p: Params, role: str, n_after: int) -> float:
+    """The pool `role`'s pressure with `n_after` workers instead of its `r.n_<role>`, its load spread
+    over them: the decode gap's part above the step's fixed cost and KV usage scale with the streams
+    a worker holds, the prefill pool's waits and backlog with the prompts queued at each."""
+    n = r.n_prefill if role == "prefill" else r.n_decode
+    share = n / max(n_after, 1)
+    if role == "prefill":
+        return pressures(r, p)[0] * share
+    gap = max(r.itl_mean_ms or 0.0, r.itl_forecast_ms or 0.0)
+    base = min(gap, max(0.0, r.decode_base_ms or 0.0))
+    return max((base + (gap - base) * share) / p.slo_tpot_ms, r.decode_kv_usage * share / p.kv_usage_high)
+
+
+def _move_gain(r: Reading, p: Params, role: str) -> float:
+    """How many times lower the worse pool's pressure is predicted to be after a worker moves to
+    `role`'s pool than `role`'s pressure now (0: the other pool has no worker to give)."""
+    other = "decode" if role == "prefill" else "prefill"
+    n_role = r.n_prefill if role == "prefill" else r.n_decode
+    n_other = r.n_decode if role == "prefill" else r.n_prefill
+    if n_other <= 1:
+        return 0.0
+    now = pressures(r, p)[0 if role == "prefill" else 1]
+    worst = max(pressure_after(r, p, role, n_role + 1), pressure_after(r, p, other, n_other - 1))
+    return now / max(worst, 1e-9)
+
+
 def _mark(pressure: float, p: Params) -> int:
     return HOT if pressure > p.high else COLD if pressure < p.low else NEITHER
 
@@ -186,6 +219,7 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
         "oldest_wait_ms": r.oldest_wait_ms or 0.0,
         "backlog_ms": round(r.backlog_ms or 0.0, 1),
         "itl_forecast_ms": round(r.itl_forecast_ms or 0.0, 1),
+        "decode_base_ms": round(r.decode_base_ms or 0.0, 1),
     }
     last = s.last_action_at
     if last is not None and r.time - last < p.cooldown_s:
@@ -237,15 +271,14 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
                 f"both pools over their SLOs in {n} of the last {p.span} intervals ({pre:.2f}, {dec:.2f}); "
                 f"the {role} pool more",
             )
-        # At max_workers with both over: move a worker only when one pool is far worse off (a
-        # factor of `imbalance` per worker), so the move cannot simply reverse the imbalance.
-        hot, cool = (pre, dec) if role == "prefill" else (dec, pre)
-        n_cool = r.n_decode if role == "prefill" else r.n_prefill
-        if n_cool > 1 and hot >= p.imbalance * cool:
+        # At max_workers with both over: move a worker to the worse pool only when the worse of the
+        # two pressures is predicted to fall by `switch_gain`, so the move cannot simply reverse.
+        gain = _move_gain(r, p, role)
+        if gain >= p.switch_gain:
             return act(
                 f"switch_to_{role}",
-                f"both pools over their SLOs at max_workers; the {role} pool "
-                f"{hot / max(cool, 1e-9):.1f}x as far over",
+                f"both pools over their SLOs at max_workers; a worker moved to the {role} pool is "
+                f"predicted to bring the worse pressure {gain:.1f}x lower",
             )
         return hold(f"both pools over their SLOs and the fleet is at max_workers ({p.max_workers})")
     for role, short, other_cold, n_other, pressure in (
@@ -261,17 +294,18 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
         if total < p.max_workers:
             return act(f"add_{role}", f"{what}; no spare {other} worker")
         # At max_workers, the other pool within its SLO but not cold (a cold one gives a worker by
-        # the sustained rule above): move a worker when this pool is `imbalance` times as far over as
-        # the other would be with one worker fewer (its load spread over the rest), so the move
-        # lowers the worse pressure and cannot simply reverse it.
+        # the sustained rule above): move a worker when the worse pressure after the move (each
+        # pool's load spread over its workers then) is predicted `switch_gain` times lower than this
+        # pool's now, so the move lowers the worse pressure and cannot simply reverse it.
         donor, donor_known = (dec, dec_known) if role == "prefill" else (pre, pre_known)
         if donor_known and _mark(donor, p) == NEITHER and n_other > 1:
-            after = donor * n_other / (n_other - 1)
-            if pressure >= p.imbalance * after:
+            gain = _move_gain(r, p, role)
+            if gain >= p.switch_gain:
+                after = pressure_after(r, p, other, n_other - 1)
                 return act(
                     f"switch_to_{role}",
                     f"{what}; at max_workers, the {other} pool at {donor:.2f} would be at {after:.2f} "
-                    f"with one worker fewer, the {role} pool {pressure / after:.1f}x as far over",
+                    f"with one worker fewer: the worse pressure {gain:.1f}x lower",
                 )
         return hold(f"{what}, but no spare {other} worker and the fleet is at max_workers ({p.max_workers})")
     if (

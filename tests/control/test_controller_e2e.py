@@ -119,7 +119,11 @@ def test_scale_up_starts_a_worker_that_takes_requests(tmp_path):
     # test is about adding: at max_workers it moves none, and min_workers keeps the idle end from
     # removing one).
     with _deployment(
-        tmp_path, "up", 1, 1, {"slo_ttft_ms": 0.001, "slo_tpot_ms": 0.001, "imbalance": 1e9, "min_workers": 3}
+        tmp_path,
+        "up",
+        1,
+        1,
+        {"slo_ttft_ms": 0.001, "slo_tpot_ms": 0.001, "switch_gain": 1e9, "min_workers": 3},
     ) as srv:
         srv.wait_ready(timeout=300)
         url = srv.url

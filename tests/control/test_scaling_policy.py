@@ -6,7 +6,7 @@ and applies each action to the fleet's counts, as the controller would once it i
 from __future__ import annotations
 
 from pdserve.config import ControllerConfig
-from pdserve.control.scaling_policy import ACTIONS, Decision, Params, Reading, State, decide
+from pdserve.control.scaling_policy import ACTIONS, Decision, Params, Reading, State, decide, pressure_after
 
 P = Params.from_config(
     ControllerConfig(
@@ -19,7 +19,7 @@ P = Params.from_config(
         min_workers=2,
         max_workers=4,
         kv_usage_high=0.9,
-        imbalance=3.0,
+        switch_gain=1.25,
     )
 )
 INTERVAL = 5.0
@@ -61,11 +61,13 @@ def replay(
     return acted
 
 
-def decide_all(readings: list[Reading], state: State | None = None) -> tuple[list[Decision], State]:
+def decide_all(
+    readings: list[Reading], state: State | None = None, params: Params = P
+) -> tuple[list[Decision], State]:
     """Each reading's decision, the state carried through (readings given whole, not as a trace)."""
     decisions, state = [], state or State()
     for r in readings:
-        d, state = decide(r, state, P)
+        d, state = decide(r, state, params)
         decisions.append(d)
     return decisions, state
 
@@ -225,17 +227,40 @@ def test_at_max_workers_with_both_pools_over_a_far_worse_pool_takes_a_worker():
     assert replay([(1200.0, 900.0)] * 20, n_prefill=1, n_decode=2, params=at_max) == []
 
 
-def test_at_max_workers_a_far_hot_pool_takes_a_worker_from_one_within_its_slo():
-    """A prompt-heavy phase with the fleet full: prefill 4.5x over its SLO, decode at 0.6 (within it,
-    not cold). With one decode worker fewer the decode pool would be at 1.2: prefill is 3.75x as far
-    over, so a decode worker moves, once. Decode at 0.9 (1.8 with one fewer): prefill 2.5x, hold."""
+def test_at_max_workers_a_hot_pool_takes_a_worker_when_the_worse_pressure_is_predicted_lower():
+    """A prompt-heavy phase with the fleet full (1 prefill, 2 decode workers): prefill 4.5x over its
+    SLO, decode at 0.6 (within it, not cold). After a move the prefill load is spread over two workers
+    (2.25) and the decode load over one (1.2): the worse pressure 2x lower, so a decode worker moves,
+    once. Prefill 1.5x over with decode at 0.9: decode would be at 1.8, worse than 1.5 now: hold."""
     at_max = Params(**{**P.__dict__, "max_workers": 3})
     assert replay([(4500.0, 60.0)] * 8, n_prefill=1, n_decode=2, params=at_max) == [(2, "switch_to_prefill")]
-    assert replay([(4500.0, 90.0)] * 8, n_prefill=1, n_decode=2, params=at_max) == []
+    assert replay([(4500.0, 90.0)] * 8, n_prefill=1, n_decode=2, params=at_max) == [(2, "switch_to_prefill")]
+    assert replay([(1500.0, 90.0)] * 8, n_prefill=1, n_decode=2, params=at_max) == []
     # The same for a decode pool far over with the prefill pool within its SLO.
     assert replay([(700.0, 500.0)] * 8, n_prefill=2, n_decode=1, params=at_max) == [(2, "switch_to_decode")]
     # A pool of one worker gives none.
     assert replay([(4500.0, 60.0)] * 8, n_prefill=2, n_decode=1, params=at_max) == []
+
+
+def test_the_decode_step_s_measured_fixed_cost_does_not_spread_over_the_workers():
+    """The gap's part that is the step's fixed cost (the fitted intercept) stays whatever the streams
+    a worker holds; only the rest spreads. Decode at 90 ms of a 100 ms SLO on two workers, 60 ms of it
+    fixed: with one worker, 60 + 2 x 30 = 120 ms (1.2), not 180 ms; prefill at 1.6 then moves a worker
+    (the worse pressure 1.33x lower, over the 1.25 asked for), where without the measured cost the
+    decode pool would be at 1.8 and it holds."""
+    at_max = Params(**{**P.__dict__, "max_workers": 3})
+
+    def readings(base):
+        return [Reading(i * INTERVAL, 1, 2, 1600.0, 90.0, running=6, decode_base_ms=base) for i in range(8)]
+
+    r = readings(60.0)[0]
+    assert abs(pressure_after(r, at_max, "decode", 1) - 1.2) < 1e-9
+    assert abs(pressure_after(r, at_max, "prefill", 2) - 0.8) < 1e-9
+    assert actions(decide_all(readings(60.0), params=at_max)[0]) == [(2, "switch_to_prefill")]
+    assert actions(decide_all(readings(None), params=at_max)[0]) == []
+    # KV usage spreads whole: 0.6 of the pool's blocks on two workers is 1.2 on one (over 0.9: 1.33).
+    kv = Reading(0.0, 1, 2, 1500.0, 10.0, 0.6, decode_base_ms=5.0)
+    assert abs(pressure_after(kv, at_max, "decode", 1) - 1.2 / 0.9) < 1e-9
 
 
 def test_an_interval_without_first_tokens_under_load_is_not_a_cold_prefill_pool():
