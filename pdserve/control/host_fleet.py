@@ -174,8 +174,11 @@ class HostsFleet:
         return f"{role} {w.id} on {agent}"
 
     async def _follow(self, p: Pending) -> None:
-        """Learn an added worker's URL (or that it exited) for `starting`."""
-        while time.monotonic() < p.until and p.url is None and not p.exited:
+        """Learn an added worker's URL, and that it exited, for `starting`: until it registered
+        (`starting` dropped it), exited or ran out of time. A worker that dies after it bound its
+        port, before registering, would otherwise count as starting until the deadline, and the
+        controller would hold that long."""
+        while time.monotonic() < p.until and not p.exited and p in self._pending:
             await asyncio.sleep(POLL_S)
             for w in (await self._listing()).get(p.agent, []):
                 if w.id == p.id:

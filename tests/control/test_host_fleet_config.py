@@ -1,4 +1,5 @@
-"""controller.backend: hosts needs the agents' URLs; a bad one names controller.agents."""
+"""controller.backend: hosts needs the agents' URLs (a bad one names controller.agents); the hosts fleet's
+errors and its count of added workers still starting."""
 
 from __future__ import annotations
 
@@ -51,3 +52,57 @@ def test_an_agent_that_does_not_answer_is_a_runtime_error(tmp_path):
             await fleet.aclose()
 
     asyncio.run(go())
+
+
+def test_an_added_worker_that_dies_before_registering_stops_counting_as_starting(tmp_path):
+    """The controller holds while a worker it added has not registered (`starting`). One that bound
+    its port and then died before registering must stop counting once its agent lists it exited,
+    not at the start deadline (minutes of a controller that does nothing). The agent's answers here
+    are given; tests/control/test_host_fleet_e2e.py runs the real agent."""
+    import asyncio
+
+    import yaml
+
+    from pdserve.control import host_fleet
+    from pdserve.control.host_fleet import HostsFleet
+    from pdserve.protocol.control import HostWorker
+
+    cfg = tmp_path / "w.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"name": "tiny-qwen2"}}))
+    agent = "http://10.0.0.3:7070"
+    fleet = HostsFleet(load_config(cfg), [agent], None, tmp_path)
+    listed = {"w": HostWorker(id="w1", role="prefill", pid=10, alive=True)}
+
+    async def start_on(a, role, config):
+        return listed["w"]
+
+    async def pick(near=None):
+        return agent
+
+    async def listing():
+        return {agent: [listed["w"]]}
+
+    fleet._start_on, fleet._pick, fleet._listing = start_on, pick, listing
+
+    async def go() -> None:
+        host_fleet.POLL_S = 0.01
+        await fleet.add("prefill")
+        assert fleet.starting(set()) == 1
+        listed["w"] = HostWorker(id="w1", role="prefill", pid=10, alive=True, url="http://10.0.0.3:8001")
+        await asyncio.sleep(0.1)
+        assert fleet.starting(set()) == 1  # bound its port, not registered yet
+        listed["w"] = HostWorker(id="w1", role="prefill", pid=10, alive=False, exit_code=1)
+        await asyncio.sleep(0.1)
+        assert fleet.starting(set()) == 0
+        # One that registers is counted with its pool from then on.
+        listed["w"] = HostWorker(id="w2", role="prefill", pid=11, alive=True, url="http://10.0.0.3:8002")
+        await fleet.add("prefill")
+        await asyncio.sleep(0.1)
+        assert fleet.starting({"http://10.0.0.3:8002"}) == 0
+        assert fleet.starting(set()) == 0
+
+    poll = host_fleet.POLL_S
+    try:
+        asyncio.run(go())
+    finally:
+        host_fleet.POLL_S = poll
