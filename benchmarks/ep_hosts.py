@@ -60,13 +60,14 @@ PORT, RENDEZVOUS_PORT = 8000, 29500
 TOKEN = "ep-hosts-benchmark-token"
 KEY = "sk-ep-hosts"  # server.worker_api_keys: the worker serves /v1 beside its internal token
 AUTH = {"Authorization": f"Bearer {KEY}"}
-_BARE = (
-    "import torch, pdserve.model.expert_parallel, pdserve.engine.engine\n"
-    "print(dict(l.split(':', 1) for l in open('/proc/self/status'))['RssAnon'].split()[0])"
-)
-_BARE_WORKER = _BARE.replace(
-    "pdserve.engine.engine", "pdserve.engine.engine, pdserve.server.app, pdserve.cli"
-)
+RANK_MODULES = "torch, pdserve.model.expert_parallel, pdserve.engine.engine"
+WORKER_MODULES = RANK_MODULES + ", pdserve.server.app, pdserve.cli"
+
+
+def bare_rss_anon(modules: str) -> int:
+    """RssAnon of a fresh process that only imported `modules`: what any such process holds."""
+    code = f"import {modules}\nprint(dict(l.split(':', 1) for l in open('/proc/self/status'))['RssAnon'].split()[0])"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout) * 1024
 
 
 def rss_anon(pid: int) -> int:
@@ -205,9 +206,7 @@ def run(net, ckpt: Path, cfg: dict, work: Path, args, why_not: str | None) -> in
         url = worker.url
         load(url, args.streams, args.tokens)  # warm-up: kernels, first moves
         step, per_step = load(url, args.streams, args.tokens)
-        bare = (
-            int(subprocess.run([sys.executable, "-c", _BARE], capture_output=True, text=True).stdout) * 1024
-        )
+        bare = bare_rss_anon(RANK_MODULES)
         dense, slots = weight_bytes(cfg, 8)
         moved = (
             httpx.get(url + "/eplb", headers={INTERNAL_TOKEN_HEADER: TOKEN}, timeout=10).json()["rebalances"]
@@ -215,10 +214,7 @@ def run(net, ckpt: Path, cfg: dict, work: Path, args, why_not: str | None) -> in
         )
         held = dense + slots * (2 if moved else 1)
         rss_b = rss_anon(rank1.pid)
-        bare_a = (
-            int(subprocess.run([sys.executable, "-c", _BARE_WORKER], capture_output=True, text=True).stdout)
-            * 1024
-        )
+        bare_a = bare_rss_anon(WORKER_MODULES)
         head = 0 if cfg.get("tie_word_embeddings") else 4 * cfg["vocab_size"] * cfg["hidden_size"]
         held_a = held + head
         mem_a = own_memory(worker.proc.pid)
