@@ -84,20 +84,27 @@ def test_an_added_worker_that_dies_before_registering_stops_counting_as_starting
 
     fleet._start_on, fleet._pick, fleet._listing = start_on, pick, listing
 
+    async def until(cond, what: str) -> None:
+        # The fleet polls its agent every POLL_S; a deadline far past that, for a loaded machine.
+        deadline = asyncio.get_running_loop().time() + 30
+        while not cond():
+            assert asyncio.get_running_loop().time() < deadline, what
+            await asyncio.sleep(0.01)
+
     async def go() -> None:
         host_fleet.POLL_S = 0.01
         await fleet.add("prefill")
         assert fleet.starting(set()) == 1
         listed["w"] = HostWorker(id="w1", role="prefill", pid=10, alive=True, url="http://10.0.0.3:8001")
-        await asyncio.sleep(0.1)
+        await until(lambda: fleet._pending[0].url is not None, "the fleet learns the worker's URL")
         assert fleet.starting(set()) == 1  # bound its port, not registered yet
         listed["w"] = HostWorker(id="w1", role="prefill", pid=10, alive=False, exit_code=1)
-        await asyncio.sleep(0.1)
-        assert fleet.starting(set()) == 0
+        await until(lambda: fleet.starting(set()) == 0, "a worker that died stops counting as starting")
         # One that registers is counted with its pool from then on.
         listed["w"] = HostWorker(id="w2", role="prefill", pid=11, alive=True, url="http://10.0.0.3:8002")
         await fleet.add("prefill")
-        await asyncio.sleep(0.1)
+        assert fleet.starting(set()) == 1
+        await until(lambda: fleet._pending[0].url is not None, "the fleet learns the second worker's URL")
         assert fleet.starting({"http://10.0.0.3:8002"}) == 0
         assert fleet.starting(set()) == 0
 
