@@ -20,6 +20,9 @@ def test_the_tiles_start_where_they_are_faster_at_every_count_above():
     assert tuning.choose({9: 0.9, 12: 1.1, 16: 0.8, 24: 0.6}) == 16
     assert tuning.choose({9: 1.5, 12: 1.2, 16: 1.1, 24: 1.01}) == tuning.NO_TILES
     assert tuning.choose({}) == tuning.NO_TILES
+    # The exact tiles against the float32 kernel: below 9 rows, or nowhere (9: as unmeasured).
+    assert tuning.choose({1: 1.3, 2: 1.02, 3: 0.8, 4: 0.7, 6: 0.55, 8: 0.5}, tuning.NO_EXACT) == 3
+    assert tuning.choose({1: 1.3, 2: 1.2, 4: 1.1, 8: 1.05}, tuning.NO_EXACT) == tuning.NO_EXACT
 
 
 def test_tuning_on_a_cpu_with_amx_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
@@ -35,10 +38,14 @@ def test_tuning_on_a_cpu_with_amx_is_measured_once_cached_and_applied(tmp_path, 
         assert qgemm.bf16_rows("int4") <= start <= tuning.NO_TILES
         assert set(chosen["tiles_vs_pairs"]) == {str(r) for r in tuning.ROWS}
         assert qgemm.amx_rows("int4") == start
+        exact = chosen["int4_exact_from"]
+        assert 1 <= exact <= tuning.NO_EXACT and qgemm.bf16_rows("int4") == exact
+        assert set(chosen["exact_vs_float32"]) == {str(r) for r in tuning.EXACT_ROWS}
         # Read back, not measured again: the cached choice is applied as it is.
-        path.write_text(json.dumps({**chosen, "int4_tiles_from": 20}))
+        path.write_text(json.dumps({**chosen, "int4_tiles_from": 20, "int4_exact_from": 5}))
         tuning.tune.cache_clear()
         assert tuning.tune()["int4_tiles_from"] == 20 and qgemm.amx_rows("int4") == 20
+        assert qgemm.bf16_rows("int4") == 5
         # A product from the chosen count on takes the tiles (its sums differ from the pairs').
         from pdserve.model.linear import linear
         from pdserve.model.quant import QuantizedWeight, quantize
@@ -52,3 +59,4 @@ def test_tuning_on_a_cpu_with_amx_is_measured_once_cached_and_applied(tmp_path, 
     finally:
         tuning.tune.cache_clear()
         qgemm.amx_from(tuning.NO_TILES)
+        qgemm.amx_exact_from(tuning.NO_EXACT)

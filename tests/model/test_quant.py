@@ -161,6 +161,43 @@ def test_amx_tiles_agree_with_the_vector_path_and_keep_each_rows_result(mode):
         torch.testing.assert_close(linear(x[:m], qw), on[:m], rtol=0, atol=0)
 
 
+def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result():
+    """Where the CPU has Intel AMX: int4 products of few rows on the exact tiles (the nibbles exact,
+    each group's scale and offset in float32) are within the activations' bfloat16 rounding of a
+    float64 reference, at every row count from 1 to 16 a row's result is the same bits, and below
+    the measured start the float32 kernel runs (float32 rounding only)."""
+    if not qgemm.available() or not qgemm.amx():
+        pytest.skip("no AMX tiles here (the CPU, the build or the kernel's permission)")
+    g = torch.Generator().manual_seed(6)
+    st = quantize(torch.randn(80, 576, generator=g), "int4")
+    qw = QuantizedWeight(st, native=True)
+    x = torch.randn(16, 576, generator=g)
+    n, k = st.q.shape
+    parts = (st.q.view(n, k // GROUP, GROUP).double() * st.scale[..., None].double()).abs()
+    parts = (parts + st.zero[..., None].double().abs()).view(n, k)
+    scale = x.double().abs() @ parts.t()
+    ref = x.double() @ st.dequantize().double().t()
+    try:
+        qgemm.amx_exact_from(1)
+        assert qgemm.bf16_rows("int4") == 1
+        on = linear(x, qw)
+        assert_within(on, ref, (2.0**-8 + gamma(k + 4)) * scale, "int4 on the exact tiles")
+        for m in (1, 2, 3, 5, 8, 13, 15):
+            torch.testing.assert_close(linear(x[:m], qw), on[:m], rtol=0, atol=0)
+        torch.testing.assert_close(linear(x[7:8], qw), on[7:8], rtol=0, atol=0)
+        assert qgemm.amx(False) is False  # the same operands on vdpbf16ps: the sums' order differs
+        pairs = linear(x, qw)
+        qgemm.amx(True)
+        assert_within(pairs, ref, (2.0**-8 + gamma(k + 4)) * scale, "int4 on AVX512-BF16 pairs")
+        assert not torch.equal(on, pairs)
+        qgemm.amx_exact_from(9)  # unmeasured: up to 8 rows in the float32 kernel
+        assert qgemm.bf16_rows("int4") == 9
+        assert_within(linear(x[:8], qw), ref[:8], gamma(k + 4) * scale[:8], "int4 in float32")
+    finally:
+        qgemm.amx(True)
+        qgemm.amx_exact_from(9)
+
+
 def test_fused_rows_keep_their_groups_and_odd_shapes_stay_float():
     g = torch.Generator().manual_seed(2)
     a, b = (

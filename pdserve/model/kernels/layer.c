@@ -139,10 +139,10 @@ static inline int grab(member *me, int chunk) {
 
 static void product(member *me, const pd_weight *w, const float *x, int64_t ldx, float *y, int M) {
     float sx[8 * (w->k / 32) + 1];    /* qgemm.c's direct rows: at most 8 */
-    pd_qgemm_sums(w->bits, x, ldx, M, w->k, sx);
     /* Each thread rounds its own copy of the rows (M x K, a few microseconds): no phase for it. */
     void *xq = pd_qgemm_q8_x(w->bits, x, ldx, M, w->k);    /* int8 activations: every path the same */
     uint16_t *xb = xq ? NULL : pd_qgemm_bf16_x(w->bits, x, ldx, M, w->k);
+    if (!xq && !xb) pd_qgemm_sums(w->bits, x, ldx, M, w->k, sx);
     const int tiles = w->n / 16, chunk = tiles / (8 * me->T) > 1 ? tiles / (8 * me->T) : 1;
     for (int t; (t = grab(me, chunk)) < tiles;) {
         const int t1 = t + chunk < tiles ? t + chunk : tiles;

@@ -114,9 +114,9 @@ void pd_moe(const pd_experts *gu, const pd_experts *dn, int T, int k, const int6
 #pragma omp for schedule(dynamic)
         for (int j = 0; j < na; j++) {
             const int s = act[j], r0 = off[s], M = off[s + 1] - r0;
-            pd_qgemm_sums(gu->bits, xs + (int64_t)r0 * H, H, M, H, sxx + r0 * gx);
             xq[j] = pd_qgemm_q8_x(gu->bits, xs + (int64_t)r0 * H, H, M, H);
             xb[j] = xq[j] ? NULL : pd_qgemm_bf16_x(gu->bits, xs + (int64_t)r0 * H, H, M, H);
+            if (!xq[j] && !xb[j]) pd_qgemm_sums(gu->bits, xs + (int64_t)r0 * H, H, M, H, sxx + r0 * gx);
         }
 #pragma omp single
         ni = items_of(gu, act, na, omp_get_num_threads(), items, &cg);
@@ -135,9 +135,9 @@ void pd_moe(const pd_experts *gu, const pd_experts *dn, int T, int k, const int6
             const int s = act[j], r0 = off[s], M = off[s + 1] - r0;
             pd_qgemm_bf16_free(xb[j]);
             pd_qgemm_q8_free(xq[j]);
-            pd_qgemm_sums(dn->bits, a + (int64_t)r0 * I, I, M, I, sxa + r0 * ga);
             xq[j] = pd_qgemm_q8_x(dn->bits, a + (int64_t)r0 * I, I, M, I);
             xb[j] = xq[j] ? NULL : pd_qgemm_bf16_x(dn->bits, a + (int64_t)r0 * I, I, M, I);
+            if (!xq[j] && !xb[j]) pd_qgemm_sums(dn->bits, a + (int64_t)r0 * I, I, M, I, sxa + r0 * ga);
         }
 #pragma omp single
         ni = items_of(dn, act, na, omp_get_num_threads(), items, &cd);

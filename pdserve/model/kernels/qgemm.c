@@ -20,6 +20,7 @@
      int8: q[t][k][c] int8, d[t][c] float: w = q * d (m unused)
      float32: w[t][k][c] (d, m unused): the same micro-kernel, reading the weight where it lies
    x: [M, K] rows ldx floats apart; y: [M, N] rows ldy floats apart. K % 32 == 0, N % 16 == 0. */
+#include <omp.h>
 #include <stdint.h>
 #include "qgemm.h"      /* NC, KB; the bfloat16 products (qgemm_bf16.c) */
 
@@ -353,15 +354,19 @@ void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float
         pd_qgemm_q8_free(xq);
         return;
     }
-    float sx[8 * (K / 32) + 1];
-    pd_qgemm_sums(bits, x, ldx, M, K, sx);
     uint16_t *xb = pd_qgemm_bf16_x(bits, x, ldx, M, K);     /* qgemm_bf16.c: NULL below its rows */
     if (xb) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int t = 0; t < N / NC; t++) pd_qgemm_bf16_tiles(bits, w, d, m, xb, y, ldy, M, K, t, t + 1);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {   /* one call per thread with its share of the tiles: a call configures AMX's tiles once */
+            const int nt = N / NC, th = omp_get_num_threads(), id = omp_get_thread_num();
+            pd_qgemm_bf16_tiles(bits, w, d, m, xb, y, ldy, M, K, (int)((int64_t)nt * id / th),
+                                (int)((int64_t)nt * (id + 1) / th));
+        }
         pd_qgemm_bf16_free(xb);
         return;
     }
+    float sx[8 * (K / 32) + 1];
+    pd_qgemm_sums(bits, x, ldx, M, K, sx);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work >= (1 << 17))
     for (int t = 0; t < N / NC; t++) pd_qgemm_tiles(bits, w, d, m, x, ldx, y, ldy, M, K, sx, t, t + 1);
 }

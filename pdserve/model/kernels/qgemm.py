@@ -27,10 +27,10 @@ def available() -> bool:
     return _fn() is not None
 
 
-@lru_cache(maxsize=None)
 def bf16_rows(mode: str) -> int:
-    """From how many rows products of an "int4" or "int8" weight run on bfloat16 pairs (AVX512-BF16
-    CPUs; see qgemm_bf16.c); 0 where they never do."""
+    """From how many rows products of an "int4" or "int8" weight round their activations to bfloat16
+    (AVX512-BF16 CPUs: the pairs, or AMX's tiles where granted; see qgemm_bf16.c); 0 where they never
+    do."""
     fn = function("qgemm", "pd_qgemm_bf16_rows", [_I])
     if fn is None:
         return 0
@@ -60,6 +60,13 @@ def amx_from(rows: int) -> None:
     """From how many rows int4 products take the tiles (kernels/tuning.py measures it); clamped to
     [bf16_rows("int4"), 32]."""
     for fn in _in_every_library("pd_qgemm_amx_from"):
+        fn(rows)
+
+
+def amx_exact_from(rows: int) -> None:
+    """From how many rows int4 products below the rounded tile take AMX's exact tiles instead of the
+    float32 kernel (kernels/tuning.py measures it); clamped to [1, 9], 9 until measured."""
+    for fn in _in_every_library("pd_qgemm_amx_exact_from"):
         fn(rows)
 
 

@@ -1,7 +1,9 @@
 /* int4 and int8 products on bfloat16 pairs (AVX512-BF16), split from qgemm.c. int8, and int4 below 32
    rows, widen their stored integers straight to pairs (exact); int4 from 32 rows dequantizes the tile
-   there (pd_dequant_tile) and rounds it to pairs here. All multiply with vdpbf16ps. Without
-   AVX512-BF16 every entry point says no (NULL rows), and the float32 kernel runs. */
+   there (pd_dequant_tile) and rounds it to pairs here. All multiply with vdpbf16ps, or with Intel
+   AMX's tiles where the kernel grants them: int4 from kernels/tuning.py's measured row counts (the
+   exact pairs from a few rows, the rounded tile from more), int8 from 9 rows. Without AVX512-BF16
+   every entry point says no (NULL rows), and the float32 kernel runs. */
 #include <stdint.h>
 #include "qgemm.h"
 
@@ -97,19 +99,20 @@ static void tile_bf16(int bits, const void *w, const void *d, const void *m, con
 }
 
 #if defined(__AVX512BW__)
-/* bf16 of 0..15 in words 0..15 (16..31 unused): vpermw's table. */
+/* vpermw's table: word i = bf16(i & 15) (it reads an index's low 5 bits; q4_pair leaves bit 4 set). */
 static inline __m512i q4_table(void) {
     const __m512 v = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
 }
 
 /* The 16 bytes of a tile row pair (value 2p of channel c in the low nibble of byte c, 2p + 1 in the
-   high one) as bfloat16 pairs: lane c = bf16(lo) | bf16(hi) << 16. */
+   high one) as bfloat16 pairs: lane c = bf16(lo) | bf16(hi) << 16. With byte c widened to lane c,
+   v | v << 12 has the low nibble (and the high one's lowest bit) in the low word's 5 index bits and
+   the high nibble alone in the high word's: one table lookup gives both. */
 static inline __m512i q4_pair(const uint8_t *b, __m512i table) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-    const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(15)),
-                                        _mm512_slli_epi32(_mm512_srli_epi32(v, 4), 16));
-    return _mm512_permutexvar_epi16(idx, table);
+    return _mm512_permutexvar_epi16(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), table);
 }
 
 /* rows xb [mr, 32 ng] (ldb apart) times the block's pairs wb [16 ng][16] into y [mr, 16], added unless
@@ -228,6 +231,25 @@ int pd_qgemm_amx(int want) {
 
 static int amx_granted(void) { return __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) > 0; }
 
+/* From how many rows int4 products below the rounded tile take amx_q4_exact (fewer: qgemm.c's float32
+   kernel): BF16_ROWS4 unless measured otherwise (kernels/tuning.py; a tile's latency is the same for 1
+   row as for 16, so where it beats the float32 kernel's FMAs depends on the core). */
+static int amx_exact_from = BF16_ROWS4;
+
+int pd_qgemm_amx_exact_from(int rows) {
+    rows = rows < 1 ? 1 : rows > BF16_ROWS4 ? BF16_ROWS4 : rows;
+    __atomic_store_n(&amx_exact_from, rows, __ATOMIC_RELEASE);
+    return rows;
+}
+
+static int amx_exact_rows(void) {
+#if defined(__AVX512BW__)
+    return amx_granted() ? __atomic_load_n(&amx_exact_from, __ATOMIC_ACQUIRE) : 0;
+#else
+    return 0;
+#endif
+}
+
 /* From how many rows int4 products take the tiles (the rounded tile): from BF16_ROWS unless measured
    otherwise (kernels/tuning.py: below it the exact pairs with float32 group scales run). */
 static int amx_from4 = BF16_ROWS;
@@ -331,6 +353,80 @@ static void amx_q4_pairs(const void *w, const void *d, const void *m, int K, int
     }
 }
 
+#if defined(__AVX512BW__)
+/* int4 below the rounded tile's rows, on AMX (the exact tiles): tile_q4's operands (the nibbles as exact
+   bfloat16 pairs, the activations rounded, each group's scale and offset in float32 after its sums), one
+   tdpbf16ps per group of 32 input values for up to 16 rows, where the pairs take 16 vdpbf16ps a row.
+   A group's sums leave the tile each time and are scaled in registers: y_i = fma(sum_i, d, fma(sx_i, m,
+   y_i)), micro_q4's formula in its order, so a row's result is its own at any row count (the sums
+   inside a group in AMX's order). That round trip (zero, product, store, load) has a latency no row
+   count hides: EXACT_TILES output tiles run side by side, each in its own sums and pairs tiles, the
+   rows' tile shared (7 of the 8 tile registers). */
+#define EXACT_TILES 3
+/* Groups ahead that the nibbles are prefetched, as qgemm.c's direct rows do (a decode step's products
+   are small and threads' chunks interleave, so the hardware prefetcher keeps restarting); past a
+   tile's end this is the next tile's start. */
+#ifndef EXACT_PF
+#define EXACT_PF 8
+#endif
+static void amx_q4_exact(const void *w, const void *d, const void *m, const uint16_t *xb, const float *sx,
+                         float *y, int64_t ldy, int M, int K, int t0, int t1) {
+    uint32_t wb[EXACT_TILES][16 * NC] __attribute__((aligned(64)));
+    float sums[EXACT_TILES][16 * NC] __attribute__((aligned(64)));
+    const __m512i table = q4_table();
+    const int G = K / 32;
+    const int64_t sa = (int64_t)K * 2;
+    for (int t = t0; t < t1; t += EXACT_TILES) {
+        const int nt = t1 - t < EXACT_TILES ? t1 - t : EXACT_TILES;
+        for (int g = 0; g < G; g++) {
+            for (int j = 0; j < nt; j++) {
+                const uint8_t *nib = (const uint8_t *)w + (int64_t)(t + j) * (K / 2) * NC + (int64_t)g * 16 * NC;
+                for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch(nib + EXACT_PF * 16 * NC + b, 0, 3);
+                if ((g & 1) == 0) {
+                    const int64_t gi = (int64_t)(t + j) * G * NC + (int64_t)(g + EXACT_PF) * NC;
+                    __builtin_prefetch((const uint16_t *)d + gi, 0, 3), __builtin_prefetch((const uint16_t *)m + gi, 0, 3);
+                }
+                for (int p = 0; p < 16; p++)
+                    _mm512_store_si512((void *)(wb[j] + p * NC), q4_pair(nib + p * NC, table));
+            }
+            _tile_loadd(6, xb + g * 32, sa);
+/* tile numbers are part of the instruction: channel tile j's sums in j, its pairs in 3 + j */
+#define EXACT_TILE(j, B)                            \
+    do {                                            \
+        _tile_zero(j);                              \
+        _tile_loadd(B, wb[j], 64);                  \
+        _tile_dpbf16ps(j, 6, B);                    \
+        _tile_stored(j, sums[j], 64);               \
+    } while (0)
+            EXACT_TILE(0, 3);
+            if (nt > 1) EXACT_TILE(1, 4);
+            if (nt > 2) EXACT_TILE(2, 5);
+#undef EXACT_TILE
+            for (int j = 0; j < nt; j++) {
+                const int64_t gi = (int64_t)(t + j) * G * NC + g * NC;
+                const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)d + gi)));
+                const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + gi)));
+                float *yt = y + (t + j) * NC;
+                for (int i = 0; i < M; i++) {
+                    float *o = yt + (int64_t)i * ldy;
+                    const __m512 prev = g ? _mm512_loadu_ps(o) : _mm512_setzero_ps();
+                    const __m512 s = _mm512_set1_ps(sx[(int64_t)i * G + g]);
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_load_ps(sums[j] + i * NC), dg, _mm512_fmadd_ps(s, mg, prev)));
+                }
+            }
+        }
+    }
+}
+
+/* amx_q4_exact's tiles, for M <= 16 rows: sums 0-2 and rows 6 M tall, pairs 3-5 16. */
+static void amx_configure_exact(int M) {
+    amx_config c = {0};
+    c.palette = 1;
+    for (int i = 0; i < 7; i++) c.colsb[i] = 64, c.rows[i] = (uint8_t)(i >= 3 && i < 6 ? 16 : M);
+    _tile_loadconfig(&c);
+}
+#endif
+
 /* Output tiles [t0, t1) of an int4 (dequantized, rounded to pairs) or int8 (exact pairs, scaled per
    channel after) weight on AMX; 0 where it does not run (not granted, K not in whole steps of 32, no
    buffer), and the vector paths do. */
@@ -357,6 +453,8 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
 }
 #else
 static int amx_request(void) { return 0; }
+static int amx_exact_rows(void) { return 0; }
+int pd_qgemm_amx_exact_from(int rows) { return rows; }
 int pd_qgemm_amx_from(int rows) { return rows; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
@@ -379,8 +477,9 @@ static float *group_sums(uint16_t *xb, int M, int K) { return (float *)(xb + (si
 /* The entry points (qgemm.h): pd_qgemm and layer.c's products, which hand out tiles themselves.
    x [M, K] as bf16 [M, K] (round to nearest even), or NULL where the float32 kernel runs. */
 uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
-    if ((bits != 4 && bits != 8) || M < (bits == 4 ? BF16_ROWS4 : BF16_ROWS8)) return NULL;
+    if (bits != 4 && bits != 8) return NULL;
     amx_request();
+    if (M < pd_qgemm_bf16_rows(bits)) return NULL;
     const size_t sums = bits == 4 && M < BF16_ROWS ? (size_t)M * (K / 32) * 4 : 0;     /* tile_q4's */
     uint16_t *xb = aligned_alloc(64, ((size_t)M * K * 2 + sums + 63) / 64 * 64);
     if (xb == NULL) return NULL;
@@ -402,6 +501,14 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
                          int64_t ldy, int M, int K, int t0, int t1) {
     /* AMX takes what the rounded tile and int8's pairs take: the same operands, many rows at once. */
     if ((bits == 8 || M >= pd_qgemm_amx_rows(4)) && amx_tiles(bits, w, d, m, xb, y, ldy, M, K, t0, t1)) return;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+    if (bits == 4 && M <= 16 && M < pd_qgemm_amx_rows(4) && amx_granted() && K % 32 == 0) {
+        amx_configure_exact(M);
+        amx_q4_exact(w, d, m, xb, group_sums((uint16_t *)xb, M, K), y, ldy, M, K, t0, t1);
+        _tile_release();
+        return;
+    }
+#endif
     if (bits == 8) {
         for (int t = t0; t < t1; t++) tile_q8(w, d, xb, y, ldy, M, K, t);
         return;
@@ -416,6 +523,7 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
     for (int t = t0; t < t1; t++) tile_bf16(bits, w, d, m, xb, y, ldy, M, K, t);
 }
 #else
+int pd_qgemm_amx_exact_from(int rows) { return rows; }
 int pd_qgemm_amx_from(int rows) { return rows; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
@@ -439,6 +547,8 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
 /* From how many rows products of this weight format (bits 4 or 8) round to bfloat16 here (0: never). */
 int pd_qgemm_bf16_rows(int bits) {
 #ifdef __AVX512BF16__
+    amx_request();   /* the tiles' rows where the kernel grants them: asked once, as a product would */
+    if (bits == 4 && amx_exact_rows()) return amx_exact_rows();
     return bits == 4 ? BF16_ROWS4 : BF16_ROWS8;
 #else
     (void)bits;

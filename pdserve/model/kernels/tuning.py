@@ -1,12 +1,17 @@
 """Kernel paths chosen by timing them on this machine, once, and cached per CPU model, flags and
 kernel build (never assumed per CPU family).
 
-One choice so far: from how many rows an int4 product takes Intel AMX's tiles (the rounded tile,
-qgemm_bf16.c) instead of the exact bfloat16 pairs with float32 group scales. The tiles multiply
-16 rows at a time, so below some row count the pairs' work per row is less than a tile's; where
-that lies depends on the core (the tiles' throughput, the pairs' vdpbf16ps rate). Measured on one
-int4 product at a few row counts between the bfloat16 rows and 32, one thread: the tiles start at
-the first count from which they are faster at every count measured.
+Two choices so far, both for int4 products on Intel AMX's tiles (qgemm_bf16.c), each measured on one
+int4 product at a few row counts, one thread, the tiles starting at the first count from which they
+are faster at every count measured:
+
+- from how many rows the rounded tile (the weight dequantized and rounded to bfloat16, summed over
+  all of K in the tile) replaces the exact tiles or pairs (the nibbles exact, each group's scale and
+  offset in float32 after its sums). The rounded tile does more work per weight and none per group
+  and row, so it wins from some row count; where depends on the core.
+- from how many rows the exact tiles replace the float32 kernel (qgemm.c) below that. A tile's
+  latency is the same for 1 row as for 16 and the float32 kernel's FMAs grow with the rows, so this
+  too lies where the core's tile latency and FMA rate put it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from pdserve.model.kernels.native import build
 from pdserve.utils.cpu import cpu_flags, cpu_name, feature_key
 
 log = logging.getLogger(__name__)
-ROWS = (9, 12, 16, 20, 24, 28)  # the counts between the bfloat16 rows and the rounded tile's 32
+ROWS = (9, 12, 16, 17, 20, 24, 28)  # the counts between the bfloat16 rows and the rounded tile's 32
+EXACT_ROWS = (1, 2, 3, 4, 6, 8)  # the float32 kernel's counts (qgemm.c's register rows)
+NO_EXACT = 9  # qgemm_bf16.c's BF16_ROWS4: where the exact tiles start without a measurement
 SHAPE = (1024, 1024)  # a product small enough to stay in cache: the kernels' arithmetic, not memory
 NO_TILES = 32  # qgemm_bf16.c's BF16_ROWS: where int4 takes the tiles without a measurement
 
@@ -43,8 +50,9 @@ def best_time(fn, repeats: int = 5, inner: int = 4) -> float:
     return best
 
 
-def measure_int4_tiles() -> dict[int, float]:
-    """Per row count: the tiles' time over the exact pairs' (below 1: the tiles are faster)."""
+def _int4_ratios(rows_list: tuple[int, ...], set_start, off: int) -> dict[int, float]:
+    """Per row count: the product's time with the path starting there (set_start(rows)) over its time
+    with the path off (set_start(off)); below 1 the path is faster."""
     from pdserve.model.linear import linear
     from pdserve.model.quant import QuantizedWeight, quantize
 
@@ -54,21 +62,32 @@ def measure_int4_tiles() -> dict[int, float]:
     torch.set_num_threads(1)
     ratios = {}
     try:
-        for rows in ROWS:
+        for rows in rows_list:
             x = torch.randn(rows, SHAPE[1], generator=g)
             times = []
-            for start in (rows, NO_TILES):
-                qgemm.amx_from(start)
+            for start in (rows, off):
+                set_start(start)
                 times.append(best_time(lambda: linear(x, qw)))
             ratios[rows] = times[0] / times[1]
     finally:
         torch.set_num_threads(threads)
+        set_start(off)
     return ratios
 
 
-def choose(ratios: dict[int, float]) -> int:
-    """The first row count from which the tiles are faster at every count measured (NO_TILES: none)."""
-    start = NO_TILES
+def measure_int4_tiles() -> dict[int, float]:
+    """Per row count: the rounded tile's time over the exact tiles' or pairs' (below 1: faster)."""
+    return _int4_ratios(ROWS, qgemm.amx_from, NO_TILES)
+
+
+def measure_int4_exact() -> dict[int, float]:
+    """Per row count: the exact tiles' time over the float32 kernel's (below 1: faster)."""
+    return _int4_ratios(EXACT_ROWS, qgemm.amx_exact_from, NO_EXACT)
+
+
+def choose(ratios: dict[int, float], none: int = NO_TILES) -> int:
+    """The first row count from which the path is faster at every count measured (`none`: nowhere)."""
+    start = none
     for rows in sorted(ratios, reverse=True):
         if ratios[rows] >= 1.0:
             break
@@ -91,18 +110,24 @@ def tune() -> dict:
     path = _cache_path()
     try:
         chosen = json.loads(path.read_text())
-        start = int(chosen["int4_tiles_from"])
+        start, exact = int(chosen["int4_tiles_from"]), int(chosen["int4_exact_from"])
     except FileNotFoundError:
         chosen = None
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("ignoring unreadable kernel tuning %s: %s", path, e)
         chosen = None
     if chosen is None:
+        # The exact tiles first: the rounded tile's measurement compares against them from 9 rows.
+        exact_ratios = measure_int4_exact()
+        exact = choose(exact_ratios, NO_EXACT)
+        qgemm.amx_exact_from(exact)
         ratios = measure_int4_tiles()
         start = choose(ratios)
         chosen = {
             "int4_tiles_from": start,
             "tiles_vs_pairs": {str(r): round(v, 3) for r, v in ratios.items()},
+            "int4_exact_from": exact,
+            "exact_vs_float32": {str(r): round(v, 3) for r, v in exact_ratios.items()},
         }
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,6 +136,14 @@ def tune() -> dict:
             tmp.replace(path)  # atomic: workers starting together never read half a file
         except OSError as e:
             log.warning("could not cache kernel tuning in %s: %s", path, e)
-        log.info("int4 products take AMX tiles from %d rows (tiles / pairs by rows: %s)", start, ratios)
+        log.info(
+            "int4 products take AMX's exact tiles from %d rows and the rounded tile from %d "
+            "(exact / float32: %s; rounded / exact: %s)",
+            exact,
+            start,
+            exact_ratios,
+            ratios,
+        )
+    qgemm.amx_exact_from(exact)
     qgemm.amx_from(start)
     return chosen
