@@ -1,13 +1,14 @@
 """The default model (its Q4_1 file served as int4) with Intel AMX's tiles against the same engine with
-them turned off (the AVX512-BF16 paths), in one process, one run: what the tiles give a prefill and
-decode steps of many streams. Prints one JSON line.
+them turned off (the AVX512-BF16 pairs from 9 rows, the float32 kernel below), in one process, one run:
+what the tiles give a prefill and decode steps. Prints one JSON line.
 
 - prefill: prompts of `--prompt` fresh random token ids (no cache hit), max_tokens 1; the median
   time of `--trials` prompts each way, alternating.
 - decode: `--streams` prompts of 64 tokens decoding `--tokens` each (ignore_eos), output tokens per
-  second each way, alternating; and the share of greedy outputs the two ways agree on whole (both
-  round the same operands to bfloat16; the sums go in another order).
-Figures: tiles ÷ pairs, time (prefill, below 1 is faster) and tok/s (decode, above 1 is faster).
+  second each way, alternating; and the share of greedy outputs the two ways agree on whole (from 9
+  streams both round the same operands to bfloat16 and the sums go in another order; below, the
+  float32 kernel does not round the activations).
+Figures: tiles ÷ off, time (prefill, below 1 is faster) and tok/s (decode, above 1 is faster).
 """
 
 from __future__ import annotations
