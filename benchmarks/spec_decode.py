@@ -3,8 +3,10 @@ input-grounded workload and an open-ended one. Prints one JSON line.
 
 Deployment: `pdserve serve` as installed (PD: router, one prefill and one decode worker, the default
 model), started twice: `--speculative-method ngram` (or `--method draft`: a draft model, by default
-the served model's own int4 weights, for a `--quantization none` deployment) and `none`. Workloads (chat, greedy, so the two
-servers' texts must be identical):
+the served model's own int4 weights, for a `--quantization none` deployment) and `none`, the latter
+with `--batch-invariant`: speculative decoding turns that on (a verify step's rows must compute what a
+plain step's do), so both servers' int4 products take one arithmetic at every row count (docs/kernels.md).
+Workloads (chat, greedy, so the two servers' texts must be identical):
 - grounded: rewrite a given paragraph with its spelling fixed, or return a given Python function
   with one name changed (the answer quotes its input: drafts from the prompt are accepted);
 - open: stories, lists and explanations with no text to quote.
@@ -110,6 +112,8 @@ def main() -> int:
         for method in ("none", args.method):
             port = free_port()
             cmd = pdserve_cmd() + ["serve", "--port", str(port), "--speculative-method", method]
+            if method == "none":
+                cmd.append("--batch-invariant")  # as drafts turn it on: both on one arithmetic
             if args.quantization:
                 cmd += ["--quantization", args.quantization]
             if method == "draft":

@@ -69,6 +69,11 @@ FLAGS: dict[str, Flag] = {
         "quantized products: float32 activations (none) or quantized to int8 per row (faster, less exact)",
         choices=tuple(ACTIVATION_QUANTIZATIONS),
     ),
+    "batch_invariant": Flag(
+        "model.batch_invariant",
+        "int4 decode steps on one arithmetic at every row count (AMX): greedy output independent of the batch",
+        switch=True,
+    ),
     "device": Flag("model.device", "cpu or cuda"),
     "max_model_len": Flag("model.max_model_len", type=int),
     "block_size": Flag("cache.block_size", type=int),

@@ -41,6 +41,7 @@ from pdserve.engine.spec_decode import eligible, propose
 from pdserve.engine.spec_policy import acceptance, choose
 from pdserve.engine.tier_fetch import TierFetcher
 from pdserve.engine.tier_identity import digested_as_read, tier_key, tier_namespace, weights_digest
+from pdserve.model.kernels import qgemm
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
 from pdserve.model.stored_quant import with_resolved_quantization
 from pdserve.utils.runtime import memory_status, trim_heap, tune_malloc
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
     from pdserve.cache.kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
+# The most rows of a step whose int4 products model.batch_invariant (and speculative decoding) keep on
+# one arithmetic: more are a prefill's, where the rounded tile is several times faster.
+INVARIANT_ROWS = 256
 
 
 class LLMEngine:
@@ -171,6 +175,14 @@ class LLMEngine:
         self.num_steps = 0
         sc = config.scheduler
         self.spec_tokens = sc.num_speculative_tokens if sc.speculative_method != "none" else 0
+        mc = config.model
+        int4 = mc.quantization == "int4" and mc.activation_quantization == "none" and mc.device == "cpu"
+        if int4 and (self.spec_tokens or mc.batch_invariant):
+            # A verify step's rows must compute what a plain step's would (greedy stays identical):
+            # int4 products of up to INVARIANT_ROWS rows on one arithmetic (qgemm.invariant_rows),
+            # the same bound whatever the scheduler's settings, so deployments with and without
+            # drafts agree on a step of any size (past it, a prefill's, on the rounded tile).
+            qgemm.invariant_rows(INVARIANT_ROWS)
         self.drafter = (
             DraftModel(config, self.arch.vocab_size, self.max_model_len, self.pool.num_blocks)
             if sc.speculative_method == "draft"

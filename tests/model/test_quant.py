@@ -177,6 +177,7 @@ def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result():
     parts = (parts + st.zero[..., None].double().abs()).view(n, k)
     scale = x.double().abs() @ parts.t()
     ref = x.double() @ st.dequantize().double().t()
+    saved = qgemm.bf16_rows("int4"), qgemm.amx_rows("int4")
     try:
         qgemm.amx_exact_from(1)
         assert qgemm.bf16_rows("int4") == 1
@@ -190,12 +191,25 @@ def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result():
         qgemm.amx(True)
         assert_within(pairs, ref, (2.0**-8 + gamma(k + 4)) * scale, "int4 on AVX512-BF16 pairs")
         assert not torch.equal(on, pairs)
+        # Past 16 rows in blocks of 16 (the last padded), where the rounded tile starts later
+        # (qgemm.invariant_rows): a row's bits are still its own.
+        more = torch.randn(40, 576, generator=g)
+        qgemm.invariant_rows(64)
+        assert qgemm.bf16_rows("int4") == 1 and qgemm.amx_rows("int4") == 65
+        tall = linear(more, qw)
+        for m in (1, 16, 17, 33):
+            torch.testing.assert_close(linear(more[:m], qw), tall[:m], rtol=0, atol=0)
+        ref_more = more.double() @ st.dequantize().double().t()
+        bound = (2.0**-8 + gamma(k + 4)) * (more.double().abs() @ parts.t())
+        assert_within(tall, ref_more, bound, "int4 on the exact tiles, 40 rows")
+        qgemm.amx_from(32)
         qgemm.amx_exact_from(9)  # unmeasured: up to 8 rows in the float32 kernel
         assert qgemm.bf16_rows("int4") == 9
         assert_within(linear(x[:8], qw), ref[:8], gamma(k + 4) * scale[:8], "int4 in float32")
     finally:
         qgemm.amx(True)
-        qgemm.amx_exact_from(9)
+        qgemm.amx_exact_from(saved[0])
+        qgemm.amx_from(saved[1])
 
 
 def test_fused_rows_keep_their_groups_and_odd_shapes_stay_float():

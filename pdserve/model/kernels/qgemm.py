@@ -70,6 +70,18 @@ def amx_exact_from(rows: int) -> None:
         fn(rows)
 
 
+def invariant_rows(rows: int) -> None:
+    """Every int4 product of up to `rows` rows on one arithmetic where AMX's tiles run: the exact tiles
+    from 1 row, the rounded tile only past `rows` (a prefill's products). A row's result then does not
+    depend on how many rows share its step, which speculative decoding needs: a verify step's rows
+    must compute what a plain decode step computes for greedy output to stay token-identical. Without
+    the tiles nothing changes (the AVX512-BF16 pairs and the float32 kernel switch by row count)."""
+    if amx_rows("int4") == 0:
+        return
+    amx_exact_from(1)
+    amx_from(max(amx_rows("int4"), rows + 1))
+
+
 def amx_rows(mode: str) -> int:
     """From how many rows products of an "int4" or "int8" weight take AMX's tiles (0: they do not)."""
     fn = function("qgemm", "pd_qgemm_amx_rows", [_I])

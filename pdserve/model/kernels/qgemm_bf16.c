@@ -10,6 +10,7 @@
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #include <stdlib.h>
+#include <string.h>
 /* int4 from BF16_ROWS rows on (a prefill), on a CPU with AVX512-BF16: the activations and the
    dequantized tile are rounded to bfloat16 and multiplied in pairs (vdpbf16ps: 32 products into
    float32 sums per instruction, twice the float32 FMA's), where the float32 kernel sits at the
@@ -250,12 +251,15 @@ static int amx_exact_rows(void) {
 #endif
 }
 
+/* The rounded tile's start may be raised past BF16_ROWS (qgemm.invariant_rows: every decode-sized
+   product on the exact tiles); beyond this, a product is a prefill's. */
+#define AMX_FROM_MAX 4096
 /* From how many rows int4 products take the tiles (the rounded tile): from BF16_ROWS unless measured
    otherwise (kernels/tuning.py: below it the exact pairs with float32 group scales run). */
 static int amx_from4 = BF16_ROWS;
 
 int pd_qgemm_amx_from(int rows) {
-    rows = rows < BF16_ROWS4 ? BF16_ROWS4 : rows > BF16_ROWS ? BF16_ROWS : rows;
+    rows = rows < BF16_ROWS4 ? BF16_ROWS4 : rows > AMX_FROM_MAX ? AMX_FROM_MAX : rows;
     __atomic_store_n(&amx_from4, rows, __ATOMIC_RELEASE);
     return rows;
 }
@@ -389,40 +393,46 @@ static void amx_q4_exact(const void *w, const void *d, const void *m, const uint
                 for (int p = 0; p < 16; p++)
                     _mm512_store_si512((void *)(wb[j] + p * NC), q4_pair(nib + p * NC, table));
             }
-            _tile_loadd(6, xb + g * 32, sa);
+            _tile_loadd(3, wb[0], 64);
+            if (nt > 1) _tile_loadd(4, wb[1], 64);
+            if (nt > 2) _tile_loadd(5, wb[2], 64);
+            for (int i0 = 0; i0 < M; i0 += 16) {    /* blocks of 16 rows (past 16, padded: EXACT_BLOCK) */
+                const int r = M - i0 < 16 ? M - i0 : 16;
+                _tile_loadd(6, xb + (int64_t)i0 * K + g * 32, sa);
 /* tile numbers are part of the instruction: channel tile j's sums in j, its pairs in 3 + j */
 #define EXACT_TILE(j, B)                            \
     do {                                            \
         _tile_zero(j);                              \
-        _tile_loadd(B, wb[j], 64);                  \
         _tile_dpbf16ps(j, 6, B);                    \
         _tile_stored(j, sums[j], 64);               \
     } while (0)
-            EXACT_TILE(0, 3);
-            if (nt > 1) EXACT_TILE(1, 4);
-            if (nt > 2) EXACT_TILE(2, 5);
+                EXACT_TILE(0, 3);
+                if (nt > 1) EXACT_TILE(1, 4);
+                if (nt > 2) EXACT_TILE(2, 5);
 #undef EXACT_TILE
-            for (int j = 0; j < nt; j++) {
-                const int64_t gi = (int64_t)(t + j) * G * NC + g * NC;
-                const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)d + gi)));
-                const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + gi)));
-                float *yt = y + (t + j) * NC;
-                for (int i = 0; i < M; i++) {
-                    float *o = yt + (int64_t)i * ldy;
-                    const __m512 prev = g ? _mm512_loadu_ps(o) : _mm512_setzero_ps();
-                    const __m512 s = _mm512_set1_ps(sx[(int64_t)i * G + g]);
-                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_load_ps(sums[j] + i * NC), dg, _mm512_fmadd_ps(s, mg, prev)));
+                for (int j = 0; j < nt; j++) {
+                    const int64_t gi = (int64_t)(t + j) * G * NC + g * NC;
+                    const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)d + gi)));
+                    const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + gi)));
+                    float *yt = y + (t + j) * NC;
+                    for (int i = 0; i < r; i++) {
+                        float *o = yt + (int64_t)(i0 + i) * ldy;
+                        const __m512 prev = g ? _mm512_loadu_ps(o) : _mm512_setzero_ps();
+                        const __m512 s = _mm512_set1_ps(sx[(int64_t)(i0 + i) * G + g]);
+                        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_load_ps(sums[j] + i * NC), dg, _mm512_fmadd_ps(s, mg, prev)));
+                    }
                 }
             }
         }
     }
 }
 
-/* amx_q4_exact's tiles, for M <= 16 rows: sums 0-2 and rows 6 M tall, pairs 3-5 16. */
+/* amx_q4_exact's tiles: sums 0-2 and rows 6 M tall up to 16 rows (16 past that: the rows are padded,
+   EXACT_BLOCK), pairs 3-5 16. */
 static void amx_configure_exact(int M) {
     amx_config c = {0};
     c.palette = 1;
-    for (int i = 0; i < 7; i++) c.colsb[i] = 64, c.rows[i] = (uint8_t)(i >= 3 && i < 6 ? 16 : M);
+    for (int i = 0; i < 7; i++) c.colsb[i] = 64, c.rows[i] = (uint8_t)(i >= 3 && i < 6 ? 16 : M < 16 ? M : 16);
     _tile_loadconfig(&c);
 }
 #endif
@@ -472,7 +482,10 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
 #endif
 
 /* Where pd_qgemm_bf16_x keeps the rows' float32 sums per group of 32 (int4): after the rounded rows. */
-static float *group_sums(uint16_t *xb, int M, int K) { return (float *)(xb + (size_t)M * K); }
+/* int4 rows past 16 are laid out in whole blocks of 16 (the exact tiles load 16 a block; the padding
+   rows are zeros and their sums are never read). */
+static int padded_rows(int bits, int M) { return bits == 4 && M > 16 ? (M + 15) / 16 * 16 : M; }
+static float *group_sums(uint16_t *xb, int M, int K) { return (float *)(xb + (size_t)padded_rows(4, M) * K); }
 
 /* The entry points (qgemm.h): pd_qgemm and layer.c's products, which hand out tiles themselves.
    x [M, K] as bf16 [M, K] (round to nearest even), or NULL where the float32 kernel runs. */
@@ -480,9 +493,12 @@ uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
     if (bits != 4 && bits != 8) return NULL;
     amx_request();
     if (M < pd_qgemm_bf16_rows(bits)) return NULL;
-    const size_t sums = bits == 4 && M < BF16_ROWS ? (size_t)M * (K / 32) * 4 : 0;     /* tile_q4's */
-    uint16_t *xb = aligned_alloc(64, ((size_t)M * K * 2 + sums + 63) / 64 * 64);
+    /* the group sums for tile_q4 and the exact tiles */
+    const int want_sums = bits == 4 && (M < BF16_ROWS || M < pd_qgemm_amx_rows(4));
+    const size_t sums = want_sums ? (size_t)M * (K / 32) * 4 : 0, Mp = (size_t)padded_rows(bits, M);
+    uint16_t *xb = aligned_alloc(64, (Mp * K * 2 + sums + 63) / 64 * 64);
     if (xb == NULL) return NULL;
+    memset(xb + (size_t)M * K, 0, (Mp - M) * K * 2);
     float *sx = group_sums(xb, M, K);
     for (int i = 0; i < M; i++)
         for (int k = 0; k < K; k += 16) {
@@ -502,7 +518,7 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
     /* AMX takes what the rounded tile and int8's pairs take: the same operands, many rows at once. */
     if ((bits == 8 || M >= pd_qgemm_amx_rows(4)) && amx_tiles(bits, w, d, m, xb, y, ldy, M, K, t0, t1)) return;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
-    if (bits == 4 && M <= 16 && M < pd_qgemm_amx_rows(4) && amx_granted() && K % 32 == 0) {
+    if (bits == 4 && M < pd_qgemm_amx_rows(4) && amx_granted() && K % 32 == 0) {
         amx_configure_exact(M);
         amx_q4_exact(w, d, m, xb, group_sums((uint16_t *)xb, M, K), y, ldy, M, K, t0, t1);
         _tile_release();
