@@ -119,6 +119,7 @@ def test_int4_greedy_is_token_identical_and_batch_independent_where_amx_tiles_ru
     finally:
         qgemm.amx_exact_from(saved[0])
         qgemm.amx_from(saved[1])
+        qgemm.amx_int8_from(9)
 
 
 def test_pd_decode_worker_drafts_and_matches_mixed():

@@ -22,6 +22,7 @@ int pd_qgemm_amx(int want);
 int pd_qgemm_amx_rows(int bits); /* from how many rows (bits 4 or 8) they take the tiles; 0: they do not */
 int pd_qgemm_amx_from(int rows); /* int4's: set where measured (clamped to the bfloat16 rows; returned) */
 int pd_qgemm_amx_exact_from(int rows); /* int4's exact tiles: set where measured (clamped 1-9; returned) */
+int pd_qgemm_amx_int8_from(int rows); /* int8's tiles: from 9 rows, or 1 (clamped 1-9; returned) */
 int pd_qgemm_bf16_rows(int bits); /* from how many rows (bits 4 or 8) pd_qgemm_bf16_x rounds; 0: never */
 
 /* qgemm_q8.c: int4 or int8 with the activations quantized to int8 per row in blocks of 32 (bits 4 or 8,

@@ -70,9 +70,17 @@ def amx_exact_from(rows: int) -> None:
         fn(rows)
 
 
+def amx_int8_from(rows: int) -> None:
+    """From how many rows int8 products take AMX's tiles instead of the float32 kernel: 9 (the
+    default), or fewer (invariant_rows: 1); clamped to [1, 9]."""
+    for fn in _in_every_library("pd_qgemm_amx_int8_from"):
+        fn(rows)
+
+
 def invariant_rows(rows: int) -> None:
     """Every int4 product of up to `rows` rows on one arithmetic where AMX's tiles run: the exact tiles
-    from 1 row, the rounded tile only past `rows` (a prefill's products). A row's result then does not
+    from 1 row, the rounded tile only past `rows` (a prefill's products); and every int8 product on
+    the tiles from 1 row (their exact pairs, at any row count). A row's result then does not
     depend on how many rows share its step, which speculative decoding needs: a verify step's rows
     must compute what a plain decode step computes for greedy output to stay token-identical. Without
     the tiles nothing changes (the AVX512-BF16 pairs and the float32 kernel switch by row count)."""
@@ -80,6 +88,7 @@ def invariant_rows(rows: int) -> None:
         return
     amx_exact_from(1)
     amx_from(max(amx_rows("int4"), rows + 1))
+    amx_int8_from(1)  # int8 (a Q8_0 head, say): its tiles from 1 row
 
 
 def amx_rows(mode: str) -> int:

@@ -264,9 +264,20 @@ int pd_qgemm_amx_from(int rows) {
     return rows;
 }
 
+/* From how many rows int8 products take the tiles: BF16_ROWS8 (fewer keep qgemm.c's float32 kernel),
+   or from 1 (qgemm.invariant_rows: one arithmetic at every row count). */
+static int amx_from8 = BF16_ROWS8;
+
+int pd_qgemm_amx_int8_from(int rows) {
+    rows = rows < 1 ? 1 : rows > BF16_ROWS8 ? BF16_ROWS8 : rows;
+    __atomic_store_n(&amx_from8, rows, __ATOMIC_RELEASE);
+    return rows;
+}
+
 /* From how many rows products of bits 4 or 8 take the tiles, where they are granted (else 0). */
 int pd_qgemm_amx_rows(int bits) {
-    return amx_granted() ? (bits == 4 ? __atomic_load_n(&amx_from4, __ATOMIC_ACQUIRE) : BF16_ROWS8) : 0;
+    if (!amx_granted()) return 0;
+    return __atomic_load_n(bits == 4 ? &amx_from4 : &amx_from8, __ATOMIC_ACQUIRE);
 }
 
 typedef struct {
@@ -465,6 +476,7 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
 static int amx_request(void) { return 0; }
 static int amx_exact_rows(void) { return 0; }
 int pd_qgemm_amx_exact_from(int rows) { return rows; }
+int pd_qgemm_amx_int8_from(int rows) { return rows; }
 int pd_qgemm_amx_from(int rows) { return rows; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
@@ -540,6 +552,7 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
 }
 #else
 int pd_qgemm_amx_exact_from(int rows) { return rows; }
+int pd_qgemm_amx_int8_from(int rows) { return rows; }
 int pd_qgemm_amx_from(int rows) { return rows; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
@@ -565,6 +578,7 @@ int pd_qgemm_bf16_rows(int bits) {
 #ifdef __AVX512BF16__
     amx_request();   /* the tiles' rows where the kernel grants them: asked once, as a product would */
     if (bits == 4 && amx_exact_rows()) return amx_exact_rows();
+    if (bits == 8 && pd_qgemm_amx_rows(8)) return pd_qgemm_amx_rows(8);
     return bits == 4 ? BF16_ROWS4 : BF16_ROWS8;
 #else
     (void)bits;
