@@ -2,7 +2,8 @@
    rows, widen their stored integers straight to pairs (exact); int4 from 32 rows dequantizes the tile
    there (pd_dequant_tile) and rounds it to pairs here. All multiply with vdpbf16ps, or with Intel
    AMX's tiles where the kernel grants them: int4 from kernels/tuning.py's measured row counts (the
-   exact pairs from a few rows, the rounded tile from more), int8 from 9 rows. Without AVX512-BF16
+   exact tiles from a few rows, the rounded tile from more), int8 from 9 rows (both from 1 row with
+   qgemm.invariant_rows). Without AVX512-BF16
    every entry point says no (NULL rows), and the float32 kernel runs. */
 #include <stdint.h>
 #include "qgemm.h"
@@ -407,7 +408,7 @@ static void amx_q4_exact(const void *w, const void *d, const void *m, const uint
             _tile_loadd(3, wb[0], 64);
             if (nt > 1) _tile_loadd(4, wb[1], 64);
             if (nt > 2) _tile_loadd(5, wb[2], 64);
-            for (int i0 = 0; i0 < M; i0 += 16) {    /* blocks of 16 rows (past 16, padded: EXACT_BLOCK) */
+            for (int i0 = 0; i0 < M; i0 += 16) {    /* blocks of 16 rows (past 16, padded: padded_rows) */
                 const int r = M - i0 < 16 ? M - i0 : 16;
                 _tile_loadd(6, xb + (int64_t)i0 * K + g * 32, sa);
 /* tile numbers are part of the instruction: channel tile j's sums in j, its pairs in 3 + j */
@@ -439,7 +440,7 @@ static void amx_q4_exact(const void *w, const void *d, const void *m, const uint
 }
 
 /* amx_q4_exact's tiles: sums 0-2 and rows 6 M tall up to 16 rows (16 past that: the rows are padded,
-   EXACT_BLOCK), pairs 3-5 16. */
+   padded_rows), pairs 3-5 16. */
 static void amx_configure_exact(int M) {
     amx_config c = {0};
     c.palette = 1;
@@ -493,9 +494,8 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
 }
 #endif
 
-/* Where pd_qgemm_bf16_x keeps the rows' float32 sums per group of 32 (int4): after the rounded rows. */
 /* int4 rows past 16 are laid out in whole blocks of 16 (the exact tiles load 16 a block; the padding
-   rows are zeros and their sums are never read). */
+   rows are zeros and their sums are never read); the rows' float32 sums per group of 32 follow. */
 static int padded_rows(int bits, int M) { return bits == 4 && M > 16 ? (M + 15) / 16 * 16 : M; }
 static float *group_sums(uint16_t *xb, int M, int K) { return (float *)(xb + (size_t)padded_rows(4, M) * K); }
 
