@@ -180,6 +180,7 @@ def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result():
     saved = qgemm.bf16_rows("int4"), qgemm.amx_rows("int4")
     try:
         qgemm.amx_exact_from(1)
+        qgemm.amx_from(32)  # the machine's measured start may be 16 rows or fewer: past them here
         assert qgemm.bf16_rows("int4") == 1
         on = linear(x, qw)
         assert_within(on, ref, (2.0**-8 + gamma(k + 4)) * scale, "int4 on the exact tiles")
