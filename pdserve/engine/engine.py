@@ -175,7 +175,6 @@ class LLMEngine:
         self.num_steps = 0
         sc = config.scheduler
         self.spec_tokens = sc.num_speculative_tokens if sc.speculative_method != "none" else 0
-        mc = config.model
         int4 = mc.quantization == "int4" and mc.activation_quantization == "none" and mc.device == "cpu"
         if int4 and (self.spec_tokens or mc.batch_invariant):
             # A verify step's rows must compute what a plain step's would (greedy stays identical):

@@ -48,6 +48,11 @@ def _in_every_library(symbol: str) -> list:
     return [fn for fn in fns if fn is not None]
 
 
+def _set_everywhere(symbol: str, rows: int) -> None:
+    for fn in _in_every_library(symbol):
+        fn(rows)
+
+
 def amx(want: bool = True) -> bool:
     """Whether the bfloat16 products (bf16_rows) take Intel AMX's tiles: asked for (granted by the
     kernel where the CPU has them and the build has them), or turned off with want=False, where the
@@ -57,24 +62,21 @@ def amx(want: bool = True) -> bool:
 
 
 def amx_from(rows: int) -> None:
-    """From how many rows int4 products take the tiles (kernels/tuning.py measures it); clamped to
-    [bf16_rows("int4"), 32]."""
-    for fn in _in_every_library("pd_qgemm_amx_from"):
-        fn(rows)
+    """From how many rows int4 products take the rounded tile (kernels/tuning.py measures it); clamped
+    to [9, 4096] (past 32 only for invariant_rows: the exact tiles below)."""
+    _set_everywhere("pd_qgemm_amx_from", rows)
 
 
 def amx_exact_from(rows: int) -> None:
     """From how many rows int4 products below the rounded tile take AMX's exact tiles instead of the
     float32 kernel (kernels/tuning.py measures it); clamped to [1, 9], 9 until measured."""
-    for fn in _in_every_library("pd_qgemm_amx_exact_from"):
-        fn(rows)
+    _set_everywhere("pd_qgemm_amx_exact_from", rows)
 
 
 def amx_int8_from(rows: int) -> None:
     """From how many rows int8 products take AMX's tiles instead of the float32 kernel: 9 (the
     default), or fewer (invariant_rows: 1); clamped to [1, 9]."""
-    for fn in _in_every_library("pd_qgemm_amx_int8_from"):
-        fn(rows)
+    _set_everywhere("pd_qgemm_amx_int8_from", rows)
 
 
 def invariant_rows(rows: int) -> None:

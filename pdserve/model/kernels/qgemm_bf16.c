@@ -233,16 +233,19 @@ int pd_qgemm_amx(int want) {
 
 static int amx_granted(void) { return __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) > 0; }
 
+/* A row count the tuning or qgemm.invariant_rows sets, clamped to [lo, hi]; returned as stored. */
+static int set_rows(int *slot, int rows, int lo, int hi) {
+    rows = rows < lo ? lo : rows > hi ? hi : rows;
+    __atomic_store_n(slot, rows, __ATOMIC_RELEASE);
+    return rows;
+}
+
 /* From how many rows int4 products below the rounded tile take amx_q4_exact (fewer: qgemm.c's float32
    kernel): BF16_ROWS4 unless measured otherwise (kernels/tuning.py; a tile's latency is the same for 1
    row as for 16, so where it beats the float32 kernel's FMAs depends on the core). */
 static int amx_exact_from = BF16_ROWS4;
 
-int pd_qgemm_amx_exact_from(int rows) {
-    rows = rows < 1 ? 1 : rows > BF16_ROWS4 ? BF16_ROWS4 : rows;
-    __atomic_store_n(&amx_exact_from, rows, __ATOMIC_RELEASE);
-    return rows;
-}
+int pd_qgemm_amx_exact_from(int rows) { return set_rows(&amx_exact_from, rows, 1, BF16_ROWS4); }
 
 static int amx_exact_rows(void) {
 #if defined(__AVX512BW__)
@@ -259,21 +262,13 @@ static int amx_exact_rows(void) {
    otherwise (kernels/tuning.py: below it the exact pairs with float32 group scales run). */
 static int amx_from4 = BF16_ROWS;
 
-int pd_qgemm_amx_from(int rows) {
-    rows = rows < BF16_ROWS4 ? BF16_ROWS4 : rows > AMX_FROM_MAX ? AMX_FROM_MAX : rows;
-    __atomic_store_n(&amx_from4, rows, __ATOMIC_RELEASE);
-    return rows;
-}
+int pd_qgemm_amx_from(int rows) { return set_rows(&amx_from4, rows, BF16_ROWS4, AMX_FROM_MAX); }
 
 /* From how many rows int8 products take the tiles: BF16_ROWS8 (fewer keep qgemm.c's float32 kernel),
    or from 1 (qgemm.invariant_rows: one arithmetic at every row count). */
 static int amx_from8 = BF16_ROWS8;
 
-int pd_qgemm_amx_int8_from(int rows) {
-    rows = rows < 1 ? 1 : rows > BF16_ROWS8 ? BF16_ROWS8 : rows;
-    __atomic_store_n(&amx_from8, rows, __ATOMIC_RELEASE);
-    return rows;
-}
+int pd_qgemm_amx_int8_from(int rows) { return set_rows(&amx_from8, rows, 1, BF16_ROWS8); }
 
 /* From how many rows products of bits 4 or 8 take the tiles, where they are granted (else 0). */
 int pd_qgemm_amx_rows(int bits) {
@@ -503,8 +498,7 @@ static float *group_sums(uint16_t *xb, int M, int K) { return (float *)(xb + (si
    x [M, K] as bf16 [M, K] (round to nearest even), or NULL where the float32 kernel runs. */
 uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
     if (bits != 4 && bits != 8) return NULL;
-    amx_request();
-    if (M < pd_qgemm_bf16_rows(bits)) return NULL;
+    if (M < pd_qgemm_bf16_rows(bits)) return NULL;    /* asks for the tiles first, where built in */
     /* the group sums for tile_q4 and the exact tiles */
     const int want_sums = bits == 4 && (M < BF16_ROWS || M < pd_qgemm_amx_rows(4));
     const size_t sums = want_sums ? (size_t)M * (K / 32) * 4 : 0, Mp = (size_t)padded_rows(bits, M);
