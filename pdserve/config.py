@@ -30,10 +30,11 @@ class ModelConfig:
     # in blocks of 32 (a scale each) and multiplies in integers, as llama.cpp does: faster, a little less
     # exact (a row's result never depends on the rows beside it). float32 weights keep float activations.
     activation_quantization: str = "none"
-    # int4 and int8 products of a decode step's size (up to 256 rows) on one arithmetic where Intel
-    # AMX's tiles run (from 1 row; int4's rounded tile only past that), so a row's result does not
-    # depend on how many rows share its step: greedy output then does not depend on the batch. Slower
-    # at 1-2 and at 32 or more rows. On with speculative decoding, whose verify steps need it.
+    # int4 and int8 products of a decode step's size (up to 256 rows) on one arithmetic, their exact
+    # path from 1 row (AMX's exact tiles, AVX512-BF16's exact pairs, else the float32 kernel's
+    # dequantized block), so a row's result does not depend on how many rows share its step: greedy
+    # output then does not depend on the batch. Slower at a few rows and at 32 or more where the
+    # exact path is not the fastest. On with speculative decoding, whose verify steps need it.
     batch_invariant: bool = False
     device: str = "cpu"  # cpu or cuda
     max_model_len: int | None = None  # defaults to the model's context length

@@ -71,7 +71,7 @@ FLAGS: dict[str, Flag] = {
     ),
     "batch_invariant": Flag(
         "model.batch_invariant",
-        "int4 decode steps on one arithmetic at every row count (AMX): greedy output independent of the batch",
+        "int4/int8 decode steps on one arithmetic at every row count: greedy output independent of the batch",
         switch=True,
     ),
     "device": Flag("model.device", "cpu or cuda"),

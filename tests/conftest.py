@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 # Before torch loads: spinning OpenMP threads collapse on 2 shared cores (see MEASURED.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -39,3 +40,13 @@ def hf_reference():
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     return model
+
+
+@pytest.fixture(autouse=True)
+def _row_count_paths_after_each_test():
+    """model.batch_invariant is the process's (qgemm.invariant_rows): an engine with speculative
+    decoding turns it on; the next test starts with the row-count paths again."""
+    yield
+    qgemm = sys.modules.get("pdserve.model.kernels.qgemm")
+    if qgemm is not None and qgemm.invariant_bound():
+        qgemm.invariant_rows(0)

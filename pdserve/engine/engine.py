@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from pdserve.cache.kv_events import KVEventPublisher
 
 log = logging.getLogger(__name__)
-# The most rows of a step whose int4 products model.batch_invariant (and speculative decoding) keep on
-# one arithmetic: more are a prefill's, where the rounded tile is several times faster.
+# The most rows of a step whose int4 and int8 products model.batch_invariant (and speculative decoding)
+# keep on one arithmetic: more are a prefill's, where the row-count paths are several times faster.
 INVARIANT_ROWS = 256
 
 
@@ -175,12 +175,13 @@ class LLMEngine:
         self.num_steps = 0
         sc = config.scheduler
         self.spec_tokens = sc.num_speculative_tokens if sc.speculative_method != "none" else 0
-        int4 = mc.quantization == "int4" and mc.activation_quantization == "none" and mc.device == "cpu"
-        if int4 and (self.spec_tokens or mc.batch_invariant):
+        native = mc.quantization in ("int4", "int8") and mc.activation_quantization == "none"
+        if native and mc.device == "cpu" and (self.spec_tokens or mc.batch_invariant):
             # A verify step's rows must compute what a plain step's would (greedy stays identical):
-            # int4 products of up to INVARIANT_ROWS rows on one arithmetic (qgemm.invariant_rows),
-            # the same bound whatever the scheduler's settings, so deployments with and without
-            # drafts agree on a step of any size (past it, a prefill's, on the rounded tile).
+            # int4 and int8 products of up to INVARIANT_ROWS rows on one arithmetic
+            # (qgemm.invariant_rows), the same bound whatever the scheduler's settings, so
+            # deployments with and without drafts agree on a step of any size (past it, a
+            # prefill's, on the row-count paths).
             qgemm.invariant_rows(INVARIANT_ROWS)
         self.drafter = (
             DraftModel(config, self.arch.vocab_size, self.max_model_len, self.pool.num_blocks)

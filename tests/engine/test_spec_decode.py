@@ -21,7 +21,7 @@ from pd_harness import mixed_outputs, pd_pair, prompts
 
 from pdserve import SamplingParams
 from pdserve.config import load_config
-from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine import INVARIANT_ROWS, LLMEngine
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode import propose, verify
 from pdserve.model.kernels import qgemm
@@ -84,20 +84,18 @@ def test_greedy_is_token_identical_on_a_real_model_that_quotes_its_prompt():
 
 
 @pytest.mark.slow
-def test_int4_greedy_is_token_identical_and_batch_independent_where_amx_tiles_run():
-    """The default model as its Q4_1 file (int4): with model.batch_invariant its decode rows take one
-    arithmetic at every row count, so a request's greedy output is the same alone and in a batch, and
-    speculative decoding (which turns the same on: a verify step has more rows than a plain one)
-    gives those outputs token for token. Where AMX's tiles do not run, int4 products switch
-    arithmetic by row count (docs/kernels.md) and this is not promised."""
-    if not qgemm.available() or not qgemm.amx():
-        pytest.skip("no AMX tiles here: int4 products change arithmetic with the row count")
-    saved = qgemm.bf16_rows("int4"), qgemm.amx_rows("int4")
+def test_int4_greedy_is_token_identical_and_batch_independent():
+    """The default model as its Q4_1 file (int4, its head Q8_0: int8): with model.batch_invariant its
+    decode rows take one arithmetic at every row count, so a request's greedy output is the same
+    alone and in a batch, and speculative decoding (which turns the same on: a verify step has more
+    rows than a plain one) gives those outputs token for token."""
+    if not qgemm.available():
+        pytest.skip("no C compiler here: the torch path runs")
     text = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat."
     more = {"cache.device_blocks": 128, "cache.block_size": 16, "model.quantization": "int4"}
     try:
         off = _engine("smollm2-135m", "none", **more, **{"model.batch_invariant": True})
-        assert qgemm.bf16_rows("int4") == 1 and qgemm.amx_rows("int4") > 64
+        assert qgemm.invariant_bound() == INVARIANT_ROWS
         tok = off.tokenizer
         batch = [
             tok.encode_chat([{"role": "user", "content": f"Repeat this text exactly:\n{text}"}]),
@@ -108,7 +106,7 @@ def test_int4_greedy_is_token_identical_and_batch_independent_where_amx_tiles_ru
             tok.encode_chat([{"role": "user", "content": f"Fix the spelling: {text.replace('o', '0')}"}]),
         ]
         # Six streams of 64 tokens: with the row-count paths the drafts' extra rows split a near tie
-        # in one of them on an Intel Xeon with AMX (found by running this without the invariance).
+        # in one of them (found on an Intel Xeon with AMX by running this without the invariance).
         params = SamplingParams(temperature=0, max_tokens=64)
         want = _generate(off, batch, params)
         assert _generate(off, batch[1:2], params) == {"r0": want["r1"]}  # alone: the same tokens
@@ -117,9 +115,7 @@ def test_int4_greedy_is_token_identical_and_batch_independent_where_amx_tiles_ru
         s = on.stats()
         assert 0 < s["spec_accepted_tokens_total"] <= s["spec_draft_tokens_total"]
     finally:
-        qgemm.amx_exact_from(saved[0])
-        qgemm.amx_from(saved[1])
-        qgemm.amx_int8_from(9)
+        qgemm.invariant_rows(0)
 
 
 def test_pd_decode_worker_drafts_and_matches_mixed():

@@ -12,8 +12,9 @@ import subprocess
 import pytest
 import torch
 from float_bounds import U32, assert_within
+from kernel_builds import runnable_qgemm
 
-from pdserve.model.kernels import native, qgemm
+from pdserve.model.kernels import qgemm
 from pdserve.model.quant import QuantizedWeight, quantize
 
 needs_kernel = pytest.mark.skipif(not qgemm.available(), reason="no C compiler here")
@@ -184,39 +185,15 @@ VARIANTS = [
 ]
 
 
-def _build(tmp_path, name: str, flags: list[str]) -> ctypes.CDLL | None:
-    srcs = [str(native.HERE / f"{n}.c") for n in ("qgemm", "qgemm_bf16", "qgemm_q8")]
-    out = tmp_path / f"{name}.so"
-    proc = subprocess.run(
-        [native._compiler(), *native.CFLAGS, *flags, *srcs, "-o", str(out), "-lm"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return ctypes.CDLL(str(out)) if proc.returncode == 0 else None
-
-
 @needs_kernel
 @pytest.mark.parametrize("name,flags,needs,variant", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_each_variant_matches_this_cpus_build(tmp_path, name, flags, needs, variant):
     """Every variant builds (a compiler without the flag, or another architecture, skips it); those this
     CPU can run give this CPU's own build's results bit for bit: the same integers and the same float
     steps in the same order. The portable variant runs everywhere."""
-    from pdserve.utils.cpu import cpu_flags
-
-    lib = _build(tmp_path, name, flags)
-    if lib is None:
-        if not flags:
-            pytest.fail("the portable build failed")
-        pytest.skip(f"{name}: this compiler or architecture does not take {flags}")
-    if not set(needs) <= cpu_flags():
-        pytest.skip(f"{name} built; this CPU cannot run it")
+    lib, fn = runnable_qgemm(tmp_path, name, flags, needs)
     lib.pd_qgemm_q8_variant.restype = ctypes.c_int
     assert lib.pd_qgemm_q8_variant() == variant
-    fn = lib.pd_qgemm
-    fn.restype = None
-    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [i, p, p, p, p, i64, p, i64, i, i, i, i]
     for w in (_weight(), _weight8()):
         bits, t, d, m = w.operands()
         for rows in (1, 3, 9):
@@ -313,7 +290,6 @@ def test_the_models_int4_products_take_int8_activations_and_stay_close():
 
 
 def test_a_bad_activation_quantization_exits_2_naming_the_key(tmp_path):
-    import subprocess
     import sys
     from pathlib import Path
 

@@ -192,11 +192,11 @@ def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result():
         qgemm.amx(True)
         assert_within(pairs, ref, (2.0**-8 + gamma(k + 4)) * scale, "int4 on AVX512-BF16 pairs")
         assert not torch.equal(on, pairs)
-        # Past 16 rows in blocks of 16 (the last padded), where the rounded tile starts later
-        # (qgemm.invariant_rows): a row's bits are still its own.
+        # Past 16 rows in blocks of 16 (the last padded), with model.batch_invariant's bound past
+        # the rounded tile's start (qgemm.invariant_rows): a row's bits are still its own.
         more = torch.randn(40, 576, generator=g)
         qgemm.invariant_rows(64)
-        assert qgemm.bf16_rows("int4") == 1 and qgemm.amx_rows("int4") == 65
+        assert qgemm.bf16_rows("int4") == 1 and qgemm.amx_rows("int4") == 32
         tall = linear(more, qw)
         for m in (1, 16, 17, 33):
             torch.testing.assert_close(linear(more[:m], qw), tall[:m], rtol=0, atol=0)
@@ -204,12 +204,12 @@ def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result():
         bound = (2.0**-8 + gamma(k + 4)) * (more.double().abs() @ parts.t())
         assert_within(tall, ref_more, bound, "int4 on the exact tiles, 40 rows")
         # int8 on the tiles from 1 row too (its exact pairs): each row's bits its own.
-        assert qgemm.amx_rows("int8") == 1 and qgemm.bf16_rows("int8") == 1
+        assert qgemm.bf16_rows("int8") == 1
         q8 = QuantizedWeight(quantize(torch.randn(80, 576, generator=g), "int8"), native=True)
         tall8 = linear(more, q8)
         for m in (1, 5, 9, 17):
             torch.testing.assert_close(linear(more[:m], q8), tall8[:m], rtol=0, atol=0)
-        qgemm.amx_int8_from(9)
+        qgemm.invariant_rows(0)
         assert not torch.equal(linear(more[:5], q8), tall8[:5])  # below 9 rows: the float32 kernel
         qgemm.amx_from(32)
         qgemm.amx_exact_from(9)  # unmeasured: up to 8 rows in the float32 kernel
@@ -217,9 +217,9 @@ def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result():
         assert_within(linear(x[:8], qw), ref[:8], gamma(k + 4) * scale[:8], "int4 in float32")
     finally:
         qgemm.amx(True)
+        qgemm.invariant_rows(0)
         qgemm.amx_exact_from(saved[0])
         qgemm.amx_from(saved[1])
-        qgemm.amx_int8_from(9)
 
 
 def test_fused_rows_keep_their_groups_and_odd_shapes_stay_float():

@@ -299,6 +299,22 @@ static void direct(int bits, int M, const uint8_t *t4, const int8_t *t8, const u
 #undef ROWS
 }
 
+/* model.batch_invariant's bound (qgemm.h): products of up to this many rows skip the register rows
+   above, whose sums run in another order than the dequantized block's (and than each other's: one
+   chain or two a row), so a row's result does not depend on how many rows share its product. A
+   speculative verify step needs that: its rows must compute what a plain decode step computes. */
+#define INVARIANT_MAX 4096
+static int invariant_rows;
+
+int pd_qgemm_invariant(int rows) {
+    if (rows < 0) return __atomic_load_n(&invariant_rows, __ATOMIC_ACQUIRE);
+    rows = rows > INVARIANT_MAX ? INVARIANT_MAX : rows;
+    __atomic_store_n(&invariant_rows, rows, __ATOMIC_RELEASE);
+    return rows;
+}
+
+int pd_qgemm_invariant_at(int M) { return M <= __atomic_load_n(&invariant_rows, __ATOMIC_ACQUIRE); }
+
 /* Up to DIRECT_ROWS rows through int4: each row's sum over each group of 32 input values, sx [M][K/32]
    (callers size sx for 8 rows). */
 void pd_qgemm_sums(int bits, const float *x, int64_t ldx, int M, int K, float *sx) {
@@ -327,7 +343,7 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
                 rows_f32(M, x + k0, ldx, tf + (int64_t)k0 * NC, (k0 + KB < K ? KB : K - k0), yt, ldy, k0 == 0);
             continue;
         }
-        if (M <= DIRECT_ROWS) {
+        if (M <= DIRECT_ROWS && !pd_qgemm_invariant_at(M)) {
             if (bits == 4 && t == t0)      /* a chunk's first groups: no earlier tile prefetched them */
                 for (int g = 0; g < PF_GROUPS && g < K / 32; g++) prefetch_group(t4, td, tm, g);
             direct(bits, M, t4, t8, td, tm, ts, x, ldx, K, sx, yt, ldy);

@@ -20,10 +20,18 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
    off (the vector paths run), 1 asks for them again. */
 int pd_qgemm_amx(int want);
 int pd_qgemm_amx_rows(int bits); /* from how many rows (bits 4 or 8) they take the tiles; 0: they do not */
-int pd_qgemm_amx_from(int rows); /* int4's: set where measured (clamped to the bfloat16 rows; returned) */
+int pd_qgemm_amx_from(int rows); /* int4's rounded tile: set where measured (clamped 9-32; returned) */
 int pd_qgemm_amx_exact_from(int rows); /* int4's exact tiles: set where measured (clamped 1-9; returned) */
-int pd_qgemm_amx_int8_from(int rows); /* int8's tiles: from 9 rows, or 1 (clamped 1-9; returned) */
 int pd_qgemm_bf16_rows(int bits); /* from how many rows (bits 4 or 8) pd_qgemm_bf16_x rounds; 0: never */
+
+/* qgemm.c: products of up to `rows` rows (0: none, the default; at most 4096; returned; below 0 only
+   returns the bound) compute
+   each row the same way whatever their row count (model.batch_invariant): int4 and int8 take their
+   exact path from 1 row, the one a product of every such size can take (qgemm_bf16.c's exact tiles
+   or pairs where built in, else the dequantized block here); pd_qgemm_invariant_at(M): whether a
+   product of M rows is one of them. */
+int pd_qgemm_invariant(int rows);
+int pd_qgemm_invariant_at(int M);
 
 /* qgemm_q8.c: int4 or int8 with the activations quantized to int8 per row in blocks of 32 (bits 4 or 8,
    | PD_AQ8).

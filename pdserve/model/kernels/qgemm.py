@@ -63,7 +63,7 @@ def amx(want: bool = True) -> bool:
 
 def amx_from(rows: int) -> None:
     """From how many rows int4 products take the rounded tile (kernels/tuning.py measures it); clamped
-    to [9, 4096] (past 32 only for invariant_rows: the exact tiles below)."""
+    to [9, 32]."""
     _set_everywhere("pd_qgemm_amx_from", rows)
 
 
@@ -73,24 +73,23 @@ def amx_exact_from(rows: int) -> None:
     _set_everywhere("pd_qgemm_amx_exact_from", rows)
 
 
-def amx_int8_from(rows: int) -> None:
-    """From how many rows int8 products take AMX's tiles instead of the float32 kernel: 9 (the
-    default), or fewer (invariant_rows: 1); clamped to [1, 9]."""
-    _set_everywhere("pd_qgemm_amx_int8_from", rows)
-
-
 def invariant_rows(rows: int) -> None:
-    """Every int4 product of up to `rows` rows on one arithmetic where AMX's tiles run: the exact tiles
-    from 1 row, the rounded tile only past `rows` (a prefill's products); and every int8 product on
-    the tiles from 1 row (their exact pairs, at any row count). A row's result then does not
-    depend on how many rows share its step, which speculative decoding needs: a verify step's rows
-    must compute what a plain decode step computes for greedy output to stay token-identical. Without
-    the tiles nothing changes (the AVX512-BF16 pairs and the float32 kernel switch by row count)."""
-    if amx_rows("int4") == 0:
-        return
-    amx_exact_from(1)
-    amx_from(max(amx_rows("int4"), rows + 1))
-    amx_int8_from(1)  # int8 (a Q8_0 head, say): its tiles from 1 row
+    """Every int4 and int8 product of up to `rows` rows (0: none, the default) on one arithmetic: its
+    exact path from 1 row (AMX's exact tiles, else the AVX512-BF16 exact pairs, else, without
+    bfloat16, the float32 kernel's dequantized block rather than its register rows); past `rows` (a
+    prefill's products) the row-count paths. A row's result then does not depend on how many rows
+    share its step, which speculative decoding needs: a verify step's rows must compute what a plain
+    decode step computes for greedy output to stay token-identical. Clamped to [0, 4096]."""
+    _set_everywhere("pd_qgemm_invariant", max(rows, 0))
+
+
+def invariant_bound() -> int:
+    """The rows invariant_rows set (0: none, or no kernel here)."""
+    fn = function("qgemm", "pd_qgemm_invariant", [_I])
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    return int(fn(-1))
 
 
 def amx_rows(mode: str) -> int:

@@ -2,9 +2,10 @@
    rows, widen their stored integers straight to pairs (exact); int4 from 32 rows dequantizes the tile
    there (pd_dequant_tile) and rounds it to pairs here. All multiply with vdpbf16ps, or with Intel
    AMX's tiles where the kernel grants them: int4 from kernels/tuning.py's measured row counts (the
-   exact tiles from a few rows, the rounded tile from more), int8 from 9 rows (both from 1 row with
-   qgemm.invariant_rows). Without AVX512-BF16
-   every entry point says no (NULL rows), and the float32 kernel runs. */
+   exact tiles from a few rows, the rounded tile from more), int8 from 9 rows. Products of up to
+   pd_qgemm_invariant's rows (model.batch_invariant) take the exact paths from 1 row: int4's exact
+   tiles or pairs, int8's tiles or pairs. Without AVX512-BF16 every entry point says no (NULL rows),
+   and the float32 kernel runs. */
 #include <stdint.h>
 #include "qgemm.h"
 
@@ -233,7 +234,7 @@ int pd_qgemm_amx(int want) {
 
 static int amx_granted(void) { return __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) > 0; }
 
-/* A row count the tuning or qgemm.invariant_rows sets, clamped to [lo, hi]; returned as stored. */
+/* A row count the tuning sets, clamped to [lo, hi]; returned as stored. */
 static int set_rows(int *slot, int rows, int lo, int hi) {
     rows = rows < lo ? lo : rows > hi ? hi : rows;
     __atomic_store_n(slot, rows, __ATOMIC_RELEASE);
@@ -255,25 +256,17 @@ static int amx_exact_rows(void) {
 #endif
 }
 
-/* The rounded tile's start may be raised past BF16_ROWS (qgemm.invariant_rows: every decode-sized
-   product on the exact tiles); beyond this, a product is a prefill's. */
-#define AMX_FROM_MAX 4096
 /* From how many rows int4 products take the tiles (the rounded tile): from BF16_ROWS unless measured
-   otherwise (kernels/tuning.py: below it the exact pairs with float32 group scales run). */
+   otherwise (kernels/tuning.py: below it the exact tiles with float32 group scales run). */
 static int amx_from4 = BF16_ROWS;
 
-int pd_qgemm_amx_from(int rows) { return set_rows(&amx_from4, rows, BF16_ROWS4, AMX_FROM_MAX); }
+int pd_qgemm_amx_from(int rows) { return set_rows(&amx_from4, rows, BF16_ROWS4, BF16_ROWS); }
 
-/* From how many rows int8 products take the tiles: BF16_ROWS8 (fewer keep qgemm.c's float32 kernel),
-   or from 1 (qgemm.invariant_rows: one arithmetic at every row count). */
-static int amx_from8 = BF16_ROWS8;
-
-int pd_qgemm_amx_int8_from(int rows) { return set_rows(&amx_from8, rows, 1, BF16_ROWS8); }
-
-/* From how many rows products of bits 4 or 8 take the tiles, where they are granted (else 0). */
+/* From how many rows products of bits 4 or 8 take the tiles (int8 from BF16_ROWS8: fewer keep
+   qgemm.c's float32 kernel), where they are granted (else 0). */
 int pd_qgemm_amx_rows(int bits) {
     if (!amx_granted()) return 0;
-    return __atomic_load_n(bits == 4 ? &amx_from4 : &amx_from8, __ATOMIC_ACQUIRE);
+    return bits == 4 ? __atomic_load_n(&amx_from4, __ATOMIC_ACQUIRE) : BF16_ROWS8;
 }
 
 typedef struct {
@@ -472,7 +465,6 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
 static int amx_request(void) { return 0; }
 static int amx_exact_rows(void) { return 0; }
 int pd_qgemm_amx_exact_from(int rows) { return rows; }
-int pd_qgemm_amx_int8_from(int rows) { return rows; }
 int pd_qgemm_amx_from(int rows) { return rows; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
@@ -500,7 +492,7 @@ uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
     if (bits != 4 && bits != 8) return NULL;
     if (M < pd_qgemm_bf16_rows(bits)) return NULL;    /* asks for the tiles first, where built in */
     /* the group sums for tile_q4 and the exact tiles */
-    const int want_sums = bits == 4 && (M < BF16_ROWS || M < pd_qgemm_amx_rows(4));
+    const int want_sums = bits == 4 && (M < BF16_ROWS || M < pd_qgemm_amx_rows(4) || pd_qgemm_invariant_at(M));
     const size_t sums = want_sums ? (size_t)M * (K / 32) * 4 : 0, Mp = (size_t)padded_rows(bits, M);
     uint16_t *xb = aligned_alloc(64, (Mp * K * 2 + sums + 63) / 64 * 64);
     if (xb == NULL) return NULL;
@@ -521,10 +513,13 @@ uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
 void pd_qgemm_bf16_free(uint16_t *xb) { free(xb); }
 void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y,
                          int64_t ldy, int M, int K, int t0, int t1) {
+    /* int4 keeps its exact paths at every row count model.batch_invariant covers (qgemm.h) */
+    const int exact4 = bits == 4 && pd_qgemm_invariant_at(M);
     /* AMX takes what the rounded tile and int8's pairs take: the same operands, many rows at once. */
-    if ((bits == 8 || M >= pd_qgemm_amx_rows(4)) && amx_tiles(bits, w, d, m, xb, y, ldy, M, K, t0, t1)) return;
+    if ((bits == 8 || (M >= pd_qgemm_amx_rows(4) && !exact4)) && amx_tiles(bits, w, d, m, xb, y, ldy, M, K, t0, t1))
+        return;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
-    if (bits == 4 && M < pd_qgemm_amx_rows(4) && amx_granted() && K % 32 == 0) {
+    if (bits == 4 && (M < pd_qgemm_amx_rows(4) || exact4) && amx_granted() && K % 32 == 0) {
         amx_configure_exact(M);
         amx_q4_exact(w, d, m, xb, group_sums((uint16_t *)xb, M, K), y, ldy, M, K, t0, t1);
         _tile_release();
@@ -536,7 +531,7 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
         return;
     }
 #if defined(__AVX512BW__)
-    if (bits == 4 && M < BF16_ROWS) {
+    if (bits == 4 && (M < BF16_ROWS || exact4)) {
         const float *sx = group_sums((uint16_t *)xb, M, K);
         for (int t = t0; t < t1; t++) tile_q4(w, d, m, xb, sx, y, ldy, M, K, t);
         return;
@@ -546,7 +541,6 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
 }
 #else
 int pd_qgemm_amx_exact_from(int rows) { return rows; }
-int pd_qgemm_amx_int8_from(int rows) { return rows; }
 int pd_qgemm_amx_from(int rows) { return rows; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
@@ -571,6 +565,7 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
 int pd_qgemm_bf16_rows(int bits) {
 #ifdef __AVX512BF16__
     amx_request();   /* the tiles' rows where the kernel grants them: asked once, as a product would */
+    if (pd_qgemm_invariant_at(1)) return 1;   /* model.batch_invariant: the exact paths from 1 row */
     if (bits == 4 && amx_exact_rows()) return amx_exact_rows();
     if (bits == 8 && pd_qgemm_amx_rows(8)) return pd_qgemm_amx_rows(8);
     return bits == 4 ? BF16_ROWS4 : BF16_ROWS8;

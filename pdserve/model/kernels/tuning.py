@@ -58,8 +58,9 @@ def _int4_ratios(rows_list: tuple[int, ...], set_start, off: int) -> dict[int, f
 
     g = torch.Generator().manual_seed(0)
     qw = QuantizedWeight(quantize(torch.randn(*SHAPE, generator=g) * 0.05, "int4"), native=True)
-    threads = torch.get_num_threads()
+    threads, invariant = torch.get_num_threads(), qgemm.invariant_bound()
     torch.set_num_threads(1)
+    qgemm.invariant_rows(0)  # the row-count paths are what is measured
     ratios = {}
     try:
         for rows in rows_list:
@@ -71,6 +72,7 @@ def _int4_ratios(rows_list: tuple[int, ...], set_start, off: int) -> dict[int, f
             ratios[rows] = times[0] / times[1]
     finally:
         torch.set_num_threads(threads)
+        qgemm.invariant_rows(invariant)
         set_start(off)
     return ratios
 
