@@ -362,24 +362,43 @@ class PDCluster:
         timeout: float = 60,
         routers=("router",),
         headers: dict | None = None,
+        watch=None,
     ) -> list[Outcome]:
         """Stream every prompt at once (through `routers` in turn); `fault()` runs once, when any
-        stream has `fault_after` tokens."""
+        stream has `fault_after` tokens, or, given `watch`, as fault(found) as soon as watch()
+        returns something (polled from its own thread: the workers' state, which a client short of
+        CPU can read its chunks far behind)."""
         fired = threading.Event()
 
         def on_token(n: int) -> None:
-            if fault is not None and n >= fault_after and not fired.is_set():
+            if fault is not None and watch is None and n >= fault_after and not fired.is_set():
                 fired.set()
                 fault()
 
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts) + 1) as pool:
             futs = [
                 pool.submit(self.stream, p, max_tokens, on_token, timeout, routers[i % len(routers)], headers)
                 for i, p in enumerate(prompts)
             ]
+            watcher = pool.submit(self._watch, watch, fault, fired, futs) if watch is not None else None
             outs = [f.result() for f in futs]
-        assert fault is None or fired.is_set(), "the fault never fired: the streams were too short"
+            if watcher is not None:
+                watcher.result()  # its failure is the test's
+        assert fault is None or fired.is_set(), (
+            "the fault never fired: the streams were too short",
+            [(o.chunks, o.error) for o in outs],
+        )
         return outs
+
+    @staticmethod
+    def _watch(watch, fault, fired: threading.Event, futs: list) -> None:
+        while not all(f.done() for f in futs):
+            found = watch()
+            if found is not None:
+                fired.set()
+                fault(found)  # at once: the state found can end within a poll's time
+                return
+            time.sleep(0.02)
 
     def close(self) -> None:
         self.net.close()

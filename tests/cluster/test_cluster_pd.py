@@ -128,21 +128,14 @@ def test_follow_up_goes_to_the_decode_worker_holding_its_prefix(cluster):
     cluster.idle_pools()
 
 
-def _busy_decode(c: PDCluster, timeout: float = 10.0) -> str:
-    """A decode host with streams already decoding (the one with most). Read off the workers'
-    running batches, not the router's in-flight count: that one counts requests still waiting for
-    their prefill, and a fault that meets only those is a retry, not the migration a test wants."""
-    names = [n for n in ROLES if n.startswith("decode")]
-    deadline = time.monotonic() + timeout
-    while True:
-        running = {n: c.health(n)["running"] for n in names}
-        name = max(running, key=running.get)
-        if running[name] > 0:
-            return name
-        assert time.monotonic() < deadline, (
-            f"no decode host had a stream decoding within {timeout} s: {running}"
-        )
-        time.sleep(0.02)
+def _busy(c: PDCluster, indexed: bool = False) -> str | None:
+    """The decode host with most streams decoding (with `indexed`: among those whose blocks the
+    router's KV index holds), or None. Read off the workers' running batches, not the router's
+    in-flight count: that one counts requests still waiting for their prefill, and a fault that meets
+    only those is a retry, not the migration a test wants."""
+    running = {n: c.health(n)["running"] for n in ROLES if n.startswith("decode")}
+    busy = [n for n, k in running.items() if k and (not indexed or c.workers()[n]["kv_index_blocks"])]
+    return max(busy, key=running.get) if busy else None
 
 
 def _check(outs, first: int, deadline_s: float, max_tokens: int = MAX_TOKENS) -> tuple[int, int]:
@@ -161,13 +154,15 @@ def _check(outs, first: int, deadline_s: float, max_tokens: int = MAX_TOKENS) ->
 def test_decode_host_link_down_mid_stream_is_migrated(cluster):
     down: dict = {}
 
-    def fault() -> None:
-        down["name"] = _busy_decode(cluster)
+    def fault(name: str) -> None:
+        down["name"] = name
         down["at"] = time.monotonic()
         cluster.net.link(cluster.host(down["name"]), up=False)
 
     try:
-        outs = cluster.load([prompt(i) for i in range(20, 26)], FAULT_TOKENS, fault, fault_after=8)
+        outs = cluster.load(
+            [prompt(i) for i in range(20, 26)], FAULT_TOKENS, fault, watch=lambda: _busy(cluster)
+        )
     finally:
         if "name" in down:
             cluster.net.link(cluster.host(down["name"]), up=True)
@@ -192,13 +187,18 @@ def test_decode_host_link_down_mid_stream_is_migrated(cluster):
 def test_restarted_worker_loses_its_stale_index_entries_then_rebuilds(cluster):
     killed: dict = {}
 
-    def fault() -> None:
-        killed["name"] = name = _busy_decode(cluster)
+    def fault(name: str) -> None:
+        killed["name"] = name
         killed["blocks"] = cluster.workers()[name]["kv_index_blocks"]
         cluster.procs[name].kill()
         killed["at"] = time.monotonic()
 
-    outs = cluster.load([prompt(i) for i in range(30, 36)], FAULT_TOKENS, fault)
+    outs = cluster.load(
+        [prompt(i) for i in range(30, 36)],
+        FAULT_TOKENS,
+        fault,
+        watch=lambda: _busy(cluster, indexed=True),
+    )
     ok, failed = _check(outs, 30, 60, FAULT_TOKENS)
     assert failed == 0
     name = killed["name"]
