@@ -73,6 +73,12 @@ def amx_exact_from(rows: int) -> None:
     _set_everywhere("pd_qgemm_amx_exact_from", rows)
 
 
+def pairs_rounded_from(rows: int) -> None:
+    """From how many rows int4 products take the rounded tile instead of the exact pairs, where AMX's
+    tiles do not run (kernels/tuning.py measures it); clamped to [9, 64], 32 until measured."""
+    _set_everywhere("pd_qgemm_pairs_rounded_from", rows)
+
+
 def invariant_rows(rows: int) -> None:
     """Every int4 and int8 product of up to `rows` rows (0: none, the default) on one arithmetic: its
     exact path from 1 row (AMX's exact tiles, else the AVX512-BF16 exact pairs, else, without

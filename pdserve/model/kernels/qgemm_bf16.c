@@ -13,7 +13,7 @@
 #include <immintrin.h>
 #include <stdlib.h>
 #include <string.h>
-/* int4 from BF16_ROWS rows on (a prefill), on a CPU with AVX512-BF16: the activations and the
+/* int4 from BF16_ROWS rows on (a prefill; unless measured otherwise: pairs_rounded4 below), on a CPU with AVX512-BF16: the activations and the
    dequantized tile are rounded to bfloat16 and multiplied in pairs (vdpbf16ps: 32 products into
    float32 sums per instruction, twice the float32 FMA's), where the float32 kernel sits at the
    cores' FMA peak. Weights quantized to 4 or 8 bits lose far more than bfloat16's 8-bit mantissa does
@@ -29,9 +29,10 @@
    activations are rounded, and sum x is of the rounded x too, so their rounding meets the centred w,
    not q in 0..15 (relative error of a 960 x 960 product: 1.7e-3, against 2.4e-3 with the weight
    rounded as well). A nibble pair widens straight into a bfloat16 pair (vpermw over a table of 0..15):
-   no float32 tile between. It beats the float32 kernel from 9 rows; from 32 rows it ran no faster
-   than the rounded tile below and slower on long prefills (two FMAs a row per group of 32 to scale
-   the sums), so those keep the tile (figures: docs/benchmarks.md). */
+   no float32 tile between. On a Zen 4 it beat the float32 kernel from 9 rows; from 32 rows it ran no
+   faster than the rounded tile below and slower on long prefills (two FMAs a row per group of 32 to scale
+   the sums), so those keep the tile (figures: docs/benchmarks.md). Other cores differ: the rounded
+   tile's start is measured at first load (pairs_rounded4 below). */
 #if defined(__AVX512BW__)
 #define BF16_ROWS4 9
 #else
@@ -41,6 +42,24 @@
    with one scale per channel the pairs' sums need only scaling at the end (tile_q8): less work than
    the rounded tile at any row count, and only the activations are rounded. */
 #define BF16_ROWS8 9
+
+/* A row count the tuning sets, clamped to [lo, hi]; returned as stored. */
+static int set_rows(int *slot, int rows, int lo, int hi) {
+    rows = rows < lo ? lo : rows > hi ? hi : rows;
+    __atomic_store_n(slot, rows, __ATOMIC_RELEASE);
+    return rows;
+}
+
+/* From how many rows int4 on the vector pairs takes the rounded tile instead of the exact pairs:
+   BF16_ROWS unless kernels/tuning.py measured otherwise on this machine (where it wins depends on the
+   core's vdpbf16ps rate against its FMAs'). AMX's tiles, where they run, have their own (below). */
+#define PAIRS_ROUNDED_MAX 64
+static int pairs_rounded4 = BF16_ROWS;
+
+int pd_qgemm_pairs_rounded_from(int rows) {
+    return set_rows(&pairs_rounded4, rows, BF16_ROWS4, PAIRS_ROUNDED_MAX);
+}
+static int pairs_rounded_rows(void) { return __atomic_load_n(&pairs_rounded4, __ATOMIC_ACQUIRE); }
 
 /* The f32 block buf [kn][16] as bf16 pairs along k: wb[p][c] = bf16(w[2p][c]) | bf16(w[2p + 1][c]) << 16. */
 static void bf16_pairs(const float *buf, int kn, uint32_t *wb) {
@@ -168,6 +187,11 @@ static void tile_q4(const void *w, const void *d, const void *m, const uint16_t 
             _mm512_store_ps(dg + g * NC, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + (k0 / 32 + g) * NC))));
             _mm512_store_ps(mg + g * NC, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tm + (k0 / 32 + g) * NC))));
         }
+        /* The next block's nibbles and scales on their way while this block's rows run (past the tile's
+           end: the next tile's start, as qgemm.c's direct4 does). */
+        for (int b = 0; b < KB / 2 * NC; b += 64) __builtin_prefetch(nib + (int64_t)(k1 / 2) * NC + b, 0, 3);
+        for (int b = 0; b < KB / 32 * NC; b += 32)
+            __builtin_prefetch(td + (k1 / 32) * NC + b, 0, 3), __builtin_prefetch(tm + (k1 / 32) * NC + b, 0, 3);
         rows_q4(M, xb + k0, K, sx + k0 / 32, K / 32, wb, dg, mg, ng, y + t * NC, ldy, k0 == 0);
     }
 }
@@ -233,13 +257,6 @@ int pd_qgemm_amx(int want) {
 }
 
 static int amx_granted(void) { return __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE) > 0; }
-
-/* A row count the tuning sets, clamped to [lo, hi]; returned as stored. */
-static int set_rows(int *slot, int rows, int lo, int hi) {
-    rows = rows < lo ? lo : rows > hi ? hi : rows;
-    __atomic_store_n(slot, rows, __ATOMIC_RELEASE);
-    return rows;
-}
 
 /* From how many rows int4 products below the rounded tile take amx_q4_exact (fewer: qgemm.c's float32
    kernel): BF16_ROWS4 unless measured otherwise (kernels/tuning.py; a tile's latency is the same for 1
@@ -492,7 +509,7 @@ uint16_t *pd_qgemm_bf16_x(int bits, const float *x, int64_t ldx, int M, int K) {
     if (bits != 4 && bits != 8) return NULL;
     if (M < pd_qgemm_bf16_rows(bits)) return NULL;    /* asks for the tiles first, where built in */
     /* the group sums for tile_q4 and the exact tiles */
-    const int want_sums = bits == 4 && (M < BF16_ROWS || M < pd_qgemm_amx_rows(4) || pd_qgemm_invariant_at(M));
+    const int want_sums = bits == 4 && (M < pairs_rounded_rows() || M < pd_qgemm_amx_rows(4) || pd_qgemm_invariant_at(M));
     const size_t sums = want_sums ? (size_t)M * (K / 32) * 4 : 0, Mp = (size_t)padded_rows(bits, M);
     uint16_t *xb = aligned_alloc(64, (Mp * K * 2 + sums + 63) / 64 * 64);
     if (xb == NULL) return NULL;
@@ -531,7 +548,7 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
         return;
     }
 #if defined(__AVX512BW__)
-    if (bits == 4 && (M < BF16_ROWS || exact4)) {
+    if (bits == 4 && (M < pairs_rounded_rows() || exact4)) {
         const float *sx = group_sums((uint16_t *)xb, M, K);
         for (int t = t0; t < t1; t++) tile_q4(w, d, m, xb, sx, y, ldy, M, K, t);
         return;
@@ -540,6 +557,7 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
     for (int t = t0; t < t1; t++) tile_bf16(bits, w, d, m, xb, y, ldy, M, K, t);
 }
 #else
+int pd_qgemm_pairs_rounded_from(int rows) { return rows; }
 int pd_qgemm_amx_exact_from(int rows) { return rows; }
 int pd_qgemm_amx_from(int rows) { return rows; }
 int pd_qgemm_amx_rows(int bits) {

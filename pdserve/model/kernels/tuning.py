@@ -1,17 +1,17 @@
 """Kernel paths chosen by timing them on this machine, once, and cached per CPU model, flags and
 kernel build (never assumed per CPU family).
 
-Two choices so far, both for int4 products on Intel AMX's tiles (qgemm_bf16.c), each measured on one
-int4 product at a few row counts, one thread, the tiles starting at the first count from which they
-are faster at every count measured:
+Where int4 products leave one path for the next, on the bfloat16 paths (qgemm_bf16.c): on Intel AMX's
+tiles where they run, else on the AVX512-BF16 vector pairs. Each start is measured on one int4
+product at a few row counts, one thread, the path starting at the first count from which it is
+faster at every count measured:
 
+- from how many rows AMX's exact tiles (the nibbles exact, each group's scale and offset in float32
+  after its sums) replace the float32 kernel (qgemm.c). A tile's latency is the same for 1 row as
+  for 16 and the float32 kernel's FMAs grow with the rows, so this lies where the core puts it.
 - from how many rows the rounded tile (the weight dequantized and rounded to bfloat16, summed over
-  all of K in the tile) replaces the exact tiles or pairs (the nibbles exact, each group's scale and
-  offset in float32 after its sums). The rounded tile does more work per weight and none per group
-  and row, so it wins from some row count; where depends on the core.
-- from how many rows the exact tiles replace the float32 kernel (qgemm.c) below that. A tile's
-  latency is the same for 1 row as for 16 and the float32 kernel's FMAs grow with the rows, so this
-  too lies where the core's tile latency and FMA rate put it.
+  all of K in the tile) replaces the exact tiles or pairs. It does more work per weight and none per
+  group and row, so it wins from some row count; where depends on the core.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,11 +33,50 @@ from pdserve.model.kernels.native import build
 from pdserve.utils.cpu import cpu_flags, cpu_name, feature_key
 
 log = logging.getLogger(__name__)
-ROWS = (9, 12, 16, 17, 20, 24, 28)  # the counts between the bfloat16 rows and the rounded tile's 32
+ROWS = (9, 12, 16, 17, 20, 24, 28)  # AMX: the counts between the bfloat16 rows and the rounded tile's 32
 EXACT_ROWS = (1, 2, 3, 4, 6, 8)  # the float32 kernel's counts (qgemm.c's register rows)
-NO_EXACT = 9  # qgemm_bf16.c's BF16_ROWS4: where the exact tiles start without a measurement
+NO_EXACT = 9  # qgemm_bf16.c's BF16_ROWS4: where the exact path starts without a measurement
 SHAPE = (1024, 1024)  # a product small enough to stay in cache: the kernels' arithmetic, not memory
-NO_TILES = 32  # qgemm_bf16.c's BF16_ROWS: where int4 takes the tiles without a measurement
+NO_TILES = 32  # qgemm_bf16.c's BF16_ROWS: where the rounded tile starts without a measurement
+PAIRS_ROWS = (20, 24, 28, 32, 40, 48, 56)  # the vector pairs: the rounded tile against the exact pairs
+NO_ROUNDED = 64  # qgemm_bf16.c's PAIRS_ROUNDED_MAX: the rounded tile faster nowhere measured
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A row count to measure and set: `key` in the cache, `ratios` the measured ratios' key, `none`
+    the start where the path is faster nowhere measured, `unmeasured` the kernel's own start."""
+
+    key: str
+    ratios: str
+    rows: tuple[int, ...]
+    set_start: Callable[[int], None]
+    none: int
+    unmeasured: int
+
+
+def choices(amx: bool) -> tuple[Choice, ...]:
+    """What is chosen here, the exact path first (the rounded tile is measured against it). On the
+    vector pairs only the rounded tile's start: the exact pairs ran faster than the float32 kernel at
+    3-8 rows on a Zen 5, alone (in cache and streamed) but not in the engine's decode steps (0.93 of
+    the tok/s at 4 streams: benchmarks/kernel_tuning.py), so they keep their start of 9 rows."""
+    if amx:
+        return (
+            Choice(
+                "int4_exact_from", "exact_vs_float32", EXACT_ROWS, qgemm.amx_exact_from, NO_EXACT, NO_EXACT
+            ),
+            Choice("int4_tiles_from", "tiles_vs_pairs", ROWS, qgemm.amx_from, NO_TILES, NO_TILES),
+        )
+    return (
+        Choice(
+            "int4_rounded_from",
+            "rounded_vs_pairs",
+            PAIRS_ROWS,
+            qgemm.pairs_rounded_from,
+            NO_ROUNDED,
+            NO_TILES,
+        ),
+    )
 
 
 def best_time(fn, repeats: int = 5, inner: int = 4) -> float:
@@ -77,14 +118,10 @@ def _int4_ratios(rows_list: tuple[int, ...], set_start, off: int) -> dict[int, f
     return ratios
 
 
-def measure_int4_tiles() -> dict[int, float]:
-    """Per row count: the rounded tile's time over the exact tiles' or pairs' (below 1: faster)."""
-    return _int4_ratios(ROWS, qgemm.amx_from, NO_TILES)
-
-
-def measure_int4_exact() -> dict[int, float]:
-    """Per row count: the exact tiles' time over the float32 kernel's (below 1: faster)."""
-    return _int4_ratios(EXACT_ROWS, qgemm.amx_exact_from, NO_EXACT)
+def measure(choice: Choice) -> dict[int, float]:
+    """Per row count: the product's time with the choice's path starting there over its time without
+    (below 1: faster)."""
+    return _int4_ratios(choice.rows, choice.set_start, choice.none)
 
 
 def choose(ratios: dict[int, float], none: int = NO_TILES) -> int:
@@ -106,31 +143,28 @@ def _cache_path() -> Path:
 @lru_cache(maxsize=1)
 def tune() -> dict:
     """Apply this machine's measured choices (measured now and cached where none are cached yet);
-    returns them ({} where there is nothing to choose: no AMX tiles here)."""
-    if "amx_tile" not in cpu_flags() or not qgemm.available() or not qgemm.amx():
+    returns them ({} where there is nothing to choose: no bfloat16 products here)."""
+    if "avx512_bf16" not in cpu_flags() or not qgemm.available() or qgemm.bf16_rows("int4") == 0:
         return {}
+    chosen_paths = choices("amx_tile" in cpu_flags() and qgemm.amx())
     path = _cache_path()
     try:
         chosen = json.loads(path.read_text())
-        start, exact = int(chosen["int4_tiles_from"]), int(chosen["int4_exact_from"])
+        starts = [int(chosen[c.key]) for c in chosen_paths]
     except FileNotFoundError:
         chosen = None
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("ignoring unreadable kernel tuning %s: %s", path, e)
         chosen = None
     if chosen is None:
-        # The exact tiles first: the rounded tile's measurement compares against them from 9 rows.
-        exact_ratios = measure_int4_exact()
-        exact = choose(exact_ratios, NO_EXACT)
-        qgemm.amx_exact_from(exact)
-        ratios = measure_int4_tiles()
-        start = choose(ratios)
-        chosen = {
-            "int4_tiles_from": start,
-            "tiles_vs_pairs": {str(r): round(v, 3) for r, v in ratios.items()},
-            "int4_exact_from": exact,
-            "exact_vs_float32": {str(r): round(v, 3) for r, v in exact_ratios.items()},
-        }
+        chosen, starts = {}, []
+        for c in chosen_paths:
+            ratios = measure(c)
+            start = choose(ratios, c.none)
+            c.set_start(start)  # the next choice is measured against this one
+            chosen[c.key] = start
+            chosen[c.ratios] = {str(r): round(v, 3) for r, v in ratios.items()}
+            starts.append(start)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -138,14 +172,7 @@ def tune() -> dict:
             tmp.replace(path)  # atomic: workers starting together never read half a file
         except OSError as e:
             log.warning("could not cache kernel tuning in %s: %s", path, e)
-        log.info(
-            "int4 products take AMX's exact tiles from %d rows and the rounded tile from %d "
-            "(exact / float32: %s; rounded / exact: %s)",
-            exact,
-            start,
-            exact_ratios,
-            ratios,
-        )
-    qgemm.amx_exact_from(exact)
-    qgemm.amx_from(start)
+        log.info("int4 kernel paths measured on this machine: %s", chosen)
+    for c, start in zip(chosen_paths, starts, strict=True):
+        c.set_start(start)
     return chosen
