@@ -12,7 +12,8 @@ Each phase loads one pool past what one worker of it serves and within what two 
 each static split is wrong for some phase. On an AMD EPYC Zen 4 (AVX-512, 2 cores; 2026-12-01) a
 300-token prefill takes ~0.75 s and a batch-1 decode step ~28 ms: at the old rates (1 and 2 req/s)
 the static 2:1 met 30/60/30 of 30/60/30, so the defaults are 2 and 3 req/s (2:1 met 50/12/40, 1:2
-9/90/15 of 60/90/60). (On the AVX2 EPYC before, one thread a worker: a 300-token
+9/90/15 of 60/90/60); the prompt rate is now derived from the TTFT the run measures first
+(PREFILL_WORKERS), so it loads the prefill pool alike on faster CPUs. (On the AVX2 EPYC before, one thread a worker: a 300-token
 prefill takes ~1.25-1.5 s, so 1 req/s is ~1.5 prefill workers' worth; 2 req/s of 144-token
 replies piles streams on one decode worker until its gap is well past the TPOT SLO, and two keep
 it: at 1.75 req/s two decode workers' TPOT p90 was 0.55-0.67x the SLO, one worker's met 13 and 34
@@ -56,6 +57,11 @@ from pdserve.bench.metrics import RequestRecord, meets_slo, summarize
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 from pdserve.bench.workloads import Session, Turn, words
 from pdserve.utils.cpu import describe
+
+# The prompt-heavy phases' load in prefill workers' worth (one serves 1 / TTFT requests a second):
+# past what one serves and within what two do, on any CPU (2.0 req/s was that on a Zen 4, where a
+# 300-token prompt took ~0.75 s; a Zen 5 takes ~0.3 s, and there 2.0 req/s left every split right).
+PREFILL_WORKERS = 1.5
 
 
 def phases(args) -> list[tuple[str, list[Session], float]]:
@@ -154,7 +160,12 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--phase-s", type=float, default=30.0)
-    ap.add_argument("--prompt-rate", type=float, default=2.0, help="requests/s in the prompt-heavy phases")
+    ap.add_argument(
+        "--prompt-rate",
+        type=float,
+        help="requests/s in the prompt-heavy phases (default: PREFILL_WORKERS prefill workers' worth, from"
+        " the unloaded long prompt's TTFT measured first)",
+    )
     ap.add_argument("--gen-rate", type=float, default=3.0, help="requests/s in the generation-heavy phase")
     ap.add_argument("--long-prompt", type=int, default=300)
     ap.add_argument("--short-reply", type=int, default=4)
@@ -183,14 +194,14 @@ def main() -> None:
     )
     args = ap.parse_args()
     n = args.workers
-    work = phases(args)
+    work = phases(args) if args.prompt_rate else None
     tmp = Path(tempfile.mkdtemp(prefix="autoscale-"))
     splits = [(p, n - p) for p in range(1, n)]
     runs: dict[str, dict] = {}
     slo: dict = {}
     if args.slo_ms:
         t, g = (float(x) for x in args.slo_ms.split(","))
-        slo = {"ttft_ms": t, "tpot_ms": g, "given": True}
+        slo = {"ttft_ms": t, "tpot_ms": g, "given": True, "unloaded_ttft_ms": t / args.slo_x}
     every = [(f"{p}P{d}D", p, d) for p, d in splits] + [("controller", 1, n - 1)]
     picked = args.deployments.split(",") if args.deployments else [name for name, _, _ in every]
     for name, p, d in [x for x in every if x[0] in picked]:
@@ -219,6 +230,9 @@ def main() -> None:
                     "unloaded_ttft_each_ms": [round(t * 1000) for t in ttfts],
                     "unloaded_tpot_each_ms": [round(t * 1000, 1) for t in tpots],
                 }
+            if work is None:
+                args.prompt_rate = round(PREFILL_WORKERS * 1000 / slo["unloaded_ttft_ms"], 2)
+                work = phases(args)
             load_before = os.getloadavg()[0]
             records, durations = asyncio.run(run_phases(srv.url, args, work))
             s = summarize(records, sum(durations), slo["ttft_ms"], slo["tpot_ms"])
@@ -229,7 +243,7 @@ def main() -> None:
                     for r in records
                     if r.ok and r.tag.startswith(f"{k}:") and meets_slo(r, slo["ttft_ms"], slo["tpot_ms"])
                 )
-                for k in range(len(work))
+                for k in range(len(work or []))
             ]
             runs[name] = {
                 "split": f"{p}:{d}" if name != "controller" else f"starts {p}:{d}",
