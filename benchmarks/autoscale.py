@@ -58,10 +58,13 @@ from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 from pdserve.bench.workloads import Session, Turn, words
 from pdserve.utils.cpu import describe
 
-# The prompt-heavy phases' load in prefill workers' worth (one serves 1 / TTFT requests a second):
-# past what one serves and within what two do, on any CPU (2.0 req/s was that on a Zen 4, where a
-# 300-token prompt took ~0.75 s; a Zen 5 takes ~0.3 s, and there 2.0 req/s left every split right).
-PREFILL_WORKERS = 1.5
+# The prompt-heavy phases' load in unloaded prefill workers' worth (one alone serves 1 / TTFT requests
+# a second): past what one serves and within what two do, on any CPU. Two busy prefill workers and a
+# decode worker share the two cores, so two serve less than twice one: on a Zen 5 (~0.28 s a
+# 300-token prompt) 1.5 (5.3 req/s) left even the 2:1 split meeting 96 and 26 of 159 in the prompt
+# phases, and 1.27 (4.5 req/s) gave 2:1 125 and 119 of 135, 1:2 19 and 18 (a Zen 4's fixed 2 req/s
+# at ~0.75 s was 1.5; on the Zen 5, 0.57, every split met every phase).
+PREFILL_WORKERS = 1.25
 
 
 def phases(args) -> list[tuple[str, list[Session], float]]:
