@@ -366,11 +366,14 @@ class PDCluster:
     ) -> list[Outcome]:
         """Stream every prompt at once (through `routers` in turn); `fault()` runs once, when any
         stream has `fault_after` tokens, or, given `watch`, as fault(found) as soon as watch()
-        returns something (polled from its own thread: the workers' state, which a client short of
-        CPU can read its chunks far behind)."""
-        fired = threading.Event()
+        returns something once a stream has them (polled from its own thread: the workers' state,
+        which a client short of CPU can read its chunks far behind; before any stream has tokens
+        a fault meets requests the router retries, not streams it migrates)."""
+        fired, armed = threading.Event(), threading.Event()
 
         def on_token(n: int) -> None:
+            if n >= fault_after:
+                armed.set()
             if fault is not None and watch is None and n >= fault_after and not fired.is_set():
                 fired.set()
                 fault()
@@ -380,7 +383,9 @@ class PDCluster:
                 pool.submit(self.stream, p, max_tokens, on_token, timeout, routers[i % len(routers)], headers)
                 for i, p in enumerate(prompts)
             ]
-            watcher = pool.submit(self._watch, watch, fault, fired, futs) if watch is not None else None
+            watcher = (
+                pool.submit(self._watch, watch, fault, fired, armed, futs) if watch is not None else None
+            )
             outs = [f.result() for f in futs]
             if watcher is not None:
                 watcher.result()  # its failure is the test's
@@ -391,8 +396,10 @@ class PDCluster:
         return outs
 
     @staticmethod
-    def _watch(watch, fault, fired: threading.Event, futs: list) -> None:
+    def _watch(watch, fault, fired: threading.Event, armed: threading.Event, futs: list) -> None:
         while not all(f.done() for f in futs):
+            if not armed.wait(0.02):
+                continue
             found = watch()
             if found is not None:
                 fired.set()

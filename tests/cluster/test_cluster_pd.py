@@ -24,9 +24,9 @@ from pdserve.server.openai_api import PREFILL_HEADER
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 64
 # Streams a mid-stream fault must land in: long enough to outlast the fault's own latency on a fast
-# CPU (64 tokens of tiny-qwen2 streamed in 0.35 s on a Zen 4, and a link cut after the first stream's
-# 8th token found the chosen host's streams already ended).
-FAULT_TOKENS = 384
+# CPU (64 tokens of tiny-qwen2 streamed in 0.35 s on a Zen 4; on a Zen 5 six streams of 384 ended
+# between two polls of the workers' /health). Four such streams fit one decode host's 256 blocks.
+FAULT_TOKENS = 768
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ def test_decode_host_link_down_mid_stream_is_migrated(cluster):
 
     try:
         outs = cluster.load(
-            [prompt(i) for i in range(20, 26)], FAULT_TOKENS, fault, watch=lambda: _busy(cluster)
+            [prompt(i) for i in range(20, 24)], FAULT_TOKENS, fault, watch=lambda: _busy(cluster)
         )
     finally:
         if "name" in down:
@@ -194,7 +194,7 @@ def test_restarted_worker_loses_its_stale_index_entries_then_rebuilds(cluster):
         killed["at"] = time.monotonic()
 
     outs = cluster.load(
-        [prompt(i) for i in range(30, 36)],
+        [prompt(i) for i in range(30, 34)],
         FAULT_TOKENS,
         fault,
         watch=lambda: _busy(cluster, indexed=True),
