@@ -37,12 +37,20 @@ def workers(url: str) -> dict[str, dict]:
     return {w["id"]: w for w in admin(url, "GET", "/admin/workers").json()["workers"]}
 
 
-def wait_for(cond, what: str, timeout: float = 60.0):
+def wait_for(cond, what, timeout: float = 60.0):
+    """`cond()` once it is truthy; past the deadline an AssertionError saying `what` (a string, or a
+    callable asked then, so the message can show the state that was waited on)."""
     deadline = time.monotonic() + timeout
     while not (got := cond()):
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.05)
     return got
+
+
+def decoding(worker_url: str) -> int:
+    """The streams the worker itself has in its running batch now (its /health), not the router's
+    in-flight count, which also counts requests still waiting for their prefill elsewhere."""
+    return httpx.get(worker_url + "/health", timeout=10).json()["running"]
 
 
 class Load:

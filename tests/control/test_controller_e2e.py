@@ -33,7 +33,9 @@ from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 
 pytestmark = pytest.mark.slow
 FRESH = [prompt(i) for i in range(100, 108)]
-LONG = 256  # replies long enough that a decode worker's requests are mostly generating
+# Replies long enough that a decode worker's requests are mostly generating (on a fast CPU 256 tokens
+# of the tiny model took a third of a second: a switch could find the streams between two replies).
+LONG = 768
 
 
 def _deployment(tmp_path, name: str, prefill: int, decode: int, controller: dict) -> ServerProcess:
@@ -169,10 +171,11 @@ def test_switch_to_decode_moves_streams_onto_the_new_decode_worker(tmp_path):
         [d1] = [i for i, w in workers(url).items() if w["role"] == "decode"]
         load = Load(url, threads=8, max_tokens=LONG)  # eight streams on the one decode worker
         try:
-            wait_for(lambda: workers(url)[d1]["load"]["in_flight"] >= 6, "the streams never piled up on d1")
+            # The controller needs `sustain_intervals` hot readings (a second) before it switches: by
+            # then the eight streams are generating on d1.
             acts = wait_for(
                 lambda: [a for a in _actions(url) if a["action"] == "rebalance"] and _actions(url),
-                "no rebalance after the switch",
+                lambda: f"no rebalance after the switch: {_actions(url)}",
                 timeout=120,
             )
             load.progress(8, "no progress after the rebalance")

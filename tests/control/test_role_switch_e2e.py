@@ -16,6 +16,7 @@ from load_client import (
     Load,
     admin,
     counter_sum,
+    decoding,
     offline_outputs,
     pool_at_start,
     wait_for,
@@ -25,10 +26,13 @@ from load_client import (
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 
 pytestmark = pytest.mark.slow
+# Replies long enough that a switch finds streams generating (48 tokens of the tiny model took a
+# twentieth of a second on a fast CPU: the worker mostly held requests waiting for their prefill).
+LONG = 768
 
 
 def test_role_switches_under_streaming_load(tmp_path):
-    want = offline_outputs()
+    want = offline_outputs(max_tokens=LONG)
     cfg = tmp_path / "pd.yaml"
     cfg.write_text(yaml.safe_dump({"router": {"admin_keys": [ADMIN], "health_period_s": 0.2}}))
     port = free_port()
@@ -59,10 +63,10 @@ def test_role_switches_under_streaming_load(tmp_path):
         assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert admin(url, "POST", "/admin/workers/nobody/role", json={"role": "decode"}).status_code == 404
 
-        load = Load(url)
+        load = Load(url, max_tokens=LONG)
         try:
             # 1. d1 -> prefill with no time to drain: its streams in flight move to d2 mid-generation.
-            wait_for(lambda: workers(url)[d1]["load"]["in_flight"] > 0, "no stream reached d1")
+            wait_for(lambda: decoding(urls[d1]) > 0, "no stream generating on d1")
             r = admin(
                 url, "POST", f"/admin/workers/{d1}/role", json={"role": "prefill", "drain_timeout_s": 0}
             )
@@ -75,6 +79,7 @@ def test_role_switches_under_streaming_load(tmp_path):
             # 2. p1 -> decode, drained (its prefill jobs finish), then d2 -> prefill: the pools swap.
             r = admin(url, "POST", f"/admin/workers/{p1}/role", json={"role": "decode"})
             assert r.status_code == 200 and r.json()["role"] == "decode", r.text
+            wait_for(lambda: decoding(urls[d2]) > 0, "no stream generating on d2")
             r = admin(
                 url, "POST", f"/admin/workers/{d2}/role", json={"role": "prefill", "drain_timeout_s": 0}
             )
