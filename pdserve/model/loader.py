@@ -107,6 +107,16 @@ def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
                 fields.get(p + "rope.scaling.original_context_length", fields[p + "context_length"])
             ),
         }
+    if "rope_freqs.weight" in tensor_names:
+        # llama.cpp's converter writes Llama 3's rope scaling as these per-frequency factors, with
+        # no scaling type: ignoring them would rotate the low frequencies up to `factor` times too fast.
+        if scaling is not None:
+            raise ValueError(
+                f"GGUF with both rope scaling {scaling['rope_type']!r} and rope_freqs is not supported"
+            )
+        [freqs] = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+        factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).astype(np.float64).ravel()
+        scaling = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
     arch = ModelArch(
         architecture=arch_name,
         vocab_size=len(fields["tokenizer.ggml.tokens"]),

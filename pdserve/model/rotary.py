@@ -1,4 +1,5 @@
-"""Rotary position embedding with the usual scaling options (linear, dynamic NTK, llama3, yarn)."""
+"""Rotary position embedding with the usual scaling options (linear, dynamic NTK, llama3, yarn, and
+per-frequency factors as GGUF files store them)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ def _inv_freq_and_scale(
     if not scaling:
         return inv_freq, 1.0
     kind = scaling["rope_type"]
+    if kind == "freq_factors":
+        # A GGUF's rope_freqs tensor (llama.cpp's converter stores Llama 3's scaling so): each
+        # frequency divided by its own factor, as llama.cpp's rope applies it.
+        factors = torch.tensor(scaling["freq_factors"], dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope_freqs has {factors.numel()} factors; head_dim {head_dim} needs {inv_freq.numel()}"
+            )
+        return inv_freq / factors, 1.0
     factor = float(scaling.get("factor", 1.0))
     if kind == "linear":
         return inv_freq / factor, 1.0
