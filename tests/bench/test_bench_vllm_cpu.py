@@ -120,7 +120,8 @@ def test_compare_skips_vllm_with_its_reason_without_installing(tmp_path, monkeyp
     sys.modules.pop("compare_under_test", None)
 
 
-def test_compare_runs_vllm_in_the_f32_group_only(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precisions", ["f32,int8,int4", "int4,default"])
+def test_compare_runs_vllm_once_in_the_f32_group_or_the_first(tmp_path, monkeypatch, precisions):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr("pdserve.utils.cpu.cpu_flags", lambda: frozenset())
     monkeypatch.setattr("platform.machine", lambda: "x86_64")
@@ -133,7 +134,7 @@ def test_compare_runs_vllm_in_the_f32_group_only(tmp_path, monkeypatch):
                 "--systems",
                 "vllm",
                 "--precision",
-                "f32,int8,int4",
+                precisions,
                 "--gguf",
                 str(gguf),
                 "-n",
