@@ -5,10 +5,10 @@ requests at the same Poisson arrivals. Prints, per deployment and workload, pred
 for each figure (the issue's goal: within 20%, i.e. 0.8-1.2), and one JSON line with everything
 and the CPU.
 
-Deployments (1 torch thread a worker, as the profile):
+Deployments (each worker with the profile's threads: by default every core, as a worker's default):
   1P1D      pdserve serve --prefill 1 --decode 1 (router + 2 workers), prefill chunk 512
   1P1D-c128 the same with the prefill worker's max_num_batched_tokens 128
-  mixed     pdserve serve --mode mixed --threads 1 (one process, no router)
+  mixed     pdserve serve --mode mixed --threads T (one process, no router)
 Workloads (the completions API, ignore_eos so each reply is its max_tokens):
   chat      bench's chat workload (prompts median ~130 tokens), replies of 32 tokens
   gen       bench's fixed workload: 32-token prompts (prefilled by the decode worker), replies of 64
@@ -45,18 +45,24 @@ WORKLOADS = {"chat": ("chat", 128, 32, 0.35), "gen": ("fixed", 32, 64, 0.4)}
 def fleet_of(name: str, costs: StepCosts) -> PDFleet:
     p, d, chunk = DEPLOYMENTS[name]
     common = dict(
-        decode_settings=RoleSettings(64, 512), threads=1, cores=costs.cores, block_size=costs.block_size
+        decode_settings=RoleSettings(64, 512),
+        threads=costs.threads,
+        cores=costs.cores,
+        block_size=costs.block_size,
     )
     if name == "mixed":
         return PDFleet(prefill=0, decode=0, mixed=1, **common)  # type: ignore[arg-type]
     return PDFleet(prefill=p, decode=d, prefill_settings=RoleSettings(64, chunk), **common)  # type: ignore[arg-type]
 
 
-def start(name: str, model: str, tmp: Path) -> ServerProcess:
+def start(name: str, model: str, threads: int, tmp: Path) -> ServerProcess:
     p, d, chunk = DEPLOYMENTS[name]
     port = free_port()
     cfg = {
-        "deployment": {"prefill": {"max_num_batched_tokens": chunk, "threads": 1}, "decode": {"threads": 1}}
+        "deployment": {
+            "prefill": {"max_num_batched_tokens": chunk, "threads": threads},
+            "decode": {"threads": threads},
+        }
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -72,7 +78,7 @@ def start(name: str, model: str, tmp: Path) -> ServerProcess:
         "2048",
     ]
     cmd += (
-        ["--mode", "mixed", "--threads", "1"]
+        ["--mode", "mixed", "--threads", str(threads)]
         if name == "mixed"
         else ["--prefill", str(p), "--decode", str(d)]
     )
@@ -115,7 +121,9 @@ def predicted(costs: StepCosts, deployment: str, workload: str, n: int, seed: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", required=True, help="from pdserve profile (same model, 1 thread)")
+    ap.add_argument(
+        "--profile", required=True, help="from pdserve profile (same model; its threads are each worker's)"
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -126,7 +134,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="plan-accuracy-"))
     cells = []
     for dep in args.deployments.split(","):
-        with start(dep, args.model, tmp) as srv:
+        with start(dep, args.model, costs.threads, tmp) as srv:
             srv.wait_ready(timeout=600)
             for wl in args.workloads.split(","):
                 pred = predicted(costs, dep, wl, args.num_requests, args.seed)
