@@ -165,9 +165,9 @@ def run_pdserve(mode: str, sessions, levels, args, out_dir: Path, precision: str
     # f32 too: the default (auto) would serve a Q4 file as int4.
     quant = PRECISIONS[precision][0]
     cmd += ["--quantization", quant] if quant else []
-    # PD: each worker gets the T threads too, sharing the T cores, as a worker's default
-    # (config.role_threads) has it on a machine of T cores.
-    if serve_has_flag("--threads"):
+    # PD splits the cores between its workers (deployment.<role>.threads, 1 each by default);
+    # giving each worker --threads would oversubscribe them.
+    if mode == "mixed" and serve_has_flag("--threads"):
         cmd += ["--threads", str(args.threads)]
     cmd += args.pdserve_arg
     name = system_name(f"pdserve-{mode}", precision)

@@ -5,7 +5,7 @@ requests at the same Poisson arrivals. Prints, per deployment and workload, pred
 for each figure (the issue's goal: within 20%, i.e. 0.8-1.2), and one JSON line with everything
 and the CPU.
 
-Deployments (each worker with the profile's threads: by default every core, as a worker's default):
+Deployments (each worker with the profile's threads: a decode worker's, one unless its config says):
   1P1D      pdserve serve --prefill 1 --decode 1 (router + 2 workers), prefill chunk 512
   1P1D-c128 the same with the prefill worker's max_num_batched_tokens 128
   mixed     pdserve serve --mode mixed --threads T (one process, no router)

@@ -6,7 +6,6 @@ derives its own copy with `derive`, and nothing changes a config another part al
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,8 +186,7 @@ class RoleConfig:
     # Workers of this role; None: from deployment.pd_ratio, else 1. Each instance with expert_parallel
     # N is N processes (devices).
     instances: int | None = None
-    # compute threads per worker (None: server.threads, else every core it may run on: role_threads)
-    threads: int | None = None
+    threads: int | None = None  # torch threads per worker (None: server.threads, else ROLE_THREADS)
     cpu_affinity: list[int] | None = None  # cores the role's workers are pinned to (None: no pinning)
     # Per-role model and engine settings (examples/seed_003.yaml: prefill EP 8, decode EP 64); None: the
     # global key of the same name (ROLE_SETTINGS below names it) applies.
@@ -349,18 +347,9 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def role_threads(cpu_affinity: list[int] | None = None) -> int:
-    """Compute threads of a prefill or decode worker when neither its role nor server.threads sets
-    them: every core it may run on (its role's cpu_affinity, else the process's). On one machine the
-    workers share the cores rather than split them: a prefill worker idles between prompts and a
-    decode worker between steps, idle threads sleep (OMP_WAIT_POLICY=PASSIVE) and the decode layer's
-    barriers yield the core, so each worker's steps run at the machine's width when it is alone
-    (1P1D on 2 cores: 1.4-1.8x the tok/s of a core each at 32 streams, docs/benchmarks.md)."""
-    if cpu_affinity:
-        return len(set(cpu_affinity))
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+# Torch threads of a prefill or decode worker when neither its role nor server.threads sets them:
+# the workers of a one-machine deployment share its cores.
+ROLE_THREADS = 1
 
 # deployment.<role>.<key> -> the global key it replaces for the workers of that role.
 ROLE_SETTINGS = {
@@ -396,7 +385,7 @@ def apply_role(cfg: Config, role: str, keep: set[str] | frozenset[str] = frozens
     if rc.device_memory_gb is not None and rc.device_blocks is None and "cache.device_blocks" not in keep:
         changes["cache.device_blocks"] = None  # the role's budget replaces the global one, in blocks too
     if changes.get("server.threads", cfg.server.threads) is None:
-        changes["server.threads"] = role_threads(rc.cpu_affinity)
+        changes["server.threads"] = ROLE_THREADS
     return derive(cfg, changes)
 
 

@@ -50,7 +50,7 @@ class LocalFleet:
             if like.version in self.versions:
                 config_file = self.versions[like.version]
                 config = load_config(config_file)
-        # A prefill or decode role's config always has its threads (config.apply_role: role_threads).
+        # A prefill or decode role's config always has its threads (config.apply_role: ROLE_THREADS).
         proc = WorkerProcess(
             role,
             next(self._index),
