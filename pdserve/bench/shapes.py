@@ -27,13 +27,12 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pdserve.bench import llamacpp
+from pdserve.bench import baseline_venv, llamacpp
 from pdserve.common.paths import cache_root
 
 _COMMON = {
@@ -166,14 +165,10 @@ def write_hf(name: str, dst: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
 
 
 def _run(cmd: list[str], log: Callable[[str], None], logfile: Path, env: dict | None = None) -> None:
-    log("$ " + " ".join(cmd))
-    with open(logfile, "ab") as out:
-        r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    if r.returncode != 0:
-        tail = logfile.read_text(errors="replace")[-2000:]
-        raise ShapeError(
-            f"{Path(cmd[1] if cmd[0] == sys.executable else cmd[0]).name} failed; log {logfile}:\n{tail}"
-        )
+    try:
+        baseline_venv.run(cmd, log, logfile, env=env)
+    except baseline_venv.InstallError as e:
+        raise ShapeError(str(e)) from None
 
 
 def prepare(

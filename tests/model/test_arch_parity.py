@@ -46,22 +46,20 @@ def _hf_model(kind: str, vocab_size: int = 512, **extra):
     return model.eval().float()
 
 
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 10000.0,
+}
+
+
 CASES = [
     ("llama", {}),
     ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
-    (
-        "llama",
-        {
-            "rope_parameters": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16,
-                "rope_theta": 10000.0,
-            }
-        },
-    ),
+    ("llama", {"rope_parameters": LLAMA3}),
     (
         "llama",
         {
@@ -100,16 +98,6 @@ def test_logits_match_hf(tmp_path, kind, extra):
     got = paged_logits(ours, ids, chunk=16, decode=5, block=BLOCK)
     assert ref.abs().max() > 1.0  # the check is not vacuous
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
-
-
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-    "rope_theta": 10000.0,
-}
 
 
 def _rope_freqs(head_dim: int, p: dict) -> np.ndarray:
