@@ -208,6 +208,9 @@ def prepare(
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "NO_LOCAL_GGUF": ""}
         cmd = [
             sys.executable,
+            "-m",
+            "pdserve.bench.shapes",
+            "convert",
             str(src / "convert_hf_to_gguf.py"),
             str(hf),
             "--outtype",
@@ -222,8 +225,33 @@ def prepare(
     return Shape(name, hf, files)
 
 
+def _convert_main(script: Path, argv: list[str]) -> None:
+    """llama.cpp's converter, reading the directory's tokenizer.json as written. It loads the
+    tokenizer with transformers' AutoTokenizer, which swaps in a model type's own class (for qwen2,
+    Qwen2's pre-tokenizer over SmolLM2's vocabulary): the converter then recognises no tokenizer it
+    knows and refuses, where the file itself is SmolLM2's, as it finds for the Llama shape."""
+    import runpy
+
+    import transformers
+
+    class AsWritten:
+        @staticmethod
+        def from_pretrained(path, *args, **kwargs):
+            return transformers.PreTrainedTokenizerFast.from_pretrained(path)
+
+    transformers.AutoTokenizer = AsWritten  # the converter imports it when it reads the vocabulary
+    sys.argv = [str(script), *argv]
+    sys.path.insert(0, str(script.parent))  # as running the script would: its own modules beside it
+    runpy.run_path(str(script), run_name="__main__")
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "hf":
         write_hf(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]))
+    elif len(sys.argv) > 3 and sys.argv[1] == "convert":
+        _convert_main(Path(sys.argv[2]), sys.argv[3:])
     else:
-        sys.exit("usage: python -m pdserve.bench.shapes hf NAME DST_DIR TOKENIZER_GGUF")
+        sys.exit(
+            "usage: python -m pdserve.bench.shapes hf NAME DST_DIR TOKENIZER_GGUF\n"
+            "       python -m pdserve.bench.shapes convert CONVERT_HF_TO_GGUF_PY HF_DIR ARGS..."
+        )
