@@ -1,4 +1,5 @@
-"""Batch-1 decode step time of the default model against the memory roofline, measured in one run.
+"""Batch-1 decode step time of a model (the default one unless --model) against the memory roofline,
+measured in one run.
 
 A batch-1 decode step must stream every weight once, so its floor is weight bytes / bandwidth.
 Two bandwidths are measured here, in this process, with the same thread count:
@@ -67,6 +68,11 @@ def main() -> int:
     from pdserve.config_rules import QUANTIZATIONS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="pdserve --model: a name or a path (a bigger shape: bench/shapes.py's Q4_1 file)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32, help="decode steps a round")
     ap.add_argument("--rounds", type=int, default=5)
@@ -84,7 +90,7 @@ def main() -> int:
     from pdserve.utils.cpu import describe
 
     torch.set_num_threads(args.threads)
-    llm = LLM(model="smollm2-135m", threads=args.threads, quantization=args.quantization)
+    llm = LLM(model=args.model, threads=args.threads, quantization=args.quantization)
     decode_step_seconds(llm, 8)  # warm-up
     weight_bytes = llm.engine.model.weight_bytes()
     rounds = []
@@ -107,6 +113,7 @@ def main() -> int:
             {
                 "benchmark": "decode_roofline",
                 "threads": args.threads,
+                "model": args.model,
                 "quantization": llm.config.model.quantization,  # auto: as resolved
                 "cpu": describe(),
                 "weight_bytes": weight_bytes,
