@@ -25,7 +25,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -164,9 +163,9 @@ def write_hf(name: str, dst: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
     tok.save_pretrained(dst)
 
 
-def _run(cmd: list[str], log: Callable[[str], None], logfile: Path, env: dict | None = None) -> None:
+def _run(cmd: list[str], log: Callable[[str], None], logfile: Path) -> None:
     try:
-        baseline_venv.run(cmd, log, logfile, env=env)
+        baseline_venv.run(cmd, log, logfile)
     except baseline_venv.InstallError as e:
         raise ShapeError(str(e)) from None
 
@@ -204,8 +203,7 @@ def prepare(
             raise ShapeError("llama.cpp's converter imports sentencepiece: pip install 'pdserve[bench]'")
         src = llamacpp.fetch_sources(llamacpp.cache_dir(), log)
         tmp = files["F16"].with_suffix(".partial")
-        # The converter's own gguf package: the one installed here may be older or newer than it.
-        env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "NO_LOCAL_GGUF": ""}
+        # The converter puts its own gguf-py before the installed gguf (older or newer than it).
         cmd = [
             sys.executable,
             "-m",
@@ -218,7 +216,7 @@ def prepare(
             "--outfile",
             str(tmp),
         ]
-        _run(cmd, log, logfile, env)
+        _run(cmd, log, logfile)
         tmp.rename(files["F16"])
     for kind in QUANTS:
         files[kind] = llamacpp.convert(quantize, files["F16"], root / f"{base}.{kind}.gguf", kind, log=log)
