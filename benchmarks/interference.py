@@ -3,11 +3,15 @@
 Workload: 8 streaming decode requests run while a 2048-token prompt arrives every second. The
 figure is the streams' p99 inter-token latency (ITL) with the prompts arriving, divided by the
 same streams' p99 ITL with no prompts arriving, for:
-  - PD: `pdserve serve` (router, 1 prefill + 1 decode worker, one torch thread each);
+  - PD: `pdserve serve` (router, 1 prefill + 1 decode worker, one torch thread each; a decode step
+    also takes the prefill worker's thread while it is idle: deployment.share_idle_cores);
+  - PD with own threads: the same with `--no-share-idle-cores`;
   - mixed: `pdserve serve --mode mixed --threads 2` (one worker, chunked prefill).
 Goal: PD <= 1.3. In mixed mode each prompt chunk shares a step with the decodes; in PD the
 decode worker only receives KV (written into its memory by the prefill worker) and never
-computes a prompt.
+computes a prompt. Lent cores make PD's quiet steps faster, which raises its ratio without a slower
+step, so the two PD runs' ITLs are printed side by side as well: with prompts arriving the shared
+run's p99 ÷ the own-threads run's (the cost of lending) and quiet (the gain).
 """
 
 from __future__ import annotations
@@ -114,28 +118,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per decode stream")
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--period", type=float, default=1.0, help="seconds between long prompts")
+    p.add_argument("--systems", default="pd,pd-own,mixed", help="comma list from pd,pd-own,mixed")
     p.add_argument("--out-dir", default="/tmp/pdserve-interference")
     a = p.parse_args(argv)
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = pdserve_cmd() + ["serve", "--model", MODEL, "--max-model-len", "4096", "--no-prefix-cache"]
-    pd = measure("pd", base + ["--mode", "pd"], 1, a, out_dir)
-    mixed = measure("mixed", base + ["--mode", "mixed", "--threads", "2"], 2, a, out_dir)
-    print(
-        json.dumps(
-            {
-                "bench": "interference",
-                "streams": a.streams,
-                "prompt_len": a.prompt_len,
-                "period_s": a.period,
-                "pd_ratio": pd["ratio"],
-                "mixed_ratio": mixed["ratio"],
-                "pd": pd,
-                "mixed": mixed,
-                "goal_pd_ratio": 1.3,
-            }
-        )
-    )
+    systems = {
+        "pd": (base + ["--mode", "pd"], 1),
+        "pd-own": (base + ["--mode", "pd", "--no-share-idle-cores"], 1),
+        "mixed": (base + ["--mode", "mixed", "--threads", "2"], 2),
+    }
+    names = [n.strip() for n in a.systems.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(systems))
+    if unknown:
+        p.error(f"--systems: unknown {unknown}; choose from {sorted(systems)}")
+    runs = {n: measure(n, *systems[n], a, out_dir) for n in names}
+    result = {
+        "bench": "interference",
+        "streams": a.streams,
+        "prompt_len": a.prompt_len,
+        "period_s": a.period,
+        **{f"{n.replace('-', '_')}_ratio": r["ratio"] for n, r in runs.items()},
+        **{n.replace("-", "_"): r for n, r in runs.items()},
+        "goal_pd_ratio": 1.3,
+    }
+    if "pd" in runs and "pd-own" in runs:
+        pd, own = runs["pd"], runs["pd-own"]
+        result["shared_over_own"] = {
+            "busy_p99_itl": round(pd["busy_p99_itl_ms"] / own["busy_p99_itl_ms"], 2),
+            "quiet_p99_itl": round(pd["quiet_p99_itl_ms"] / own["quiet_p99_itl_ms"], 2),
+            "busy_median_itl": round(pd["busy_median_itl_ms"] / own["busy_median_itl_ms"], 2),
+            "quiet_median_itl": round(pd["quiet_median_itl_ms"] / own["quiet_median_itl_ms"], 2),
+        }
+    print(json.dumps(result))
     return 0
 
 

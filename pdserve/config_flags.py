@@ -74,6 +74,11 @@ FLAGS: dict[str, Flag] = {
         "int4/int8 decode steps on one arithmetic at every row count: greedy output independent of the batch",
         switch=True,
     ),
+    "share_idle_cores": Flag(
+        "deployment.share_idle_cores",
+        "PD on one machine: each worker keeps its own threads (decode steps take no idle worker's cores)",
+        negative=True,
+    ),
     "device": Flag("model.device", "cpu or cuda"),
     "max_model_len": Flag("model.max_model_len", type=int),
     "block_size": Flag("cache.block_size", type=int),

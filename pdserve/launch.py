@@ -48,6 +48,7 @@ def start_workers(config: Config, log_dir: Path) -> list[WorkerProcess]:
             getattr(config.deployment, role).cpu_affinity,
             log_dir,
             [],
+            config.deployment.share_idle_cores,
         )
         for role, n in (("prefill", n_prefill), ("decode", n_decode))
         for i in range(n)

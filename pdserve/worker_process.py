@@ -12,6 +12,7 @@ import httpx
 import yaml
 
 from pdserve.config import Config, derive
+from pdserve.utils import core_share
 from pdserve.utils.process import die_with_parent
 
 # The router's secrets a worker has no use for: it takes the internal token, never a client or admin key.
@@ -56,7 +57,10 @@ class WorkerProcess:
         cpu_affinity: list[int] | None,
         log_dir: Path,
         extra: list[str],
+        share_cores: bool = False,
     ) -> None:
+        """`share_cores`: lend and borrow idle threads with the other workers started with it and the
+        same log_dir (utils/core_share.py); not for a worker pinned to its own cores."""
         self.role = role
         self.host = host
         self.config_file = config_file
@@ -84,6 +88,9 @@ class WorkerProcess:
         env = {k: v for k, v in os.environ.items() if k not in ROUTER_SECRETS}
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env[k] = str(threads)
+        env.pop(core_share.ENV, None)
+        if share_cores and not cpu_affinity:
+            env[core_share.ENV] = str(log_dir / "cores")
         self.log_path = log_dir / f"{role}-{index}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(

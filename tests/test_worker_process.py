@@ -42,3 +42,24 @@ def test_workers_get_the_internal_token_and_none_of_the_routers_keys(tmp_path, m
     assert env.get("PDSERVE_INTERNAL_TOKEN") == "tok-env"
     assert not {"PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEYS", "PDSERVE_ADMIN_KEY"} & set(env)
     assert "sk-admin" not in raw and "sk-client" not in raw
+
+
+def test_workers_share_idle_cores_unless_pinned_or_told_not_to(tmp_path, monkeypatch):
+    """The core-sharing directory (utils/core_share.py) reaches a worker only where the launcher
+    shares cores and the role is not pinned; one inherited from the launcher's own environment never
+    does."""
+    monkeypatch.setenv("PDSERVE_CORE_SHARE", "/elsewhere")
+    path = write_worker_config(
+        load_config(overrides={"model.name": "tiny-qwen2"}), tmp_path / "deployment.yaml"
+    )
+    seen = {}
+    for name, cores, share in (("shared", None, True), ("pinned", [0], True), ("own", None, False)):
+        proc = WorkerProcess("decode", 0, path, "127.0.0.1", 1, cores, tmp_path, [], share)
+        try:
+            raw = Path(f"/proc/{proc.proc.pid}/environ").read_bytes().decode(errors="replace")
+        finally:
+            proc.stop()
+            proc.wait(30)
+        env = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+        seen[name] = env.get("PDSERVE_CORE_SHARE")
+    assert seen == {"shared": str(tmp_path / "cores"), "pinned": None, "own": None}

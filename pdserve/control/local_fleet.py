@@ -60,6 +60,7 @@ class LocalFleet:
             getattr(config.deployment, role).cpu_affinity,
             self.log_dir,
             ["--router-url", self.router_url],
+            config.deployment.share_idle_cores,
         )
         self.workers.append(proc)
         self._added.append(proc)
@@ -115,6 +116,7 @@ class LocalFleet:
             getattr(config.deployment, role).cpu_affinity,
             self.log_dir,
             [],
+            config.deployment.share_idle_cores,
         )
         self.workers.append(proc)
         log.info(

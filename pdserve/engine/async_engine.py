@@ -227,6 +227,7 @@ class AsyncEngine:
                     log.error("engine failed while idle: %s", lost)
                     self.dead = lost
                     return
+                self.engine.idle()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue

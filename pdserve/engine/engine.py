@@ -44,6 +44,7 @@ from pdserve.engine.tier_identity import digested_as_read, tier_key, tier_namesp
 from pdserve.model.kernels import qgemm
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
 from pdserve.model.stored_quant import with_resolved_quantization
+from pdserve.utils.core_share import CoreShare
 from pdserve.utils.runtime import memory_status, trim_heap, tune_malloc
 
 if TYPE_CHECKING:
@@ -74,6 +75,9 @@ class LLMEngine:
         tune_malloc()
         if config.server.threads:
             torch.set_num_threads(config.server.threads)
+        # Set by a worker of a one-machine deployment whose workers lend each other idle cores.
+        self.core_share: CoreShare | None = None
+        self.borrowing_steps = 0
         loaded = loaded or load_model_files(mc.name, mc.seed, mc.quantization)
         self.model_name = mc.name
         self.arch = loaded.arch
@@ -310,6 +314,8 @@ class LLMEngine:
             self.model.close()  # expert-parallel ranks
         if self.drafter is not None:
             self.drafter.close()
+        if self.core_share is not None:
+            self.core_share.close()
 
     # ------------------------------------------------------------------ KV from peers (decode role)
 
@@ -393,6 +399,8 @@ class LLMEngine:
             n == 1 + len(req.draft_tokens) and req.num_computed_tokens > 0 for req, n in step.scheduled
         )
         rows = sum(n for _, n in step.scheduled)
+        if self.core_share is not None:
+            self._take_threads(decode_only)
         planned = c.begin_step(step.scheduled)
         sampled, failed = self.runner.execute(
             step.scheduled, (lambda i: c.on_layer(planned, i)) if planned else None
@@ -431,6 +439,22 @@ class LLMEngine:
         if decode_only and self.row_costs is not None:
             self.row_costs.observe(rows, elapsed - drafting)
         return outputs
+
+    def _take_threads(self, decode_only: bool) -> None:
+        """This step's threads: a decode step also takes those of the deployment's idle workers
+        (utils/core_share.py); any other step runs on this worker's own."""
+        share = self.core_share
+        assert share is not None
+        share.set_busy(True)
+        want = share.step_threads() if decode_only else share.threads
+        self.borrowing_steps += want > share.threads
+        if want != torch.get_num_threads():
+            torch.set_num_threads(want)
+
+    def idle(self) -> None:
+        """Nothing to compute: this worker's threads are free for its peers' decode steps."""
+        if self.core_share is not None:
+            self.core_share.set_busy(False)
 
     def _poll_images(self) -> list[RequestOutput]:
         """Encoder answers in; a request whose image could not be encoded ends with the error."""
@@ -688,6 +712,7 @@ class LLMEngine:
             "prefix_cache_blocks": len(self.prefix_cache) if self.prefix_cache else 0,
             "loading": len(self.scheduler.loading),
             "decode_steps_total": self.step_counts["decode"],
+            "decode_steps_borrowing_total": self.borrowing_steps,
             "decode_step_seconds_total": self.step_seconds["decode"],
             "prefill_steps_total": self.step_counts["prefill"],
             "prefill_step_seconds_total": self.step_seconds["prefill"],

@@ -62,6 +62,11 @@ _declare("counter", "spec_accepted_tokens_total", help_text="Draft tokens accept
 _counters(
     "decode_steps_total", "decode_step_seconds_total", "prefill_steps_total", "prefill_step_seconds_total"
 )
+_declare(
+    "counter",
+    "decode_steps_borrowing_total",
+    help_text="Decode steps run with threads lent by the deployment's idle workers (utils/core_share.py)",
+)
 
 # ------------------------------------------------------------------ swap space (cache/swap.py)
 _counters(

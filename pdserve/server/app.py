@@ -29,6 +29,7 @@ from pdserve.server.registration import register_with_routers
 from pdserve.server.role_switch import RoleSwitch, install_role_route
 from pdserve.server.roles import build_engine, worker_name
 from pdserve.server.serving import bind_socket, run_uvicorn  # noqa: F401 (bind_socket re-exported)
+from pdserve.utils import core_share
 from pdserve.version import config_digest
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
     (cli.py; pdserve/version.py); None: of `config`."""
     tracing.setup(f"pdserve-{config.worker.role}", config.server.otlp_endpoint)
     engine = engine or build_engine(config)
+    if os.environ.get(core_share.ENV) and config.server.threads:
+        # A one-machine deployment's launcher gave its workers a directory to lend idle cores through.
+        engine.core_share = core_share.CoreShare(os.environ[core_share.ENV], config.server.threads)
     model_names = served_names(config)
     model_name = model_names[0]
     vllm_names = (model_name, engine.max_model_len) if config.server.vllm_metrics else None
