@@ -27,6 +27,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import httpx
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -86,6 +88,22 @@ def _measure(
     return tokens / wall, [r.text for r in recs], failed
 
 
+def _spec_counts(url: str) -> tuple[float, float]:
+    """(draft tokens verified, accepted) so far, summed over the deployment's decode workers."""
+    workers = httpx.get(url + "/admin/workers", timeout=10).json()["workers"]
+    draft = accepted = 0.0
+    for w in workers:
+        if w["role"] != "decode":
+            continue
+        for line in httpx.get(w["url"] + "/metrics", timeout=10).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name.startswith("pdserve_spec_draft_tokens_total"):
+                draft += float(value)
+            elif name.startswith("pdserve_spec_accepted_tokens_total"):
+                accepted += float(value)
+    return draft, accepted
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", default="1,8,32")
@@ -98,6 +116,13 @@ def main() -> int:
         "--speculative-model", default=None, help="--method draft: the draft model (default: the served one)"
     )
     ap.add_argument("--speculative-quantization", default="int4", help="--method draft: its weights")
+    ap.add_argument(
+        "--spec-arg",
+        action="append",
+        default=[],
+        help="an extra `pdserve serve` argument for the drafting server (repeatable), e.g. "
+        "--spec-arg=--num-speculative-tokens=8",
+    )
     ap.add_argument("--log-dir", default="/tmp/pdserve-bench-spec")
     args = ap.parse_args()
     levels = [int(s) for s in args.streams.split(",")]
@@ -105,6 +130,7 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict] = {}
     ratios: dict[str, list[float]] = {}
+    acceptance: dict[str, list[float]] = {}  # kind/streams -> [draft tokens verified, accepted]
     with contextlib.ExitStack() as stack:
         # Both servers up at once, measured in turns (the order alternating each round), so a drift
         # in the machine's speed over the run falls on both alike; the idle one only waits.
@@ -123,6 +149,8 @@ def main() -> int:
                     "--speculative-quantization",
                     args.speculative_quantization,
                 ]
+            if method != "none":
+                cmd += args.spec_arg
             srv = stack.enter_context(ServerProcess(cmd, port, log_dir / f"serve-{method}.log"))
             srv.wait_ready(timeout=600)
             _measure(srv.url, "open", 2, 1, 16)  # warm-up
@@ -132,9 +160,15 @@ def main() -> int:
                 for rnd in range(args.rounds):
                     tok_s = {}
                     for method in ("none", args.method) if rnd % 2 == 0 else (args.method, "none"):
+                        before = _spec_counts(urls[method]) if method != "none" else (0.0, 0.0)
                         rate, texts, failed = _measure(
                             urls[method], kind, streams, args.per_stream, args.max_tokens
                         )
+                        if method != "none":
+                            after = _spec_counts(urls[method])
+                            drafted = acceptance.setdefault(f"{kind}/{streams}", [0.0, 0.0])
+                            drafted[0] += after[0] - before[0]
+                            drafted[1] += after[1] - before[1]
                         tok_s[method] = rate
                         run = runs.setdefault(
                             f"{method}/{kind}/{streams}", {"tok_s": [], "texts": [], "failed": 0}
@@ -167,6 +201,11 @@ def main() -> int:
                 "ratio": round(ratio, 3),
                 "ratios": [round(r, 3) for r in ratios[f"{kind}/{streams}"]],
                 "identical": f"{same}/{len(on['texts'])}",
+                # the decode worker's verified draft tokens and the share of them accepted
+                "draft_tokens": int(acceptance[f"{kind}/{streams}"][0]),
+                "acceptance": round(
+                    acceptance[f"{kind}/{streams}"][1] / max(1.0, acceptance[f"{kind}/{streams}"][0]), 3
+                ),
                 "failed": on["failed"] + off["failed"],
             }
             goal = 1.5 if kind == "grounded" and streams <= 8 else 0.95
