@@ -102,6 +102,7 @@ def deployment(
     cfg = {
         "router": {"health_period_s": 0.5, "hold_prefill": args.hold_prefill},
         "disagg": {"local_prefill_max_tokens": args.short_prompt + 32},
+        "deployment": {"share_idle_cores": args.share_idle_cores},
     }
     if controller:
         cfg["controller"] = controller
@@ -186,6 +187,14 @@ def main() -> None:
         dest="hold_prefill",
         action="store_false",
         help="router.hold_prefill off: a prompt is bound to its prefill worker on arrival",
+    )
+    ap.add_argument(
+        "--no-share-idle-cores",
+        dest="share_idle_cores",
+        action="store_false",
+        help="deployment.share_idle_cores off for every deployment: each worker computes on its own "
+        "threads only, as workers on separate hosts do (on, an idle prefill worker's threads run the "
+        "decode steps, which a static split gets without switching)",
     )
     ap.add_argument(
         "--deployments",
@@ -280,6 +289,7 @@ def main() -> None:
         "phase_s": args.phase_s,
         "rates": {"prompt": args.prompt_rate, "gen": args.gen_rate},
         "hold_prefill": args.hold_prefill,
+        "share_idle_cores": args.share_idle_cores,
         "slo": slo,
         "runs": runs,
         "controller_vs_best_static": round(ctl / max(static), 3) if ctl and static and max(static) else None,

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import httpx
@@ -48,6 +49,10 @@ log = logging.getLogger(__name__)
 class Fleet(Protocol):
     """Starts and stops workers of a pool (the controller switches roles itself)."""
 
+    # Its workers share one host's cores, an idle one lending its threads to the others' decode
+    # steps (deployment.share_idle_cores, utils/core_share.py).
+    shares_cores: bool
+
     async def add(self, role: str, like: Worker | None = None) -> str:
         """Start one worker of `role` running the config `like` runs (its version; None: the
         deployment's config); returns what was started (it registers with the router itself)."""
@@ -64,6 +69,8 @@ class Fleet(Protocol):
 
 class NoFleet:
     """Where nothing can start or stop workers: the controller only switches roles."""
+
+    shares_cores = False
 
     async def add(self, role: str, like: Worker | None = None) -> str:
         raise RuntimeError(
@@ -215,12 +222,12 @@ class Controller:
         # Router replicas elect the one that acts (control/leader.py); one router needs no lease.
         url = self.cc.leader_lease or config.router.shared_limits
         self.lease = LeaderLease(url, config.model.name, self.cc.lease_s) if self.acting and url else None
-        self.params = Params.from_config(self.cc)
         self.registry, self.client = registry, client
         self.ttft, self.itl = ttft, itl
         self.oldest_wait = oldest_wait  # seconds the oldest request without a first token has waited
         self.held_prefill_tokens = held_prefill_tokens  # prompts the router holds (router.hold_prefill)
         self.fleet: Fleet = fleet or NoFleet()
+        self.params = replace(Params.from_config(self.cc), lent_cores=self.fleet.shares_cores)
         self.state = State()
         self.decisions: deque[ControllerDecision] = deque(maxlen=1000)
         self._snap = (buckets(ttft), sum_count(itl))

@@ -60,6 +60,7 @@ class AgentUnreachable(RuntimeError):
 
 class HostsFleet:
     workers_register = True  # the agents' workers register with the routers (pdserve agent --router-url)
+    shares_cores = False  # workers on several hosts
 
     def __init__(self, config: Config, agents: list[str], token: str | None, work_dir: Path) -> None:
         self.config, self.agents = config, [a.rstrip("/") for a in agents]

@@ -28,6 +28,8 @@ START_TIMEOUT_S = 600.0  # a pod that has not registered by then is no longer wa
 
 
 class KubernetesFleet:
+    shares_cores = False  # pods with their own CPU requests
+
     def __init__(self, cc: ControllerConfig, api_client=None) -> None:
         """`api_client`: a kubernetes.client.ApiClient (None: the in-cluster config, else ~/.kube/config)."""
         from kubernetes import client, config

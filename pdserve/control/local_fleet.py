@@ -37,6 +37,9 @@ class LocalFleet:
         whoever stops the deployment stops the ones it started too."""
         self.config, self.workers = config, workers
         self.config_file, self.log_dir, self.router_url = config_file, log_dir, router_url
+        # As the workers it starts share them (worker_process.py): not where a role is pinned.
+        d = config.deployment
+        self.shares_cores = d.share_idle_cores and not (d.prefill.cpu_affinity or d.decode.cpu_affinity)
         self._index = itertools.count(100)
         self._added: list[WorkerProcess] = []  # started here, not yet registered
         self.versions: dict[str, Path] = {}  # version label -> the config file its workers read

@@ -70,6 +70,9 @@ class Params:
     max_workers: int
     switch_gain: float
     window: int = 0  # readings a condition is counted over; 0: sustain_intervals + 1
+    # The pools share one host's cores, idle workers lending their threads to decode steps
+    # (utils/core_share.py): a decode gap over its SLO takes no prefill worker (below).
+    lent_cores: bool = False
 
     @classmethod
     def from_config(cls, c) -> Params:
@@ -289,6 +292,15 @@ def decide(r: Reading, s: State, p: Params) -> tuple[Decision, State]:
             continue
         other = "decode" if role == "prefill" else "prefill"
         what = f"{role} pressure {pressure:.2f} over {p.high:g} in {n} of the last {p.span} intervals"
+        if role == "decode" and p.lent_cores and r.decode_kv_usage / p.kv_usage_high <= p.high:
+            # An idle prefill worker's threads already run the decode steps on this host: switching
+            # it moves no core to the streams, only takes its core from the prompts to come (and
+            # costs the switch). A decode pool short of KV still needs the worker's pool.
+            if total < p.max_workers:
+                return act("add_decode", f"{what}; the prefill workers' idle cores serve it already")
+            return hold(
+                f"{what}; the prefill workers' idle cores serve it already (deployment.share_idle_cores)"
+            )
         if other_cold and n_other > 1:
             return act(f"switch_to_{role}", f"{what}; the {other} pool is under {p.low:g}")
         if total < p.max_workers:

@@ -445,7 +445,7 @@ class LLMEngine:
         (utils/core_share.py); any other step runs on this worker's own."""
         share = self.core_share
         assert share is not None
-        share.set_busy(True)
+        share.set_busy(True, borrowing=decode_only)
         want = share.step_threads() if decode_only else share.threads
         self.borrowing_steps += want > share.threads
         if want != torch.get_num_threads():

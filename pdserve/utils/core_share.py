@@ -6,7 +6,10 @@ But the prefill worker is idle most of the time, and its core with it. Here ever
 whether it has work, in a small file of a directory the launcher gives all of them (memory-mapped:
 reading a peer's state costs no system call), and a decode step runs with its own threads plus those
 of the peers that are idle at that moment. A peer that gets work takes its threads back at the
-borrower's next step: one step overlaps at most.
+borrower's next step: one step overlaps at most. Idle threads are divided among the workers
+borrowing at that moment (each computes the same division from the same files: an equal share, the
+remainder to the lowest process ids), and only as many as the cores left by the busy workers' own
+threads: two decode workers never both take one idle prefill worker's core.
 
 Only decode steps borrow: the native kernels split a product's output columns over threads, so a
 decode step computes the same bits with any thread count (tests/engine/test_core_share.py), while a
@@ -23,8 +26,10 @@ from pathlib import Path
 
 ENV = "PDSERVE_CORE_SHARE"  # the directory, set by the launcher for the workers it starts
 
-# One worker's file: its busy flag (one byte, so a reader never sees half a write), then its threads.
+# One worker's file: its busy flag and its borrowing flag (one byte each, so a reader never sees half
+# a write), then its threads.
 _BUSY = 0
+_BORROWING = 1
 _THREADS = struct.Struct("<i")
 _THREADS_AT = 4
 _SIZE = 8
@@ -60,25 +65,40 @@ class CoreShare:
         finally:
             os.close(fd)
         _THREADS.pack_into(self._mine, _THREADS_AT, threads)
-        self._busy = False
+        self._state = (False, False)
         self._peers: dict[int, mmap.mmap] = {}
         self._scanned = float("-inf")
 
-    def set_busy(self, busy: bool) -> None:
-        if busy != self._busy:
+    def set_busy(self, busy: bool, borrowing: bool = False) -> None:
+        """Whether this worker has work now, and whether its steps would take idle threads."""
+        if (busy, borrowing and busy) != self._state:
+            self._mine[_BORROWING] = 1 if borrowing and busy else 0
             self._mine[_BUSY] = 1 if busy else 0
-            self._busy = busy
+            self._state = (busy, borrowing and busy)
 
     def lent(self) -> int:
-        """The threads of the peers that are idle now."""
+        """The idle threads that are this worker's share now, if it is borrowing (else 0)."""
         now = time.monotonic()
         if now - self._scanned > RESCAN_S:
             self._scan()
             self._scanned = now
-        return sum(_THREADS.unpack_from(m, _THREADS_AT)[0] for m in self._peers.values() if not m[_BUSY])
+        me = os.getpid()
+        states = [(me, *self._state, self.threads)] + [
+            (pid, bool(m[_BUSY]), bool(m[_BORROWING]), _THREADS.unpack_from(m, _THREADS_AT)[0])
+            for pid, m in self._peers.items()
+        ]
+        idle = sum(t for _, busy, _, t in states if not busy)
+        working = sum(t for _, busy, _, t in states if busy)
+        borrowers = sorted(pid for pid, busy, borrowing, _ in states if busy and borrowing)
+        if me not in borrowers:
+            return 0
+        spare = min(idle, max(0, self.cores - working))
+        share, extra = divmod(spare, len(borrowers))
+        return share + (1 if borrowers.index(me) < extra else 0)
 
     def step_threads(self) -> int:
-        """Threads for a decode step now: this worker's own and its idle peers', within the cores."""
+        """Threads for a decode step now (the worker marked busy and borrowing): its own and its share
+        of the idle ones, within the cores."""
         return max(1, min(self.cores, self.threads + self.lent()))
 
     def _scan(self) -> None:

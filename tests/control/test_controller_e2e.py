@@ -38,11 +38,14 @@ FRESH = [prompt(i) for i in range(100, 108)]
 LONG = 768
 
 
-def _deployment(tmp_path, name: str, prefill: int, decode: int, controller: dict) -> ServerProcess:
+def _deployment(
+    tmp_path, name: str, prefill: int, decode: int, controller: dict, deployment: dict | None = None
+) -> ServerProcess:
     cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(
         yaml.safe_dump(
             {
+                "deployment": deployment or {},
                 "router": {"admin_keys": [ADMIN], "health_period_s": 0.2},
                 "controller": {
                     "enabled": True,
@@ -158,13 +161,16 @@ def test_scale_up_starts_a_worker_that_takes_requests(tmp_path):
 def test_switch_to_decode_moves_streams_onto_the_new_decode_worker(tmp_path):
     want = offline_outputs(max_tokens=LONG)
     # Decode over its SLO, prefill far under it, the fleet at its size: one prefill worker switches
-    # to decode, once (the cooldown outlasts the test).
+    # to decode, once (the cooldown outlasts the test). Its workers keep their own cores, as workers
+    # on several hosts do: where idle prefill workers lend theirs to decode steps, none is switched
+    # for a decode gap (tests/control/test_scaling_policy.py).
     with _deployment(
         tmp_path,
         "even",
         2,
         1,
         {"slo_ttft_ms": 1e7, "slo_tpot_ms": 0.001, "min_workers": 3, "max_workers": 3, "cooldown_s": 1000.0},
+        {"share_idle_cores": False},
     ) as srv:
         srv.wait_ready(timeout=300)
         url = srv.url

@@ -133,6 +133,23 @@ def test_phase_shifts_move_workers_back_and_forth_without_flapping():
     assert [i for i, _ in acted] == [2, 12, 22]
 
 
+def test_where_idle_workers_lend_their_cores_a_decode_gap_takes_no_prefill_worker():
+    """One host whose idle workers' threads run the decode steps (utils/core_share.py): the same
+    phase shifts move a worker to prefill and leave it there, since a prefill worker switched to decode
+    would only take its core from the prompts; a decode pool short of KV still takes one."""
+    lent = Params(**{**P.__dict__, "max_workers": 3, "lent_cores": True})
+    prompt_heavy = [(2500.0, 30.0)] * 10
+    gen_heavy = [(200.0, 250.0)] * 10
+    acted = replay(prompt_heavy + gen_heavy + prompt_heavy, n_prefill=1, n_decode=2, params=lent)
+    assert acted == [(2, "switch_to_prefill")], acted
+    assert replay([(100.0, 10.0)] * 5, n_prefill=2, n_decode=1, kv=0.95, params=lent) == [
+        (2, "switch_to_decode")
+    ]
+    # Below max_workers a decode gap still adds a worker (no worker moves).
+    below = Params(**{**P.__dict__, "max_workers": 4, "lent_cores": True})
+    assert replay(gen_heavy, n_prefill=2, n_decode=1, params=below) == [(2, "add_decode")]
+
+
 def test_scale_down_waits_twice_as_long_and_stops_at_min_workers():
     idle = [(None, None)] * 40
     acted = replay(idle, n_prefill=2, n_decode=2)
