@@ -12,6 +12,17 @@ from pdserve.config import load_config
 from pdserve.worker_process import WorkerProcess, write_worker_config
 
 
+def _environ(proc: WorkerProcess) -> tuple[str, dict[str, str]]:
+    """A worker process's environment, raw and as a dict; the process is stopped."""
+    try:
+        # Popen returns once the child has exec'd: its environment is the worker's from here on.
+        raw = Path(f"/proc/{proc.proc.pid}/environ").read_bytes().decode(errors="replace")
+    finally:
+        proc.stop()
+        proc.wait(30)
+    return raw, dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
 def test_workers_get_the_internal_token_and_none_of_the_routers_keys(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_API_KEYS", "sk-client-env")
     monkeypatch.setenv("PDSERVE_ADMIN_KEYS", "sk-admin-env")
@@ -31,14 +42,7 @@ def test_workers_get_the_internal_token_and_none_of_the_routers_keys(tmp_path, m
     data = yaml.safe_load(text)
     assert data["server"]["internal_token"] == "tok-file" and data["router"]["admin_keys"] == []
 
-    proc = WorkerProcess("decode", 0, path, "127.0.0.1", 1, None, tmp_path, [])
-    try:
-        # Popen returns once the child has exec'd: its environment is the worker's from here on.
-        raw = Path(f"/proc/{proc.proc.pid}/environ").read_bytes().decode(errors="replace")
-    finally:
-        proc.stop()
-        proc.wait(30)
-    env = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+    raw, env = _environ(WorkerProcess("decode", 0, path, "127.0.0.1", 1, None, tmp_path, []))
     assert env.get("PDSERVE_INTERNAL_TOKEN") == "tok-env"
     assert not {"PDSERVE_API_KEYS", "PDSERVE_ADMIN_KEYS", "PDSERVE_ADMIN_KEY"} & set(env)
     assert "sk-admin" not in raw and "sk-client" not in raw
@@ -54,12 +58,6 @@ def test_workers_share_idle_cores_unless_pinned_or_told_not_to(tmp_path, monkeyp
     )
     seen = {}
     for name, cores, share in (("shared", None, True), ("pinned", [0], True), ("own", None, False)):
-        proc = WorkerProcess("decode", 0, path, "127.0.0.1", 1, cores, tmp_path, [], share)
-        try:
-            raw = Path(f"/proc/{proc.proc.pid}/environ").read_bytes().decode(errors="replace")
-        finally:
-            proc.stop()
-            proc.wait(30)
-        env = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+        _, env = _environ(WorkerProcess("decode", 0, path, "127.0.0.1", 1, cores, tmp_path, [], share))
         seen[name] = env.get("PDSERVE_CORE_SHARE")
     assert seen == {"shared": str(tmp_path / "cores"), "pinned": None, "own": None}

@@ -24,6 +24,8 @@ import struct
 import time
 from pathlib import Path
 
+from pdserve.utils.shm import pid_alive
+
 ENV = "PDSERVE_CORE_SHARE"  # the directory, set by the launcher for the workers it starts
 
 # One worker's file: its busy flag and its borrowing flag (one byte each, so a reader never sees half
@@ -34,16 +36,6 @@ _THREADS = struct.Struct("<i")
 _THREADS_AT = 4
 _SIZE = 8
 RESCAN_S = 1.0  # how often a worker looks for peers started or stopped since
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class CoreShare:
@@ -107,7 +99,7 @@ class CoreShare:
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
                 continue
             pid = int(entry.name)
-            if not _alive(pid):  # killed before it could remove its file: lends nothing
+            if not pid_alive(pid):  # killed before it could remove its file: lends nothing
                 continue
             found.add(pid)
             if pid not in self._peers:
