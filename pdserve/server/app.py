@@ -40,8 +40,10 @@ def create_app(config: Config, engine: LLMEngine | None = None, digest: str | No
     (cli.py; pdserve/version.py); None: of `config`."""
     tracing.setup(f"pdserve-{config.worker.role}", config.server.otlp_endpoint)
     engine = engine or build_engine(config)
-    if os.environ.get(core_share.ENV) and config.server.threads:
+    if os.environ.get(core_share.ENV) and config.server.threads and config.model.expert_parallel <= 1:
         # A one-machine deployment's launcher gave its workers a directory to lend idle cores through.
+        # Not for expert-parallel ranks: each rank's replicated attention must compute the same bits
+        # as the others', which run on their own threads (model/expert_parallel.py).
         engine.core_share = core_share.CoreShare(os.environ[core_share.ENV], config.server.threads)
     model_names = served_names(config)
     model_name = model_names[0]
