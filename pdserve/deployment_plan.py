@@ -222,5 +222,16 @@ def format_plan(plan: Plan) -> str:
     out += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     threads = sum(rp.processes * (rp.config.server.threads or 1) for rp in plan.roles)
     out.append(f"compute threads in all: {threads} (this machine has {os.cpu_count()} cores)")
+    if c.deployment.mode == "pd":
+        d = c.deployment
+        lent = d.share_idle_cores and not (d.prefill.cpu_affinity or d.decode.cpu_affinity)
+        out.append(
+            "idle cores: "
+            + (
+                "lent to decode steps (a worker with nothing to do lends its threads; not to EP workers)"
+                if lent
+                else "not shared (each worker on its own threads)"
+            )
+        )
     out += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(out)
