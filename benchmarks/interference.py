@@ -146,10 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     if "pd" in runs and "pd-own" in runs:
         pd, own = runs["pd"], runs["pd-own"]
         result["shared_over_own"] = {
-            "busy_p99_itl": round(pd["busy_p99_itl_ms"] / own["busy_p99_itl_ms"], 2),
-            "quiet_p99_itl": round(pd["quiet_p99_itl_ms"] / own["quiet_p99_itl_ms"], 2),
-            "busy_median_itl": round(pd["busy_median_itl_ms"] / own["busy_median_itl_ms"], 2),
-            "quiet_median_itl": round(pd["quiet_median_itl_ms"] / own["quiet_median_itl_ms"], 2),
+            f"{phase}_{stat}_itl": round(pd[f"{phase}_{stat}_itl_ms"] / own[f"{phase}_{stat}_itl_ms"], 2)
+            for stat in ("p99", "median")
+            for phase in ("busy", "quiet")
         }
     print(json.dumps(result))
     return 0

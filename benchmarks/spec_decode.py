@@ -195,6 +195,7 @@ def main() -> int:
             on, off = runs[f"{args.method}/{kind}/{streams}"], runs[f"none/{kind}/{streams}"]
             ratio = statistics.median(ratios[f"{kind}/{streams}"])
             same = sum(a == b for a, b in zip(on["texts"], off["texts"]))
+            drafted, accepted = acceptance[f"{kind}/{streams}"]
             result[f"{kind}_{streams}"] = {
                 f"tok_s_{args.method}": round(statistics.median(on["tok_s"]), 1),
                 "tok_s_none": round(statistics.median(off["tok_s"]), 1),
@@ -202,10 +203,8 @@ def main() -> int:
                 "ratios": [round(r, 3) for r in ratios[f"{kind}/{streams}"]],
                 "identical": f"{same}/{len(on['texts'])}",
                 # the decode worker's verified draft tokens and the share of them accepted
-                "draft_tokens": int(acceptance[f"{kind}/{streams}"][0]),
-                "acceptance": round(
-                    acceptance[f"{kind}/{streams}"][1] / max(1.0, acceptance[f"{kind}/{streams}"][0]), 3
-                ),
+                "draft_tokens": int(drafted),
+                "acceptance": round(accepted / max(1.0, drafted), 3),
                 "failed": on["failed"] + off["failed"],
             }
             goal = 1.5 if kind == "grounded" and streams <= 8 else 0.95

@@ -208,7 +208,7 @@ class DeploymentConfig:
     prefill: RoleConfig = field(default_factory=RoleConfig)
     decode: RoleConfig = field(default_factory=RoleConfig)
     # Workers that `pdserve serve` starts on one machine lend their threads to each other's decode steps
-    # while they have no work (docs/deploying.md); not where a role has cpu_affinity.
+    # while they have no work (docs/deploying.md); not where a role has cpu_affinity (shares_idle_cores).
     share_idle_cores: bool = True
 
 
@@ -364,6 +364,13 @@ ROLE_SETTINGS = {
     "device_blocks": "cache.device_blocks",
     "threads": "server.threads",
 }
+
+
+def shares_idle_cores(cfg: Config) -> bool:
+    """Whether the workers one launcher starts lend each other idle threads (utils/core_share.py):
+    deployment.share_idle_cores, unless a role is pinned to cores of its own."""
+    d = cfg.deployment
+    return d.share_idle_cores and not (d.prefill.cpu_affinity or d.decode.cpu_affinity)
 
 
 def served_names(cfg: Config) -> list[str]:

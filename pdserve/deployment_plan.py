@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.config import Config, ConfigError, for_role
+from pdserve.config import Config, ConfigError, for_role, shares_idle_cores
 
 PD_ROLES = ("prefill", "decode")
 
@@ -223,13 +223,11 @@ def format_plan(plan: Plan) -> str:
     threads = sum(rp.processes * (rp.config.server.threads or 1) for rp in plan.roles)
     out.append(f"compute threads in all: {threads} (this machine has {os.cpu_count()} cores)")
     if c.deployment.mode == "pd":
-        d = c.deployment
-        lent = d.share_idle_cores and not (d.prefill.cpu_affinity or d.decode.cpu_affinity)
         out.append(
             "idle cores: "
             + (
                 "lent to decode steps (a worker with nothing to do lends its threads; not to EP workers)"
-                if lent
+                if shares_idle_cores(c)
                 else "not shared (each worker on its own threads)"
             )
         )

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.config import Config, derive, for_role
+from pdserve.config import Config, derive, for_role, shares_idle_cores
 from pdserve.deployment_plan import pd_counts
 from pdserve.worker_process import WorkerProcess, write_worker_config
 
@@ -48,7 +48,7 @@ def start_workers(config: Config, log_dir: Path) -> list[WorkerProcess]:
             getattr(config.deployment, role).cpu_affinity,
             log_dir,
             [],
-            config.deployment.share_idle_cores,
+            shares_idle_cores(config),
         )
         for role, n in (("prefill", n_prefill), ("decode", n_decode))
         for i in range(n)

@@ -7,16 +7,12 @@ import os
 
 import httpx
 import pytest
+from proc_environ import environ
 
 from pdserve.config import load_config
 from pdserve.launch import start_workers, wait_healthy
 
 pytestmark = pytest.mark.slow
-
-
-def _environ(pid: int) -> dict[str, str]:
-    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    return dict(kv.decode(errors="replace").partition("=")[::2] for kv in raw if b"=" in kv)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads /proc")
@@ -43,7 +39,7 @@ deployment:
                 health["max_num_seqs"],
                 health["kv_blocks_total"],
                 eplb["num_ranks"],
-                _environ(w.proc.pid)["OMP_NUM_THREADS"],
+                environ(w.proc.pid)["OMP_NUM_THREADS"],
             )
     finally:
         for w in workers:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from pdserve.config import Config, for_role, load_config
+from pdserve.config import Config, for_role, load_config, shares_idle_cores
 from pdserve.control.rollout_keys import rollout_worker_config
 from pdserve.version import config_digest
 from pdserve.worker_process import WorkerProcess, write_worker_config
@@ -37,9 +37,7 @@ class LocalFleet:
         whoever stops the deployment stops the ones it started too."""
         self.config, self.workers = config, workers
         self.config_file, self.log_dir, self.router_url = config_file, log_dir, router_url
-        # As the workers it starts share them (worker_process.py): not where a role is pinned.
-        d = config.deployment
-        self.shares_cores = d.share_idle_cores and not (d.prefill.cpu_affinity or d.decode.cpu_affinity)
+        self.shares_cores = shares_idle_cores(config)  # as the workers it starts do
         self._index = itertools.count(100)
         self._added: list[WorkerProcess] = []  # started here, not yet registered
         self.versions: dict[str, Path] = {}  # version label -> the config file its workers read
@@ -63,7 +61,7 @@ class LocalFleet:
             getattr(config.deployment, role).cpu_affinity,
             self.log_dir,
             ["--router-url", self.router_url],
-            config.deployment.share_idle_cores,
+            shares_idle_cores(config),
         )
         self.workers.append(proc)
         self._added.append(proc)
@@ -119,7 +117,7 @@ class LocalFleet:
             getattr(config.deployment, role).cpu_affinity,
             self.log_dir,
             [],
-            config.deployment.share_idle_cores,
+            shares_idle_cores(config),
         )
         self.workers.append(proc)
         log.info(

@@ -49,7 +49,8 @@ class CoreShare:
         self.cores = cores or (
             len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         )
-        self.path = self.dir / str(os.getpid())
+        self.pid = os.getpid()
+        self.path = self.dir / str(self.pid)
         fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, _SIZE)
@@ -63,10 +64,10 @@ class CoreShare:
 
     def set_busy(self, busy: bool, borrowing: bool = False) -> None:
         """Whether this worker has work now, and whether its steps would take idle threads."""
-        if (busy, borrowing and busy) != self._state:
-            self._mine[_BORROWING] = 1 if borrowing and busy else 0
-            self._mine[_BUSY] = 1 if busy else 0
-            self._state = (busy, borrowing and busy)
+        state = (busy, borrowing and busy)
+        if state != self._state:
+            self._mine[_BORROWING], self._mine[_BUSY] = int(state[1]), int(busy)
+            self._state = state
 
     def lent(self) -> int:
         """The idle threads that are this worker's share now, if it is borrowing (else 0)."""
@@ -74,7 +75,7 @@ class CoreShare:
         if now - self._scanned > RESCAN_S:
             self._scan()
             self._scanned = now
-        me = os.getpid()
+        me = self.pid
         states = [(me, *self._state, self.threads)] + [
             (pid, bool(m[_BUSY]), bool(m[_BORROWING]), _THREADS.unpack_from(m, _THREADS_AT)[0])
             for pid, m in self._peers.items()
@@ -96,7 +97,7 @@ class CoreShare:
     def _scan(self) -> None:
         found = set()
         for entry in os.scandir(self.dir):
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            if not entry.name.isdigit() or int(entry.name) == self.pid:
                 continue
             pid = int(entry.name)
             if not pid_alive(pid):  # killed before it could remove its file: lends nothing

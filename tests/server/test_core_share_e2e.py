@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from proc_environ import environ
 
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 
@@ -17,11 +18,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="borrowing needs two cores"),
 ]
-
-
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(kv.decode(errors="replace").partition("=")[::2] for kv in raw if b"=" in kv)
 
 
 def _children(pid: int) -> list[int]:
@@ -50,7 +46,7 @@ def _serve(tmp_path: Path, name: str, *extra: str) -> tuple[str, dict[str, float
         workers = httpx.get(srv.url + "/admin/workers", timeout=10).json()["workers"]
         decode = next(w["url"] for w in workers if w["role"] == "decode")
         metrics = httpx.get(decode + "/metrics", timeout=10).text
-        dirs = {_environ(pid).get("PDSERVE_CORE_SHARE", "") for pid in _children(srv.proc.pid)}
+        dirs = {environ(pid).get("PDSERVE_CORE_SHARE", "") for pid in _children(srv.proc.pid)}
         assert len(workers) == 2
     counts = {
         name: float(line.split()[-1])
