@@ -99,6 +99,33 @@ def test_kernel_matches_dequantized_product(mode, rows, native):
         torch.testing.assert_close(qw.rows(ids, torch.float32), st.dequantize()[ids], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_products_bits_do_not_depend_on_how_far_ahead_it_prefetches(mode):
+    """qgemm.prefetch moves only loads asked for early (the register rows of 1-8 rows, int8's split over
+    several accumulators): the same bits at every distance, on one thread and on two."""
+    if not qgemm.available():
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(3)
+    qw = QuantizedWeight(quantize(torch.randn(256, 2048, generator=g), mode), native=True)
+    x = torch.randn(8, 2048, generator=g)
+    threads, before = torch.get_num_threads(), qgemm.prefetch_bytes()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs = []
+            for nbytes in (512, 2048, 8192, 32768):
+                qgemm.prefetch(nbytes)
+                assert qgemm.prefetch_bytes() == nbytes
+                outs.append([linear(x[:r], qw) for r in (1, 2, 3, 8)])
+            for other in outs[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(outs[0], other, strict=True))
+        qgemm.prefetch(1 << 20)
+        assert qgemm.prefetch_bytes() == 32768  # clamped
+    finally:
+        torch.set_num_threads(threads)
+        qgemm.prefetch(before)
+
+
 @pytest.mark.parametrize("rows", [24, 40])  # float32 activations; bfloat16 from qgemm.bf16_rows("int4") on
 def test_native_kernel_reads_strided_rows_and_keeps_threads_apart(rows):
     """A view with a row stride (a slice of a wider activation) and one thread or two give the same."""

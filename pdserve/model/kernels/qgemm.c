@@ -201,11 +201,24 @@ static void rows_f32(int M, const float *x, int64_t ldx, const float *w, int kn,
    x over each group (computed once per call). With one vector a tile row (AVX-512), two steps run
    interleaved into separate accumulators: one chain of dependent FMAs would set the pace. */
 #define U (NV == 1 ? 2 : 1)
-/* Groups of 32 input values ahead that direct4 prefetches: a tile's groups follow each other and
-   tiles follow each other, so the hardware prefetcher should find this stream, but a thread's
-   chunks of tiles interleave with its peer's and each product of a decode step is small (0.2-1 MB),
-   so it kept restarting. 8 groups ahead gained more than 4 or 12 (docs/benchmarks.md). */
-#define PF_GROUPS 8
+/* How far ahead of what they read the register rows (direct4, direct8) prefetch the weight, in bytes.
+   A tile's groups follow each other and tiles follow each other, so the hardware prefetcher should
+   find this stream, but a thread's chunks of tiles interleave with its peer's and each product of a
+   decode step is small (0.2-1 MB), so it kept restarting. How far ahead pays depends on the
+   machine's memory and on the model's shapes (docs/benchmarks.md), so it can be set
+   (pd_qgemm_prefetch); PF_BYTES, the best of a Zen 4's batch-1 steps, unless set. */
+#define PF_BYTES 2048
+#define PF_MIN 512
+#define PF_MAX 32768
+static int pf_bytes = PF_BYTES;
+
+int pd_qgemm_prefetch(int bytes) {
+    if (bytes < 0) return __atomic_load_n(&pf_bytes, __ATOMIC_ACQUIRE);
+    bytes = bytes < PF_MIN ? PF_MIN : bytes > PF_MAX ? PF_MAX : bytes;
+    __atomic_store_n(&pf_bytes, bytes, __ATOMIC_RELEASE);
+    return bytes;
+}
+static inline int pf_groups(void) { return __atomic_load_n(&pf_bytes, __ATOMIC_RELAXED) / (16 * NC); } /* int4 */
 static inline void prefetch_group(const uint8_t *nib, const uint16_t *d, const uint16_t *m, int64_t g) {
     for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch(nib + g * 16 * NC + b, 0, 3);
     if ((g & 1) == 0) __builtin_prefetch(d + g * NC, 0, 3), __builtin_prefetch(m + g * NC, 0, 3);  /* 2 groups a line */
@@ -221,14 +234,15 @@ static inline void prefetch_group(const uint8_t *nib, const uint16_t *d, const u
 #endif
 static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t *nib, const uint16_t *d,
                                                           const uint16_t *m, const float *x, int64_t ldx, int K,
-                                                          const float *sx, float *y, int64_t ldy) {
+                                                          const float *sx, float *y, int64_t ldy, int64_t left) {
     const int un = mr <= 2 ? U : 1, split = NV == 1 || mr <= 2;
     vf out[NV == 1 ? DIRECT_ROWS : 1][NV], a[DIRECT_ROWS][U][2][NV], lo[NV], hi[NV], dg[NV], mg[NV];
+    const int ahead = pf_groups();   /* never past `left` groups (the chunk's end): its peer's to read */
     if (NV == 1)
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < NV; j++) out[i][j] = (vf){0};
     for (int g = 0; g < K / 32; g++) {
-        prefetch_group(nib, d, m, g + PF_GROUPS);    /* past the tile's end: the next tile's start */
+        if (g + ahead < left) prefetch_group(nib, d, m, g + ahead); /* past the tile's end: the next tile's start */
         for (int i = 0; i < mr; i++)
             for (int u = 0; u < un; u++)
                 for (int j = 0; j < NV; j++) a[i][u][0][j] = a[i][u][1][j] = (vf){0};
@@ -265,27 +279,43 @@ static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t 
             for (int j = 0; j < NV; j++) *(vfu *)(y + i * ldy + j * VW) = out[i][j];
 }
 
+/* int8 rows that skip the buffer: a byte widens to a float and meets each row's broadcast in one FMA, so
+   with a few rows one chain of dependent FMAs a row would set the pace (a whole FMA latency per 16
+   weights: the output head of a batch-1 step ran at half the memory's rate): up to 4 rows split k over
+   CH8 interleaved accumulators each, about 8 chains in all, summed pairwise at the end. The count
+   depends on the rows only, not on the vector width, so AVX2 and AVX-512 builds keep one order. */
+#define CH8(mr) ((mr) >= 8 ? 1 : 8 / (mr) >= 8 ? 8 : 8 / (mr) >= 4 ? 4 : 8 / (mr) >= 2 ? 2 : 1)
 static inline __attribute__((always_inline)) void direct8(int mr, const int8_t *q, const float *d, const float *x,
-                                                          int64_t ldx, int K, float *y, int64_t ldy) {
-    vf acc[DIRECT_ROWS][NV], w[NV];
+                                                          int64_t ldx, int K, float *y, int64_t ldy, int64_t left) {
+    const int ch = CH8(mr), ahead = __atomic_load_n(&pf_bytes, __ATOMIC_RELAXED) / NC; /* ch: 1, 2, 4 or 8 */
+    vf acc[DIRECT_ROWS][8][NV], w[NV];
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
-    for (int k = 0; k < K; k++) {
-        bytes(q + (int64_t)k * NC, w);
-        for (int i = 0; i < mr; i++) {
-            const vf xb = splat(x + i * ldx + k);
-            for (int j = 0; j < NV; j++) acc[i][j] += xb * w[j];
+        for (int c = 0; c < ch; c++)
+            for (int j = 0; j < NV; j++) acc[i][c][j] = (vf){0};
+    for (int k = 0; k < K; k += ch)
+        for (int c = 0; c < ch; c++) {
+            if (((k + c) & 3) == 0 && k + c + ahead < left) /* a line: 4 k; `left` k in the chunk */
+                __builtin_prefetch(q + (int64_t)(k + c + ahead) * NC, 0, 3);
+            bytes(q + (int64_t)(k + c) * NC, w);
+            for (int i = 0; i < mr; i++) {
+                const vf xb = splat(x + i * ldx + k + c);
+                for (int j = 0; j < NV; j++) acc[i][c][j] += xb * w[j];
+            }
         }
-    }
-    for (int i = 0; i < mr; i++)   /* the channel's scale once, at the end */
-        for (int j = 0; j < NV; j++) *(vfu *)(y + i * ldy + j * VW) = acc[i][j] * LOAD(d + j * VW);
+    for (int i = 0; i < mr; i++)
+        for (int h = ch / 2; h > 0; h /= 2) /* the chains summed pairwise */
+            for (int c = 0; c < h; c++)
+                for (int j = 0; j < NV; j++) acc[i][c][j] += acc[i][c + h][j];
+    for (int i = 0; i < mr; i++) /* the channel's scale once, at the end */
+        for (int j = 0; j < NV; j++) *(vfu *)(y + i * ldy + j * VW) = acc[i][0][j] * LOAD(d + j * VW);
 }
 
 /* Up to DIRECT_ROWS rows of int4 or int8, each row count its own unrolled copy. */
 static void direct(int bits, int M, const uint8_t *t4, const int8_t *t8, const uint16_t *td, const uint16_t *tm,
-                   const float *ts, const float *x, int64_t ldx, int K, const float *sx, float *y, int64_t ldy) {
-#define ROWS(r) case r: if (bits == 4) direct4(r, t4, td, tm, x, ldx, K, sx, y, ldy); \
-                        else direct8(r, t8, ts, x, ldx, K, y, ldy); break;
+                   const float *ts, const float *x, int64_t ldx, int K, const float *sx, float *y, int64_t ldy,
+                   int tiles_left) {
+#define ROWS(r) case r: if (bits == 4) direct4(r, t4, td, tm, x, ldx, K, sx, y, ldy, (int64_t)tiles_left * (K / 32)); \
+                        else direct8(r, t8, ts, x, ldx, K, y, ldy, (int64_t)tiles_left * K); break;
     switch (M) {
         ROWS(1) ROWS(2)
 #if DIRECT_ROWS > 2
@@ -344,9 +374,11 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
             continue;
         }
         if (M <= DIRECT_ROWS && !pd_qgemm_invariant_at(M)) {
-            if (bits == 4 && t == t0)      /* a chunk's first groups: no earlier tile prefetched them */
-                for (int g = 0; g < PF_GROUPS && g < K / 32; g++) prefetch_group(t4, td, tm, g);
-            direct(bits, M, t4, t8, td, tm, ts, x, ldx, K, sx, yt, ldy);
+            if (t == t0 && bits == 4) /* a chunk's first bytes: no earlier tile prefetched them */
+                for (int g = 0, n = pf_groups(); g < n && g < K / 32; g++) prefetch_group(t4, td, tm, g);
+            else if (t == t0)
+                for (int b = 0, n = pd_qgemm_prefetch(-1); b < n && b < K * NC; b += 64) __builtin_prefetch(t8 + b, 0, 3);
+            direct(bits, M, t4, t8, td, tm, ts, x, ldx, K, sx, yt, ldy, t1 - t);
             continue;
         }
         float buf[KB * NC] __attribute__((aligned(64)));

@@ -34,6 +34,9 @@ int pd_qgemm_pairs_rounded_from(int rows);
    or pairs where built in, else the dequantized block here); pd_qgemm_invariant_at(M): whether a
    product of M rows is one of them. */
 int pd_qgemm_invariant(int rows);
+/* qgemm.c: how far ahead (bytes) the float-activation register rows prefetch the weight (clamped to
+   [512, 32768]; returned; below 0 only returns it). */
+int pd_qgemm_prefetch(int bytes);
 int pd_qgemm_invariant_at(int M);
 
 /* qgemm_q8.c: int4 or int8 with the activations quantized to int8 per row in blocks of 32 (bits 4 or 8,

@@ -79,6 +79,21 @@ def pairs_rounded_from(rows: int) -> None:
     _set_everywhere("pd_qgemm_pairs_rounded_from", rows)
 
 
+def prefetch(nbytes: int) -> None:
+    """How far ahead (bytes) products of a few rows with float activations prefetch their weight
+    (qgemm.c's register rows); clamped to [512, 32768], 2048 unless set. Results do not depend on it."""
+    _set_everywhere("pd_qgemm_prefetch", nbytes)
+
+
+def prefetch_bytes() -> int:
+    """The distance `prefetch` set (0 where the kernel does not load here)."""
+    fn = function("qgemm", "pd_qgemm_prefetch", [_I])
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    return int(fn(-1))
+
+
 def invariant_rows(rows: int) -> None:
     """Every int4 and int8 product of up to `rows` rows (0: none, the default) on one arithmetic: its
     exact path from 1 row (AMX's exact tiles, else the AVX512-BF16 exact pairs, else, without
