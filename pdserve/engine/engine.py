@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ from pdserve.common.internal_token import internal_token
 from pdserve.common.outputs import RequestOutput, TokenLogprob  # noqa: F401 (RequestOutput re-exported)
 from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.config import Config
+from pdserve.engine import prefetch_tuning
 from pdserve.engine.draft_model import DraftModel
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.image_inputs import image_embeddings
@@ -34,7 +36,7 @@ from pdserve.engine.kv_connector import (
     LoadRetry,
 )
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.row_costs import RowCosts, cache_key, calibrate, load_cached, save_cached
+from pdserve.engine.row_costs import RowCosts, cache_key, calibrate, context_blocks, load_cached, save_cached
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, blocks_needed
 from pdserve.engine.spec_decode import eligible, propose
@@ -195,6 +197,7 @@ class LLMEngine:
         self.spec_draft_tokens_total = 0
         self.spec_accepted_tokens_total = 0
         self.spec_misses_total = 0  # verifications that rejected a draft (the acceptance estimate's)
+        self.prefetch_bytes = self._tune_prefetch()
         self.row_costs = self._row_costs(self.model) if self.spec_tokens and sc.speculative_adaptive else None
         self.draft_costs = (
             self._row_costs(self.drafter.model, self.drafter)
@@ -469,6 +472,27 @@ class LLMEngine:
                 if req.kv_sink is None:
                     outs.append(out)
         return outs
+
+    def _tune_prefetch(self) -> int | None:
+        """How far ahead the decode products prefetch, measured on this model where it matters
+        (engine/prefetch_tuning.py); None where the kernel's own distance stays."""
+        if not prefetch_tuning.applies(self.config, self.weight_bytes) or self.pool.num_free < context_blocks(
+            prefetch_tuning.CONTEXT, self.block_size
+        ):
+            return None
+        mc = self.config.model
+        parts = {
+            "model": mc.name,
+            "seed": mc.seed,
+            "quantization": mc.quantization,
+            "dtype": mc.dtype,
+            "attention_kernel": mc.attention_kernel,
+            "threads": torch.get_num_threads(),
+            # Threads that spin between parallel regions or sleep: the steps' pace differs.
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+            "torch": torch.__version__,
+        }
+        return prefetch_tuning.tune_prefetch(self.model, self.kv_cache, self.pool, self.block_size, parts)
 
     def _row_costs(self, model, drafter: DraftModel | None = None) -> RowCosts:
         """A model's decode step cost by rows on this machine (engine/row_costs.py): cached, else

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from bisect import bisect_right
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pdserve.common.paths import cache_root
+from pdserve.common.paths import cache_root, save_json
 from pdserve.model.attention import build_metadata
 from pdserve.utils.cpu import cpu_flags, cpu_name
 
@@ -112,37 +111,45 @@ def load_cached(key: str) -> RowCosts | None:
 
 
 def save_cached(key: str, costs: RowCosts) -> None:
-    path = cache_path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": FORMAT, "rows": costs.rows, "seconds": costs.seconds}))
-        tmp.replace(path)  # atomic: two workers starting together never read half a file
-    except OSError as e:
-        log.warning("could not cache row costs in %s: %s", path, e)
+    save_json(cache_path(key), {"format": FORMAT, "rows": costs.rows, "seconds": costs.seconds}, "row costs")
+
+
+def decode_step(
+    model, kv_cache: torch.Tensor, blocks: list[int], block_size: int, rows: int, context: int, gen
+):
+    """One decode step of `rows` rows at `context` tokens each, as a call. Every row attends to the same
+    borrowed blocks and writes the same slot (their contents are garbage, never read by a request:
+    the caller returns the blocks to the pool unhashed)."""
+    meta = build_metadata([(blocks, context, 1)] * rows, block_size, model.arch.sliding_window, model.device)
+    ids = torch.randint(0, model.arch.vocab_size, (rows,), generator=gen).to(model.device)
+    positions = torch.full((rows,), context, dtype=torch.long, device=model.device)
+    logits_rows = torch.arange(rows, device=model.device)
+
+    @torch.inference_mode()
+    def run() -> None:
+        model.forward(ids, positions, meta, kv_cache, logits_rows).argmax(-1)
+
+    return run
+
+
+def context_blocks(context: int, block_size: int) -> int:
+    """Blocks a decode row at `context` tokens attends to, its own slot included."""
+    return (context + block_size) // block_size
 
 
 @torch.inference_mode()
 def calibrate(model, kv_cache: torch.Tensor, pool, block_size: int, max_rows: int, context: int) -> RowCosts:
-    """Times decode steps of 1..max_rows rows at `context` tokens each. Every row attends to the same
-    borrowed blocks and writes the same slot (their contents are garbage, never read by a request:
-    the blocks go back to the pool unhashed)."""
-    blocks = pool.allocate((context + block_size) // block_size)
+    """Times decode steps of 1..max_rows rows at `context` tokens each, on blocks borrowed from the pool."""
+    blocks = pool.allocate(context_blocks(context, block_size))
     try:
         rows_list, seconds = calibration_rows(max_rows), []
-        vocab = model.arch.vocab_size
         gen = torch.Generator().manual_seed(0)
         for rows in rows_list:
-            meta = build_metadata(
-                [(blocks, context, 1)] * rows, block_size, model.arch.sliding_window, model.device
-            )
-            ids = torch.randint(0, vocab, (rows,), generator=gen).to(model.device)
-            positions = torch.full((rows,), context, dtype=torch.long, device=model.device)
-            logits_rows = torch.arange(rows, device=model.device)
+            step = decode_step(model, kv_cache, blocks, block_size, rows, context, gen)
             times = []
             for rep in range(4):
                 t0 = time.perf_counter()
-                model.forward(ids, positions, meta, kv_cache, logits_rows).argmax(-1)
+                step()
                 if rep:  # the first runs cold
                     times.append(time.perf_counter() - t0)
             seconds.append(statistics.median(times))

@@ -53,6 +53,21 @@ def feature_key() -> str:
     return "-".join(present) or "generic"
 
 
+@lru_cache(maxsize=1)
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The largest CPU cache's size (sysfs), or `default` where the kernel does not say."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+        except OSError:
+            continue
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[len(digits) :], 1))
+    return max(sizes, default=default)
+
+
 def describe() -> str:
     """A benchmark's CPU line: the model name and the widest vector ISA."""
     f = cpu_flags()

@@ -25,8 +25,9 @@
 #include "qgemm.h"      /* NC, KB; the bfloat16 products (qgemm_bf16.c) */
 
 /* The vector width: 16 floats with AVX-512 (a tile row is one register, and 32 registers hold a
-   taller block of rows), else 8 (two registers a tile row, 16 registers). The arithmetic per
-   element is the same either way, so both give the same results bit for bit. */
+   taller block of rows), else 8 (two registers a tile row, 16 registers). The micro-kernel's
+   arithmetic per element is the same either way, so both give the same results bit for bit (int4's
+   register rows, direct4, keep other chains at each width). */
 #ifdef __AVX512F__
 #define VW 16
 #define MR 12   /* rows per micro-kernel call: 12 accumulators + 1 weight vector */

@@ -12,13 +12,16 @@ faster at every count measured:
 - from how many rows the rounded tile (the weight dequantized and rounded to bfloat16, summed over
   all of K in the tile) replaces the exact tiles or pairs. It does more work per weight and none per
   group and row, so it wins from some row count; where depends on the core.
+
+And how far ahead a decode step's products of a few rows prefetch their weights (qgemm.prefetch),
+which depends on the machine's memory and on the model's shapes too: measure_prefetch times a step
+the caller gives (the engine's own model, engine/prefetch_tuning.py) at each distance.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.common.paths import cache_root
+from pdserve.common.paths import cache_root, save_json
 from pdserve.model.kernels import qgemm
 from pdserve.model.kernels.native import build
 from pdserve.utils.cpu import cpu_flags, cpu_name, feature_key
@@ -40,6 +43,7 @@ SHAPE = (1024, 1024)  # a product small enough to stay in cache: the kernels' ar
 NO_TILES = 32  # qgemm_bf16.c's BF16_ROWS: where the rounded tile starts without a measurement
 PAIRS_ROWS = (20, 24, 28, 32, 40, 48, 56)  # the vector pairs: the rounded tile against the exact pairs
 NO_ROUNDED = 64  # qgemm_bf16.c's PAIRS_ROUNDED_MAX: the rounded tile faster nowhere measured
+PREFETCH_BYTES = (2048, 4096, 8192, 16384)  # the prefetch distances measured
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,34 @@ def choose(ratios: dict[int, float], none: int = NO_TILES) -> int:
     return start
 
 
+def measure_prefetch(step: Callable[[], None], rounds: int = 5) -> dict[int, float]:
+    """Per prefetch distance (bytes): the fastest of `rounds` timings of `step` (a decode step). The
+    distances take turns within each round, as the VM's memory speed drifts from second to second;
+    after each change one step runs untimed (its first loads were asked for at the old distance)."""
+    before = qgemm.prefetch_bytes()
+    best = dict.fromkeys(PREFETCH_BYTES, float("inf"))
+    n = len(PREFETCH_BYTES)
+    try:
+        step()
+        for r in range(rounds):
+            for nbytes in PREFETCH_BYTES[r % n :] + PREFETCH_BYTES[: r % n]:
+                qgemm.prefetch(nbytes)
+                step()
+                t0 = time.perf_counter()
+                step()
+                best[nbytes] = min(best[nbytes], time.perf_counter() - t0)
+    finally:
+        qgemm.prefetch(before)
+    return best
+
+
+def choose_prefetch(seconds: dict[int, float], within: float = 0.02) -> int:
+    """The shortest distance within `within` of the fastest: prefetching farther than pays only risks
+    evicting lines still to be read."""
+    fastest = min(seconds.values())
+    return min(b for b, t in seconds.items() if t <= fastest * (1 + within))
+
+
 def _cache_path() -> Path:
     build_id = build("qgemm").stem  # its name holds the feature set and the sources' digest
     model = "".join(c if c.isalnum() else "-" for c in cpu_name())[:60]
@@ -165,13 +197,7 @@ def tune() -> dict:
             chosen[c.key] = start
             chosen[c.ratios] = {str(r): round(v, 3) for r, v in ratios.items()}
             starts.append(start)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(chosen))
-            tmp.replace(path)  # atomic: workers starting together never read half a file
-        except OSError as e:
-            log.warning("could not cache kernel tuning in %s: %s", path, e)
+        save_json(path, chosen, "kernel tuning")
         log.info("int4 kernel paths measured on this machine: %s", chosen)
     for c, start in zip(chosen_paths, starts, strict=True):
         c.set_start(start)
