@@ -14,6 +14,7 @@ from pdserve.model.kernels import qgemm
 from pdserve.model.linear import linear
 from pdserve.model.loader import build_model, default_gguf_path
 from pdserve.model.quant import GROUP, QuantizedWeight, Staged, cat_rows, from_gguf_blocks, pack, quantize
+from pdserve.utils.cpu import cpu_flags
 
 
 @pytest.mark.parametrize("mode,tol", [("int8", 1 / 254), ("int4", 1 / 30)])
@@ -97,6 +98,32 @@ def test_kernel_matches_dequantized_product(mode, rows, native):
     if mode == "int8":  # the tied embedding's lookup
         ids = torch.tensor([0, 17, 95, 17])
         torch.testing.assert_close(qw.rows(ids, torch.float32), st.dequantize()[ids], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_tiles_side_by_side_give_each_tiles_own_bits(mode):
+    """On the bfloat16 pairs (int8's, int4's rounded tile) a thread runs up to four tiles at once: each
+    tile's outputs are the bits it gives alone (a product of that tile's 16 channels), at every row
+    count, with one thread and two (which hand the tiles out differently)."""
+    if not qgemm.available() or qgemm.bf16_rows(mode) == 0:
+        pytest.skip("no bfloat16 products here")
+    if "amx_tile" in cpu_flags() and qgemm.amx():
+        pytest.skip("AMX's tiles take these products here")
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(16 * 11, 512, generator=g)  # 11 tiles: groups of 4, 4 and 3, or the threads' shares
+    full = QuantizedWeight(quantize(w, mode), native=True)
+    alone = [QuantizedWeight(quantize(w[i : i + 16], mode), native=True) for i in range(0, len(w), 16)]
+    threads, rounded = torch.get_num_threads(), qgemm.pairs_rounded_start()
+    qgemm.pairs_rounded_from(9)  # int4: the rounded tile from the pairs' first row count
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows in (9, 13, 40):
+                x = torch.randn(rows, 512, generator=g)
+                assert torch.equal(linear(x, full), torch.cat([linear(x, a) for a in alone], 1)), (t, rows)
+    finally:
+        torch.set_num_threads(threads)
+        qgemm.pairs_rounded_from(rounded)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -24,7 +24,7 @@ int pd_qgemm_amx_from(int rows); /* int4's rounded tile: set where measured (cla
 int pd_qgemm_amx_exact_from(int rows); /* int4's exact tiles: set where measured (clamped 1-9; returned) */
 int pd_qgemm_bf16_rows(int bits); /* from how many rows (bits 4 or 8) pd_qgemm_bf16_x rounds; 0: never */
 /* int4 on the vector pairs (no AMX): the rounded tile's start, set where measured (clamped 9-64;
-   returned). */
+   returned; below 0 only returns it). */
 int pd_qgemm_pairs_rounded_from(int rows);
 
 /* qgemm.c: products of up to `rows` rows (0: none, the default; at most 4096; returned; below 0 only

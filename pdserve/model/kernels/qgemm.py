@@ -94,6 +94,16 @@ def prefetch_bytes() -> int:
     return int(fn(-1))
 
 
+def pairs_rounded_start() -> int:
+    """From how many rows int4 products take the rounded tile on the vector pairs (pairs_rounded_from);
+    0 where the kernel does not load here."""
+    fn = function("qgemm", "pd_qgemm_pairs_rounded_from", [_I])
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    return int(fn(-1))
+
+
 def invariant_rows(rows: int) -> None:
     """Every int4 and int8 product of up to `rows` rows (0: none, the default) on one arithmetic: its
     exact path from 1 row (AMX's exact tiles, else the AVX512-BF16 exact pairs, else, without
