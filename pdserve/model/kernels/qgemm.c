@@ -282,10 +282,15 @@ static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t 
 
 /* int8 rows that skip the buffer: a byte widens to a float and meets each row's broadcast in one FMA, so
    with a few rows one chain of dependent FMAs a row would set the pace (a whole FMA latency per 16
-   weights: the output head of a batch-1 step ran at half the memory's rate): up to 4 rows split k over
-   CH8 interleaved accumulators each, about 8 chains in all, summed pairwise at the end. The count
-   depends on the rows only, not on the vector width, so AVX2 and AVX-512 builds keep one order. */
-#define CH8(mr) ((mr) >= 8 ? 1 : 8 / (mr) >= 8 ? 8 : 8 / (mr) >= 4 ? 4 : 8 / (mr) >= 2 ? 2 : 1)
+   weights: the output head of a batch-1 step ran at half the memory's rate): a few rows split k over
+   CH8 interleaved accumulators each, summed pairwise at the end. With AVX-512's 32 registers about 8
+   chains in all (8, 4, 2, 2 for 1-4 rows); with AVX2's 16, where a row's 16 channels take two
+   registers, 8 and 2 for 1 and 2 rows (4 chains for 2 rows spilled and ran slower than one). */
+#if VW == 16
+#define CH8(mr) ((mr) == 1 ? 8 : (mr) == 2 ? 4 : (mr) <= 4 ? 2 : 1)
+#else
+#define CH8(mr) ((mr) == 1 ? 8 : (mr) == 2 ? 2 : 1)
+#endif
 static inline __attribute__((always_inline)) void direct8(int mr, const int8_t *q, const float *d, const float *x,
                                                           int64_t ldx, int K, float *y, int64_t ldy, int64_t left) {
     const int ch = CH8(mr), ahead = __atomic_load_n(&pf_bytes, __ATOMIC_RELAXED) / NC; /* ch: 1, 2, 4 or 8 */
