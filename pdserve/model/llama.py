@@ -303,7 +303,7 @@ class LlamaModel:
         cos, sin = self.rotary.tables(positions)
         n = x.shape[0]
         if self.fused is not None and FusedStep.applies(meta, n):
-            step = FusedStep(meta, cos, sin, n, self.fused.scratch_per_row)
+            step = FusedStep(meta, cos, sin, n, self.fused)
             x = x.contiguous() if inputs_embeds is None else x.clone(memory_format=torch.contiguous_format)
             if layer_done is None:
                 step.run_all(self.fused, x, kv_cache)  # x in place

@@ -140,7 +140,7 @@ class MoEModel(LlamaModel):
         # layer.c updates the rows in place: a copy of the caller's embeddings.
         x = self.embed_tokens(input_ids).contiguous() if inputs_embeds is None else inputs_embeds.clone()
         cos, sin = self.rotary.tables(positions)
-        step = FusedStep(meta, cos, sin, n, fused.scratch_per_row)
+        step = FusedStep(meta, cos, sin, n, fused)
         eps = self.arch.rms_norm_eps
         for i, (f, block) in enumerate(zip(fused.layers, fused.blocks)):
             step.run(f, x, kv_cache[i, 0], kv_cache[i, 1])
@@ -265,6 +265,7 @@ class _MoEFused:
     ) -> None:
         self.layers, self.blocks, self._keep = layers, blocks, keep
         self.scratch_per_row = max(f.scratch_per_row for f in layers)
+        self.own_per_row = max(f.own_per_row for f in layers)
 
 
 def pack_experts(

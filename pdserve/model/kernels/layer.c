@@ -51,7 +51,8 @@ typedef struct {              /* one step, shared by every layer */
     int n, block_size, ngroups, threads;
     const float *cos, *sin;   /* [n, D/2] */
     const int64_t *slots;     /* [n]: the cache slot each token's key and value go to */
-    float *scratch;           /* n rows of h [hidden], qkv, attention [H * D], o [hidden], gu [2 inter], act [inter] */
+    float *scratch;           /* n rows of qkv, attention [H * D], o [hidden], gu [2 inter]; then each thread's
+                                 n rows of max(hidden, inter) (layer.py's FusedStep sizes it) */
     pd_group groups[MAX_GROUPS];
 } pd_step;
 
@@ -106,7 +107,7 @@ typedef struct {
 
 typedef struct {
     team *tm;
-    int T, phase;
+    int T, id, phase;
 } member;
 
 #define YIELD_EVERY 32
@@ -155,11 +156,6 @@ static void product(member *me, const pd_weight *w, const float *x, int64_t ldx,
     sync_phase(me);
 }
 
-static void norm_rows(member *me, const float *x, const float *w, float *out, int n, int hd, float eps) {
-    for (int r; (r = grab(me, 1)) < n;) pd_rms_norm_row(x + (int64_t)r * hd, w, out + (int64_t)r * hd, hd, eps);
-    sync_phase(me);
-}
-
 static void add_into(member *me, float *x, const float *o, int64_t len) {
     const int64_t chunk = 4096;
     for (int c; (c = grab(me, 1)) * chunk < len;) {
@@ -169,13 +165,22 @@ static void add_into(member *me, float *x, const float *o, int64_t len) {
     sync_phase(me);
 }
 
+/* rows [0, n) of x, RMS-normed into this thread's own rows (a few microseconds for a decode step's rows):
+   each thread norms every row itself and goes straight on to its share of the product that reads
+   them, where a phase of its own cost a barrier (two a layer; and one for silu * up below). The same
+   function on the same rows: the same bits as the shared phase gave. */
+static void norm_own(const float *x, const float *w, float *own, int n, int hd, float eps) {
+    for (int r = 0; r < n; r++) pd_rms_norm_row(x + (int64_t)r * hd, w, own + (int64_t)r * hd, hd, eps);
+}
+
 static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, float *kc, float *vc) {
     const int n = s->n, hd = L->hidden, D = L->head_dim, H = L->heads, KVH = L->kv_heads, nq = L->qkv.n;
-    float *h = s->scratch, *qkv = h + (int64_t)n * hd, *att = qkv + (int64_t)n * nq, *o = att + (int64_t)n * H * D;
-    float *gu = o + (int64_t)n * hd, *act = gu + (int64_t)n * 2 * L->inter;
+    float *qkv = s->scratch, *att = qkv + (int64_t)n * nq, *o = att + (int64_t)n * H * D, *gu = o + (int64_t)n * hd;
+    const int64_t width = hd > L->inter ? hd : L->inter; /* each thread's own rows, after the shared ones */
+    float *own = gu + (int64_t)n * 2 * L->inter + (int64_t)me->id * n * width;
 
-    norm_rows(me, x, L->input_norm, h, n, hd, L->eps);
-    product(me, &L->qkv, h, hd, qkv, n);
+    norm_own(x, L->input_norm, own, n, hd, L->eps);
+    product(me, &L->qkv, own, hd, qkv, n);
     for (int r; (r = grab(me, 1)) < n;) {
         float *row = qkv + (int64_t)r * nq;
         if (L->qkv_bias)
@@ -202,13 +207,12 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, flo
     add_into(me, x, o, (int64_t)n * hd);
     if (L->inter == 0) return;   /* the attention half only: a MoE block follows in Python */
 
-    norm_rows(me, x, L->post_norm, h, n, hd, L->eps);
-    product(me, &L->gate_up, h, hd, gu, n);
-    for (int r; (r = grab(me, 1)) < n;)
+    norm_own(x, L->post_norm, own, n, hd, L->eps);
+    product(me, &L->gate_up, own, hd, gu, n);
+    for (int r = 0; r < n; r++) /* every row's, on each thread (as norm_own) */
         silu_mul_row(gu + (int64_t)r * 2 * L->inter, gu + (int64_t)r * 2 * L->inter + L->inter,
-                     act + (int64_t)r * L->inter, L->inter);
-    sync_phase(me);
-    product(me, &L->down, act, L->inter, o, n);
+                     own + (int64_t)r * L->inter, L->inter);
+    product(me, &L->down, own, L->inter, o, n);
     add_into(me, x, o, (int64_t)n * hd);
 }
 
@@ -219,7 +223,7 @@ void pd_decode_layers(const pd_layer *L, int nl, const pd_step *s, float *x, flo
     team tm = {0};
 #pragma omp parallel num_threads(s->threads) if (s->threads > 1)
     {
-        member me = {&tm, omp_get_num_threads(), 0};
+        member me = {&tm, omp_get_num_threads(), omp_get_thread_num(), 0};
         for (int l = 0; l < nl; l++)
             layer(&me, &L[l], s, x, kv + l * layer_stride, kv + l * layer_stride + v_offset);
     }

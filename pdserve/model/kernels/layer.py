@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
+from typing import Protocol
 
 import torch
 
@@ -101,9 +102,10 @@ def _weight(w) -> Weight | None:
 class FusedLayer:
     """One decoder layer's weights as layer.c reads them. The layer keeps the tensors alive."""
 
-    def __init__(self, struct: Layer, scratch_per_row: int) -> None:
+    def __init__(self, struct: Layer, scratch_per_row: int, own_per_row: int) -> None:
         self.struct = struct
-        self.scratch_per_row = scratch_per_row
+        self.scratch_per_row = scratch_per_row  # shared by the step's threads, per row
+        self.own_per_row = own_per_row  # each thread's own, per row (its normed rows, silu * up)
 
     @classmethod
     def of(
@@ -143,8 +145,13 @@ class FusedLayer:
             arch.head_dim,
             inter,
         )
-        per_row = 2 * arch.hidden_size + qkv.shape[0] + arch.num_heads * arch.head_dim + 3 * inter
-        return cls(s, per_row)
+        per_row = arch.hidden_size + qkv.shape[0] + arch.num_heads * arch.head_dim + 2 * inter
+        return cls(s, per_row, max(arch.hidden_size, inter))
+
+
+class _HasScratch(Protocol):
+    scratch_per_row: int
+    own_per_row: int
 
 
 class FusedStack:
@@ -153,17 +160,22 @@ class FusedStack:
     def __init__(self, layers: list[FusedLayer]) -> None:
         self.layers = layers
         self.array = (Layer * len(layers))(*[f.struct for f in layers])
-        self.scratch_per_row = layers[0].scratch_per_row
+        self.scratch_per_row = max(f.scratch_per_row for f in layers)
+        self.own_per_row = max(f.own_per_row for f in layers)
 
 
 class FusedStep:
     """A decode-only step's shared inputs (positions' rotary rows, cache slots, block tables) and its
     scratch, built once and read by every layer's call."""
 
-    def __init__(self, meta, cos: torch.Tensor, sin: torch.Tensor, n: int, scratch_per_row: int) -> None:
+    def __init__(self, meta, cos: torch.Tensor, sin: torch.Tensor, n: int, layers: _HasScratch) -> None:
+        """`layers`: what the step runs (its scratch per row, shared and each thread's own)."""
         cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
         slots = meta.slot_mapping.contiguous()
-        self.scratch = torch.empty(n * scratch_per_row, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        self.scratch = torch.empty(
+            n * (layers.scratch_per_row + threads * layers.own_per_row), dtype=torch.float32
+        )
         groups = []
         self._keep = [cos, sin, slots]
         for g in meta.decode_groups:
@@ -184,7 +196,7 @@ class FusedStep:
             n,
             meta.block_size,
             len(groups),
-            torch.get_num_threads(),
+            threads,
             cos.data_ptr(),
             sin.data_ptr(),
             slots.data_ptr(),
