@@ -6,6 +6,7 @@ Used from the engine thread only (image_inputs.ImageEmbeddings): `submit`, then 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -217,3 +218,10 @@ class EncoderPool:
             p.terminate()
         for p in self.processes:
             p.join(timeout=5)
+        if (
+            self.processes
+        ):  # the encoders this pool spawned exit at once on SIGTERM: their sockets' files stay
+            for ep in self.endpoints:
+                if ep.startswith("ipc://"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(ep[len("ipc://") :])

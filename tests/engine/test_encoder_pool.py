@@ -5,6 +5,7 @@ image an encoder cannot read or an encoder that never answers ends the request w
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -72,6 +73,9 @@ def test_encoder_processes_equal_in_process(loaded):
     finally:
         pooled.engine.close()
     assert all(not p.is_alive() for p in pool.processes)
+    # Their sockets' files go with them (SIGTERM ends an encoder at once).
+    assert all(ep.startswith("ipc://") for ep in pool.endpoints)
+    assert not [ep for ep in pool.endpoints if os.path.exists(ep[len("ipc://") :])]
 
 
 def test_an_encoder_that_never_answers_fails_the_request_by_its_deadline(loaded):
