@@ -218,9 +218,8 @@ class EncoderPool:
             p.terminate()
         for p in self.processes:
             p.join(timeout=5)
-        if (
-            self.processes
-        ):  # the encoders this pool spawned exit at once on SIGTERM: their sockets' files stay
+        # The encoders this pool spawned exit at once on SIGTERM: their sockets' files would stay.
+        if self.processes:
             for ep in self.endpoints:
                 if ep.startswith("ipc://"):
                     with contextlib.suppress(FileNotFoundError):

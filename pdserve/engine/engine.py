@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -480,32 +480,18 @@ class LLMEngine:
             prefetch_tuning.CONTEXT, self.block_size
         ):
             return None
-        mc = self.config.model
         parts = {
-            "model": mc.name,
-            "seed": mc.seed,
-            "quantization": mc.quantization,
-            "dtype": mc.dtype,
-            "attention_kernel": mc.attention_kernel,
-            "threads": torch.get_num_threads(),
+            **self._step_cost_parts(),
             # Threads that spin between parallel regions or sleep: the steps' pace differs.
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
-            "torch": torch.__version__,
         }
         return prefetch_tuning.tune_prefetch(self.model, self.kv_cache, self.pool, self.block_size, parts)
 
-    def _row_costs(self, model, drafter: DraftModel | None = None) -> RowCosts:
-        """A model's decode step cost by rows on this machine (engine/row_costs.py): cached, else
-        measured now (the served model on its pool, a draft model on its own)."""
+    def _step_cost_parts(self, drafter: DraftModel | None = None) -> dict[str, Any]:
+        """What a measured decode step's cost depends on, for the caches' keys: the model (the served
+        one, or `drafter`'s) and its format, the kernels, the threads, torch."""
         mc, sc = self.config.model, self.config.scheduler
-        max_rows = max(1, min(sc.max_num_seqs * (self.spec_tokens + 1), sc.max_num_batched_tokens, 128))
-        if drafter is not None:  # a draft model's steps have one row a request
-            max_rows = max(1, min(sc.max_num_seqs, sc.max_num_batched_tokens, 128))
-        pool = drafter.pool if drafter is not None else self.pool
-        kv_cache = drafter.kv_cache if drafter is not None else self.kv_cache
-        # The context each calibration row attends: a typical chat's, within what the pool can lend.
-        context = max(1, min(256, self.max_model_len - 1, (pool.num_free - 1) * self.block_size - 1))
-        parts = {
+        return {
             "model": mc.name if drafter is None else drafter.name,
             "seed": mc.seed,
             "quantization": mc.quantization if drafter is None else sc.speculative_quantization,
@@ -516,6 +502,21 @@ class LLMEngine:
             "attention_kernel": mc.attention_kernel,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
+        }
+
+    def _row_costs(self, model, drafter: DraftModel | None = None) -> RowCosts:
+        """A model's decode step cost by rows on this machine (engine/row_costs.py): cached, else
+        measured now (the served model on its pool, a draft model on its own)."""
+        sc = self.config.scheduler
+        max_rows = max(1, min(sc.max_num_seqs * (self.spec_tokens + 1), sc.max_num_batched_tokens, 128))
+        if drafter is not None:  # a draft model's steps have one row a request
+            max_rows = max(1, min(sc.max_num_seqs, sc.max_num_batched_tokens, 128))
+        pool = drafter.pool if drafter is not None else self.pool
+        kv_cache = drafter.kv_cache if drafter is not None else self.kv_cache
+        # The context each calibration row attends: a typical chat's, within what the pool can lend.
+        context = max(1, min(256, self.max_model_len - 1, (pool.num_free - 1) * self.block_size - 1))
+        parts = {
+            **self._step_cost_parts(drafter),
             "max_rows": max_rows,
             "context": context,
         }

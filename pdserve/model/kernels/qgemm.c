@@ -219,7 +219,8 @@ int pd_qgemm_prefetch(int bytes) {
     __atomic_store_n(&pf_bytes, bytes, __ATOMIC_RELEASE);
     return bytes;
 }
-static inline int pf_groups(void) { return __atomic_load_n(&pf_bytes, __ATOMIC_RELAXED) / (16 * NC); } /* int4 */
+/* The distance in units of `unit` bytes (an int4 group's nibbles, an int8 k's bytes, a byte). */
+static inline int pf_ahead(int unit) { return __atomic_load_n(&pf_bytes, __ATOMIC_RELAXED) / unit; }
 static inline void prefetch_group(const uint8_t *nib, const uint16_t *d, const uint16_t *m, int64_t g) {
     for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch(nib + g * 16 * NC + b, 0, 3);
     if ((g & 1) == 0) __builtin_prefetch(d + g * NC, 0, 3), __builtin_prefetch(m + g * NC, 0, 3);  /* 2 groups a line */
@@ -238,7 +239,7 @@ static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t 
                                                           const float *sx, float *y, int64_t ldy, int64_t left) {
     const int un = mr <= 2 ? U : 1, split = NV == 1 || mr <= 2;
     vf out[NV == 1 ? DIRECT_ROWS : 1][NV], a[DIRECT_ROWS][U][2][NV], lo[NV], hi[NV], dg[NV], mg[NV];
-    const int ahead = pf_groups();   /* never past `left` groups (the chunk's end): its peer's to read */
+    const int ahead = pf_ahead(16 * NC); /* never past `left` groups (the chunk's end): its peer's to read */
     if (NV == 1)
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < NV; j++) out[i][j] = (vf){0};
@@ -293,7 +294,7 @@ static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t 
 #endif
 static inline __attribute__((always_inline)) void direct8(int mr, const int8_t *q, const float *d, const float *x,
                                                           int64_t ldx, int K, float *y, int64_t ldy, int64_t left) {
-    const int ch = CH8(mr), ahead = __atomic_load_n(&pf_bytes, __ATOMIC_RELAXED) / NC; /* ch: 1, 2, 4 or 8 */
+    const int ch = CH8(mr), ahead = pf_ahead(NC); /* ch: 1, 2, 4 or 8 */
     vf acc[DIRECT_ROWS][8][NV], w[NV];
     for (int i = 0; i < mr; i++)
         for (int c = 0; c < ch; c++)
@@ -381,9 +382,9 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
         }
         if (M <= DIRECT_ROWS && !pd_qgemm_invariant_at(M)) {
             if (t == t0 && bits == 4) /* a chunk's first bytes: no earlier tile prefetched them */
-                for (int g = 0, n = pf_groups(); g < n && g < K / 32; g++) prefetch_group(t4, td, tm, g);
+                for (int g = 0, n = pf_ahead(16 * NC); g < n && g < K / 32; g++) prefetch_group(t4, td, tm, g);
             else if (t == t0)
-                for (int b = 0, n = pd_qgemm_prefetch(-1); b < n && b < K * NC; b += 64) __builtin_prefetch(t8 + b, 0, 3);
+                for (int b = 0, n = pf_ahead(1); b < n && b < K * NC; b += 64) __builtin_prefetch(t8 + b, 0, 3);
             direct(bits, M, t4, t8, td, tm, ts, x, ldx, K, sx, yt, ldy, t1 - t);
             continue;
         }

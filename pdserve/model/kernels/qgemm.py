@@ -48,6 +48,16 @@ def _in_every_library(symbol: str) -> list:
     return [fn for fn in fns if fn is not None]
 
 
+def _setting(symbol: str) -> int:
+    """What a setter of the kernel (int f(int), below 0: only returns its value) holds now; 0 where the
+    kernel does not load here."""
+    fn = function("qgemm", symbol, [_I])
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    return int(fn(-1))
+
+
 def _set_everywhere(symbol: str, rows: int) -> None:
     for fn in _in_every_library(symbol):
         fn(rows)
@@ -87,21 +97,13 @@ def prefetch(nbytes: int) -> None:
 
 def prefetch_bytes() -> int:
     """The distance `prefetch` set (0 where the kernel does not load here)."""
-    fn = function("qgemm", "pd_qgemm_prefetch", [_I])
-    if fn is None:
-        return 0
-    fn.restype = ctypes.c_int
-    return int(fn(-1))
+    return _setting("pd_qgemm_prefetch")
 
 
 def pairs_rounded_start() -> int:
     """From how many rows int4 products take the rounded tile on the vector pairs (pairs_rounded_from);
     0 where the kernel does not load here."""
-    fn = function("qgemm", "pd_qgemm_pairs_rounded_from", [_I])
-    if fn is None:
-        return 0
-    fn.restype = ctypes.c_int
-    return int(fn(-1))
+    return _setting("pd_qgemm_pairs_rounded_from")
 
 
 def invariant_rows(rows: int) -> None:
@@ -116,11 +118,7 @@ def invariant_rows(rows: int) -> None:
 
 def invariant_bound() -> int:
     """The rows invariant_rows set (0: none, or no kernel here)."""
-    fn = function("qgemm", "pd_qgemm_invariant", [_I])
-    if fn is None:
-        return 0
-    fn.restype = ctypes.c_int
-    return int(fn(-1))
+    return _setting("pd_qgemm_invariant")
 
 
 def amx_rows(mode: str) -> int:
