@@ -368,8 +368,11 @@ class PDCluster:
         stream has `fault_after` tokens, or, given `watch`, as fault(found) as soon as watch()
         returns something once a stream has them (polled from its own thread: the workers' state,
         which a client short of CPU can read its chunks far behind; before any stream has tokens
-        a fault meets requests the router retries, not streams it migrates)."""
+        a fault meets requests the router retries, not streams it migrates). With fault_after=0
+        `watch` is polled from the start: it judges the workers' state alone."""
         fired, armed = threading.Event(), threading.Event()
+        if fault_after <= 0:
+            armed.set()
 
         def on_token(n: int) -> None:
             if n >= fault_after:

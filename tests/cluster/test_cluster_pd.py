@@ -151,22 +151,69 @@ def _check(outs, first: int, deadline_s: float, max_tokens: int = MAX_TOKENS) ->
     return ok, failed
 
 
+def _steps(health: dict) -> int:
+    """Engine steps a decode host ran: a bound on the tokens any one of its streams got from them."""
+    return health["decode_steps_total"] + health["prefill_steps_total"]
+
+
+# Two streams of this (and their prompts) fit one decode host's 256 blocks, and tiny-qwen2's 2,048
+# positions: a stream long enough for a fault to land in while it runs at a fast CPU's pace.
+LINK_TOKENS = 1536
+# A /health read and the freeze after it within this: even a decode step of 0.1 ms leaves every
+# stream of the host frozen short of its last token.
+FRESH_S = 0.03
+
+
+def _freeze_mid_stream(c: PDCluster, since: dict[str, int], seen: dict, poll: httpx.Client) -> str | None:
+    """Freeze (SIGSTOP) a decode host whose every stream is under way and none past half of
+    LINK_TOKENS, and name it; None if no host is. Since `since` (its steps before the load) the host
+    ran at most LINK_TOKENS / 2 steps (no stream of it can be near its end), and its running
+    streams are the ones it ran 16 steps ago (`seen`: the count and the step it was first read at;
+    none can have ended, so none joined: each has sent tokens, and cutting it off is a migration,
+    not a retry). Read from a /health answered at most FRESH_S before the freeze: the test process
+    runs short of CPU under streaming load, and a reading it got late is not where the streams are
+    (one read at 323 steps had finished 768 before the link went down)."""
+    for name in since:
+        t0 = time.monotonic()
+        h = poll.get(c.procs[name].url + "/health").json()
+        steps = _steps(h)
+        running, first = seen.get(name, (None, 0))
+        if h["running"] != running:
+            seen[name] = (h["running"], steps)
+        elif h["running"] and steps - first >= 16 and steps - since[name] <= LINK_TOKENS // 2:
+            c.net.pause(c.procs[name], True)
+            if time.monotonic() - t0 <= FRESH_S:
+                return name
+            c.net.pause(c.procs[name], False)
+    return None
+
+
 def test_decode_host_link_down_mid_stream_is_migrated(cluster):
     down: dict = {}
 
-    def fault(name: str) -> None:
+    def fault(name: str) -> None:  # the host is frozen: its link goes down, then it runs on, cut off
         down["name"] = name
         down["at"] = time.monotonic()
-        cluster.net.link(cluster.host(down["name"]), up=False)
+        try:
+            cluster.net.link(cluster.host(name), up=False)
+        finally:
+            cluster.net.pause(cluster.procs[name], False)
 
+    since = {n: _steps(cluster.health(n)) for n in ROLES if n.startswith("decode")}
+    seen: dict[str, tuple[int, int]] = {}
     try:
-        outs = cluster.load(
-            [prompt(i) for i in range(20, 24)], FAULT_TOKENS, fault, watch=lambda: _busy(cluster)
-        )
+        with httpx.Client(timeout=5) as poll:
+            outs = cluster.load(
+                [prompt(i) for i in range(20, 22)],
+                LINK_TOKENS,
+                fault,
+                fault_after=0,
+                watch=lambda: _freeze_mid_stream(cluster, since, seen, poll),
+            )
     finally:
         if "name" in down:
             cluster.net.link(cluster.host(down["name"]), up=True)
-    ok, failed = _check(outs, 20, 60, FAULT_TOKENS)
+    ok, failed = _check(outs, 20, 60, LINK_TOKENS)
     assert failed == 0
     assert cluster.workers()[down["name"]]["migrations"] >= 1
     cluster.wait_healthy(set(ROLES))
