@@ -105,6 +105,7 @@ class Loop:
         self._stop = True
         self.thread.join(timeout=5)
         self.engine.connector.close()
+        self.engine.close()  # its tier threads, event publisher and encoder processes (their sockets)
 
 
 def prompts(n: int) -> list[list[int]]:

@@ -4,6 +4,10 @@ image is a prefix-cache hit on the decode worker; pools back to their start."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 import pytest
 from pd_harness import pd_config, pd_pair
 from vlm_images import image_chat
@@ -71,3 +75,5 @@ def test_pd_images_through_encoder_workers_equal_mixed(prompts):
     got, _, _, pimages, _ = run_pd(prompts, {"vision.encoder_processes": 1})
     assert got == want
     assert pimages.pool is not None and pimages.pool.jobs_total == 2 and pimages.images_encoded_total == 3
+    # Both engines were closed with the pair: their encoders' socket files are gone.
+    assert not list(Path(tempfile.gettempdir()).glob(f"pdserve-enc-{os.getpid()}-*"))
