@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pdserve.model.arch import ModelArch
 from pdserve.model.attention import AttentionMetadata, DecodeKernel, paged_attention
 from pdserve.model.kernels.decode_attention import decode_attention_kernel
-from pdserve.model.kernels.layer import FusedLayer, FusedStack, FusedStep, silu_mul
+from pdserve.model.kernels.layer import FusedLayer, FusedStack, FusedStep, rope_rows, silu_mul
 from pdserve.model.kernels.norm import native_rms_norm
 from pdserve.model.kernels.qgemm import TiledFloat
 from pdserve.model.linear import linear
@@ -96,9 +96,9 @@ class DecoderLayer:
         t = x.shape[0]
         if self.q_norm is None:
             # q and k heads side by side in qkv's rows: one rotary pass over both halves the small ops.
-            qk = apply_rotary(
-                qkv[:, : a.q_size + a.kv_size].view(t, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin
-            )
+            qk = qkv[:, : a.q_size + a.kv_size].view(t, a.num_heads + a.num_kv_heads, a.head_dim)
+            if not rope_rows(qk, cos, sin):  # in place where the kernel runs (qkv is this step's own)
+                qk = apply_rotary(qk, cos, sin)
             q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         else:
             q, k = (
@@ -109,7 +109,10 @@ class DecoderLayer:
                 rms_norm(q, self.q_norm, a.rms_norm_eps),
                 rms_norm(k.view(t, a.num_kv_heads, a.head_dim), self.k_norm, a.rms_norm_eps),
             )
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if not rope_rows(q, cos, sin):  # the norms' outputs: in place where the kernel runs
+                q = apply_rotary(q, cos, sin)
+            if not rope_rows(k, cos, sin):
+                k = apply_rotary(k, cos, sin)
         v = qkv[:, a.q_size + a.kv_size :].reshape(t, a.num_kv_heads, a.head_dim)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, a.head_dim**-0.5, self.decode_kernel)
         return x + linear(o.reshape(t, a.q_size), self.o)

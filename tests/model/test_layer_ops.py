@@ -71,6 +71,38 @@ def test_one_rotary_pass_over_q_and_k_equals_two():
     assert torch.equal(both[:, heads:], apply_rotary(qk[:, heads:], cos, sin))
 
 
+def test_native_rotary_pass_equals_the_op_by_op_one():
+    """layer.c's rotary pass over q's and k's heads of the qkv rows, in place: the torch formula's
+    values bit for bit (each product rounded on its own), on one thread and on several."""
+    from pdserve.model.kernels.layer import rope_rows
+
+    g = torch.Generator().manual_seed(3)
+    for t, heads, kv_heads, d, threads in [(6, 9, 3, 64, 1), (1, 4, 2, 16, 2), (600, 8, 2, 64, 2)]:
+        qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g) * 4
+        cos, sin = torch.randn(t, 1, d // 2, generator=g), torch.randn(t, 1, d // 2, generator=g)
+        qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)  # rows strided past v
+        x1, x2 = (h.double() for h in qk.chunk(2, -1))
+        want = apply_rotary(qk, cos, sin)
+        v = qkv[:, (heads + kv_heads) * d :].clone()
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            assert rope_rows(qk, cos, sin)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(qk, want), (t, heads, d)
+        assert torch.equal(qkv[:, (heads + kv_heads) * d :], v)  # v's heads untouched
+        # Against float64: two products and their difference, each rounded once.
+        c, s_ = cos.double(), sin.double()
+        exact = torch.cat((x1 * c - x2 * s_, x2 * c + x1 * s_), -1)
+        size = torch.cat(((x1 * c).abs() + (x2 * s_).abs(), (x2 * c).abs() + (x1 * s_).abs()), -1)
+        assert_within(qk, exact, gamma(2) * size + 1e-37, "rope")
+    # What the kernel does not take is left to torch, untouched.
+    x = torch.randn(3, 4, 16, dtype=torch.float64)
+    ones = torch.ones(3, 1, 8, dtype=torch.float64)
+    assert not rope_rows(x, ones, ones)
+
+
 def test_int4_dequantization_from_nibbles_equals_addcmul_over_the_values():
     w = torch.randn(48, 96, generator=torch.Generator().manual_seed(2))
     st = quantize(w, "int4")

@@ -93,6 +93,18 @@ __attribute__((optimize("fp-contract=off"))) static void rope(float *h, const fl
     }
 }
 
+/* Rotary embedding of heads [0, heads) of each row of x (q's heads then k's, side by side as the qkv
+   product lays them out), in place; row r's cos and sin halves at r * D / 2. The op-by-op layers'
+   pass (a prefill's rows): torch's seven small ops a layer, each a pass over the rows and a wake-up
+   of the thread pool, cost more than the arithmetic; this is rope() as the fused step runs it. */
+void pd_rope_rows(float *x, int64_t ldx, int rows, int heads, int D, const float *cos, const float *sin,
+                  int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (int64_t)rows * heads * D >= (1 << 18))
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++)
+            rope(x + r * ldx + (int64_t)h * D, cos + (int64_t)r * D / 2, sin + (int64_t)r * D / 2, D / 2);
+}
+
 /* The threads of one parallel region, working through a step's phases (norm, product, attention ...)
    with a barrier between phases. Under OMP_WAIT_POLICY=PASSIVE (cli.py: workers share their cores)
    every OpenMP region and barrier puts the idle thread to sleep and wakes it again; a decode step

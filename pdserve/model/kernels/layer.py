@@ -1,6 +1,6 @@
 """A decode-only step's layers through layer.c, one native call for the whole stack (or one a layer
-where the caller acts between layers; see the C file for why), and the SiLU * up that the op-by-op
-path shares with it."""
+where the caller acts between layers; see the C file for why), and the SiLU * up and rotary pass that
+the op-by-op path shares with it."""
 
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ def _fns():
         layer,
         function("layer", "pd_silu_mul", [_P, _I64, _P, _I64, _I, _I, _I]),
         function("layer", "pd_decode_layers", [_P, _I, _P, _P, _P, _I64, _I64]),
+        function("layer", "pd_rope_rows", [_P, _I64, _I, _I, _I, _P, _P, _I]),
     )
 
 
@@ -89,6 +90,27 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(gu.shape[0], inter, dtype=torch.float32)
     fns[1](ptr(gu), gu.stride(0), ptr(out), inter, gu.shape[0], inter, torch.get_num_threads())
     return out
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The rotary embedding of x [T, heads, head_dim] in place (rotary.apply_rotary's values, bit for
+    bit) with cos and sin [T, 1, head_dim / 2]; False (x untouched) where the kernel does not apply or
+    load."""
+    fns = _fns()
+    t, heads, d = x.shape
+    if (
+        fns is None
+        or x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or cos.dtype != torch.float32
+        or x.stride(2) != 1
+        or x.stride(1) != d
+        or cos.shape != (t, 1, d // 2)
+    ):
+        return False
+    cos, sin = cos.contiguous(), sin.contiguous()
+    fns[3](ptr(x), x.stride(0), t, heads, d, ptr(cos), ptr(sin), torch.get_num_threads())
+    return True
 
 
 def _weight(w) -> Weight | None:
