@@ -32,7 +32,8 @@ torch.set_num_threads for HF, one OpenMP thread bound to each of --threads cores
 The load client (asyncio, one thread, mostly idle waiting on sockets) runs in this process
 for all of them. All servers get /v1/completions with
 `ignore_eos`, so every request is exactly input-len prompt tokens (SmolLM2 tokenizer) and
-output-len generated tokens; prompts are distinct so no system gets a prefix-cache hit.
+output-len generated tokens; prompts are distinct, each concurrency level its own, so no system
+gets a prefix-cache hit.
 
 Bigger models (--shape llama-3.2-1b or qwen2.5-0.5b): random weights in the shape of the named
 model, made once by bench/shapes.py (bfloat16 safetensors, then GGUF files with llama.cpp's own
@@ -126,8 +127,8 @@ def _bench(name, srv, sessions, levels, model, args, start_timeout) -> list[dict
         )
         warm_up(cfg, model)
         for c in levels:
-            log(f"{name}: concurrency {c}, {len(sessions)} requests")
-            recs, dur = asyncio.run(run_load(cfg, sessions, concurrency=c, model=model))
+            log(f"{name}: concurrency {c}, {len(sessions[c])} requests")
+            recs, dur = asyncio.run(run_load(cfg, sessions[c], concurrency=c, model=model))
             s = summarize(recs, dur)
             s["concurrency"] = c
             points.append(s)
@@ -293,9 +294,9 @@ def run_vllm(sessions, levels, args, out_dir: Path, dtype: str = "float32") -> l
 
 def run_hf(sessions, levels, args, out_dir: Path) -> list[dict]:
     gguf = weights(args)
-    prompts = [s.turns[0].text for s in sessions]
     points = []
     for c in levels:
+        prompts = [s.turns[0].text for s in sessions[c]]
         log(f"hf: static batches of {c}, {len(prompts)} requests")
         with tempfile.TemporaryDirectory() as td:
             spec, res = Path(td) / "in.json", Path(td) / "out.json"
@@ -559,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {ALL}")
     levels = [int(x) for x in a.concurrency.split(",")]
+    if len(set(levels)) != len(levels):
+        p.error(f"--concurrency {a.concurrency}: each level once (each gets its own prompts)")
     a.vllm_weights = None
     if a.shape:
         try:
@@ -567,9 +570,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--shape {a.shape}: {e}")
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    sessions = make_workload(
-        "fixed", a.num_requests, seed=a.seed, max_tokens=a.output_len, input_len=a.input_len
-    )
+    # Each level its own prompts: a server keeps the last level's in its prefix cache (pdserve's and
+    # vLLM's both do), and a level that sent them again would measure cache hits, not prefills.
+    sessions = {
+        c: make_workload(
+            "fixed", a.num_requests, seed=a.seed + i, max_tokens=a.output_len, input_len=a.input_len
+        )
+        for i, c in enumerate(levels)
+    }
     precisions = [x.strip() for x in a.precision.split(",") if x.strip()]
     if set(precisions) - set(PRECISIONS):
         p.error(

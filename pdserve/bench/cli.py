@@ -191,11 +191,17 @@ def main(argv: list[str] | None = None) -> int:
         temperature=a.temperature,
         request_timeout_s=a.request_timeout,
     )
-    try:
-        # Built once: every level of a sweep sends the same requests.
-        sessions = make_workload(
-            a.workload, a.num_requests, seed=a.seed, max_tokens=a.max_tokens, input_len=a.input_len
+
+    def workload(level: int = 0) -> list:
+        # A sweep's levels each draw their own synthetic requests (seed + level index): the server's
+        # prefix cache keeps the last level's, and the same prompts again would be cache hits. A
+        # JSONL file is what it is: every level sends it (docs/bench.md).
+        return make_workload(
+            a.workload, a.num_requests, seed=a.seed + level, max_tokens=a.max_tokens, input_len=a.input_len
         )
+
+    try:
+        sessions = workload()
     except (ValueError, OSError) as e:  # a malformed JSONL file is a usage error
         p.error(f"--workload: {e}")
     common = dict(
@@ -214,9 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         if not levels or min(levels) <= 0:
             p.error("--sweep-concurrency takes positive integers")
         points = []
-        for c in levels:
+        for i, c in enumerate(levels):
             s, _ = run_once(
-                cfg, sessions, concurrency=c, request_rate=None, label=f"concurrency {c}", **common
+                cfg,
+                workload(i) if i else sessions,
+                concurrency=c,
+                request_rate=None,
+                label=f"concurrency {c}",
+                **common,
             )
             points.append(s)
             console.print(

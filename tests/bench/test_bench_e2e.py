@@ -185,14 +185,19 @@ def test_completions_api_and_multiturn(server):
 
 def test_sweep_writes_json_and_plot(server, tmp_path):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
+    hits = httpx.get(server.url + "/health").json()["prefix_cache_hit_tokens"]
     rc = bench_main(
         [
             "--base-url",
             server.url,
+            "--api",
+            "completions",  # no chat template: prompts that differ share no block
+            "--seed",
+            "4242",  # words no other test of this server sent (fixed's words follow the seed)
             "--workload",
             "fixed",
             "--input-len",
-            "16",
+            "48",
             "-n",
             "4",
             "--max-tokens",
@@ -210,6 +215,8 @@ def test_sweep_writes_json_and_plot(server, tmp_path):
     r = json.loads(out.read_text())
     assert [p["concurrency"] for p in r["sweep"]] == [1, 4]
     assert all(p["completed"] + p["failed"] == 4 for p in r["sweep"])
+    # Each level drew its own prompts: the second found none of the first's in the prefix cache.
+    assert httpx.get(server.url + "/health").json()["prefix_cache_hit_tokens"] == hits
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
