@@ -7,6 +7,9 @@ GGUF file's own Q4_1 weights (no further loss), so only activation rounding (bfl
 kernels) and the int8 output head separate it from float32 over the same dequantized weights.
 Prints one JSON line per mode. Goal: int4 agreement >= 0.97.
 
+With --kv-dtype bfloat16 the modes (none: float32 weights) hold their KV cache in bfloat16
+(cache.kv_dtype), against the same float32 reference with a float32 cache.
+
 Then memory: the resident set of a fresh process holding the engine (weights and the same KV pool)
 for float32 and each mode. Goal: int4's at least 60% of float32's weight bytes below float32's.
 """
@@ -87,6 +90,12 @@ def main() -> int:
         default="smollm2-135m",
         help="another model.name, e.g. a MoE one (tiny-mixtral: random weights)",
     )
+    ap.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="the modes' KV cache dtype (cache.kv_dtype; auto: the model's); the reference keeps float32",
+    )
     args = ap.parse_args()
 
     import torch
@@ -116,13 +125,15 @@ def main() -> int:
             "float32",
             model_config=ModelConfig(quantization=mode),
         )
-        got = [sequence_logits(model, ids)[n - 1 : len(ids) - 1] for ids, n in seqs]
+        kv_dtype = None if args.kv_dtype == "auto" else getattr(torch, args.kv_dtype)
+        got = [sequence_logits(model, ids, kv_dtype=kv_dtype)[n - 1 : len(ids) - 1] for ids, n in seqs]
         agree, kl = agreement_and_kl(torch.cat(ref), torch.cat(got))
         print(
             json.dumps(
                 {
                     "benchmark": "quant_quality",
                     "mode": mode,
+                    "kv_dtype": args.kv_dtype,
                     "model": args.model,
                     "cpu": describe(),
                     "prompts": len(seqs),

@@ -77,6 +77,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scheduler.speculative_method": ("none", "ngram", "draft"),
     "scheduler.speculative_quantization": QUANTIZATIONS,
     "cache.kv_events_format": ("pdserve", "vllm", "vllm-array"),  # cache/kv_events_vllm.py FORMATS
+    "cache.kv_dtype": ("auto", "float32", "bfloat16"),
     **_per_role({"deployment.<role>.quantization": QUANTIZATIONS}),
 }
 

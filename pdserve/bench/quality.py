@@ -9,12 +9,15 @@ import torch
 from pdserve.model.attention import build_metadata
 
 
-def sequence_logits(model, ids: list[int], block: int = 16, chunk: int | None = None) -> torch.Tensor:
-    """float32 logits [len(ids), vocab] of one sequence over a paged KV cache: in a single pass, or
-    `chunk` positions a pass (a chunked prefill: the kernels then see at most that many rows)."""
+def sequence_logits(
+    model, ids: list[int], block: int = 16, chunk: int | None = None, kv_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """float32 logits [len(ids), vocab] of one sequence over a paged KV cache (of `kv_dtype`, else the
+    model's): in a single pass, or `chunk` positions a pass (a chunked prefill: the kernels then see
+    at most that many rows)."""
     a = model.arch
     blocks = list(range((len(ids) + block - 1) // block))
-    kv = torch.zeros(a.kv_cache_shape(len(blocks) * block), dtype=model.dtype)
+    kv = torch.zeros(a.kv_cache_shape(len(blocks) * block), dtype=kv_dtype or model.dtype)
     n = len(ids)
     step = chunk or max(n, 1)
     out = []

@@ -22,6 +22,7 @@ from pdserve.common.internal_token import internal_token
 from pdserve.common.outputs import RequestOutput, TokenLogprob  # noqa: F401 (RequestOutput re-exported)
 from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.config import Config
+from pdserve.config_rules import ConfigError
 from pdserve.engine import prefetch_tuning
 from pdserve.engine.draft_model import DraftModel
 from pdserve.engine.grammar import Grammars
@@ -43,6 +44,7 @@ from pdserve.engine.spec_decode import eligible, propose
 from pdserve.engine.spec_policy import acceptance, choose
 from pdserve.engine.tier_fetch import TierFetcher
 from pdserve.engine.tier_identity import digested_as_read, tier_key, tier_namespace, weights_digest
+from pdserve.model.arch import ModelArch
 from pdserve.model.kernels import qgemm
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
 from pdserve.model.stored_quant import with_resolved_quantization
@@ -56,6 +58,24 @@ log = logging.getLogger(__name__)
 # The most rows of a step whose int4 and int8 products model.batch_invariant (and speculative decoding)
 # keep on one arithmetic: more are a prefill's, where the row-count paths are several times faster.
 INVARIANT_ROWS = 256
+
+
+def kv_cache_dtype(config: Config, arch: ModelArch) -> torch.dtype:
+    """cache.kv_dtype resolved (auto: the model's dtype); a dtype other than the model's where the
+    attention paths keep it (not MLA's latent cache, not expert-parallel ranks' pools)."""
+    mc, want = config.model, config.cache.kv_dtype
+    dtype = torch_dtype(mc.dtype if want == "auto" else want)
+    if dtype != torch_dtype(mc.dtype):
+        why = (
+            "an MLA model's latent cache"
+            if arch.is_mla
+            else "expert parallelism's pools"
+            if mc.expert_parallel > 1
+            else None
+        )
+        if why:
+            raise ConfigError([("cache.kv_dtype", f"{want} is not supported for {why}; use auto")])
+    return dtype
 
 
 class LLMEngine:
@@ -108,7 +128,7 @@ class LLMEngine:
             self.weight_bytes / 1e6,
             f", resident set {mem[0] / 1e6:.1f} MB (peak {mem[1] / 1e6:.1f} MB)" if mem else "",
         )
-        dtype = torch_dtype(mc.dtype)
+        dtype = self.kv_dtype = kv_cache_dtype(config, self.arch)
         num_blocks = cc.device_blocks or num_blocks_for_budget(
             self.arch, cc.block_size, dtype, cc.device_memory_gb
         )

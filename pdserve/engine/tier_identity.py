@@ -71,6 +71,8 @@ def tier_namespace(config: Config, max_model_len: int, weights: Mapping[str, Any
     key = f"{digest}|{mc.dtype}|{max_model_len}|{quant}"
     if mc.activation_quantization != "none":  # int8 activations write other KV; the default's names stay
         key += f"|activations={mc.activation_quantization}"
+    if config.cache.kv_dtype not in ("auto", mc.dtype):  # rounded KV: other blocks (auto's names stay)
+        key += f"|kv={config.cache.kv_dtype}"
     return f"{base}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 

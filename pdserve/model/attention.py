@@ -184,9 +184,20 @@ def paged_attention(
     decode_kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Writes k, v into the cache first.
-    With `decode_kernel` (float32 on CPU), decodes skip the gather and the padded batch."""
+    With `decode_kernel` (float32 on CPU), decodes skip the gather and the padded batch. A cache of
+    another dtype than q's (cache.kv_dtype) holds k and v rounded to it, and every query attends to
+    the rounded values, its own step's too: a prefix-cache hit reads what a miss computed with."""
+    kv_dtype = k_cache.dtype
+    if kv_dtype != k.dtype:
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if kv_dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+
+    def gather(cache: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
+        return _gather_blocks(cache, block_idx, bs).to(q.dtype)
+
     out = torch.empty_like(q)
     bs = meta.block_size
     for g in meta.decode_groups:
@@ -206,8 +217,8 @@ def paged_attention(
             )
             continue
         shape = (n, -1, *k_cache.shape[1:])
-        kd = _gather_blocks(k_cache, g.block_idx, bs).view(shape).transpose(1, 2)  # [n, KVH, L, D]
-        vd = _gather_blocks(v_cache, g.block_idx, bs).view(shape).transpose(1, 2)
+        kd = gather(k_cache, g.block_idx).view(shape).transpose(1, 2)  # [n, KVH, L, D]
+        vd = gather(v_cache, g.block_idx).view(shape).transpose(1, 2)
         qd = q[g.start : g.start + n].unsqueeze(2)  # [n, H, 1, D]
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
         if n == q.shape[0]:
@@ -218,7 +229,7 @@ def paged_attention(
         if p.prefix_len:
             own = [x[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0) for x in (k, v)]
             pre = [
-                _gather_blocks(c, p.block_idx, bs)[: p.prefix_len].transpose(0, 1).unsqueeze(0)
+                gather(c, p.block_idx)[: p.prefix_len].transpose(0, 1).unsqueeze(0)
                 for c in (k_cache, v_cache)
             ]
             o = prefix_then_causal(qp, pre[0], pre[1], own[0], own[1], scale)
@@ -228,8 +239,8 @@ def paged_attention(
             kp = k[p.q_start : p.q_start + p.q_len]
             vp = v[p.q_start : p.q_start + p.q_len]
         else:
-            kp = _gather_blocks(k_cache, p.block_idx, bs)
-            vp = _gather_blocks(v_cache, p.block_idx, bs)
+            kp = gather(k_cache, p.block_idx)
+            vp = gather(v_cache, p.block_idx)
         kp = kp.transpose(0, 1).unsqueeze(0)
         vp = vp.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(

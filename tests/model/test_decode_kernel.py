@@ -167,3 +167,32 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     assert native.load("decode_attention") is not None
     tiny = torch.tensor([1e-40], dtype=torch.float32)
     assert float((tiny * 1.0)[0]) != 0.0 and 1e-310 * 1.0 != 0.0
+
+
+def _rounded(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().float()
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1)])
+@pytest.mark.parametrize("lens", [SMALL, LARGE], ids=["small", "large"])
+def test_a_bfloat16_cache_is_attended_as_its_rounded_values(lens, heads):
+    """cache.kv_dtype bfloat16: the step's keys and values go in rounded, and torch's path and the
+    kernel both attend to the rounded cache (float64 reference of the rounded values, within the
+    bound); the kernel's widened reads give the bits it computes from a float32 cache holding them."""
+    tables = []
+    q, k, v, kc, vc, meta = _case(lens, None, heads, tables=tables)
+    scale = q.shape[-1] ** -0.5
+    rq, rk, rv, keep = _rows(q, _rounded(k), _rounded(v), _rounded(kc), _rounded(vc), lens, None, tables)
+    want = attention64(rq, rk, rv, keep, scale).reshape(q.shape)
+    bound = attention_bound(rq, rk, rv, keep, scale).reshape(q.shape)
+    for fn in (None, kernel) if kernel is not None else (None,):
+        kcb, vcb = kc.bfloat16(), vc.bfloat16()
+        got = paged_attention(q, k, v, kcb, vcb, meta, scale, fn)
+        assert_within(got, want, bound, "the kernel" if fn else "torch's path")
+        assert torch.equal(kcb[meta.slot_mapping], k.bfloat16())
+        assert torch.equal(vcb[meta.slot_mapping], v.bfloat16())
+    if kernel is not None:
+        widened = paged_attention(
+            q, _rounded(k), _rounded(v), _rounded(kc), _rounded(vc), meta, scale, kernel
+        )
+        assert torch.equal(got, widened)

@@ -25,12 +25,12 @@ def _model(name, quantization, seed=0):
     return LlamaModel(arch, tiny_random_weights(arch, seed), torch.float32, "cpu", 1024, quantization)
 
 
-def _step(model, lens, seed=1, prefill=0):
+def _step(model, lens, seed=1, prefill=0, kv_dtype=torch.float32):
     """A step of decodes with contexts `lens` over a random cache (plus one prefill of that many tokens)."""
     g = torch.Generator().manual_seed(seed)
     a = model.arch
     blocks = 8 + sum(-(-n // BLOCK) for n in lens) + -(-prefill // BLOCK)
-    kv = torch.randn(a.num_layers, 2, blocks * BLOCK, a.num_kv_heads, a.head_dim, generator=g)
+    kv = torch.randn(a.num_layers, 2, blocks * BLOCK, a.num_kv_heads, a.head_dim, generator=g).to(kv_dtype)
     perm = torch.randperm(blocks, generator=g).tolist()
     seqs, positions, p = [], [], 0
     for n in sorted(lens):
@@ -78,6 +78,22 @@ def test_fused_decode_step_is_the_op_by_op_step_bit_for_bit(name, quantization, 
     assert torch.equal(got, want)
     assert torch.equal(got_kv, want_kv)
     assert not torch.equal(got_kv, kv)  # the step wrote its keys and values
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+@pytest.mark.parametrize("lens", [[2, 17, 17, 40, 41, 100, 300, 301, 33, 64], [7]], ids=["ten", "one"])
+def test_a_bfloat16_cache_fused_and_op_by_op_agree_bit_for_bit(name, quantization, lens):
+    """cache.kv_dtype bfloat16: layer.c rounds the step's keys and values as torch does and attends to
+    the widened cache as the op-by-op path's kernel does: the same logits and cache bits."""
+    model = _model(name, quantization)
+    ids, positions, meta, kv = _step(model, lens, kv_dtype=torch.bfloat16)
+    got, got_kv, want, want_kv = _both(model, ids, positions, meta, kv)
+    assert got_kv.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    assert torch.equal(got_kv, want_kv)
+    assert not torch.equal(got_kv, kv)
 
 
 @needs_kernel

@@ -8,7 +8,8 @@
    by native.py, which links the OpenMP runtime torch already loaded.
 
    q:      [n, H, D] floats, row stride q_row (elements), heads contiguous (stride D)
-   kc, vc: one layer's cache [slots, KVH, D] contiguous; slot = block * bs + offset
+   kc, vc: one layer's cache [slots, KVH, D] contiguous; slot = block * bs + offset; float32, or
+           bfloat16 (kvb: cache.kv_dtype), each block's rows widened to float32 as they are read
    tables: [n, tstride] int64 block ids; first, ctx: [n] int64, the attended positions [first, ctx)
    out:    [n, H, D] contiguous */
 #include <math.h>
@@ -74,10 +75,17 @@ static inline void pv64(const float *p, int64_t n, const float *v, int64_t vstri
 /* The cache row of `pos` (its block from the table): slot * KVH * D floats into a layer's cache. */
 static inline int64_t row_of(const int64_t *table, int64_t pos, int bs) { return table[pos / bs] * bs + pos % bs; }
 
-/* Prefetches heads [h0, h1) of cache row r (every line of them) into the cache. */
-static inline void fetch_row(const float *c, int64_t r, int KVH, int D, int h0, int h1) {
-    const char *p = (const char *)(c + (r * KVH + h0) * (int64_t)D), *e = p + (int64_t)(h1 - h0) * D * 4;
+/* Prefetches heads [h0, h1) of cache row r (every line of them) into the cache; es: bytes a value. */
+static inline void fetch_row(const void *c, int es, int64_t r, int KVH, int D, int h0, int h1) {
+    const char *p = (const char *)c + (r * KVH + h0) * (int64_t)D * es, *e = p + (int64_t)(h1 - h0) * D * es;
     for (; p < e; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
+/* Rows [0, n) of a bfloat16 cache (rs apart), w values from each, as float32 rows w apart (the
+   compiler vectorizes the loop at the build's width; written out eight-wide it ran slower). */
+static void widen_rows(const uint16_t *src, int64_t rs, int64_t n, int w, float *dst) {
+    for (int64_t r = 0; r < n; r++)
+        for (int j = 0; j < w; j++) dst[r * w + j] = pd_from_bf16(src[r * rs + j]);
 }
 
 /* A thread's scratch for scores and accumulators, kept between calls: a fresh malloc of a long
@@ -99,27 +107,33 @@ static float *scratch(size_t floats) {
    prefetched meanwhile (the blocks are scattered, so the hardware cannot guess them). Each head's
    arithmetic is the same whatever range it is computed in and whichever thread runs it: its
    outputs depend on its own inputs only. */
-static void attend(const float *q, int64_t q_row, const float *kc, const float *vc, const int64_t *table,
+static void attend(const float *q, int64_t q_row, const void *kc, const void *vc, int kvb, const int64_t *table,
                    int64_t lo, int64_t hi, float *out, int i, int H, int KVH, int D, int bs, float scale, int h0, int h1) {
-    const int G = H / KVH, vec = D % 8 == 0, nh = h1 - h0;
+    const int G = H / KVH, vec = D % 8 == 0, nh = h1 - h0, es = kvb ? 2 : 4;
     const int64_t len = hi - lo, rs = (int64_t)KVH * D;
     float *ob = out + ((int64_t)i * H + h0 * G) * D;
     if (len <= 0) {
         for (int d = 0; d < nh * G * D; d++) ob[d] = 0.0f;
         return;
     }
-    float *s = scratch((size_t)(len * G * nh + nh * G * D));   /* scores [nh][G][len], then acc [nh][G][D] */
-    float *acc = s + len * G * nh;
+    /* scores [nh][G][len], acc [nh][G][D], then (bfloat16) one block's rows of heads [h0, h1) widened */
+    float *s = scratch((size_t)(len * G * nh + nh * G * D + (kvb ? (int64_t)bs * nh * D : 0)));
+    float *acc = s + len * G * nh, *wide = acc + nh * G * D;
     const float *qb = q + i * q_row + (int64_t)h0 * G * D;
+    /* Where a block's rows are read: the cache itself (rs apart, heads at h * D), or their widened
+       copy (nh * D apart, heads at (h - h0) * D). */
+    const int64_t ws = kvb ? (int64_t)nh * D : rs;
+    const int hb = kvb ? h0 : 0;
     for (int64_t pos = lo; pos < hi;) {
         const int64_t off = pos % bs, stop = pos - off + bs < hi ? pos - off + bs : hi;
         /* the rows of this block from pos on, and the same rows of the next block (-1: none) */
         const int64_t row = row_of(table, pos, bs), next = stop < hi ? table[stop / bs] * bs + off : -1;
-        const float *k = kc + row * rs;
-        for (int64_t r = 0; pos < stop; pos++, r++, k += rs) {
-            if (next >= 0) fetch_row(kc, next + r, KVH, D, h0, h1);
+        if (kvb) widen_rows((const uint16_t *)kc + row * rs + (int64_t)h0 * D, rs, stop - pos, nh * D, wide);
+        const float *k = kvb ? wide : (const float *)kc + row * rs;
+        for (int64_t r = 0; pos < stop; pos++, r++, k += ws) {
+            if (next >= 0) fetch_row(kc, es, next + r, KVH, D, h0, h1);
             for (int h = h0; h < h1; h++) {
-                const float *qh = qb + (int64_t)(h - h0) * G * D, *kh = k + (int64_t)h * D;
+                const float *qh = qb + (int64_t)(h - h0) * G * D, *kh = k + (int64_t)(h - hb) * D;
                 float *sh = s + (int64_t)(h - h0) * G * len + (pos - lo);
                 if (vec) {
                     scores8(qh, kh, G, D, scale, sh, len);
@@ -154,20 +168,22 @@ static void attend(const float *q, int64_t q_row, const float *kc, const float *
         for (int64_t u = 0; u < len; u++) sg[u] *= inv;
         for (int d = 0; d < D; d++) acc[hg * D + d] = 0.0f;
     }
-    fetch_row(vc, row_of(table, lo, bs), KVH, D, h0, h1);
+    fetch_row(vc, es, row_of(table, lo, bs), KVH, D, h0, h1);
     for (int64_t pos = lo; pos < hi;) {
         const int64_t off = pos % bs, stop = pos - off + bs < hi ? pos - off + bs : hi;
-        const float *v = vc + row_of(table, pos, bs) * rs;
+        const int64_t row = row_of(table, pos, bs);
+        if (kvb) widen_rows((const uint16_t *)vc + row * rs + (int64_t)h0 * D, rs, stop - pos, nh * D, wide);
+        const float *v = kvb ? wide : (const float *)vc + row * rs;
         if (stop < hi)   /* the next block's rows, while this one's are summed */
-            for (int64_t r = 0, nb = table[stop / bs] * bs; r < bs && stop + r < hi; r++) fetch_row(vc, nb + r, KVH, D, h0, h1);
+            for (int64_t r = 0, nb = table[stop / bs] * bs; r < bs && stop + r < hi; r++) fetch_row(vc, es, nb + r, KVH, D, h0, h1);
         for (int hg = 0; hg < nh * G; hg++) {
-            const float *p = s + hg * len + (pos - lo), *vh = v + (int64_t)(h0 + hg / G) * D;
+            const float *p = s + hg * len + (pos - lo), *vh = v + (int64_t)(h0 - hb + hg / G) * D;
             float *a = acc + hg * D;
             if (D == 64) {
-                pv64(p, stop - pos, vh, rs, a);
+                pv64(p, stop - pos, vh, ws, a);
                 continue;
             }
-            for (int64_t u = 0; u < stop - pos; u++, vh += rs) {
+            for (int64_t u = 0; u < stop - pos; u++, vh += ws) {
                 if (vec) {
                     for (int d = 0; d < D; d += 8) *(v8fu *)(a + d) += p[u] * LD(vh + d);
                     continue;
@@ -190,17 +206,18 @@ int pd_attend_heads(int n, int KVH, int threads) {
 
 /* Task `task` of a step's n * KVH / hp tasks: sequence task / (KVH / hp), heads from (task % (KVH /
    hp)) * hp, hp of them (pd_attend_heads). */
-__attribute__((noinline)) void pd_attend_task(const float *q, int64_t q_row, const float *kc, const float *vc,
+__attribute__((noinline)) void pd_attend_task(const float *q, int64_t q_row, const void *kc, const void *vc,
                                               const int64_t *tables, int64_t tstride, const int64_t *first,
                                               const int64_t *ctx, float *out, int H, int KVH, int D, int bs,
-                                              float scale, int hp, int task) {
+                                              float scale, int hp, int task, int kvb) {
     const int per = KVH / hp, i = task / per, h0 = (task % per) * hp;
-    attend(q, q_row, kc, vc, tables + i * tstride, first[i], ctx[i], out, i, H, KVH, D, bs, scale, h0, h0 + hp);
+    attend(q, q_row, kc, vc, kvb, tables + i * tstride, first[i], ctx[i], out, i, H, KVH, D, bs, scale, h0, h0 + hp);
 }
 
-void pd_decode_attention(const float *q, int64_t q_row, const float *kc, const float *vc,
+/* kvb: the cache holds bfloat16 (else float32). */
+void pd_decode_attention(const float *q, int64_t q_row, const void *kc, const void *vc,
                          const int64_t *tables, int64_t tstride, const int64_t *first, const int64_t *ctx,
-                         float *out, int n, int H, int KVH, int D, int bs, float scale, int threads) {
+                         float *out, int n, int H, int KVH, int D, int bs, float scale, int threads, int kvb) {
     /* A small step (batch 1, short contexts) runs on the calling thread: waking the pool costs more
        than the work. */
     int64_t work = 0;
@@ -208,5 +225,5 @@ void pd_decode_attention(const float *q, int64_t q_row, const float *kc, const f
     const int hp = pd_attend_heads(n, KVH, threads);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && work >= 4096)
     for (int task = 0; task < n * (KVH / hp); task++)
-        pd_attend_task(q, q_row, kc, vc, tables, tstride, first, ctx, out, H, KVH, D, bs, scale, hp, task);
+        pd_attend_task(q, q_row, kc, vc, tables, tstride, first, ctx, out, H, KVH, D, bs, scale, hp, task, kvb);
 }

@@ -14,7 +14,8 @@ _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 class DecodeAttention:
     """Callable as (q [n, H, D], k_cache, v_cache [slots, KVH, D], block_idx [n, B], first, ctx [n],
-    scale, out [n, H, D]); float32 CPU tensors only (the caller checks)."""
+    scale, out [n, H, D]); float32 CPU tensors only (the caller checks), the caches float32 or
+    bfloat16 (cache.kv_dtype)."""
 
     def __init__(self, fn) -> None:
         self._fn = fn
@@ -36,6 +37,7 @@ class DecodeAttention:
             q = q.contiguous()
         assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
         assert block_idx.dtype == first.dtype == ctx.dtype == torch.int64 and block_idx.stride(1) == 1
+        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
         self._fn(
             ptr(q),
             q.stride(0),
@@ -53,6 +55,7 @@ class DecodeAttention:
             block_size,
             scale,
             torch.get_num_threads(),
+            int(k_cache.dtype == torch.bfloat16),
         )
 
 
@@ -61,6 +64,6 @@ def decode_attention_kernel() -> DecodeAttention | None:
     fn = function(
         "decode_attention",
         "pd_decode_attention",
-        [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I],
+        [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I],
     )
     return None if fn is None else DecodeAttention(fn)

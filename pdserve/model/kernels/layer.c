@@ -24,9 +24,9 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
                     int64_t ldy, int M, int K, const float *sx, int t0, int t1);
 void pd_rms_norm_row(const float *xr, const float *w, float *o, int n, float eps);
 int pd_attend_heads(int n, int KVH, int threads);
-void pd_attend_task(const float *q, int64_t q_row, const float *kc, const float *vc, const int64_t *tables,
+void pd_attend_task(const float *q, int64_t q_row, const void *kc, const void *vc, const int64_t *tables,
                     int64_t tstride, const int64_t *first, const int64_t *ctx, float *out, int H, int KVH, int D,
-                    int bs, float scale, int hp, int task);
+                    int bs, float scale, int hp, int task, int kvb);
 
 typedef struct {              /* a weight in qgemm.c's tile layout: bits 32, 8 or 4 (| PD_AQ8: qgemm_q8.c) */
     int bits, n, k;
@@ -49,6 +49,7 @@ typedef struct {              /* decodes [start, start + n) with their block tab
 #define MAX_GROUPS 4
 typedef struct {              /* one step, shared by every layer */
     int n, block_size, ngroups, threads;
+    int kv_bf16;              /* the cache holds bfloat16 (cache.kv_dtype), else float32 */
     const float *cos, *sin;   /* [n, D/2] */
     const int64_t *slots;     /* [n]: the cache slot each token's key and value go to */
     float *scratch;           /* n rows of qkv, attention [H * D], o [hidden], gu [2 inter]; then each thread's
@@ -185,7 +186,7 @@ static void norm_own(const float *x, const float *w, float *own, int n, int hd, 
     for (int r = 0; r < n; r++) pd_rms_norm_row(x + (int64_t)r * hd, w, own + (int64_t)r * hd, hd, eps);
 }
 
-static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, float *kc, float *vc) {
+static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, void *kc, void *vc) {
     const int n = s->n, hd = L->hidden, D = L->head_dim, H = L->heads, KVH = L->kv_heads, nq = L->qkv.n;
     float *qkv = s->scratch, *att = qkv + (int64_t)n * nq, *o = att + (int64_t)n * H * D, *gu = o + (int64_t)n * hd;
     const int64_t width = hd > L->inter ? hd : L->inter; /* each thread's own rows, after the shared ones */
@@ -199,8 +200,13 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, flo
             for (int j = 0; j < nq; j++) row[j] = row[j] + L->qkv_bias[j];
         for (int j = 0; j < H + KVH; j++) rope(row + j * D, s->cos + (int64_t)r * D / 2, s->sin + (int64_t)r * D / 2, D / 2);
         const int64_t slot = s->slots[r] * KVH * D;
-        memcpy(kc + slot, row + H * D, sizeof(float) * KVH * D);
-        memcpy(vc + slot, row + (H + KVH) * D, sizeof(float) * KVH * D);
+        if (s->kv_bf16) {   /* rounded as torch rounds: attention then reads what the op-by-op path keeps */
+            uint16_t *kd = (uint16_t *)kc + slot, *vd = (uint16_t *)vc + slot;
+            for (int j = 0; j < KVH * D; j++) kd[j] = pd_to_bf16(row[H * D + j]), vd[j] = pd_to_bf16(row[(H + KVH) * D + j]);
+        } else {
+            memcpy((float *)kc + slot, row + H * D, sizeof(float) * KVH * D);
+            memcpy((float *)vc + slot, row + (H + KVH) * D, sizeof(float) * KVH * D);
+        }
     }
     sync_phase(me);
     /* every group's (sequence, KV heads) tasks, one counter */
@@ -212,7 +218,7 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, flo
         while (local >= s->groups[g].n * per) local -= s->groups[g++].n * per;
         const pd_group *G = &s->groups[g];
         pd_attend_task(qkv + (int64_t)G->start * nq, nq, kc, vc, G->table, G->tstride, G->first, G->ctx,
-                       att + (int64_t)G->start * H * D, H, KVH, D, s->block_size, L->scale, hp, local);
+                       att + (int64_t)G->start * H * D, H, KVH, D, s->block_size, L->scale, hp, local, s->kv_bf16);
     }
     sync_phase(me);
     product(me, &L->o, att, H * D, o, n);
@@ -229,19 +235,22 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, flo
 }
 
 /* Layers [0, nl) of a decode-only step in one parallel region; layer l's cache is kv + l * layer_stride
-   (keys) and that + v_offset (values). x [n, hidden] is updated in place. */
-void pd_decode_layers(const pd_layer *L, int nl, const pd_step *s, float *x, float *kv, int64_t layer_stride,
+   (keys) and that + v_offset (values), in values of the cache's type. x [n, hidden] is updated in place. */
+void pd_decode_layers(const pd_layer *L, int nl, const pd_step *s, float *x, void *kv, int64_t layer_stride,
                       int64_t v_offset) {
     team tm = {0};
+    const int64_t es = s->kv_bf16 ? 2 : 4;
 #pragma omp parallel num_threads(s->threads) if (s->threads > 1)
     {
         member me = {&tm, omp_get_num_threads(), omp_get_thread_num(), 0};
-        for (int l = 0; l < nl; l++)
-            layer(&me, &L[l], s, x, kv + l * layer_stride, kv + l * layer_stride + v_offset);
+        for (int l = 0; l < nl; l++) {
+            char *kc = (char *)kv + l * layer_stride * es;
+            layer(&me, &L[l], s, x, kc, kc + v_offset * es);
+        }
     }
 }
 
 /* One layer (the step's layers one call each, where the caller acts between layers). */
-void pd_decode_layer(const pd_layer *L, const pd_step *s, float *x, float *kc, float *vc) {
-    pd_decode_layers(L, 1, s, x, kc, 0, vc - kc);
+void pd_decode_layer(const pd_layer *L, const pd_step *s, float *x, void *kc, void *vc) {
+    pd_decode_layers(L, 1, s, x, kc, 0, ((char *)vc - (char *)kc) / (s->kv_bf16 ? 2 : 4));
 }

@@ -49,6 +49,7 @@ class Step(ctypes.Structure):
         ("block_size", _I),
         ("ngroups", _I),
         ("threads", _I),
+        ("kv_bf16", _I),
         ("cos", _P),
         ("sin", _P),
         ("slots", _P),
@@ -119,6 +120,13 @@ def _weight(w) -> Weight | None:
         return None
     bits, t, d, m = operands()
     return Weight(bits, w.shape[0], w.shape[1], t.data_ptr(), d.data_ptr(), m.data_ptr())
+
+
+def _kv_bf16(cache: torch.Tensor) -> int:
+    """1 for a bfloat16 KV cache (cache.kv_dtype), 0 for float32: the two layer.c reads and writes."""
+    if cache.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"layer.c keeps keys and values in float32 or bfloat16, not {cache.dtype}")
+    return int(cache.dtype == torch.bfloat16)
 
 
 class FusedLayer:
@@ -219,6 +227,7 @@ class FusedStep:
             meta.block_size,
             len(groups),
             threads,
+            0,  # the cache's type: set by run / run_all, which are handed the cache
             cos.data_ptr(),
             sin.data_ptr(),
             slots.data_ptr(),
@@ -242,6 +251,7 @@ class FusedStep:
         """x [n, hidden] float32, contiguous: updated in place to the layer's output."""
         fns = _fns()
         assert fns is not None
+        self.struct.kv_bf16 = _kv_bf16(k_cache)
         fns[0](ctypes.byref(layer.struct), self._ref, x.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
 
     def run_all(self, stack: FusedStack, x: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -249,6 +259,7 @@ class FusedStep:
         contiguous past its first two dims (each layer's keys and values are)."""
         fns = _fns()
         assert fns is not None
+        self.struct.kv_bf16 = _kv_bf16(kv_cache)
         fns[2](
             stack.array,
             len(stack.layers),

@@ -14,6 +14,19 @@ typedef float v16fu __attribute__((vector_size(64), aligned(4)));
 #define LD16(p) (*(const v16fu *)(p))
 #endif
 
+/* bfloat16 <-> float32 for a KV cache held in bfloat16 (cache.kv_dtype): a bfloat16 is a float's upper
+   half, so widening is exact; narrowing rounds to nearest even, NaN to torch's quiet NaN, the same
+   bits as torch's .to(torch.bfloat16). */
+static inline float pd_from_bf16(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+static inline uint16_t pd_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
 static inline float hsum(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
