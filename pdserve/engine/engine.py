@@ -65,16 +65,9 @@ def kv_cache_dtype(config: Config, arch: ModelArch) -> torch.dtype:
     attention paths keep it (not MLA's latent cache, not expert-parallel ranks' pools)."""
     mc, want = config.model, config.cache.kv_dtype
     dtype = torch_dtype(mc.dtype if want == "auto" else want)
-    if dtype != torch_dtype(mc.dtype):
-        why = (
-            "an MLA model's latent cache"
-            if arch.is_mla
-            else "expert parallelism's pools"
-            if mc.expert_parallel > 1
-            else None
-        )
-        if why:
-            raise ConfigError([("cache.kv_dtype", f"{want} is not supported for {why}; use auto")])
+    if dtype != torch_dtype(mc.dtype) and (arch.is_mla or mc.expert_parallel > 1):
+        why = "an MLA model's latent cache" if arch.is_mla else "expert parallelism's pools"
+        raise ConfigError([("cache.kv_dtype", f"{want} is not supported for {why}; use auto")])
     return dtype
 
 
@@ -128,7 +121,7 @@ class LLMEngine:
             self.weight_bytes / 1e6,
             f", resident set {mem[0] / 1e6:.1f} MB (peak {mem[1] / 1e6:.1f} MB)" if mem else "",
         )
-        dtype = self.kv_dtype = kv_cache_dtype(config, self.arch)
+        dtype = kv_cache_dtype(config, self.arch)
         num_blocks = cc.device_blocks or num_blocks_for_budget(
             self.arch, cc.block_size, dtype, cc.device_memory_gb
         )

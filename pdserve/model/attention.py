@@ -194,12 +194,12 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if kv_dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
+    bs = meta.block_size
 
     def gather(cache: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
         return _gather_blocks(cache, block_idx, bs).to(q.dtype)
 
     out = torch.empty_like(q)
-    bs = meta.block_size
     for g in meta.decode_groups:
         n = g.block_idx.shape[0]
         if decode_kernel is not None:

@@ -12,6 +12,14 @@ from pdserve.model.kernels.native import function, ptr
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
+def kv_bf16(cache: torch.Tensor) -> int:
+    """The kernels' flag for a cache's type: 1 for bfloat16 (cache.kv_dtype), 0 for float32, the two
+    they read and write (decode_attention.c, layer.c)."""
+    if cache.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"the native kernels keep keys and values in float32 or bfloat16, not {cache.dtype}")
+    return int(cache.dtype == torch.bfloat16)
+
+
 class DecodeAttention:
     """Callable as (q [n, H, D], k_cache, v_cache [slots, KVH, D], block_idx [n, B], first, ctx [n],
     scale, out [n, H, D]); float32 CPU tensors only (the caller checks), the caches float32 or
@@ -37,7 +45,7 @@ class DecodeAttention:
             q = q.contiguous()
         assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
         assert block_idx.dtype == first.dtype == ctx.dtype == torch.int64 and block_idx.stride(1) == 1
-        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
+        assert k_cache.dtype == v_cache.dtype
         self._fn(
             ptr(q),
             q.stride(0),
@@ -55,7 +63,7 @@ class DecodeAttention:
             block_size,
             scale,
             torch.get_num_threads(),
-            int(k_cache.dtype == torch.bfloat16),
+            kv_bf16(k_cache),
         )
 
 

@@ -94,6 +94,11 @@ __attribute__((optimize("fp-contract=off"))) static void rope(float *h, const fl
     }
 }
 
+/* heads [0, heads) of one row (D apart), with that row's cos and sin halves. */
+static void rope_heads(float *row, int heads, int D, const float *cos, const float *sin) {
+    for (int h = 0; h < heads; h++) rope(row + (int64_t)h * D, cos, sin, D / 2);
+}
+
 /* Rotary embedding of heads [0, heads) of each row of x (q's heads then k's, side by side as the qkv
    product lays them out), in place; row r's cos and sin halves at r * D / 2. The op-by-op layers'
    pass (a prefill's rows): torch's seven small ops a layer, each a pass over the rows and a wake-up
@@ -101,9 +106,7 @@ __attribute__((optimize("fp-contract=off"))) static void rope(float *h, const fl
 void pd_rope_rows(float *x, int64_t ldx, int rows, int heads, int D, const float *cos, const float *sin,
                   int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && (int64_t)rows * heads * D >= (1 << 18))
-    for (int r = 0; r < rows; r++)
-        for (int h = 0; h < heads; h++)
-            rope(x + r * ldx + (int64_t)h * D, cos + (int64_t)r * D / 2, sin + (int64_t)r * D / 2, D / 2);
+    for (int r = 0; r < rows; r++) rope_heads(x + r * ldx, heads, D, cos + (int64_t)r * D / 2, sin + (int64_t)r * D / 2);
 }
 
 /* The threads of one parallel region, working through a step's phases (norm, product, attention ...)
@@ -198,7 +201,7 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, voi
         float *row = qkv + (int64_t)r * nq;
         if (L->qkv_bias)
             for (int j = 0; j < nq; j++) row[j] = row[j] + L->qkv_bias[j];
-        for (int j = 0; j < H + KVH; j++) rope(row + j * D, s->cos + (int64_t)r * D / 2, s->sin + (int64_t)r * D / 2, D / 2);
+        rope_heads(row, H + KVH, D, s->cos + (int64_t)r * D / 2, s->sin + (int64_t)r * D / 2);
         const int64_t slot = s->slots[r] * KVH * D;
         if (s->kv_bf16) {   /* rounded as torch rounds: attention then reads what the op-by-op path keeps */
             uint16_t *kd = (uint16_t *)kc + slot, *vd = (uint16_t *)vc + slot;

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from pdserve.model.kernels.decode_attention import kv_bf16
 from pdserve.model.kernels.native import function, ptr
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -120,13 +121,6 @@ def _weight(w) -> Weight | None:
         return None
     bits, t, d, m = operands()
     return Weight(bits, w.shape[0], w.shape[1], t.data_ptr(), d.data_ptr(), m.data_ptr())
-
-
-def _kv_bf16(cache: torch.Tensor) -> int:
-    """1 for a bfloat16 KV cache (cache.kv_dtype), 0 for float32: the two layer.c reads and writes."""
-    if cache.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"layer.c keeps keys and values in float32 or bfloat16, not {cache.dtype}")
-    return int(cache.dtype == torch.bfloat16)
 
 
 class FusedLayer:
@@ -251,7 +245,7 @@ class FusedStep:
         """x [n, hidden] float32, contiguous: updated in place to the layer's output."""
         fns = _fns()
         assert fns is not None
-        self.struct.kv_bf16 = _kv_bf16(k_cache)
+        self.struct.kv_bf16 = kv_bf16(k_cache)
         fns[0](ctypes.byref(layer.struct), self._ref, x.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
 
     def run_all(self, stack: FusedStack, x: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -259,7 +253,7 @@ class FusedStep:
         contiguous past its first two dims (each layer's keys and values are)."""
         fns = _fns()
         assert fns is not None
-        self.struct.kv_bf16 = _kv_bf16(kv_cache)
+        self.struct.kv_bf16 = kv_bf16(kv_cache)
         fns[2](
             stack.array,
             len(stack.layers),
