@@ -14,7 +14,7 @@ from kv_peers import DecodePeer, PrefillPeer
 from pd_harness import Loop, pd_config, prompts
 
 from pdserve import SamplingParams
-from pdserve.disagg.reply_sockets import ReplySockets
+from pdserve.disagg.reply_sockets import IDLE_S, ReplySockets
 from pdserve.protocol import PD_ACCEPTED, PD_DONE, PD_FAILED, PD_PREFILL, pack
 from pdserve.server.roles import build_engine
 
@@ -90,8 +90,15 @@ def test_a_thousand_reply_endpoints_leave_the_prefill_workers_sockets_bounded():
         assert peer.until((PD_DONE, PD_FAILED))[-1]["type"] == PD_DONE
         s = prefill.engine.stats()
         assert s["kv_prefill_jobs_refused_total"] == 1000 and s["kv_prefill_jobs_total"] == 1
-        grown = _fds() - before
-        assert grown < 2 * 64 + 20, f"{grown} more file descriptors after 1,000 reply endpoints"
+        # Kept sockets keep their descriptors; one mid-reconnect, or another thread of this process,
+        # holds one more for a moment. So the count must come under the bound, not be under it at one
+        # instant (a loaded machine read 149), within a wait shorter than the pool's idle sweep
+        # (reply_sockets.IDLE_S): nothing it holds can close meanwhile.
+        _wait(
+            lambda: _fds() - before < 2 * 64 + 20,
+            lambda: f"{_fds() - before} more file descriptors after 1,000 reply endpoints",
+            timeout=min(10.0, IDLE_S / 2),
+        )
         assert s["kv_reply_sockets_open"] <= 64
         prefill.wait_idle()
     finally:
