@@ -24,7 +24,9 @@ class ModelConfig:
     # Face directories and the tiny random models none), resolved when the model is read.
     quantization: str = "auto"
     # auto: native kernels (C, built with the system compiler on first use; torch's path where none builds)
-    attention_kernel: str = "auto"  # decode attention reading the paged KV in place (float32, CPU); or torch
+    attention_kernel: str = (
+        "auto"  # decode and prefill attention reading the paged KV in place (float32, CPU); or torch
+    )
     gemm_kernel: str = "auto"  # quantized products, float32 activations not rounded (CPU); or torch
     # int4 and int8 products on CPU: none keeps the activations float32; int8 quantizes each row to int8
     # in blocks of 32 (a scale each) and multiplies in integers, as llama.cpp does: faster, a little less

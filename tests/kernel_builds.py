@@ -1,5 +1,6 @@
-"""qgemm (with the bfloat16 and int8-activation products it links) built by explicit vector flags into
-a test's directory: the builds other CPUs run, checked on this one where it can run them."""
+"""Kernels (qgemm with the bfloat16 and int8-activation products it links, prefill attention) built by
+explicit vector flags into a test's directory: the builds other CPUs run, checked on this one where it
+can run them."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 AVX2_NEEDS = ["avx2", "fma", "f16c"]
 
 
-def build_qgemm(tmp_path, name: str, flags: list[str]) -> ctypes.CDLL | None:
-    """The library built with `flags`, or None where this compiler or architecture does not take them."""
-    srcs = [str(native.HERE / f"{n}.c") for n in ("qgemm", "qgemm_bf16", "qgemm_q8")]
+def build_library(tmp_path, name: str, sources: list[str], flags: list[str]) -> ctypes.CDLL | None:
+    """The kernels' `sources` (names of .c files) built with `flags`, or None where this compiler or
+    architecture does not take them."""
+    srcs = [str(native.HERE / f"{n}.c") for n in sources]
     out = tmp_path / f"{name}.so"
     proc = subprocess.run(
         [native._compiler(), *native.CFLAGS, *flags, *srcs, "-o", str(out), "-lm"],
@@ -26,6 +28,10 @@ def build_qgemm(tmp_path, name: str, flags: list[str]) -> ctypes.CDLL | None:
         check=False,
     )
     return ctypes.CDLL(str(out)) if proc.returncode == 0 else None
+
+
+def build_qgemm(tmp_path, name: str, flags: list[str]) -> ctypes.CDLL | None:
+    return build_library(tmp_path, name, ["qgemm", "qgemm_bf16", "qgemm_q8"], flags)
 
 
 def runnable_qgemm(tmp_path, name: str, flags: list[str], needs: list[str]) -> tuple[ctypes.CDLL, Callable]:

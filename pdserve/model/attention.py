@@ -15,11 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.model.chunk_attention import MIN_QUERIES, prefix_then_causal
+
+if TYPE_CHECKING:
+    from pdserve.model.kernels.prefill_attention import PrefillAttention
 
 
 @dataclass
@@ -59,6 +63,7 @@ class AttentionMetadata:
     block_size: int
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    prefill_plan: tuple[torch.Tensor, torch.Tensor] | None = None  # the native prefill kernel's, once a step
 
     @property
     def padded_decode_slots(self) -> int:
@@ -182,9 +187,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     decode_kernel: DecodeKernel | None = None,
+    prefill_kernel: PrefillAttention | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] for this step's tokens. Writes k, v into the cache first.
-    With `decode_kernel` (float32 on CPU), decodes skip the gather and the padded batch. A cache of
+    With `decode_kernel` (float32 on CPU), decodes skip the gather and the padded batch; with
+    `prefill_kernel`, every prefill chunk is attended in one native call, its keys read in place. A cache of
     another dtype than q's (cache.kv_dtype) holds k and v rounded to it, and every query attends to
     the rounded values, its own step's too: a prefix-cache hit reads what a miss computed with."""
     kv_dtype = k_cache.dtype
@@ -224,6 +231,13 @@ def paged_attention(
         if n == q.shape[0]:
             return o.squeeze(2)  # the whole step is this group: no copy into `out`
         out[g.start : g.start + n] = o.squeeze(2)
+    if meta.prefills and prefill_kernel is not None and prefill_kernel.takes(q.shape[2]):
+        if meta.prefill_plan is None:
+            meta.prefill_plan = prefill_kernel.plan(
+                [(p.q_start, p.q_len, p.ctx_len - p.q_len, p.block_idx) for p in meta.prefills]
+            )
+        prefill_kernel(q, k, v, k_cache, v_cache, bs, meta.prefill_plan, scale, out)
+        return out
     for p in meta.prefills:
         qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if p.prefix_len:

@@ -19,6 +19,7 @@ from pdserve.model.attention import AttentionMetadata, DecodeKernel, paged_atten
 from pdserve.model.kernels.decode_attention import decode_attention_kernel
 from pdserve.model.kernels.layer import FusedLayer, FusedStack, FusedStep, rope_rows, silu_mul
 from pdserve.model.kernels.norm import native_rms_norm
+from pdserve.model.kernels.prefill_attention import PrefillAttention, prefill_attention_kernel
 from pdserve.model.kernels.qgemm import TiledFloat
 from pdserve.model.linear import linear
 from pdserve.model.quant import QuantizedWeight, cat_rows, pack, weight_nbytes
@@ -74,6 +75,7 @@ class DecoderLayer:
         self.o = w["o_proj"]
         self.mlp = mlp
         self.decode_kernel: DecodeKernel | None = None  # set by the model (attention_kernel)
+        self.prefill_kernel: PrefillAttention | None = None  # likewise
 
     def attention_weights(self) -> list:
         return [self.qkv, self.o]
@@ -114,7 +116,9 @@ class DecoderLayer:
             if not rope_rows(k, cos, sin):
                 k = apply_rotary(k, cos, sin)
         v = qkv[:, a.q_size + a.kv_size :].reshape(t, a.num_kv_heads, a.head_dim)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, a.head_dim**-0.5, self.decode_kernel)
+        o = paged_attention(
+            q, k, v, k_cache, v_cache, meta, a.head_dim**-0.5, self.decode_kernel, self.prefill_kernel
+        )
         return x + linear(o.reshape(t, a.q_size), self.o)
 
     def forward(
@@ -213,10 +217,13 @@ class LlamaModel:
             arch.rope_dim, arch.rope_theta, self.max_model_len, arch.rope_scaling, dtype, self.device
         )
         self.decode_kernel = None
+        self.prefill_kernel = None
         if attention_kernel == "auto" and self.device.type == "cpu" and dtype == torch.float32:
             self.decode_kernel = decode_attention_kernel()
+            self.prefill_kernel = prefill_attention_kernel(arch.sliding_window)
         for layer in self.layers:
             layer.decode_kernel = self.decode_kernel
+            layer.prefill_kernel = self.prefill_kernel
         self.fused = self._fuse() if self.decode_kernel is not None else None
 
     def _fuse(self) -> FusedStack | None:

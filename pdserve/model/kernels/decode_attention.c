@@ -17,6 +17,7 @@
 #include <stdlib.h>
 
 /* Head dimensions that are a multiple of 8 take the vector paths (vec.h); others the scalar loops. */
+#include "scratch.h"
 #include "vec.h"
 
 /* Scores of G heads against one key row, for D % 8 == 0: two chains of FMAs, a over the even
@@ -88,18 +89,6 @@ static void widen_rows(const uint16_t *src, int64_t rs, int64_t n, int w, float 
         for (int j = 0; j < w; j++) dst[r * w + j] = pd_from_bf16(src[r * rs + j]);
 }
 
-/* A thread's scratch for scores and accumulators, kept between calls: a fresh malloc of a long
-   context's scores is an mmap and its page faults on every call. */
-static float *scratch(size_t floats) {
-    static __thread float *buf;
-    static __thread size_t cap;
-    if (floats > cap) {
-        free(buf);
-        cap = floats + floats / 2;
-        buf = (float *)malloc(sizeof(float) * cap);
-    }
-    return buf;
-}
 
 /* Sequence i's KV heads [h0, h1): their G query heads' outputs. The context is walked a block at a
    time, and every head of the range reads the same rows, so a task reads a block's keys (values)

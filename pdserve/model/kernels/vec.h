@@ -11,6 +11,7 @@ typedef float v8fu __attribute__((vector_size(32), aligned(4)));
 #ifdef __AVX512F__
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v16fu __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 #define LD16(p) (*(const v16fu *)(p))
 #endif
 
@@ -35,24 +36,29 @@ static inline float hsum(v8f v) {
    |r| <= ln2/2, e^r by its Taylor polynomial to degree 7, 2^n built in the exponent bits. libm's
    expf is called one value at a time here (no vector math library without -ffast-math), which
    cost more than the rest of the kernel. */
-static inline v8f vexp(v8f x) {
-    const v8f lo = (v8f){0} - 87.0f;
-    const v8i under = x < lo;   /* e^-87 ~ 1.6e-38: below it, weights vanish next to the maximum's 1 anyway */
-    x = (v8f)(((v8i)x & ~under) | ((v8i)lo & under));
-    const v8f t = x * 1.44269504f;
-    const v8f big = (v8f){0} + 12582912.0f;           /* 1.5 * 2^23: adding it rounds to an integer */
-    const v8f n = (t + big) - big;
-    const v8f r = (x - n * 0.693145752f) - n * 1.42860677e-6f;   /* ln 2 in two parts */
-    v8f p = (v8f){0} + 1.0f / 5040;
-    p = p * r + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return p * (v8f)e;
-}
+#define PD_VEXP(name, F, I)                                                                          \
+    static inline F name(F x) {                                                                      \
+        const F lo = (F){0} - 87.0f;                                                                 \
+        const I under = x < lo; /* e^-87 ~ 1.6e-38: below it, weights vanish next to the maximum's 1 */ \
+        x = (F)(((I)x & ~under) | ((I)lo & under));                                                  \
+        const F t = x * 1.44269504f;                                                                 \
+        const F big = (F){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */         \
+        const F n = (t + big) - big;                                                                 \
+        const F r = (x - n * 0.693145752f) - n * 1.42860677e-6f; /* ln 2 in two parts */             \
+        F p = (F){0} + 1.0f / 5040;                                                                  \
+        p = p * r + 1.0f / 720;                                                                      \
+        p = p * r + 1.0f / 120;                                                                      \
+        p = p * r + 1.0f / 24;                                                                       \
+        p = p * r + 1.0f / 6;                                                                        \
+        p = p * r + 0.5f;                                                                            \
+        p = p * r + 1.0f;                                                                            \
+        p = p * r + 1.0f;                                                                            \
+        const I e = (__builtin_convertvector(n, I) + 127) << 23;                                     \
+        return p * (F)e;                                                                             \
+    }
+PD_VEXP(vexp, v8f, v8i)
+#ifdef __AVX512F__
+PD_VEXP(vexp16, v16f, v16i) /* the same, sixteen lanes */
+#endif
 
 #endif
