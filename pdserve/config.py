@@ -214,8 +214,8 @@ class DeploymentConfig:
     pd_ratio: str | None = None
     prefill: RoleConfig = field(default_factory=RoleConfig)
     decode: RoleConfig = field(default_factory=RoleConfig)
-    # Workers that `pdserve serve` starts on one machine lend their threads to each other's decode steps
-    # while they have no work (docs/deploying.md); not where a role has cpu_affinity (shares_idle_cores).
+    # Workers that `pdserve serve` starts on one machine lend their threads to each other's steps while
+    # they have no work (docs/deploying.md); not where a role has cpu_affinity (shares_idle_cores).
     share_idle_cores: bool = True
 
 

@@ -93,6 +93,7 @@ class LLMEngine:
         # Set by a worker of a one-machine deployment whose workers lend each other idle cores.
         self.core_share: CoreShare | None = None
         self.borrowing_steps = 0
+        self.prefill_borrowing_steps = 0
         loaded = loaded or load_model_files(mc.name, mc.seed, mc.quantization)
         self.model_name = mc.name
         self.arch = loaded.arch
@@ -405,6 +406,7 @@ class LLMEngine:
             assert tiers is not None, "the scheduler fetches only through the tiers' lookup"
             tiers.start(req)
         if not step.scheduled:
+            self.idle()  # waiting on peers or tiers computes nothing: the threads are free to lend
             if not outputs and tiers is not None and tiers.has_loads() and not c.has_work():
                 tiers.wait(0.005)  # only tier loads can make progress now
             elif not outputs:
@@ -415,12 +417,11 @@ class LLMEngine:
             n == 1 + len(req.draft_tokens) and req.num_computed_tokens > 0 for req, n in step.scheduled
         )
         rows = sum(n for _, n in step.scheduled)
+        regrant = None
         if self.core_share is not None:
-            self._take_threads(decode_only)
+            regrant = self._take_threads(decode_only)
         planned = c.begin_step(step.scheduled)
-        sampled, failed = self.runner.execute(
-            step.scheduled, (lambda i: c.on_layer(planned, i)) if planned else None
-        )
+        sampled, failed = self.runner.execute(step.scheduled, self._layer_hook(planned, regrant))
         c.end_step(planned)
         self.num_steps += 1
         if self.spec_tokens:
@@ -456,19 +457,53 @@ class LLMEngine:
             self.row_costs.observe(rows, elapsed - drafting)
         return outputs
 
-    def _take_threads(self, decode_only: bool) -> None:
-        """This step's threads: a decode step also takes those of the deployment's idle workers
-        (utils/core_share.py); any other step runs on this worker's own."""
+    def _take_threads(self, decode_only: bool) -> Callable[[], None] | None:
+        """This step's threads: its own and those of the deployment's idle workers
+        (utils/core_share.py), where the step's arithmetic does not depend on its thread count: every
+        product and attention on the native kernels that split output columns, heads and rows
+        (model.fused: the dense models). A MoE or MLA step keeps its own: theirs gave other bits on
+        other thread counts. A prefill step, long, looks again after each layer (the returned
+        callable), so a peer that gets work has its core back within a layer."""
         share = self.core_share
         assert share is not None
-        share.set_busy(True, borrowing=decode_only)
-        want = share.step_threads() if decode_only else share.threads
-        self.borrowing_steps += want > share.threads
+        borrows = getattr(self.model, "fused", None) is not None
+        share.set_busy(True, borrowing=borrows)
+        want = share.step_threads() if borrows else share.threads
+        if decode_only:
+            self.borrowing_steps += want > share.threads
+        else:
+            self.prefill_borrowing_steps += want > share.threads
         if want != torch.get_num_threads():
             torch.set_num_threads(want)
+        if decode_only or not borrows:
+            return None
+
+        def regrant() -> None:
+            now = share.step_threads()
+            if now != torch.get_num_threads():
+                torch.set_num_threads(now)
+
+        return regrant
+
+    def _layer_hook(
+        self, planned: list[Request], regrant: Callable[[], None] | None
+    ) -> Callable[[int], None] | None:
+        """What runs after each layer of the step: the connector's layer-wise KV sends, and a
+        borrowing prefill step's second look at its threads."""
+        c = self.connector
+        if not planned:
+            return None if regrant is None else (lambda i: regrant())
+        if regrant is None:
+            return lambda i: c.on_layer(planned, i)
+
+        def both(i: int) -> None:
+            c.on_layer(planned, i)
+            regrant()
+
+        return both
 
     def idle(self) -> None:
-        """Nothing to compute: this worker's threads are free for its peers' decode steps."""
+        """Nothing to compute: this worker's threads are free for its peers' steps."""
         if self.core_share is not None:
             self.core_share.set_busy(False)
 
@@ -751,6 +786,7 @@ class LLMEngine:
             "loading": len(self.scheduler.loading),
             "decode_steps_total": self.step_counts["decode"],
             "decode_steps_borrowing_total": self.borrowing_steps,
+            "prefill_steps_borrowing_total": self.prefill_borrowing_steps,
             "decode_step_seconds_total": self.step_seconds["decode"],
             "prefill_steps_total": self.step_counts["prefill"],
             "prefill_step_seconds_total": self.step_seconds["prefill"],

@@ -67,6 +67,11 @@ _declare(
     "decode_steps_borrowing_total",
     help_text="Decode steps run with threads lent by the deployment's idle workers (utils/core_share.py)",
 )
+_declare(
+    "counter",
+    "prefill_steps_borrowing_total",
+    help_text="Prefill steps that began with threads lent by the deployment's idle workers (utils/core_share.py)",
+)
 
 # ------------------------------------------------------------------ swap space (cache/swap.py)
 _counters(

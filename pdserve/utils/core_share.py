@@ -11,9 +11,11 @@ borrowing at that moment (each computes the same division from the same files: a
 remainder to the lowest process ids), and only as many as the cores left by the busy workers' own
 threads: two decode workers never both take one idle prefill worker's core.
 
-Only decode steps borrow: the native kernels split a product's output columns over threads, so a
-decode step computes the same bits with any thread count (tests/engine/test_core_share.py), while a
-prefill's torch products need not.
+Steps borrow where every product and attention runs on the native kernels that split a product's
+output columns and attention's heads and rows over threads, so that a step computes the same bits
+with any thread count (tests/engine/test_core_share.py): dense models, not MoE or MLA ones. A prefill
+step is long, so it looks again after each layer (engine.py): a peer that gets work waits a layer at
+most.
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ class CoreShare:
         return share + (1 if borrowers.index(me) < extra else 0)
 
     def step_threads(self) -> int:
-        """Threads for a decode step now (the worker marked busy and borrowing): its own and its share
-        of the idle ones, within the cores."""
+        """Threads for a step now (the worker marked busy and borrowing): its own and its share of the
+        idle ones, within the cores."""
         return max(1, min(self.cores, self.threads + self.lent()))
 
     def _scan(self) -> None:
