@@ -459,14 +459,15 @@ class LLMEngine:
 
     def _take_threads(self, decode_only: bool) -> Callable[[], None] | None:
         """This step's threads: its own and those of the deployment's idle workers
-        (utils/core_share.py), where the step's arithmetic does not depend on its thread count: every
-        product and attention on the native kernels that split output columns, heads and rows
-        (model.fused: the dense models). A MoE or MLA step keeps its own: theirs gave other bits on
-        other thread counts. A prefill step, long, looks again after each layer (the returned
-        callable), so a peer that gets work has its core back within a layer."""
+        (utils/core_share.py), the kernels' results being the same on any number of them. A decode
+        step takes them for the step. A prefill step, long, takes them where every product and
+        attention runs on the native kernels (model.fused: the dense models; a MoE or MLA prefill's
+        shapes reach torch's products, whose bits may depend on the thread count) and looks again
+        after each layer (the returned callable), so a peer that gets work has its core back within a
+        layer."""
         share = self.core_share
         assert share is not None
-        borrows = getattr(self.model, "fused", None) is not None
+        borrows = decode_only or getattr(self.model, "fused", None) is not None
         share.set_busy(True, borrowing=borrows)
         want = share.step_threads() if borrows else share.threads
         if decode_only:

@@ -103,6 +103,15 @@ def routed_experts_loop(
     return out.index_add_(0, tok, ys)
 
 
+def _exact_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T for the router's small products, summed in float64 and rounded to float32: torch's
+    float32 product gave other bits on one thread and on two at some row counts (5 rows, say), and a
+    worker's thread count changes (utils/core_share.py) while its choice of experts must not. The
+    float64 sums' own last-bit differences vanish in the rounding (but for a sum within 2^-29 of a
+    float32 rounding boundary)."""
+    return F.linear(x.double(), w.double()).float()
+
+
 class MoEBlock:
     """The MLP of a MoE layer: callable on the post-attention normed hidden states [T, H]."""
 
@@ -138,7 +147,7 @@ class MoEBlock:
         self.step_offset = 0  # the step number, set by the model before each step
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(F.linear(h.float(), self.gate), self.arch, self.bias)
+        weights, ids = select_experts(_exact_linear(h, self.gate), self.arch, self.bias)
         if self.expert_load_hook is not None:
             self.expert_load_hook(self.layer, ids)
         pl = self.placement  # read once: a swap can only happen between steps
@@ -157,7 +166,7 @@ class MoEBlock:
         if self.shared is not None and hi > lo:
             s = self.shared(h[lo:hi])
             if self.shared_gate is not None:
-                s = torch.sigmoid(F.linear(h[lo:hi], self.shared_gate)) * s
+                s = torch.sigmoid(_exact_linear(h[lo:hi], self.shared_gate).to(s.dtype)) * s
             out[lo:hi] += s
         if self.exchange is None and self.combine is not None:
             out = self.combine(out)

@@ -11,11 +11,10 @@ borrowing at that moment (each computes the same division from the same files: a
 remainder to the lowest process ids), and only as many as the cores left by the busy workers' own
 threads: two decode workers never both take one idle prefill worker's core.
 
-Steps borrow where every product and attention runs on the native kernels that split a product's
-output columns and attention's heads and rows over threads, so that a step computes the same bits
-with any thread count (tests/engine/test_core_share.py): dense models, not MoE or MLA ones. A prefill
-step is long, so it looks again after each layer (engine.py): a peer that gets work waits a layer at
-most.
+The native kernels split a product's output columns and attention's heads and rows over threads, so
+a step computes the same bits with any thread count (tests/engine/test_core_share.py): decode steps
+borrow, and prefill steps where every product runs on those kernels (dense models). A prefill step
+is long, so it looks again after each layer (engine.py): a peer that gets work waits a layer at most.
 """
 
 from __future__ import annotations
