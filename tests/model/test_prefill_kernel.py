@@ -200,3 +200,19 @@ def test_the_eight_wide_build_matches_float64(tmp_path):
     for heads in ((9, 3), (14, 2)):
         _check(AFTER_CONTEXT, heads, fn=eight)
         _check(WITH_DECODES, heads, dim=40, window=40, fn=eight)
+
+
+@needs_kernel
+def test_the_model_attends_prefills_natively_unless_told_not_to():
+    """A float32 CPU model's layers carry the kernel (with its sliding window); attention_kernel: torch
+    keeps torch's path for prefills as for decodes."""
+    from pdserve.config import load_config
+    from pdserve.engine.engine import LLMEngine
+
+    for choice, native in (("auto", True), ("torch", False)):
+        engine = LLMEngine(load_config(None, {"model.name": "tiny-llama", "model.attention_kernel": choice}))
+        try:
+            kernels = {layer.prefill_kernel for layer in engine.model.layers}
+            assert len(kernels) == 1 and (kernels.pop() is not None) == native
+        finally:
+            engine.close()
