@@ -15,9 +15,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include "scratch.h"
 
 /* Head dimensions that are a multiple of 8 take the vector paths (vec.h); others the scalar loops. */
-#include "scratch.h"
 #include "vec.h"
 
 /* Scores of G heads against one key row, for D % 8 == 0: two chains of FMAs, a over the even
@@ -88,7 +88,6 @@ static void widen_rows(const uint16_t *src, int64_t rs, int64_t n, int w, float 
     for (int64_t r = 0; r < n; r++)
         for (int j = 0; j < w; j++) dst[r * w + j] = pd_from_bf16(src[r * rs + j]);
 }
-
 
 /* Sequence i's KV heads [h0, h1): their G query heads' outputs. The context is walked a block at a
    time, and every head of the range reads the same rows, so a task reads a block's keys (values)

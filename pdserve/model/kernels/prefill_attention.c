@@ -125,7 +125,8 @@ static inline void value_tile(const float *const *vr, int nk, const float *p, in
 
 /* Rows [r0, r1) of a chunk (positions P + r), KV head h. */
 static void task(const float *q, int64_t q_row, const Keys *ks, float *out, int64_t o_row, int r0, int r1,
-                 int64_t P, int h, int G, float scale, int64_t window) {
+                 int h, int G, float scale, int64_t window) {
+    const int64_t P = ks->P;
     const int D = ks->D, nq = (r1 - r0) * G, nqp = (nq + VW - 1) / VW * VW, nv = nqp / VW;
     /* qt [D][nqp] | s [KS][nqp] | acc [nqp][D] | m, l [nqp] | lim, lo [nqp] ints | wide [2][KS][D] */
     float *qt = scratch((size_t)nqp * (D + KS + D + 4) + 2 * (size_t)KS * D);
@@ -254,8 +255,7 @@ void pd_prefill_attention(const float *q, int64_t q_row, const float *k, const f
         const int64_t *dc = desc + 4 * t->c;
         const Keys ks = {k + dc[0] * kv_row, v + dc[0] * kv_row, kc, vc, dc[3] < 0 ? NULL : tables + dc[3],
                          kv_row, dc[2], kvb, bs, KVH, D};
-        task(q + dc[0] * q_row, q_row, &ks, out + dc[0] * o_row, o_row, t->r0, t->r1, dc[2], t->h, G, scale,
-             window);
+        task(q + dc[0] * q_row, q_row, &ks, out + dc[0] * o_row, o_row, t->r0, t->r1, t->h, G, scale, window);
     }
     free(tasks);
 }
