@@ -316,6 +316,10 @@ static void tile_q8(const void *w, const void *d, const uint16_t *xb, float *y, 
     for (int i = 0; i < M; i++) _mm512_storeu_ps(yt + i * ldy, _mm512_mul_ps(_mm512_loadu_ps(yt + i * ldy), dc));
 }
 
+/* Rows of the bf16 copy (pd_qgemm_bf16_x): int4 past 16 rows in whole tiles of 16 (AMX's exact tiles
+   load and store them so; the padding is zero). */
+static int padded_rows(int bits, int M) { return bits == 4 && M > 16 ? (M + 15) / 16 * 16 : M; }
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* Intel AMX (where the CPU has it and the kernel grants it): the same bfloat16 pairs as above, 16 rows
    by 16 channels by 32 input values an instruction (tdpbf16ps) into float32 sums held in a tile
@@ -469,79 +473,129 @@ static void amx_q4_pairs(const void *w, const void *d, const void *m, int K, int
 #if defined(__AVX512BW__)
 /* int4 below the rounded tile's rows, on AMX (the exact tiles): tile_q4's operands (the nibbles as exact
    bfloat16 pairs, the activations rounded, each group's scale and offset in float32 after its sums), one
-   tdpbf16ps per group of 32 input values for up to 16 rows, where the pairs take 16 vdpbf16ps a row.
-   A group's sums leave the tile each time and are scaled in registers: y_i = fma(sum_i, d, fma(sx_i, m,
+   tdpbf16ps per group of 32 input values and 16 rows, where the pairs take 16 vdpbf16ps a row. A
+   group's sums leave the tile each time and are scaled in registers: y_i = fma(sum_i, d, fma(sx_i, m,
    y_i)), micro_q4's formula in its order, so a row's result is its own at any row count (the sums
-   inside a group in AMX's order). That round trip (zero, product, store, load) has a latency no row
-   count hides: EXACT_TILES output tiles run side by side, each in its own sums and pairs tiles, the
-   rows' tile shared (7 of the 8 tile registers). */
-#define EXACT_TILES 3
+   inside a group in AMX's order).
+
+   That round trip (zero, product, store, load) has a latency no row count hides, so the loop runs as
+   a pipeline over groups: group g's products are issued, then group g - 1's sums (stored a group
+   earlier) are scaled, then group g + 1's nibbles widened, so the vector work overlaps the tiles'.
+   Two output tiles side by side, double-buffered by group parity P: sums of output tile j in tile
+   2P + j, its pairs in 4 + j, the rows in 6 + P (all 8 tile registers). */
 /* Groups ahead that the nibbles are prefetched, as qgemm.c's direct rows do (a decode step's products
    are small and threads' chunks interleave, so the hardware prefetcher keeps restarting); past a
-   tile's end this is the next tile's start. */
+   tile's end, the start of the tile that follows it in this loop (two tiles on). */
 #ifndef EXACT_PF
 #define EXACT_PF 8
 #endif
-static void amx_q4_exact(const void *w, const void *d, const void *m, const uint16_t *xb, const float *sx,
-                         float *y, int64_t ldy, int M, int K, int t0, int t1) {
-    uint32_t wb[EXACT_TILES][16 * NC] __attribute__((aligned(64)));
-    float sums[EXACT_TILES][16 * NC] __attribute__((aligned(64)));
-    const __m512i table = q4_table();
+
+/* Group g of output tiles [t, t + nt) as pairs wb[j] [16][16], prefetching EXACT_PF groups ahead. */
+static inline __attribute__((always_inline)) void exact_pairs(const uint8_t *w, const uint16_t *d, const uint16_t *m,
+                                                              int K, int t, int nt, int t1, int g,
+                                                              uint32_t (*wb)[16 * NC], __m512i table) {
     const int G = K / 32;
-    const int64_t sa = (int64_t)K * 2;
-    for (int t = t0; t < t1; t += EXACT_TILES) {
-        const int nt = t1 - t < EXACT_TILES ? t1 - t : EXACT_TILES;
-        for (int g = 0; g < G; g++) {
-            for (int j = 0; j < nt; j++) {
-                const uint8_t *nib = (const uint8_t *)w + (int64_t)(t + j) * (K / 2) * NC + (int64_t)g * 16 * NC;
-                for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch(nib + EXACT_PF * 16 * NC + b, 0, 3);
-                if ((g & 1) == 0) {
-                    const int64_t gi = (int64_t)(t + j) * G * NC + (int64_t)(g + EXACT_PF) * NC;
-                    __builtin_prefetch((const uint16_t *)d + gi, 0, 3), __builtin_prefetch((const uint16_t *)m + gi, 0, 3);
-                }
-                for (int p = 0; p < 16; p++)
-                    _mm512_store_si512((void *)(wb[j] + p * NC), q4_pair(nib + p * NC, table));
+    for (int j = 0; j < nt; j++) {
+        const uint8_t *nib = w + (int64_t)(t + j) * (K / 2) * NC + (int64_t)g * 16 * NC;
+        int pt = t + j, pg = g + EXACT_PF;
+        if (pg >= G) pt += nt, pg -= G;
+        if (pt < t1) {
+            const uint8_t *pn = w + (int64_t)pt * (K / 2) * NC + (int64_t)pg * 16 * NC;
+            for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch(pn + b, 0, 3);
+            if ((pg & 1) == 0) {   /* two groups' scales a line */
+                const int64_t gi = (int64_t)pt * G * NC + (int64_t)pg * NC;
+                __builtin_prefetch(d + gi, 0, 3), __builtin_prefetch(m + gi, 0, 3);
             }
-            _tile_loadd(3, wb[0], 64);
-            if (nt > 1) _tile_loadd(4, wb[1], 64);
-            if (nt > 2) _tile_loadd(5, wb[2], 64);
-            for (int i0 = 0; i0 < M; i0 += 16) {    /* blocks of 16 rows (past 16, padded: padded_rows) */
-                const int r = M - i0 < 16 ? M - i0 : 16;
-                _tile_loadd(6, xb + (int64_t)i0 * K + g * 32, sa);
-/* tile numbers are part of the instruction: channel tile j's sums in j, its pairs in 3 + j */
-#define EXACT_TILE(j, B)                            \
-    do {                                            \
-        _tile_zero(j);                              \
-        _tile_dpbf16ps(j, 6, B);                    \
-        _tile_stored(j, sums[j], 64);               \
-    } while (0)
-                EXACT_TILE(0, 3);
-                if (nt > 1) EXACT_TILE(1, 4);
-                if (nt > 2) EXACT_TILE(2, 5);
-#undef EXACT_TILE
-                for (int j = 0; j < nt; j++) {
-                    const int64_t gi = (int64_t)(t + j) * G * NC + g * NC;
-                    const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)d + gi)));
-                    const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)m + gi)));
-                    float *yt = y + (t + j) * NC;
-                    for (int i = 0; i < r; i++) {
-                        float *o = yt + (int64_t)(i0 + i) * ldy;
-                        const __m512 prev = g ? _mm512_loadu_ps(o) : _mm512_setzero_ps();
-                        const __m512 s = _mm512_set1_ps(sx[(int64_t)(i0 + i) * G + g]);
-                        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_load_ps(sums[j] + i * NC), dg, _mm512_fmadd_ps(s, mg, prev)));
-                    }
-                }
-            }
+        }
+        for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(wb[j] + p * NC), q4_pair(nib + p * NC, table));
+    }
+}
+
+/* Group g's sums of output tiles [t, t + nt) (sums[j]: M rows of 16) scaled into y. */
+static inline __attribute__((always_inline)) void exact_scale(const uint16_t *d, const uint16_t *m, const float *sx,
+                                                              float *y, int64_t ldy, int M, int K, int t, int nt,
+                                                              int g, float *const *sums) {
+    const int G = K / 32;
+    for (int j = 0; j < nt; j++) {
+        const int64_t gi = (int64_t)(t + j) * G * NC + g * NC;
+        const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + gi)));
+        const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + gi)));
+        float *yt = y + (t + j) * NC;
+        for (int i = 0; i < M; i++) {
+            float *o = yt + (int64_t)i * ldy;
+            const __m512 prev = g ? _mm512_loadu_ps(o) : _mm512_setzero_ps();
+            const __m512 s = _mm512_set1_ps(sx[(int64_t)i * G + g]);
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_load_ps(sums[j] + i * NC), dg, _mm512_fmadd_ps(s, mg, prev)));
         }
     }
 }
 
-/* amx_q4_exact's tiles: sums 0-2 and rows 6 M tall up to 16 rows (16 past that: the rows are padded,
-   padded_rows), pairs 3-5 16. */
+/* A thread's buffer for amx_q4_exact's sums: two parities by two output tiles of M (padded) rows. */
+static __thread float *exact_sums;
+static __thread size_t exact_cap;
+
+static float *exact_sums_buffer(int M) {
+    const size_t need = (size_t)4 * padded_rows(4, M) * NC * 4;
+    if (need > exact_cap) {
+        free(exact_sums);
+        exact_sums = aligned_alloc(64, need);
+        exact_cap = exact_sums ? need : 0;
+    }
+    return exact_sums;
+}
+
+/* Group g's products into the sums of parity P (tiles C0, C1; rows in tile A), 16 rows a block. */
+#define EXACT_GROUP(P, C0, C1, A)                                                     \
+    do {                                                                              \
+        _tile_loadd(4, wb[P][0], 64);                                                 \
+        if (nt > 1) _tile_loadd(5, wb[P][1], 64);                                     \
+        for (int i0 = 0; i0 < M; i0 += 16) {                                          \
+            _tile_loadd(A, xb + (int64_t)i0 * K + g * 32, sa);                        \
+            _tile_zero(C0);                                                           \
+            _tile_dpbf16ps(C0, A, 4);                                                 \
+            _tile_stored(C0, sums[P][0] + i0 * NC, 64);                               \
+            if (nt > 1) {                                                             \
+                _tile_zero(C1);                                                       \
+                _tile_dpbf16ps(C1, A, 5);                                             \
+                _tile_stored(C1, sums[P][1] + i0 * NC, 64);                           \
+            }                                                                         \
+        }                                                                             \
+    } while (0)
+
+/* Returns 0 where it cannot run (no buffer): the vector pairs run instead. */
+static int amx_q4_exact(const void *w, const void *d, const void *m, const uint16_t *xb, const float *sx, float *y,
+                        int64_t ldy, int M, int K, int t0, int t1) {
+    float *buf = exact_sums_buffer(M);
+    if (buf == NULL) return 0;
+    const int64_t rows = (int64_t)padded_rows(4, M) * NC;
+    float *sums[2][2] = {{buf, buf + rows}, {buf + 2 * rows, buf + 3 * rows}};
+    uint32_t wb[2][2][16 * NC] __attribute__((aligned(64)));
+    const __m512i table = q4_table();
+    const int G = K / 32;
+    const int64_t sa = (int64_t)K * 2;
+    const uint8_t *nw = (const uint8_t *)w;
+    const uint16_t *dd = (const uint16_t *)d, *mm = (const uint16_t *)m;
+    for (int t = t0; t < t1; t += 2) {
+        const int nt = t1 - t < 2 ? t1 - t : 2;
+        exact_pairs(nw, dd, mm, K, t, nt, t1, 0, wb[0], table);
+        for (int g = 0; g < G; g++) {
+            if (g & 1) EXACT_GROUP(1, 2, 3, 7);
+            else EXACT_GROUP(0, 0, 1, 6);
+            if (g) exact_scale(dd, mm, sx, y, ldy, M, K, t, nt, g - 1, sums[(g - 1) & 1]);
+            if (g + 1 < G) exact_pairs(nw, dd, mm, K, t, nt, t1, g + 1, wb[(g + 1) & 1], table);
+        }
+        exact_scale(dd, mm, sx, y, ldy, M, K, t, nt, G - 1, sums[(G - 1) & 1]);
+    }
+    return 1;
+}
+#undef EXACT_GROUP
+
+/* amx_q4_exact's tiles: sums 0-3 and rows 6-7 M tall up to 16 rows (16 past that: the rows are padded,
+   padded_rows), pairs 4-5 16. */
 static void amx_configure_exact(int M) {
     amx_config c = {0};
     c.palette = 1;
-    for (int i = 0; i < 7; i++) c.colsb[i] = 64, c.rows[i] = (uint8_t)(i >= 3 && i < 6 ? 16 : M < 16 ? M : 16);
+    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = (uint8_t)(i == 4 || i == 5 || M > 16 ? 16 : M);
     _tile_loadconfig(&c);
 }
 #endif
@@ -592,7 +646,6 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
 
 /* int4 rows past 16 are laid out in whole blocks of 16 (the exact tiles load 16 a block; the padding
    rows are zeros and their sums are never read); the rows' float32 sums per group of 32 follow. */
-static int padded_rows(int bits, int M) { return bits == 4 && M > 16 ? (M + 15) / 16 * 16 : M; }
 static float *group_sums(uint16_t *xb, int M, int K) { return (float *)(xb + (size_t)padded_rows(4, M) * K); }
 
 /* Tiles [t0, t1) on the rounded tile (int4) or int8's pairs: NT2 at a time while MR2 rows or more
@@ -642,9 +695,9 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
     if (bits == 4 && (M < pd_qgemm_amx_rows(4) || exact4) && amx_granted() && K % 32 == 0) {
         amx_configure_exact(M);
-        amx_q4_exact(w, d, m, xb, group_sums((uint16_t *)xb, M, K), y, ldy, M, K, t0, t1);
+        const int done = amx_q4_exact(w, d, m, xb, group_sums((uint16_t *)xb, M, K), y, ldy, M, K, t0, t1);
         _tile_release();
-        return;
+        if (done) return;
     }
 #endif
     if (bits == 8) {
