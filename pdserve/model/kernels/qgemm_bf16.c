@@ -61,13 +61,25 @@ int pd_qgemm_pairs_rounded_from(int rows) {  /* below 0: only returns the start 
     return rows < 0 ? pairs_rounded_rows() : set_rows(&pairs_rounded4, rows, BF16_ROWS4, PAIRS_ROUNDED_MAX);
 }
 
+/* vpermw's index that interleaves vcvtne2ps2bf16's halves (lo's 16 values in words 0-15, hi's in 16-31)
+   into pairs: word 2c = lo's c, word 2c + 1 = hi's c. */
+static inline __m512i pair_index(void) {
+    return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                            19, 3, 18, 2, 17, 1, 16, 0);
+}
+
+/* Two float vectors rounded to one vector of bfloat16 pairs: lane c = bf16(lo[c]) | bf16(hi[c]) << 16
+   (one rounding instruction and one permute, where rounding each and widening took six). */
+static inline __m512i round_pairs(__m512 lo, __m512 hi, __m512i index) {
+    return _mm512_permutexvar_epi16(index, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
 /* The f32 block buf [kn][16] as bf16 pairs along k: wb[p][c] = bf16(w[2p][c]) | bf16(w[2p + 1][c]) << 16. */
 static void bf16_pairs(const float *buf, int kn, uint32_t *wb) {
-    for (int p = 0; p < kn / 2; p++) {
-        const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(buf + 2 * p * NC)));
-        const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(buf + (2 * p + 1) * NC)));
-        _mm512_store_si512((void *)(wb + p * NC), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-    }
+    const __m512i index = pair_index();
+    for (int p = 0; p < kn / 2; p++)
+        _mm512_store_si512((void *)(wb + p * NC),
+                           round_pairs(_mm512_load_ps(buf + 2 * p * NC), _mm512_load_ps(buf + (2 * p + 1) * NC), index));
 }
 
 /* acc[i] = the sums of rows xb [mr] (ldb apart) times pairs [p0, p1) of wb [][16]. */
@@ -454,7 +466,7 @@ static void amx_rows(int M, const uint16_t *xb, int K, const uint32_t *wb, float
 static void amx_q4_pairs(const void *w, const void *d, const void *m, int K, int t, uint32_t *wb) {
     const uint8_t *nib = (const uint8_t *)w + (int64_t)t * (K / 2) * NC;
     const uint16_t *td = (const uint16_t *)d + (int64_t)t * (K / 32) * NC, *tm = (const uint16_t *)m + (int64_t)t * (K / 32) * NC;
-    const __m512i low = _mm512_set1_epi32(15);
+    const __m512i low = _mm512_set1_epi32(15), index = pair_index();
     for (int g = 0; g < K / 32; g++) {
         const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + g * NC)));
         const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tm + g * NC)));
@@ -463,9 +475,7 @@ static void amx_q4_pairs(const void *w, const void *d, const void *m, int K, int
             const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(nib + p * NC)));
             const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), dg, mg);
             const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dg, mg);
-            const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
-            const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
-            _mm512_store_si512((void *)(wb + p * NC), _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
+            _mm512_store_si512((void *)(wb + p * NC), round_pairs(lo, hi, index));
         }
     }
 }
