@@ -215,17 +215,19 @@ def test_amx_tiles_agree_with_the_vector_path_and_keep_each_rows_result(mode):
         torch.testing.assert_close(linear(x[:m], qw), on[:m], rtol=0, atol=0)
 
 
-def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result():
+@pytest.mark.parametrize("k", [576, 544])
+def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result(k):
     """Where the CPU has Intel AMX: int4 products of few rows on the exact tiles (the nibbles exact,
     each group's scale and offset in float32) are within the activations' bfloat16 rounding of a
     float64 reference, at every row count from 1 to 16 a row's result is the same bits, and below
-    the measured start the float32 kernel runs (float32 rounding only)."""
+    the measured start the float32 kernel runs (float32 rounding only). Five output tiles (the
+    kernel takes two at a time) and an even and an odd number of groups (its pipeline's parity)."""
     if not qgemm.available() or not qgemm.amx():
         pytest.skip("no AMX tiles here (the CPU, the build or the kernel's permission)")
     g = torch.Generator().manual_seed(6)
-    st = quantize(torch.randn(80, 576, generator=g), "int4")
+    st = quantize(torch.randn(80, k, generator=g), "int4")
     qw = QuantizedWeight(st, native=True)
-    x = torch.randn(16, 576, generator=g)
+    x = torch.randn(16, k, generator=g)
     n, k = st.q.shape
     parts = (st.q.view(n, k // GROUP, GROUP).double() * st.scale[..., None].double()).abs()
     parts = (parts + st.zero[..., None].double().abs()).view(n, k)
@@ -248,7 +250,7 @@ def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result():
         assert not torch.equal(on, pairs)
         # Past 16 rows in blocks of 16 (the last padded), with model.batch_invariant's bound past
         # the rounded tile's start (qgemm.invariant_rows): a row's bits are still its own.
-        more = torch.randn(40, 576, generator=g)
+        more = torch.randn(40, k, generator=g)
         qgemm.invariant_rows(64)
         assert qgemm.bf16_rows("int4") == 1 and qgemm.amx_rows("int4") == 32
         tall = linear(more, qw)
@@ -259,7 +261,7 @@ def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result():
         assert_within(tall, ref_more, bound, "int4 on the exact tiles, 40 rows")
         # int8 on the tiles from 1 row too (its exact pairs): each row's bits its own.
         assert qgemm.bf16_rows("int8") == 1
-        q8 = QuantizedWeight(quantize(torch.randn(80, 576, generator=g), "int8"), native=True)
+        q8 = QuantizedWeight(quantize(torch.randn(80, k, generator=g), "int8"), native=True)
         tall8 = linear(more, q8)
         for m in (1, 5, 9, 17):
             torch.testing.assert_close(linear(more[:m], q8), tall8[:m], rtol=0, atol=0)
