@@ -654,8 +654,7 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
 }
 #endif
 
-/* int4 rows past 16 are laid out in whole blocks of 16 (the exact tiles load 16 a block; the padding
-   rows are zeros and their sums are never read); the rows' float32 sums per group of 32 follow. */
+/* The rows' float32 sums per group of 32, after the bf16 rows (padded_rows of them). */
 static float *group_sums(uint16_t *xb, int M, int K) { return (float *)(xb + (size_t)padded_rows(4, M) * K); }
 
 /* Tiles [t0, t1) on the rounded tile (int4) or int8's pairs: NT2 at a time while MR2 rows or more
