@@ -1,6 +1,7 @@
 """The default model (its Q4_1 file served as int4) with the kernel paths this machine measured fastest
 (kernels/tuning.py: where the exact path and the rounded tile start, on AMX's tiles or the AVX512-BF16
-pairs) against the kernel's unmeasured starts, in one process, one run. Prints one JSON line.
+pairs, and where int4's register rows look their nibbles up) against the kernel's unmeasured starts,
+in one process, one run. Prints one JSON line.
 
 - decode: `--streams` prompts of 64 tokens decoding `--tokens` each (ignore_eos), output tokens per
   second each way, alternating, the best of `--rounds` each;
@@ -35,8 +36,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from pdserve import LLM, SamplingParams
-    from pdserve.model.kernels import qgemm, tuning
-    from pdserve.utils.cpu import cpu_flags, describe
+    from pdserve.model.kernels import tuning
+    from pdserve.utils.cpu import describe
 
     llm = LLM(model="smollm2-135m")
     chosen = tuning.tune()  # the loader applied it already: here, what it chose
@@ -46,10 +47,10 @@ def main() -> int:
         "quantization": llm.config.model.quantization,
     }
     if not chosen:
-        out["error"] = "no bfloat16 products here: nothing is measured"
+        out["error"] = "no kernel choice here: nothing is measured"
         print(json.dumps(out))
         return 1
-    paths = tuning.choices("amx_tile" in cpu_flags() and qgemm.amx())
+    paths = tuning.machine_choices()
     out["measured"] = {c.key: chosen[c.key] for c in paths}
     out["unmeasured"] = {c.key: c.unmeasured for c in paths}
 

@@ -27,13 +27,16 @@ def test_the_tiles_start_where_they_are_faster_at_every_count_above():
 
 def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
     """On AMX's tiles where they run (the exact tiles' start and the rounded tile's), else on the
-    AVX512-BF16 pairs (the rounded tile's): measured, cached, read back as cached, and taken by the
-    products."""
-    if "avx512_bf16" not in cpu_flags() or not qgemm.available():
-        pytest.skip("no bfloat16 products here: nothing to choose")
-    amx = "amx_tile" in cpu_flags() and qgemm.amx()
-    paths = tuning.choices(amx)
-    assert len(paths) == (2 if amx else 1)
+    AVX512-BF16 pairs (the rounded tile's), and on AVX-512 builds the register rows' lookup: measured,
+    cached, read back as cached, and taken by the products."""
+    paths = tuning.machine_choices()
+    if not paths:
+        pytest.skip("no kernel choice here: nothing to choose")
+    by_key = {c.key: c for c in paths}
+    bf16 = "avx512_bf16" in cpu_flags()
+    amx = bf16 and "amx_tile" in cpu_flags() and qgemm.amx()
+    assert ("int4_lut_from" in by_key) == qgemm.has_lut()
+    assert len(paths) == qgemm.has_lut() + (2 if amx else 1 if bf16 else 0)
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     tuning.tune.cache_clear()
     try:
@@ -43,12 +46,13 @@ def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
         for c in paths:
             assert min(c.rows) <= chosen[c.key] <= c.none
             assert set(chosen[c.ratios]) == {str(r) for r in c.rows}
-        rounded = paths[-1]
+        exact, rounded = by_key.get("int4_exact_from"), by_key.get("int4_tiles_from")
         if amx:
-            exact = paths[0]
+            assert exact is not None and rounded is not None
             assert (
                 qgemm.bf16_rows("int4") == chosen[exact.key] and qgemm.amx_rows("int4") == chosen[rounded.key]
             )
+        rounded = rounded or by_key.get("int4_rounded_from")
         # Read back, not measured again: the cached choice is applied as it is.
         forced = {c.key: 5 if c is not rounded else 20 for c in paths}
         path.write_text(json.dumps({**chosen, **forced}))
@@ -64,12 +68,48 @@ def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
         qw = QuantizedWeight(quantize(torch.randn(64, 256, generator=g), "int4"), native=True)
         x = torch.randn(20, 256, generator=g)
         tile, few = linear(x, qw), linear(x[:5], qw)
-        rounded.set_start(rounded.none)
-        assert not torch.equal(tile, linear(x, qw))
-        if amx:
-            paths[0].set_start(paths[0].none)
+        if rounded is not None:
+            rounded.set_start(rounded.none)
+            assert not torch.equal(tile, linear(x, qw))
+        if exact is not None:
+            exact.set_start(exact.none)
             assert not torch.equal(few, linear(x[:5], qw))
     finally:
         tuning.tune.cache_clear()
         for c in paths:
             c.set_start(c.unmeasured)
+
+
+def test_the_register_rows_lookup_gives_the_converted_floats():
+    """int4's register rows with the nibbles looked up compute the bits the converted nibbles do, at
+    every row count they cover (1-8) and on a partial last tile chunk, one thread and two."""
+    if not qgemm.has_lut():
+        pytest.skip("this build converts its nibbles only")
+    from pdserve.model.linear import linear
+    from pdserve.model.quant import QuantizedWeight, quantize
+
+    g = torch.Generator().manual_seed(1)
+    qw = QuantizedWeight(quantize(torch.randn(96, 320, generator=g), "int4"), native=True)
+    bound, threads = qgemm.invariant_bound(), torch.get_num_threads()
+    exact_from = qgemm.bf16_rows("int4") or tuning.NO_EXACT
+    qgemm.invariant_rows(0)  # the row-count paths, where the register rows run
+    qgemm.amx_exact_from(tuning.NO_EXACT)  # and not AMX's exact tiles (a model load's tuning may start them)
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in range(1, 9):
+                x = torch.randn(rows, 320, generator=g) * 3
+                qgemm.lut_from(tuning.NO_LUT)
+                converted = linear(x, qw)
+                qgemm.lut_from(1)
+                looked_up = linear(x, qw)
+                assert torch.equal(converted, looked_up), (n, rows)
+                # float32 sums of K terms: each step's rounding bounded by the magnitudes' sum
+                w = qw.dequantize().double()
+                tol = (x.abs().double() @ w.abs().T) * 320 * 2.0**-23
+                assert ((looked_up.double() - x.double() @ w.T).abs() <= tol).all()
+    finally:
+        qgemm.amx_exact_from(exact_from)
+        qgemm.lut_from(tuning.NO_LUT)
+        qgemm.invariant_rows(bound)
+        torch.set_num_threads(threads)

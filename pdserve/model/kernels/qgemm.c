@@ -48,6 +48,17 @@ static inline void nibbles(const uint8_t *b, vf *lo, vf *hi) {
     lo[0] = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
     hi[0] = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
+/* The same floats looked up: vpermps takes a lane's value from a register of the 16 floats 0-15 by the
+   index's low 4 bits, so the low nibble needs no mask and neither nibble a conversion (one shift and
+   two lookups where a mask, a shift and two conversions ran). Where that is faster depends on the
+   core's ports for the two (kernels/tuning.py measures it: pd_qgemm_lut_from). */
+#define NIBBLE_LUT 1
+static inline void nibbles_lut(const uint8_t *b, vf *lo, vf *hi) {
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    lo[0] = (vf)_mm512_permutexvar_ps(v, values);
+    hi[0] = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), values);
+}
 static inline void bytes(const int8_t *b, vf *o) {
     o[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b)));
 }
@@ -96,6 +107,11 @@ static inline float half(uint16_t h) {  /* IEEE binary16 -> float, subnormals in
 static inline void halfs(const uint16_t *p, vf *o) {
     for (int j = 0; j < NC; j++) o[j / VW][j % VW] = half(p[j]);
 }
+#endif
+
+#ifndef NIBBLE_LUT
+#define NIBBLE_LUT 0
+#define nibbles_lut nibbles
 #endif
 
 #define LOAD(p) (*(const vfu *)(p))
@@ -236,7 +252,8 @@ static inline void prefetch_group(const uint8_t *nib, const uint16_t *d, const u
 #endif
 static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t *nib, const uint16_t *d,
                                                           const uint16_t *m, const float *x, int64_t ldx, int K,
-                                                          const float *sx, float *y, int64_t ldy, int64_t left) {
+                                                          const float *sx, float *y, int64_t ldy, int64_t left,
+                                                          int lut) {
     const int un = mr <= 2 ? U : 1, split = NV == 1 || mr <= 2;
     vf out[NV == 1 ? DIRECT_ROWS : 1][NV], a[DIRECT_ROWS][U][2][NV], lo[NV], hi[NV], dg[NV], mg[NV];
     const int ahead = pf_ahead(16 * NC); /* never past `left` groups (the chunk's end): its peer's to read */
@@ -251,7 +268,10 @@ static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t 
         for (int kp = 0; kp < 16; kp += un)
             for (int u = 0; u < un; u++) {
                 const int k = g * 32 + 2 * (kp + u);
-                nibbles(nib + ((int64_t)g * 16 + kp + u) * NC, lo, hi);
+                if (lut)
+                    nibbles_lut(nib + ((int64_t)g * 16 + kp + u) * NC, lo, hi);
+                else
+                    nibbles(nib + ((int64_t)g * 16 + kp + u) * NC, lo, hi);
                 for (int i = 0; i < mr; i++) {
                     const vf xa = splat(x + i * ldx + k), xb = splat(x + i * ldx + k + 1);
                     for (int j = 0; j < NV; j++) {
@@ -317,11 +337,27 @@ static inline __attribute__((always_inline)) void direct8(int mr, const int8_t *
         for (int j = 0; j < NV; j++) *(vfu *)(y + i * ldy + j * VW) = acc[i][0][j] * LOAD(d + j * VW);
 }
 
-/* Up to DIRECT_ROWS rows of int4 or int8, each row count its own unrolled copy. */
+/* From how many rows int4's register rows look their nibbles up (nibbles_lut): the same floats either
+   way; NO_LUT (off) until kernels/tuning.py measures it on this machine. */
+#define NO_LUT (DIRECT_ROWS + 1)
+static int lut_from = NO_LUT;
+
+int pd_qgemm_lut_from(int rows) {
+    if (!NIBBLE_LUT) return 0;
+    if (rows < 0) return __atomic_load_n(&lut_from, __ATOMIC_ACQUIRE);
+    rows = rows < 1 ? 1 : rows > NO_LUT ? NO_LUT : rows;
+    __atomic_store_n(&lut_from, rows, __ATOMIC_RELEASE);
+    return rows;
+}
+
+/* Up to DIRECT_ROWS rows of int4 or int8, each row count its own unrolled copy (and int4's with each
+   way of widening its nibbles). */
 static void direct(int bits, int M, const uint8_t *t4, const int8_t *t8, const uint16_t *td, const uint16_t *tm,
                    const float *ts, const float *x, int64_t ldx, int K, const float *sx, float *y, int64_t ldy,
                    int tiles_left) {
-#define ROWS(r) case r: if (bits == 4) direct4(r, t4, td, tm, x, ldx, K, sx, y, ldy, (int64_t)tiles_left * (K / 32)); \
+    const int lut = NIBBLE_LUT && M >= __atomic_load_n(&lut_from, __ATOMIC_RELAXED);
+#define ROWS(r) case r: if (bits == 4 && lut) direct4(r, t4, td, tm, x, ldx, K, sx, y, ldy, (int64_t)tiles_left * (K / 32), 1); \
+                        else if (bits == 4) direct4(r, t4, td, tm, x, ldx, K, sx, y, ldy, (int64_t)tiles_left * (K / 32), 0); \
                         else direct8(r, t8, ts, x, ldx, K, y, ldy, (int64_t)tiles_left * K); break;
     switch (M) {
         ROWS(1) ROWS(2)

@@ -37,6 +37,10 @@ int pd_qgemm_invariant(int rows);
 /* qgemm.c: how far ahead (bytes) the float-activation register rows prefetch the weight (clamped to
    [512, 32768]; returned; below 0 only returns it). */
 int pd_qgemm_prefetch(int bytes);
+/* qgemm.c: from how many rows int4's register rows look their nibbles up instead of converting them
+   (the same floats; set where measured, clamped 1-DIRECT_ROWS + 1, the last: never; returned; below 0
+   only returns it). 0: this build has one way only. */
+int pd_qgemm_lut_from(int rows);
 int pd_qgemm_invariant_at(int M);
 
 /* qgemm_q8.c: int4 or int8 with the activations quantized to int8 per row in blocks of 32 (bits 4 or 8,

@@ -83,6 +83,18 @@ def amx_exact_from(rows: int) -> None:
     _set_everywhere("pd_qgemm_amx_exact_from", rows)
 
 
+def lut_from(rows: int) -> None:
+    """From how many rows int4's float32 register rows (1-8 rows) look their nibbles up instead of
+    converting them: the same floats, which is faster depends on the core (kernels/tuning.py measures
+    it); 9 (never) until measured."""
+    _set_everywhere("pd_qgemm_lut_from", rows)
+
+
+def has_lut() -> bool:
+    """Whether this build's int4 register rows have the lookup (the AVX-512 builds)."""
+    return _setting("pd_qgemm_lut_from") > 0
+
+
 def pairs_rounded_from(rows: int) -> None:
     """From how many rows int4 products take the rounded tile instead of the exact pairs, where AMX's
     tiles do not run (kernels/tuning.py measures it); clamped to [9, 64], 32 until measured."""

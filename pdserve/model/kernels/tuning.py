@@ -13,6 +13,11 @@ faster at every count measured:
   all of K in the tile) replaces the exact tiles or pairs. It does more work per weight and none per
   group and row, so it wins from some row count; where depends on the core.
 
+And below those, on AVX-512 builds: from how many rows int4's float32 register rows (the float32
+kernel's 1-8 rows) look their nibbles up in a register instead of converting them. The same floats;
+the lookup trades a mask and two conversions for two permutes, which wins or loses by the core's
+ports, so it is measured the same way (NO_LUT: off).
+
 And how far ahead a decode step's products of a few rows prefetch their weights (qgemm.prefetch),
 which depends on the machine's memory and on the model's shapes too: measure_prefetch times a step
 the caller gives (the engine's own model, engine/prefetch_tuning.py) at each distance.
@@ -39,6 +44,7 @@ log = logging.getLogger(__name__)
 ROWS = (9, 12, 16, 17, 20, 24, 28)  # AMX: the counts between the bfloat16 rows and the rounded tile's 32
 EXACT_ROWS = (1, 2, 3, 4, 6, 8)  # the float32 kernel's counts (qgemm.c's register rows)
 NO_EXACT = 9  # qgemm_bf16.c's BF16_ROWS4: where the exact path starts without a measurement
+NO_LUT = 9  # qgemm.c's NO_LUT: the register rows' lookup nowhere
 SHAPE = (1024, 1024)  # a product small enough to stay in cache: the kernels' arithmetic, not memory
 NO_TILES = 32  # qgemm_bf16.c's BF16_ROWS: where the rounded tile starts without a measurement
 PAIRS_ROWS = (20, 24, 28, 32, 40, 48, 56)  # the vector pairs: the rounded tile against the exact pairs
@@ -59,19 +65,30 @@ class Choice:
     unmeasured: int
 
 
-def choices(amx: bool) -> tuple[Choice, ...]:
-    """What is chosen here, the exact path first (the rounded tile is measured against it). On the
-    vector pairs only the rounded tile's start: the exact pairs ran faster than the float32 kernel at
-    3-8 rows on a Zen 5, alone (in cache and streamed) but not in the engine's decode steps (0.93 of
-    the tok/s at 4 streams: benchmarks/kernel_tuning.py), so they keep their start of 9 rows."""
+def choices(amx: bool, bf16: bool = True, lut: bool = False) -> tuple[Choice, ...]:
+    """What is chosen here, each measured against those before it: the register rows' lookup first
+    (the exact tiles are measured against the float32 kernel), then the exact path (the rounded tile
+    is measured against it). On the vector pairs only the rounded tile's start: the exact pairs ran
+    faster than the float32 kernel at 3-8 rows on a Zen 5, alone (in cache and streamed) but not in
+    the engine's decode steps (0.93 of the tok/s at 4 streams: benchmarks/kernel_tuning.py), so they
+    keep their start of 9 rows. Without bfloat16 products only the lookup."""
+    found = (
+        (Choice("int4_lut_from", "lut_vs_convert", EXACT_ROWS, qgemm.lut_from, NO_LUT, NO_LUT),)
+        if lut
+        else ()
+    )
+    if not bf16:
+        return found
     if amx:
         return (
+            *found,
             Choice(
                 "int4_exact_from", "exact_vs_float32", EXACT_ROWS, qgemm.amx_exact_from, NO_EXACT, NO_EXACT
             ),
             Choice("int4_tiles_from", "tiles_vs_pairs", ROWS, qgemm.amx_from, NO_TILES, NO_TILES),
         )
     return (
+        *found,
         Choice(
             "int4_rounded_from",
             "rounded_vs_pairs",
@@ -172,13 +189,21 @@ def _cache_path() -> Path:
     return cache_root() / "kernels" / f"tuning-{model}-{feature_key()}-{build_id[-16:]}.json"
 
 
+def machine_choices() -> tuple[Choice, ...]:
+    """The choices this machine's build offers (none where the kernels do not load here)."""
+    if not qgemm.available():
+        return ()
+    bf16 = "avx512_bf16" in cpu_flags() and qgemm.bf16_rows("int4") > 0
+    return choices(bf16 and "amx_tile" in cpu_flags() and qgemm.amx(), bf16, qgemm.has_lut())
+
+
 @lru_cache(maxsize=1)
 def tune() -> dict:
     """Apply this machine's measured choices (measured now and cached where none are cached yet);
-    returns them ({} where there is nothing to choose: no bfloat16 products here)."""
-    if "avx512_bf16" not in cpu_flags() or not qgemm.available() or qgemm.bf16_rows("int4") == 0:
+    returns them ({} where there is nothing to choose: neither bfloat16 products nor the lookup)."""
+    chosen_paths = machine_choices()
+    if not chosen_paths:
         return {}
-    chosen_paths = choices("amx_tile" in cpu_flags() and qgemm.amx())
     path = _cache_path()
     try:
         chosen = json.loads(path.read_text())
