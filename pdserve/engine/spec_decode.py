@@ -5,6 +5,13 @@ looked up earlier in its own prompt and output; the tokens that followed the lat
 are the draft. Text that quotes, rewrites or edits its input repeats such runs; free text rarely
 does, and then no draft is proposed and the step is a plain decode.
 
+An edit (a typo fixed, a name changed) ends such a run, and the text after it continues the source
+while its last n tokens, which span the edit, are found nowhere: a lookup by n tokens resumes only
+n tokens later. So where none is found, the last token alone is realigned: an earlier occurrence of
+it counts where a pair of tokens just before the edit (at most EDIT_GAP tokens back on either side)
+also precedes it in the same order, the earlier text's run interrupted by the same edit. Without
+such an anchor a lone token (a comma, a "the") is not looked up: its continuations are guesses.
+
 Verification: the request's last token and its k draft tokens run through the model as one chunk
 (k + 1 logits rows). Greedy: drafts are accepted while each equals the argmax at its position; the
 argmax after the last accepted one is the bonus token. So the output is token-identical to plain
@@ -27,9 +34,13 @@ import torch
 from pdserve.engine.request import Request, TokenLogprob, draw_seed
 from pdserve.engine.sampler import _logprob_entry, add_logit_bias, filter_logits
 
+EDIT_GAP = 3  # the most tokens an edit replaces, or puts in their place, for realign() to bridge it
+REALIGN_CANDIDATES = 64  # the latest earlier occurrences of the last token that realign() weighs
+
 
 def propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens."""
+    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens, or
+    where there is none, of its last token realigned past an edit (realign)."""
     if k <= 0 or len(tokens) <= n_min:
         return []
     arr = np.asarray(tokens, dtype=np.int64)
@@ -43,7 +54,33 @@ def propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
         if hits.size:
             start = int(hits[-1]) + n
             return [int(t) for t in arr[start : min(start + k, last)]]
-    return []
+    start = realign(tokens, arr)
+    return [] if start < 0 else [int(t) for t in tokens[start : min(start + k, last)]]
+
+
+def realign(tokens: list[int], arr: np.ndarray | None = None, gap: int = EDIT_GAP) -> int:
+    """Where the text after the latest earlier occurrence h of the last token starts (h + 1), for the
+    latest h with an anchor: the pair of tokens that ends e + 1 tokens before the last one (1 <= e <=
+    gap: the edit's own tokens between) also ends s + 1 tokens before h (0 <= s <= gap: the tokens
+    it replaced). -1 where no occurrence has one. `arr`: the tokens as an array, where the caller has
+    one. The occurrences are found with numpy, the anchors checked on plain ints (a few dozen
+    lookups, where numpy's per-call cost would dominate)."""
+    last = len(tokens) - 1  # the last token's index
+    if last < gap + 3:
+        return -1
+    anchors: dict[tuple[int, int], int] = {}  # the output's anchor pairs -> where the latest starts
+    for e in range(gap, 0, -1):
+        a = last - e - 2
+        anchors[(tokens[a], tokens[a + 1])] = a
+    if arr is None:
+        arr = np.asarray(tokens, dtype=np.int64)
+    hits = np.flatnonzero(arr[2 : last - 1] == tokens[last])[-REALIGN_CANDIDATES:] + 2
+    for h in hits[::-1].tolist():
+        for s in range(gap + 1):
+            b = h - s - 2
+            if b >= 0 and b + 1 < anchors.get((tokens[b], tokens[b + 1]), -1):
+                return h + 1
+    return -1
 
 
 def eligible(req: Request) -> bool:

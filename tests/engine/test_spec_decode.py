@@ -1,5 +1,6 @@
 """Speculative decoding with n-gram drafts (engine/spec_decode.py):
-- the proposal: the tokens after the latest earlier match of the last n tokens;
+- the proposal: the tokens after the latest earlier match of the last n tokens, or of the last token
+  realigned past an edit;
 - greedy output is token-identical with and without drafts (accepted and rejected ones, batches,
   a prefix-cache hit after it, a PD decode worker), the KV pool returns to its start, and the
   acceptance counters count;
@@ -34,6 +35,22 @@ def test_propose_takes_what_followed_the_latest_match():
     assert propose([1, 2, 3, 1, 2], 0, 2, 4) == []
     # Longer matches first: the last 3 tokens (8, 1, 2) occur once, followed by 9.
     assert propose([8, 1, 2, 9, 0, 1, 2, 5, 8, 1, 2], 1, 2, 3) == [9]
+
+
+def test_propose_realigns_the_last_token_past_an_edit():
+    src = [5, 10, 11, 12, 13, 20, 21, 14, 15, 16, 17, 6]
+    # 20 21 replaced by 30: the last two tokens (30, 14) occur nowhere, but 14 follows the pair 12 13
+    # in both, 1 token after it in the output and 2 in the source.
+    assert propose(src + [10, 11, 12, 13, 30, 14], 3, 2, 4) == [15, 16, 17]
+    # 20 21 dropped (nothing in the output between the anchor and 14), and 30 31 32 put in their place.
+    assert propose(src + [9, 11, 12, 13, 30, 31, 32, 14], 2, 2, 4) == [15, 16]
+    # 30 inserted before 20: the anchor 13 20 is 1 token back in the output and 0 in the source.
+    assert propose(src + [12, 13, 20, 30, 21], 2, 2, 4) == [14, 15]
+    # A lone token without an anchor pair is not looked up, however often it occurred.
+    assert propose([1, 2, 3, 9, 4, 5, 6, 7, 8, 9], 2, 2, 4) == []
+    assert propose([1, 9, 2, 9, 3, 9, 4, 5, 6, 9], 2, 2, 4) == []
+    # An edit longer than EDIT_GAP tokens is not bridged.
+    assert propose(src + [12, 13, 30, 31, 32, 33, 14], 2, 2, 4) == []
 
 
 def _engine(model: str, spec: str, **more) -> LLMEngine:
