@@ -58,13 +58,13 @@ def propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     return [] if start < 0 else [int(t) for t in tokens[start : min(start + k, last)]]
 
 
-def realign(tokens: list[int], arr: np.ndarray | None = None, gap: int = EDIT_GAP) -> int:
+def realign(tokens: list[int], arr: np.ndarray, gap: int = EDIT_GAP) -> int:
     """Where the text after the latest earlier occurrence h of the last token starts (h + 1), for the
     latest h with an anchor: the pair of tokens that ends e + 1 tokens before the last one (1 <= e <=
     gap: the edit's own tokens between) also ends s + 1 tokens before h (0 <= s <= gap: the tokens
-    it replaced). -1 where no occurrence has one. `arr`: the tokens as an array, where the caller has
-    one. The occurrences are found with numpy, the anchors checked on plain ints (a few dozen
-    lookups, where numpy's per-call cost would dominate)."""
+    it replaced). -1 where no occurrence has one. `arr`: the same tokens as an int64 array. The
+    occurrences are found with numpy, the anchors checked on plain ints (a few dozen lookups, where
+    numpy's per-call cost would dominate)."""
     last = len(tokens) - 1  # the last token's index
     if last < gap + 3:
         return -1
@@ -72,8 +72,6 @@ def realign(tokens: list[int], arr: np.ndarray | None = None, gap: int = EDIT_GA
     for e in range(gap, 0, -1):
         a = last - e - 2
         anchors[(tokens[a], tokens[a + 1])] = a
-    if arr is None:
-        arr = np.asarray(tokens, dtype=np.int64)
     hits = np.flatnonzero(arr[2 : last - 1] == tokens[last])[-REALIGN_CANDIDATES:] + 2
     for h in hits[::-1].tolist():
         for s in range(gap + 1):

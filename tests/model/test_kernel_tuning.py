@@ -90,6 +90,7 @@ def test_the_register_rows_lookup_gives_the_converted_floats():
 
     g = torch.Generator().manual_seed(1)
     qw = QuantizedWeight(quantize(torch.randn(96, 320, generator=g), "int4"), native=True)
+    w = qw.dequantize().double()
     bound, threads = qgemm.invariant_bound(), torch.get_num_threads()
     exact_from = qgemm.bf16_rows("int4") or tuning.NO_EXACT
     qgemm.invariant_rows(0)  # the row-count paths, where the register rows run
@@ -105,7 +106,6 @@ def test_the_register_rows_lookup_gives_the_converted_floats():
                 looked_up = linear(x, qw)
                 assert torch.equal(converted, looked_up), (n, rows)
                 # float32 sums of K terms: each step's rounding bounded by the magnitudes' sum
-                w = qw.dequantize().double()
                 tol = (x.abs().double() @ w.abs().T) * 320 * 2.0**-23
                 assert ((looked_up.double() - x.double() @ w.T).abs() <= tol).all()
     finally:

@@ -65,7 +65,7 @@ class Choice:
     unmeasured: int
 
 
-def choices(amx: bool, bf16: bool = True, lut: bool = False) -> tuple[Choice, ...]:
+def choices(amx: bool, bf16: bool, lut: bool) -> tuple[Choice, ...]:
     """What is chosen here, each measured against those before it: the register rows' lookup first
     (the exact tiles are measured against the float32 kernel), then the exact path (the rounded tile
     is measured against it). On the vector pairs only the rounded tile's start: the exact pairs ran
