@@ -222,7 +222,7 @@ def test_an_encoder_answer_of_the_wrong_shape_or_values_fails_the_request_not_th
         enc.close()
 
 
-def test_an_encoder_takes_no_frame_larger_than_its_images_can_be():
+def test_an_encoder_takes_no_frame_larger_than_its_images_can_be(tmp_path):
     import threading
 
     from vlm_images import image_bytes
@@ -235,10 +235,9 @@ def test_an_encoder_takes_no_frame_larger_than_its_images_can_be():
         None, {"model.name": "tiny-llava", "vision.max_images": 1, "vision.max_image_bytes": 4096}
     )
     worker, stop = EncoderWorker(config), threading.Event()
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    sock.close(0)
-    endpoint = f"tcp://127.0.0.1:{port}"
+    # A socket file of its own, as the pool gives its encoders: a port found free and handed to the
+    # worker could be taken again before it binds.
+    endpoint = f"ipc://{tmp_path}/encoder"
     t = threading.Thread(target=worker.serve, args=(endpoint, stop.is_set), daemon=True)
     t.start()
     try:
