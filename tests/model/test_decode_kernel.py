@@ -5,10 +5,12 @@ attended range read off its mask; a machine without a compiler keeps the torch p
 import pytest
 import torch
 from float_bounds import assert_within, attention64, attention_bound
+from kernel_builds import AVX2, AVX2_NEEDS, build_library
 
 from pdserve.model.attention import build_metadata, paged_attention
 from pdserve.model.kernels import native
-from pdserve.model.kernels.decode_attention import decode_attention_kernel
+from pdserve.model.kernels.decode_attention import ARGTYPES, DecodeAttention, decode_attention_kernel
+from pdserve.utils.cpu import cpu_flags
 
 kernel = decode_attention_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler here: the torch path runs instead")
@@ -58,13 +60,15 @@ def _rows(q, k, v, kc, vc, lens, window, tables, block=16):
     return q.reshape(t * h, dim), rk, rv, keep.repeat_interleave(h, 0)
 
 
-def _check_both(lens, window=None, heads=(9, 3), dim=64, q_scale=1.0, kernel_scale=None, kernel_fn=kernel):
+def _check_both(
+    lens, window=None, heads=(9, 3), dim=64, q_scale=1.0, kernel_scale=None, kernel_fn=kernel, block=16
+):
     """torch's path and the kernel, each against float64 within the bound; returns nothing."""
     tables = []
-    q, k, v, kc, vc, meta = _case(lens, window, heads, dim=dim, tables=tables)
+    q, k, v, kc, vc, meta = _case(lens, window, heads, block=block, dim=dim, tables=tables)
     q = q * q_scale
     scale = dim**-0.5
-    rq, rk, rv, keep = _rows(q, k, v, kc, vc, lens, window, tables)
+    rq, rk, rv, keep = _rows(q, k, v, kc, vc, lens, window, tables, block)
     want = attention64(rq, rk, rv, keep, scale).reshape(q.shape)
     bound = attention_bound(rq, rk, rv, keep, scale).reshape(q.shape)
     torch_out = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, scale)
@@ -110,6 +114,56 @@ def test_outputs_do_not_depend_on_how_heads_are_split_into_tasks(dim):
 @pytest.mark.parametrize("dim", [36, 40, 128])  # scalar loops, 8-wide without the 64 path, 8-wide
 def test_kernel_matches_float64_at_other_head_dims(dim):
     _check_both(LARGE, dim=dim)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block", [8, 32])
+@pytest.mark.parametrize("lens", [SMALL, LARGE], ids=["small", "large"])
+def test_kernel_matches_float64_at_other_block_sizes(block, lens):
+    """Scores are computed a run of 8 or 16 rows at a time within a block: blocks of 8 leave a
+    16-row run short, blocks of 32 hold two."""
+    _check_both(lens, 40 if lens is SMALL else None, block=block)
+
+
+# The builds other CPUs run: 8-lane score folds and one head a pass (AVX2), and no vector flags.
+OTHER_BUILDS = [("portable", [], []), ("avx2", AVX2, AVX2_NEEDS)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,flags,needs", OTHER_BUILDS, ids=[b[0] for b in OTHER_BUILDS])
+def test_other_vector_builds_match_float64(tmp_path, name, flags, needs):
+    lib = build_library(tmp_path, name, ["decode_attention"], flags)
+    if lib is None:
+        assert flags, "the portable build failed"
+        pytest.skip(f"{name}: this compiler or architecture does not take {flags}")
+    if not set(needs) <= cpu_flags():
+        pytest.skip(f"{name} built; this CPU cannot run it")
+    fn = lib.pd_decode_attention
+    fn.restype, fn.argtypes = None, ARGTYPES
+    for dim, block in ((64, 16), (40, 16), (64, 8)):
+        _check_both(LARGE, dim=dim, block=block, kernel_fn=DecodeAttention(fn))
+    _check_both(SMALL, 40, kernel_fn=DecodeAttention(fn))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [64, 128, 40])
+def test_the_avx2_build_gives_this_builds_bits(tmp_path, dim):
+    """The 8-lane score folds are the 16-lane ones' tree (two chains over a row's even and odd eights,
+    then lanes j + 4, + 2, + 1), and the value sums run in position order at either width: a
+    PD deployment's workers on AVX2 and on AVX-512 attend alike."""
+    if not set(AVX2_NEEDS) <= cpu_flags():
+        pytest.skip("this CPU cannot run the AVX2 build")
+    lib = build_library(tmp_path, "avx2", ["decode_attention"], AVX2)
+    assert lib is not None
+    fn = lib.pd_decode_attention
+    fn.restype, fn.argtypes = None, ARGTYPES
+    tables = []
+    q, k, v, kc, vc, meta = _case(LARGE, None, dim=dim, tables=tables)
+    got = [
+        paged_attention(q, k, v, kc.clone(), vc.clone(), meta, dim**-0.5, f)
+        for f in (kernel, DecodeAttention(fn))
+    ]
+    assert torch.equal(got[0], got[1])
 
 
 @needs_kernel

@@ -20,32 +20,113 @@
 /* Head dimensions that are a multiple of 8 take the vector paths (vec.h); others the scalar loops. */
 #include "vec.h"
 
-/* Scores of G heads against one key row, for D % 8 == 0: two chains of FMAs, a over the even
-   eights of the row and b over the odd ones, summed as hsum(a + b). With AVX-512 (D % 16 == 0) one
-   16-float chain holds a in its low half and b in its high half: the same sums, half the
-   instructions. */
-static inline void scores8(const float *qh, const float *k, int G, int D, float scale, float *s, int64_t stride) {
+/* Dot products of one query head with a run of key rows, `W` rows at a time (W = 16 with AVX-512 where
+   D % 16 == 0, else 8). A row's D products are summed in order into one W-lane vector, then its W lanes
+   are added pairwise in levels (lane j with j + W/2, then + W/4, ...). A horizontal sum per row spent
+   most of the scores' time in shuffles and scalar adds; here the levels fold two vectors into one, so
+   W rows share each shuffle, and the folds leave row r in lane bitreverse(r), put back in row order by
+   one permute. Each fold adds lanes of one row only: a row's score is the same whichever rows share
+   its vectors (a short run's missing rows are zeros) and whichever thread computes it. */
+/* Each chain starts from zero: `x * y + z * w` may be contracted around either product, so a first
+   product as the chain's start would leave its rounding to the compiler (and differ between builds). */
+static inline v8f dot8(const float *q, const float *k, int D) {
+    /* the even eights in one chain and the odd in another, as dot16's lanes 0-7 and 8-15 */
+    v8f a = (v8f){0}, b = (v8f){0};
+    int d = 0;
+    for (; d + 16 <= D; d += 16) a += LD(q + d) * LD(k + d), b += LD(q + d + 8) * LD(k + d + 8);
+    if (d < D) a += LD(q + d) * LD(k + d);
+    return a + b;
+}
+static inline v8f fold8a(v8f a, v8f b) {
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+static inline v8f fold8b(v8f a, v8f b) {
+    return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+}
+static inline v8f fold8c(v8f a, v8f b) {
+    return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+/* q's dot products with m <= 8 rows (ks apart), lane r for row r (lanes from m on 0). */
+static inline v8f dots8(const float *q, const float *k, int64_t ks, int m, int D) {
+    v8f w[8];
+    for (int r = 0; r < 8; r++) w[r] = r < m ? dot8(q, k + r * ks, D) : (v8f){0};
+    const v8f x = fold8c(fold8b(fold8a(w[0], w[1]), fold8a(w[2], w[3])), fold8b(fold8a(w[4], w[5]), fold8a(w[6], w[7])));
+    return __builtin_shufflevector(x, x, 0, 4, 2, 6, 1, 5, 3, 7);
+}
+
+#ifdef __AVX512F__
+static inline v16f dot16(const float *q, const float *k, int D) {
+    v16f c = (v16f){0};
+    for (int d = 0; d < D; d += 16) c += LD16(q + d) * LD16(k + d);
+    return c;
+}
+static inline v16f fold16a(v16f a, v16f b) {
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+static inline v16f fold16b(v16f a, v16f b) {
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+static inline v16f fold16c(v16f a, v16f b) {
+    return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+static inline v16f fold16d(v16f a, v16f b) {
+    return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+/* Eight pairs of rows, each pair folded once (fold16a), to sixteen sums in row order. */
+static inline v16f fold16(v16f w0, v16f w1, v16f w2, v16f w3, v16f w4, v16f w5, v16f w6, v16f w7) {
+    const v16f x = fold16d(fold16c(fold16b(w0, w1), fold16b(w2, w3)), fold16c(fold16b(w4, w5), fold16b(w6, w7)));
+    return __builtin_shufflevector(x, x, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+/* q's dot products with m <= 16 rows (ks apart), lane r for row r (lanes from m on 0). A whole run
+   has no test per row, so its vectors stay in registers. */
+#define PD_PAIR(p) fold16a(dot16(q, k + (2 * (p)) * ks, D), dot16(q, k + (2 * (p) + 1) * ks, D))
+static inline v16f dots16(const float *q, const float *k, int64_t ks, int m, int D) {
+    if (m == 16) return fold16(PD_PAIR(0), PD_PAIR(1), PD_PAIR(2), PD_PAIR(3), PD_PAIR(4), PD_PAIR(5), PD_PAIR(6), PD_PAIR(7));
+    v16f w[16];
+    for (int r = 0; r < 16; r++) w[r] = r < m ? dot16(q, k + r * ks, D) : (v16f){0};
+    return fold16(fold16a(w[0], w[1]), fold16a(w[2], w[3]), fold16a(w[4], w[5]), fold16a(w[6], w[7]),
+                  fold16a(w[8], w[9]), fold16a(w[10], w[11]), fold16a(w[12], w[13]), fold16a(w[14], w[15]));
+}
+#undef PD_PAIR
+#endif
+
+/* Scores (times `scale`) of the query heads [0, nhg) at qb (D apart) against rows [0, n) of a block
+   (ws apart, head hg's keys at kh(hg)), head hg's stored from s + hg * len. */
+static inline void scores(const float *qb, const float *k, int64_t ws, int64_t n, int nhg, int G, int hoff, int D,
+                          float scale, float *s, int64_t len) {
 #ifdef __AVX512F__
     if (D % 16 == 0) {
-        for (int g = 0; g < G; g++) {
-            const float *qg = qh + g * D;
-            v16f c = (v16f){0};
-            for (int d = 0; d < D; d += 16) c += LD16(qg + d) * LD16(k + d);
-            const v8f a = __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7);
-            const v8f b = __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
-            s[g * stride] = hsum(a + b) * scale;
+        for (int64_t c = 0; c < n; c += 16) {
+            const int m = n - c < 16 ? (int)(n - c) : 16;
+            for (int hg = 0; hg < nhg; hg++) {
+                const float *qg = qb + (int64_t)hg * D, *kg = k + c * ws + (int64_t)(hoff + hg / G) * D;
+                /* D = 64 (SmolLM2, Llama-3.2-1B, Qwen2.5-0.5B) as a constant: its loops unrolled */
+                const v16f sc = (D == 64 ? dots16(qg, kg, ws, m, 64) : dots16(qg, kg, ws, m, D)) * scale;
+                float *sh = s + hg * len + c;
+                if (m == 16)
+                    *(v16fu *)sh = sc;
+                else
+                    for (int r = 0; r < m; r++) sh[r] = sc[r];
+            }
         }
         return;
     }
 #endif
-    for (int g = 0; g < G; g++) {
-        const float *qg = qh + g * D;
-        v8f a = (v8f){0}, b = (v8f){0};
-        for (int d = 0; d < D; d += 16) {
-            a += LD(qg + d) * LD(k + d);
-            if (d + 8 < D) b += LD(qg + d + 8) * LD(k + d + 8);
+    for (int64_t c = 0; c < n; c += 8) {
+        const int m = n - c < 8 ? (int)(n - c) : 8;
+        for (int hg = 0; hg < nhg; hg++) {
+            const float *qg = qb + (int64_t)hg * D, *kg = k + c * ws + (int64_t)(hoff + hg / G) * D;
+            const v8f sc = dots8(qg, kg, ws, m, D) * scale;
+            float *sh = s + hg * len + c;
+            if (m == 8)
+                *(v8fu *)sh = sc;
+            else
+                for (int r = 0; r < m; r++) sh[r] = sc[r];
         }
-        s[g * stride] = hsum(a + b) * scale;
     }
 }
 
@@ -72,6 +153,22 @@ static inline void pv64(const float *p, int64_t n, const float *v, int64_t vstri
     o[0] = a0, o[1] = a1, o[2] = a2, o[3] = a3, o[4] = a4, o[5] = a5, o[6] = a6, o[7] = a7;
 #endif
 }
+
+#ifdef __AVX512F__
+/* pv64 for two heads in one pass over the rows: eight independent chains where one head's four each
+   waited on the FMA before it. Each head's sums are pv64's, element by element in position order. */
+static inline void pv64x2(const float *pa, const float *va, float *acca, const float *pb, const float *vb, float *accb,
+                          int64_t n, int64_t vstride) {
+    v16fu *oa = (v16fu *)acca, *ob = (v16fu *)accb;
+    v16f a0 = oa[0], a1 = oa[1], a2 = oa[2], a3 = oa[3], b0 = ob[0], b1 = ob[1], b2 = ob[2], b3 = ob[3];
+    for (int64_t u = 0; u < n; u++, va += vstride, vb += vstride) {
+        const float x = pa[u], y = pb[u];
+        a0 += x * LD16(va), a1 += x * LD16(va + 16), a2 += x * LD16(va + 32), a3 += x * LD16(va + 48);
+        b0 += y * LD16(vb), b1 += y * LD16(vb + 16), b2 += y * LD16(vb + 32), b3 += y * LD16(vb + 48);
+    }
+    oa[0] = a0, oa[1] = a1, oa[2] = a2, oa[3] = a3, ob[0] = b0, ob[1] = b1, ob[2] = b2, ob[3] = b3;
+}
+#endif
 
 /* The cache row of `pos` (its block from the table): slot * KVH * D floats into a layer's cache. */
 static inline int64_t row_of(const int64_t *table, int64_t pos, int bs) { return table[pos / bs] * bs + pos % bs; }
@@ -118,15 +215,18 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
         const int64_t row = row_of(table, pos, bs), next = stop < hi ? table[stop / bs] * bs + off : -1;
         if (kvb) widen_rows((const uint16_t *)kc + row * rs + (int64_t)h0 * D, rs, stop - pos, nh * D, wide);
         const float *k = kvb ? wide : (const float *)kc + row * rs;
+        if (vec) {
+            if (next >= 0)
+                for (int64_t r = 0; r < stop - pos; r++) fetch_row(kc, es, next + r, KVH, D, h0, h1);
+            scores(qb, k, ws, stop - pos, nh * G, G, h0 - hb, D, scale, s + (pos - lo), len);
+            pos = stop;
+            continue;
+        }
         for (int64_t r = 0; pos < stop; pos++, r++, k += ws) {
             if (next >= 0) fetch_row(kc, es, next + r, KVH, D, h0, h1);
             for (int h = h0; h < h1; h++) {
                 const float *qh = qb + (int64_t)(h - h0) * G * D, *kh = k + (int64_t)(h - hb) * D;
                 float *sh = s + (int64_t)(h - h0) * G * len + (pos - lo);
-                if (vec) {
-                    scores8(qh, kh, G, D, scale, sh, len);
-                    continue;
-                }
                 for (int g = 0; g < G; g++) {
                     const float *qg = qh + g * D;
                     float dot = 0.0f;
@@ -139,8 +239,18 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
     }
     for (int hg = 0; hg < nh * G; hg++) {
         float *sg = s + hg * len, m = sg[0], sum = 0.0f;
-        for (int64_t t = 1; t < len; t++) m = sg[t] > m ? sg[t] : m;
         int64_t t = 0;
+        if (len >= 8) {   /* the maximum over eight lanes, where one chain of scalar maxima waited on each */
+            v8f mv = LD(sg);
+            for (t = 8; t + 8 <= len; t += 8) {
+                const v8f x = LD(sg + t);
+                const v8i gt = x > mv;
+                mv = (v8f)(((v8i)x & gt) | ((v8i)mv & ~gt));
+            }
+            for (int j = 0; j < 8; j++) m = mv[j] > m ? mv[j] : m;
+        }
+        for (; t < len; t++) m = sg[t] > m ? sg[t] : m;
+        t = 0;
         v8f vs = (v8f){0};
         for (; t + 8 <= len; t += 8) {
             const v8f e = vexp(LD(sg + t) - m);
@@ -156,7 +266,10 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
         for (int64_t u = 0; u < len; u++) sg[u] *= inv;
         for (int d = 0; d < D; d++) acc[hg * D + d] = 0.0f;
     }
-    fetch_row(vc, es, row_of(table, lo, bs), KVH, D, h0, h1);
+    {   /* the first block's values, while the weights are computed */
+        const int64_t r0 = row_of(table, lo, bs), nr = bs - lo % bs < len ? bs - lo % bs : len;
+        for (int64_t r = 0; r < nr; r++) fetch_row(vc, es, r0 + r, KVH, D, h0, h1);
+    }
     for (int64_t pos = lo; pos < hi;) {
         const int64_t off = pos % bs, stop = pos - off + bs < hi ? pos - off + bs : hi;
         const int64_t row = row_of(table, pos, bs);
@@ -168,6 +281,13 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
             const float *p = s + hg * len + (pos - lo), *vh = v + (int64_t)(h0 - hb + hg / G) * D;
             float *a = acc + hg * D;
             if (D == 64) {
+#ifdef __AVX512F__
+                if (hg + 1 < nh * G) {   /* and the next head, in the same pass over the rows */
+                    pv64x2(p, vh, a, p + len, v + (int64_t)(h0 - hb + (hg + 1) / G) * D, a + D, stop - pos, ws);
+                    hg++;
+                    continue;
+                }
+#endif
                 pv64(p, stop - pos, vh, ws, a);
                 continue;
             }

@@ -10,6 +10,8 @@ import torch
 from pdserve.model.kernels.native import function, ptr
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# pd_decode_attention's arguments (decode_attention.c)
+ARGTYPES = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I]
 
 
 def kv_bf16(cache: torch.Tensor) -> int:
@@ -69,9 +71,5 @@ class DecodeAttention:
 
 def decode_attention_kernel() -> DecodeAttention | None:
     """The native kernel, or None where it cannot be built (the torch path runs instead)."""
-    fn = function(
-        "decode_attention",
-        "pd_decode_attention",
-        [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I],
-    )
+    fn = function("decode_attention", "pd_decode_attention", ARGTYPES)
     return None if fn is None else DecodeAttention(fn)
