@@ -78,18 +78,36 @@ def _check_both(
 
 
 # Decodes only (a context of 1 is a prefill). The small step runs on the calling thread, the large
-# one (32 x 130 x 9 position-heads) across the pool.
+# one (32 x 130 x 9 position-heads) across the pool; LONG's few sequences a KV head a task.
 SMALL = [2, 3, 15, 16, 17, 33, 200, 251, 64, 100]
 LARGE = [130] * 24 + [5, 70, 300, 301, 16, 17, 32, 33]
+LONG = [257, 512, 513, 1000, 2049, 40]
 
 
 @needs_kernel
-@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("window", [None, 40, 600])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
-@pytest.mark.parametrize("lens", [SMALL, LARGE], ids=["small", "large"])
+@pytest.mark.parametrize("lens", [SMALL, LARGE, LONG], ids=["small", "large", "long"])
 def test_kernel_matches_float64(window, heads, lens):
     assert len(_case(lens, window, heads)[5].decode_groups) > 1
     _check_both(lens, window, heads)
+
+
+@needs_kernel
+def test_a_sequences_outputs_do_not_depend_on_its_batch():
+    """A sequence decoding alone, beside one other or among 32 (where a task takes all its KV heads,
+    not one): the same bits."""
+    lens = [1000] + [130] * 31
+    tables = []
+    q, k, v, kc, vc, meta = _case(lens, None, tables=tables)
+    scale = 64**-0.5
+    full = paged_attention(q, k, v, kc.clone(), vc.clone(), meta, scale, kernel)
+    ordered = sorted(lens)
+    row = ordered.index(1000)
+    for keep in ([row], [0, row]):
+        m = build_metadata([(tables[i], ordered[i] - 1, 1) for i in keep], 16, None, "cpu")
+        got = paged_attention(q[keep], k[keep], v[keep], kc.clone(), vc.clone(), m, scale, kernel)
+        assert torch.equal(got[-1], full[row])
 
 
 @needs_kernel
@@ -167,10 +185,11 @@ def test_the_avx2_build_gives_this_builds_bits(tmp_path, dim):
 
 
 @needs_kernel
-def test_kernel_softmax_over_wide_score_ranges():
+@pytest.mark.parametrize("lens", [LARGE, LONG], ids=["large", "long"])
+def test_kernel_softmax_over_wide_score_ranges(lens):
     """Scores spread over hundreds (the kernel's own exp, its underflow clamp) stay within the bound,
     which grows with the scores' magnitudes: their last-bit differences are amplified by the exp."""
-    _check_both(LARGE, q_scale=40.0)
+    _check_both(lens, q_scale=40.0)
 
 
 def _skips_newest_key(q, kc, vc, block_idx, first, ctx, *rest):

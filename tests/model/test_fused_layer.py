@@ -67,9 +67,16 @@ def _both(model, ids, positions, meta, kv):
 )  # plain, qkv bias, sliding window
 @pytest.mark.parametrize(
     "lens",
-    [[5], [3, 9], [2, 17, 17, 40, 41, 100, 300, 301, 33, 64], [3 + 5 * i for i in range(34)]],
-    ids=["one", "two", "ten", "34"],
-)  # bfloat16 products where the CPU has them: int4 and int8 from ten rows
+    [
+        [5],
+        [3, 9],
+        [2, 17, 17, 40, 41, 100, 300, 301, 33, 64],
+        [3 + 5 * i for i in range(34)],
+        [1000],
+        [700, 9, 1000],
+    ],
+    ids=["one", "two", "ten", "34", "one-long", "long"],
+)  # bfloat16 products where the CPU has them: int4 and int8 from ten rows; long contexts
 def test_fused_decode_step_is_the_op_by_op_step_bit_for_bit(name, quantization, lens):
     model = _model(name, quantization)
     assert model.fused is not None
