@@ -26,8 +26,8 @@
    most of the scores' time in shuffles and scalar adds; here the levels fold two vectors into one, so
    W rows share each shuffle, and the folds leave row r in lane bitreverse(r), put back in row order by
    one permute. Each fold adds lanes of one row only: a row's score is the same whichever rows share
-   its vectors (a short run's missing rows are zeros) and whichever thread computes it. */
-/* Each chain starts from zero: `x * y + z * w` may be contracted around either product, so a first
+   its vectors (a short run's missing rows are zeros) and whichever thread computes it. Each chain of
+   products starts from zero: `x * y + z * w` may be contracted around either product, so a first
    product as the chain's start would leave its rounding to the compiler (and differ between builds). */
 static inline v8f dot8(const float *q, const float *k, int D) {
     /* the even eights in one chain and the odd in another, as dot16's lanes 0-7 and 8-15 */
@@ -94,8 +94,8 @@ static inline v16f dots16(const float *q, const float *k, int64_t ks, int m, int
 #undef PD_PAIR
 #endif
 
-/* Scores (times `scale`) of the query heads [0, nhg) at qb (D apart) against rows [0, n) of a block
-   (ws apart, head hg's keys at kh(hg)), head hg's stored from s + hg * len. */
+/* Scores (times `scale`) of the query heads [0, nhg) at qb (D apart) against rows [0, n) of a block,
+   ws apart (head hg's keys at k + (hoff + hg / G) * D in each), head hg's stored from s + hg * len. */
 static inline void scores(const float *qb, const float *k, int64_t ws, int64_t n, int nhg, int G, int hoff, int D,
                           float scale, float *s, int64_t len) {
 #ifdef __AVX512F__
