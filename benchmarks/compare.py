@@ -40,6 +40,12 @@ model, made once by bench/shapes.py (bfloat16 safetensors, then GGUF files with 
 converter and quantizer). pdserve, llama-server and hf load its Q4_1 GGUF as they load SmolLM2's;
 vLLM serves the bfloat16 HF directory itself. Needs llama.cpp built (--build-llama-cpp).
 
+Rounds (--rounds N): the systems run in turns N times, each start a fresh server on the same
+requests. The VM's speed drifts by more than the differences measured (vLLM's 32-stream figure moved
+1.7x between two runs ten minutes apart while pdserve's moved 2%), so each system's table row is its
+median round and the summary's ratios are the median of each round's own ratios (the systems of a
+round measured minutes apart), with every round's printed.
+
 A system that cannot be built or started is skipped with its reason; the run goes on. Results
 go to --out-dir: compare.json, compare.md (table with ratios against llama-server), compare.png.
 """
@@ -479,6 +485,60 @@ def best_ratios(results: dict, levels: list[int]) -> dict:
     return out
 
 
+def median_rounds(rounds: list[dict]) -> dict:
+    """One result per system: at each level its median round's point (the lower of the two middle
+    ones for an even count), with every round's output tok/s beside it; skipped if a round skipped it."""
+    out: dict = {}
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds]
+        skipped = next((x for x in runs if "points" not in x), None)
+        if skipped is not None:
+            out[name] = dict(skipped)
+            continue
+        points = []
+        for i in range(len(runs[0]["points"])):
+            at = sorted((x["points"][i] for x in runs), key=lambda p: p["output_throughput_tok_s"])
+            mid = dict(at[(len(at) - 1) // 2])
+            mid["round_output_tok_s"] = [x["points"][i]["output_throughput_tok_s"] for x in runs]
+            points.append(mid)
+        out[name] = {
+            "points": points,
+            "wall_s": round(sum(x["wall_s"] for x in runs), 1),
+            "foreign_cpu": max((x["foreign_cpu"] or 0) for x in runs),
+        }
+    return out
+
+
+def round_ratios(rounds: list[dict], levels: list[int]) -> dict:
+    """best_ratios of each round (its systems measured minutes apart), and their medians."""
+    each = [best_ratios(r, levels) for r in rounds]
+    if len(each) == 1:
+        return each[0]
+    out: dict = {"best_vs_vllm_best": {}, "default_vs_vllm_best": {}, "rounds": [], "lines": []}
+    for key in ("best_vs_vllm_best", "default_vs_vllm_best"):
+        for c in levels:
+            got = sorted(e[key][c] for e in each if c in e[key])
+            if got:
+                out[key][c] = (
+                    got[(len(got) - 1) // 2]
+                    if len(got) % 2
+                    else round((got[len(got) // 2 - 1] + got[len(got) // 2]) / 2, 3)
+                )
+    for i, e in enumerate(each):
+        out["rounds"].append({k: e[k] for k in ("best_vs_vllm_best", "default_vs_vllm_best")})
+        out["lines"] += [f"round {i + 1}: {line}" for line in e["lines"]]
+    for c in levels:
+        for key, what in (
+            ("best_vs_vllm_best", "pdserve best"),
+            ("default_vs_vllm_best", "pdserve-pd-default"),
+        ):
+            if c in out[key]:
+                out["lines"].append(
+                    f"{what} / vLLM best at concurrency {c}, median of {len(each)} rounds: {out[key][c]:.2f}x"
+                )
+    return out
+
+
 def baseline_name(name: str) -> str:
     """llama-server at the precision of `name` (its suffix, if any)."""
     suffix = next((f"-{p}" for p in PRECISIONS if p != "f32" and name.endswith(f"-{p}")), "")
@@ -551,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         help="random weights in this model's shape instead of SmolLM2 (sets --model and --gguf)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="the systems in turns this many times (median)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--out-dir", default="bench-out/compare")
@@ -615,21 +676,27 @@ def main(argv: list[str] | None = None) -> int:
         if (s not in ONCE or prec == once) and not (s == BASELINE and prec in PDSERVE_ONLY)
         for name in ([VLLM_NAMES[d] for d in dtypes] if s == "vllm" else [system_name(s, prec)])
     ]
-    results: dict = {}
-    for name in order:
-        watch = CpuWatch()
-        try:
-            results[name] = {"points": runners[name]()}
-        except Skip as e:
-            log(f"{name}: skipped: {e}")
-            results[name] = {"skipped": str(e)}
-        results[name]["wall_s"] = round(time.perf_counter() - watch.t0, 1)
-        results[name]["foreign_cpu"] = watch.foreign_fraction()
-        if (results[name]["foreign_cpu"] or 0) > DISTURBED:
-            log(
-                f"{name}: other processes used {results[name]['foreign_cpu']:.0%} of the CPU "
-                "meanwhile; its figures are disturbed"
-            )
+    rounds: list[dict] = []
+    for r in range(a.rounds):
+        if a.rounds > 1:
+            log(f"round {r + 1} of {a.rounds}")
+        results: dict = {}
+        for name in order:
+            watch = CpuWatch()
+            try:
+                results[name] = {"points": runners[name]()}
+            except Skip as e:
+                log(f"{name}: skipped: {e}")
+                results[name] = {"skipped": str(e)}
+            results[name]["wall_s"] = round(time.perf_counter() - watch.t0, 1)
+            results[name]["foreign_cpu"] = watch.foreign_fraction()
+            if (results[name]["foreign_cpu"] or 0) > DISTURBED:
+                log(
+                    f"{name}: other processes used {results[name]['foreign_cpu']:.0%} of the CPU "
+                    "meanwhile; its figures are disturbed"
+                )
+        rounds.append(results)
+    results = median_rounds(rounds)
     config = {k: v for k, v in vars(a).items()}
     (out_dir / "compare.json").write_text(json.dumps({"config": config, "results": results}, indent=2) + "\n")
     md = write_report(results, a, out_dir)
@@ -644,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{name} / {base_name} output tok/s at concurrency {pm['concurrency']}: "
                     f"{ratio(pm['output_throughput_tok_s'], pb['output_throughput_tok_s'])}"
                 )
-    summary = best_ratios(results, levels)
+    summary = round_ratios(rounds, levels)
     for line in summary.pop("lines"):
         print(line)
     print(json.dumps({"benchmark": "compare", "model": a.shape or "smollm2-135m", **summary}))

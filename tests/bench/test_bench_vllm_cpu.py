@@ -194,3 +194,38 @@ def test_best_ratios_take_each_sides_best_system_per_level():
     assert "pdserve best (pdserve-mixed-int4) / vLLM best (vllm-bf16) at concurrency 8: 2.00x" in got["lines"]
     assert load_compare().best_ratios({"pdserve-mixed": pts((8, 1.0))}, [8])["best_vs_vllm_best"] == {}
     sys.modules.pop("compare_under_test", None)
+
+
+def test_rounds_take_each_systems_median_and_each_rounds_own_ratios():
+    """compare --rounds: a system's row is its median round at each level, and the summary is the
+    median of each round's ratios, not the ratio of the medians (a round's systems ran minutes apart)."""
+
+    def run(mixed, pd, vllm):
+        def pts(t):
+            return {
+                "points": [{"concurrency": 32, "completed": 4, "output_throughput_tok_s": t}],
+                "wall_s": 1.0,
+                "foreign_cpu": 0.01,
+            }
+
+        return {
+            "pdserve-mixed": pts(mixed),
+            "pdserve-pd-default": pts(pd),
+            "vllm-bf16": pts(vllm),
+            "hf": {"skipped": "why"},
+        }
+
+    rounds = [run(450.0, 370.0, 550.0), run(440.0, 330.0, 320.0), run(445.0, 350.0, 400.0)]
+    compare = load_compare()
+    merged = compare.median_rounds(rounds)
+    (point,) = merged["vllm-bf16"]["points"]
+    assert point["output_throughput_tok_s"] == 400.0
+    assert point["round_output_tok_s"] == [550.0, 320.0, 400.0]
+    assert merged["hf"] == {"skipped": "why"} and merged["pdserve-mixed"]["wall_s"] == 3.0
+    got = compare.round_ratios(rounds, [32])
+    # rounds: 450/550, 440/320, 445/400 -> 0.818, 1.375, 1.113: the median 1.113 (445 / 400 here)
+    assert got["best_vs_vllm_best"] == {32: round(445.0 / 400.0, 3)}
+    assert got["default_vs_vllm_best"] == {32: round(350.0 / 400.0, 3)}
+    assert len(got["rounds"]) == 3 and any("median of 3 rounds" in line for line in got["lines"])
+    assert compare.round_ratios(rounds[:1], [32]) == compare.best_ratios(rounds[0], [32])
+    sys.modules.pop("compare_under_test", None)
