@@ -41,10 +41,9 @@ converter and quantizer). pdserve, llama-server and hf load its Q4_1 GGUF as the
 vLLM serves the bfloat16 HF directory itself. Needs llama.cpp built (--build-llama-cpp).
 
 Rounds (--rounds N): the systems run in turns N times, each start a fresh server on the same
-requests. The VM's speed drifts by more than the differences measured (vLLM's 32-stream figure moved
-1.7x between two runs ten minutes apart while pdserve's moved 2%), so each system's table row is its
-median round and the summary's ratios are the median of each round's own ratios (the systems of a
-round measured minutes apart), with every round's printed.
+requests. A shared VM's speed drifts from one run to the next by more than the differences measured,
+so each system's table row is its median round and the summary's ratios are the median of each
+round's own ratios (the systems of a round measured minutes apart), with every round's printed.
 
 A system that cannot be built or started is skipped with its reason; the run goes on. Results
 go to --out-dir: compare.json, compare.md (table with ratios against llama-server), compare.png.
@@ -620,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(ALL)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {ALL}")
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: at least 1")
     levels = [int(x) for x in a.concurrency.split(",")]
     if len(set(levels)) != len(levels):
         p.error(f"--concurrency {a.concurrency}: each level once (each gets its own prompts)")
