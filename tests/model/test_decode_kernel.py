@@ -147,20 +147,28 @@ def test_kernel_matches_float64_at_other_block_sizes(block, lens):
 OTHER_BUILDS = [("portable", [], []), ("avx2", AVX2, AVX2_NEEDS)]
 
 
-@needs_kernel
-@pytest.mark.parametrize("name,flags,needs", OTHER_BUILDS, ids=[b[0] for b in OTHER_BUILDS])
-def test_other_vector_builds_match_float64(tmp_path, name, flags, needs):
+def _other_build(tmp_path, name, flags, needs) -> DecodeAttention:
+    """The kernel built with `flags`, typed; skips where this CPU cannot run it. A build this CPU could
+    run must succeed (the portable one everywhere)."""
+    runs_here = set(needs) <= cpu_flags()
     lib = build_library(tmp_path, name, ["decode_attention"], flags)
     if lib is None:
-        assert flags, "the portable build failed"
+        assert flags and not runs_here, f"the {name} build failed"
         pytest.skip(f"{name}: this compiler or architecture does not take {flags}")
-    if not set(needs) <= cpu_flags():
+    if not runs_here:
         pytest.skip(f"{name} built; this CPU cannot run it")
     fn = lib.pd_decode_attention
     fn.restype, fn.argtypes = None, ARGTYPES
+    return DecodeAttention(fn)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,flags,needs", OTHER_BUILDS, ids=[b[0] for b in OTHER_BUILDS])
+def test_other_vector_builds_match_float64(tmp_path, name, flags, needs):
+    other = _other_build(tmp_path, name, flags, needs)
     for dim, block in ((64, 16), (40, 16), (64, 8)):
-        _check_both(LARGE, dim=dim, block=block, kernel_fn=DecodeAttention(fn))
-    _check_both(SMALL, 40, kernel_fn=DecodeAttention(fn))
+        _check_both(LARGE, dim=dim, block=block, kernel_fn=other)
+    _check_both(SMALL, 40, kernel_fn=other)
 
 
 @needs_kernel
@@ -169,18 +177,9 @@ def test_the_avx2_build_gives_this_builds_bits(tmp_path, dim):
     """The 8-lane score folds are the 16-lane ones' tree (two chains over a row's even and odd eights,
     then lanes j + 4, + 2, + 1), and the value sums run in position order at either width: a
     PD deployment's workers on AVX2 and on AVX-512 attend alike."""
-    if not set(AVX2_NEEDS) <= cpu_flags():
-        pytest.skip("this CPU cannot run the AVX2 build")
-    lib = build_library(tmp_path, "avx2", ["decode_attention"], AVX2)
-    assert lib is not None
-    fn = lib.pd_decode_attention
-    fn.restype, fn.argtypes = None, ARGTYPES
-    tables = []
-    q, k, v, kc, vc, meta = _case(LARGE, None, dim=dim, tables=tables)
-    got = [
-        paged_attention(q, k, v, kc.clone(), vc.clone(), meta, dim**-0.5, f)
-        for f in (kernel, DecodeAttention(fn))
-    ]
+    avx2 = _other_build(tmp_path, "avx2", AVX2, AVX2_NEEDS)
+    q, k, v, kc, vc, meta = _case(LARGE, None, dim=dim)
+    got = [paged_attention(q, k, v, kc.clone(), vc.clone(), meta, dim**-0.5, f) for f in (kernel, avx2)]
     assert torch.equal(got[0], got[1])
 
 
