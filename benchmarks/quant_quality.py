@@ -7,8 +7,9 @@ GGUF file's own Q4_1 weights (no further loss), so only activation rounding (bfl
 kernels) and the int8 output head separate it from float32 over the same dequantized weights.
 Prints one JSON line per mode. Goal: int4 agreement >= 0.97.
 
-With --kv-dtype bfloat16 the modes (none: float32 weights) hold their KV cache in bfloat16
-(cache.kv_dtype), against the same float32 reference with a float32 cache.
+Each mode holds its KV cache as the engine would (cache.kv_dtype; --kv-dtype auto, the default:
+bfloat16 for int4 and int8 weights, float32 for none), against the same float32 reference with a
+float32 cache; --kv-dtype float32 or bfloat16 sets every mode's.
 
 Then memory: the resident set of a fresh process holding the engine (weights and the same KV pool)
 for float32 and each mode. Goal: int4's at least 60% of float32's weight bytes below float32's.
@@ -94,7 +95,8 @@ def main() -> int:
         "--kv-dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16"),
-        help="the modes' KV cache dtype (cache.kv_dtype; auto: the model's); the reference keeps float32",
+        help="the modes' KV cache dtype (cache.kv_dtype; auto: as the engine resolves it for each mode); "
+        "the reference keeps float32",
     )
     args = ap.parse_args()
 
@@ -102,7 +104,8 @@ def main() -> int:
 
     from pdserve import LLM, SamplingParams
     from pdserve.bench.quality import agreement_and_kl, sequence_logits
-    from pdserve.config import ModelConfig
+    from pdserve.config import ModelConfig, load_config
+    from pdserve.model.kv_dtype import resolve_kv_dtype
     from pdserve.model.loader import build_model, load_model_files
     from pdserve.utils.cpu import describe
 
@@ -125,7 +128,12 @@ def main() -> int:
             "float32",
             model_config=ModelConfig(quantization=mode),
         )
-        kv_dtype = None if args.kv_dtype == "auto" else getattr(torch, args.kv_dtype)
+        kv_name = resolve_kv_dtype(
+            load_config(
+                None, {"model.name": args.model, "model.quantization": mode, "cache.kv_dtype": args.kv_dtype}
+            )
+        )
+        kv_dtype = getattr(torch, kv_name)
         got = [sequence_logits(model, ids, kv_dtype=kv_dtype)[n - 1 : len(ids) - 1] for ids, n in seqs]
         agree, kl = agreement_and_kl(torch.cat(ref), torch.cat(got))
         print(
@@ -133,7 +141,7 @@ def main() -> int:
                 {
                     "benchmark": "quant_quality",
                     "mode": mode,
-                    "kv_dtype": args.kv_dtype,
+                    "kv_dtype": kv_name,
                     "model": args.model,
                     "cpu": describe(),
                     "prompts": len(seqs),

@@ -148,12 +148,15 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = _overrides(args)
     try:
-        # A worker runs with its role's settings (deployment.<role>); its own flags win over them.
-        config = load_config(
-            args.config, overrides, role=args.role if args.command in ("worker", "ep-rank") else None
-        )
-        # A worker's version names the deployment config it came from, before its role's settings.
-        digest = config_digest(load_config(args.config, overrides)) if args.command == "worker" else None
+        digest = None
+        if args.command in ("worker", "ep-rank"):
+            from pdserve.deployment_plan import load_worker_config
+
+            config, deployment = load_worker_config(args.config, overrides, args.role)
+            # A worker's version names the deployment config it came from, before its role's settings.
+            digest = config_digest(deployment) if args.command == "worker" else None
+        else:
+            config = load_config(args.config, overrides)
         if args.command == "serve":
             from pdserve.deployment_plan import format_plan, make_plan
 

@@ -92,10 +92,13 @@ class CacheConfig:
     # tagged structs, a replay socket on kv_events_snapshot_endpoint) for consumers written for vLLM; vllm-array:
     # the same with events laid out as arrays, as earlier vLLM releases wrote them. See docs/kv-cache.md.
     kv_events_format: str = "pdserve"
-    # The dtype the KV cache holds: auto (the model's, model.dtype), float32 or bfloat16. bfloat16
-    # halves the cache's bytes, and so what a decode step reads at long contexts and many streams,
-    # and doubles the tokens a pool holds; keys and values are rounded to it as they are written and
-    # every query attends to the rounded values. Not for MLA models or expert parallelism.
+    # The dtype the KV cache holds: auto, float32 or bfloat16. bfloat16 halves the cache's bytes, and
+    # so what a decode step reads at long contexts and many streams, and doubles the tokens a pool
+    # holds; keys and values are rounded to it as they are written and every query attends to the
+    # rounded values. auto: bfloat16 for float32 activations over int4 or int8 weights (the default
+    # model's), else model.dtype (float32 weights keep HF's float32 results); in a PD deployment the
+    # decode role's, so that both ends of a transfer hold one dtype (docs/kv-cache.md). MLA models and
+    # expert parallelism keep model.dtype.
     kv_dtype: str = "auto"
 
 

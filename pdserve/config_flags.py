@@ -82,7 +82,10 @@ FLAGS: dict[str, Flag] = {
     "device": Flag("model.device", "cpu or cuda"),
     "max_model_len": Flag("model.max_model_len", type=int),
     "block_size": Flag("cache.block_size", type=int),
-    "kv_cache_dtype": Flag("cache.kv_dtype", "the KV cache's dtype: auto (the model's), float32, bfloat16"),
+    "kv_cache_dtype": Flag(
+        "cache.kv_dtype",
+        "the KV cache's dtype: auto (bfloat16 under quantized weights, else the model's), float32, bfloat16",
+    ),
     "device_memory_gb": Flag("cache.device_memory_gb", "KV cache budget", float),
     "device_blocks": Flag("cache.device_blocks", "KV blocks (overrides --device-memory-gb)", int),
     "prefix_cache": Flag("cache.prefix_cache", "turn off reuse of cached prompt prefixes", negative=True),

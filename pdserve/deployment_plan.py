@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.config import Config, ConfigError, for_role, shares_idle_cores
+from pdserve.config import Config, ConfigError, derive, for_role, load_config, shares_idle_cores
 
 PD_ROLES = ("prefill", "decode")
 
@@ -101,10 +101,39 @@ def _check_model(config: Config, arch: Any, roles: list[RolePlan]) -> None:
                 f"layer ({arch.num_experts} experts + model.num_redundant_experts) cannot be spread "
                 f"over {ep} ranks"
             )
-    # Roles may quantize differently (seed 004: prefill in float, decode in int4), MoE models' experts
-    # included: the KV they exchange has the same layout and dtype either way, so the KV plane accepts it.
+    # Roles may quantize differently (prefill in float, decode in int4), MoE models' experts included:
+    # the KV they exchange has the same layout either way, and one dtype (pd_kv_dtype).
     if problems:
         raise ConfigError(list(problems.items()))
+
+
+def pd_kv_dtype(config: Config) -> str:
+    """cache.kv_dtype as every worker of `config`'s PD deployment keeps it (model/kv_dtype.py). Both ends
+    of a transfer hold the same dtype, and roles may quantize differently, so `auto` is resolved once:
+    from the decode role (its steps read the whole cache; prefill workers write into its pool), and to
+    the model's dtype where a role's ranks are expert-parallel (their pools keep no other)."""
+    from pdserve.model.kv_dtype import resolve_kv_dtype  # torch-free; lazily, as the router imports launch
+
+    if config.cache.kv_dtype != "auto":
+        return config.cache.kv_dtype
+    roles = {r: for_role(config, r) for r in PD_ROLES}
+    if any(rc.model.expert_parallel > 1 for rc in roles.values()):
+        return config.model.dtype
+    try:
+        return resolve_kv_dtype(roles["decode"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError([("model.name", f"{config.model.name!r} cannot be read: {e}")]) from None
+
+
+def load_worker_config(
+    path: str | os.PathLike | None, overrides: dict[str, Any], role: str
+) -> tuple[Config, Config]:
+    """(a `pdserve worker --role R` process's config, its deployment's). The worker runs with its role's
+    settings (deployment.<role>), its own flags winning over them, and with the KV dtype every worker
+    of the deployment keeps (pd_kv_dtype); the deployment's config is the file and flags alone."""
+    deployment = load_config(path, overrides)
+    pinned = {"cache.kv_dtype": pd_kv_dtype(deployment)}
+    return load_config(path, {**overrides, **pinned}, role=role), deployment
 
 
 def make_plan(config: Config) -> Plan:
@@ -119,8 +148,9 @@ def make_plan(config: Config) -> Plan:
     warnings: list[str] = []
     if config.deployment.mode == "pd":
         n_prefill, n_decode, warnings = pd_counts(config)
+        kv = {"cache.kv_dtype": pd_kv_dtype(config)}
         roles = [
-            RolePlan(r, n, with_resolved_quantization(for_role(config, r)))
+            RolePlan(r, n, with_resolved_quantization(derive(for_role(config, r), kv)))
             for r, n in zip(PD_ROLES, (n_prefill, n_decode))
         ]
     else:
@@ -135,8 +165,13 @@ def make_plan(config: Config) -> Plan:
     return Plan(config, arch, roles, warnings)
 
 
-def _kv(c: Config) -> str:
-    return f"{c.cache.device_blocks} blocks" if c.cache.device_blocks else f"{c.cache.device_memory_gb:g} GB"
+def _kv(c: Config, arch: Any, auto: bool) -> str:
+    """The role's KV budget and the dtype its cache holds, `(auto)` where the config left it."""
+    from pdserve.model.kv_dtype import resolve_kv_dtype
+
+    size = f"{c.cache.device_blocks} blocks" if c.cache.device_blocks else f"{c.cache.device_memory_gb:g} GB"
+    kv = resolve_kv_dtype(c, arch)
+    return f"{size}, {kv}{' (auto)' if auto else ''}"
 
 
 def _quantization(config: Config, rp: RolePlan) -> str:
@@ -168,7 +203,7 @@ def format_plan(plan: Plan) -> str:
             "threads",
             "max_num_seqs",
             "max_batched_tokens",
-            "KV budget",
+            "KV cache",
             "quantization",
             "cores",
         ]
@@ -185,7 +220,7 @@ def format_plan(plan: Plan) -> str:
                 str(rc.server.threads or "torch default"),
                 str(rc.scheduler.max_num_seqs),
                 str(rc.scheduler.max_num_batched_tokens),
-                _kv(rc),
+                _kv(rc, a, c.cache.kv_dtype == "auto"),
                 _quantization(c, rp),
                 ",".join(map(str, cores)) if cores else "any",
             ]

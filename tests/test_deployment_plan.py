@@ -67,8 +67,13 @@ def test_dry_run_of_the_defaults():
     #                role   instances EP processes threads max_num_seqs batched KV
     assert _row(out, "prefill")[:8] == ["prefill", "1", "1", "1", "1", "64", "512", "1"]
     assert _row(out, "decode")[:8] == ["decode", "1", "1", "1", "1", "64", "512", "1"]
-    # quantization auto, shown as it resolves for the packaged Q4_1 file
-    assert _row(out, "prefill")[9:11] == _row(out, "decode")[9:11] == ["int4", "(auto)"]
+    # quantization auto, shown as it resolves for the packaged Q4_1 file, and the KV cache in bfloat16
+    # over those int4 weights (cache.kv_dtype auto)
+    assert (
+        _row(out, "prefill")[8:13]
+        == _row(out, "decode")[8:13]
+        == ["GB,", "bfloat16", "(auto)", "int4", "(auto)"]
+    )
     assert "warning" not in out
 
 
@@ -104,6 +109,12 @@ def test_a_moe_model_with_fewer_experts_than_ranks_is_refused():
         load_config(None, {"model.quantization": "none", "deployment.decode.quantization": "int4"})
     )
     assert [rp.config.model.quantization for rp in plan.roles] == ["none", "int4"]
+    # One KV dtype for both ends of a transfer: the decode role's (int4 weights: bfloat16).
+    assert [rp.config.cache.kv_dtype for rp in plan.roles] == ["bfloat16", "bfloat16"]
+    plan = make_plan(
+        load_config(None, {"model.quantization": "int4", "deployment.decode.quantization": "none"})
+    )
+    assert [rp.config.cache.kv_dtype for rp in plan.roles] == ["float32", "float32"]
     # The default, auto, is planned as it resolves: the packaged file stores Q4_1, a tiny model is float.
     assert [rp.config.model.quantization for rp in make_plan(load_config()).roles] == ["int4", "int4"]
     tiny = make_plan(

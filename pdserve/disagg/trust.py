@@ -153,6 +153,9 @@ def compat_mismatch(mine: dict[str, Any], theirs: Any) -> str | None:
         for k, v in mine.items()
         if k not in _MAY_DIFFER and theirs.get(k) != v
     ]
+    if theirs.get("kv_elem_size") != mine.get("kv_elem_size"):
+        # Workers started apart, each resolving `auto` from its own quantization flag.
+        diffs.append("set cache.kv_dtype (--kv-cache-dtype) the same on both")
     return "; ".join(diffs) or None
 
 

@@ -46,6 +46,7 @@ from pdserve.engine.tier_fetch import TierFetcher
 from pdserve.engine.tier_identity import digested_as_read, tier_key, tier_namespace, weights_digest
 from pdserve.model.arch import ModelArch
 from pdserve.model.kernels import qgemm
+from pdserve.model.kv_dtype import resolve_kv_dtype
 from pdserve.model.loader import LoadedModel, build_model, load_model_files, torch_dtype
 from pdserve.model.stored_quant import with_resolved_quantization
 from pdserve.utils.core_share import CoreShare
@@ -61,10 +62,10 @@ INVARIANT_ROWS = 256
 
 
 def kv_cache_dtype(config: Config, arch: ModelArch) -> torch.dtype:
-    """cache.kv_dtype resolved (auto: the model's dtype); a dtype other than the model's where the
-    attention paths keep it (not MLA's latent cache, not expert-parallel ranks' pools)."""
+    """cache.kv_dtype resolved (model/kv_dtype.py); a dtype other than the model's where the attention
+    paths keep it (not MLA's latent cache, not expert-parallel ranks' pools)."""
     mc, want = config.model, config.cache.kv_dtype
-    dtype = torch_dtype(mc.dtype if want == "auto" else want)
+    dtype = torch_dtype(resolve_kv_dtype(config, arch))
     if dtype != torch_dtype(mc.dtype) and (arch.is_mla or mc.expert_parallel > 1):
         why = "an MLA model's latent cache" if arch.is_mla else "expert parallelism's pools"
         raise ConfigError([("cache.kv_dtype", f"{want} is not supported for {why}; use auto")])
@@ -107,7 +108,9 @@ class LLMEngine:
         self.model = build_model(
             loaded, mc.dtype, mc.device, self.max_model_len, mc, internal_token(config.server.internal_token)
         )
-        namespace = tier_namespace(config, self.max_model_len, early or weights_digest(loaded.weights))
+        namespace = tier_namespace(
+            config, self.max_model_len, early or weights_digest(loaded.weights), loaded.arch
+        )
         self.weight_bytes = getattr(self.model, "resident_weight_bytes", self.model.weight_bytes)()
         self.images = image_embeddings(loaded.vision, config) if loaded.vision is not None else None
         del loaded
@@ -538,7 +541,7 @@ class LLMEngine:
 
     def _step_cost_parts(self, drafter: DraftModel | None = None) -> dict[str, Any]:
         """What a measured decode step's cost depends on, for the caches' keys: the model (the served
-        one, or `drafter`'s) and its format, the kernels, the threads, torch."""
+        one, or `drafter`'s) and its format, its KV cache's dtype, the kernels, the threads, torch."""
         mc, sc = self.config.model, self.config.scheduler
         return {
             "model": mc.name if drafter is None else drafter.name,
@@ -549,6 +552,7 @@ class LLMEngine:
             "gemm_kernel": mc.gemm_kernel,
             "activation_quantization": mc.activation_quantization if drafter is None else "none",
             "attention_kernel": mc.attention_kernel,
+            "kv_dtype": str((drafter or self).kv_cache.dtype),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
         }

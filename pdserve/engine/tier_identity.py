@@ -2,7 +2,8 @@
 
 Block hashes cover token ids only, so everything else that shapes the KV goes into the namespace:
 the weights themselves (a digest, not a directory's base name: two models in directories of the
-same name must never share blocks), the quantization, the dtype, RoPE fixed at the served length.
+same name must never share blocks), the quantization, the dtype, the cache's dtype, RoPE fixed at
+the served length.
 A checkpoint on disk is digested from samples of its stored tensors taken as the build reads them, so
 start-up reads its files once. The blocks' checksum is keyed with the internal token where one is set, so a process without it
 cannot plant blocks that other workers would load."""
@@ -19,7 +20,9 @@ from typing import Any
 import torch
 
 from pdserve.config import Config
+from pdserve.model.arch import ModelArch
 from pdserve.model.hf_files import DIGEST_SAMPLES
+from pdserve.model.kv_dtype import resolve_kv_dtype
 from pdserve.model.stored_quant import resolve_quantization
 
 # Elements read from each tensor: any two different checkpoints (a fine-tune changes every matrix)
@@ -61,9 +64,11 @@ def weights_digest(weights: Mapping[str, Any]) -> str:
     return h.hexdigest()
 
 
-def tier_namespace(config: Config, max_model_len: int, weights: Mapping[str, Any] | str) -> str:
+def tier_namespace(
+    config: Config, max_model_len: int, weights: Mapping[str, Any] | str, arch: ModelArch | None = None
+) -> str:
     """`<readable name>-<digest>`: the name for people, the digest for correctness. `weights`: the
-    weights, or their digest (`weights_digest`) taken already."""
+    weights, or their digest (`weights_digest`) taken already; `arch`: the model's, where it is known."""
     mc = config.model
     base = re.sub(r"[^A-Za-z0-9._-]", "_", Path(mc.name).name) or "model"
     quant = resolve_quantization(mc.quantization, mc.name)  # `auto` and what it resolves to name the same KV
@@ -71,8 +76,9 @@ def tier_namespace(config: Config, max_model_len: int, weights: Mapping[str, Any
     key = f"{digest}|{mc.dtype}|{max_model_len}|{quant}"
     if mc.activation_quantization != "none":  # int8 activations write other KV; the default's names stay
         key += f"|activations={mc.activation_quantization}"
-    if config.cache.kv_dtype not in ("auto", mc.dtype):  # rounded KV: other blocks (auto's names stay)
-        key += f"|kv={config.cache.kv_dtype}"
+    kv_dtype = resolve_kv_dtype(config, arch)  # `auto` and what it resolves to name the same KV
+    if kv_dtype != mc.dtype:  # rounded KV: other blocks
+        key += f"|kv={kv_dtype}"
     return f"{base}-{hashlib.blake2b(key.encode(), digest_size=6).hexdigest()}"
 
 

@@ -58,14 +58,17 @@ QUICK = ProfileGrid(
 
 
 def _engine(config: Config, role: str, grid: ProfileGrid):
+    from pdserve.deployment_plan import PD_ROLES, pd_kv_dtype
     from pdserve.engine.engine import LLMEngine
 
     cfg = for_role(config, role)
     max_batch = max(grid.decode_batches)
-    # Role "mixed": the engine alone, without a connector (nothing to send or receive while timing).
+    # Role "mixed": the engine alone, without a connector (nothing to send or receive while timing),
+    # its KV in the dtype the role's workers keep.
     cfg = derive(
         cfg,
         {
+            "cache.kv_dtype": pd_kv_dtype(config) if role in PD_ROLES else cfg.cache.kv_dtype,
             "worker.role": "mixed",
             "cache.prefix_cache": True,
             "cache.swap_space_gb": 0.0,

@@ -1,7 +1,7 @@
 """What names and guards a model's blocks on a shared disk or Redis (engine/tier_identity.py):
 - the namespace is a digest of the weights, not the directory's base name: two checkpoints in
   directories of the same name never share blocks; the same weights anywhere do; quantization,
-  dtype and the served length each give other blocks;
+  dtype, the cache's dtype and the served length each give other blocks;
 - with an internal token the blocks' checksum is keyed: a block written without the key (by a
   process that can reach Redis or the disk but holds no token) is refused, and a worker with the
   key reads its own blocks back through the disk tier."""
@@ -25,7 +25,7 @@ ARCH = TINY_CONFIGS["tiny-llama"]
 def _ns(name: str, weights, **overrides) -> str:
     config = load_config(overrides={"model.name": "tiny-llama", **overrides})
     config.model.__dict__["name"] = name  # a checkpoint directory's path, as a user names it
-    return tier_namespace(config, 256, weights)
+    return tier_namespace(config, 256, weights, ARCH)
 
 
 def test_two_checkpoints_in_directories_of_one_name_never_share_blocks():
@@ -49,6 +49,12 @@ def test_quantization_dtype_and_length_each_give_other_blocks():
     base = _ns("/m/model", w)
     assert _ns("/m/model", w, **{"model.quantization": "int8"}) != base
     assert _ns("/m/model", w, **{"model.dtype": "bfloat16"}) != base
+    # int8 weights' cache is bfloat16 by default, named as an explicit bfloat16 cache is.
+    int8 = _ns("/m/model", w, **{"model.quantization": "int8", "cache.kv_dtype": "float32"})
+    assert int8 not in (base, _ns("/m/model", w, **{"model.quantization": "int8"}))
+    assert _ns("/m/model", w, **{"model.quantization": "int8"}) == _ns(
+        "/m/model", w, **{"model.quantization": "int8", "cache.kv_dtype": "bfloat16"}
+    )
     config = load_config(overrides={"model.name": "tiny-llama"})
     assert tier_namespace(config, 128, w) != tier_namespace(config, 256, w)
     # Quantized weights as loaded (a GGUF file's Q4 blocks) are digested through their parts.

@@ -12,6 +12,8 @@ from kv_peers import PrefillPeer
 from pd_harness import MODEL, Loop, mixed_outputs, pd_config, pd_pair, prompts
 
 from pdserve import SamplingParams
+from pdserve.config import load_config
+from pdserve.deployment_plan import pd_kv_dtype
 from pdserve.model.loader import load_model_files
 from pdserve.protocol import PD_ACCEPTED, PD_DONE
 from pdserve.server.roles import build_engine
@@ -163,11 +165,13 @@ def test_an_incompatible_prefill_worker_fails_the_request_at_once(prefill_overri
 
 
 def test_prefill_and_decode_may_quantize_their_weights_differently():
-    # Seed 004 quantizes the decode role alone: the KV both compute has one layout and dtype.
-    with pd_pair(prefill_config=pd_config("prefill"), decode_overrides={"model.quantization": "int8"}) as (
-        prefill,
-        decode,
-    ):
+    # The decode role alone quantized: the KV both compute has one layout, and one dtype, the one the
+    # deployment resolves for its workers (bfloat16: its decode role's weights are int8).
+    kv = pd_kv_dtype(load_config(None, {"model.name": MODEL, "deployment.decode.quantization": "int8"}))
+    assert kv == "bfloat16"
+    prefill_config = pd_config("prefill", overrides={"cache.kv_dtype": kv})
+    decode_overrides = {"model.quantization": "int8", "cache.kv_dtype": kv}
+    with pd_pair(prefill_config=prefill_config, decode_overrides=decode_overrides) as (prefill, decode):
         decode.run([PROMPT], GREEDY)
         s = decode.engine.stats()
         assert (s["kv_transfers_completed_total"], s["kv_local_prefill_fallbacks_total"]) == (1, 0)

@@ -1,19 +1,25 @@
 """cache.kv_dtype bfloat16 under a float32 model: the pool holds half the bytes a token (twice the
 tokens in the same budget), and greedy output is one thing across the paths that move or reuse the
 KV: the mixed engine, a prefix-cache hit, and a prefill worker writing into a decode worker over
-each transfer backend. MLA models are refused with the key named."""
+each transfer backend. MLA models are refused with the key named. `auto` resolves to bfloat16 under
+quantized weights only, once for a whole PD deployment (from its decode role), and workers that hold
+different dtypes refuse each other's transfers naming the key."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 from pd_harness import pd_config, pd_pair
 
 from pdserve import SamplingParams
 from pdserve.cache.kv_cache import bytes_per_block
 from pdserve.config import load_config
 from pdserve.config_rules import ConfigError
+from pdserve.config_yaml import nest_dotted
+from pdserve.deployment_plan import load_worker_config, pd_kv_dtype
 from pdserve.engine.engine import LLMEngine
+from pdserve.model.kv_dtype import resolve_kv_dtype
 
 MODEL = "tiny-qwen2"  # greedy output depends on the KV (tiny-llama's does not)
 BF16 = {"model.name": MODEL, "cache.kv_dtype": "bfloat16"}
@@ -94,3 +100,66 @@ def test_greedy_output_of_a_bfloat16_cache_is_one_across_hits_and_pd():
 def test_an_mla_model_refuses_a_kv_dtype_of_its_own():
     with pytest.raises(ConfigError, match="cache.kv_dtype"):
         LLMEngine(load_config(None, {"model.name": "tiny-deepseek-v3", "cache.kv_dtype": "bfloat16"}))
+
+
+def _resolved(**keys) -> str:
+    return resolve_kv_dtype(load_config(None, {k.replace("__", "."): v for k, v in keys.items()}))
+
+
+def test_auto_is_bfloat16_under_quantized_float32_weights_only():
+    assert _resolved() == "bfloat16"  # the default model: its Q4_1 file served as int4
+    assert _resolved(model__quantization="none") == "float32"  # HF's float32 reference
+    assert _resolved(model__name=MODEL) == "float32"  # a float checkpoint as stored
+    assert _resolved(model__name=MODEL, model__quantization="int8") == "bfloat16"
+    assert _resolved(model__name=MODEL, model__quantization="int4") == "bfloat16"
+    assert _resolved(model__name=MODEL, model__dtype="bfloat16") == "bfloat16"  # the model's own
+    assert _resolved(model__name=MODEL, model__quantization="int4", cache__kv_dtype="float32") == "float32"
+    # MLA's latent cache and expert-parallel pools keep the model's dtype.
+    assert _resolved(model__name="tiny-deepseek-v3", model__quantization="int4") == "float32"
+    assert _resolved(model__name="tiny-mixtral", model__quantization="int4") == "bfloat16"
+    assert (
+        _resolved(model__name="tiny-mixtral", model__quantization="int4", model__expert_parallel=2)
+        == "float32"
+    )
+
+
+def test_an_engine_over_int4_weights_holds_a_bfloat16_cache_by_default():
+    engine = LLMEngine(pd_config("mixed", overrides={"model.quantization": "int4"}))
+    try:
+        assert engine.kv_cache.dtype == torch.bfloat16
+    finally:
+        engine.close()
+
+
+def test_a_pd_deployment_resolves_auto_once_from_its_decode_role(tmp_path):
+    roles = {"model.name": MODEL, "model.quantization": "none", "deployment.decode.quantization": "int4"}
+    assert pd_kv_dtype(load_config(None, roles)) == "bfloat16"
+    swapped = {**roles, "model.quantization": "int4", "deployment.decode.quantization": "none"}
+    assert pd_kv_dtype(load_config(None, swapped)) == "float32"
+    # Expert-parallel ranks in either role: the model's dtype for both.
+    ep = {"model.name": "tiny-mixtral", "model.quantization": "int4", "deployment.prefill.expert_parallel": 2}
+    assert pd_kv_dtype(load_config(None, ep)) == "float32"
+    assert pd_kv_dtype(load_config(None, {**roles, "cache.kv_dtype": "float32"})) == "float32"
+    # Each `pdserve worker --role R` reading the deployment's file: one dtype, its own quantization.
+    path = tmp_path / "deployment.yaml"
+    path.write_text(yaml.safe_dump(nest_dotted(roles)))
+    prefill, deployment = load_worker_config(path, {}, "prefill")
+    decode, _ = load_worker_config(path, {}, "decode")
+    assert (prefill.model.quantization, decode.model.quantization) == ("none", "int4")
+    assert prefill.cache.kv_dtype == decode.cache.kv_dtype == "bfloat16"
+    assert deployment.cache.kv_dtype == "auto"  # the deployment's config (its version) is the file's
+    # A worker's own flags win, its KV dtype included.
+    flagged, _ = load_worker_config(path, {"cache.kv_dtype": "float32"}, "prefill")
+    assert flagged.cache.kv_dtype == "float32"
+
+
+def test_workers_holding_different_dtypes_refuse_each_others_transfers_naming_the_key():
+    with pd_pair("shm", prefill_config=pd_config("prefill", "shm"), decode_overrides=BF16) as (
+        prefill,
+        decode,
+    ):
+        decode.run(PROMPTS[:1], PARAMS)
+        decode.wait_idle()
+        prefill.wait_idle()
+        assert decode.finished == {"r0": "error"}
+        assert "kv_elem_size" in decode.errors["r0"] and "cache.kv_dtype" in decode.errors["r0"]

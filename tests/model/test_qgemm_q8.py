@@ -374,8 +374,8 @@ def test_routed_experts_rows_are_their_own_in_the_grouped_kernel_and_the_loop(mo
 
 def test_kv_tiers_keep_int8_activation_blocks_apart():
     """A shared disk or Redis tier names blocks by what shaped them: int8 activations write other KV,
-    so their namespace differs; the default's is what it was (the digest, dtype, length and
-    quantization alone)."""
+    so their namespace differs; the default's is the digest, dtype, length, quantization and the
+    cache's dtype (bfloat16 over the file's int4 weights) alone."""
     import dataclasses
     import hashlib
 
@@ -388,7 +388,7 @@ def test_kv_tiers_keep_int8_activation_blocks_apart():
     digest = "d" * 32
     assert tier_namespace(a8, 2048, digest) != tier_namespace(cfg, 2048, digest)
     quant = resolve_quantization(cfg.model.quantization, cfg.model.name)
-    key = f"{digest}|float32|2048|{quant}".encode()
+    key = f"{digest}|float32|2048|{quant}|kv=bfloat16".encode()
     assert (
         tier_namespace(cfg, 2048, digest) == "smollm2-135m-" + hashlib.blake2b(key, digest_size=6).hexdigest()
     )
