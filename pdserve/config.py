@@ -97,8 +97,8 @@ class CacheConfig:
     # holds; keys and values are rounded to it as they are written and every query attends to the
     # rounded values. auto: bfloat16 for float32 activations over int4 or int8 weights (the default
     # model's), else model.dtype (float32 weights keep HF's float32 results); in a PD deployment the
-    # decode role's, so that both ends of a transfer hold one dtype (docs/kv-cache.md). MLA models and
-    # expert parallelism keep model.dtype.
+    # decode role's, so that both ends of a transfer hold one dtype (docs/kv-cache.md). MLA and MoE
+    # models keep model.dtype (expert-parallel pools hold no other).
     kv_dtype: str = "auto"
 
 

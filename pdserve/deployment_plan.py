@@ -109,18 +109,14 @@ def _check_model(config: Config, arch: Any, roles: list[RolePlan]) -> None:
 
 def pd_kv_dtype(config: Config) -> str:
     """cache.kv_dtype as every worker of `config`'s PD deployment keeps it (model/kv_dtype.py). Both ends
-    of a transfer hold the same dtype, and roles may quantize differently, so `auto` is resolved once:
-    from the decode role (its steps read the whole cache; prefill workers write into its pool), and to
-    the model's dtype where a role's ranks are expert-parallel (their pools keep no other)."""
+    of a transfer hold the same dtype, and roles may quantize differently, so `auto` is resolved once,
+    from the decode role: its steps read the whole cache, and prefill workers write into its pool."""
     from pdserve.model.kv_dtype import resolve_kv_dtype  # torch-free; lazily, as the router imports launch
 
     if config.cache.kv_dtype != "auto":
         return config.cache.kv_dtype
-    roles = {r: for_role(config, r) for r in PD_ROLES}
-    if any(rc.model.expert_parallel > 1 for rc in roles.values()):
-        return config.model.dtype
     try:
-        return resolve_kv_dtype(roles["decode"])
+        return resolve_kv_dtype(for_role(config, "decode"))
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError([("model.name", f"{config.model.name!r} cannot be read: {e}")]) from None
 

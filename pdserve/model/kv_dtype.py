@@ -7,8 +7,8 @@ the worker's start resolve it too).
   than weights, the pool holds twice the tokens, and the weights' rounding dominates the cache's
   (benchmarks/quant_quality.py measures both). vLLM and llama.cpp keep 16-bit caches as well.
 - float32 weights keep a float32 cache: what HF's float32 reference computes, token for token.
-- MLA's latent cache and expert-parallel ranks' pools keep the model's dtype (their attention paths
-  hold no other).
+- MLA's latent cache and MoE models keep the model's dtype: expert-parallel ranks' pools hold no
+  other, and a MoE model's tokens then do not depend on how many ranks serve it.
 
 Both ends of a KV transfer must hold the same dtype, so a PD deployment resolves `auto` once for all
 its workers (deployment_plan.pd_kv_dtype), from its decode role.
@@ -30,9 +30,7 @@ def resolve_kv_dtype(config: Config, arch: ModelArch | None = None) -> str:
     mc, want = config.model, config.cache.kv_dtype
     if want != AUTO:
         return want
-    if mc.dtype != "float32" or mc.expert_parallel > 1:
-        return mc.dtype
-    if resolve_quantization(mc.quantization, mc.name) not in ("int4", "int8"):
+    if mc.dtype != "float32" or resolve_quantization(mc.quantization, mc.name) not in ("int4", "int8"):
         return mc.dtype
     arch = arch or describe_model(mc.name)
-    return mc.dtype if arch.is_mla else "bfloat16"
+    return mc.dtype if arch.is_mla or arch.is_moe else "bfloat16"

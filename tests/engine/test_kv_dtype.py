@@ -114,13 +114,11 @@ def test_auto_is_bfloat16_under_quantized_float32_weights_only():
     assert _resolved(model__name=MODEL, model__quantization="int4") == "bfloat16"
     assert _resolved(model__name=MODEL, model__dtype="bfloat16") == "bfloat16"  # the model's own
     assert _resolved(model__name=MODEL, model__quantization="int4", cache__kv_dtype="float32") == "float32"
-    # MLA's latent cache and expert-parallel pools keep the model's dtype.
+    # MLA's latent cache and MoE models (at any expert-parallel size) keep the model's dtype.
     assert _resolved(model__name="tiny-deepseek-v3", model__quantization="int4") == "float32"
-    assert _resolved(model__name="tiny-mixtral", model__quantization="int4") == "bfloat16"
-    assert (
-        _resolved(model__name="tiny-mixtral", model__quantization="int4", model__expert_parallel=2)
-        == "float32"
-    )
+    for ep in (1, 2):
+        mixtral = {"model__name": "tiny-mixtral", "model__quantization": "int4", "model__expert_parallel": ep}
+        assert _resolved(**mixtral) == "float32"
 
 
 def test_an_engine_over_int4_weights_holds_a_bfloat16_cache_by_default():
@@ -136,9 +134,6 @@ def test_a_pd_deployment_resolves_auto_once_from_its_decode_role(tmp_path):
     assert pd_kv_dtype(load_config(None, roles)) == "bfloat16"
     swapped = {**roles, "model.quantization": "int4", "deployment.decode.quantization": "none"}
     assert pd_kv_dtype(load_config(None, swapped)) == "float32"
-    # Expert-parallel ranks in either role: the model's dtype for both.
-    ep = {"model.name": "tiny-mixtral", "model.quantization": "int4", "deployment.prefill.expert_parallel": 2}
-    assert pd_kv_dtype(load_config(None, ep)) == "float32"
     assert pd_kv_dtype(load_config(None, {**roles, "cache.kv_dtype": "float32"})) == "float32"
     # Each `pdserve worker --role R` reading the deployment's file: one dtype, its own quantization.
     path = tmp_path / "deployment.yaml"
