@@ -198,7 +198,7 @@ class RoleConfig:
     instances: int | None = None
     threads: int | None = None  # torch threads per worker (None: server.threads, else ROLE_THREADS)
     cpu_affinity: list[int] | None = None  # cores the role's workers are pinned to (None: no pinning)
-    # Per-role model and engine settings (examples/seed_003.yaml: prefill EP 8, decode EP 64); None: the
+    # Per-role model and engine settings (examples/wide-ep.yaml: prefill EP 8, decode EP 64); None: the
     # global key of the same name (ROLE_SETTINGS below names it) applies.
     expert_parallel: int | None = None
     quantization: str | None = None

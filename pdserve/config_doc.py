@@ -29,7 +29,7 @@ INTRO = """\
 This file is generated from `pdserve/config.py` by `python -m pdserve.config_doc > docs/configuration.md`
 (`tests/test_config_doc.py` keeps it in step); edit the comments in `config.py`, not this file.
 
-`pdserve serve --config file.yaml` (see `examples/pd.yaml`, `examples/mixed.yaml`, `examples/seed_003.yaml`)
+`pdserve serve --config file.yaml` (see `examples/pd.yaml`, `examples/mixed.yaml`, `examples/wide-ep.yaml`)
 reads the sections below as nested YAML keys; flags override the file; the defaults live in one place,
 `pdserve/config.py`. Every value is checked when the config loads, the file's and the flags' alike
 (`pdserve/config_rules.py`): unknown keys, types, the allowed values and ranges listed here (every number

@@ -16,7 +16,7 @@ from pdserve.config_rules import ConfigError
 if TYPE_CHECKING:
     from pdserve.config import Config
 
-# Other names of keys, as seed 003's sample writes them (examples/seed_003.yaml); an alias sets every
+# Other names of keys, as examples/wide-ep.yaml writes them; an alias sets every
 # key it names, so the loaded Config has one place for each value.
 ALIASES = {
     "deployment.cache.prefix_cache": ("cache.prefix_cache",),

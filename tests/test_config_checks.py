@@ -1,5 +1,5 @@
 """Config values are checked at load: a bad value, key or type stops `pdserve` with exit status 2
-and a message naming the key, the value and what is allowed; the seed's aliases load."""
+and a message naming the key, the value and what is allowed; the wide-EP sample's aliases load."""
 
 from __future__ import annotations
 
@@ -170,8 +170,8 @@ def test_yaml_errors_name_the_file(tmp_path):
     assert r.returncode == 2 and "missing.yaml" in r.stderr
 
 
-def test_the_seed_sample_loads_with_its_aliases():
-    cfg = load_config(ROOT / "examples" / "seed_003.yaml")
+def test_the_wide_ep_sample_loads_with_its_aliases():
+    cfg = load_config(ROOT / "examples" / "wide-ep.yaml")
     d = cfg.deployment
     assert d.pd_ratio == "1:1"
     assert (d.prefill.instances, d.prefill.expert_parallel, d.decode.instances, d.decode.expert_parallel) == (

@@ -15,8 +15,8 @@ from pdserve.config import ConfigError, load_config
 from pdserve.deployment_plan import make_plan, pd_counts
 
 ROOT = Path(__file__).resolve().parents[1]
-SEED = ROOT / "examples" / "seed_003.yaml"
-# Qwen3-30B-A3B's shape: 128 experts, enough for the seed's decode EP 64. Only config.json is read.
+WIDE_EP = ROOT / "examples" / "wide-ep.yaml"
+# Qwen3-30B-A3B's shape: 128 experts, enough for the sample's decode EP 64. Only config.json is read.
 QWEN3_MOE = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "vocab_size": 151936,
@@ -77,16 +77,16 @@ def test_dry_run_of_the_defaults():
     assert "warning" not in out
 
 
-def test_dry_run_of_the_seed_sample_needs_a_moe_model():
-    r = dry_run("--config", str(SEED))
+def test_dry_run_of_the_wide_ep_sample_needs_a_moe_model():
+    r = dry_run("--config", str(WIDE_EP))
     assert r.returncode == 2
     assert "deployment.prefill.expert_parallel: 8: expert parallelism needs a MoE model" in r.stderr
     assert "deployment.decode.expert_parallel: 64: expert parallelism needs a MoE model" in r.stderr
     assert "smollm2-135m" in r.stderr and "dense" in r.stderr and not r.stdout
 
 
-def test_dry_run_of_the_seed_sample_with_a_moe_model(moe_dir):
-    r = dry_run("--config", str(SEED), "--model", str(moe_dir), "--port", "9000")
+def test_dry_run_of_the_wide_ep_sample_with_a_moe_model(moe_dir):
+    r = dry_run("--config", str(WIDE_EP), "--model", str(moe_dir), "--port", "9000")
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "qwen3_moe, 48 layers, MoE, 128 experts top-8 in 48 layers" in out
@@ -100,11 +100,11 @@ def test_dry_run_of_the_seed_sample_with_a_moe_model(moe_dir):
 
 def test_a_moe_model_with_fewer_experts_than_ranks_is_refused():
     with pytest.raises(ConfigError) as e:
-        make_plan(load_config(SEED, {"model.name": "tiny-mixtral"}))  # 16 experts, decode EP 64
+        make_plan(load_config(WIDE_EP, {"model.name": "tiny-mixtral"}))  # 16 experts, decode EP 64
     assert [k for k, _ in e.value.problems] == ["deployment.decode.expert_parallel"]
     with pytest.raises(ConfigError, match="model.name"):
         make_plan(load_config(None, {"model.name": "no-such-model"}))
-    # Per-role quantization (seed 004: prefill in float32, decode in int4), MoE models too.
+    # Per-role quantization (prefill in float32, decode in int4), MoE models too.
     plan = make_plan(
         load_config(None, {"model.quantization": "none", "deployment.decode.quantization": "int4"})
     )

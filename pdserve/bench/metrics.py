@@ -9,7 +9,7 @@ Definitions (also in docs/bench.md):
   several tokens (a detokenizer holding back half a character, say) counts as one gap.
 - TPOT: per request, (e2e - ttft) / (output_tokens - 1); requests with one token have none.
 - per-user tok/s: per request, 1000 / TPOT: how fast the text streams for that user once it has
-  started. This is the y of seed 003's throughput-versus-experience trade-off.
+  started. This is one axis of the throughput-versus-experience trade-off.
 - Throughputs divide completed requests' tokens by the run's wall time.
 - Goodput: completed requests meeting every SLO given, per second.
 """

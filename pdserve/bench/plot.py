@@ -21,7 +21,7 @@ def plot_tradeoff(
     series: dict[str, list[dict]], path: str | Path, title: str = "throughput vs per-user speed"
 ) -> None:
     """Aggregate output tok/s (y) against per-user tok/s (x), one line per system, each point
-    labelled with its concurrency: seed 003's throughput-versus-experience curve. Up and to the
+    labelled with its concurrency: the throughput-versus-experience curve. Up and to the
     right is better; moving along a line is the knob documented in docs/bench.md."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))

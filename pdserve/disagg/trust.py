@@ -139,8 +139,8 @@ def compat_info(
     }
 
 
-# Carried but allowed to differ: weight quantization changes no KV layout or dtype, and seed 004
-# quantizes the decode role alone (deployment_plan.py accepts per-role quantization).
+# Carried but allowed to differ: weight quantization changes no KV layout, and a deployment may quantize
+# its decode role alone (deployment_plan.py accepts per-role quantization; pd_kv_dtype gives both one dtype).
 _MAY_DIFFER = frozenset({"quantization"})
 
 
