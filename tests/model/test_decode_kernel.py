@@ -245,16 +245,18 @@ def _rounded(t: torch.Tensor) -> torch.Tensor:
     return t.bfloat16().float()
 
 
+@pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1)])
-@pytest.mark.parametrize("lens", [SMALL, LARGE], ids=["small", "large"])
-def test_a_bfloat16_cache_is_attended_as_its_rounded_values(lens, heads):
+@pytest.mark.parametrize("lens", [SMALL, LARGE, LONG], ids=["small", "large", "long"])
+def test_a_bfloat16_cache_is_attended_as_its_rounded_values(lens, heads, window):
     """cache.kv_dtype bfloat16: the step's keys and values go in rounded, and torch's path and the
     kernel both attend to the rounded cache (float64 reference of the rounded values, within the
-    bound); the kernel's widened reads give the bits it computes from a float32 cache holding them."""
+    bound); the kernel's widened reads give the bits it computes from a float32 cache holding them.
+    A window starts the walk mid-block, as the rows prefetched ahead of it do not."""
     tables = []
-    q, k, v, kc, vc, meta = _case(lens, None, heads, tables=tables)
+    q, k, v, kc, vc, meta = _case(lens, window, heads, tables=tables)
     scale = q.shape[-1] ** -0.5
-    rq, rk, rv, keep = _rows(q, _rounded(k), _rounded(v), _rounded(kc), _rounded(vc), lens, None, tables)
+    rq, rk, rv, keep = _rows(q, _rounded(k), _rounded(v), _rounded(kc), _rounded(vc), lens, window, tables)
     want = attention64(rq, rk, rv, keep, scale).reshape(q.shape)
     bound = attention_bound(rq, rk, rv, keep, scale).reshape(q.shape)
     for fn in (None, kernel) if kernel is not None else (None,):

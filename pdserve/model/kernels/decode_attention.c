@@ -179,11 +179,44 @@ static inline void fetch_row(const void *c, int es, int64_t r, int KVH, int D, i
     for (; p < e; p += 64) __builtin_prefetch(p, 0, 3);
 }
 
+/* Prefetches w bfloat16 values of a cache row into L1 (hint 3) or L2 (hint 1). */
+static inline void fetch_bf16(const uint16_t *row, int w, int hint) {
+    for (const char *p = (const char *)row, *e = p + (int64_t)w * 2; p < e; p += 64)
+        hint == 3 ? __builtin_prefetch(p, 0, 3) : __builtin_prefetch(p, 0, 1);
+}
+
 /* Rows [0, n) of a bfloat16 cache (rs apart), w values from each, as float32 rows w apart (the
-   compiler vectorizes the loop at the build's width; written out eight-wide it ran slower). */
-static void widen_rows(const uint16_t *src, int64_t rs, int64_t n, int w, float *dst) {
-    for (int64_t r = 0; r < n; r++)
-        for (int j = 0; j < w; j++) dst[r * w + j] = pd_from_bf16(src[r * rs + j]);
+   compiler vectorizes the loop at the build's width; written out eight-wide it ran slower). Meanwhile
+   the rows the walk reads next are prefetched, a row of each as a row is widened: the next block's nn
+   rows from `next` into L1, the block after it (na rows from `after`) into L2 (NULL: none). A
+   block's prefetches issued all at once filled the core's line buffers and stalled it on them. */
+static void widen_rows(const uint16_t *src, int64_t rs, int64_t n, int w, float *dst, const uint16_t *next,
+                       int64_t nn, const uint16_t *after, int64_t na) {
+    for (int64_t r = 0; r < n || (next && r < nn) || (after && r < na); r++) {
+        if (next && r < nn) fetch_bf16(next + r * rs, w, 3);
+        if (after && r < na) fetch_bf16(after + r * rs, w, 1);
+        if (r < n)
+            for (int j = 0; j < w; j++) dst[r * w + j] = pd_from_bf16(src[r * rs + j]);
+    }
+}
+
+/* The rows [pos, hi) a walk of blocks reads in the block after the one holding pos, and in the one
+   after that: their first cache rows (-1: none) and counts (each block from its row 0). */
+static inline void blocks_ahead(const int64_t *table, int64_t pos, int64_t hi, int bs, int64_t *rows, int64_t *counts) {
+    const int64_t b1 = pos - pos % bs + bs, b2 = b1 + bs;
+    rows[0] = b1 < hi ? table[b1 / bs] * bs : -1, counts[0] = b1 < hi ? (hi - b1 < bs ? hi - b1 : bs) : 0;
+    rows[1] = b2 < hi ? table[b2 / bs] * bs : -1, counts[1] = b2 < hi ? (hi - b2 < bs ? hi - b2 : bs) : 0;
+}
+
+/* widen_rows over a block of the cache c (heads from h0, w values a row) from cache row `row`, with
+   the blocks_ahead of pos prefetched. */
+static void widen_block(const void *c, int64_t rs, int64_t h0d, int64_t row, int64_t n, int w, float *dst,
+                        const int64_t *table, int64_t pos, int64_t hi, int bs) {
+    int64_t ahead[2], counts[2];
+    blocks_ahead(table, pos, hi, bs, ahead, counts);
+    const uint16_t *base = (const uint16_t *)c + h0d;
+    widen_rows(base + row * rs, rs, n, w, dst, ahead[0] >= 0 ? base + ahead[0] * rs : NULL, counts[0],
+               ahead[1] >= 0 ? base + ahead[1] * rs : NULL, counts[1]);
 }
 
 /* Sequence i's KV heads [h0, h1): their G query heads' outputs. The context is walked a block at a
@@ -213,17 +246,17 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
         const int64_t off = pos % bs, stop = pos - off + bs < hi ? pos - off + bs : hi;
         /* the rows of this block from pos on, and the same rows of the next block (-1: none) */
         const int64_t row = row_of(table, pos, bs), next = stop < hi ? table[stop / bs] * bs + off : -1;
-        if (kvb) widen_rows((const uint16_t *)kc + row * rs + (int64_t)h0 * D, rs, stop - pos, nh * D, wide);
+        if (kvb) widen_block(kc, rs, (int64_t)h0 * D, row, stop - pos, nh * D, wide, table, pos, hi, bs);
         const float *k = kvb ? wide : (const float *)kc + row * rs;
         if (vec) {
-            if (next >= 0)
+            if (next >= 0 && !kvb)   /* (a bfloat16 block's were prefetched as it was widened) */
                 for (int64_t r = 0; r < stop - pos; r++) fetch_row(kc, es, next + r, KVH, D, h0, h1);
             scores(qb, k, ws, stop - pos, nh * G, G, h0 - hb, D, scale, s + (pos - lo), len);
             pos = stop;
             continue;
         }
         for (int64_t r = 0; pos < stop; pos++, r++, k += ws) {
-            if (next >= 0) fetch_row(kc, es, next + r, KVH, D, h0, h1);
+            if (next >= 0 && !kvb) fetch_row(kc, es, next + r, KVH, D, h0, h1);
             for (int h = h0; h < h1; h++) {
                 const float *qh = qb + (int64_t)(h - h0) * G * D, *kh = k + (int64_t)(h - hb) * D;
                 float *sh = s + (int64_t)(h - h0) * G * len + (pos - lo);
@@ -273,9 +306,9 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
     for (int64_t pos = lo; pos < hi;) {
         const int64_t off = pos % bs, stop = pos - off + bs < hi ? pos - off + bs : hi;
         const int64_t row = row_of(table, pos, bs);
-        if (kvb) widen_rows((const uint16_t *)vc + row * rs + (int64_t)h0 * D, rs, stop - pos, nh * D, wide);
+        if (kvb) widen_block(vc, rs, (int64_t)h0 * D, row, stop - pos, nh * D, wide, table, pos, hi, bs);
         const float *v = kvb ? wide : (const float *)vc + row * rs;
-        if (stop < hi)   /* the next block's rows, while this one's are summed */
+        if (stop < hi && !kvb)   /* the next block's rows, while this one's are summed */
             for (int64_t r = 0, nb = table[stop / bs] * bs; r < bs && stop + r < hi; r++) fetch_row(vc, es, nb + r, KVH, D, h0, h1);
         for (int hg = 0; hg < nh * G; hg++) {
             const float *p = s + hg * len + (pos - lo), *vh = v + (int64_t)(h0 - hb + hg / G) * D;
