@@ -425,6 +425,37 @@ static uint32_t *amx_pairs_buffer(int K) {
     return amx_wb;
 }
 
+/* Group g (32 input values) of tile t of an int4 weight as rounded pairs, rows 16g.. of wb [K/2][16],
+   straight from its nibbles (no float32 block between): lane c of pair row p = bf16(q[2p][c] d + m) |
+   bf16(q[2p + 1][c] d + m) << 16. */
+static inline __attribute__((always_inline)) void amx_q4_group(const void *w, const void *d, const void *m, int K,
+                                                               int t, int g, uint32_t *wb) {
+    const uint8_t *nib = (const uint8_t *)w + (int64_t)t * (K / 2) * NC;
+    const uint16_t *td = (const uint16_t *)d + (int64_t)t * (K / 32) * NC, *tm = (const uint16_t *)m + (int64_t)t * (K / 32) * NC;
+    const __m512i low = _mm512_set1_epi32(15), index = pair_index();
+    const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + g * NC)));
+    const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tm + g * NC)));
+    for (int kp = 0; kp < 16; kp++) {
+        const int64_t p = (int64_t)g * 16 + kp;
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(nib + p * NC)));
+        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), dg, mg);
+        const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dg, mg);
+        _mm512_store_si512((void *)(wb + p * NC), round_pairs(lo, hi, index));
+    }
+}
+
+/* Tile t of an int4 weight over all of K as rounded pairs wb [K/2][16]. */
+static void amx_q4_pairs(const void *w, const void *d, const void *m, int K, int t, uint32_t *wb) {
+    for (int g = 0; g < K / 32; g++) amx_q4_group(w, d, m, K, t, g, wb);
+}
+
+/* The tile whose pairs are laid out while another's multiply (amx_rows_once): int4's tile t (t < 0:
+   none). */
+typedef struct {
+    const void *w, *d, *m;
+    int t;
+} amx_next;
+
 /* y [M, 16] (ldy apart) = rows xb [M, K] (bf16) times wb [K/2][16] pairs, over all of K. */
 static void amx_rows(int M, const uint16_t *xb, int K, const uint32_t *wb, float *y, int64_t ldy) {
     const int64_t sa = (int64_t)K * 2, sy = ldy * 4;
@@ -461,23 +492,37 @@ static void amx_rows(int M, const uint16_t *xb, int K, const uint32_t *wb, float
 #undef AMX_BLOCK
 }
 
-/* Tile t of an int4 weight over all of K as rounded pairs wb [K/2][16], straight from its nibbles (no
-   float32 block between): lane c of pair row p = bf16(q[2p][c] d + m) | bf16(q[2p + 1][c] d + m) << 16. */
-static void amx_q4_pairs(const void *w, const void *d, const void *m, int K, int t, uint32_t *wb) {
-    const uint8_t *nib = (const uint8_t *)w + (int64_t)t * (K / 2) * NC;
-    const uint16_t *td = (const uint16_t *)d + (int64_t)t * (K / 32) * NC, *tm = (const uint16_t *)m + (int64_t)t * (K / 32) * NC;
-    const __m512i low = _mm512_set1_epi32(15), index = pair_index();
-    for (int g = 0; g < K / 32; g++) {
-        const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + g * NC)));
-        const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tm + g * NC)));
-        for (int kp = 0; kp < 16; kp++) {
-            const int64_t p = (int64_t)g * 16 + kp;
-            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(nib + p * NC)));
-            const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), dg, mg);
-            const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dg, mg);
-            _mm512_store_si512((void *)(wb + p * NC), round_pairs(lo, hi, index));
+/* amx_rows for fewer than 48 rows (a decode step's), every block in one pass over K: rows 0-15 in
+   tiles 0 (sums) and 2 (activations), 16-31 in 1 and 3, the last M % 16 in 7 and 6, as amx_rows
+   places them, so each output has its bits. Each step's pairs are then read once, and the next
+   tile's (int4, `next`) are laid out in their place as the step's products run, so the vector work
+   can overlap the tile unit's and the pairs stay one tile's size in L1. */
+static void amx_rows_once(int M, const uint16_t *xb, int K, uint32_t *wb, float *y, int64_t ldy, amx_next next) {
+    const int64_t sa = (int64_t)K * 2, sy = ldy * 4;
+    const int full = M / 16, rem = M % 16;
+    const uint16_t *a1 = xb + 16 * (int64_t)K, *a2 = xb + (int64_t)full * 16 * K;
+    if (full > 0) _tile_zero(0);
+    if (full > 1) _tile_zero(1);
+    if (rem) _tile_zero(7);
+    for (int k = 0; k < K; k += 32) {
+        _tile_loadd(4, wb + (int64_t)k / 2 * NC, 64);
+        if (full > 0) {
+            _tile_loadd(2, xb + k, sa);
+            _tile_dpbf16ps(0, 2, 4);
         }
+        if (full > 1) {
+            _tile_loadd(3, a1 + k, sa);
+            _tile_dpbf16ps(1, 3, 4);
+        }
+        if (rem) {
+            _tile_loadd(6, a2 + k, sa);
+            _tile_dpbf16ps(7, 6, 4);
+        }
+        if (next.t >= 0) amx_q4_group(next.w, next.d, next.m, K, next.t, k / 32, wb);
     }
+    if (full > 0) _tile_stored(0, y, sy);
+    if (full > 1) _tile_stored(1, y + 16 * ldy, sy);
+    if (rem) _tile_stored(7, y + (int64_t)full * 16 * ldy, sy);
 }
 
 #if defined(__AVX512BW__)
@@ -619,13 +664,19 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
     uint32_t *wb = amx_pairs_buffer(K);
     if (wb == NULL) return 0;
     amx_configure(M % 16);
+    /* int4 below 48 rows: each tile's pairs laid out during the tile before it (amx_rows_once) */
+    const int once = bits == 4 && M < 48;
+    if (once && t0 < t1) amx_q4_pairs(w, d, m, K, t0, wb);
     for (int t = t0; t < t1; t++) {
         if (bits == 8)
             q8_pairs((const int8_t *)w + (int64_t)t * K * NC, K, wb);
-        else
+        else if (!once)
             amx_q4_pairs(w, d, m, K, t, wb);
         float *yt = y + t * NC;
-        amx_rows(M, xb, K, wb, yt, ldy);
+        if (once)
+            amx_rows_once(M, xb, K, wb, yt, ldy, (amx_next){w, d, m, t + 1 < t1 ? t + 1 : -1});
+        else
+            amx_rows(M, xb, K, wb, yt, ldy);
         if (bits == 8) {
             const __m512 dc = _mm512_loadu_ps((const float *)d + t * NC);
             for (int i = 0; i < M; i++) _mm512_storeu_ps(yt + i * ldy, _mm512_mul_ps(_mm512_loadu_ps(yt + i * ldy), dc));
