@@ -173,39 +173,38 @@ static inline void pv64x2(const float *pa, const float *va, float *acca, const f
 /* The cache row of `pos` (its block from the table): slot * KVH * D floats into a layer's cache. */
 static inline int64_t row_of(const int64_t *table, int64_t pos, int bs) { return table[pos / bs] * bs + pos % bs; }
 
-/* Prefetches heads [h0, h1) of cache row r (every line of them) into the cache; es: bytes a value. */
-static inline void fetch_row(const void *c, int es, int64_t r, int KVH, int D, int h0, int h1) {
-    const char *p = (const char *)c + (r * KVH + h0) * (int64_t)D * es, *e = p + (int64_t)(h1 - h0) * D * es;
-    for (; p < e; p += 64) __builtin_prefetch(p, 0, 3);
+/* Prefetches every line of nbytes from p into L1, or into L2 only (l2). */
+static inline void fetch_lines(const void *p, int64_t nbytes, int l2) {
+    for (const char *b = (const char *)p, *e = b + nbytes; b < e; b += 64)
+        l2 ? __builtin_prefetch(b, 0, 1) : __builtin_prefetch(b, 0, 3);
 }
 
-/* Prefetches w bfloat16 values of a cache row into L1 (hint 3) or L2 (hint 1). */
-static inline void fetch_bf16(const uint16_t *row, int w, int hint) {
-    for (const char *p = (const char *)row, *e = p + (int64_t)w * 2; p < e; p += 64)
-        hint == 3 ? __builtin_prefetch(p, 0, 3) : __builtin_prefetch(p, 0, 1);
+/* Prefetches heads [h0, h1) of cache row r (every line of them) into L1; es: bytes a value. */
+static inline void fetch_row(const void *c, int es, int64_t r, int KVH, int D, int h0, int h1) {
+    fetch_lines((const char *)c + (r * KVH + h0) * (int64_t)D * es, (int64_t)(h1 - h0) * D * es, 0);
 }
 
 /* Rows [0, n) of a bfloat16 cache (rs apart), w values from each, as float32 rows w apart (the
    compiler vectorizes the loop at the build's width; written out eight-wide it ran slower). Meanwhile
    the rows the walk reads next are prefetched, a row of each as a row is widened: the next block's nn
-   rows from `next` into L1, the block after it (na rows from `after`) into L2 (NULL: none). A
+   rows from `next` into L1, the block after it (na rows from `after`) into L2 (a count of 0: none). A
    block's prefetches issued all at once filled the core's line buffers and stalled it on them. */
 static void widen_rows(const uint16_t *src, int64_t rs, int64_t n, int w, float *dst, const uint16_t *next,
                        int64_t nn, const uint16_t *after, int64_t na) {
-    for (int64_t r = 0; r < n || (next && r < nn) || (after && r < na); r++) {
-        if (next && r < nn) fetch_bf16(next + r * rs, w, 3);
-        if (after && r < na) fetch_bf16(after + r * rs, w, 1);
+    for (int64_t r = 0; r < n || r < nn || r < na; r++) {
+        if (r < nn) fetch_lines(next + r * rs, (int64_t)w * 2, 0);
+        if (r < na) fetch_lines(after + r * rs, (int64_t)w * 2, 1);
         if (r < n)
             for (int j = 0; j < w; j++) dst[r * w + j] = pd_from_bf16(src[r * rs + j]);
     }
 }
 
 /* The rows [pos, hi) a walk of blocks reads in the block after the one holding pos, and in the one
-   after that: their first cache rows (-1: none) and counts (each block from its row 0). */
+   after that: their first cache rows and counts (each block from its row 0; past hi, row 0 and none). */
 static inline void blocks_ahead(const int64_t *table, int64_t pos, int64_t hi, int bs, int64_t *rows, int64_t *counts) {
     const int64_t b1 = pos - pos % bs + bs, b2 = b1 + bs;
-    rows[0] = b1 < hi ? table[b1 / bs] * bs : -1, counts[0] = b1 < hi ? (hi - b1 < bs ? hi - b1 : bs) : 0;
-    rows[1] = b2 < hi ? table[b2 / bs] * bs : -1, counts[1] = b2 < hi ? (hi - b2 < bs ? hi - b2 : bs) : 0;
+    rows[0] = b1 < hi ? table[b1 / bs] * bs : 0, counts[0] = b1 < hi ? (hi - b1 < bs ? hi - b1 : bs) : 0;
+    rows[1] = b2 < hi ? table[b2 / bs] * bs : 0, counts[1] = b2 < hi ? (hi - b2 < bs ? hi - b2 : bs) : 0;
 }
 
 /* widen_rows over a block of the cache c (heads from h0, w values a row) from cache row `row`, with
@@ -215,8 +214,7 @@ static void widen_block(const void *c, int64_t rs, int64_t h0d, int64_t row, int
     int64_t ahead[2], counts[2];
     blocks_ahead(table, pos, hi, bs, ahead, counts);
     const uint16_t *base = (const uint16_t *)c + h0d;
-    widen_rows(base + row * rs, rs, n, w, dst, ahead[0] >= 0 ? base + ahead[0] * rs : NULL, counts[0],
-               ahead[1] >= 0 ? base + ahead[1] * rs : NULL, counts[1]);
+    widen_rows(base + row * rs, rs, n, w, dst, base + ahead[0] * rs, counts[0], base + ahead[1] * rs, counts[1]);
 }
 
 /* Sequence i's KV heads [h0, h1): their G query heads' outputs. The context is walked a block at a
