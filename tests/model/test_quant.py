@@ -211,8 +211,9 @@ def test_amx_tiles_agree_with_the_vector_path_and_keep_each_rows_result(mode):
     assert_within(on, ref, bound, f"{mode} on AMX")
     assert_within(off, ref, bound, f"{mode} on AVX512-BF16")
     assert not torch.equal(on, off)  # the tiles ran: their sums go in another order
-    # Below 48 rows every block runs in one pass over K (the next tile's pairs laid out meanwhile):
-    # each row keeps its bits there too, with and without a last block of fewer than 16.
+    # Below 48 rows int4's blocks run in one pass over K (the next tile's pairs laid out meanwhile;
+    # int8 keeps a pass a block): each row keeps its bits there too, with and without a last block of
+    # fewer than 16.
     once = [m for m in (47, 33, 32, 17, 16) if m >= qgemm.amx_rows(mode)]
     for m in (rows - 1, rows - 16, qgemm.amx_rows(mode) + 1, *once):
         torch.testing.assert_close(linear(x[:m], qw), on[:m], rtol=0, atol=0)
