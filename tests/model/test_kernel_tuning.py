@@ -26,7 +26,7 @@ def test_the_tiles_start_where_they_are_faster_at_every_count_above():
 
 
 def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
-    """On AMX's tiles where they run (the exact tiles' start and the rounded tile's), else on the
+    """On AMX's tiles where they run (the exact tiles' start, the rounded tile's and int8's), else on the
     AVX512-BF16 pairs (the rounded tile's), and on AVX-512 builds the register rows' lookup: measured,
     cached, read back as cached, and taken by the products."""
     paths = tuning.machine_choices()
@@ -36,7 +36,7 @@ def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
     bf16 = "avx512_bf16" in cpu_flags()
     amx = bf16 and "amx_tile" in cpu_flags() and qgemm.amx()
     assert ("int4_lut_from" in by_key) == qgemm.has_lut()
-    assert len(paths) == qgemm.has_lut() + (2 if amx else 1 if bf16 else 0)
+    assert len(paths) == qgemm.has_lut() + (3 if amx else 1 if bf16 else 0)
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     tuning.tune.cache_clear()
     try:
@@ -47,11 +47,13 @@ def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
             assert min(c.rows) <= chosen[c.key] <= c.none
             assert set(chosen[c.ratios]) == {str(r) for r in c.rows}
         exact, rounded = by_key.get("int4_exact_from"), by_key.get("int4_tiles_from")
+        int8 = by_key.get("int8_tiles_from")
         if amx:
-            assert exact is not None and rounded is not None
+            assert exact is not None and rounded is not None and int8 is not None
             assert (
                 qgemm.bf16_rows("int4") == chosen[exact.key] and qgemm.amx_rows("int4") == chosen[rounded.key]
             )
+            assert qgemm.bf16_rows("int8") == qgemm.amx_rows("int8") == chosen[int8.key]
         rounded = rounded or by_key.get("int4_rounded_from")
         # Read back, not measured again: the cached choice is applied as it is.
         forced = {c.key: 5 if c is not rounded else 20 for c in paths}
@@ -60,6 +62,7 @@ def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
         assert {c.key: tuning.tune()[c.key] for c in paths} == forced
         if amx:
             assert qgemm.bf16_rows("int4") == 5 and qgemm.amx_rows("int4") == 20
+            assert qgemm.bf16_rows("int8") == 5
         # A product from each chosen count on takes that path (its sums differ from the other's).
         from pdserve.model.linear import linear
         from pdserve.model.quant import QuantizedWeight, quantize
@@ -67,13 +70,17 @@ def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
         g = torch.Generator().manual_seed(0)
         qw = QuantizedWeight(quantize(torch.randn(64, 256, generator=g), "int4"), native=True)
         x = torch.randn(20, 256, generator=g)
-        tile, few = linear(x, qw), linear(x[:5], qw)
+        q8 = QuantizedWeight(quantize(torch.randn(64, 256, generator=g), "int8"), native=True)
+        tile, few, few8 = linear(x, qw), linear(x[:5], qw), linear(x[:5], q8)
         if rounded is not None:
             rounded.set_start(rounded.none)
             assert not torch.equal(tile, linear(x, qw))
         if exact is not None:
             exact.set_start(exact.none)
             assert not torch.equal(few, linear(x[:5], qw))
+        if int8 is not None:
+            int8.set_start(int8.none)
+            assert not torch.equal(few8, linear(x[:5], q8))
     finally:
         tuning.tune.cache_clear()
         for c in paths:

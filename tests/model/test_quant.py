@@ -211,12 +211,22 @@ def test_amx_tiles_agree_with_the_vector_path_and_keep_each_rows_result(mode):
     assert_within(on, ref, bound, f"{mode} on AMX")
     assert_within(off, ref, bound, f"{mode} on AVX512-BF16")
     assert not torch.equal(on, off)  # the tiles ran: their sums go in another order
-    # Below 48 rows int4's blocks run in one pass over K (the next tile's pairs laid out meanwhile;
-    # int8 keeps a pass a block): each row keeps its bits there too, with and without a last block of
-    # fewer than 16.
+    # Below 48 rows the blocks run in one pass over K (the next tile's pairs laid out meanwhile): each
+    # row keeps its bits there too, with and without a last block of fewer than 16.
     once = [m for m in (47, 33, 32, 17, 16) if m >= qgemm.amx_rows(mode)]
     for m in (rows - 1, rows - 16, qgemm.amx_rows(mode) + 1, *once):
         torch.testing.assert_close(linear(x[:m], qw), on[:m], rtol=0, atol=0)
+    if mode == "int8":  # its tiles can start from 1 row (kernels/tuning.py measures where)
+        start = qgemm.amx_rows("int8")
+        try:
+            qgemm.amx8_from(1)
+            assert qgemm.bf16_rows("int8") == 1
+            for m in (1, 2, 3, 5, 8):
+                torch.testing.assert_close(linear(x[:m], qw), on[:m], rtol=0, atol=0)
+            qgemm.amx8_from(9)
+            assert not torch.equal(linear(x[:5], qw), on[:5])  # the float32 kernel
+        finally:
+            qgemm.amx8_from(start)
 
 
 @pytest.mark.parametrize("k", [576, 544])
@@ -237,7 +247,7 @@ def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result(k)
     parts = (parts + st.zero[..., None].double().abs()).view(n, k)
     scale = x.double().abs() @ parts.t()
     ref = x.double() @ st.dequantize().double().t()
-    saved = qgemm.bf16_rows("int4"), qgemm.amx_rows("int4")
+    saved = qgemm.bf16_rows("int4"), qgemm.amx_rows("int4"), qgemm.amx_rows("int8")
     try:
         qgemm.amx_exact_from(1)
         qgemm.amx_from(32)  # the machine's measured start may be 16 rows or fewer: past them here
@@ -270,7 +280,8 @@ def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result(k)
         for m in (1, 5, 9, 17):
             torch.testing.assert_close(linear(more[:m], q8), tall8[:m], rtol=0, atol=0)
         qgemm.invariant_rows(0)
-        assert not torch.equal(linear(more[:5], q8), tall8[:5])  # below 9 rows: the float32 kernel
+        qgemm.amx8_from(9)  # unmeasured: up to 8 rows in the float32 kernel
+        assert not torch.equal(linear(more[:5], q8), tall8[:5])
         qgemm.amx_from(32)
         qgemm.amx_exact_from(9)  # unmeasured: up to 8 rows in the float32 kernel
         assert qgemm.bf16_rows("int4") == 9
@@ -280,6 +291,7 @@ def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result(k)
         qgemm.invariant_rows(0)
         qgemm.amx_exact_from(saved[0])
         qgemm.amx_from(saved[1])
+        qgemm.amx8_from(saved[2])
 
 
 def test_fused_rows_keep_their_groups_and_odd_shapes_stay_float():

@@ -83,6 +83,12 @@ def amx_exact_from(rows: int) -> None:
     _set_everywhere("pd_qgemm_amx_exact_from", rows)
 
 
+def amx8_from(rows: int) -> None:
+    """From how many rows int8 products take AMX's tiles instead of the float32 kernel
+    (kernels/tuning.py measures it); clamped to [1, 9], 9 until measured."""
+    _set_everywhere("pd_qgemm_amx8_from", rows)
+
+
 def lut_from(rows: int) -> None:
     """From how many rows int4's float32 register rows (1-8 rows) look their nibbles up instead of
     converting them: the same floats, which is faster depends on the core (kernels/tuning.py measures

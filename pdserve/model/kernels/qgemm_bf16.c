@@ -1,8 +1,8 @@
 /* int4 and int8 products on bfloat16 pairs (AVX512-BF16), split from qgemm.c. int8, and int4 below 32
    rows, widen their stored integers straight to pairs (exact); int4 from 32 rows dequantizes the tile
    there (pd_dequant_tile) and rounds it to pairs here. All multiply with vdpbf16ps, or with Intel
-   AMX's tiles where the kernel grants them: int4 from kernels/tuning.py's measured row counts (the
-   exact tiles from a few rows, the rounded tile from more), int8 from 9 rows. Products of up to
+   AMX's tiles where the kernel grants them, from kernels/tuning.py's measured row counts (int4's exact
+   tiles from a few rows, its rounded tile from more; int8's from a few). Products of up to
    pd_qgemm_invariant's rows (model.batch_invariant) take the exact paths from 1 row: int4's exact
    tiles or pairs, int8's tiles or pairs. Without AVX512-BF16 every entry point says no (NULL rows),
    and the float32 kernel runs. */
@@ -387,11 +387,18 @@ static int amx_from4 = BF16_ROWS;
 
 int pd_qgemm_amx_from(int rows) { return set_rows(&amx_from4, rows, BF16_ROWS4, BF16_ROWS); }
 
-/* From how many rows products of bits 4 or 8 take the tiles (int8 from BF16_ROWS8: fewer keep
-   qgemm.c's float32 kernel), where they are granted (else 0). */
+/* From how many rows int8 products take the tiles (fewer: qgemm.c's float32 kernel): BF16_ROWS8 unless
+   measured otherwise (kernels/tuning.py). Its pairs are exact and scaled once a channel, so the tiles
+   cost about the same from 1 row to 16; the float32 kernel's FMAs grow with the rows. */
+static int amx_from8 = BF16_ROWS8;
+
+int pd_qgemm_amx8_from(int rows) { return set_rows(&amx_from8, rows, 1, BF16_ROWS8); }
+
+/* From how many rows products of bits 4 or 8 take the tiles (fewer keep qgemm.c's float32 kernel, or
+   int4's exact tiles), where they are granted (else 0). */
 int pd_qgemm_amx_rows(int bits) {
     if (!amx_granted()) return 0;
-    return bits == 4 ? __atomic_load_n(&amx_from4, __ATOMIC_ACQUIRE) : BF16_ROWS8;
+    return __atomic_load_n(bits == 4 ? &amx_from4 : &amx_from8, __ATOMIC_ACQUIRE);
 }
 
 typedef struct {
@@ -449,12 +456,20 @@ static void amx_q4_pairs(const void *w, const void *d, const void *m, int K, int
     for (int g = 0; g < K / 32; g++) amx_q4_group(w, d, m, K, t, g, wb);
 }
 
-/* The tile whose pairs are laid out while another's multiply (amx_rows_once): int4's tile t (t < 0:
-   none). */
+/* The tile whose pairs are laid out while another's multiply (amx_rows_once): tile t (t < 0: none) of
+   an int4 (bits 4, rounded pairs) or int8 (exact pairs) weight. */
 typedef struct {
     const void *w, *d, *m;
-    int t;
+    int bits, t;
 } amx_next;
+
+/* Group g (32 input values, pair rows 16g..) of amx_next's tile into wb [K/2][16]. */
+static inline __attribute__((always_inline)) void amx_next_group(amx_next next, int K, int g, uint32_t *wb) {
+    if (next.bits == 8)
+        q8_pairs((const int8_t *)next.w + (int64_t)next.t * K * NC + (int64_t)g * 32 * NC, 32, wb + (int64_t)g * 16 * NC);
+    else
+        amx_q4_group(next.w, next.d, next.m, K, next.t, g, wb);
+}
 
 /* y [M, 16] (ldy apart) = rows xb [M, K] (bf16) times wb [K/2][16] pairs, over all of K. */
 static void amx_rows(int M, const uint16_t *xb, int K, const uint32_t *wb, float *y, int64_t ldy) {
@@ -495,7 +510,7 @@ static void amx_rows(int M, const uint16_t *xb, int K, const uint32_t *wb, float
 /* amx_rows for fewer than 48 rows (a decode step's), every block in one pass over K: rows 0-15 in
    tiles 0 (sums) and 2 (activations), 16-31 in 1 and 3, the last M % 16 in 7 and 6, as amx_rows
    places them, so each output has its bits. Each step's pairs are then read once, and the next
-   tile's (int4, `next`) are laid out in their place as the step's products run, so the vector work
+   tile's (`next`) are laid out in their place as the step's products run, so the vector work
    can overlap the tile unit's and the pairs stay one tile's size in L1. */
 static void amx_rows_once(int M, const uint16_t *xb, int K, uint32_t *wb, float *y, int64_t ldy, amx_next next) {
     const int64_t sa = (int64_t)K * 2, sy = ldy * 4;
@@ -518,7 +533,7 @@ static void amx_rows_once(int M, const uint16_t *xb, int K, uint32_t *wb, float 
             _tile_loadd(6, a2 + k, sa);
             _tile_dpbf16ps(7, 6, 4);
         }
-        if (next.t >= 0) amx_q4_group(next.w, next.d, next.m, K, next.t, k / 32, wb);
+        if (next.t >= 0) amx_next_group(next, K, k / 32, wb);
     }
     if (full > 0) _tile_stored(0, y, sy);
     if (full > 1) _tile_stored(1, y + 16 * ldy, sy);
@@ -664,17 +679,18 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
     uint32_t *wb = amx_pairs_buffer(K);
     if (wb == NULL) return 0;
     amx_configure(M % 16);
-    /* int4 below 48 rows: each tile's pairs laid out during the tile before it (amx_rows_once) */
-    const int once = bits == 4 && M < 48;
-    if (once && t0 < t1) amx_q4_pairs(w, d, m, K, t0, wb);
+    /* Below 48 rows each tile's pairs are laid out during the tile before it (amx_rows_once). */
+    const int once = M < 48;
     for (int t = t0; t < t1; t++) {
-        if (bits == 8)
-            q8_pairs((const int8_t *)w + (int64_t)t * K * NC, K, wb);
-        else if (!once)
-            amx_q4_pairs(w, d, m, K, t, wb);
+        if (!once || t == t0) {
+            if (bits == 8)
+                q8_pairs((const int8_t *)w + (int64_t)t * K * NC, K, wb);
+            else
+                amx_q4_pairs(w, d, m, K, t, wb);
+        }
         float *yt = y + t * NC;
         if (once)
-            amx_rows_once(M, xb, K, wb, yt, ldy, (amx_next){w, d, m, t + 1 < t1 ? t + 1 : -1});
+            amx_rows_once(M, xb, K, wb, yt, ldy, (amx_next){w, d, m, bits, t + 1 < t1 ? t + 1 : -1});
         else
             amx_rows(M, xb, K, wb, yt, ldy);
         if (bits == 8) {
@@ -690,6 +706,7 @@ static int amx_request(void) { return 0; }
 static int amx_exact_rows(void) { return 0; }
 int pd_qgemm_amx_exact_from(int rows) { return rows; }
 int pd_qgemm_amx_from(int rows) { return rows; }
+int pd_qgemm_amx8_from(int rows) { return rows; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
     return 0;
@@ -777,6 +794,7 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
 int pd_qgemm_pairs_rounded_from(int rows) { return rows; }
 int pd_qgemm_amx_exact_from(int rows) { return rows; }
 int pd_qgemm_amx_from(int rows) { return rows; }
+int pd_qgemm_amx8_from(int rows) { return rows; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
     return 0;

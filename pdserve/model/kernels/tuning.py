@@ -12,6 +12,8 @@ faster at every count measured:
 - from how many rows the rounded tile (the weight dequantized and rounded to bfloat16, summed over
   all of K in the tile) replaces the exact tiles or pairs. It does more work per weight and none per
   group and row, so it wins from some row count; where depends on the core.
+- on AMX, from how many rows int8 products (the output head of an int4 model) take the tiles instead
+  of the float32 kernel, for the exact tiles' reason (timed on an int8 product).
 
 And below those, on AVX-512 builds: from how many rows int4's float32 register rows (the float32
 kernel's 1-8 rows) look their nibbles up in a register instead of converting them. The same floats;
@@ -63,6 +65,7 @@ class Choice:
     set_start: Callable[[int], None]
     none: int
     unmeasured: int
+    mode: str = "int4"  # the weight format timed
 
 
 def choices(amx: bool, bf16: bool, lut: bool) -> tuple[Choice, ...]:
@@ -86,6 +89,15 @@ def choices(amx: bool, bf16: bool, lut: bool) -> tuple[Choice, ...]:
                 "int4_exact_from", "exact_vs_float32", EXACT_ROWS, qgemm.amx_exact_from, NO_EXACT, NO_EXACT
             ),
             Choice("int4_tiles_from", "tiles_vs_pairs", ROWS, qgemm.amx_from, NO_TILES, NO_TILES),
+            Choice(
+                "int8_tiles_from",
+                "int8_tiles_vs_float32",
+                EXACT_ROWS,
+                qgemm.amx8_from,
+                NO_EXACT,
+                NO_EXACT,
+                "int8",
+            ),
         )
     return (
         *found,
@@ -112,14 +124,14 @@ def best_time(fn, repeats: int = 5, inner: int = 4) -> float:
     return best
 
 
-def _int4_ratios(rows_list: tuple[int, ...], set_start, off: int) -> dict[int, float]:
-    """Per row count: the product's time with the path starting there (set_start(rows)) over its time
-    with the path off (set_start(off)); below 1 the path is faster."""
+def _ratios(rows_list: tuple[int, ...], set_start, off: int, mode: str = "int4") -> dict[int, float]:
+    """Per row count: the product's time (a `mode` weight) with the path starting there
+    (set_start(rows)) over its time with the path off (set_start(off)); below 1 the path is faster."""
     from pdserve.model.linear import linear
     from pdserve.model.quant import QuantizedWeight, quantize
 
     g = torch.Generator().manual_seed(0)
-    qw = QuantizedWeight(quantize(torch.randn(*SHAPE, generator=g) * 0.05, "int4"), native=True)
+    qw = QuantizedWeight(quantize(torch.randn(*SHAPE, generator=g) * 0.05, mode), native=True)
     threads, invariant = torch.get_num_threads(), qgemm.invariant_bound()
     torch.set_num_threads(1)
     qgemm.invariant_rows(0)  # the row-count paths are what is measured
@@ -142,7 +154,7 @@ def _int4_ratios(rows_list: tuple[int, ...], set_start, off: int) -> dict[int, f
 def measure(choice: Choice) -> dict[int, float]:
     """Per row count: the product's time with the choice's path starting there over its time without
     (below 1: faster)."""
-    return _int4_ratios(choice.rows, choice.set_start, choice.none)
+    return _ratios(choice.rows, choice.set_start, choice.none, choice.mode)
 
 
 def choose(ratios: dict[int, float], none: int = NO_TILES) -> int:
