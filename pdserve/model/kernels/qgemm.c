@@ -160,7 +160,7 @@ static inline __attribute__((always_inline)) void micro(int mr, const float *x, 
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < NV; j++) acc[i][j] = (vf){0};
     for (int k = 0; k < kn; k++) {
-        if (pf && (k & ((1 << sh) - 1)) == 0) __builtin_prefetch(pf + (k >> sh) * 64, 0, 3);
+        if (pf && (k & ((1 << sh) - 1)) == 0) __builtin_prefetch(pf + (k >> sh) * 64, 0, 2);
         vf w[NV];
         for (int j = 0; j < NV; j++) w[j] = *(const vf *)(buf + k * NC + j * VW);
         for (int i = 0; i < mr; i++) {
@@ -207,7 +207,8 @@ static void rows(int M, const float *x, int64_t ldx, const float *buf, int kn, f
 /* Float32 weights stream from memory into the micro-kernel as they lie: the first MR rows of a block
    would stall on it while the others find it in L1, so the next block (the next 16 KB, contiguous:
    also across tiles) is prefetched a line at a time, spread over the calls (the gain at 8 and 16
-   rows: docs/benchmarks.md). */
+   rows: docs/benchmarks.md). Into L2 (T1), not L1: a batch-1 step streamed its weights faster so
+   (the core's own L1 prefetcher brings the lines on), and more rows lost nothing. */
 static void rows_f32(int M, const float *x, int64_t ldx, const float *w, int kn, float *y, int64_t ldy, int first) {
     rows_pf(M, x, ldx, w, kn, y, ldy, first, (const char *)(w + (int64_t)kn * NC), KB * NC * 4);
 }
@@ -237,9 +238,11 @@ int pd_qgemm_prefetch(int bytes) {
 }
 /* The distance in units of `unit` bytes (an int4 group's nibbles, an int8 k's bytes, a byte). */
 static inline int pf_ahead(int unit) { return __atomic_load_n(&pf_bytes, __ATOMIC_RELAXED) / unit; }
+/* An int4 group's lines into L2 (T1), as the float32 rows' (rows_f32); int8's (direct8) keep T0, where
+   T1 streamed slower. */
 static inline void prefetch_group(const uint8_t *nib, const uint16_t *d, const uint16_t *m, int64_t g) {
-    for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch(nib + g * 16 * NC + b, 0, 3);
-    if ((g & 1) == 0) __builtin_prefetch(d + g * NC, 0, 3), __builtin_prefetch(m + g * NC, 0, 3);  /* 2 groups a line */
+    for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch(nib + g * 16 * NC + b, 0, 2);
+    if ((g & 1) == 0) __builtin_prefetch(d + g * NC, 0, 2), __builtin_prefetch(m + g * NC, 0, 2);  /* 2 groups a line */
 }
 /* Rows that skip the buffer. With one vector a tile row (AVX-512) up to 8 rows' accumulators fit the
    32 registers (2 a row and its output, one chain: the rows interleave instead). With two (AVX2's
