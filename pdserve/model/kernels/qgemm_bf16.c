@@ -510,8 +510,10 @@ static void amx_rows(int M, const uint16_t *xb, int K, const uint32_t *wb, float
 /* amx_rows for fewer than 48 rows (a decode step's), every block in one pass over K: rows 0-15 in
    tiles 0 (sums) and 2 (activations), 16-31 in 1 and 3, the last M % 16 in 7 and 6, as amx_rows
    places them, so each output has its bits. Each step's pairs are then read once, and the next
-   tile's (`next`) are laid out in their place as the step's products run, so the vector work
-   can overlap the tile unit's and the pairs stay one tile's size in L1. */
+   tile's (`next`) are laid out in their place as the step's products run: the pairs stay one
+   tile's size in L1 and no separate pass lays them out. (The tile unit's time and the vector
+   work's add up rather than overlap on the Intel Xeon measured, in any order tried:
+   docs/kernels.md.) */
 static void amx_rows_once(int M, const uint16_t *xb, int K, uint32_t *wb, float *y, int64_t ldy, amx_next next) {
     const int64_t sa = (int64_t)K * 2, sy = ldy * 4;
     const int full = M / 16, rem = M % 16;
@@ -550,7 +552,8 @@ static void amx_rows_once(int M, const uint16_t *xb, int K, uint32_t *wb, float 
 
    That round trip (zero, product, store, load) has a latency no row count hides, so the loop runs as
    a pipeline over groups: group g's products are issued, then group g - 1's sums (stored a group
-   earlier) are scaled, then group g + 1's nibbles widened, so the vector work overlaps the tiles'.
+   earlier) are scaled, then group g + 1's nibbles widened, so no step waits on the round trip just
+   issued.
    Two output tiles side by side, double-buffered by group parity P: sums of output tile j in tile
    2P + j, its pairs in 4 + j, the rows in 6 + P (all 8 tile registers). */
 /* Groups ahead that the nibbles are prefetched, as qgemm.c's direct rows do (a decode step's products
