@@ -229,6 +229,35 @@ def test_amx_tiles_agree_with_the_vector_path_and_keep_each_rows_result(mode):
             qgemm.amx8_from(start)
 
 
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_prefill_blocks_keep_each_rows_result_across_chunks_of_tiles(mode, threads):
+    """From 48 rows the tiles run by chunks of output tiles (their pairs laid out a chunk at a time)
+    and blocks of 16 rows: with K = 4,096 a chunk holds 4 tiles, so 10 tiles take three chunks on one
+    thread and two on each of two. Every row keeps the bits it has in any other product of 48 rows or
+    more, a last block of fewer than 16 rows included, and the result is within bfloat16's rounding of
+    a float64 reference."""
+    if not qgemm.available() or not qgemm.amx():
+        pytest.skip("no AMX tiles here (the CPU, the build or the kernel's permission)")
+    g = torch.Generator().manual_seed(11)
+    k = 4096
+    st = quantize(torch.randn(160, k, generator=g), mode)
+    qw = QuantizedWeight(st, native=True)
+    x = torch.randn(100, k, generator=g)
+    w = st.dequantize().double()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tall = linear(x, qw)
+        for lo, hi in ((0, 53), (7, 55), (30, 100)):
+            torch.testing.assert_close(linear(x[lo:hi], qw), tall[lo:hi], rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(saved)
+    u = 2.0**-8 * (2 if mode == "int4" else 1)
+    bound = (u + gamma(k + 2)) * (x.double().abs() @ w.abs().t())
+    assert_within(tall, x.double() @ w.t(), bound, f"{mode} on AMX by chunks and blocks")
+
+
 @pytest.mark.parametrize("k", [576, 544])
 def test_amx_exact_tiles_round_only_the_activations_and_keep_each_rows_result(k):
     """Where the CPU has Intel AMX: int4 products of few rows on the exact tiles (the nibbles exact,

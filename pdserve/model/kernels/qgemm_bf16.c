@@ -418,12 +418,19 @@ static void amx_configure(int rem) {
     _tile_loadconfig(&c);
 }
 
-/* A thread's buffer for one output tile's pairs over all of K. */
+/* A thread's buffer for `tiles` output tiles' pairs over all of K. */
 static __thread uint32_t *amx_wb;
 static __thread size_t amx_cap;
 
-static uint32_t *amx_pairs_buffer(int K) {
-    const size_t need = (size_t)K / 2 * NC * 4;
+/* From 48 rows (a prefill's) the tiles' pairs are laid out AMX_CHUNK_BYTES at a time (in L2) and the
+   rows multiplied AMX_ROW_BLOCK at a time, every tile of the chunk in turn: a block's activations
+   (16 rows of K) then stay in L1, where each tile's pass over all the rows had read them all again
+   from L2 or memory. Blocks of 32 and 64 rows measured slower than 16 (their activations spill L1
+   at K = 576), chunks of 256 KB and 1 MB about the same as 512 KB (docs/benchmarks.md). */
+#define AMX_CHUNK_BYTES (512 * 1024)
+#define AMX_ROW_BLOCK 16
+static uint32_t *amx_pairs_buffer(int K, int tiles) {
+    const size_t need = (size_t)K / 2 * NC * 4 * tiles;
     if (need > amx_cap) {
         free(amx_wb);
         amx_wb = aligned_alloc(64, (need + 63) / 64 * 64);
@@ -673,32 +680,50 @@ static void amx_configure_exact(int M) {
 }
 #endif
 
+/* Tile t's pairs over all of K into wb: int4 rounded, int8 exact. */
+static void amx_tile_pairs(int bits, const void *w, const void *d, const void *m, int K, int t, uint32_t *wb) {
+    if (bits == 8)
+        q8_pairs((const int8_t *)w + (int64_t)t * K * NC, K, wb);
+    else
+        amx_q4_pairs(w, d, m, K, t, wb);
+}
+
+/* int8's sums of tile t, rows [0, rows) of yt, times each channel's scale. */
+static void amx_scale8(const void *d, int t, float *yt, int64_t ldy, int rows) {
+    const __m512 dc = _mm512_loadu_ps((const float *)d + t * NC);
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(yt + r * ldy, _mm512_mul_ps(_mm512_loadu_ps(yt + r * ldy), dc));
+}
+
 /* Output tiles [t0, t1) of an int4 (dequantized, rounded to pairs) or int8 (exact pairs, scaled per
    channel after) weight on AMX; 0 where it does not run (not granted, K not in whole steps of 32, no
    buffer), and the vector paths do. */
 static int amx_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, float *y, int64_t ldy,
                      int M, int K, int t0, int t1) {
     if (!amx_granted() || K % 32) return 0;
-    uint32_t *wb = amx_pairs_buffer(K);
+    const int once = M < 48; /* a decode step's rows: amx_rows_once; else chunks of tiles, blocks of rows */
+    const int64_t tile_pairs = (int64_t)K / 2 * NC, fit = AMX_CHUNK_BYTES / (tile_pairs * 4);
+    const int chunk = once || fit < 1 ? 1 : (int)fit;
+    uint32_t *wb = amx_pairs_buffer(K, chunk);
     if (wb == NULL) return 0;
     amx_configure(M % 16);
-    /* Below 48 rows each tile's pairs are laid out during the tile before it (amx_rows_once). */
-    const int once = M < 48;
-    for (int t = t0; t < t1; t++) {
-        if (!once || t == t0) {
-            if (bits == 8)
-                q8_pairs((const int8_t *)w + (int64_t)t * K * NC, K, wb);
-            else
-                amx_q4_pairs(w, d, m, K, t, wb);
+    if (once) {   /* each tile's pairs laid out during the tile before it */
+        if (t0 < t1) amx_tile_pairs(bits, w, d, m, K, t0, wb);
+        for (int t = t0; t < t1; t++) {
+            amx_rows_once(M, xb, K, wb, y + t * NC, ldy, (amx_next){w, d, m, bits, t + 1 < t1 ? t + 1 : -1});
+            if (bits == 8) amx_scale8(d, t, y + t * NC, ldy, M);
         }
-        float *yt = y + t * NC;
-        if (once)
-            amx_rows_once(M, xb, K, wb, yt, ldy, (amx_next){w, d, m, bits, t + 1 < t1 ? t + 1 : -1});
-        else
-            amx_rows(M, xb, K, wb, yt, ldy);
-        if (bits == 8) {
-            const __m512 dc = _mm512_loadu_ps((const float *)d + t * NC);
-            for (int i = 0; i < M; i++) _mm512_storeu_ps(yt + i * ldy, _mm512_mul_ps(_mm512_loadu_ps(yt + i * ldy), dc));
+    } else {
+        for (int c0 = t0; c0 < t1; c0 += chunk) {
+            const int c1 = c0 + chunk < t1 ? c0 + chunk : t1;
+            for (int t = c0; t < c1; t++) amx_tile_pairs(bits, w, d, m, K, t, wb + (t - c0) * tile_pairs);
+            for (int i = 0; i < M; i += AMX_ROW_BLOCK) {   /* a multiple of 16: the last block keeps M % 16 */
+                const int rows = M - i < AMX_ROW_BLOCK ? M - i : AMX_ROW_BLOCK;
+                for (int t = c0; t < c1; t++) {
+                    float *yt = y + i * ldy + t * NC;
+                    amx_rows(rows, xb + (int64_t)i * K, K, wb + (t - c0) * tile_pairs, yt, ldy);
+                    if (bits == 8) amx_scale8(d, t, yt, ldy, rows);
+                }
+            }
         }
     }
     _tile_release();
