@@ -23,6 +23,13 @@ def test_the_tiles_start_where_they_are_faster_at_every_count_above():
     # The exact tiles against the float32 kernel: below 9 rows, or nowhere (9: as unmeasured).
     assert tuning.choose({1: 1.3, 2: 1.02, 3: 0.8, 4: 0.7, 6: 0.55, 8: 0.5}, tuning.NO_EXACT) == 3
     assert tuning.choose({1: 1.3, 2: 1.2, 4: 1.1, 8: 1.05}, tuning.NO_EXACT) == tuning.NO_EXACT
+    # A choice that must win by a margin (AMX's two tiles a block: the same sums either way).
+    pairs = {576: 0.98, 1024: 0.9, 1536: 0.93, 2048: 0.85}
+    assert tuning.choose(pairs, tuning.NO_TILE_PAIRS, tuning.PAIR_GAIN) == 1024
+    assert tuning.choose(pairs, tuning.NO_TILE_PAIRS) == 576
+    assert (
+        tuning.choose({576: 1.0, 2048: 0.98}, tuning.NO_TILE_PAIRS, tuning.PAIR_GAIN) == tuning.NO_TILE_PAIRS
+    )
 
 
 def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
@@ -36,7 +43,7 @@ def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
     bf16 = "avx512_bf16" in cpu_flags()
     amx = bf16 and "amx_tile" in cpu_flags() and qgemm.amx()
     assert ("int4_lut_from" in by_key) == qgemm.has_lut()
-    assert len(paths) == qgemm.has_lut() + (3 if amx else 1 if bf16 else 0)
+    assert len(paths) == qgemm.has_lut() + (4 if amx else 1 if bf16 else 0)
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     tuning.tune.cache_clear()
     try:

@@ -233,8 +233,8 @@ def test_amx_tiles_agree_with_the_vector_path_and_keep_each_rows_result(mode):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_prefill_blocks_keep_each_rows_result_across_chunks_of_tiles(mode, threads):
     """From 48 rows the tiles run by chunks of output tiles (their pairs laid out a chunk at a time)
-    and blocks of 16 rows: with K = 4,096 a chunk holds 4 tiles, so 10 tiles take three chunks on one
-    thread and two on each of two. Every row keeps the bits it has in any other product of 48 rows or
+    and blocks of 16 rows, one or two tiles a block: with K = 4,096 a chunk holds 4 tiles, so 10
+    tiles take three chunks on one thread and two on each of two (the second of one tile). Every row keeps the bits it has in any other product of 48 rows or
     more, a last block of fewer than 16 rows included, and the result is within bfloat16's rounding of
     a float64 reference."""
     if not qgemm.available() or not qgemm.amx():
@@ -245,13 +245,19 @@ def test_amx_prefill_blocks_keep_each_rows_result_across_chunks_of_tiles(mode, t
     qw = QuantizedWeight(st, native=True)
     x = torch.randn(100, k, generator=g)
     w = st.dequantize().double()
-    saved = torch.get_num_threads()
+    saved, depth = torch.get_num_threads(), qgemm.amx_tile_pairs_start()
+    qgemm.amx_tile_pairs_from(1 << 20)  # one tile a block first (a model load may have measured a depth)
     torch.set_num_threads(threads)
     try:
         tall = linear(x, qw)
         for lo, hi in ((0, 53), (7, 55), (30, 100)):
             torch.testing.assert_close(linear(x[lo:hi], qw), tall[lo:hi], rtol=0, atol=0)
+        # Two output tiles a block (from a measured depth): the same sums, an odd tile left alone.
+        qgemm.amx_tile_pairs_from(32)
+        torch.testing.assert_close(linear(x, qw), tall, rtol=0, atol=0)
+        torch.testing.assert_close(linear(x[7:55], qw), tall[7:55], rtol=0, atol=0)
     finally:
+        qgemm.amx_tile_pairs_from(depth)
         torch.set_num_threads(saved)
     u = 2.0**-8 * (2 if mode == "int4" else 1)
     bound = (u + gamma(k + 2)) * (x.double().abs() @ w.abs().t())

@@ -23,6 +23,8 @@ int pd_qgemm_amx_rows(int bits); /* from how many rows (bits 4 or 8) they take t
 int pd_qgemm_amx_from(int rows); /* int4's rounded tile: set where measured (clamped 9-32; returned) */
 int pd_qgemm_amx_exact_from(int rows); /* int4's exact tiles: set where measured (clamped 1-9; returned) */
 int pd_qgemm_amx8_from(int rows); /* int8's tiles: set where measured (clamped 1-9; returned) */
+int pd_qgemm_amx_pairs_from_k(int K); /* from 48 rows, two tiles a block from depth K: set where measured
+                                        (returned; below 0 only returns it) */
 int pd_qgemm_bf16_rows(int bits); /* from how many rows (bits 4 or 8) pd_qgemm_bf16_x rounds; 0: never */
 /* int4 on the vector pairs (no AMX): the rounded tile's start, set where measured (clamped 9-64;
    returned; below 0 only returns it). */

@@ -89,6 +89,17 @@ def amx8_from(rows: int) -> None:
     _set_everywhere("pd_qgemm_amx8_from", rows)
 
 
+def amx_tile_pairs_from(k: int) -> None:
+    """From which depth K products of 48 rows or more on AMX's tiles take two output tiles per block
+    of rows (the same sums; kernels/tuning.py measures it); 1 << 20 (never) until measured."""
+    _set_everywhere("pd_qgemm_amx_pairs_from_k", k)
+
+
+def amx_tile_pairs_start() -> int:
+    """The depth amx_tile_pairs_from set (0 where the kernel does not load here)."""
+    return _setting("pd_qgemm_amx_pairs_from_k")
+
+
 def lut_from(rows: int) -> None:
     """From how many rows int4's float32 register rows (1-8 rows) look their nibbles up instead of
     converting them: the same floats, which is faster depends on the core (kernels/tuning.py measures

@@ -418,6 +418,28 @@ static void amx_configure(int rem) {
     _tile_loadconfig(&c);
 }
 
+/* From which depth K (input values) amx_tiles' blocks of rows take two output tiles at a time
+   (amx_block_pair): never unless kernels/tuning.py measured it faster here. Sharing each step's
+   activations saves a tile load per two products; on an Intel Xeon it paid from K = 1,536 and lost
+   at 576, where the two tiles' pairs read from L2 cost more than the activations' reload from L1. */
+#define NO_TILE_PAIRS (1 << 20)
+static int tile_pairs_from_k = NO_TILE_PAIRS;
+
+int pd_qgemm_amx_pairs_from_k(int K) {  /* below 0: only returns the depth */
+    return K < 0 ? __atomic_load_n(&tile_pairs_from_k, __ATOMIC_ACQUIRE) : set_rows(&tile_pairs_from_k, K, 32, NO_TILE_PAIRS);
+}
+
+/* amx_tiles' blocks of rows (from 48 rows): tmm0-1 the sums of two output tiles for 16 rows, tmm2
+   their activations, tmm4-5 the two tiles' pairs; tmm3 and tmm7 the sums and tmm6 the activations of
+   the last rem (< 16) rows. amx_rows' tiles (0, 2, 4; 7, 6, 4) keep their shapes. */
+static void amx_configure_blocks(int rem) {
+    amx_config c = {0};
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = (uint8_t)(i == 3 || i == 6 || i == 7 ? rem : 16);
+    if (!rem) c.colsb[3] = c.colsb[6] = c.colsb[7] = 0, c.rows[3] = c.rows[6] = c.rows[7] = 0;
+    _tile_loadconfig(&c);
+}
+
 /* A thread's buffer for `tiles` output tiles' pairs over all of K. */
 static __thread uint32_t *amx_wb;
 static __thread size_t amx_cap;
@@ -512,6 +534,31 @@ static void amx_rows(int M, const uint16_t *xb, int K, const uint32_t *wb, float
     for (; i + 16 <= M; i += 16) AMX_BLOCK(0, 2);
     if (i < M) AMX_BLOCK(7, 6); /* the last M % 16 rows: tiles 6 and 7 are configured that tall */
 #undef AMX_BLOCK
+}
+
+/* Rows [0, rows) (16, or the last rem) of xb [, K] times two tiles' pairs wb0, wb1 into y0, y1 (ldy
+   apart): each step's activations loaded once for both tiles (three tile loads for two products,
+   where a tile at a time took four). Each sum is amx_rows' (its rows over all of K in order). */
+static void amx_block_pair(int rows, const uint16_t *xb, int K, const uint32_t *wb0, const uint32_t *wb1, float *y0,
+                           float *y1, int64_t ldy) {
+    const int64_t sa = (int64_t)K * 2, sy = ldy * 4;
+#define PAIR_BLOCK(C0, C1, A)                                                \
+    do {                                                                     \
+        _tile_zero(C0);                                                      \
+        _tile_zero(C1);                                                      \
+        for (int k = 0; k < K; k += 32) {                                    \
+            _tile_loadd(A, xb + k, sa);                                      \
+            _tile_loadd(4, wb0 + (int64_t)k / 2 * NC, 64);                   \
+            _tile_dpbf16ps(C0, A, 4);                                        \
+            _tile_loadd(5, wb1 + (int64_t)k / 2 * NC, 64);                   \
+            _tile_dpbf16ps(C1, A, 5);                                        \
+        }                                                                    \
+        _tile_stored(C0, y0, sy);                                            \
+        _tile_stored(C1, y1, sy);                                            \
+    } while (0)
+    if (rows == 16) PAIR_BLOCK(0, 1, 2);
+    else PAIR_BLOCK(7, 3, 6);
+#undef PAIR_BLOCK
 }
 
 /* amx_rows for fewer than 48 rows (a decode step's), every block in one pass over K: rows 0-15 in
@@ -703,25 +750,32 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
     const int once = M < 48; /* a decode step's rows: amx_rows_once; else chunks of tiles, blocks of rows */
     const int64_t tile_pairs = (int64_t)K / 2 * NC, fit = AMX_CHUNK_BYTES / (tile_pairs * 4);
     const int chunk = once || fit < 1 ? 1 : (int)fit;
+    const int two = K >= __atomic_load_n(&tile_pairs_from_k, __ATOMIC_ACQUIRE);
     uint32_t *wb = amx_pairs_buffer(K, chunk);
     if (wb == NULL) return 0;
-    amx_configure(M % 16);
     if (once) {   /* each tile's pairs laid out during the tile before it */
+        amx_configure(M % 16);
         if (t0 < t1) amx_tile_pairs(bits, w, d, m, K, t0, wb);
         for (int t = t0; t < t1; t++) {
             amx_rows_once(M, xb, K, wb, y + t * NC, ldy, (amx_next){w, d, m, bits, t + 1 < t1 ? t + 1 : -1});
             if (bits == 8) amx_scale8(d, t, y + t * NC, ldy, M);
         }
     } else {
+        amx_configure_blocks(M % 16);
         for (int c0 = t0; c0 < t1; c0 += chunk) {
             const int c1 = c0 + chunk < t1 ? c0 + chunk : t1;
             for (int t = c0; t < c1; t++) amx_tile_pairs(bits, w, d, m, K, t, wb + (t - c0) * tile_pairs);
             for (int i = 0; i < M; i += AMX_ROW_BLOCK) {   /* a multiple of 16: the last block keeps M % 16 */
                 const int rows = M - i < AMX_ROW_BLOCK ? M - i : AMX_ROW_BLOCK;
-                for (int t = c0; t < c1; t++) {
+                for (int t = c0; t < c1; t += 1 + two) {
                     float *yt = y + i * ldy + t * NC;
-                    amx_rows(rows, xb + (int64_t)i * K, K, wb + (t - c0) * tile_pairs, yt, ldy);
-                    if (bits == 8) amx_scale8(d, t, yt, ldy, rows);
+                    if (two && t + 1 < c1)
+                        amx_block_pair(rows, xb + (int64_t)i * K, K, wb + (t - c0) * tile_pairs,
+                                       wb + (t + 1 - c0) * tile_pairs, yt, yt + NC, ldy);
+                    else
+                        amx_rows(rows, xb + (int64_t)i * K, K, wb + (t - c0) * tile_pairs, yt, ldy);
+                    for (int j = t; bits == 8 && j < t + 1 + two && j < c1; j++)
+                        amx_scale8(d, j, y + i * ldy + j * NC, ldy, rows);
                 }
             }
         }
@@ -735,6 +789,7 @@ static int amx_exact_rows(void) { return 0; }
 int pd_qgemm_amx_exact_from(int rows) { return rows; }
 int pd_qgemm_amx_from(int rows) { return rows; }
 int pd_qgemm_amx8_from(int rows) { return rows; }
+int pd_qgemm_amx_pairs_from_k(int K) { return K < 0 ? 0 : K; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
     return 0;
@@ -823,6 +878,7 @@ int pd_qgemm_pairs_rounded_from(int rows) { return rows; }
 int pd_qgemm_amx_exact_from(int rows) { return rows; }
 int pd_qgemm_amx_from(int rows) { return rows; }
 int pd_qgemm_amx8_from(int rows) { return rows; }
+int pd_qgemm_amx_pairs_from_k(int K) { return K < 0 ? 0 : K; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
     return 0;

@@ -14,6 +14,10 @@ faster at every count measured:
   group and row, so it wins from some row count; where depends on the core.
 - on AMX, from how many rows int8 products (the output head of an int4 model) take the tiles instead
   of the float32 kernel, for the exact tiles' reason (timed on an int8 product).
+- on AMX, from which depth K a prefill's products (from 48 rows) take two output tiles per block of
+  rows: each step's activations are loaded once for both, but both tiles' pairs are read from L2,
+  which pays at some depths and not at others (timed at DEPTHS, PAIR_ROWS rows, on the engine's
+  threads; the same sums).
 
 And below those, on AVX-512 builds: from how many rows int4's float32 register rows (the float32
 kernel's 1-8 rows) look their nibbles up in a register instead of converting them. The same floats;
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +57,13 @@ NO_TILES = 32  # qgemm_bf16.c's BF16_ROWS: where the rounded tile starts without
 PAIRS_ROWS = (20, 24, 28, 32, 40, 48, 56)  # the vector pairs: the rounded tile against the exact pairs
 NO_ROUNDED = 64  # qgemm_bf16.c's PAIRS_ROUNDED_MAX: the rounded tile faster nowhere measured
 PREFETCH_BYTES = (2048, 4096, 8192, 16384)  # the prefetch distances measured
+DEPTHS = (576, 1024, 1536, 2048)  # AMX's two tiles a block: the depths timed
+NO_TILE_PAIRS = 1 << 20  # qgemm_bf16.c's NO_TILE_PAIRS: one tile a block at every depth
+PAIR_ROWS, PAIR_CHANNELS = 256, 1024  # the product timed at each depth (a prefill's rows)
+PAIR_TURNS = 7  # alternations at each depth: their ratios' median (the VM's speed drifts)
+# Two tiles a block must be this much faster to be chosen: the same sums either way, and a depth near
+# 1.0 measured 0.97-1.06 from run to run, so a choice at the noise's edge would flip between loads.
+PAIR_GAIN = 0.97
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,8 @@ class Choice:
     none: int
     unmeasured: int
     mode: str = "int4"  # the weight format timed
+    by_depth: bool = False  # `rows` are depths K (PAIR_ROWS rows each), not row counts
+    below: float = 1.0  # the ratio a count must beat (choose)
 
 
 def choices(amx: bool, bf16: bool, lut: bool) -> tuple[Choice, ...]:
@@ -97,6 +111,16 @@ def choices(amx: bool, bf16: bool, lut: bool) -> tuple[Choice, ...]:
                 NO_EXACT,
                 NO_EXACT,
                 "int8",
+            ),
+            Choice(
+                "amx_tile_pairs_from_k",
+                "tile_pairs_vs_single",
+                DEPTHS,
+                qgemm.amx_tile_pairs_from,
+                NO_TILE_PAIRS,
+                NO_TILE_PAIRS,
+                by_depth=True,
+                below=PAIR_GAIN,
             ),
         )
     return (
@@ -151,17 +175,49 @@ def _ratios(rows_list: tuple[int, ...], set_start, off: int, mode: str = "int4")
     return ratios
 
 
+def _depth_ratios(depths: tuple[int, ...], set_start, off: int) -> dict[int, float]:
+    """Per depth K: an int4 product's time (PAIR_ROWS x K by PAIR_CHANNELS) with the path starting at
+    K over its time with it off, the median of PAIR_TURNS alternations. On the threads the engine runs
+    (torch's count now): whether two tiles' pairs read from L2 pay depends on the cores sharing the
+    caches, not on the arithmetic alone."""
+    from pdserve.model.linear import linear
+    from pdserve.model.quant import QuantizedWeight, quantize
+
+    g = torch.Generator().manual_seed(0)
+    ratios = {}
+    try:
+        for k in depths:
+            qw = QuantizedWeight(
+                quantize(torch.randn(PAIR_CHANNELS, k, generator=g) * 0.05, "int4"), native=True
+            )
+            x = torch.randn(PAIR_ROWS, k, generator=g)
+            each = []
+            for _ in range(PAIR_TURNS):
+                times = []
+                for start in (k, off):
+                    set_start(start)
+                    times.append(best_time(lambda: linear(x, qw)))
+                each.append(times[0] / times[1])
+            ratios[k] = statistics.median(each)
+    finally:
+        set_start(off)
+    return ratios
+
+
 def measure(choice: Choice) -> dict[int, float]:
-    """Per row count: the product's time with the choice's path starting there over its time without
-    (below 1: faster)."""
+    """Per row count (or depth): the product's time with the choice's path starting there over its
+    time without (below 1: faster)."""
+    if choice.by_depth:
+        return _depth_ratios(choice.rows, choice.set_start, choice.none)
     return _ratios(choice.rows, choice.set_start, choice.none, choice.mode)
 
 
-def choose(ratios: dict[int, float], none: int = NO_TILES) -> int:
-    """The first row count from which the path is faster at every count measured (`none`: nowhere)."""
+def choose(ratios: dict[int, float], none: int = NO_TILES, below: float = 1.0) -> int:
+    """The first row count from which the path is faster (its ratio under `below`) at every count
+    measured (`none`: nowhere)."""
     start = none
     for rows in sorted(ratios, reverse=True):
-        if ratios[rows] >= 1.0:
+        if ratios[rows] >= below:
             break
         start = rows
     return start
@@ -229,7 +285,7 @@ def tune() -> dict:
         chosen, starts = {}, []
         for c in chosen_paths:
             ratios = measure(c)
-            start = choose(ratios, c.none)
+            start = choose(ratios, c.none, c.below)
             c.set_start(start)  # the next choice is measured against this one
             chosen[c.key] = start
             chosen[c.ratios] = {str(r): round(v, 3) for r, v in ratios.items()}
