@@ -4,6 +4,7 @@ pairs) the measurement, its cache and the kernel taking the chosen counts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -127,3 +128,28 @@ def test_the_register_rows_lookup_gives_the_converted_floats():
         qgemm.lut_from(tuning.NO_LUT)
         qgemm.invariant_rows(bound)
         torch.set_num_threads(threads)
+
+
+def test_the_two_tile_blocks_are_timed_on_the_row_count_paths_and_leave_settings_as_they_were():
+    """AMX's two tiles a block are timed at each depth with model.batch_invariant's bound lifted (its
+    PAIR_ROWS rows would take the exact tiles, where blocks do not apply) and both settings restored."""
+    pairs = [c for c in tuning.machine_choices() if c.by_depth]
+    if not pairs:
+        pytest.skip("no AMX tiles here: no blocks to time")
+    bound, depth = qgemm.invariant_bound(), qgemm.amx_tile_pairs_start()
+    seen = []
+
+    def spy(k: int) -> None:  # the bound in force as each setting is timed
+        seen.append(qgemm.invariant_bound())
+        qgemm.amx_tile_pairs_from(k)
+
+    qgemm.invariant_rows(tuning.PAIR_ROWS)
+    try:
+        ratios = tuning.measure(dataclasses.replace(pairs[0], set_start=spy))
+        assert seen and set(seen[:-1]) == {0}
+        assert set(ratios) == set(tuning.DEPTHS) and all(r > 0 for r in ratios.values())
+        assert qgemm.invariant_bound() == tuning.PAIR_ROWS
+        assert qgemm.amx_tile_pairs_start() == tuning.NO_TILE_PAIRS  # left off, as measured against
+    finally:
+        qgemm.invariant_rows(bound)
+        qgemm.amx_tile_pairs_from(depth)

@@ -184,6 +184,8 @@ def _depth_ratios(depths: tuple[int, ...], set_start, off: int) -> dict[int, flo
     from pdserve.model.quant import QuantizedWeight, quantize
 
     g = torch.Generator().manual_seed(0)
+    invariant = qgemm.invariant_bound()
+    qgemm.invariant_rows(0)  # the row-count paths (PAIR_ROWS rows would take the exact tiles)
     ratios = {}
     try:
         for k in depths:
@@ -200,6 +202,7 @@ def _depth_ratios(depths: tuple[int, ...], set_start, off: int) -> dict[int, flo
                 each.append(times[0] / times[1])
             ratios[k] = statistics.median(each)
     finally:
+        qgemm.invariant_rows(invariant)
         set_start(off)
     return ratios
 
