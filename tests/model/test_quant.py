@@ -234,9 +234,9 @@ def test_amx_tiles_agree_with_the_vector_path_and_keep_each_rows_result(mode):
 def test_amx_prefill_blocks_keep_each_rows_result_across_chunks_of_tiles(mode, threads):
     """From 48 rows the tiles run by chunks of output tiles (their pairs laid out a chunk at a time)
     and blocks of 16 rows, one or two tiles a block: with K = 4,096 a chunk holds 4 tiles, so 10
-    tiles take three chunks on one thread and two on each of two (the second of one tile). Every row keeps the bits it has in any other product of 48 rows or
-    more, a last block of fewer than 16 rows included, and the result is within bfloat16's rounding of
-    a float64 reference."""
+    tiles take three chunks on one thread and two on each of two (the second of one tile). Every row
+    keeps the bits it has in any other product of 48 rows or more, a last block of fewer than 16 rows
+    included, and the result is within bfloat16's rounding of a float64 reference."""
     if not qgemm.available() or not qgemm.amx():
         pytest.skip("no AMX tiles here (the CPU, the build or the kernel's permission)")
     g = torch.Generator().manual_seed(11)

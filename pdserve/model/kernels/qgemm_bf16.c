@@ -480,11 +480,6 @@ static inline __attribute__((always_inline)) void amx_q4_group(const void *w, co
     }
 }
 
-/* Tile t of an int4 weight over all of K as rounded pairs wb [K/2][16]. */
-static void amx_q4_pairs(const void *w, const void *d, const void *m, int K, int t, uint32_t *wb) {
-    for (int g = 0; g < K / 32; g++) amx_q4_group(w, d, m, K, t, g, wb);
-}
-
 /* The tile whose pairs are laid out while another's multiply (amx_rows_once): tile t (t < 0: none) of
    an int4 (bits 4, rounded pairs) or int8 (exact pairs) weight. */
 typedef struct {
@@ -727,12 +722,9 @@ static void amx_configure_exact(int M) {
 }
 #endif
 
-/* Tile t's pairs over all of K into wb: int4 rounded, int8 exact. */
+/* Tile t's pairs over all of K into wb (amx_next_group, a group at a time). */
 static void amx_tile_pairs(int bits, const void *w, const void *d, const void *m, int K, int t, uint32_t *wb) {
-    if (bits == 8)
-        q8_pairs((const int8_t *)w + (int64_t)t * K * NC, K, wb);
-    else
-        amx_q4_pairs(w, d, m, K, t, wb);
+    for (int g = 0; g < K / 32; g++) amx_next_group((amx_next){w, d, m, bits, t}, K, g, wb);
 }
 
 /* int8's sums of tile t, rows [0, rows) of yt, times each channel's scale. */
@@ -767,15 +759,15 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
             for (int t = c0; t < c1; t++) amx_tile_pairs(bits, w, d, m, K, t, wb + (t - c0) * tile_pairs);
             for (int i = 0; i < M; i += AMX_ROW_BLOCK) {   /* a multiple of 16: the last block keeps M % 16 */
                 const int rows = M - i < AMX_ROW_BLOCK ? M - i : AMX_ROW_BLOCK;
-                for (int t = c0; t < c1; t += 1 + two) {
+                for (int t = c0, nt; t < c1; t += nt) {
+                    nt = two && t + 1 < c1 ? 2 : 1;
                     float *yt = y + i * ldy + t * NC;
-                    if (two && t + 1 < c1)
+                    if (nt == 2)
                         amx_block_pair(rows, xb + (int64_t)i * K, K, wb + (t - c0) * tile_pairs,
                                        wb + (t + 1 - c0) * tile_pairs, yt, yt + NC, ldy);
                     else
                         amx_rows(rows, xb + (int64_t)i * K, K, wb + (t - c0) * tile_pairs, yt, ldy);
-                    for (int j = t; bits == 8 && j < t + 1 + two && j < c1; j++)
-                        amx_scale8(d, j, y + i * ldy + j * NC, ldy, rows);
+                    for (int j = 0; bits == 8 && j < nt; j++) amx_scale8(d, t + j, yt + j * NC, ldy, rows);
                 }
             }
         }

@@ -36,6 +36,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -148,30 +149,48 @@ def best_time(fn, repeats: int = 5, inner: int = 4) -> float:
     return best
 
 
+def _ratio(fn, set_start, start: int, off: int, turns: int = 1) -> float:
+    """fn's time with set_start(start) over its time with set_start(off) (below 1 the path is faster),
+    the median of `turns` alternations."""
+    each = []
+    for _ in range(turns):
+        times = []
+        for s in (start, off):
+            set_start(s)
+            times.append(best_time(fn))
+        each.append(times[0] / times[1])
+    return statistics.median(each)
+
+
+@contextmanager
+def _row_count_paths(set_start, off: int, threads: int | None = None):
+    """While timing: model.batch_invariant's bound lifted (the row-count paths are what is measured)
+    and, given `threads`, torch's thread count set; after, both restored and the path left off."""
+    saved_threads, invariant = torch.get_num_threads(), qgemm.invariant_bound()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    qgemm.invariant_rows(0)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        qgemm.invariant_rows(invariant)
+        set_start(off)
+
+
 def _ratios(rows_list: tuple[int, ...], set_start, off: int, mode: str = "int4") -> dict[int, float]:
-    """Per row count: the product's time (a `mode` weight) with the path starting there
+    """Per row count: the product's time (a `mode` weight, one thread) with the path starting there
     (set_start(rows)) over its time with the path off (set_start(off)); below 1 the path is faster."""
     from pdserve.model.linear import linear
     from pdserve.model.quant import QuantizedWeight, quantize
 
     g = torch.Generator().manual_seed(0)
     qw = QuantizedWeight(quantize(torch.randn(*SHAPE, generator=g) * 0.05, mode), native=True)
-    threads, invariant = torch.get_num_threads(), qgemm.invariant_bound()
-    torch.set_num_threads(1)
-    qgemm.invariant_rows(0)  # the row-count paths are what is measured
     ratios = {}
-    try:
+    with _row_count_paths(set_start, off, threads=1):
         for rows in rows_list:
             x = torch.randn(rows, SHAPE[1], generator=g)
-            times = []
-            for start in (rows, off):
-                set_start(start)
-                times.append(best_time(lambda: linear(x, qw)))
-            ratios[rows] = times[0] / times[1]
-    finally:
-        torch.set_num_threads(threads)
-        qgemm.invariant_rows(invariant)
-        set_start(off)
+            ratios[rows] = _ratio(lambda: linear(x, qw), set_start, rows, off)
     return ratios
 
 
@@ -184,26 +203,14 @@ def _depth_ratios(depths: tuple[int, ...], set_start, off: int) -> dict[int, flo
     from pdserve.model.quant import QuantizedWeight, quantize
 
     g = torch.Generator().manual_seed(0)
-    invariant = qgemm.invariant_bound()
-    qgemm.invariant_rows(0)  # the row-count paths (PAIR_ROWS rows would take the exact tiles)
     ratios = {}
-    try:
+    with _row_count_paths(set_start, off):
         for k in depths:
             qw = QuantizedWeight(
                 quantize(torch.randn(PAIR_CHANNELS, k, generator=g) * 0.05, "int4"), native=True
             )
             x = torch.randn(PAIR_ROWS, k, generator=g)
-            each = []
-            for _ in range(PAIR_TURNS):
-                times = []
-                for start in (k, off):
-                    set_start(start)
-                    times.append(best_time(lambda: linear(x, qw)))
-                each.append(times[0] / times[1])
-            ratios[k] = statistics.median(each)
-    finally:
-        qgemm.invariant_rows(invariant)
-        set_start(off)
+            ratios[k] = _ratio(lambda: linear(x, qw), set_start, k, off, PAIR_TURNS)
     return ratios
 
 
