@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,3 +32,35 @@ def save_json(path: Path, data: Any, what: str) -> None:
         tmp.replace(path)
     except OSError as e:
         log.warning("could not cache %s in %s: %s", what, path, e)
+
+
+@contextmanager
+def measuring_alone(path: Path, what: str, timeout_s: float) -> Iterator[None]:
+    """Runs the block holding `path`'s lock (a file beside it; the kernel releases it when its holder
+    dies): processes that would measure the same cache together take turns, so the later ones read
+    the first one's result rather than measuring (and choosing) again, and no measurement runs beside
+    another. Past timeout_s, or where the lock file cannot be made, the block runs unlocked (logged)."""
+    lock = path.with_name(path.name + ".lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        log.warning("measuring %s without a lock (%s): %s", what, lock, e)
+        yield
+        return
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.warning(
+                        "measuring %s without its lock: another process held it %.0f s", what, timeout_s
+                    )
+                    break
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock, where held

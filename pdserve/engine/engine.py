@@ -95,6 +95,17 @@ class LLMEngine:
         self.core_share: CoreShare | None = None
         self.borrowing_steps = 0
         self.prefill_borrowing_steps = 0
+        sc = config.scheduler
+        self.spec_tokens = sc.num_speculative_tokens if sc.speculative_method != "none" else 0
+        native = mc.quantization in ("int4", "int8") and mc.activation_quantization == "none"
+        if native and mc.device == "cpu" and (self.spec_tokens or mc.batch_invariant):
+            # A verify step's rows must compute what a plain step's would (greedy stays identical):
+            # int4 and int8 products of up to INVARIANT_ROWS rows on one arithmetic
+            # (qgemm.invariant_rows), the same bound whatever the scheduler's settings, so
+            # deployments with and without drafts agree on a step of any size (past it, a
+            # prefill's, on the row-count paths). Set before the model is built: its expert-parallel
+            # ranks take this process's paths (qgemm.paths) when they start.
+            qgemm.invariant_rows(INVARIANT_ROWS)
         loaded = loaded or load_model_files(mc.name, mc.seed, mc.quantization)
         self.model_name = mc.name
         self.arch = loaded.arch
@@ -196,16 +207,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detoks: dict[str, IncrementalDetokenizer | NoText] = {}
         self.num_steps = 0
-        sc = config.scheduler
-        self.spec_tokens = sc.num_speculative_tokens if sc.speculative_method != "none" else 0
-        native = mc.quantization in ("int4", "int8") and mc.activation_quantization == "none"
-        if native and mc.device == "cpu" and (self.spec_tokens or mc.batch_invariant):
-            # A verify step's rows must compute what a plain step's would (greedy stays identical):
-            # int4 and int8 products of up to INVARIANT_ROWS rows on one arithmetic
-            # (qgemm.invariant_rows), the same bound whatever the scheduler's settings, so
-            # deployments with and without drafts agree on a step of any size (past it, a
-            # prefill's, on the row-count paths).
-            qgemm.invariant_rows(INVARIANT_ROWS)
         self.drafter = (
             DraftModel(config, self.arch.vocab_size, self.max_model_len, self.pool.num_blocks)
             if sc.speculative_method == "draft"

@@ -29,6 +29,7 @@ from pdserve.model.ep_hosts import (
 )
 from pdserve.model.expert_parallel import RankSpec, join_and_follow, rank_model
 from pdserve.model.loader import load_model_files
+from pdserve.utils.cpu import feature_key
 from pdserve.utils.runtime import memory_status, trim_heap
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,25 @@ def _pod_index_arg(argv: list[str], i: int) -> bool:
     return a == "--pod-index" or a.startswith("--pod-index=") or (i > 0 and argv[i - 1] == "--pod-index")
 
 
+def kernel_paths(doc: dict) -> dict[str, int]:
+    """The kernel paths this rank's products take: rank 0's where this CPU has its features (the same
+    kernels, so the same bits whichever rank computes a row), else this machine's own tuning (its
+    rows' bits may then differ from rank 0's, as they would on any other CPU)."""
+    from pdserve.model.kernels import tuning
+
+    if doc.get("kernel_paths") and doc.get("kernel_features") == feature_key():
+        return dict(doc["kernel_paths"])
+    tuning.tune()  # as the loader does for rank 0: this machine's kernel paths
+    if doc.get("kernel_paths"):
+        log.warning(
+            "expert-parallel rank: this CPU's features differ from rank 0's (%s here, %s there): "
+            "its own kernel paths run, so its rows' bits may differ from rank 0's",
+            feature_key(),
+            doc.get("kernel_features"),
+        )
+    return {}
+
+
 def run_rank(config: Config, rank: int) -> int:
     """Join, follow rank 0, and return the exit code: 0 when rank 0 stopped this rank, 1 when the
     group broke (rank 0 or a peer lost, a deadline missed)."""
@@ -94,10 +114,7 @@ def run_rank(config: Config, rank: int) -> int:
     doc = read_spec(store)
     loaded = load_model_files(mc.name, mc.seed, doc["quantization"])
     check_arch(doc, loaded.arch)
-    if mc.device == "cpu" and mc.gemm_kernel != "torch":
-        from pdserve.model.kernels import tuning
-
-        tuning.tune()  # as the loader does for rank 0: this machine's kernel paths
+    paths = kernel_paths(doc) if mc.device == "cpu" and mc.gemm_kernel != "torch" else {}
     spec = RankSpec(
         loaded.arch,
         getattr(torch, doc["dtype"]),
@@ -120,6 +137,7 @@ def run_rank(config: Config, rank: int) -> int:
         local=int(doc["local"]),
         overlap=bool(doc.get("overlap", False)),
         dispatch_dtype=str(doc.get("dispatch_dtype", "model")),
+        kernel_paths=paths,
     )
     model, comms = rank_model(spec, loaded.weights)
     del loaded  # the checkpoint's tensors: only what the model keeps stays

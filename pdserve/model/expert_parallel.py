@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
@@ -87,9 +87,11 @@ from pdserve.model.ep_protocol import (
     decode_step,
     encode_step,
 )
+from pdserve.model.kernels import qgemm
 from pdserve.model.moe_model import MoEModel, initial_placement, pack_experts
 from pdserve.model.quant import MODES
 from pdserve.model.stored_quant import resolve_quantization
+from pdserve.utils.cpu import feature_key
 from pdserve.utils.runtime import trim_heap
 from pdserve.utils.shm import attach_shared_kv
 
@@ -156,6 +158,10 @@ class RankSpec:
     local: int = 1  # ranks 0..local-1 share rank 0's host (and its copy of every expert)
     overlap: bool = False  # two micro-batches a step (model.ep_overlap; every rank alike)
     dispatch_dtype: str = "model"  # model.ep_dispatch_dtype (every rank alike)
+    # Rank 0's kernel paths (qgemm.paths): each rank's products take them, so a row's bits do not
+    # depend on which rank computes it (each process's own tuning could choose otherwise).
+    kernel_paths: dict[str, int] = field(default_factory=dict)
+    kernel_features: str = ""  # the CPU features rank 0's paths were chosen for (utils/cpu.feature_key)
 
 
 # The values of a spec that ranks of other hosts read from the rendezvous (ep_hosts.publish_spec).
@@ -172,6 +178,8 @@ SHARED_SPEC = (
     "local",
     "overlap",
     "dispatch_dtype",
+    "kernel_paths",
+    "kernel_features",
 )
 
 
@@ -427,6 +435,8 @@ class ExpertParallelModel:
                     local=local,
                     overlap=mc.ep_overlap,
                     dispatch_dtype=mc.ep_dispatch_dtype,
+                    kernel_paths=qgemm.paths() if native else {},
+                    kernel_features=feature_key(),
                 ),
                 weights,
                 _rank_device(device, 0, world),
@@ -808,6 +818,8 @@ def rank_model(spec: RankSpec, weights) -> tuple[MoEModel, list[Comm]]:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(spec.threads)  # as rank 0, so replicated attention computes identical bits
+    if spec.kernel_paths:
+        qgemm.set_paths(spec.kernel_paths)
     if spec.parent_pid:
         threading.Thread(target=_exit_with_parent, args=(spec.parent_pid,), daemon=True).start()
     device = _rank_device(spec.device, spec.rank, spec.world)

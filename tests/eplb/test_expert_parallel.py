@@ -111,11 +111,12 @@ def test_ep_matches_ep1(name, ep, redundant, attention):
 def test_quantized_ep_matches_ep1(quant, redundant, attention, gemm):
     """Quantized experts, packed once by rank 0 and shared: EP=2 (with replicas in redundant slots)
     gives EP=1's greedy tokens. Data-parallel attention gives each rank fewer rows than EP=1's step,
-    and the native kernels round activations to bfloat16 from 9 rows on CPUs with AVX512-BF16 (a row's
-    result depends on which side of that its step falls), so it is checked on torch's products."""
+    and replicas split a slot's rows, while the native kernels' paths change with the rows (a row's
+    result depends on which side of a path's start its product falls): with replicas, the native
+    products run model.batch_invariant's paths; data-parallel attention is checked on torch's."""
     name = "tiny-mixtral"
     loaded = load_model_files(name)
-    common = dict(model__quantization=quant, model__gemm_kernel=gemm)
+    common = dict(model__quantization=quant, model__gemm_kernel=gemm, model__batch_invariant=redundant > 0)
     want = _llm(name, loaded, **common).generate(PROMPTS, PARAMS)
     llm = _llm(
         name,
@@ -132,6 +133,42 @@ def test_quantized_ep_matches_ep1(quant, redundant, attention, gemm):
         assert (llm.engine.model.exchange.dispatch_rows > 0) == (attention == "data")
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_every_rank_takes_rank_0s_kernel_paths(quant):
+    """The kernel's row-count paths (qgemm.paths: where the tuning starts AMX's tiles, the lookup and
+    the rounded tile) are rank 0's in every rank, whatever the rank's own process would have chosen: set
+    here on rank 0 to starts other than a fresh process's defaults, EP=2 still gives EP=1's tokens (a
+    rank left on its own paths computes other bits for the rows it takes)."""
+    from pdserve.model.kernels import qgemm, tuning
+
+    tuning.tune()
+    saved = qgemm.paths()
+    if not saved:
+        pytest.skip("the native kernels do not load here")
+    name = "tiny-mixtral"
+    loaded = load_model_files(name)
+    common = dict(model__quantization=quant)
+    qgemm.set_paths({**saved, "lut_from": 1, "amx_exact_from": 2, "amx8_from": 2, "pairs_rounded_from": 9})
+    forced = qgemm.paths()
+    llm = None
+    try:
+        want = _llm(name, loaded, **common).generate(PROMPTS, PARAMS)
+        llm = _llm(
+            name,
+            loaded,
+            **common,
+            model__expert_parallel=2,
+            model__ep_attention="replicated",
+        )
+        got = llm.generate(PROMPTS, PARAMS)
+        assert qgemm.paths() == forced
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    finally:
+        if llm is not None:
+            llm.engine.close()
+        qgemm.set_paths(saved)
 
 
 def test_bfloat16_dispatch_halves_the_rows_bytes_and_stays_near_ep1():
@@ -159,15 +196,18 @@ def test_bfloat16_dispatch_halves_the_rows_bytes_and_stays_near_ep1():
 @pytest.mark.parametrize("quant", ["none", "int4"])
 def test_runtime_rebalance_under_load_keeps_outputs(quant):
     """EP=2 with 4 redundant slots; the trigger checks every 2 steps with a threshold any skew
-    exceeds, and two placements are forced mid-generation on top. int4: packed slots move whole."""
+    exceeds, and two placements are forced mid-generation on top. int4: packed slots move whole, on
+    model.batch_invariant's products (replicas split a slot's rows, and int4's row-count paths give a
+    row other bits in fewer rows)."""
     name = "tiny-mixtral"
     loaded = load_model_files(name)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    want = [o.token_ids for o in _llm(name, loaded, model__quantization=quant).generate(PROMPTS, params)]
+    common = dict(model__quantization=quant, model__batch_invariant=quant != "none")
+    want = [o.token_ids for o in _llm(name, loaded, **common).generate(PROMPTS, params)]
     llm = _llm(
         name,
         loaded,
-        model__quantization=quant,
+        **common,
         model__expert_parallel=2,
         model__num_redundant_experts=4,
         model__eplb_interval=2,

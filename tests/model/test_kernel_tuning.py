@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from pdserve.common.paths import cache_root
 from pdserve.model.kernels import qgemm, tuning
 from pdserve.utils.cpu import cpu_flags
 
@@ -93,6 +98,48 @@ def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
         tuning.tune.cache_clear()
         for c in paths:
             c.set_start(c.unmeasured)
+
+
+def test_processes_starting_together_measure_once_and_take_the_same_paths(tmp_path):
+    """Three processes tune at once on a cache without a tuning (a deployment's workers starting on a
+    fresh machine): one measures, the others wait for it and read its choices, and all three take the
+    cached paths (measured apart, choices near a threshold could differ, and so would a row's bits
+    between a prefill worker and a decode worker)."""
+    if not tuning.machine_choices():
+        pytest.skip("no kernel choice here: nothing to choose")
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    for so in (cache_root() / "kernels").glob("*.so"):  # built already: the processes only load them
+        shutil.copy2(so, kernels / so.name)
+    code = (
+        "import json, logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+        "from pdserve.model.kernels import qgemm, tuning\n"
+        "tuning.tune(); print(json.dumps(qgemm.paths()))"
+    )
+    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in outs]
+    assert sum("measured on this machine" in err for _, err in outs) == 1
+    [path] = kernels.glob("tuning-*.json")
+    cached = json.loads(path.read_text())
+    paths = [json.loads(out) for out, _ in outs]
+    assert paths[0] == paths[1] == paths[2]
+    by_key = {c.key: c for c in tuning.machine_choices()}
+    names = {
+        "int4_lut_from": "lut_from",
+        "int4_exact_from": "amx_exact_from",
+        "int4_tiles_from": "amx_from",
+        "int8_tiles_from": "amx8_from",
+        "amx_tile_pairs_from_k": "amx_pairs_from_k",
+        "int4_rounded_from": "pairs_rounded_from",
+    }
+    assert {names[k]: cached[k] for k in by_key} == {names[k]: paths[0][names[k]] for k in by_key}
 
 
 def test_the_register_rows_lookup_gives_the_converted_floats():

@@ -4,6 +4,7 @@ load) and the call. See the C file for the layouts and why it beats torch's weig
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
 from functools import lru_cache
 
 import torch
@@ -148,6 +149,37 @@ def invariant_rows(rows: int) -> None:
 def invariant_bound() -> int:
     """The rows invariant_rows set (0: none, or no kernel here)."""
     return _setting("pd_qgemm_invariant")
+
+
+# The kernel's settings a product's bits depend on (each a setter int f(int) that reads below 0): the
+# row counts and depth the tuning measures and model.batch_invariant's bound.
+PATHS = (
+    "lut_from",
+    "amx_exact_from",
+    "amx_from",
+    "amx8_from",
+    "amx_pairs_from_k",
+    "pairs_rounded_from",
+    "invariant",
+)
+
+
+def paths() -> dict[str, int]:
+    """The paths this process's products take now, by PATHS' names ({} where the kernel does not load
+    here). Processes whose products must give the same bits (an expert-parallel model's ranks) are
+    set to rank 0's with set_paths: measured or cached apart, their choices could differ."""
+    if not available():
+        return {}
+    return {name: _setting(f"pd_qgemm_{name}") for name in PATHS}
+
+
+def set_paths(values: Mapping[str, int]) -> None:
+    """Take another process's paths (from paths()); a build without a path ignores it."""
+    unknown = set(values) - set(PATHS)
+    if unknown:
+        raise ValueError(f"unknown kernel paths {sorted(unknown)}: allowed {list(PATHS)}")
+    for name, value in values.items():
+        _set_everywhere(f"pd_qgemm_{name}", int(value))
 
 
 def amx_rows(mode: str) -> int:

@@ -44,7 +44,8 @@
 #define BF16_ROWS8 9
 
 /* A row count the tuning sets, clamped to [lo, hi]; returned as stored. */
-static int set_rows(int *slot, int rows, int lo, int hi) {
+static int set_rows(int *slot, int rows, int lo, int hi) {  /* below 0: only returns the value */
+    if (rows < 0) return __atomic_load_n(slot, __ATOMIC_ACQUIRE);
     rows = rows < lo ? lo : rows > hi ? hi : rows;
     __atomic_store_n(slot, rows, __ATOMIC_RELEASE);
     return rows;
@@ -57,9 +58,7 @@ static int set_rows(int *slot, int rows, int lo, int hi) {
 static int pairs_rounded4 = BF16_ROWS;
 
 static int pairs_rounded_rows(void) { return __atomic_load_n(&pairs_rounded4, __ATOMIC_ACQUIRE); }
-int pd_qgemm_pairs_rounded_from(int rows) {  /* below 0: only returns the start */
-    return rows < 0 ? pairs_rounded_rows() : set_rows(&pairs_rounded4, rows, BF16_ROWS4, PAIRS_ROUNDED_MAX);
-}
+int pd_qgemm_pairs_rounded_from(int rows) { return set_rows(&pairs_rounded4, rows, BF16_ROWS4, PAIRS_ROUNDED_MAX); }
 
 /* vpermw's index that interleaves vcvtne2ps2bf16's halves (lo's 16 values in words 0-15, hi's in 16-31)
    into pairs: word 2c = lo's c, word 2c + 1 = hi's c. */
@@ -425,9 +424,7 @@ static void amx_configure(int rem) {
 #define NO_TILE_PAIRS (1 << 20)
 static int tile_pairs_from_k = NO_TILE_PAIRS;
 
-int pd_qgemm_amx_pairs_from_k(int K) {  /* below 0: only returns the depth */
-    return K < 0 ? __atomic_load_n(&tile_pairs_from_k, __ATOMIC_ACQUIRE) : set_rows(&tile_pairs_from_k, K, 32, NO_TILE_PAIRS);
-}
+int pd_qgemm_amx_pairs_from_k(int K) { return set_rows(&tile_pairs_from_k, K, 32, NO_TILE_PAIRS); }
 
 /* amx_tiles' blocks of rows (from 48 rows): tmm0-1 the sums of two output tiles for 16 rows, tmm2
    their activations, tmm4-5 the two tiles' pairs; tmm3 and tmm7 the sums and tmm6 the activations of
@@ -778,9 +775,9 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
 #else
 static int amx_request(void) { return 0; }
 static int amx_exact_rows(void) { return 0; }
-int pd_qgemm_amx_exact_from(int rows) { return rows; }
-int pd_qgemm_amx_from(int rows) { return rows; }
-int pd_qgemm_amx8_from(int rows) { return rows; }
+int pd_qgemm_amx_exact_from(int rows) { return rows < 0 ? 0 : rows; }
+int pd_qgemm_amx_from(int rows) { return rows < 0 ? 0 : rows; }
+int pd_qgemm_amx8_from(int rows) { return rows < 0 ? 0 : rows; }
 int pd_qgemm_amx_pairs_from_k(int K) { return K < 0 ? 0 : K; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;
@@ -866,10 +863,10 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
     tiles_grouped(bits, w, d, m, xb, y, ldy, M, K, t0, t1);
 }
 #else
-int pd_qgemm_pairs_rounded_from(int rows) { return rows; }
-int pd_qgemm_amx_exact_from(int rows) { return rows; }
-int pd_qgemm_amx_from(int rows) { return rows; }
-int pd_qgemm_amx8_from(int rows) { return rows; }
+int pd_qgemm_pairs_rounded_from(int rows) { return rows < 0 ? 0 : rows; }
+int pd_qgemm_amx_exact_from(int rows) { return rows < 0 ? 0 : rows; }
+int pd_qgemm_amx_from(int rows) { return rows < 0 ? 0 : rows; }
+int pd_qgemm_amx8_from(int rows) { return rows < 0 ? 0 : rows; }
 int pd_qgemm_amx_pairs_from_k(int K) { return K < 0 ? 0 : K; }
 int pd_qgemm_amx_rows(int bits) {
     (void)bits;

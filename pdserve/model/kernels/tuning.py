@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.common.paths import cache_root, save_json
+from pdserve.common.paths import cache_root, measuring_alone, save_json
 from pdserve.model.kernels import qgemm
 from pdserve.model.kernels.native import build
 from pdserve.utils.cpu import cpu_flags, cpu_name, feature_key
@@ -65,6 +65,8 @@ PAIR_TURNS = 7  # alternations at each depth: their ratios' median (the VM's spe
 # Two tiles a block must be this much faster to be chosen: the same sums either way, and a depth near
 # 1.0 measured 0.97-1.06 from run to run, so a choice at the noise's edge would flip between loads.
 PAIR_GAIN = 0.97
+# How long a process waits for another one's measurement (a few products' timings) before measuring.
+MEASURE_WAIT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -275,33 +277,53 @@ def machine_choices() -> tuple[Choice, ...]:
     return choices(bf16 and "amx_tile" in cpu_flags() and qgemm.amx(), bf16, qgemm.has_lut())
 
 
+def _cached(path: Path, chosen_paths: tuple[Choice, ...]) -> tuple[dict, list[int]] | None:
+    """The choices cached at `path` and their starts (None where none are cached or readable)."""
+    try:
+        chosen = json.loads(path.read_text())
+        return chosen, [int(chosen[c.key]) for c in chosen_paths]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring unreadable kernel tuning %s: %s", path, e)
+        return None
+
+
 @lru_cache(maxsize=1)
 def tune() -> dict:
     """Apply this machine's measured choices (measured now and cached where none are cached yet);
-    returns them ({} where there is nothing to choose: neither bfloat16 products nor the lookup)."""
+    returns them ({} where there is nothing to choose: neither bfloat16 products nor the lookup).
+    Processes starting together measure in turn (the later ones read the first one's choices): a
+    deployment's workers on one machine then take the same paths, so a row computes the same bits in
+    each (a prefill worker's and a decode worker's, say), and no measurement runs beside another."""
     chosen_paths = machine_choices()
     if not chosen_paths:
         return {}
     path = _cache_path()
-    try:
-        chosen = json.loads(path.read_text())
-        starts = [int(chosen[c.key]) for c in chosen_paths]
-    except FileNotFoundError:
-        chosen = None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("ignoring unreadable kernel tuning %s: %s", path, e)
-        chosen = None
-    if chosen is None:
-        chosen, starts = {}, []
-        for c in chosen_paths:
-            ratios = measure(c)
-            start = choose(ratios, c.none, c.below)
-            c.set_start(start)  # the next choice is measured against this one
-            chosen[c.key] = start
-            chosen[c.ratios] = {str(r): round(v, 3) for r, v in ratios.items()}
-            starts.append(start)
-        save_json(path, chosen, "kernel tuning")
-        log.info("int4 kernel paths measured on this machine: %s", chosen)
+    found = _cached(path, chosen_paths)
+    if found is None:
+        with measuring_alone(path, "the kernel tuning", MEASURE_WAIT_S):
+            found = _cached(path, chosen_paths)  # measured by another process meanwhile
+            if found is None:
+                found = _measure_all(chosen_paths)
+                save_json(path, found[0], "kernel tuning")
+                log.info("int4 kernel paths measured on this machine: %s", found[0])
+    chosen, starts = found
     for c, start in zip(chosen_paths, starts, strict=True):
         c.set_start(start)
     return chosen
+
+
+def _measure_all(chosen_paths: tuple[Choice, ...]) -> tuple[dict, list[int]]:
+    """Each choice measured (against those before it, already set) and chosen: what the cache holds
+    (starts and ratios) and the starts."""
+    chosen: dict = {}
+    starts = []
+    for c in chosen_paths:
+        ratios = measure(c)
+        start = choose(ratios, c.none, c.below)
+        c.set_start(start)  # the next choice is measured against this one
+        chosen[c.key] = start
+        chosen[c.ratios] = {str(r): round(v, 3) for r, v in ratios.items()}
+        starts.append(start)
+    return chosen, starts
