@@ -6,14 +6,29 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 
-from pdserve.model.kernels import native
+from pdserve.model.kernels import native, qgemm, tuning
 
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 AVX2_NEEDS = ["avx2", "fma", "f16c"]
+
+
+@contextmanager
+def unmeasured_paths() -> Iterator[None]:
+    """The kernel's own row-count starts (a fresh process's, before any tuning) inside the block, this
+    machine's after: for checks whose row counts must fall on both sides of a path's start, wherever
+    this machine's tuning put it (an int8 start of 1 row leaves nothing below it)."""
+    saved = qgemm.paths()
+    try:
+        for c in tuning.machine_choices():
+            c.set_start(c.unmeasured)
+        yield
+    finally:
+        qgemm.set_paths(saved)
 
 
 def build_library(tmp_path, name: str, sources: list[str], flags: list[str]) -> ctypes.CDLL | None:

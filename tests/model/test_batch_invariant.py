@@ -10,7 +10,7 @@ import ctypes
 import pytest
 import torch
 from float_bounds import assert_within, gamma
-from kernel_builds import AVX2, AVX2_NEEDS, runnable_qgemm
+from kernel_builds import AVX2, AVX2_NEEDS, runnable_qgemm, unmeasured_paths
 
 from pdserve.model.kernels import qgemm
 from pdserve.model.linear import linear
@@ -77,11 +77,13 @@ def test_each_rows_bits_are_its_own_at_every_row_count(mode):
             assert torch.equal(linear(x[:m], qw), tall[:m]), (mode, m)
         assert torch.equal(linear(x[7:8], qw), tall[7:8])
         qgemm.invariant_rows(0)
-        plain = {m: linear(x[:m], qw) for m in COUNTS}
-        plain_tall = linear(x, qw)
+        with unmeasured_paths():
+            plain = {m: linear(x[:m], qw) for m in COUNTS}
+            plain_tall = linear(x, qw)
     finally:
         qgemm.invariant_rows(0)
-    # Without it the row counts take paths that sum in other orders: some row differs.
+    # Without it the row counts take paths that sum in other orders: some row differs (on the kernel's
+    # own starts, which COUNTS straddle; a machine's tuning may start a path at 1 row).
     assert any(not torch.equal(plain[m], plain_tall[:m]) for m in COUNTS)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_builds import unmeasured_paths
 
 from pdserve.bench.quality import agreement_and_kl, sequence_logits
 from pdserve.config import ModelConfig
@@ -64,8 +65,9 @@ def test_quantized_moe_against_float32(name):
         # arithmetic is checked in chunks below that row count (float32 activations); the full pass
         # is held to the float32 floors below.
         same = sequence_logits(build_model(_dequantized(loaded, mode)), ids)
-        rows = qgemm.bf16_rows(mode)
-        exact = sequence_logits(model, ids, chunk=rows - 1) if 0 < rows <= len(ids) else got
+        with unmeasured_paths():  # bfloat16 from the kernel's own start (a tuning may start it at 1 row)
+            rows = qgemm.bf16_rows(mode)
+            exact = sequence_logits(model, ids, chunk=rows - 1) if 0 < rows <= len(ids) else got
         agree, kl = agreement_and_kl(same, exact)
         assert agree >= 0.95 and kl <= 1e-3, (mode, agree, kl)
         agree, kl = agreement_and_kl(want, got)
