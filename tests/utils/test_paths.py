@@ -38,7 +38,7 @@ def test_measuring_alone_takes_turns_and_runs_unlocked_past_its_deadline(tmp_pat
         with caplog.at_level(logging.WARNING, logger="pdserve.common.paths"):
             _take(path, order, 0.1)  # a deadline shorter than the hold: runs unlocked
         assert "without its lock" in caplog.text
-    waiter.join(10)
+    waiter.join(60)  # its own deadline (30 s) would end the wait first
     assert order == ["first", "unlocked", "second"]
 
 
