@@ -88,6 +88,35 @@ def test_each_rows_bits_are_its_own_at_every_row_count(mode):
 
 
 @needs_kernel
+@pytest.mark.skipif(
+    not qgemm.amx_vectors_agree(), reason="no AMX tiles here, or their bits are not the vectors' on this CPU"
+)
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("k", [K, 96, 1536])  # 18 groups (4 at a time, 2 left), 3, 48
+def test_the_vectors_compute_the_tiles_bits(mode, k):
+    """AMX's tiles copied on vector FMAs (qgemm.amx_vectors4_below, amx_vectors8_below): every row count
+    the vectors take gives the tiles' bits, so with them taking the few rows a row is still its own at
+    every count (model.batch_invariant)."""
+    g = torch.Generator().manual_seed(4)
+    qw = QuantizedWeight(quantize(torch.randn(N, k, generator=g) * 0.05, mode), native=True)
+    x = torch.randn(ROWS, k, generator=g) * torch.logspace(-1, 1, ROWS)[:, None]
+    below = qgemm.amx_vectors4_below if mode == "int4" else qgemm.amx_vectors8_below
+    saved = qgemm.paths()
+    try:
+        qgemm.invariant_rows(64)
+        below(1)  # the tiles at every count
+        tiles = {m: linear(x[:m], qw) for m in range(1, 10)}
+        tall = linear(x, qw)
+        below(9)  # the vectors at 1-8 rows
+        for m in range(1, 10):
+            assert torch.equal(linear(x[:m], qw), tiles[m]), (mode, k, m)
+            assert torch.equal(tiles[m], tall[:m]), (mode, k, m)
+        assert torch.equal(linear(x[5:6], qw), tall[5:6])
+    finally:
+        qgemm.set_paths(saved)
+
+
+@needs_kernel
 @pytest.mark.parametrize("name,flags,needs", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_every_vector_build_keeps_each_rows_bits(tmp_path, name, flags, needs):
     """The builds this CPU can run, each on its own paths (the register rows and the dequantized block

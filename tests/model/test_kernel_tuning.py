@@ -39,7 +39,8 @@ def test_the_tiles_start_where_they_are_faster_at_every_count_above():
 
 
 def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
-    """On AMX's tiles where they run (the exact tiles' start, the rounded tile's and int8's), else on the
+    """On AMX's tiles where they run (the exact tiles' start, the rounded tile's and int8's, and below
+    which rows the vectors copy the tiles where they can), else on the
     AVX512-BF16 pairs (the rounded tile's), and on AVX-512 builds the register rows' lookup: measured,
     cached, read back as cached, and taken by the products."""
     paths = tuning.machine_choices()
@@ -49,7 +50,8 @@ def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
     bf16 = "avx512_bf16" in cpu_flags()
     amx = bf16 and "amx_tile" in cpu_flags() and qgemm.amx()
     assert ("int4_lut_from" in by_key) == qgemm.has_lut()
-    assert len(paths) == qgemm.has_lut() + (4 if amx else 1 if bf16 else 0)
+    vectors = amx and qgemm.amx_vectors_agree()
+    assert len(paths) == qgemm.has_lut() + (4 + 2 * vectors if amx else 1 if bf16 else 0)
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     tuning.tune.cache_clear()
     try:
@@ -76,6 +78,8 @@ def test_tuning_is_measured_once_cached_and_applied(tmp_path, monkeypatch):
         if amx:
             assert qgemm.bf16_rows("int4") == 5 and qgemm.amx_rows("int4") == 20
             assert qgemm.bf16_rows("int8") == 5
+        if vectors:  # the same bits either way: read back from the kernel
+            assert qgemm.paths()["amx_vectors4_below"] == qgemm.paths()["amx_vectors8_below"] == 5
         # A product from each chosen count on takes that path (its sums differ from the other's).
         from pdserve.model.linear import linear
         from pdserve.model.quant import QuantizedWeight, quantize

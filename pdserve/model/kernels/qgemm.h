@@ -23,6 +23,13 @@ int pd_qgemm_amx_rows(int bits); /* from how many rows (bits 4 or 8) they take t
 int pd_qgemm_amx_from(int rows); /* int4's rounded tile: set where measured (clamped 9-32; returned) */
 int pd_qgemm_amx_exact_from(int rows); /* int4's exact tiles: set where measured (clamped 1-9; returned) */
 int pd_qgemm_amx8_from(int rows); /* int8's tiles: set where measured (clamped 1-9; returned) */
+/* Products of fewer rows that would take the tiles (int4's exact tiles; int8's) compute the tiles' bits
+   on vector FMAs instead: set where measured (clamped 1-9, 1: the tiles at every row count; returned;
+   below 0 only returns it). Only where pd_qgemm_amx_vectors_agree: 1 where the vectors gave this CPU's
+   tiles' bits in a check run once a process. */
+int pd_qgemm_amx_vectors4_below(int rows);
+int pd_qgemm_amx_vectors8_below(int rows);
+int pd_qgemm_amx_vectors_agree(void);
 int pd_qgemm_amx_pairs_from_k(int K); /* from 48 rows, two tiles a block from depth K: set where measured
                                         (returned; below 0 only returns it) */
 int pd_qgemm_bf16_rows(int bits); /* from how many rows (bits 4 or 8) pd_qgemm_bf16_x rounds; 0: never */

@@ -90,6 +90,30 @@ def amx8_from(rows: int) -> None:
     _set_everywhere("pd_qgemm_amx8_from", rows)
 
 
+def amx_vectors4_below(rows: int) -> None:
+    """Below how many rows int4 products that would take AMX's exact tiles compute the tiles' bits on
+    vector FMAs instead (kernels/tuning.py measures it; the same bits, so processes need not agree on
+    it); clamped to [1, 9], 1 (the tiles at every count) until measured. Only where
+    amx_vectors_agree()."""
+    _set_everywhere("pd_qgemm_amx_vectors4_below", rows)
+
+
+def amx_vectors8_below(rows: int) -> None:
+    """amx_vectors4_below for int8 products on AMX's tiles."""
+    _set_everywhere("pd_qgemm_amx_vectors8_below", rows)
+
+
+def amx_vectors_agree() -> bool:
+    """Whether vector FMAs give this CPU's AMX tiles' bits (checked once a process on a few products
+    of random operands; False where no tiles run): only then do amx_vectors4_below and
+    amx_vectors8_below take effect."""
+    fn = function("qgemm", "pd_qgemm_amx_vectors_agree", [])
+    if fn is None:
+        return False
+    fn.restype = ctypes.c_int
+    return bool(fn())
+
+
 def amx_tile_pairs_from(k: int) -> None:
     """From which depth K products of 48 rows or more on AMX's tiles take two output tiles per block
     of rows (the same sums; kernels/tuning.py measures it); 1 << 20 (never) until measured."""
@@ -151,8 +175,9 @@ def invariant_bound() -> int:
     return _setting("pd_qgemm_invariant")
 
 
-# The kernel's settings a product's bits depend on (each a setter int f(int) that reads below 0): the
-# row counts and depth the tuning measures and model.batch_invariant's bound.
+# The kernel's settings of its paths (each a setter int f(int) that reads below 0): the row counts and
+# depth the tuning measures and model.batch_invariant's bound. A product's bits depend on each but the
+# vectors' (their bits are the tiles'), carried along so that a process's paths are whole.
 PATHS = (
     "lut_from",
     "amx_exact_from",
@@ -161,6 +186,8 @@ PATHS = (
     "amx_pairs_from_k",
     "pairs_rounded_from",
     "invariant",
+    "amx_vectors4_below",
+    "amx_vectors8_below",
 )
 
 

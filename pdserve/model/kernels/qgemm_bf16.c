@@ -772,8 +772,220 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
     _tile_release();
     return 1;
 }
+#if defined(__AVX512BW__)
+/* AMX's tiles copied on vector FMAs, bit for bit, for a few rows. A tdpbf16ps of 16 pairs sums the
+   even-indexed products in one chain and the odd-indexed in another, each in order from zero, adds
+   the two, then adds that to the tile's sum (found by comparing the two on this CPU's tiles; each
+   process checks it once before the copy runs: amx_vectors_agree). A bfloat16 activation times a
+   nibble or an int8 value is exact in float32, so fma(x, q, chain) rounds as the tile's addition
+   does. At a row or two a tile wastes 15 of its 16 rows and int4's exact tiles add a round trip (zero,
+   product, store) per group of 32 that no row count hides there; the vectors widen each weight once, as
+   qgemm.c's register rows do. Which is faster at how many rows is measured (kernels/tuning.py), and
+   needs no agreement between processes: the bits are the same either way. */
+#define VEC_MAX 8
+static int vectors_below4 = 1, vectors_below8 = 1;   /* 1: the tiles from 1 row until measured */
+
+int pd_qgemm_amx_vectors4_below(int rows) { return set_rows(&vectors_below4, rows, 1, VEC_MAX + 1); }
+int pd_qgemm_amx_vectors8_below(int rows) { return set_rows(&vectors_below8, rows, 1, VEC_MAX + 1); }
+
+/* The bf16 rows (xb, M x K) as floats: a broadcast from memory then needs no shift. */
+static __thread float *vec_x;
+static __thread size_t vec_cap;
+
+static float *vector_rows(const uint16_t *xb, int M, int K) {
+    const size_t need = (size_t)M * K * 4;
+    if (need > vec_cap) {
+        free(vec_x);
+        vec_x = aligned_alloc(64, (need + 63) / 64 * 64);
+        vec_cap = vec_x ? need : 0;
+        if (vec_x == NULL) return NULL;
+    }
+    for (int64_t i = 0; i < (int64_t)M * K; i += 16)
+        _mm512_store_ps(vec_x + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + i))), 16)));
+    return vec_x;
+}
+
+/* Input values 2p and 2p + 1 of group (or block of 32) g of a tile, 16 channels each, as floats: int4's
+   nibbles looked up (vpermps reads an index's low 4 bits), int8's bytes converted. */
+static inline __attribute__((always_inline)) void vec_weights(int bits, const uint8_t *tw, int g, int p, __m512 *lo,
+                                                              __m512 *hi) {
+    if (bits == 4) {
+        const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tw + ((int64_t)g * 16 + p) * NC)));
+        *lo = _mm512_permutexvar_ps(v, values);
+        *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), values);
+    } else {
+        const int8_t *q = (const int8_t *)tw + ((int64_t)g * 32 + 2 * p) * NC;
+        *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+        *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + NC))));
+    }
+}
+
+/* Groups (blocks of 32 input values) [g0, g0 + ng) of tile tw over mr rows (xr: the rows as floats, K
+   apart) into out: each group's two chains a row are independent of the other groups', so a row or two
+   fill the FMA units' pipelines that way. int4: per group out = fma(sum, d, fma(sx, m, out)),
+   amx_q4_exact's scaling in its order; int8: each block's sum added to out in order over K, as the tile
+   sums over all of K (amx_rows_once). */
+static inline __attribute__((always_inline)) void vec_groups(int bits, int mr, int ng, const uint8_t *tw,
+                                                             const uint16_t *td, const uint16_t *tm, const float *xr,
+                                                             const float *sx, int K, int g0, int64_t ahead,
+                                                             const uint8_t *end, __m512 *out) {
+    const int G = K / 32;
+    const int64_t group_bytes = bits == 4 ? 16 * NC : 32 * NC;
+    __m512 a[4][4], b[4][4];
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < ng; u++) a[i][u] = b[i][u] = _mm512_setzero_ps();
+    /* `ahead` groups on, as qgemm.c's register rows prefetch (int4 into L2, int8 into L1), never past
+       `end` (the tiles this call computes; the next ones are another thread's) */
+    for (int u = 0; u < ng; u++) {
+        const uint8_t *pf = tw + (g0 + u + ahead) * group_bytes;
+        if (pf >= end) break;
+        for (int64_t o = 0; o < group_bytes; o += 64) {
+            if (bits == 4) __builtin_prefetch(pf + o, 0, 2);
+            else __builtin_prefetch(pf + o, 0, 3);
+        }
+        if (bits == 4 && ((g0 + u + ahead) & 1) == 0)   /* two groups' scales a line */
+            __builtin_prefetch(td + (g0 + u + ahead) * NC, 0, 2), __builtin_prefetch(tm + (g0 + u + ahead) * NC, 0, 2);
+    }
+    for (int p = 0; p < 16; p++)
+        for (int u = 0; u < ng; u++) {
+            __m512 lo, hi;
+            vec_weights(bits, tw, g0 + u, p, &lo, &hi);
+            const int k = (g0 + u) * 32 + 2 * p;
+            for (int i = 0; i < mr; i++) {
+                a[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(xr[(int64_t)i * K + k]), lo, a[i][u]);
+                b[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(xr[(int64_t)i * K + k + 1]), hi, b[i][u]);
+            }
+        }
+    for (int u = 0; u < ng; u++) {
+        const int g = g0 + u;
+        if (bits == 4) {
+            const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(td + g * NC)));
+            const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tm + g * NC)));
+            for (int i = 0; i < mr; i++)
+                out[i] = _mm512_fmadd_ps(_mm512_add_ps(a[i][u], b[i][u]), dg,
+                                         _mm512_fmadd_ps(_mm512_set1_ps(sx[(int64_t)i * G + g]), mg, out[i]));
+        } else {
+            for (int i = 0; i < mr; i++) out[i] = _mm512_add_ps(out[i], _mm512_add_ps(a[i][u], b[i][u]));
+        }
+    }
+}
+
+/* Tile t over mr (<= 4) rows, ng groups at a time (the last few one at a time); int8's sums times the
+   channel's scale at the end (amx_scale8). */
+static inline __attribute__((always_inline)) void vec_tile(int bits, int mr, int ng, const void *w, const void *d,
+                                                           const void *m, const float *xr, const float *sx, float *y,
+                                                           int64_t ldy, int K, int t, int64_t ahead,
+                                                           const uint8_t *end) {
+    const int G = K / 32;
+    const uint8_t *tw = (const uint8_t *)w + (int64_t)t * (bits == 4 ? K / 2 : K) * NC;
+    const uint16_t *td = (const uint16_t *)d + (int64_t)t * G * NC, *tm = (const uint16_t *)m + (int64_t)t * G * NC;
+    __m512 out[4];
+    for (int i = 0; i < mr; i++) out[i] = _mm512_setzero_ps();
+    int g0 = 0;
+    for (; g0 + ng <= G; g0 += ng) vec_groups(bits, mr, ng, tw, td, tm, xr, sx, K, g0, ahead, end, out);
+    for (; g0 < G; g0++) vec_groups(bits, mr, 1, tw, td, tm, xr, sx, K, g0, ahead, end, out);
+    const __m512 dc = bits == 8 ? _mm512_loadu_ps((const float *)d + t * NC) : _mm512_setzero_ps();
+    for (int i = 0; i < mr; i++)
+        _mm512_storeu_ps(y + (int64_t)i * ldy + t * NC, bits == 8 ? _mm512_mul_ps(out[i], dc) : out[i]);
+}
+
+/* Tiles [t0, t1) of rows [0, M) (M <= VEC_MAX) on the vectors; 0 where the rows' buffer is not had. */
+static int vec_tiles(int bits, const void *w, const void *d, const void *m, const uint16_t *xb, const float *sx,
+                     float *y, int64_t ldy, int M, int K, int t0, int t1) {
+    const float *xr = vector_rows(xb, M, K);
+    if (xr == NULL) return 0;
+    const int64_t group_bytes = bits == 4 ? 16 * NC : 32 * NC, ahead = (pd_qgemm_prefetch(-1) + group_bytes - 1) / group_bytes;
+    const uint8_t *end = (const uint8_t *)w + (int64_t)t1 * (K / 32) * group_bytes;
+    for (int i0 = 0; i0 < M; i0 += 4) {   /* at most 4 rows a pass: their chains fit the registers */
+        const int mr = M - i0 < 4 ? M - i0 : 4;
+        const float *xi = xr + (int64_t)i0 * K, *si = sx ? sx + (int64_t)i0 * (K / 32) : NULL;
+        float *yi = y + (int64_t)i0 * ldy;
+        for (int t = t0; t < t1; t++) {
+#define VEC_CASE(r, g) case r: vec_tile(bits, r, g, w, d, m, xi, si, yi, ldy, K, t, ahead, end); break;
+            if (bits == 4)
+                switch (mr) { VEC_CASE(1, 4) VEC_CASE(2, 4) VEC_CASE(3, 2) VEC_CASE(4, 2) default: break; }
+            else
+                switch (mr) { VEC_CASE(1, 4) VEC_CASE(2, 4) VEC_CASE(3, 2) VEC_CASE(4, 2) default: break; }
+#undef VEC_CASE
+        }
+    }
+    return 1;
+}
+
+/* Whether the vectors give this CPU's tiles' bits: int4's exact tiles and int8's tiles against
+   vec_tiles on a few products of random operands (1 to 5 rows, a tail of groups); 1 they do, 0 they
+   do not (the tiles then run at every row count), checked once a process. */
+static int vectors_state;   /* 0: not checked, 1: the same bits, -1: not */
+
+static int vectors_check(void) {
+    enum { K = 96, T = 3, MAXR = 5 };
+    uint8_t w4[T * K / 2 * NC];
+    int8_t w8[T * K * NC];
+    uint16_t d4[T * K / 32 * NC], m4[T * K / 32 * NC], xb[MAXR * K];
+    float d8[T * NC], sx[MAXR * K / 32], y0[MAXR * T * NC], y1[MAXR * T * NC];
+    uint64_t s = 0x9E3779B97F4A7C15ull;
+#define NEXT() (s ^= s << 13, s ^= s >> 7, s ^= s << 17, s)
+    for (size_t i = 0; i < sizeof w4; i++) w4[i] = (uint8_t)NEXT();
+    for (size_t i = 0; i < sizeof w8; i++) w8[i] = (int8_t)((int)(NEXT() % 255) - 127);
+    for (int i = 0; i < T * K / 32 * NC; i++) {   /* scales 2^-8..2^-1, offsets of either sign */
+        d4[i] = _cvtss_sh((float)(NEXT() % 1024 + 1) / (float)(1 << (8 + NEXT() % 8)), 0);
+        m4[i] = _cvtss_sh(-(float)(NEXT() % 1024) / (float)(1 << (9 + NEXT() % 8)), 0);
+    }
+    for (int i = 0; i < T * NC; i++) d8[i] = (float)(NEXT() % 1000 + 1) * 1e-4f;
+    for (int i = 0; i < MAXR * K; i++) {   /* magnitudes 2^-6..2^5, either sign */
+        const float v = ((float)(NEXT() % 2001) - 1000.0f) / 1000.0f * (float)(1 << (NEXT() % 12)) / 64.0f;
+        xb[i] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(_mm_set1_ps(v)), 0);
+    }
+    for (int i = 0; i < MAXR * K / 32; i++) sx[i] = (float)(NEXT() % 2001) / 100.0f - 10.0f;
+    const int rows[] = {1, 2, 3, 5};
+    for (int r = 0; r < 4; r++) {
+        const int M = rows[r];
+        amx_configure_exact(M);
+        const int done = amx_q4_exact(w4, d4, m4, xb, sx, y0, T * NC, M, K, 0, T);
+        _tile_release();
+        if (!done || !vec_tiles(4, w4, d4, m4, xb, sx, y1, T * NC, M, K, 0, T) ||
+            memcmp(y0, y1, sizeof(float) * M * T * NC))
+            return -1;
+        if (!amx_tiles(8, w8, d8, NULL, xb, y0, T * NC, M, K, 0, T) ||
+            !vec_tiles(8, w8, d8, NULL, xb, NULL, y1, T * NC, M, K, 0, T) ||
+            memcmp(y0, y1, sizeof(float) * M * T * NC))
+            return -1;
+    }
+#undef NEXT
+    return 1;
+}
+
+static int vectors_agree(void) {
+    if (!amx_granted()) return -1;   /* not known while the tiles are off (pd_qgemm_amx) */
+    int state = __atomic_load_n(&vectors_state, __ATOMIC_ACQUIRE);
+    if (state == 0) {   /* threads checking at once reach the same answer */
+        state = vectors_check();
+        __atomic_store_n(&vectors_state, state, __ATOMIC_RELEASE);
+    }
+    return state;
+}
+
+/* 1 where the vectors give the tiles' bits here, 0 where they do not or no tiles run (qgemm.h); asks for
+   the tiles first, as a product would. */
+int pd_qgemm_amx_vectors_agree(void) { return amx_request() > 0 && amx_granted() && vectors_agree() == 1; }
+
+/* Whether tiles [t0, t1) of M rows, which would take AMX's tiles at this row count, run on the vectors. */
+static int vectors_take(int bits, int M, int K) {
+    const int below = __atomic_load_n(bits == 4 ? &vectors_below4 : &vectors_below8, __ATOMIC_ACQUIRE);
+    return M < below && K % 32 == 0 && amx_granted() && vectors_agree() == 1;
+}
+#else
+int pd_qgemm_amx_vectors4_below(int rows) { return rows < 0 ? 0 : rows; }
+int pd_qgemm_amx_vectors8_below(int rows) { return rows < 0 ? 0 : rows; }
+int pd_qgemm_amx_vectors_agree(void) { return 0; }
+#endif
 #else
 static int amx_request(void) { return 0; }
+int pd_qgemm_amx_vectors4_below(int rows) { return rows < 0 ? 0 : rows; }
+int pd_qgemm_amx_vectors8_below(int rows) { return rows < 0 ? 0 : rows; }
+int pd_qgemm_amx_vectors_agree(void) { return 0; }
 static int amx_exact_rows(void) { return 0; }
 int pd_qgemm_amx_exact_from(int rows) { return rows < 0 ? 0 : rows; }
 int pd_qgemm_amx_from(int rows) { return rows < 0 ? 0 : rows; }
@@ -838,6 +1050,12 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
                          int64_t ldy, int M, int K, int t0, int t1) {
     /* int4 keeps its exact paths at every row count model.batch_invariant covers (qgemm.h) */
     const int exact4 = bits == 4 && pd_qgemm_invariant_at(M);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+    /* where the tiles would run (int8's; int4's exact tiles), their bits on the vectors at a few rows */
+    if ((bits == 8 || M < pd_qgemm_amx_rows(4) || exact4) && vectors_take(bits, M, K) &&
+        vec_tiles(bits, w, d, m, xb, bits == 4 ? group_sums((uint16_t *)xb, M, K) : NULL, y, ldy, M, K, t0, t1))
+        return;
+#endif
     /* AMX takes what the rounded tile and int8's pairs take: the same operands, many rows at once. */
     if ((bits == 8 || (M >= pd_qgemm_amx_rows(4) && !exact4)) && amx_tiles(bits, w, d, m, xb, y, ldy, M, K, t0, t1))
         return;
@@ -863,6 +1081,9 @@ void pd_qgemm_bf16_tiles(int bits, const void *w, const void *d, const void *m, 
     tiles_grouped(bits, w, d, m, xb, y, ldy, M, K, t0, t1);
 }
 #else
+int pd_qgemm_amx_vectors4_below(int rows) { return rows < 0 ? 0 : rows; }
+int pd_qgemm_amx_vectors8_below(int rows) { return rows < 0 ? 0 : rows; }
+int pd_qgemm_amx_vectors_agree(void) { return 0; }
 int pd_qgemm_pairs_rounded_from(int rows) { return rows < 0 ? 0 : rows; }
 int pd_qgemm_amx_exact_from(int rows) { return rows < 0 ? 0 : rows; }
 int pd_qgemm_amx_from(int rows) { return rows < 0 ? 0 : rows; }

@@ -65,6 +65,9 @@ PAIR_TURNS = 7  # alternations at each depth: their ratios' median (the VM's spe
 # Two tiles a block must be this much faster to be chosen: the same sums either way, and a depth near
 # 1.0 measured 0.97-1.06 from run to run, so a choice at the noise's edge would flip between loads.
 PAIR_GAIN = 0.97
+# AMX's tiles against their bits on vector FMAs (qgemm.amx_vectors4_below): the vectors below every count
+# measured where the tiles win at none, the tiles from 1 row until measured.
+NO_TILES_BELOW, TILES_ONLY = 9, 1
 # How long a process waits for another one's measurement (a few products' timings) before measuring.
 MEASURE_WAIT_S = 120.0
 
@@ -83,15 +86,18 @@ class Choice:
     mode: str = "int4"  # the weight format timed
     by_depth: bool = False  # `rows` are depths K (PAIR_ROWS rows each), not row counts
     below: float = 1.0  # the ratio a count must beat (choose)
+    exact: bool = False  # timed on model.batch_invariant's paths (the exact ones at every row count)
 
 
-def choices(amx: bool, bf16: bool, lut: bool) -> tuple[Choice, ...]:
+def choices(amx: bool, bf16: bool, lut: bool, vectors: bool = False) -> tuple[Choice, ...]:
     """What is chosen here, each measured against those before it: the register rows' lookup first
     (the exact tiles are measured against the float32 kernel), then the exact path (the rounded tile
     is measured against it). On the vector pairs only the rounded tile's start: the exact pairs ran
     faster than the float32 kernel at 3-8 rows on a Zen 5, alone (in cache and streamed) but not in
     the engine's decode steps (0.93 of the tok/s at 4 streams: benchmarks/kernel_tuning.py), so they
-    keep their start of 9 rows. Without bfloat16 products only the lookup."""
+    keep their start of 9 rows. Without bfloat16 products only the lookup. With `vectors` (AMX's tiles'
+    bits reproduced on vector FMAs here: qgemm.amx_vectors_agree), below how many rows they replace
+    int4's exact tiles and int8's tiles, timed where those run from 1 row (model.batch_invariant)."""
     found = (
         (Choice("int4_lut_from", "lut_vs_convert", EXACT_ROWS, qgemm.lut_from, NO_LUT, NO_LUT),)
         if lut
@@ -124,6 +130,31 @@ def choices(amx: bool, bf16: bool, lut: bool) -> tuple[Choice, ...]:
                 NO_TILE_PAIRS,
                 by_depth=True,
                 below=PAIR_GAIN,
+            ),
+            *(
+                (
+                    Choice(
+                        "int4_vectors_below",
+                        "exact_tiles_vs_vectors",
+                        EXACT_ROWS,
+                        qgemm.amx_vectors4_below,
+                        NO_TILES_BELOW,
+                        TILES_ONLY,
+                        exact=True,
+                    ),
+                    Choice(
+                        "int8_vectors_below",
+                        "int8_tiles_vs_vectors",
+                        EXACT_ROWS,
+                        qgemm.amx_vectors8_below,
+                        NO_TILES_BELOW,
+                        TILES_ONLY,
+                        "int8",
+                        exact=True,
+                    ),
+                )
+                if vectors
+                else ()
             ),
         )
     return (
@@ -165,13 +196,14 @@ def _ratio(fn, set_start, start: int, off: int, turns: int = 1) -> float:
 
 
 @contextmanager
-def _row_count_paths(set_start, off: int, threads: int | None = None):
-    """While timing: model.batch_invariant's bound lifted (the row-count paths are what is measured)
-    and, given `threads`, torch's thread count set; after, both restored and the path left off."""
+def _row_count_paths(set_start, off: int, threads: int | None = None, exact_to: int = 0):
+    """While timing: model.batch_invariant's bound lifted (the row-count paths are what is measured),
+    or set to `exact_to` rows (the exact paths to that count), and, given `threads`, torch's thread
+    count set; after, both restored and the path left off."""
     saved_threads, invariant = torch.get_num_threads(), qgemm.invariant_bound()
     if threads is not None:
         torch.set_num_threads(threads)
-    qgemm.invariant_rows(0)
+    qgemm.invariant_rows(exact_to)
     try:
         yield
     finally:
@@ -180,16 +212,19 @@ def _row_count_paths(set_start, off: int, threads: int | None = None):
         set_start(off)
 
 
-def _ratios(rows_list: tuple[int, ...], set_start, off: int, mode: str = "int4") -> dict[int, float]:
+def _ratios(
+    rows_list: tuple[int, ...], set_start, off: int, mode: str = "int4", exact: bool = False
+) -> dict[int, float]:
     """Per row count: the product's time (a `mode` weight, one thread) with the path starting there
-    (set_start(rows)) over its time with the path off (set_start(off)); below 1 the path is faster."""
+    (set_start(rows)) over its time with the path off (set_start(off)); below 1 the path is faster.
+    `exact`: on model.batch_invariant's paths."""
     from pdserve.model.linear import linear
     from pdserve.model.quant import QuantizedWeight, quantize
 
     g = torch.Generator().manual_seed(0)
     qw = QuantizedWeight(quantize(torch.randn(*SHAPE, generator=g) * 0.05, mode), native=True)
     ratios = {}
-    with _row_count_paths(set_start, off, threads=1):
+    with _row_count_paths(set_start, off, threads=1, exact_to=max(rows_list) if exact else 0):
         for rows in rows_list:
             x = torch.randn(rows, SHAPE[1], generator=g)
             ratios[rows] = _ratio(lambda: linear(x, qw), set_start, rows, off)
@@ -221,7 +256,7 @@ def measure(choice: Choice) -> dict[int, float]:
     time without (below 1: faster)."""
     if choice.by_depth:
         return _depth_ratios(choice.rows, choice.set_start, choice.none)
-    return _ratios(choice.rows, choice.set_start, choice.none, choice.mode)
+    return _ratios(choice.rows, choice.set_start, choice.none, choice.mode, choice.exact)
 
 
 def choose(ratios: dict[int, float], none: int = NO_TILES, below: float = 1.0) -> int:
@@ -274,7 +309,8 @@ def machine_choices() -> tuple[Choice, ...]:
     if not qgemm.available():
         return ()
     bf16 = "avx512_bf16" in cpu_flags() and qgemm.bf16_rows("int4") > 0
-    return choices(bf16 and "amx_tile" in cpu_flags() and qgemm.amx(), bf16, qgemm.has_lut())
+    amx = bf16 and "amx_tile" in cpu_flags() and qgemm.amx()
+    return choices(amx, bf16, qgemm.has_lut(), amx and qgemm.amx_vectors_agree())
 
 
 def _cached(path: Path, chosen_paths: tuple[Choice, ...]) -> tuple[dict, list[int]] | None:
