@@ -10,10 +10,18 @@ def bind_socket(host: str, port: int):
     """The serving socket, bound now (port 0: any free port) but not yet listening. Binding before
     the slow start-up (model loading) keeps the port ours; listening only when uvicorn serves
     (asyncio's create_server calls listen) means a client that connects during start-up is
-    refused at once instead of having its TCP (or TLS) handshake hang until the app is ready."""
+    refused at once instead of having its TCP (or TLS) handshake hang until the app is ready.
+
+    TCP_NODELAY on it, and its protocol named: asyncio turns Nagle's algorithm off only on sockets
+    whose protocol is IPPROTO_TCP, and a socket made with protocol 0 (the default) passes that on to
+    every connection it accepts. With Nagle on, a reply's body (written after its headers) and each
+    streamed chunk wait for the client's ACK of the previous write, which a delayed ACK holds back
+    for up to 40 ms: every keep-alive request paid it in TTFT and a stream's tokens arrived in bursts."""
     import socket
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)
