@@ -170,7 +170,14 @@ def run_profile(argv: list[str]) -> int:
             serving=serving,
             decode=costs.decode.scaled(dec),
             prefill=costs.prefill.scaled(pre),
-            notes={**costs.notes, "served_scale": {"decode": round(dec, 4), "prefill": round(pre, 4)}},
+            notes={
+                **costs.notes,
+                "served_scale": {
+                    "decode": round(dec, 4),
+                    "prefill": round(pre, 4),
+                    "pd_decode_lent": round(serving.pd_decode_lent, 4),
+                },
+            },
         )
     costs.save(args.output)
     print(

@@ -81,6 +81,9 @@ class PDFleet:
     overhead_s: float = 0.0  # fixed per request (HTTP, router, streaming), added to TTFT
     remote_overhead_s: float = 0.0  # the same for a prompt a prefill worker computes (the PD handshake too)
     step_overhead_s: float = 0.0  # added to every step (a served step beyond the engine's own)
+    # A decode step's time × this where every other worker is idle on the shared machine (cores set):
+    # it borrows their cores (Serving.pd_decode_lent).
+    decode_lent: float = 1.0
 
     def describe(self) -> str:
         if self.mixed:
@@ -199,11 +202,14 @@ class _Sim:
 
     def _scaled(self, seconds: float, now: float, w: _Worker, prefill: bool) -> float:
         """A step's time on the shared machine: slower beside another busy worker (memory bandwidth,
-        measured), and shared out when more threads compute than there are cores."""
+        measured), faster where a decode step has every other worker's cores to borrow (measured),
+        and shared out when more threads compute than there are cores."""
         seconds += self.fleet.step_overhead_s
+        cores = self.fleet.cores
         if any(o is not w and o.busy_until > now for o in self.decode + self.prefill):
             seconds *= self.costs.contended_prefill if prefill else self.costs.contended_decode
-        cores = self.fleet.cores
+        elif cores and not prefill:
+            seconds *= self.fleet.decode_lent
         if not cores:
             return seconds
         return seconds * max(1.0, (self.busy_threads(now) + self.fleet.threads) / cores)

@@ -84,6 +84,7 @@ def served(fleet: PDFleet, costs: StepCosts) -> PDFleet:
         overhead_s=s.pd_local_overhead_s,
         remote_overhead_s=s.pd_remote_overhead_s,
         step_overhead_s=s.pd_step_s,
+        decode_lent=s.pd_decode_lent,
     )
 
 

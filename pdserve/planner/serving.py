@@ -25,6 +25,7 @@ two of them (the served TPOT below the profiled step).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import statistics
 import tempfile
@@ -200,23 +201,30 @@ def overheads(
 
 def served_scales(
     costs: StepCosts, pd: dict[str, float], mixed: dict[str, float], short: int, long: int
-) -> tuple[float, float]:
-    """(decode, prefill): the served workers' steps ÷ the profile's same steps, 1.0 where not read.
-    The profile times its steps in its own process; the served workers' steps of the same shape have
-    come out both faster and slower (three profiles of one day: a batch-1 decode step 20% slower in
-    the profile than served minutes later, and 4-7% faster), and the plan predicts served steps."""
+) -> tuple[float, float, float]:
+    """(decode, prefill, lent): the served workers' steps ÷ the profile's same steps, 1.0 where not
+    read. The profile times its steps in its own process; the served workers' steps of the same shape
+    have come out both faster and slower (three profiles of one day: a batch-1 decode step 20% slower
+    in the profile than served minutes later, and 4-7% faster), and the plan predicts served steps.
+    Decode is the mixed server's (its own threads; where unread, the PD workers'), and `lent` the PD
+    decode worker's step ÷ that: a PD worker on one machine borrows its idle peer's cores, so its
+    batch-1 step ran 0.5-0.7x the mixed server's on an Intel Xeon, and one scale between the two
+    predicted PD TPOTs 11-26% long and mixed ones 30% short (benchmarks/plan_accuracy.py)."""
     decode_1 = _profiled_decode_1(costs, short)
-    dec = [m["decode_step"] / decode_1 for m in (pd, mixed) if "decode_step" in m]
+    pd_dec = pd["decode_step"] / decode_1 if "decode_step" in pd else None
+    own = mixed["decode_step"] / decode_1 if "decode_step" in mixed else pd_dec
     pre = [m["short_prefill"] / costs.prefill_s(short, 0) for m in (pd, mixed) if "short_prefill" in m]
     if "long_prefill" in pd:
         pre.append(pd["long_prefill"] / costs.prefill_s(long, 0))
-    return (statistics.geometric_mean(dec) if dec else 1.0, statistics.geometric_mean(pre) if pre else 1.0)
+    lent = pd_dec / own if pd_dec is not None and own is not None else 1.0
+    return (own or 1.0, statistics.geometric_mean(pre) if pre else 1.0, lent)
 
 
 def measure_serving(
     config: Config, config_file: str, costs: StepCosts, prefill_chunk: int, log: Callable[[str], None] = print
 ) -> tuple[Serving, tuple[float, float]]:
-    """The serving overheads, and served_scales' (decode, prefill) for the profile's grids."""
+    """The serving overheads (with served_scales' lent factor), and its (decode, prefill) for the
+    profile's grids."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
     rng = random.Random(1)
     short = max(4, config.disagg.local_prefill_max_tokens // 2)
@@ -237,8 +245,9 @@ def measure_serving(
         f"(+{s.pd_remote_overhead_s * 1000:.0f}); mixed TPOT {mixed['tpot'] * 1000:.1f} ms (+{s.mixed_step_s * 1000:.1f}), "
         f"TTFT {mixed['short'] * 1000:.0f} ms (+{s.mixed_overhead_s * 1000:.0f})"
     )
-    scales = served_scales(costs, pd, mixed, short, long)
+    dec, pre, lent = served_scales(costs, pd, mixed, short, long)
     log(
-        f"served steps ÷ profiled: decode x{scales[0]:.2f}, prefill x{scales[1]:.2f} (the grids are scaled by them)"
+        f"served steps ÷ profiled: decode x{dec:.2f}, prefill x{pre:.2f} (the grids are scaled by them); "
+        f"a PD decode step borrowing idle cores x{lent:.2f}"
     )
-    return s, scales
+    return dataclasses.replace(s, pd_decode_lent=lent), (dec, pre)

@@ -79,6 +79,10 @@ class Serving:
     pd_step_s: float  # added to every step of a PD deployment's workers
     mixed_overhead_s: float  # a mixed server (no router)
     mixed_step_s: float
+    # A PD decode worker's step ÷ the grid's where no other worker is busy: it borrows their idle cores
+    # (the PD deployment's served batch-1 step ÷ the mixed server's, which has none to borrow; the grids
+    # are scaled to the latter). 1.0 in profiles taken before it was measured.
+    pd_decode_lent: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,32 @@ def test_workload_tokens_follow_the_word_list_rule():
     assert reqs[0].arrival == 0.0 and all(a.arrival < b.arrival for a, b in zip(reqs, reqs[1:]))
 
 
+def test_a_decode_step_with_every_other_worker_idle_borrows_their_cores():
+    """A PD decode step that starts while no other worker computes on the shared machine takes the
+    lent factor; while the prefill worker computes a long prompt it does not; on machines of their
+    own (cores None) there is nothing to borrow."""
+    fleet = PDFleet(
+        1,
+        1,
+        prefill_settings=RoleSettings(64, 512),
+        decode_settings=RoleSettings(64, 512),
+        threads=1,
+        cores=2,
+    )
+    lent = replace(fleet, decode_lent=0.5)
+
+    def tpot(f: PDFleet, reqs: list[PDRequest]) -> float:
+        return next(r.tpot for r in simulate_pd(reqs, f, synthetic()) if r.rid == 0)
+
+    alone = [PDRequest(0, 0.0, 40, 20)]
+    assert tpot(lent, alone) == pytest.approx(0.5 * tpot(fleet, alone))
+    # A 4,000-token prompt on the prefill worker meanwhile: some steps run beside it, unlent.
+    busy = [PDRequest(0, 0.0, 40, 20), PDRequest(1, 0.0, 4000, 1)]
+    assert 0.5 * tpot(fleet, busy) < tpot(lent, busy) < tpot(fleet, busy)
+    apart = replace(fleet, cores=None)
+    assert tpot(replace(apart, decode_lent=0.5), alone) == pytest.approx(tpot(apart, alone))
+
+
 def test_a_step_beside_a_busy_worker_runs_at_the_measured_contended_speed():
     # A local 20-token request decodes while a prefill worker computes a long prompt beside it.
     reqs = [PDRequest(0, 0.0, 20, 6), PDRequest(1, 0.0, 2000, 2)]
@@ -322,7 +348,19 @@ def test_the_profiles_grids_scale_to_the_served_steps():
         "long_prefill": 0.9 * c.prefill_s(256, 0),
     }
     mixed = {"decode_step": 1.2 * decode_1, "short_prefill": 0.9 * c.prefill_s(32, 0)}
-    assert served_scales(c, pd, mixed, 32, 256) == (pytest.approx(1.2), pytest.approx(0.9))
-    assert served_scales(c, {"tpot": 0.03}, {"tpot": 0.03}, 32, 256) == (1.0, 1.0)
+    assert served_scales(c, pd, mixed, 32, 256) == (
+        pytest.approx(1.2),
+        pytest.approx(0.9),
+        pytest.approx(1.0),
+    )
+    assert served_scales(c, {"tpot": 0.03}, {"tpot": 0.03}, 32, 256) == (1.0, 1.0, 1.0)
+    # PD decode steps borrowing the idle peer's cores: the grid takes the mixed server's scale, the PD
+    # workers' ratio to it is the lent factor.
+    lent = dict(pd, decode_step=0.6 * decode_1)
+    assert served_scales(c, lent, mixed, 32, 256) == (
+        pytest.approx(1.2),
+        pytest.approx(0.9),
+        pytest.approx(0.5),
+    )
     g = c.decode.scaled(1.2)
     assert g.at(3, 100) == pytest.approx(1.2 * c.decode.at(3, 100)) and c.decode.scaled(1.0) == c.decode
