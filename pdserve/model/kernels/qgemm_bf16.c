@@ -934,9 +934,11 @@ static int vectors_check(void) {
         m4[i] = _cvtss_sh(-(float)(NEXT() % 1024) / (float)(1 << (9 + NEXT() % 8)), 0);
     }
     for (int i = 0; i < T * NC; i++) d8[i] = (float)(NEXT() % 1000 + 1) * 1e-4f;
-    for (int i = 0; i < MAXR * K; i++) {   /* magnitudes 2^-6..2^5, either sign */
+    for (int i = 0; i < MAXR * K; i++) {   /* magnitudes 2^-6..2^5, either sign, rounded to nearest even */
         const float v = ((float)(NEXT() % 2001) - 1000.0f) / 1000.0f * (float)(1 << (NEXT() % 12)) / 64.0f;
-        xb[i] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(_mm_set1_ps(v)), 0);
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        xb[i] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
     }
     for (int i = 0; i < MAXR * K / 32; i++) sx[i] = (float)(NEXT() % 2001) / 100.0f - 10.0f;
     const int rows[] = {1, 2, 3, 5};
