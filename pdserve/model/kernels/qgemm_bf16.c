@@ -903,11 +903,12 @@ static int vec_tiles(int bits, const void *w, const void *d, const void *m, cons
         const float *xi = xr + (int64_t)i0 * K, *si = sx ? sx + (int64_t)i0 * (K / 32) : NULL;
         float *yi = y + (int64_t)i0 * ldy;
         for (int t = t0; t < t1; t++) {
-#define VEC_CASE(r, g) case r: vec_tile(bits, r, g, w, d, m, xi, si, yi, ldy, K, t, ahead, end); break;
-            if (bits == 4)
-                switch (mr) { VEC_CASE(1, 4) VEC_CASE(2, 4) VEC_CASE(3, 2) VEC_CASE(4, 2) default: break; }
-            else
-                switch (mr) { VEC_CASE(1, 4) VEC_CASE(2, 4) VEC_CASE(3, 2) VEC_CASE(4, 2) default: break; }
+            /* each (format, rows) inlined with its constants: 4 groups at a time for 1-2 rows, 2 for 3-4 */
+#define VEC_CASE(b, r, g) case r: vec_tile(b, r, g, w, d, m, xi, si, yi, ldy, K, t, ahead, end); break;
+#define VEC_ROWS(b) switch (mr) { VEC_CASE(b, 1, 4) VEC_CASE(b, 2, 4) VEC_CASE(b, 3, 2) VEC_CASE(b, 4, 2) default: break; }
+            if (bits == 4) VEC_ROWS(4)
+            else VEC_ROWS(8)
+#undef VEC_ROWS
 #undef VEC_CASE
         }
     }
@@ -971,12 +972,12 @@ static int vectors_agree(void) {
 
 /* 1 where the vectors give the tiles' bits here, 0 where they do not or no tiles run (qgemm.h); asks for
    the tiles first, as a product would. */
-int pd_qgemm_amx_vectors_agree(void) { return amx_request() > 0 && amx_granted() && vectors_agree() == 1; }
+int pd_qgemm_amx_vectors_agree(void) { return amx_request() && vectors_agree() == 1; }
 
 /* Whether tiles [t0, t1) of M rows, which would take AMX's tiles at this row count, run on the vectors. */
 static int vectors_take(int bits, int M, int K) {
     const int below = __atomic_load_n(bits == 4 ? &vectors_below4 : &vectors_below8, __ATOMIC_ACQUIRE);
-    return M < below && K % 32 == 0 && amx_granted() && vectors_agree() == 1;
+    return M < below && K % 32 == 0 && vectors_agree() == 1;   /* vectors_agree: -1 while no tiles run */
 }
 #else
 int pd_qgemm_amx_vectors4_below(int rows) { return rows < 0 ? 0 : rows; }
