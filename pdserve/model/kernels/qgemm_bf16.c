@@ -596,118 +596,131 @@ static void amx_rows_once(int M, const uint16_t *xb, int K, uint32_t *wb, float 
    y_i)), micro_q4's formula in its order, so a row's result is its own at any row count (the sums
    inside a group in AMX's order).
 
-   That round trip (zero, product, store, load) has a latency no row count hides, so the loop runs as
-   a pipeline over groups: group g's products are issued, then group g - 1's sums (stored a group
-   earlier) are scaled, then group g + 1's nibbles widened, so no step waits on the round trip just
-   issued.
-   Two output tiles side by side, double-buffered by group parity P: sums of output tile j in tile
+   Two output tiles and a block of up to 16 rows at a time, whose outputs stay in registers over all
+   of K: scaling a group's sums is then two FMAs a row that read the stored sums, where outputs kept
+   in memory had each row's output loaded and stored again every group, and the store port set the
+   pace from about 12 rows. The tiles' pairs are laid out once, group by group during their first
+   block of rows, and read again by the others.
+
+   The round trip of a group's sums (zero, product, store, load) has a latency no row count hides, so
+   the loop runs as a pipeline over groups: group g's products are issued, then group g - 1's sums
+   (stored a group earlier) are scaled, then group g + 1's nibbles widened, so no step waits on the
+   round trip just issued. Double-buffered by group parity P: the sums of output tile j in tile
    2P + j, its pairs in 4 + j, the rows in 6 + P (all 8 tile registers). */
 /* Groups ahead that the nibbles are prefetched, as qgemm.c's direct rows do (a decode step's products
    are small and threads' chunks interleave, so the hardware prefetcher keeps restarting); past a
-   tile's end, the start of the tile that follows it in this loop (two tiles on). */
+   tile's end, the start of the tile that follows it in this loop. */
 #ifndef EXACT_PF
 #define EXACT_PF 8
 #endif
 
-/* Group g of output tiles [t, t + nt) as pairs wb[j] [16][16], prefetching EXACT_PF groups ahead. */
+/* Group g of output tile t as pairs into wb [G][16][16], prefetching EXACT_PF groups ahead (past the
+   tile's end: the tile nt on, the next this loop reaches). */
 static inline __attribute__((always_inline)) void exact_pairs(const uint8_t *w, const uint16_t *d, const uint16_t *m,
-                                                              int K, int t, int nt, int t1, int g,
-                                                              uint32_t (*wb)[16 * NC], __m512i table) {
+                                                              int K, int t, int nt, int t1, int g, uint32_t *wb,
+                                                              __m512i table) {
     const int G = K / 32;
-    for (int j = 0; j < nt; j++) {
-        const uint8_t *nib = w + (int64_t)(t + j) * (K / 2) * NC + (int64_t)g * 16 * NC;
-        int pt = t + j, pg = g + EXACT_PF;
-        if (pg >= G) pt += nt, pg -= G;
-        if (pt < t1) {
-            const uint8_t *pn = w + (int64_t)pt * (K / 2) * NC + (int64_t)pg * 16 * NC;
-            for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch(pn + b, 0, 3);
-            if ((pg & 1) == 0) {   /* two groups' scales a line */
-                const int64_t gi = (int64_t)pt * G * NC + (int64_t)pg * NC;
-                __builtin_prefetch(d + gi, 0, 3), __builtin_prefetch(m + gi, 0, 3);
-            }
-        }
-        for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(wb[j] + p * NC), q4_pair(nib + p * NC, table));
-    }
-}
-
-/* Group g's sums of output tiles [t, t + nt) (sums[j]: M rows of 16) scaled into y. */
-static inline __attribute__((always_inline)) void exact_scale(const uint16_t *d, const uint16_t *m, const float *sx,
-                                                              float *y, int64_t ldy, int M, int K, int t, int nt,
-                                                              int g, float *const *sums) {
-    const int G = K / 32;
-    for (int j = 0; j < nt; j++) {
-        const int64_t gi = (int64_t)(t + j) * G * NC + g * NC;
-        const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + gi)));
-        const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + gi)));
-        float *yt = y + (t + j) * NC;
-        for (int i = 0; i < M; i++) {
-            float *o = yt + (int64_t)i * ldy;
-            const __m512 prev = g ? _mm512_loadu_ps(o) : _mm512_setzero_ps();
-            const __m512 s = _mm512_set1_ps(sx[(int64_t)i * G + g]);
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_load_ps(sums[j] + i * NC), dg, _mm512_fmadd_ps(s, mg, prev)));
+    const uint8_t *nib = w + (int64_t)t * (K / 2) * NC + (int64_t)g * 16 * NC;
+    int pt = t, pg = g + EXACT_PF;
+    if (pg >= G) pt += nt, pg -= G;
+    if (pt < t1) {
+        const uint8_t *pn = w + (int64_t)pt * (K / 2) * NC + (int64_t)pg * 16 * NC;
+        for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch(pn + b, 0, 3);
+        if ((pg & 1) == 0) {   /* two groups' scales a line */
+            const int64_t gi = (int64_t)pt * G * NC + (int64_t)pg * NC;
+            __builtin_prefetch(d + gi, 0, 3), __builtin_prefetch(m + gi, 0, 3);
         }
     }
+    uint32_t *o = wb + (int64_t)g * 16 * NC;
+    for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(o + p * NC), q4_pair(nib + p * NC, table));
 }
 
-/* A thread's buffer for amx_q4_exact's sums: two parities by two output tiles of M (padded) rows. */
-static __thread float *exact_sums;
-static __thread size_t exact_cap;
-
-static float *exact_sums_buffer(int M) {
-    const size_t need = (size_t)4 * padded_rows(4, M) * NC * 4;
-    if (need > exact_cap) {
-        free(exact_sums);
-        exact_sums = aligned_alloc(64, need);
-        exact_cap = exact_sums ? need : 0;
-    }
-    return exact_sums;
+/* Group g's sums (R rows of 16) scaled into the outputs out[0, R) of tile t. */
+static inline __attribute__((always_inline)) void exact_scale(int R, const uint16_t *d, const uint16_t *m,
+                                                              const float *sx, int G, int t, int g,
+                                                              const float *sums, __m512 *out) {
+    const int64_t gi = (int64_t)t * G * NC + g * NC;
+    const __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + gi)));
+    const __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + gi)));
+    for (int i = 0; i < R; i++)
+        out[i] = _mm512_fmadd_ps(_mm512_load_ps(sums + i * NC), dg,
+                                 _mm512_fmadd_ps(_mm512_set1_ps(sx[(int64_t)i * G + g]), mg, out[i]));
 }
 
-/* Group g's products into the sums of parity P (tiles C0, C1; rows in tile A), 16 rows a block. */
-#define EXACT_GROUP(P, C0, C1, A)                                                     \
-    do {                                                                              \
-        _tile_loadd(4, wb[P][0], 64);                                                 \
-        if (nt > 1) _tile_loadd(5, wb[P][1], 64);                                     \
-        for (int i0 = 0; i0 < M; i0 += 16) {                                          \
-            _tile_loadd(A, xb + (int64_t)i0 * K + g * 32, sa);                        \
-            _tile_zero(C0);                                                           \
-            _tile_dpbf16ps(C0, A, 4);                                                 \
-            _tile_stored(C0, sums[P][0] + i0 * NC, 64);                               \
-            if (nt > 1) {                                                             \
-                _tile_zero(C1);                                                       \
-                _tile_dpbf16ps(C1, A, 5);                                             \
-                _tile_stored(C1, sums[P][1] + i0 * NC, 64);                           \
-            }                                                                         \
-        }                                                                             \
+/* Group g's products of NT output tiles into sums[P][j] (tiles C0 and C1; pairs in 4 and 5, rows in
+   A: tile numbers are literals). */
+#define EXACT_GROUP(P, C0, C1, A)                                                 \
+    do {                                                                          \
+        _tile_loadd(A, xb + g * 32, sa);                                          \
+        _tile_loadd(4, wb + (int64_t)g * 16 * NC, 64);                            \
+        _tile_zero(C0);                                                           \
+        _tile_dpbf16ps(C0, A, 4);                                                 \
+        _tile_stored(C0, sums[P][0], 64);                                         \
+        if (NT > 1) {                                                             \
+            _tile_loadd(5, wb + tile_pairs + (int64_t)g * 16 * NC, 64);           \
+            _tile_zero(C1);                                                       \
+            _tile_dpbf16ps(C1, A, 5);                                             \
+            _tile_stored(C1, sums[P][1], 64);                                     \
+        }                                                                         \
     } while (0)
+
+/* Rows [0, R) (xb, sx and y at the block's first row) of output tiles [t, t + NT) over all of K; their
+   pairs laid out into wb (tile_pairs apart) on the way where `lay` (the tiles' first block), else read
+   from it. */
+static inline __attribute__((always_inline)) void exact_block(int R, int NT, const uint8_t *w, const uint16_t *d,
+                                                              const uint16_t *m, const uint16_t *xb,
+                                                              const float *sx, float *y, int64_t ldy, int K, int t,
+                                                              int t1, int lay, uint32_t *wb, __m512i table) {
+    const int G = K / 32;
+    const int64_t sa = (int64_t)K * 2, tile_pairs = (int64_t)K / 2 * NC;
+    float sums[2][2][16 * NC] __attribute__((aligned(64)));
+    __m512 out[2][16];
+    for (int j = 0; j < NT; j++)
+        for (int i = 0; i < R; i++) out[j][i] = _mm512_setzero_ps();
+    for (int j = 0; j < NT && lay; j++) exact_pairs(w, d, m, K, t + j, NT, t1, 0, wb + j * tile_pairs, table);
+    for (int g = 0; g < G; g++) {
+        if (g & 1) EXACT_GROUP(1, 2, 3, 7);
+        else EXACT_GROUP(0, 0, 1, 6);
+        for (int j = 0; j < NT && g; j++) exact_scale(R, d, m, sx, G, t + j, g - 1, sums[(g - 1) & 1][j], out[j]);
+        for (int j = 0; j < NT && lay && g + 1 < G; j++)
+            exact_pairs(w, d, m, K, t + j, NT, t1, g + 1, wb + j * tile_pairs, table);
+    }
+    for (int j = 0; j < NT; j++) {
+        exact_scale(R, d, m, sx, G, t + j, G - 1, sums[(G - 1) & 1][j], out[j]);
+        for (int i = 0; i < R; i++) _mm512_storeu_ps(y + i * ldy + j * NC, out[j][i]);
+    }
+}
+#undef EXACT_GROUP
 
 /* Returns 0 where it cannot run (no buffer): the vector pairs run instead. */
 static int amx_q4_exact(const void *w, const void *d, const void *m, const uint16_t *xb, const float *sx, float *y,
                         int64_t ldy, int M, int K, int t0, int t1) {
-    float *buf = exact_sums_buffer(M);
-    if (buf == NULL) return 0;
-    const int64_t rows = (int64_t)padded_rows(4, M) * NC;
-    float *sums[2][2] = {{buf, buf + rows}, {buf + 2 * rows, buf + 3 * rows}};
-    uint32_t wb[2][2][16 * NC] __attribute__((aligned(64)));
+    uint32_t *wb = amx_pairs_buffer(K, 2);
+    if (wb == NULL) return 0;
     const __m512i table = q4_table();
     const int G = K / 32;
-    const int64_t sa = (int64_t)K * 2;
     const uint8_t *nw = (const uint8_t *)w;
     const uint16_t *dd = (const uint16_t *)d, *mm = (const uint16_t *)m;
-    for (int t = t0; t < t1; t += 2) {
-        const int nt = t1 - t < 2 ? t1 - t : 2;
-        exact_pairs(nw, dd, mm, K, t, nt, t1, 0, wb[0], table);
-        for (int g = 0; g < G; g++) {
-            if (g & 1) EXACT_GROUP(1, 2, 3, 7);
-            else EXACT_GROUP(0, 0, 1, 6);
-            if (g) exact_scale(dd, mm, sx, y, ldy, M, K, t, nt, g - 1, sums[(g - 1) & 1]);
-            if (g + 1 < G) exact_pairs(nw, dd, mm, K, t, nt, t1, g + 1, wb[(g + 1) & 1], table);
+    for (int t = t0; t < t1; t += 2)
+        for (int i0 = 0; i0 < M; i0 += 16) {
+            const uint16_t *xi = xb + (int64_t)i0 * K;
+            const float *si = sx + (int64_t)i0 * G;
+            float *yi = y + (int64_t)i0 * ldy + t * NC;
+            const int lay = i0 == 0;
+#define BLOCK(r)                                                                              \
+    case r:                                                                                   \
+        if (t + 1 < t1) exact_block(r, 2, nw, dd, mm, xi, si, yi, ldy, K, t, t1, lay, wb, table); \
+        else exact_block(r, 1, nw, dd, mm, xi, si, yi, ldy, K, t, t1, lay, wb, table);          \
+        break;
+            switch (M - i0 < 16 ? M - i0 : 16) {
+                BLOCK(16) BLOCK(15) BLOCK(14) BLOCK(13) BLOCK(12) BLOCK(11) BLOCK(10) BLOCK(9)
+                BLOCK(8) BLOCK(7) BLOCK(6) BLOCK(5) BLOCK(4) BLOCK(3) BLOCK(2) BLOCK(1)
+                default: break;
+            }
+#undef BLOCK
         }
-        exact_scale(dd, mm, sx, y, ldy, M, K, t, nt, G - 1, sums[(G - 1) & 1]);
-    }
     return 1;
 }
-#undef EXACT_GROUP
 
 /* amx_q4_exact's tiles: sums 0-3 and rows 6-7 M tall up to 16 rows (16 past that: the rows are padded,
    padded_rows), pairs 4-5 16. */
