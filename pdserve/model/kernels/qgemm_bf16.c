@@ -442,10 +442,12 @@ static __thread uint32_t *amx_wb;
 static __thread size_t amx_cap;
 
 /* From 48 rows (a prefill's) the tiles' pairs are laid out AMX_CHUNK_BYTES at a time (in L2) and the
-   rows multiplied AMX_ROW_BLOCK at a time, every tile of the chunk in turn: a block's activations
-   (16 rows of K) then stay in L1, where each tile's pass over all the rows had read them all again
-   from L2 or memory. Blocks of 32 and 64 rows measured slower than 16 (their activations spill L1
-   at K = 576), chunks of 256 KB and 1 MB about the same as 512 KB (docs/benchmarks.md). */
+   rows multiplied a block at a time, every tile of the chunk in turn: a block's activations then stay
+   close, where each tile's pass over all the rows had read them all again from L2 or memory. Blocks
+   of 32 and 64 rows through one tile at a time measured slower than 16 (their activations spill L1 at
+   K = 576); 32 rows by two tiles (amx_block_quad) measured faster, since each product then needs
+   one tile load rather than one and a half or two. Chunks of 256 KB and 1 MB about the same as
+   512 KB (docs/benchmarks.md). */
 #define AMX_CHUNK_BYTES (512 * 1024)
 #define AMX_ROW_BLOCK 16
 static uint32_t *amx_pairs_buffer(int K, int tiles) {
@@ -551,6 +553,43 @@ static void amx_block_pair(int rows, const uint16_t *xb, int K, const uint32_t *
     if (rows == 16) PAIR_BLOCK(0, 1, 2);
     else PAIR_BLOCK(7, 3, 6);
 #undef PAIR_BLOCK
+}
+
+/* Rows [0, 32) of xb [, K] (two blocks of 16) times two tiles' pairs wb0, wb1 into y0, y1 (ldy apart):
+   each step's four products from four tile loads, where amx_block_pair's two took three and amx_rows'
+   one two. A tile load and a product do not overlap on the tile unit (an Intel Xeon measured), so
+   the loads a product are its cost beside the product's own. Each sum is amx_rows' (its rows over
+   all of K in order). Tiles: sums 0-3, pairs 4-5, rows 6-7, all 16 rows (amx_configure_quad). */
+static void amx_block_quad(const uint16_t *xb, int K, const uint32_t *wb0, const uint32_t *wb1, float *y0, float *y1,
+                           int64_t ldy) {
+    const int64_t sa = (int64_t)K * 2, sy = ldy * 4;
+    const uint16_t *x1 = xb + 16 * (int64_t)K;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < K; k += 32) {
+        _tile_loadd(6, xb + k, sa);
+        _tile_loadd(4, wb0 + (int64_t)k / 2 * NC, 64);
+        _tile_dpbf16ps(0, 6, 4);
+        _tile_loadd(5, wb1 + (int64_t)k / 2 * NC, 64);
+        _tile_dpbf16ps(1, 6, 5);
+        _tile_loadd(7, x1 + k, sa);
+        _tile_dpbf16ps(2, 7, 4);
+        _tile_dpbf16ps(3, 7, 5);
+    }
+    _tile_stored(0, y0, sy);
+    _tile_stored(1, y1, sy);
+    _tile_stored(2, y0 + 16 * ldy, sy);
+    _tile_stored(3, y1 + 16 * ldy, sy);
+}
+
+/* amx_block_quad's tiles, and amx_rows' for 32 rows (0-4), all 16 rows tall. */
+static void amx_configure_quad(void) {
+    amx_config c = {0};
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    _tile_loadconfig(&c);
 }
 
 /* amx_rows for fewer than 48 rows (a decode step's), every block in one pass over K: rows 0-15 in
@@ -767,7 +806,23 @@ static int amx_tiles(int bits, const void *w, const void *d, const void *m, cons
         for (int c0 = t0; c0 < t1; c0 += chunk) {
             const int c1 = c0 + chunk < t1 ? c0 + chunk : t1;
             for (int t = c0; t < c1; t++) amx_tile_pairs(bits, w, d, m, K, t, wb + (t - c0) * tile_pairs);
-            for (int i = 0; i < M; i += AMX_ROW_BLOCK) {   /* a multiple of 16: the last block keeps M % 16 */
+            int i = 0;
+            if (c1 - c0 > 1) {   /* 32 rows at a time, two tiles a block where the chunk has them */
+                amx_configure_quad();
+                for (; i + 32 <= M; i += 32)
+                    for (int t = c0, nt; t < c1; t += nt) {
+                        nt = t + 1 < c1 ? 2 : 1;
+                        float *yt = y + i * ldy + t * NC;
+                        if (nt == 2)
+                            amx_block_quad(xb + (int64_t)i * K, K, wb + (t - c0) * tile_pairs,
+                                           wb + (t + 1 - c0) * tile_pairs, yt, yt + NC, ldy);
+                        else
+                            amx_rows(32, xb + (int64_t)i * K, K, wb + (t - c0) * tile_pairs, yt, ldy);
+                        for (int j = 0; bits == 8 && j < nt; j++) amx_scale8(d, t + j, yt + j * NC, ldy, 32);
+                    }
+                amx_configure_blocks(M % 16);
+            }
+            for (; i < M; i += AMX_ROW_BLOCK) {   /* a multiple of 16: the last block keeps M % 16 */
                 const int rows = M - i < AMX_ROW_BLOCK ? M - i : AMX_ROW_BLOCK;
                 for (int t = c0, nt; t < c1; t += nt) {
                     nt = two && t + 1 < c1 ? 2 : 1;

@@ -15,9 +15,9 @@ faster at every count measured:
 - on AMX, from how many rows int8 products (the output head of an int4 model) take the tiles instead
   of the float32 kernel, for the exact tiles' reason (timed on an int8 product).
 - on AMX, from which depth K a prefill's products (from 48 rows) take two output tiles per block of
-  rows: each step's activations are loaded once for both, but both tiles' pairs are read from L2,
-  which pays at some depths and not at others (timed at DEPTHS, PAIR_ROWS rows, on the engine's
-  threads; the same sums).
+  16 rows where the rows do not fill a block of 32 (blocks of 32 always take two): each step's
+  activations are loaded once for both, but both tiles' pairs are read from L2, which pays at some
+  depths and not at others (timed at DEPTHS, PAIR_ROWS rows, on the engine's threads; the same sums).
 
 And below those, on AVX-512 builds: from how many rows int4's float32 register rows (the float32
 kernel's 1-8 rows) look their nibbles up in a register instead of converting them. The same floats;
@@ -60,7 +60,9 @@ NO_ROUNDED = 64  # qgemm_bf16.c's PAIRS_ROUNDED_MAX: the rounded tile faster now
 PREFETCH_BYTES = (2048, 4096, 8192, 16384)  # the prefetch distances measured
 DEPTHS = (576, 1024, 1536, 2048)  # AMX's two tiles a block: the depths timed
 NO_TILE_PAIRS = 1 << 20  # qgemm_bf16.c's NO_TILE_PAIRS: one tile a block at every depth
-PAIR_ROWS, PAIR_CHANNELS = 256, 1024  # the product timed at each depth (a prefill's rows)
+# The product timed at each depth: a block of 32 rows (two tiles either way) and one of 16, the block
+# this choice sets.
+PAIR_ROWS, PAIR_CHANNELS = 48, 1024
 PAIR_TURNS = 7  # alternations at each depth: their ratios' median (the VM's speed drifts)
 # Two tiles a block must be this much faster to be chosen: the same sums either way, and a depth near
 # 1.0 measured 0.97-1.06 from run to run, so a choice at the noise's edge would flip between loads.
