@@ -557,9 +557,9 @@ static void amx_block_pair(int rows, const uint16_t *xb, int K, const uint32_t *
 
 /* Rows [0, 32) of xb [, K] (two blocks of 16) times two tiles' pairs wb0, wb1 into y0, y1 (ldy apart):
    each step's four products from four tile loads, where amx_block_pair's two took three and amx_rows'
-   one two. A tile load and a product do not overlap on the tile unit (an Intel Xeon measured), so
-   the loads a product are its cost beside the product's own. Each sum is amx_rows' (its rows over
-   all of K in order). Tiles: sums 0-3, pairs 4-5, rows 6-7, all 16 rows (amx_configure_quad). */
+   one two. A tile load and a product do not overlap on the tile unit (an Intel Xeon measured), so a
+   product costs its own time plus its share of the loads. Each sum is amx_rows' (its rows over all
+   of K in order). Tiles: sums 0-3, pairs 4-5, rows 6-7, all 16 rows (amx_configure_quad). */
 static void amx_block_quad(const uint16_t *xb, int K, const uint32_t *wb0, const uint32_t *wb1, float *y0, float *y1,
                            int64_t ldy) {
     const int64_t sa = (int64_t)K * 2, sy = ldy * 4;
