@@ -8,6 +8,7 @@
    and the float32 kernel runs. */
 #include <stdint.h>
 #include "qgemm.h"
+#include "vec.h"   /* pd_to_bf16 */
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
@@ -1004,10 +1005,7 @@ static int vectors_check(void) {
     }
     for (int i = 0; i < T * NC; i++) d8[i] = (float)(NEXT() % 1000 + 1) * 1e-4f;
     for (int i = 0; i < MAXR * K; i++) {   /* magnitudes 2^-6..2^5, either sign, rounded to nearest even */
-        const float v = ((float)(NEXT() % 2001) - 1000.0f) / 1000.0f * (float)(1 << (NEXT() % 12)) / 64.0f;
-        uint32_t u;
-        memcpy(&u, &v, 4);
-        xb[i] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        xb[i] = pd_to_bf16(((float)(NEXT() % 2001) - 1000.0f) / 1000.0f * (float)(1 << (NEXT() % 12)) / 64.0f);
     }
     for (int i = 0; i < MAXR * K / 32; i++) sx[i] = (float)(NEXT() % 2001) / 100.0f - 10.0f;
     const int rows[] = {1, 2, 3, 5};
