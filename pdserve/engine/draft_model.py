@@ -29,6 +29,7 @@ from pdserve.cache.kv_cache import allocate_kv_cache
 from pdserve.config import Config, ModelConfig
 from pdserve.engine.request import Request
 from pdserve.model.attention import build_metadata
+from pdserve.model.kernels.argmax import argmax_rows
 from pdserve.model.loader import build_model, load_model_files, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class DraftModel:
             self.kv_cache,
             torch.tensor(rows, dtype=torch.long, device=dev) if rows else None,
         )
-        return logits.argmax(-1).tolist() if rows else []
+        return argmax_rows(logits) if rows else []
 
     def settle(self, req: Request, accepted: int) -> None:
         """The verification of the request's last proposal accepted `accepted` drafts: the draft KV

@@ -25,6 +25,7 @@ import torch
 
 from pdserve.common.paths import cache_root, save_json
 from pdserve.model.attention import build_metadata
+from pdserve.model.kernels.argmax import argmax_rows
 from pdserve.utils.cpu import cpu_flags, cpu_name
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def decode_step(
 
     @torch.inference_mode()
     def run() -> None:
-        model.forward(ids, positions, meta, kv_cache, logits_rows).argmax(-1)
+        argmax_rows(model.forward(ids, positions, meta, kv_cache, logits_rows))  # as the sampler picks
 
     return run
 

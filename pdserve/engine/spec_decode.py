@@ -33,6 +33,7 @@ import torch
 
 from pdserve.engine.request import Request, TokenLogprob, draw_seed
 from pdserve.engine.sampler import _logprob_entry, add_logit_bias, filter_logits
+from pdserve.model.kernels.argmax import argmax_rows
 
 EDIT_GAP = 3  # the most tokens an edit replaces, or puts in their place, for realign() to bridge it
 REALIGN_CANDIDATES = 64  # the latest earlier occurrences of the last token that realign() weighs
@@ -115,7 +116,7 @@ def verify(
     base = len(req.output_token_ids)
     raw, rows = rows, _processed(rows, req, allowed)
     if p.greedy:
-        best = rows.argmax(-1).tolist()
+        best = argmax_rows(rows)
         for i, d in enumerate(draft):
             out.append(best[i])
             if best[i] != d:
