@@ -46,10 +46,12 @@ class ModelRunner:
                 units.append((req, start, n, -1))
 
         # Decodes first, shortest context first: the attention batches them in groups of
-        # similar length (see model/attention.py).
+        # similar length (see model/attention.py). A request's verify rows by its first row's
+        # position, so they stay adjacent (the sort is stable) and the native attention walks their
+        # context once for all of them (decode_attention.c's chains).
         def order(u: tuple[Request, int, int, int]) -> tuple[bool, int]:
             is_decode = u[2] == 1 and u[1] > 0
-            return (not is_decode, u[1] if is_decode else 0)
+            return (not is_decode, u[1] - max(u[3], 0) if is_decode else 0)
 
         ids: list[int] = []
         positions: list[int] = []

@@ -128,6 +128,72 @@ def test_outputs_do_not_depend_on_how_heads_are_split_into_tasks(dim):
         assert torch.equal(o, outs[0])
 
 
+def _chains_case(chains, dim, kv_dtype, block=16, seed=0):
+    """A step of verify-like chains: (context, rows) per request, its rows attending one more position
+    each through one block table, in the order the engine keeps them (a request's rows adjacent)."""
+    g = torch.Generator().manual_seed(seed)
+    h, kvh = 9, 3
+    blocks = 8 + sum(-(-(n + r) // block) for n, r in chains)
+    kc = torch.randn(blocks * block, kvh, dim, generator=g).to(kv_dtype)
+    vc = torch.randn(blocks * block, kvh, dim, generator=g).to(kv_dtype)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    seqs, p = [], 0
+    for n, r in chains:
+        nb = -(-(n + r) // block)
+        table = perm[p : p + nb]
+        p += nb
+        seqs += [(table, n - 1 + j, 1) for j in range(r)]
+    t = len(seqs)
+    q = torch.randn(t, h + kvh, dim, generator=g)[:, :h]
+    k, v = torch.randn(t, kvh, dim, generator=g), torch.randn(t, kvh, dim, generator=g)
+    return seqs, q, k, v, kc, vc
+
+
+# (context of a chain's first row, rows): alone, past RUN_MAX (17), across blocks, beside plain decodes
+CHAINS = [(5, 1), (14, 5), (40, 1), (60, 20), (100, 3), (130, 17), (131, 1), (300, 9)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 40, 36])
+@pytest.mark.parametrize("threads", [1, 2, 16])  # walks of 17 rows, 14, 1
+def test_a_chains_rows_give_what_each_alone_gives(kv_dtype, dim, threads):
+    """A request's verify rows (one table, one more position each) are attended in one walk of their
+    context: each row's outputs are the bits it gives attended alone, with the cache as the step left
+    it, and within the float64 bound."""
+    seqs, q, k, v, kc, vc = _chains_case(CHAINS, dim, kv_dtype)
+    scale = dim**-0.5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        meta = build_metadata(seqs, 16, None, "cpu")
+        full = paged_attention(q, k, v, kc, vc, meta, scale, kernel)  # kc, vc: the step's writes kept
+        for i, (table, computed, _) in enumerate(seqs):
+            alone = build_metadata([(table, computed, 1)], 16, None, "cpu")
+            got = paged_attention(
+                q[i : i + 1], k[i : i + 1], v[i : i + 1], kc.clone(), vc.clone(), alone, scale, kernel
+            )
+            assert torch.equal(got[0], full[i]), f"row {i} (context {computed + 1})"
+    finally:
+        torch.set_num_threads(before)
+    # against float64: each row's keys and values read through its table from the cache as left
+    width = max(c for _, c, _ in seqs) + 1
+    rk = torch.zeros(len(seqs), 3, width, dim, dtype=torch.float64)
+    rv = torch.zeros_like(rk)
+    keep = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, (table, computed, _) in enumerate(seqs):
+        slots = torch.tensor([table[j // 16] * 16 + j % 16 for j in range(computed + 1)])
+        rk[i, :, : computed + 1] = kc[slots].double().transpose(0, 1)
+        rv[i, :, : computed + 1] = vc[slots].double().transpose(0, 1)
+        keep[i, : computed + 1] = True
+    rq = q.reshape(-1, dim)
+    rk = rk.repeat_interleave(3, 1).reshape(-1, width, dim)
+    rv = rv.repeat_interleave(3, 1).reshape(-1, width, dim)
+    keep = keep.repeat_interleave(9, 0)
+    want = attention64(rq, rk, rv, keep, scale).reshape(q.shape)
+    assert_within(full, want, attention_bound(rq, rk, rv, keep, scale).reshape(q.shape), "chains")
+
+
 @needs_kernel
 @pytest.mark.parametrize("dim", [36, 40, 128])  # scalar loops, 8-wide without the 64 path, 8-wide
 def test_kernel_matches_float64_at_other_head_dims(dim):

@@ -217,25 +217,37 @@ static void widen_block(const void *c, int64_t rs, int64_t h0d, int64_t row, int
     widen_rows(base + row * rs, rs, n, w, dst, base + ahead[0] * rs, counts[0], base + ahead[1] * rs, counts[1]);
 }
 
-/* Sequence i's KV heads [h0, h1): their G query heads' outputs. The context is walked a block at a
-   time, and every head of the range reads the same rows, so a task reads a block's keys (values)
-   as one contiguous stretch (KVH = h1 - h0) or one head's slice of it; the next block's rows are
-   prefetched meanwhile (the blocks are scattered, so the hardware cannot guess them). Each head's
-   arithmetic is the same whatever range it is computed in and whichever thread runs it: its
-   outputs depend on its own inputs only. */
+/* The most rows of one sequence a task attends in one walk (a verify step's rows of a request: its
+   last token and up to 16 drafts). */
+#define RUN_MAX 17
+
+/* Rows [i, i + r) of one sequence, KV heads [h0, h1): their G query heads' outputs. Row i + j attends
+   the positions [lo, his[j]) (his ascending) through `table`, which maps every row's positions as its
+   own table does (pd_attend_task's runs). The context is walked a block at a time, and every head of
+   the range and every row reads the same rows, so a task reads a block's keys (values) as one
+   contiguous stretch (KVH = h1 - h0) or one head's slice of it, and widens a bfloat16 block once for
+   all its rows; the next block's rows are prefetched meanwhile (the blocks are scattered, so the
+   hardware cannot guess them). Each row's and head's arithmetic is the same whatever range and rows it
+   is computed with and whichever thread runs it (its scores, softmax and sums over its own positions
+   in position order): its outputs depend on its own inputs only. */
 static void attend(const float *q, int64_t q_row, const void *kc, const void *vc, int kvb, const int64_t *table,
-                   int64_t lo, int64_t hi, float *out, int i, int H, int KVH, int D, int bs, float scale, int h0, int h1) {
-    const int G = H / KVH, vec = D % 8 == 0, nh = h1 - h0, es = kvb ? 2 : 4;
-    const int64_t len = hi - lo, rs = (int64_t)KVH * D;
-    float *ob = out + ((int64_t)i * H + h0 * G) * D;
-    if (len <= 0) {
-        for (int d = 0; d < nh * G * D; d++) ob[d] = 0.0f;
-        return;
+                   int64_t lo, const int64_t *his, int r, float *out, int i, int H, int KVH, int D, int bs,
+                   float scale, int h0, int h1) {
+    const int G = H / KVH, vec = D % 8 == 0, nh = h1 - h0, nhg = nh * G, es = kvb ? 2 : 4;
+    const int64_t rs = (int64_t)KVH * D, hi = his[r - 1];
+    /* row j's scores [nhg][len j] at s + soff[j], its sums [nhg][D] at acc + j * nhg * D */
+    int64_t lens[RUN_MAX], soff[RUN_MAX + 1];
+    soff[0] = 0;
+    for (int j = 0; j < r; j++) {
+        lens[j] = his[j] > lo ? his[j] - lo : 0;
+        soff[j + 1] = soff[j] + lens[j] * nhg;
+        if (!lens[j])
+            for (int d = 0; d < nhg * D; d++) out[((int64_t)(i + j) * H + h0 * G) * D + d] = 0.0f;
     }
-    /* scores [nh][G][len], acc [nh][G][D], then (bfloat16) one block's rows of heads [h0, h1) widened */
-    float *s = scratch((size_t)(len * G * nh + nh * G * D + (kvb ? (int64_t)bs * nh * D : 0)));
-    float *acc = s + len * G * nh, *wide = acc + nh * G * D;
-    const float *qb = q + i * q_row + (int64_t)h0 * G * D;
+    if (hi <= lo) return;
+    /* then (bfloat16) one block's rows of heads [h0, h1) widened */
+    float *s = scratch((size_t)(soff[r] + (int64_t)r * nhg * D + (kvb ? (int64_t)bs * nh * D : 0)));
+    float *acc = s + soff[r], *wide = acc + (int64_t)r * nhg * D;
     /* Where a block's rows are read: the cache itself (rs apart, heads at h * D), or their widened
        copy (nh * D apart, heads at (h - h0) * D). */
     const int64_t ws = kvb ? (int64_t)nh * D : rs;
@@ -248,58 +260,70 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
         const float *k = kvb ? wide : (const float *)kc + row * rs;
         if (vec) {
             if (next >= 0 && !kvb)   /* (a bfloat16 block's were prefetched as it was widened) */
-                for (int64_t r = 0; r < stop - pos; r++) fetch_row(kc, es, next + r, KVH, D, h0, h1);
-            scores(qb, k, ws, stop - pos, nh * G, G, h0 - hb, D, scale, s + (pos - lo), len);
+                for (int64_t u = 0; u < stop - pos; u++) fetch_row(kc, es, next + u, KVH, D, h0, h1);
+            for (int j = 0; j < r; j++) {
+                const int64_t end = his[j] < stop ? his[j] : stop;
+                if (end > pos)
+                    scores(q + (i + j) * q_row + (int64_t)h0 * G * D, k, ws, end - pos, nhg, G, h0 - hb, D, scale,
+                           s + soff[j] + (pos - lo), lens[j]);
+            }
             pos = stop;
             continue;
         }
-        for (int64_t r = 0; pos < stop; pos++, r++, k += ws) {
-            if (next >= 0 && !kvb) fetch_row(kc, es, next + r, KVH, D, h0, h1);
-            for (int h = h0; h < h1; h++) {
-                const float *qh = qb + (int64_t)(h - h0) * G * D, *kh = k + (int64_t)(h - hb) * D;
-                float *sh = s + (int64_t)(h - h0) * G * len + (pos - lo);
-                for (int g = 0; g < G; g++) {
-                    const float *qg = qh + g * D;
-                    float dot = 0.0f;
+        for (int64_t u = 0; pos < stop; pos++, u++, k += ws) {
+            if (next >= 0 && !kvb) fetch_row(kc, es, next + u, KVH, D, h0, h1);
+            for (int j = 0; j < r; j++) {
+                if (pos >= his[j]) continue;
+                const float *qb = q + (i + j) * q_row + (int64_t)h0 * G * D;
+                for (int h = h0; h < h1; h++) {
+                    const float *qh = qb + (int64_t)(h - h0) * G * D, *kh = k + (int64_t)(h - hb) * D;
+                    float *sh = s + soff[j] + (int64_t)(h - h0) * G * lens[j] + (pos - lo);
+                    for (int g = 0; g < G; g++) {
+                        const float *qg = qh + g * D;
+                        float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                    for (int d = 0; d < D; d++) dot += qg[d] * kh[d];
-                    sh[g * len] = dot * scale;
+                        for (int d = 0; d < D; d++) dot += qg[d] * kh[d];
+                        sh[g * lens[j]] = dot * scale;
+                    }
                 }
             }
         }
     }
-    for (int hg = 0; hg < nh * G; hg++) {
-        float *sg = s + hg * len, m = sg[0], sum = 0.0f;
-        int64_t t = 0;
-        if (len >= 8) {   /* the maximum over eight lanes, where one chain of scalar maxima waited on each */
-            v8f mv = LD(sg);
-            for (t = 8; t + 8 <= len; t += 8) {
-                const v8f x = LD(sg + t);
-                const v8i gt = x > mv;
-                mv = (v8f)(((v8i)x & gt) | ((v8i)mv & ~gt));
+    for (int j = 0; j < r; j++) {
+        const int64_t len = lens[j];
+        for (int hg = 0; hg < nhg && len; hg++) {
+            float *sg = s + soff[j] + hg * len, m = sg[0], sum = 0.0f;
+            int64_t t = 0;
+            if (len >= 8) {   /* the maximum over eight lanes, where one chain of scalar maxima waited on each */
+                v8f mv = LD(sg);
+                for (t = 8; t + 8 <= len; t += 8) {
+                    const v8f x = LD(sg + t);
+                    const v8i gt = x > mv;
+                    mv = (v8f)(((v8i)x & gt) | ((v8i)mv & ~gt));
+                }
+                for (int e = 0; e < 8; e++) m = mv[e] > m ? mv[e] : m;
             }
-            for (int j = 0; j < 8; j++) m = mv[j] > m ? mv[j] : m;
+            for (; t < len; t++) m = sg[t] > m ? sg[t] : m;
+            t = 0;
+            v8f vs = (v8f){0};
+            for (; t + 8 <= len; t += 8) {
+                const v8f e = vexp(LD(sg + t) - m);
+                *(v8fu *)(sg + t) = e;
+                vs += e;
+            }
+            sum = hsum(vs);
+            for (; t < len; t++) {
+                sg[t] = expf(sg[t] - m);
+                sum += sg[t];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t u = 0; u < len; u++) sg[u] *= inv;
+            for (int d = 0; d < D; d++) acc[((int64_t)j * nhg + hg) * D + d] = 0.0f;
         }
-        for (; t < len; t++) m = sg[t] > m ? sg[t] : m;
-        t = 0;
-        v8f vs = (v8f){0};
-        for (; t + 8 <= len; t += 8) {
-            const v8f e = vexp(LD(sg + t) - m);
-            *(v8fu *)(sg + t) = e;
-            vs += e;
-        }
-        sum = hsum(vs);
-        for (; t < len; t++) {
-            sg[t] = expf(sg[t] - m);
-            sum += sg[t];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t u = 0; u < len; u++) sg[u] *= inv;
-        for (int d = 0; d < D; d++) acc[hg * D + d] = 0.0f;
     }
     {   /* the first block's values, while the weights are computed */
-        const int64_t r0 = row_of(table, lo, bs), nr = bs - lo % bs < len ? bs - lo % bs : len;
-        for (int64_t r = 0; r < nr; r++) fetch_row(vc, es, r0 + r, KVH, D, h0, h1);
+        const int64_t r0 = row_of(table, lo, bs), nr = bs - lo % bs < hi - lo ? bs - lo % bs : hi - lo;
+        for (int64_t u = 0; u < nr; u++) fetch_row(vc, es, r0 + u, KVH, D, h0, h1);
     }
     for (int64_t pos = lo; pos < hi;) {
         const int64_t off = pos % bs, stop = pos - off + bs < hi ? pos - off + bs : hi;
@@ -307,33 +331,39 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
         if (kvb) widen_block(vc, rs, (int64_t)h0 * D, row, stop - pos, nh * D, wide, table, pos, hi, bs);
         const float *v = kvb ? wide : (const float *)vc + row * rs;
         if (stop < hi && !kvb)   /* the next block's rows, while this one's are summed */
-            for (int64_t r = 0, nb = table[stop / bs] * bs; r < bs && stop + r < hi; r++) fetch_row(vc, es, nb + r, KVH, D, h0, h1);
-        for (int hg = 0; hg < nh * G; hg++) {
-            const float *p = s + hg * len + (pos - lo), *vh = v + (int64_t)(h0 - hb + hg / G) * D;
-            float *a = acc + hg * D;
-            if (D == 64) {
+            for (int64_t u = 0, nb = table[stop / bs] * bs; u < bs && stop + u < hi; u++) fetch_row(vc, es, nb + u, KVH, D, h0, h1);
+        for (int j = 0; j < r; j++) {
+            const int64_t n = (his[j] < stop ? his[j] : stop) - pos, len = lens[j];
+            for (int hg = 0; hg < nhg && n > 0; hg++) {
+                const float *p = s + soff[j] + hg * len + (pos - lo), *vh = v + (int64_t)(h0 - hb + hg / G) * D;
+                float *a = acc + ((int64_t)j * nhg + hg) * D;
+                if (D == 64) {
 #ifdef __AVX512F__
-                if (hg + 1 < nh * G) {   /* and the next head, in the same pass over the rows */
-                    pv64x2(p, vh, a, p + len, v + (int64_t)(h0 - hb + (hg + 1) / G) * D, a + D, stop - pos, ws);
-                    hg++;
-                    continue;
-                }
+                    if (hg + 1 < nhg) {   /* and the next head, in the same pass over the rows */
+                        pv64x2(p, vh, a, p + len, v + (int64_t)(h0 - hb + (hg + 1) / G) * D, a + D, n, ws);
+                        hg++;
+                        continue;
+                    }
 #endif
-                pv64(p, stop - pos, vh, ws, a);
-                continue;
-            }
-            for (int64_t u = 0; u < stop - pos; u++, vh += ws) {
-                if (vec) {
-                    for (int d = 0; d < D; d += 8) *(v8fu *)(a + d) += p[u] * LD(vh + d);
+                    pv64(p, n, vh, ws, a);
                     continue;
                 }
+                for (int64_t u = 0; u < n; u++, vh += ws) {
+                    if (vec) {
+                        for (int d = 0; d < D; d += 8) *(v8fu *)(a + d) += p[u] * LD(vh + d);
+                        continue;
+                    }
 #pragma omp simd
-                for (int d = 0; d < D; d++) a[d] += p[u] * vh[d];
+                    for (int d = 0; d < D; d++) a[d] += p[u] * vh[d];
+                }
             }
         }
         pos = stop;
     }
-    for (int d = 0; d < nh * G * D; d++) ob[d] = acc[d];
+    for (int j = 0; j < r; j++)
+        if (lens[j])
+            for (int d = 0; d < nhg * D; d++)
+                out[((int64_t)(i + j) * H + h0 * G) * D + d] = acc[(int64_t)j * nhg * D + d];
 }
 
 /* How many KV heads a task covers: every head of a sequence when there are sequences enough to keep
@@ -343,14 +373,43 @@ int pd_attend_heads(int n, int KVH, int threads) {
     return n >= 4 * threads ? KVH : 1;
 }
 
-/* Task `task` of a step's n * KVH / hp tasks: sequence task / (KVH / hp), heads from (task % (KVH /
-   hp)) * hp, hp of them (pd_attend_heads). */
+/* The most rows of a chain one walk takes: all of it (up to RUN_MAX) where the step has tasks enough
+   for every thread, else fewer, so that a few long chains still spread over the threads (two tasks a
+   thread of a step's n * per row tasks). */
+int pd_attend_run(int n, int per, int threads) {
+    const int run = n * per / (2 * threads);
+    return run < 1 ? 1 : run > RUN_MAX ? RUN_MAX : run;
+}
+
+/* Whether decode b continues decode a: the next position of a sequence (one more token of context
+   from the same first position) through the same blocks under a's context. A verify step's rows of
+   one request are such a chain (engine/runner.py keeps them adjacent). */
+static int continues(const int64_t *tables, int64_t tstride, const int64_t *first, const int64_t *ctx, int a, int b,
+                     int bs) {
+    if (first[b] != first[a] || ctx[b] != ctx[a] + 1) return 0;
+    const int64_t *ta = tables + (int64_t)a * tstride, *tb = tables + (int64_t)b * tstride;
+    for (int64_t k = first[a] / bs; k < (ctx[a] + bs - 1) / bs; k++)
+        if (ta[k] != tb[k]) return 0;
+    return 1;
+}
+
+/* Task `task` of a step's n * KVH / hp tasks: decode task / (KVH / hp), heads from (task % (KVH / hp)) *
+   hp, hp of them (pd_attend_heads). A chain of decodes (continues) is attended in walks of up to `run`
+   rows (pd_attend_run), each by its first row's task: a request's verify rows read and widen its
+   context once a walk, not once a row; the chain's other tasks have nothing to do. Each row's outputs
+   are what it alone would give (attend), so which rows share a walk does not change them. */
 __attribute__((noinline)) void pd_attend_task(const float *q, int64_t q_row, const void *kc, const void *vc,
                                               const int64_t *tables, int64_t tstride, const int64_t *first,
-                                              const int64_t *ctx, float *out, int H, int KVH, int D, int bs,
-                                              float scale, int hp, int task, int kvb) {
+                                              const int64_t *ctx, float *out, int n, int H, int KVH, int D, int bs,
+                                              float scale, int hp, int run, int task, int kvb) {
     const int per = KVH / hp, i = task / per, h0 = (task % per) * hp;
-    attend(q, q_row, kc, vc, kvb, tables + i * tstride, first[i], ctx[i], out, i, H, KVH, D, bs, scale, h0, h0 + hp);
+    int back = 0;   /* decodes before i in its chain */
+    while (i - back > 0 && continues(tables, tstride, first, ctx, i - back - 1, i - back, bs)) back++;
+    if (back % run) return;
+    int r = 1;
+    while (r < run && i + r < n && continues(tables, tstride, first, ctx, i + r - 1, i + r, bs)) r++;
+    attend(q, q_row, kc, vc, kvb, tables + (int64_t)(i + r - 1) * tstride, first[i], ctx + i, r, out, i, H, KVH, D,
+           bs, scale, h0, h0 + hp);
 }
 
 /* kvb: the cache holds bfloat16 (else float32). */
@@ -361,8 +420,8 @@ void pd_decode_attention(const float *q, int64_t q_row, const void *kc, const vo
        than the work. */
     int64_t work = 0;
     for (int i = 0; i < n; i++) work += (ctx[i] - first[i]) * (int64_t)H;
-    const int hp = pd_attend_heads(n, KVH, threads);
+    const int hp = pd_attend_heads(n, KVH, threads), run = pd_attend_run(n, KVH / hp, threads);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && work >= 4096)
     for (int task = 0; task < n * (KVH / hp); task++)
-        pd_attend_task(q, q_row, kc, vc, tables, tstride, first, ctx, out, H, KVH, D, bs, scale, hp, task, kvb);
+        pd_attend_task(q, q_row, kc, vc, tables, tstride, first, ctx, out, n, H, KVH, D, bs, scale, hp, run, task, kvb);
 }

@@ -24,9 +24,10 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
                     int64_t ldy, int M, int K, const float *sx, int t0, int t1);
 void pd_rms_norm_row(const float *xr, const float *w, float *o, int n, float eps);
 int pd_attend_heads(int n, int KVH, int threads);
+int pd_attend_run(int n, int per, int threads);
 void pd_attend_task(const float *q, int64_t q_row, const void *kc, const void *vc, const int64_t *tables,
-                    int64_t tstride, const int64_t *first, const int64_t *ctx, float *out, int H, int KVH, int D,
-                    int bs, float scale, int hp, int task, int kvb);
+                    int64_t tstride, const int64_t *first, const int64_t *ctx, float *out, int n, int H, int KVH,
+                    int D, int bs, float scale, int hp, int run, int task, int kvb);
 
 typedef struct {              /* a weight in qgemm.c's tile layout: bits 32, 8 or 4 (| PD_AQ8: qgemm_q8.c) */
     int bits, n, k;
@@ -213,7 +214,7 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, voi
     }
     sync_phase(me);
     /* every group's (sequence, KV heads) tasks, one counter */
-    const int hp = pd_attend_heads(n, KVH, me->T), per = KVH / hp;
+    const int hp = pd_attend_heads(n, KVH, me->T), per = KVH / hp, run = pd_attend_run(n, per, me->T);
     int tasks = 0;
     for (int g = 0; g < s->ngroups; g++) tasks += s->groups[g].n * per;
     for (int t; (t = grab(me, 1)) < tasks;) {
@@ -221,7 +222,8 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, voi
         while (local >= s->groups[g].n * per) local -= s->groups[g++].n * per;
         const pd_group *G = &s->groups[g];
         pd_attend_task(qkv + (int64_t)G->start * nq, nq, kc, vc, G->table, G->tstride, G->first, G->ctx,
-                       att + (int64_t)G->start * H * D, H, KVH, D, s->block_size, L->scale, hp, local, s->kv_bf16);
+                       att + (int64_t)G->start * H * D, G->n, H, KVH, D, s->block_size, L->scale, hp, run, local,
+                       s->kv_bf16);
     }
     sync_phase(me);
     product(me, &L->o, att, H * D, o, n);
