@@ -165,6 +165,15 @@ def build_metadata(
     return meta
 
 
+def prefill_plan(meta: AttentionMetadata, kernel: PrefillAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill kernel's description of the step's chunks, built once a step (every layer's)."""
+    if meta.prefill_plan is None:
+        meta.prefill_plan = kernel.plan(
+            [(p.q_start, p.q_len, p.ctx_len - p.q_len, p.block_idx) for p in meta.prefills]
+        )
+    return meta.prefill_plan
+
+
 def _gather_blocks(cache: torch.Tensor, block_idx: torch.Tensor, block_size: int) -> torch.Tensor:
     """[len(block_idx.view(-1)) * block_size, KVH, D]: the cache's slots of those blocks, in order.
     index_select copies each block as one run; it is also several times faster than advanced
@@ -232,11 +241,7 @@ def paged_attention(
             return o.squeeze(2)  # the whole step is this group: no copy into `out`
         out[g.start : g.start + n] = o.squeeze(2)
     if meta.prefills and prefill_kernel is not None and prefill_kernel.takes(q.shape[2]):
-        if meta.prefill_plan is None:
-            meta.prefill_plan = prefill_kernel.plan(
-                [(p.q_start, p.q_len, p.ctx_len - p.q_len, p.block_idx) for p in meta.prefills]
-            )
-        prefill_kernel(q, k, v, k_cache, v_cache, bs, meta.prefill_plan, scale, out)
+        prefill_kernel(q, k, v, k_cache, v_cache, bs, prefill_plan(meta, prefill_kernel), scale, out)
         return out
     for p in meta.prefills:
         qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]

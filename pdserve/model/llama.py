@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.arch import ModelArch
-from pdserve.model.attention import AttentionMetadata, DecodeKernel, paged_attention
+from pdserve.model.attention import AttentionMetadata, DecodeKernel, paged_attention, prefill_plan
 from pdserve.model.kernels.decode_attention import decode_attention_kernel
-from pdserve.model.kernels.layer import FusedLayer, FusedStack, FusedStep, rope_rows, silu_mul
+from pdserve.model.kernels.layer import FusedLayer, FusedStack, FusedStep, prefill_rows, rope_rows, silu_mul
 from pdserve.model.kernels.norm import native_rms_norm
 from pdserve.model.kernels.prefill_attention import PrefillAttention, prefill_attention_kernel
 from pdserve.model.kernels.qgemm import TiledFloat
@@ -312,8 +312,8 @@ class LlamaModel:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary.tables(positions)
         n = x.shape[0]
-        if self.fused is not None and FusedStep.applies(meta, n):
-            step = FusedStep(meta, cos, sin, n, self.fused)
+        if self.fused is not None and FusedStep.applies(meta, n, self.fused_prefill_rows()):
+            step = self.fused_step(meta, cos, sin, n)
             x = x.contiguous() if inputs_embeds is None else x.clone(memory_format=torch.contiguous_format)
             if layer_done is None:
                 step.run_all(self.fused, x, kv_cache)  # x in place
@@ -331,6 +331,20 @@ class LlamaModel:
             return None
         x = rms_norm(x[logits_indices], self.norm, self.arch.rms_norm_eps)
         return self.head(x) if head else x
+
+    def fused_prefill_rows(self) -> int:
+        """The most rows of a step with prefill chunks that layer.c runs (0: none, without the prefill
+        kernel for this model's heads)."""
+        kernel = self.prefill_kernel
+        if self.fused is None or kernel is None or not kernel.takes(self.arch.head_dim):
+            return 0
+        return prefill_rows(self.fused)
+
+    def fused_step(self, meta: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, n: int) -> FusedStep:
+        """The step's inputs for layer.c (FusedStep.applies said it runs there), its chunks' plan included."""
+        assert self.fused is not None
+        plan = prefill_plan(meta, self.prefill_kernel) if meta.prefills and self.prefill_kernel else None
+        return FusedStep(meta, cos, sin, n, self.fused, plan, self.arch.sliding_window or 0)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of final-normed rows [n, hidden]."""

@@ -129,18 +129,19 @@ class MoEModel(LlamaModel):
         inputs_embeds: torch.Tensor | None = None,
         head: bool = True,
     ) -> torch.Tensor | None:
-        """LlamaModel's step; a decode-only step runs each layer's attention in layer.c (the same values
-        as op by op, bit for bit) and each MoE block between those calls."""
+        """LlamaModel's step; a step of decodes (and prefill chunks within fused_prefill_rows) runs each
+        layer's attention in layer.c (the same values as op by op, bit for bit) and each MoE block
+        between those calls."""
         fused = self.fused
         n = input_ids.shape[0] if inputs_embeds is None else inputs_embeds.shape[0]
-        if fused is None or not FusedStep.applies(meta, n):  # then LlamaModel's step runs op by op
+        if fused is None or not FusedStep.applies(meta, n, self.fused_prefill_rows()):  # then op by op
             return super().forward(
                 input_ids, positions, meta, kv_cache, logits_indices, layer_done, inputs_embeds, head
             )
         # layer.c updates the rows in place: a copy of the caller's embeddings.
         x = self.embed_tokens(input_ids).contiguous() if inputs_embeds is None else inputs_embeds.clone()
         cos, sin = self.rotary.tables(positions)
-        step = FusedStep(meta, cos, sin, n, fused)
+        step = self.fused_step(meta, cos, sin, n)
         eps = self.arch.rms_norm_eps
         for i, (f, block) in enumerate(zip(fused.layers, fused.blocks)):
             step.run(f, x, kv_cache[i, 0], kv_cache[i, 1])

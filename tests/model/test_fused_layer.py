@@ -25,11 +25,12 @@ def _model(name, quantization, seed=0):
     return LlamaModel(arch, tiny_random_weights(arch, seed), torch.float32, "cpu", 1024, quantization)
 
 
-def _step(model, lens, seed=1, prefill=0, kv_dtype=torch.float32):
-    """A step of decodes with contexts `lens` over a random cache (plus one prefill of that many tokens)."""
+def _step(model, lens, seed=1, prefill=0, kv_dtype=torch.float32, prefix=0):
+    """A step of decodes with contexts `lens` over a random cache (plus one prefill chunk of that many
+    tokens, after `prefix` tokens already in the cache)."""
     g = torch.Generator().manual_seed(seed)
     a = model.arch
-    blocks = 8 + sum(-(-n // BLOCK) for n in lens) + -(-prefill // BLOCK)
+    blocks = 8 + sum(-(-n // BLOCK) for n in lens) + -(-(prefix + prefill) // BLOCK)
     kv = torch.randn(a.num_layers, 2, blocks * BLOCK, a.num_kv_heads, a.head_dim, generator=g).to(kv_dtype)
     perm = torch.randperm(blocks, generator=g).tolist()
     seqs, positions, p = [], [], 0
@@ -39,8 +40,8 @@ def _step(model, lens, seed=1, prefill=0, kv_dtype=torch.float32):
         positions.append(n - 1)
         p += nb
     if prefill:
-        seqs.append((perm[p : p + -(-prefill // BLOCK)], 0, prefill))
-        positions += range(prefill)
+        seqs.append((perm[p : p + -(-(prefix + prefill) // BLOCK)], prefix, prefill))
+        positions += range(prefix, prefix + prefill)
     meta = build_metadata(seqs, BLOCK, a.sliding_window, "cpu")
     ids = torch.randint(0, a.vocab_size, (len(positions),), generator=g)
     return ids, torch.tensor(positions), meta, kv
@@ -127,12 +128,79 @@ def test_one_call_for_the_stack_per_layer_calls_and_any_thread_count_agree(threa
 
 
 @needs_kernel
-def test_steps_with_a_prefill_run_op_by_op(monkeypatch):
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "lens,prefill,prefix",
+    [([], 5, 0), ([4, 30], 20, 0), ([9], 40, 37), ([], 200, 0), ([3, 17, 100], 3, 64)],
+    ids=["short-prompt", "decodes-and-prompt", "after-context", "long-prompt", "short-after-context"],
+)
+def test_steps_with_prefill_chunks_fused_and_op_by_op_agree_bit_for_bit(
+    name, quantization, kv_dtype, lens, prefill, prefix
+):
+    """A step with a prefill chunk (alone, beside decodes, after cached context; fewer rows than
+    layer.c's shared phases and more) runs in layer.c, its chunk through the prefill kernel as the
+    op-by-op path's: the same logits and cache bits."""
+    model = _model(name, quantization)
+    ids, positions, meta, kv = _step(model, lens, prefill=prefill, kv_dtype=kv_dtype, prefix=prefix)
+    assert fused_kernels.FusedStep.applies(meta, len(ids), fused_kernels.prefill_rows(model.fused))
+    got, got_kv, want, want_kv = _both(model, ids, positions, meta, kv)
+    assert torch.equal(got, want)
+    assert torch.equal(got_kv, want_kv)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_sliding_windows_prefill_chunks_fused_and_op_by_op_agree(kv_dtype):
+    """A window shorter than the chunk and its context: the chunk's rows see only their window's keys
+    in layer.c as op by op."""
+    tiny = TINY_CONFIGS["tiny-mistral"]
+    arch = tiny.__class__(**{**tiny.__dict__, "sliding_window": 24})
+    model = LlamaModel(arch, tiny_random_weights(arch, 0), torch.float32, "cpu", 1024, "int4")
+    ids, positions, meta, kv = _step(model, [9, 70], prefill=50, kv_dtype=kv_dtype, prefix=40)
+    assert fused_kernels.FusedStep.applies(meta, len(ids), fused_kernels.prefill_rows(model.fused))
+    got, got_kv, want, want_kv = _both(model, ids, positions, meta, kv)
+    assert torch.equal(got, want)
+    assert torch.equal(got_kv, want_kv)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_prefill_steps_layers_agree_on_any_thread_count(threads):
+    """The chunk's attention tasks shared out beside the decodes', the shared norms and SiLU phases:
+    one call for the stack, a call a layer (a prefill worker's layer hook) and op by op agree."""
+    model = _model("tiny-qwen2", "int4")
+    ids, positions, meta, kv = _step(model, [2, 17, 40, 300], prefill=60, prefix=20)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, got_kv, want, want_kv = _both(model, ids, positions, meta, kv)
+        hooked_kv = kv.clone()
+        hooked = model.forward(
+            ids, positions, meta, hooked_kv, torch.arange(len(ids)), layer_done=lambda i: None
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want) and torch.equal(hooked, want)
+    assert torch.equal(got_kv, want_kv) and torch.equal(hooked_kv, want_kv)
+
+
+@needs_kernel
+def test_steps_past_the_fused_prefill_rows_run_op_by_op(monkeypatch):
+    """Past FUSED_PREFILL_BYTES of scratch (here a smaller bound, as a wider model's), and without the
+    prefill kernel, a step with a prefill chunk runs op by op."""
     model = _model("tiny-llama", "none")
-    ids, positions, meta, kv = _step(model, [4, 30], prefill=20)
-    assert not fused_kernels.FusedStep.applies(meta, len(ids))
-    monkeypatch.setattr(fused_kernels.FusedStep, "run", lambda *a: pytest.fail("fused on a prefill step"))
-    monkeypatch.setattr(fused_kernels.FusedStep, "run_all", lambda *a: pytest.fail("fused on a prefill step"))
+    monkeypatch.setattr(fused_kernels, "FUSED_PREFILL_BYTES", 4 * 64 * model.fused.scratch_per_row)
+    rows = fused_kernels.prefill_rows(model.fused)
+    assert 0 < rows < 64
+    ids, positions, meta, kv = _step(model, [4, 30], prefill=rows - 2)
+    assert fused_kernels.FusedStep.applies(meta, len(ids), rows)
+    assert not fused_kernels.FusedStep.applies(meta, len(ids))  # without the prefill kernel
+    ids, positions, meta, kv = _step(model, [4, 30], prefill=rows - 1)
+    assert not fused_kernels.FusedStep.applies(meta, len(ids), rows)
+    monkeypatch.setattr(fused_kernels.FusedStep, "run", lambda *a: pytest.fail("fused past its rows"))
+    monkeypatch.setattr(fused_kernels.FusedStep, "run_all", lambda *a: pytest.fail("fused past its rows"))
     model.forward(ids, positions, meta, kv, torch.arange(len(ids)))
 
 

@@ -117,31 +117,40 @@ def test_kernel_reads_each_stacked_format_as_dequantized():
     assert torch.equal(ExpertStack.pack(w, "none", torch.float32, "cpu").dense(), w)
 
 
-def _decode_step(model, lens, seed=1):
-    """A step of decodes with contexts `lens` over a random paged cache."""
+def _decode_step(model, lens, seed=1, prefill=0):
+    """A step of decodes with contexts `lens` over a random paged cache (and a prompt of `prefill` tokens)."""
     from pdserve.model.attention import build_metadata
 
     g = torch.Generator().manual_seed(seed)
     a, block = model.arch, 16
-    blocks = 8 + sum(-(-n // block) for n in lens)
+    blocks = 8 + sum(-(-n // block) for n in lens) + -(-prefill // block)
     kv = torch.randn(a.kv_cache_shape(blocks * block), generator=g)
     perm = torch.randperm(blocks, generator=g).tolist()
-    seqs, p = [], 0
+    seqs, positions, p = [], [], 0
     for n in sorted(lens):
         nb = -(-n // block)
         seqs.append((perm[p : p + nb], n - 1, 1))
+        positions.append(n - 1)
         p += nb
+    if prefill:
+        seqs.append((perm[p : p + -(-prefill // block)], 0, prefill))
+        positions += range(prefill)
     meta = build_metadata(seqs, block, a.sliding_window, "cpu")
-    ids = torch.randint(0, a.vocab_size, (len(lens),), generator=g)
-    return ids, torch.tensor([n - 1 for n in sorted(lens)]), meta, kv
+    ids = torch.randint(0, a.vocab_size, (len(positions),), generator=g)
+    return ids, torch.tensor(positions), meta, kv
 
 
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-moe"])
 @pytest.mark.parametrize("quant", ["none", "int4"])
-@pytest.mark.parametrize("lens", [[5], [3, 9, 17, 40, 41, 100, 30, 33, 64, 12]], ids=["one", "ten"])
-def test_moe_decode_step_through_layer_c_is_the_op_by_op_step(name, quant, lens):
-    """A decode-only step of a MoE model: each layer's attention half in layer.c (dense layers whole),
-    the MoE blocks between the calls; the same logits and cache as op by op, bit for bit."""
+@pytest.mark.parametrize(
+    "lens,prefill",
+    [([5], 0), ([3, 9, 17, 40, 41, 100, 30, 33, 64, 12], 0), ([7, 30], 24)],
+    ids=["one", "ten", "with-a-prompt"],
+)
+def test_moe_decode_step_through_layer_c_is_the_op_by_op_step(name, quant, lens, prefill):
+    """A step of a MoE model (decodes, and a prompt's chunk): each layer's attention half in layer.c
+    (dense layers whole), the MoE blocks between the calls; the same logits and cache as op by op, bit
+    for bit."""
     from pdserve.config import ModelConfig
     from pdserve.model.kernels import layer as fused_kernels
     from pdserve.model.loader import build_model, load_model_files
@@ -150,7 +159,8 @@ def test_moe_decode_step_through_layer_c_is_the_op_by_op_step(name, quant, lens)
         pytest.skip("no C compiler here: layers run op by op")
     model = build_model(load_model_files(name), model_config=ModelConfig(quantization=quant)).model
     assert model.fused is not None
-    ids, positions, meta, kv = _decode_step(model, lens)
+    ids, positions, meta, kv = _decode_step(model, lens, prefill=prefill)
+    assert fused_kernels.FusedStep.applies(meta, len(ids), model.fused_prefill_rows())
     last = torch.arange(len(ids))
     got_kv, done = kv.clone(), []
     got = model.forward(ids, positions, meta, got_kv, last, layer_done=done.append)

@@ -1,11 +1,13 @@
-/* The decoder layers of a decode-only step in a single call (one parallel region, see `team`), each:
+/* The decoder layers of a step in a single call (one parallel region, see `team`), each:
    RMSNorm, the fused QKV product (+ bias),
-   rotary embedding, the KV cache write, paged decode attention, the output product and residual,
+   rotary embedding, the KV cache write, paged decode attention (and the prefill chunks' causal
+   attention, prefill_attention.c), the output product and residual,
    RMSNorm, the gate/up product, SiLU * up, the down product and residual.
 
    The Python layer (model/llama.py) runs each of these as its own op: about 15 torch ops and native
    calls a layer, 450 a step, whose dispatch was a large share of a decode step at 8 streams.
-   Here the same kernels run back to back from C (qgemm.c, norm.c, decode_attention.c are linked in),
+   Here the same kernels run back to back from C (qgemm.c, norm.c, decode_attention.c and
+   prefill_attention.c are linked in),
    so a step's outputs are those of the op-by-op path bit for bit: the rotary embedding rounds each
    product as torch's separate multiply and add do (no FMA contraction there), and the op-by-op path
    takes its SiLU * up from pd_silu_mul below too.
@@ -15,6 +17,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include "qgemm.h"
 #include "vec.h"
@@ -25,6 +28,11 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
 void pd_rms_norm_row(const float *xr, const float *w, float *o, int n, float eps);
 int pd_attend_heads(int n, int KVH, int threads);
 int pd_attend_run(int n, int per, int threads);
+void *pd_prefill_tasks(const int64_t *desc, int nc, int H, int KVH, int64_t window, int *count, int64_t *work);
+void pd_prefill_task(const void *tasks, int i, const float *q, int64_t q_row, const float *k, const float *v,
+                     int64_t kv_row, const void *kc, const void *vc, int kvb, const int64_t *tables,
+                     const int64_t *desc, int bs, int H, int KVH, int D, float scale, int64_t window, float *out,
+                     int64_t o_row);
 void pd_attend_task(const float *q, int64_t q_row, const void *kc, const void *vc, const int64_t *tables,
                     int64_t tstride, const int64_t *first, const int64_t *ctx, float *out, int n, int H, int KVH,
                     int D, int bs, float scale, int hp, int run, int task, int kvb);
@@ -56,7 +64,17 @@ typedef struct {              /* one step, shared by every layer */
     float *scratch;           /* n rows of qkv, attention [H * D], o [hidden], gu [2 inter]; then each thread's
                                  n rows of max(hidden, inter) (layer.py's FusedStep sizes it) */
     pd_group groups[MAX_GROUPS];
+    /* the prefill chunks (rows after the decodes), as prefill_attention.c takes them: desc [nchunks][4],
+       their block tables; window: the model's sliding window (0: none) */
+    const int64_t *pf_desc, *pf_tables;
+    int nchunks;
+    int64_t window;
 } pd_step;
+
+typedef struct {              /* a step's prefill attention tasks (pd_prefill_tasks), the same every layer */
+    const void *tasks;
+    int n;
+} pd_prefill;
 
 /* silu(g) * u over one row of `inter` values. silu(g) = g * sigmoid(g), with e^-|g| so the
    exponential's argument is never positive. */
@@ -190,13 +208,30 @@ static void norm_own(const float *x, const float *w, float *own, int n, int hd, 
     for (int r = 0; r < n; r++) pd_rms_norm_row(x + (int64_t)r * hd, w, own + (int64_t)r * hd, hd, eps);
 }
 
-static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, void *kc, void *vc) {
+/* From how many rows a step's norms and SiLU * up are shared out by rows, a phase each, into one
+   buffer: past a decode step's few rows, every thread repeating every row costs more than the
+   barrier (a prefill chunk's hundreds). The same function on each row either way: the same bits. */
+#define SHARED_ROWS 16
+
+/* rows [0, n) of x RMS-normed into `own` (each thread's own rows below SHARED_ROWS, else the shared ones). */
+static void norm_rows(member *me, const float *x, const float *w, float *own, int n, int hd, float eps) {
+    if (n < SHARED_ROWS) {
+        norm_own(x, w, own, n, hd, eps);
+        return;
+    }
+    for (int r; (r = grab(me, 1)) < n;) pd_rms_norm_row(x + (int64_t)r * hd, w, own + (int64_t)r * hd, hd, eps);
+    sync_phase(me);
+}
+
+static void layer(member *me, const pd_layer *L, const pd_step *s, const pd_prefill *pf, float *x, void *kc,
+                  void *vc) {
     const int n = s->n, hd = L->hidden, D = L->head_dim, H = L->heads, KVH = L->kv_heads, nq = L->qkv.n;
     float *qkv = s->scratch, *att = qkv + (int64_t)n * nq, *o = att + (int64_t)n * H * D, *gu = o + (int64_t)n * hd;
     const int64_t width = hd > L->inter ? hd : L->inter; /* each thread's own rows, after the shared ones */
-    float *own = gu + (int64_t)n * 2 * L->inter + (int64_t)me->id * n * width;
+    /* this thread's rows, or from SHARED_ROWS the first thread's, which every thread fills and reads */
+    float *own = gu + (int64_t)n * 2 * L->inter + (int64_t)(n < SHARED_ROWS ? me->id : 0) * n * width;
 
-    norm_own(x, L->input_norm, own, n, hd, L->eps);
+    norm_rows(me, x, L->input_norm, own, n, hd, L->eps);
     product(me, &L->qkv, own, hd, qkv, n);
     for (int r; (r = grab(me, 1)) < n;) {
         float *row = qkv + (int64_t)r * nq;
@@ -207,18 +242,27 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, voi
         if (s->kv_bf16) {   /* rounded as torch rounds: attention then reads what the op-by-op path keeps */
             uint16_t *kd = (uint16_t *)kc + slot, *vd = (uint16_t *)vc + slot;
             for (int j = 0; j < KVH * D; j++) kd[j] = pd_to_bf16(row[H * D + j]), vd[j] = pd_to_bf16(row[(H + KVH) * D + j]);
+            if (pf->n)   /* a prefill chunk reads the step's own keys and values from these rows, rounded */
+                for (int j = 0; j < KVH * D; j++)
+                    row[H * D + j] = pd_from_bf16(kd[j]), row[(H + KVH) * D + j] = pd_from_bf16(vd[j]);
         } else {
             memcpy((float *)kc + slot, row + H * D, sizeof(float) * KVH * D);
             memcpy((float *)vc + slot, row + (H + KVH) * D, sizeof(float) * KVH * D);
         }
     }
     sync_phase(me);
-    /* every group's (sequence, KV heads) tasks, one counter */
+    /* the prefill chunks' tasks (the costliest first), then every group's (sequence, KV heads), one counter */
     const int hp = pd_attend_heads(n, KVH, me->T), per = KVH / hp, run = pd_attend_run(n, per, me->T);
-    int tasks = 0;
+    int tasks = pf->n;
     for (int g = 0; g < s->ngroups; g++) tasks += s->groups[g].n * per;
     for (int t; (t = grab(me, 1)) < tasks;) {
-        int g = 0, local = t;
+        if (t < pf->n) {
+            pd_prefill_task(pf->tasks, t, qkv, nq, qkv + H * D, qkv + (H + KVH) * D, nq, kc, vc, s->kv_bf16,
+                            s->pf_tables, s->pf_desc, s->block_size, H, KVH, D, L->scale, s->window, att,
+                            (int64_t)H * D);
+            continue;
+        }
+        int g = 0, local = t - pf->n;
         while (local >= s->groups[g].n * per) local -= s->groups[g++].n * per;
         const pd_group *G = &s->groups[g];
         pd_attend_task(qkv + (int64_t)G->start * nq, nq, kc, vc, G->table, G->tstride, G->first, G->ctx,
@@ -230,11 +274,18 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, float *x, voi
     add_into(me, x, o, (int64_t)n * hd);
     if (L->inter == 0) return;   /* the attention half only: a MoE block follows in Python */
 
-    norm_own(x, L->post_norm, own, n, hd, L->eps);
+    norm_rows(me, x, L->post_norm, own, n, hd, L->eps);
     product(me, &L->gate_up, own, hd, gu, n);
-    for (int r = 0; r < n; r++) /* every row's, on each thread (as norm_own) */
-        silu_mul_row(gu + (int64_t)r * 2 * L->inter, gu + (int64_t)r * 2 * L->inter + L->inter,
-                     own + (int64_t)r * L->inter, L->inter);
+    if (n < SHARED_ROWS) {
+        for (int r = 0; r < n; r++) /* every row's, on each thread (as norm_own) */
+            silu_mul_row(gu + (int64_t)r * 2 * L->inter, gu + (int64_t)r * 2 * L->inter + L->inter,
+                         own + (int64_t)r * L->inter, L->inter);
+    } else {
+        for (int r; (r = grab(me, 1)) < n;)
+            silu_mul_row(gu + (int64_t)r * 2 * L->inter, gu + (int64_t)r * 2 * L->inter + L->inter,
+                         own + (int64_t)r * L->inter, L->inter);
+        sync_phase(me);
+    }
     product(me, &L->down, own, L->inter, o, n);
     add_into(me, x, o, (int64_t)n * hd);
 }
@@ -245,14 +296,19 @@ void pd_decode_layers(const pd_layer *L, int nl, const pd_step *s, float *x, voi
                       int64_t v_offset) {
     team tm = {0};
     const int64_t es = s->kv_bf16 ? 2 : 4;
+    pd_prefill pf = {NULL, 0};
+    int64_t work;
+    if (s->nchunks && nl > 0)
+        pf.tasks = pd_prefill_tasks(s->pf_desc, s->nchunks, L[0].heads, L[0].kv_heads, s->window, &pf.n, &work);
 #pragma omp parallel num_threads(s->threads) if (s->threads > 1)
     {
         member me = {&tm, omp_get_num_threads(), omp_get_thread_num(), 0};
         for (int l = 0; l < nl; l++) {
             char *kc = (char *)kv + l * layer_stride * es;
-            layer(&me, &L[l], s, x, kc, kc + v_offset * es);
+            layer(&me, &L[l], s, &pf, x, kc, kc + v_offset * es);
         }
     }
+    free((void *)pf.tasks);
 }
 
 /* One layer (the step's layers one call each, where the caller acts between layers). */

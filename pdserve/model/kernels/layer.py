@@ -1,6 +1,6 @@
-"""A decode-only step's layers through layer.c, one native call for the whole stack (or one a layer
-where the caller acts between layers; see the C file for why), and the SiLU * up and rotary pass that
-the op-by-op path shares with it."""
+"""A step's layers through layer.c (its decodes, and its prefill chunks up to FUSED_PREFILL_BYTES),
+one native call for the whole stack (or one a layer where the caller acts between layers; see the C
+file for why), and the SiLU * up and rotary pass that the op-by-op path shares with it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ from pdserve.model.kernels.native import function, ptr
 
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 MAX_GROUPS = 4  # pd_step's groups (attention.MAX_DECODE_GROUPS)
+# The most scratch a step with prefill chunks may take in layer.c (every row's intermediate values at
+# once): a short prompt's step spent more in the op-by-op path's dispatch than in its arithmetic, but
+# past a few MB a step's scratch costs more in page faults and cache misses than that dispatch (from
+# about 500 rows of SmolLM2, 250 of the Llama-3.2-1B shape: docs/benchmarks.md). So the bound is in
+# bytes, which scales it with the model's widths.
+FUSED_PREFILL_BYTES = 16 << 20
 
 
 class Weight(ctypes.Structure):
@@ -56,6 +62,10 @@ class Step(ctypes.Structure):
         ("slots", _P),
         ("scratch", _P),
         ("groups", Group * MAX_GROUPS),
+        ("pf_desc", _P),
+        ("pf_tables", _P),
+        ("nchunks", _I),
+        ("window", _I64),
     ]
 
 
@@ -188,12 +198,30 @@ class FusedStack:
         self.own_per_row = max(f.own_per_row for f in layers)
 
 
-class FusedStep:
-    """A decode-only step's shared inputs (positions' rotary rows, cache slots, block tables) and its
-    scratch, built once and read by every layer's call."""
+def prefill_rows(layers: _HasScratch) -> int:
+    """The most rows of a step with prefill chunks for layer.c to run (FUSED_PREFILL_BYTES of its scratch)."""
+    return FUSED_PREFILL_BYTES // (
+        4 * (layers.scratch_per_row + torch.get_num_threads() * layers.own_per_row)
+    )
 
-    def __init__(self, meta, cos: torch.Tensor, sin: torch.Tensor, n: int, layers: _HasScratch) -> None:
-        """`layers`: what the step runs (its scratch per row, shared and each thread's own)."""
+
+class FusedStep:
+    """A step's shared inputs (positions' rotary rows, cache slots, block tables, the prefill chunks'
+    plan) and its scratch, built once and read by every layer's call."""
+
+    def __init__(
+        self,
+        meta,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        n: int,
+        layers: _HasScratch,
+        plan: tuple[torch.Tensor, torch.Tensor] | None = None,
+        window: int = 0,
+    ) -> None:
+        """`layers`: what the step runs (its scratch per row, shared and each thread's own); `plan`: the
+        prefill chunks as prefill_attention.c takes them (attention.prefill_plan), `window` the model's
+        sliding window (0: none)."""
         cos, sin = cos.reshape(n, -1).contiguous(), sin.reshape(n, -1).contiguous()
         slots = meta.slot_mapping.contiguous()
         threads = torch.get_num_threads()
@@ -216,6 +244,9 @@ class FusedStep:
                     ctx.data_ptr(),
                 )
             )
+        desc, tables = (t.contiguous() for t in plan) if plan is not None else (None, None)
+        if desc is not None and tables is not None:
+            self._keep += [desc, tables]
         self.struct = Step(
             n,
             meta.block_size,
@@ -227,19 +258,23 @@ class FusedStep:
             slots.data_ptr(),
             self.scratch.data_ptr(),
             (Group * MAX_GROUPS)(*groups),
+            0 if desc is None else desc.data_ptr(),
+            0 if tables is None else tables.data_ptr(),
+            0 if desc is None else desc.numel() // 4,
+            window,
         )
         self._ref = ctypes.byref(self.struct)
 
     @staticmethod
-    def applies(meta, n: int) -> bool:
-        """A step of decodes only (one query each, attention.DecodeGroup), within pd_step's groups."""
+    def applies(meta, n: int, prefill_rows: int = 0) -> bool:
+        """Decodes (one query each, attention.DecodeGroup) within pd_step's groups, and prefill chunks
+        where the step has at most `prefill_rows` rows (0: none; the caller's bound where it has the
+        prefill kernel for its heads, prefill_rows): every row of the step."""
         groups = meta.decode_groups
-        return (
-            n > 0
-            and not meta.prefills
-            and len(groups) <= MAX_GROUPS
-            and sum(g.block_idx.shape[0] for g in groups) == n
-        )
+        decodes = sum(g.block_idx.shape[0] for g in groups)
+        if meta.prefills and n > prefill_rows:
+            return False
+        return n > 0 and len(groups) <= MAX_GROUPS and decodes + sum(p.q_len for p in meta.prefills) == n
 
     def run(self, layer: FusedLayer, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """x [n, hidden] float32, contiguous: updated in place to the layer's output."""

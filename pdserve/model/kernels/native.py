@@ -58,8 +58,8 @@ def _compiler() -> str | None:
 # Libraries that link other kernels' sources in beside their own (the fused decode layer calls them).
 LINKED = {
     "qgemm": ["qgemm_bf16", "qgemm_q8"],
-    "layer": ["qgemm", "qgemm_bf16", "qgemm_q8", "norm", "decode_attention"],
-    "moe": ["layer", "qgemm", "qgemm_bf16", "qgemm_q8", "norm", "decode_attention"],
+    "layer": ["qgemm", "qgemm_bf16", "qgemm_q8", "norm", "decode_attention", "prefill_attention"],
+    "moe": ["layer", "qgemm", "qgemm_bf16", "qgemm_q8", "norm", "decode_attention", "prefill_attention"],
 }
 
 

@@ -223,17 +223,14 @@ static int by_cost(const void *a, const void *b) {
     return x < y ? 1 : x > y ? -1 : 0;
 }
 
-/* Every chunk's rows, every KV head; threads take tasks, the costliest first. window: a sliding
-   window's width (0: none), query p seeing keys (p - window, p]. */
-void pd_prefill_attention(const float *q, int64_t q_row, const float *k, const float *v, int64_t kv_row,
-                          const void *kc, const void *vc, int kvb, const int64_t *tables, const int64_t *desc,
-                          int nc, int bs, int H, int KVH, int D, float scale, int64_t window, float *out,
-                          int64_t o_row, int threads) {
+/* A step's tasks: every chunk's rows in blocks of a task's queries, every KV head, the costliest first,
+   in a malloc'd array (the caller frees it); *count their number, *work their score products. */
+void *pd_prefill_tasks(const int64_t *desc, int nc, int H, int KVH, int64_t window, int *count, int64_t *work) {
     const int G = H / KVH, qb = NQ / G > 0 ? NQ / G : 1;
     int n = 0;
     for (int c = 0; c < nc; c++) n += (int)((desc[4 * c + 1] + qb - 1) / qb) * KVH;
     Task *tasks = (Task *)malloc(sizeof(Task) * (size_t)(n > 0 ? n : 1));
-    int64_t work = 0;
+    int64_t w = 0;
     n = 0;
     for (int c = 0; c < nc; c++) {
         const int64_t L = desc[4 * c + 1], P = desc[4 * c + 2];
@@ -243,19 +240,41 @@ void pd_prefill_attention(const float *q, int64_t q_row, const float *k, const f
             if (window > 0 && keys > window + (r1 - r0)) keys = window + (r1 - r0);
             for (int h = 0; h < KVH; h++) {
                 tasks[n] = (Task){keys * (r1 - r0), c, h, r0, r1};
-                work += tasks[n++].cost;
+                w += tasks[n++].cost;
             }
         }
     }
     qsort(tasks, (size_t)n, sizeof(Task), by_cost);
-    work *= (int64_t)G * D;
+    *count = n;
+    *work = w * G;
+    return tasks;
+}
+
+/* Task i of pd_prefill_tasks' array (the arguments as pd_prefill_attention's). */
+void pd_prefill_task(const void *tasks, int i, const float *q, int64_t q_row, const float *k, const float *v,
+                     int64_t kv_row, const void *kc, const void *vc, int kvb, const int64_t *tables,
+                     const int64_t *desc, int bs, int H, int KVH, int D, float scale, int64_t window, float *out,
+                     int64_t o_row) {
+    const Task *t = (const Task *)tasks + i;
+    const int64_t *dc = desc + 4 * t->c;
+    const Keys ks = {k + dc[0] * kv_row, v + dc[0] * kv_row, kc, vc, dc[3] < 0 ? NULL : tables + dc[3],
+                     kv_row, dc[2], kvb, bs, KVH, D};
+    task(q + dc[0] * q_row, q_row, &ks, out + dc[0] * o_row, o_row, t->r0, t->r1, t->h, H / KVH, scale, window);
+}
+
+/* Every chunk's rows, every KV head; threads take tasks, the costliest first. window: a sliding
+   window's width (0: none), query p seeing keys (p - window, p]. */
+void pd_prefill_attention(const float *q, int64_t q_row, const float *k, const float *v, int64_t kv_row,
+                          const void *kc, const void *vc, int kvb, const int64_t *tables, const int64_t *desc,
+                          int nc, int bs, int H, int KVH, int D, float scale, int64_t window, float *out,
+                          int64_t o_row, int threads) {
+    int n;
+    int64_t work;
+    void *tasks = pd_prefill_tasks(desc, nc, H, KVH, window, &n, &work);
+    work *= D;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && work >= (1 << 20))
-    for (int i = 0; i < n; i++) {
-        const Task *t = tasks + i;
-        const int64_t *dc = desc + 4 * t->c;
-        const Keys ks = {k + dc[0] * kv_row, v + dc[0] * kv_row, kc, vc, dc[3] < 0 ? NULL : tables + dc[3],
-                         kv_row, dc[2], kvb, bs, KVH, D};
-        task(q + dc[0] * q_row, q_row, &ks, out + dc[0] * o_row, o_row, t->r0, t->r1, t->h, G, scale, window);
-    }
+    for (int i = 0; i < n; i++)
+        pd_prefill_task(tasks, i, q, q_row, k, v, kv_row, kc, vc, kvb, tables, desc, bs, H, KVH, D, scale, window,
+                        out, o_row);
     free(tasks);
 }
