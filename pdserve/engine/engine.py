@@ -20,6 +20,7 @@ from pdserve.common.errors import DuplicateRequestId, InvalidParam
 from pdserve.common.images import ImageInput
 from pdserve.common.internal_token import internal_token
 from pdserve.common.outputs import RequestOutput, TokenLogprob  # noqa: F401 (RequestOutput re-exported)
+from pdserve.common.paths import measuring_alone
 from pdserve.common.sampling import SamplingParams, check_prompt
 from pdserve.config import Config
 from pdserve.config_rules import ConfigError
@@ -37,7 +38,15 @@ from pdserve.engine.kv_connector import (
     LoadRetry,
 )
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.row_costs import RowCosts, cache_key, calibrate, context_blocks, load_cached, save_cached
+from pdserve.engine.row_costs import (
+    RowCosts,
+    cache_key,
+    cache_path,
+    calibrate,
+    context_blocks,
+    load_cached,
+    save_cached,
+)
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, blocks_needed
 from pdserve.engine.spec_decode import eligible, propose
@@ -59,6 +68,8 @@ log = logging.getLogger(__name__)
 # The most rows of a step whose int4 and int8 products model.batch_invariant (and speculative decoding)
 # keep on one arithmetic: more are a prefill's, where the row-count paths are several times faster.
 INVARIANT_ROWS = 256
+# How long a worker waits for another's row-cost calibration (a few seconds of steps) before its own.
+ROW_COSTS_WAIT_S = 60.0
 
 
 def kv_cache_dtype(config: Config, arch: ModelArch) -> torch.dtype:
@@ -216,7 +227,13 @@ class LLMEngine:
         self.spec_accepted_tokens_total = 0
         self.spec_misses_total = 0  # verifications that rejected a draft (the acceptance estimate's)
         self.prefetch_bytes = self._tune_prefetch()
-        self.row_costs = self._row_costs(self.model) if self.spec_tokens and sc.speculative_adaptive else None
+        # A prefill worker decodes only after a role switch: it measures then (most often reading a
+        # decode worker's measurement), not beside the decode worker starting on the same host.
+        self._costs_later = bool(
+            self.spec_tokens and sc.speculative_adaptive and config.worker.role == "prefill"
+        )
+        adaptive = self.spec_tokens and sc.speculative_adaptive and not self._costs_later
+        self.row_costs = self._row_costs(self.model) if adaptive else None
         self.draft_costs = (
             self._row_costs(self.drafter.model, self.drafter)
             if self.drafter is not None and sc.speculative_adaptive
@@ -576,7 +593,14 @@ class LLMEngine:
         }
         key = cache_key(parts)
         costs = load_cached(key)
-        if costs is None:
+        if costs is not None:
+            return costs
+        # Workers starting together on one host take turns: the later ones read the first one's
+        # measurement, and none is taken beside another (each would time the other's work).
+        with measuring_alone(cache_path(key), "the decode step's row costs", ROW_COSTS_WAIT_S):
+            costs = load_cached(key)
+            if costs is not None:
+                return costs
             t0 = time.perf_counter()
             costs = calibrate(model, kv_cache, pool, self.block_size, max_rows, context)
             save_cached(key, costs)
@@ -597,6 +621,11 @@ class LLMEngine:
         a draft model's, engine/draft_model.py), each cut to what is expected to pay for its rows
         (engine/spec_policy.py)."""
         sc = self.config.scheduler
+        if self._costs_later and any(
+            r.kv_sink is None and r.num_computed_tokens for r in self.scheduler.running
+        ):
+            self._costs_later = False  # a decode here at last (a role switch): its costs now
+            self.row_costs = self._row_costs(self.model)
         decoding = 0
         drafted: list[Request] = []
         depths: list[int] = []  # a draft model's: how deep each request may draft

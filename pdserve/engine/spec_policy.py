@@ -23,11 +23,18 @@ from typing import Callable
 # A draft must promise this much more throughput than none: estimates and costs are noisy, and
 # a draft that is not clearly worth its rows should not risk a slower step.
 MIN_GAIN = 1.03
+# The least acceptance a request that has verified no draft of its own yet is credited with.
+PROBE = 0.5
 
 
-def acceptance(hits: int, misses: int, prior: float, weight: float = 2.0) -> float:
+def acceptance(hits: int, misses: int, prior: float, weight: float = 2.0, probe: float = PROBE) -> float:
     """A per-token acceptance estimate from a request's own verified drafts (`hits` accepted tokens,
-    `misses` rejections) and the engine-wide rate as a prior worth `weight` observations."""
+    `misses` rejections) and the engine-wide rate as a prior worth `weight` observations. A request
+    with none of its own yet is credited with at least `probe`: the engine-wide rate alone would let
+    the rejections of earlier traffic (free text, a warm-up) keep every later request from drafting,
+    and so from ever measuring its own rate; its first verification settles what it is worth."""
+    if hits + misses == 0:
+        return max(prior, probe)
     return (hits + weight * prior) / (hits + misses + weight)
 
 

@@ -233,3 +233,27 @@ def test_verification_applies_logit_bias_to_every_row():
     req = Request("x", [1, 2, 3], SamplingParams(temperature=0.0, logit_bias={0: 5.0}))
     assert verify(rows, req, [0, 0])[0] == [0, 0, 0]
     assert verify(rows, _req(0, 0.0), [0, 0])[0] == [2]
+
+
+def test_a_prefill_worker_measures_its_row_costs_only_when_it_decodes(monkeypatch):
+    """A prefill worker never decodes unless its role switches: it does not time decode steps at start
+    (beside the decode worker starting on the same host, each would time the other's work), but on
+    its first decode."""
+    import pdserve.engine.engine as engine_mod
+    from pdserve.engine.row_costs import RowCosts
+
+    calls: list[int] = []
+    monkeypatch.setattr(engine_mod, "load_cached", lambda key: None)
+    monkeypatch.setattr(engine_mod, "save_cached", lambda key, costs: None)
+    monkeypatch.setattr(
+        engine_mod, "calibrate", lambda *a, **k: calls.append(1) or RowCosts([1, 2], [0.010, 0.011])
+    )
+    adaptive = {"scheduler.speculative_adaptive": True}
+    e = _engine("tiny-llama", "ngram", **adaptive, **{"worker.role": "prefill"})
+    assert calls == [] and e.row_costs is None
+    e.add_request("r", [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=4, temperature=0.0))
+    while e.has_unfinished():
+        e.step()
+    assert calls == [1] and e.row_costs is not None
+    _engine("tiny-llama", "ngram", **adaptive, **{"worker.role": "decode"})
+    assert calls == [1, 1]

@@ -54,9 +54,20 @@ def test_kept_drafts_are_a_prefix_and_need_a_clear_gain():
 
 
 def test_acceptance_blends_the_request_with_the_prior():
-    assert acceptance(0, 0, 0.4) == pytest.approx(0.4)
+    assert acceptance(0, 0, 0.7) == pytest.approx(0.7)
     assert acceptance(8, 0, 0.5) == pytest.approx(9 / 10)
     assert acceptance(0, 8, 0.5) == pytest.approx(1 / 10)
+    assert acceptance(0, 1, 0.1) == pytest.approx(0.2 / 3)
+
+
+def test_a_low_engine_wide_rate_does_not_keep_new_requests_from_drafting():
+    """Earlier traffic whose drafts were rejected leaves a low engine-wide rate; a new request is
+    still credited with PROBE until its own first verification, so its drafts are tried at all."""
+    prior = acceptance(0, 40, 0.5)
+    assert prior < 0.03
+    cost = lambda r: 1.0 + 0.1 * (r - 1)  # noqa: E731 - each row a tenth of a step
+    assert choose(1, [(4, acceptance(0, 0, prior))], cost)[0] > 0
+    assert choose(1, [(4, acceptance(0, 1, prior))], cost) == [0]  # then its own rejection counts
 
 
 def test_row_costs_interpolate_without_falling_and_learn_the_overhead():
