@@ -10,6 +10,7 @@ their expected tokens repay the rows they add, by the machine's measured step co
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_runs import REPEATS, generate
 
 from pdserve import SamplingParams
@@ -140,3 +141,37 @@ def test_a_draft_models_steps_count_against_its_drafts():
     # Free rows, but each level of drafts costs a draft step: only likely drafts repay it.
     assert choose(1, [(4, 0.95)], flat, draft_cost=lambda d: 0.05 * d) == [4]
     assert choose(1, [(4, 0.2)], flat, draft_cost=lambda d: 0.5 * d) == [0]
+
+
+def test_calibration_keeps_each_counts_fastest_sweep(monkeypatch):
+    """A disturbance (another process starting beside the worker) during one run of one row count
+    must not set that count's cost, nor, carried upward, every larger count's. A fake model advances a
+    fake clock by a millisecond a row, and by 50 ms on two runs of 2 rows in a row."""
+    from types import SimpleNamespace
+
+    from pdserve.engine import row_costs
+
+    clock = [0.0]
+    runs: dict[int, int] = {}
+
+    class Model:
+        arch = SimpleNamespace(sliding_window=None, vocab_size=100)
+        device = torch.device("cpu")
+
+        def forward(self, ids, positions, meta, kv_cache, logits_rows):
+            n = ids.shape[0]
+            runs[n] = runs.get(n, 0) + 1
+            clock[0] += 0.050 if (n == 2 and runs[n] in (2, 3)) else 0.001 * n
+            return torch.zeros(n, 8)
+
+    class Pool:
+        def allocate(self, n):
+            return list(range(n))
+
+        def free(self, blocks):
+            pass
+
+    monkeypatch.setattr(row_costs.time, "perf_counter", lambda: clock[0])
+    costs = row_costs.calibrate(Model(), torch.zeros(1), Pool(), 16, 8, 32)
+    assert runs[2] >= 3  # the disturbed run was one of them
+    assert costs.seconds == pytest.approx([0.001 * r for r in costs.rows])
