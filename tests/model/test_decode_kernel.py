@@ -6,6 +6,7 @@ import pytest
 import torch
 from float_bounds import assert_within, attention64, attention_bound
 from kernel_builds import AVX2, AVX2_NEEDS, build_library
+from paged_cache import random_cache
 
 from pdserve.model.attention import build_metadata, paged_attention
 from pdserve.model.kernels import native
@@ -133,10 +134,9 @@ def _chains_case(chains, dim, kv_dtype, block=16, seed=0):
     each through one block table, in the order the engine keeps them (a request's rows adjacent)."""
     g = torch.Generator().manual_seed(seed)
     h, kvh = 9, 3
-    blocks = 8 + sum(-(-(n + r) // block) for n, r in chains)
-    kc = torch.randn(blocks * block, kvh, dim, generator=g).to(kv_dtype)
-    vc = torch.randn(blocks * block, kvh, dim, generator=g).to(kv_dtype)
-    perm = torch.randperm(blocks, generator=g).tolist()
+    kc, vc, perm = random_cache(
+        g, 8 + sum(-(-(n + r) // block) for n, r in chains), block, kvh, dim, kv_dtype
+    )
     seqs, p = [], 0
     for n, r in chains:
         nb = -(-(n + r) // block)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from float_bounds import assert_within, attention64, attention_bound
 from kernel_builds import AVX2, AVX2_NEEDS, build_library
+from paged_cache import random_cache
 
 from pdserve.model.attention import build_metadata, paged_attention
 from pdserve.model.kernels.decode_attention import decode_attention_kernel
@@ -26,10 +27,7 @@ def _case(specs, heads=(9, 3), dim=64, window=None, kv_dtype=torch.float32, q_sc
     The cache holds random keys and values for every computed position; the step's own are fresh."""
     g = torch.Generator().manual_seed(seed)
     h, kvh = heads
-    blocks = 8 + sum(-(-(c + n) // BLOCK) for c, n in specs)
-    kc = torch.randn(blocks * BLOCK, kvh, dim, generator=g).to(kv_dtype)
-    vc = torch.randn(blocks * BLOCK, kvh, dim, generator=g).to(kv_dtype)
-    perm = torch.randperm(blocks, generator=g).tolist()
+    kc, vc, perm = random_cache(g, 8 + sum(-(-(c + n) // BLOCK) for c, n in specs), BLOCK, kvh, dim, kv_dtype)
     seqs, p = [], 0
     for c, n in specs:
         nb = -(-(c + n) // BLOCK)
