@@ -200,27 +200,28 @@ static void add_into(member *me, float *x, const float *o, int64_t len) {
     sync_phase(me);
 }
 
-/* rows [0, n) of x, RMS-normed into this thread's own rows (a few microseconds for a decode step's rows):
-   each thread norms every row itself and goes straight on to its share of the product that reads
-   them, where a phase of its own cost a barrier (two a layer; and one for silu * up below). The same
-   function on the same rows: the same bits as the shared phase gave. */
-static void norm_own(const float *x, const float *w, float *own, int n, int hd, float eps) {
-    for (int r = 0; r < n; r++) pd_rms_norm_row(x + (int64_t)r * hd, w, own + (int64_t)r * hd, hd, eps);
-}
-
-/* From how many rows a step's norms and SiLU * up are shared out by rows, a phase each, into one
-   buffer: past a decode step's few rows, every thread repeating every row costs more than the
-   barrier (a prefill chunk's hundreds). The same function on each row either way: the same bits. */
+/* A step's RMS norms and SiLU * up, row by row into the rows a product reads next. Below SHARED_ROWS
+   rows (a decode step's few: a few microseconds) each thread computes every row into rows of its own
+   and goes straight on to its share of the product, where a phase of their own cost a barrier (three
+   a layer); from SHARED_ROWS (a prefill chunk's hundreds) every thread repeating every row costs
+   more than the barrier, and the rows are shared out into one buffer, a phase each. The same
+   function on each row either way: the same bits. */
 #define SHARED_ROWS 16
 
-/* rows [0, n) of x RMS-normed into `own` (each thread's own rows below SHARED_ROWS, else the shared ones). */
+/* The first row this thread computes of such a pass over [0, n), then the one after r (>= n: none left). */
+static inline int first_row(member *me, int n) { return n < SHARED_ROWS ? 0 : grab(me, 1); }
+static inline int next_row(member *me, int r, int n) { return n < SHARED_ROWS ? r + 1 : grab(me, 1); }
+
+/* The end of such a pass: shared rows are read by every thread after it. */
+static inline void rows_done(member *me, int n) {
+    if (n >= SHARED_ROWS) sync_phase(me);
+}
+
+/* rows [0, n) of x RMS-normed into `own` */
 static void norm_rows(member *me, const float *x, const float *w, float *own, int n, int hd, float eps) {
-    if (n < SHARED_ROWS) {
-        norm_own(x, w, own, n, hd, eps);
-        return;
-    }
-    for (int r; (r = grab(me, 1)) < n;) pd_rms_norm_row(x + (int64_t)r * hd, w, own + (int64_t)r * hd, hd, eps);
-    sync_phase(me);
+    for (int r = first_row(me, n); r < n; r = next_row(me, r, n))
+        pd_rms_norm_row(x + (int64_t)r * hd, w, own + (int64_t)r * hd, hd, eps);
+    rows_done(me, n);
 }
 
 static void layer(member *me, const pd_layer *L, const pd_step *s, const pd_prefill *pf, float *x, void *kc,
@@ -276,16 +277,10 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, const pd_pref
 
     norm_rows(me, x, L->post_norm, own, n, hd, L->eps);
     product(me, &L->gate_up, own, hd, gu, n);
-    if (n < SHARED_ROWS) {
-        for (int r = 0; r < n; r++) /* every row's, on each thread (as norm_own) */
-            silu_mul_row(gu + (int64_t)r * 2 * L->inter, gu + (int64_t)r * 2 * L->inter + L->inter,
-                         own + (int64_t)r * L->inter, L->inter);
-    } else {
-        for (int r; (r = grab(me, 1)) < n;)
-            silu_mul_row(gu + (int64_t)r * 2 * L->inter, gu + (int64_t)r * 2 * L->inter + L->inter,
-                         own + (int64_t)r * L->inter, L->inter);
-        sync_phase(me);
-    }
+    for (int r = first_row(me, n); r < n; r = next_row(me, r, n))
+        silu_mul_row(gu + (int64_t)r * 2 * L->inter, gu + (int64_t)r * 2 * L->inter + L->inter,
+                     own + (int64_t)r * L->inter, L->inter);
+    rows_done(me, n);
     product(me, &L->down, own, L->inter, o, n);
     add_into(me, x, o, (int64_t)n * hd);
 }
@@ -297,9 +292,8 @@ void pd_decode_layers(const pd_layer *L, int nl, const pd_step *s, float *x, voi
     team tm = {0};
     const int64_t es = s->kv_bf16 ? 2 : 4;
     pd_prefill pf = {NULL, 0};
-    int64_t work;
     if (s->nchunks && nl > 0)
-        pf.tasks = pd_prefill_tasks(s->pf_desc, s->nchunks, L[0].heads, L[0].kv_heads, s->window, &pf.n, &work);
+        pf.tasks = pd_prefill_tasks(s->pf_desc, s->nchunks, L[0].heads, L[0].kv_heads, s->window, &pf.n, NULL);
 #pragma omp parallel num_threads(s->threads) if (s->threads > 1)
     {
         member me = {&tm, omp_get_num_threads(), omp_get_thread_num(), 0};

@@ -224,7 +224,7 @@ static int by_cost(const void *a, const void *b) {
 }
 
 /* A step's tasks: every chunk's rows in blocks of a task's queries, every KV head, the costliest first,
-   in a malloc'd array (the caller frees it); *count their number, *work their score products. */
+   in a malloc'd array (the caller frees it); *count their number, *work (where given) their score products. */
 void *pd_prefill_tasks(const int64_t *desc, int nc, int H, int KVH, int64_t window, int *count, int64_t *work) {
     const int G = H / KVH, qb = NQ / G > 0 ? NQ / G : 1;
     int n = 0;
@@ -246,7 +246,7 @@ void *pd_prefill_tasks(const int64_t *desc, int nc, int H, int KVH, int64_t wind
     }
     qsort(tasks, (size_t)n, sizeof(Task), by_cost);
     *count = n;
-    *work = w * G;
+    if (work) *work = w * G;
     return tasks;
 }
 
