@@ -229,11 +229,9 @@ class LLMEngine:
         self.prefetch_bytes = self._tune_prefetch()
         # A prefill worker decodes only after a role switch: it measures then (most often reading a
         # decode worker's measurement), not beside the decode worker starting on the same host.
-        self._costs_later = bool(
-            self.spec_tokens and sc.speculative_adaptive and config.worker.role == "prefill"
-        )
-        adaptive = self.spec_tokens and sc.speculative_adaptive and not self._costs_later
-        self.row_costs = self._row_costs(self.model) if adaptive else None
+        adaptive = bool(self.spec_tokens and sc.speculative_adaptive)
+        self._costs_later = adaptive and config.worker.role == "prefill"
+        self.row_costs = self._row_costs(self.model) if adaptive and not self._costs_later else None
         self.draft_costs = (
             self._row_costs(self.drafter.model, self.drafter)
             if self.drafter is not None and sc.speculative_adaptive
