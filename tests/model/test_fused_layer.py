@@ -166,6 +166,35 @@ def test_a_sliding_windows_prefill_chunks_fused_and_op_by_op_agree(kv_dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 24], ids=["heads-of-four-tiles", "heads-across-tiles"])
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_qkv_products_heads_finish_as_op_by_op_at_any_head_width(
+    head_dim, quantization, kv_dtype, threads
+):
+    """The QKV product's heads get their bias, rotary embedding and cache write from the thread that
+    computed them (heads of whole 16-column tiles), or in a phase of their own (heads across tiles);
+    the residual adds follow their products' columns: the op-by-op step's logits and cache bits."""
+    tiny = TINY_CONFIGS["tiny-qwen2"]  # with a QKV bias
+    arch = tiny.__class__(**{**tiny.__dict__, "head_dim": head_dim})
+    model = LlamaModel(arch, tiny_random_weights(arch, 0), torch.float32, "cpu", 1024, quantization)
+    assert model.fused is not None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lens, prefill in (([3], 0), ([2, 17, 40, 300, 5, 9, 12, 33, 64, 100], 0), ([9, 70], 30)):
+            ids, positions, meta, kv = _step(
+                model, lens, prefill=prefill, kv_dtype=kv_dtype, prefix=10 * bool(prefill)
+            )
+            got, got_kv, want, want_kv = _both(model, ids, positions, meta, kv)
+            assert torch.equal(got, want)
+            assert torch.equal(got_kv, want_kv)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_prefill_steps_layers_agree_on_any_thread_count(threads):
     """The chunk's attention tasks shared out beside the decodes', the shared norms and SiLU phases:

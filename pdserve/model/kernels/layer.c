@@ -173,30 +173,73 @@ static inline int grab(member *me, int chunk) {
     return atomic_fetch_add_explicit(&me->tm->next[me->phase & 1], chunk, memory_order_relaxed);
 }
 
-static void product(member *me, const pd_weight *w, const float *x, int64_t ldx, float *y, int M) {
+/* What a product's thread does with the columns it has just computed, every row, before the phase's
+   barrier (columns no other thread touches, so no phase of their own): add them into the residual
+   (x + o), or for the QKV product finish their heads (finish_heads). */
+typedef struct {
+    float *residual;          /* [M, n]: residual += y over the columns; or NULL */
+    const pd_layer *L;        /* the QKV product's heads, or NULL */
+    const pd_step *s;
+    const pd_prefill *pf;
+    void *kc, *vc;
+} after_product;
+
+/* Heads [h0, h1) of the QKV product's rows (q's H heads, then k's and v's KVH each): the bias, the
+   rotary embedding of q's and k's, and k's and v's rows into the cache at each row's slot. A head's
+   values depend on that head's columns only, so heads finish apart, in any order, with the bits of
+   a whole row's pass. */
+static void finish_heads(const after_product *a, float *qkv, int h0, int h1) {
+    const pd_layer *L = a->L;
+    const pd_step *s = a->s;
+    const int H = L->heads, KVH = L->kv_heads, D = L->head_dim, nq = L->qkv.n;
+    for (int r = 0; r < s->n; r++) {
+        float *row = qkv + (int64_t)r * nq;
+        if (L->qkv_bias)
+            for (int j = h0 * D; j < h1 * D; j++) row[j] = row[j] + L->qkv_bias[j];
+        const float *cos = s->cos + (int64_t)r * D / 2, *sin = s->sin + (int64_t)r * D / 2;
+        for (int h = h0; h < h1 && h < H + KVH; h++) rope(row + (int64_t)h * D, cos, sin, D / 2);
+        const int64_t slot = s->slots[r] * KVH * D;
+        for (int h = h0 > H ? h0 : H; h < h1; h++) {   /* k's heads, then v's */
+            const int v = h >= H + KVH;
+            const int64_t at = slot + (int64_t)(h - H - v * KVH) * D;
+            float *src = row + (int64_t)h * D;
+            if (s->kv_bf16) {   /* rounded as torch rounds: attention then reads what the op-by-op path keeps */
+                uint16_t *dst = (uint16_t *)(v ? a->vc : a->kc) + at;
+                for (int j = 0; j < D; j++) dst[j] = pd_to_bf16(src[j]);
+                if (a->pf->n)   /* a prefill chunk reads the step's own keys and values from these rows, rounded */
+                    for (int j = 0; j < D; j++) src[j] = pd_from_bf16(dst[j]);
+            } else {
+                memcpy((float *)(v ? a->vc : a->kc) + at, src, sizeof(float) * D);
+            }
+        }
+    }
+}
+
+static void product(member *me, const pd_weight *w, const float *x, int64_t ldx, float *y, int M,
+                    const after_product *after) {
     float sx[8 * (w->k / 32) + 1];    /* qgemm.c's direct rows: at most 8 */
     /* Each thread rounds its own copy of the rows (M x K, a few microseconds): no phase for it. */
     void *xq = pd_qgemm_q8_x(w->bits, x, ldx, M, w->k);    /* int8 activations: every path the same */
     uint16_t *xb = xq ? NULL : pd_qgemm_bf16_x(w->bits, x, ldx, M, w->k);
     if (!xq && !xb) pd_qgemm_sums(w->bits, x, ldx, M, w->k, sx);
-    const int tiles = w->n / 16, chunk = tiles / (8 * me->T) > 1 ? tiles / (8 * me->T) : 1;
-    for (int t; (t = grab(me, chunk)) < tiles;) {
-        const int t1 = t + chunk < tiles ? t + chunk : tiles;
+    /* the pieces handed out: tiles of 16 columns, or the QKV product's whole heads */
+    const int unit = after && after->L ? after->L->head_dim / 16 : 1, units = w->n / 16 / unit;
+    const int chunk = units / (8 * me->T) > 1 ? units / (8 * me->T) : 1;
+    for (int u; (u = grab(me, chunk)) < units;) {
+        const int t = u * unit, t1 = (u + chunk < units ? u + chunk : units) * unit;
         if (xq) pd_qgemm_q8_tiles(w->bits, w->w, w->d, w->m, xq, y, w->n, M, w->k, t, t1);
         else if (xb) pd_qgemm_bf16_tiles(w->bits, w->w, w->d, w->m, xb, y, w->n, M, w->k, t, t1);
         else pd_qgemm_tiles(w->bits, w->w, w->d, w->m, x, ldx, y, w->n, M, w->k, sx, t, t1);
+        if (after && after->L) finish_heads(after, y, t / unit, t1 / unit);
+        else if (after)
+            for (int r = 0; r < M; r++) {
+                float *xr = after->residual + (int64_t)r * w->n;
+                const float *yr = y + (int64_t)r * w->n;
+                for (int c = t * 16; c < t1 * 16; c++) xr[c] = xr[c] + yr[c];
+            }
     }
     pd_qgemm_q8_free(xq);
     pd_qgemm_bf16_free(xb);
-    sync_phase(me);
-}
-
-static void add_into(member *me, float *x, const float *o, int64_t len) {
-    const int64_t chunk = 4096;
-    for (int c; (c = grab(me, 1)) * chunk < len;) {
-        const int64_t end = (c + 1) * chunk < len ? (c + 1) * chunk : len;
-        for (int64_t i = c * chunk; i < end; i++) x[i] = x[i] + o[i];
-    }
     sync_phase(me);
 }
 
@@ -233,25 +276,14 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, const pd_pref
     float *own = gu + (int64_t)n * 2 * L->inter + (int64_t)(n < SHARED_ROWS ? me->id : 0) * n * width;
 
     norm_rows(me, x, L->input_norm, own, n, hd, L->eps);
-    product(me, &L->qkv, own, hd, qkv, n);
-    for (int r; (r = grab(me, 1)) < n;) {
-        float *row = qkv + (int64_t)r * nq;
-        if (L->qkv_bias)
-            for (int j = 0; j < nq; j++) row[j] = row[j] + L->qkv_bias[j];
-        rope_heads(row, H + KVH, D, s->cos + (int64_t)r * D / 2, s->sin + (int64_t)r * D / 2);
-        const int64_t slot = s->slots[r] * KVH * D;
-        if (s->kv_bf16) {   /* rounded as torch rounds: attention then reads what the op-by-op path keeps */
-            uint16_t *kd = (uint16_t *)kc + slot, *vd = (uint16_t *)vc + slot;
-            for (int j = 0; j < KVH * D; j++) kd[j] = pd_to_bf16(row[H * D + j]), vd[j] = pd_to_bf16(row[(H + KVH) * D + j]);
-            if (pf->n)   /* a prefill chunk reads the step's own keys and values from these rows, rounded */
-                for (int j = 0; j < KVH * D; j++)
-                    row[H * D + j] = pd_from_bf16(kd[j]), row[(H + KVH) * D + j] = pd_from_bf16(vd[j]);
-        } else {
-            memcpy((float *)kc + slot, row + H * D, sizeof(float) * KVH * D);
-            memcpy((float *)vc + slot, row + (H + KVH) * D, sizeof(float) * KVH * D);
-        }
+    const after_product heads = {NULL, L, s, pf, kc, vc};
+    if (D % 16 == 0) {   /* heads of whole tiles: each finished by the thread that computed it */
+        product(me, &L->qkv, own, hd, qkv, n, &heads);
+    } else {
+        product(me, &L->qkv, own, hd, qkv, n, NULL);
+        for (int r; (r = grab(me, 1)) < H + 2 * KVH;) finish_heads(&heads, qkv, r, r + 1);
+        sync_phase(me);
     }
-    sync_phase(me);
     /* the prefill chunks' tasks (the costliest first), then every group's (sequence, KV heads), one counter */
     const int hp = pd_attend_heads(n, KVH, me->T), per = KVH / hp, run = pd_attend_run(n, per, me->T);
     int tasks = pf->n;
@@ -271,18 +303,17 @@ static void layer(member *me, const pd_layer *L, const pd_step *s, const pd_pref
                        s->kv_bf16);
     }
     sync_phase(me);
-    product(me, &L->o, att, H * D, o, n);
-    add_into(me, x, o, (int64_t)n * hd);
+    const after_product residual = {x, NULL, NULL, NULL, NULL, NULL};
+    product(me, &L->o, att, H * D, o, n, &residual);
     if (L->inter == 0) return;   /* the attention half only: a MoE block follows in Python */
 
     norm_rows(me, x, L->post_norm, own, n, hd, L->eps);
-    product(me, &L->gate_up, own, hd, gu, n);
+    product(me, &L->gate_up, own, hd, gu, n, NULL);
     for (int r = first_row(me, n); r < n; r = next_row(me, r, n))
         silu_mul_row(gu + (int64_t)r * 2 * L->inter, gu + (int64_t)r * 2 * L->inter + L->inter,
                      own + (int64_t)r * L->inter, L->inter);
     rows_done(me, n);
-    product(me, &L->down, own, L->inter, o, n);
-    add_into(me, x, o, (int64_t)n * hd);
+    product(me, &L->down, own, L->inter, o, n, &residual);
 }
 
 /* Layers [0, nl) of a decode-only step in one parallel region; layer l's cache is kv + l * layer_stride
