@@ -231,6 +231,8 @@ class QuantizedWeight:
         """Rows of the dequantized matrix: an embedding lookup from a quantized (tied) embedding."""
         if self.mode != "int8":
             raise TypeError("row lookup needs an int8 matrix")
+        if self.native and dtype == torch.float32 and ids.dim() == 1:
+            return qgemm.rows8(self.tiled[0], self.tiled[1], ids)
         if self.native:
             q = self.tiled[0][ids // qgemm.TILE, :, ids % qgemm.TILE]
             return q.to(dtype) * self.scale[ids, None].to(dtype)

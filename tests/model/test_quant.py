@@ -95,9 +95,12 @@ def test_kernel_matches_dequantized_product(mode, rows, native):
         assert err > 1e-5  # the bfloat16 path ran
     assert qw.nbytes < w.numel() * 4 / (3.5 if mode == "int8" else 5)
     torch.testing.assert_close(qw.dequantize(), st.dequantize(), rtol=1e-6, atol=1e-6)
-    if mode == "int8":  # the tied embedding's lookup
+    if mode == "int8":  # the tied embedding's lookup: q * scale, one rounding, as dequantize's rows
         ids = torch.tensor([0, 17, 95, 17])
+        assert torch.equal(qw.rows(ids, torch.float32), st.q[ids].float() * st.scale[ids, None].float())
         torch.testing.assert_close(qw.rows(ids, torch.float32), st.dequantize()[ids], rtol=1e-6, atol=1e-6)
+        with pytest.raises(IndexError):
+            qw.rows(torch.tensor([0, w.shape[0]]), torch.float32)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

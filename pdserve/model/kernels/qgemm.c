@@ -436,6 +436,22 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
     }
 }
 
+/* Rows ids [n] of an int8 weight in its tile layout (q [N/16][K][16], d [N] floats) as floats, q * d
+   (an embedding lookup from the tied head): the tile layout keeps a row's values 16 apart, which
+   torch's indexing gathered at a few hundred microseconds a row. Returns 0, or -1 where an id is not
+   a row (nothing written). */
+int pd_qgemm_rows8(const int8_t *w, const float *d, const int64_t *ids, int n, int N, int K, float *out) {
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+    for (int i = 0; i < n; i++) {
+        const int64_t o = ids[i];
+        const int8_t *t = w + (o / NC) * (int64_t)K * NC + o % NC;
+        const float s = d[o];
+        for (int k = 0; k < K; k++) out[(int64_t)i * K + k] = (float)t[(int64_t)k * NC] * s;
+    }
+    return 0;
+}
+
 /* bits: 4, 8 or 32 (the layouts above; d and m float16 for 4, d float for 8), or 4 | PD_AQ8 (qgemm_q8.c). A small product (one row
    through a small matrix) runs on the calling thread: waking the pool costs more than the work. */
 void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float *x, int64_t ldx, float *y,

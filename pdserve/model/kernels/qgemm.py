@@ -269,6 +269,28 @@ def tile_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     ).contiguous()
 
 
+@lru_cache(maxsize=1)
+def _rows8():
+    lib = load("qgemm")
+    if lib is None:
+        return None
+    fn = lib.pd_qgemm_rows8
+    fn.argtypes, fn.restype = [_P, _P, _P, _I, _I, _I, _P], ctypes.c_int
+    return fn
+
+
+def rows8(w: torch.Tensor, d: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an int8 weight tiled by tile_int8 (q [N/16, K, 16], d [N/16, 16]) as float32 [n, K]:
+    q * d, as the dequantized matrix's rows. IndexError for an id that is not a row."""
+    fn = _rows8()
+    assert fn is not None and w.dtype == torch.int8 and d.dtype == torch.float32
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), w.shape[1], dtype=torch.float32)
+    if fn(ptr(w), ptr(d), ptr(ids), ids.numel(), w.shape[0] * TILE, w.shape[1], ptr(out)):
+        raise IndexError(f"row ids out of range for {w.shape[0] * TILE} rows")
+    return out
+
+
 def qgemm(
     bits: int, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, x: torch.Tensor, n: int
 ) -> torch.Tensor:
