@@ -59,6 +59,12 @@ class CallOnEngine:
 Command = AddRequest | AbortRequest | CallOnEngine
 
 
+def _put_all(items: list) -> None:
+    """Each (queue, item) in order, on the consumer's loop."""
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(
         self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None
@@ -241,10 +247,21 @@ class AsyncEngine:
                     self._deliver(rid, EngineDeadError(f"engine failed: {e}"))
                 return
             now = time.monotonic()
+            # One wake-up of each consumer loop a step, with every stream's item in order: a call a
+            # stream wrote to the loop's self-pipe once per stream and token.
+            batches: dict[asyncio.AbstractEventLoop, list] = {}
             for out in outputs:
                 if self.on_output is not None:
                     self.on_output(out, now)
-                self._deliver(out.request_id, RequestFailed(out.error) if out.error else out)
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    loop, q = stream
+                    batches.setdefault(loop, []).append((q, RequestFailed(out.error) if out.error else out))
+            for loop, items in batches.items():
+                try:
+                    loop.call_soon_threadsafe(_put_all, items)
+                except RuntimeError:  # the consumer's loop is closed
+                    pass
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting, let running requests finish until the timeout, abort the rest, stop."""
