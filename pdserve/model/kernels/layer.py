@@ -16,12 +16,11 @@ from pdserve.model.kernels.native import function, ptr
 _I, _I64, _F, _P = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 MAX_GROUPS = 4  # pd_step's groups (attention.MAX_DECODE_GROUPS)
 # The most scratch a step with prefill chunks may take in layer.c (every row's intermediate values at
-# once): a prompt's step spends less there than in the op-by-op path's dispatch, until its scratch
-# outgrows the caches and costs more in misses than that dispatch saves. Measured on an Intel Xeon
-# with AMX (docs/benchmarks.md): SmolLM2 (35 KB a row) 0.73 of the op-by-op time at 512 rows, 0.93
-# at 1,024, 1.08 at 2,048; the Llama-3.2-1B shape (160 KB a row) 0.84 at 128 rows, 0.96 at 256, 0.99
-# at 512. So the bound is in bytes, which scales it with the model's widths: 32 MB, past the default
-# step budget of SmolLM2 (512 rows) and short of every size measured slower.
+# once): a prompt's step spends less there than in the op-by-op path's dispatch until its scratch
+# outgrows the caches and the misses cost more than the dispatch saves. Where that happens depends on
+# the model's widths, hence a bound in bytes, and on the machine (docs/benchmarks.md: the crossover
+# measured on an Intel Xeon with AMX). 32 MB is also glibc's largest mmap threshold (utils/runtime.py),
+# below which a step's scratch comes back from the heap instead of fresh pages.
 FUSED_PREFILL_BYTES = 32 << 20
 
 

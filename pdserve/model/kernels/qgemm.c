@@ -437,9 +437,9 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
 }
 
 /* Rows ids [n] of an int8 weight in its tile layout (q [N/16][K][16], d [N] floats) as floats, q * d
-   (an embedding lookup from the tied head): the tile layout keeps a row's values 16 apart, which
-   torch's indexing gathered at a few hundred microseconds a row. Returns 0, or -1 where an id is not
-   a row (nothing written). */
+   (an embedding lookup from the tied head): the tile layout keeps a row's values 16 apart, a gather
+   that torch's advanced indexing ran through its generic index kernel. Returns 0, or -1 where an id
+   is not a row (nothing written). */
 int pd_qgemm_rows8(const int8_t *w, const float *d, const int64_t *ids, int n, int N, int K, float *out) {
     for (int i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -1;
