@@ -197,7 +197,8 @@ static void finish_heads(const after_product *a, float *qkv, int h0, int h1) {
         if (L->qkv_bias)
             for (int j = h0 * D; j < h1 * D; j++) row[j] = row[j] + L->qkv_bias[j];
         const float *cos = s->cos + (int64_t)r * D / 2, *sin = s->sin + (int64_t)r * D / 2;
-        for (int h = h0; h < h1 && h < H + KVH; h++) rope(row + (int64_t)h * D, cos, sin, D / 2);
+        const int rotated = (h1 < H + KVH ? h1 : H + KVH) - h0;   /* q's and k's heads among them */
+        if (rotated > 0) rope_heads(row + (int64_t)h0 * D, rotated, D, cos, sin);
         const int64_t slot = s->slots[r] * KVH * D;
         for (int h = h0 > H ? h0 : H; h < h1; h++) {   /* k's heads, then v's */
             const int v = h >= H + KVH;
