@@ -182,11 +182,20 @@ class AsyncEngine:
         self._wake.set()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, q = stream
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Each item to its request's stream, in order: one wake-up of each consumer loop (a call a
+        stream wrote to the loop's self-pipe once per stream and token)."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                loop, q = stream
+                batches.setdefault(loop, []).append((q, item))
+        for loop, pairs in batches.items():
             try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, pairs)
             except RuntimeError:  # the consumer's loop is closed
                 pass
 
@@ -247,21 +256,10 @@ class AsyncEngine:
                     self._deliver(rid, EngineDeadError(f"engine failed: {e}"))
                 return
             now = time.monotonic()
-            # One wake-up of each consumer loop a step, with every stream's item in order: a call a
-            # stream wrote to the loop's self-pipe once per stream and token.
-            batches: dict[asyncio.AbstractEventLoop, list] = {}
-            for out in outputs:
-                if self.on_output is not None:
+            if self.on_output is not None:
+                for out in outputs:
                     self.on_output(out, now)
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    loop, q = stream
-                    batches.setdefault(loop, []).append((q, RequestFailed(out.error) if out.error else out))
-            for loop, items in batches.items():
-                try:
-                    loop.call_soon_threadsafe(_put_all, items)
-                except RuntimeError:  # the consumer's loop is closed
-                    pass
+            self._deliver_all([(o.request_id, RequestFailed(o.error) if o.error else o) for o in outputs])
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting, let running requests finish until the timeout, abort the rest, stop."""
