@@ -7,8 +7,10 @@ steps and 8 KB for a Llama-3.2-1B-shaped model's, where the kernel's unmeasured 
 slower (docs/benchmarks.md). So the engine times its own model's batch-1 steps at a few distances
 when it starts (kernels/tuning.measure_prefetch), on KV blocks borrowed from its pool and returned,
 and caches the choice per CPU, kernel build, model, format and threads. Where the weights fit the
-last-level cache, or the products are not the native register rows', nothing is measured: the
-distance changes nothing there. A product's results never depend on it.
+cores' own caches, or the products are not the native register rows', nothing is measured: the
+distance changes nothing there. A cache the cores share is no such place: weights that fit it still
+stream (a VM's shared L3 is the host socket's; on one reporting 480 MB, SmolLM2's 95 MB of int4
+steps ran faster at 4 KB than at 2 KB, docs/benchmarks.md). A product's results never depend on it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from pdserve.common.paths import cache_root, save_json
 from pdserve.engine.row_costs import cache_key, context_blocks, decode_step
 from pdserve.model.kernels import qgemm, tuning
-from pdserve.utils.cpu import last_level_cache_bytes
+from pdserve.utils.cpu import core_cache_bytes
 
 log = logging.getLogger(__name__)
 FORMAT = "pdserve-prefetch/1"
@@ -33,7 +35,8 @@ CONTEXT = 64  # tokens each timed step attends to: a short chat's, so that the w
 def applies(config, weight_bytes: int, min_bytes: int | None = None) -> bool:
     """Whether the model's decode products take the register rows and stream from memory: int4 or int8
     weights (a quantized model's output head is int8 too) with float activations, the native kernel,
-    one process, weights over twice the last-level cache (`min_bytes` instead, where given)."""
+    one process, weights over twice the threads' own caches together (`min_bytes` instead, where
+    given)."""
     mc = config.model
     return (
         mc.device == "cpu"
@@ -42,8 +45,13 @@ def applies(config, weight_bytes: int, min_bytes: int | None = None) -> bool:
         and mc.activation_quantization == "none"
         and mc.expert_parallel <= 1
         and qgemm.available()
-        and weight_bytes > (2 * last_level_cache_bytes() if min_bytes is None else min_bytes)
+        and weight_bytes > (_own_cache_bytes(config) * 2 if min_bytes is None else min_bytes)
     )
+
+
+def _own_cache_bytes(config) -> int:
+    """The step's threads' own caches together."""
+    return (config.server.threads or torch.get_num_threads()) * core_cache_bytes()
 
 
 def _path(key: str):

@@ -53,18 +53,42 @@ def feature_key() -> str:
     return "-".join(present) or "generic"
 
 
-@lru_cache(maxsize=1)
-def last_level_cache_bytes(default: int = 32 << 20) -> int:
-    """The largest CPU cache's size (sysfs), or `default` where the kernel does not say."""
+def _cpu_list(text: str) -> set[int]:
+    """sysfs's CPU list ("0-3,8") as a set."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit():
+            cpus.update(range(int(lo), int(hi if hi.isdigit() else lo) + 1))
+    return cpus
+
+
+def _size_bytes(text: str) -> int | None:
+    text = text.strip().upper()
+    digits = text.rstrip("KMG")
+    if not digits.isdigit():
+        return None
+    return int(digits) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[len(digits) :], 1)
+
+
+@lru_cache(maxsize=4)
+def core_cache_bytes(default: int = 1 << 20, cpu: Path = Path("/sys/devices/system/cpu/cpu0")) -> int:
+    """The largest cache one core owns (sysfs: shared with no CPU outside cpu0's core), or `default`
+    where the kernel does not say. A cache shared between cores is not counted: in a VM it is the host
+    socket's, which other tenants fill too (a 2-core VM in docs/benchmarks.md reports a 480 MB L3)."""
+    try:
+        core = _cpu_list((cpu / "topology/thread_siblings_list").read_text())
+    except OSError:  # no topology: the CPU alone
+        core = {int(cpu.name[3:])} if cpu.name[3:].isdigit() else set()
     sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    for index in cpu.glob("cache/index*"):
         try:
-            text = f.read_text().strip().upper()
+            shared = _cpu_list((index / "shared_cpu_list").read_text())
+            size = _size_bytes((index / "size").read_text())
         except OSError:
             continue
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            sizes.append(int(digits) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[len(digits) :], 1))
+        if size is not None and shared and shared <= core:
+            sizes.append(size)
     return max(sizes, default=default)
 
 

@@ -44,11 +44,20 @@ def test_the_shortest_distance_within_two_percent_of_the_fastest():
     assert tuning.choose_prefetch({2048: 1.0, 4096: 1.0, 8192: 1.0, 16384: 1.0}) == 2048
 
 
-def test_measured_only_where_quantized_register_rows_stream_from_memory():
+@pytest.fixture
+def core_cache(monkeypatch):
+    """A core's own cache of 1 MB, whatever this CPU's: the rule's bound is the same on every machine."""
+    monkeypatch.setattr(prefetch_tuning, "core_cache_bytes", lambda: 1 << 20)
+
+
+def test_measured_only_where_quantized_register_rows_stream_from_memory(core_cache):
     big = 1 << 40
     assert prefetch_tuning.applies(_config(), big)
     assert prefetch_tuning.applies(_config(**{"model.quantization": "int8"}), big)
-    assert not prefetch_tuning.applies(_config(), 1 << 20)  # fits the last-level cache
+    assert not prefetch_tuning.applies(_config(), 2 << 20)  # fits its thread's own cache twice
+    assert prefetch_tuning.applies(_config(), (2 << 20) + 1)
+    # Two threads have two cores' caches: the same weights now fit them.
+    assert not prefetch_tuning.applies(_config(**{"server.threads": 2}), (2 << 20) + 1)
     assert prefetch_tuning.applies(_config(), 1 << 20, min_bytes=0)
     assert not prefetch_tuning.applies(_config(**{"model.quantization": "none"}), big)
     assert not prefetch_tuning.applies(_config(**{"model.activation_quantization": "int8"}), big)
@@ -57,9 +66,10 @@ def test_measured_only_where_quantized_register_rows_stream_from_memory():
 
 def test_measured_on_borrowed_blocks_cached_and_applied(tmp_path, monkeypatch, kernel_distance):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(prefetch_tuning, "core_cache_bytes", lambda: 1 << 30)
     engine = LLMEngine(_config())
     try:
-        assert engine.prefetch_bytes is None  # a tiny model's weights fit the cache: nothing measured
+        assert engine.prefetch_bytes is None  # the weights fit the cores' caches: nothing measured
         parts = {"model": "tiny-llama", "threads": 1}
         args = (engine.model, engine.kv_cache, engine.pool, engine.block_size, parts)
         chosen = prefetch_tuning.tune_prefetch(*args)
@@ -87,7 +97,7 @@ def test_measured_on_borrowed_blocks_cached_and_applied(tmp_path, monkeypatch, k
 
 
 def test_an_engine_whose_weights_stream_measures_at_start_and_serves(tmp_path, monkeypatch, kernel_distance):
-    """With a last-level cache smaller than its weights the engine measures when it starts, and its
+    """With cores' caches smaller than its weights the engine measures when it starts, and its
     requests run as they do at the kernel's own distance, bit for bit."""
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -99,13 +109,14 @@ def test_an_engine_whose_weights_stream_measures_at_start_and_serves(tmp_path, m
         return out
 
     qgemm.prefetch(512)
+    monkeypatch.setattr(prefetch_tuning, "core_cache_bytes", lambda: 1 << 30)
     plain = LLMEngine(_config())
     try:
         assert plain.prefetch_bytes is None
         want = run(plain)
     finally:
         plain.close()
-    monkeypatch.setattr(prefetch_tuning, "last_level_cache_bytes", lambda: 1024)
+    monkeypatch.setattr(prefetch_tuning, "core_cache_bytes", lambda: 1024)
     engine = LLMEngine(_config())
     try:
         assert engine.prefetch_bytes in tuning.PREFETCH_BYTES
