@@ -136,8 +136,12 @@ void pd_rope_rows(float *x, int64_t ldx, int rows, int heads, int D, const float
    out from a shared counter, so a thread that ran late takes fewer pieces instead of holding the
    others up. Yielding less often, or sleeping on a futex after a short spin, ran slower beside a
    busy process (figures: docs/benchmarks.md). */
+#define RANGES 64   /* a product's ranges: one a thread, up to this many (more threads share them) */
 typedef struct {
     atomic_int arrived, gen, next[2];
+    struct {
+        _Alignas(64) atomic_int taken;   /* a line each: a thread's own takes never bounce between cores */
+    } range[2][RANGES];
 } team;
 
 typedef struct {
@@ -160,6 +164,8 @@ static void sync_phase(member *me) {
     if (atomic_fetch_add(&tm->arrived, 1) == me->T - 1) {
         atomic_store_explicit(&tm->arrived, 0, memory_order_relaxed);
         atomic_store_explicit(&tm->next[(me->phase + 1) & 1], 0, memory_order_relaxed);
+        for (int r = 0; r < me->T && r < RANGES; r++)
+            atomic_store_explicit(&tm->range[(me->phase + 1) & 1][r].taken, 0, memory_order_relaxed);
         atomic_store(&tm->gen, g + 1);
     } else {
         for (int spins = 0; atomic_load(&tm->gen) == g;)
@@ -171,6 +177,19 @@ static void sync_phase(member *me) {
 /* The next `chunk` pieces of this phase's work: its first index (>= the total when none is left). */
 static inline int grab(member *me, int chunk) {
     return atomic_fetch_add_explicit(&me->tm->next[me->phase & 1], chunk, memory_order_relaxed);
+}
+
+/* A product's pieces: its columns are cut into one contiguous range a thread, each range into PIECES
+   pieces. A thread takes its own range's pieces in order, then what is left of the others' (a thread
+   that ran late has its last pieces taken by the others instead of holding them up). A thread then
+   streams one run of the weight, where pieces handed out from one counter interleaved the threads
+   every sixteenth of the product: each piece's start paid a cold stream and the kernel's setup again
+   (decode steps of 1-32 rows and 512-row prompt steps ran faster this way, docs/benchmarks.md). */
+#define PIECES 4
+
+/* The next `piece` units of range r of this phase's product, relative to the range's start. */
+static inline int take(member *me, int r, int piece) {
+    return atomic_fetch_add_explicit(&me->tm->range[me->phase & 1][r].taken, piece, memory_order_relaxed);
 }
 
 /* What a product's thread does with the columns it has just computed, every row, before the phase's
@@ -225,19 +244,23 @@ static void product(member *me, const pd_weight *w, const float *x, int64_t ldx,
     if (!xq && !xb) pd_qgemm_sums(w->bits, x, ldx, M, w->k, sx);
     /* the pieces handed out: tiles of 16 columns, or the QKV product's whole heads */
     const int unit = after && after->L ? after->L->head_dim / 16 : 1, units = w->n / 16 / unit;
-    const int chunk = units / (8 * me->T) > 1 ? units / (8 * me->T) : 1;
-    for (int u; (u = grab(me, chunk)) < units;) {
-        const int t = u * unit, t1 = (u + chunk < units ? u + chunk : units) * unit;
-        if (xq) pd_qgemm_q8_tiles(w->bits, w->w, w->d, w->m, xq, y, w->n, M, w->k, t, t1);
-        else if (xb) pd_qgemm_bf16_tiles(w->bits, w->w, w->d, w->m, xb, y, w->n, M, w->k, t, t1);
-        else pd_qgemm_tiles(w->bits, w->w, w->d, w->m, x, ldx, y, w->n, M, w->k, sx, t, t1);
-        if (after && after->L) finish_heads(after, y, t / unit, t1 / unit);
-        else if (after)
-            for (int r = 0; r < M; r++) {
-                float *xr = after->residual + (int64_t)r * w->n;
-                const float *yr = y + (int64_t)r * w->n;
-                for (int c = t * 16; c < t1 * 16; c++) xr[c] = xr[c] + yr[c];
-            }
+    const int R = me->T < RANGES ? me->T : RANGES;
+    for (int k = 0; k < R; k++) {   /* this thread's range first, then the others' */
+        const int r = (me->id + k) % R, lo = (int)((int64_t)units * r / R), hi = (int)((int64_t)units * (r + 1) / R);
+        const int piece = (hi - lo) / PIECES > 1 ? (hi - lo) / PIECES : 1;
+        for (int u; (u = lo + take(me, r, piece)) < hi;) {
+            const int t = u * unit, t1 = (u + piece < hi ? u + piece : hi) * unit;
+            if (xq) pd_qgemm_q8_tiles(w->bits, w->w, w->d, w->m, xq, y, w->n, M, w->k, t, t1);
+            else if (xb) pd_qgemm_bf16_tiles(w->bits, w->w, w->d, w->m, xb, y, w->n, M, w->k, t, t1);
+            else pd_qgemm_tiles(w->bits, w->w, w->d, w->m, x, ldx, y, w->n, M, w->k, sx, t, t1);
+            if (after && after->L) finish_heads(after, y, t / unit, t1 / unit);
+            else if (after)
+                for (int i = 0; i < M; i++) {
+                    float *xr = after->residual + (int64_t)i * w->n;
+                    const float *yr = y + (int64_t)i * w->n;
+                    for (int c = t * 16; c < t1 * 16; c++) xr[c] = xr[c] + yr[c];
+                }
+        }
     }
     pd_qgemm_q8_free(xq);
     pd_qgemm_bf16_free(xb);
