@@ -477,6 +477,10 @@ void pd_qgemm(int bits, const void *w, const void *d, const void *m, const float
     }
     float sx[8 * (K / 32) + 1];
     pd_qgemm_sums(bits, x, ldx, M, K, sx);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && work >= (1 << 17))
-    for (int t = 0; t < N / NC; t++) pd_qgemm_tiles(bits, w, d, m, x, ldx, y, ldy, M, K, sx, t, t + 1);
+#pragma omp parallel num_threads(threads) if (threads > 1 && work >= (1 << 17))
+    {   /* one call per thread with its share of the tiles: its prefetch runs on from tile to tile */
+        const int nt = N / NC, th = omp_get_num_threads(), id = omp_get_thread_num();
+        pd_qgemm_tiles(bits, w, d, m, x, ldx, y, ldy, M, K, sx, (int)((int64_t)nt * id / th),
+                       (int)((int64_t)nt * (id + 1) / th));
+    }
 }
