@@ -238,13 +238,17 @@ def test_other_vector_builds_match_float64(tmp_path, name, flags, needs):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2)])
 @pytest.mark.parametrize("dim", [64, 128, 40])
-def test_the_avx2_build_gives_this_builds_bits(tmp_path, dim):
+def test_the_avx2_build_gives_this_builds_bits(tmp_path, dim, heads, kv_dtype):
     """The 8-lane score folds are the 16-lane ones' tree (two chains over a row's even and odd eights,
-    then lanes j + 4, + 2, + 1), and the value sums run in position order at either width: a
-    PD deployment's workers on AVX2 and on AVX-512 attend alike."""
+    then lanes j + 4, + 2, + 1), and the value sums run in position order at either width, whether
+    a bfloat16 cache is widened into a copy (AVX2) or in registers (AVX-512): a PD deployment's
+    workers on AVX2 and on AVX-512 attend alike."""
     avx2 = _other_build(tmp_path, "avx2", AVX2, AVX2_NEEDS)
-    q, k, v, kc, vc, meta = _case(LARGE, None, dim=dim)
+    q, k, v, kc, vc, meta = _case(LARGE, None, heads, dim=dim)
+    kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
     got = [paged_attention(q, k, v, kc.clone(), vc.clone(), meta, dim**-0.5, f) for f in (kernel, avx2)]
     assert torch.equal(got[0], got[1])
 
@@ -312,7 +316,8 @@ def _rounded(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("window", [None, 40])
-@pytest.mark.parametrize("heads", [(9, 3), (8, 1)])
+# query heads a KV head: 3, 1, 2, 4 (read in place, a KV head's query heads at once) and 8 (widened)
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (4, 2), (8, 2), (8, 1)])
 @pytest.mark.parametrize("lens", [SMALL, LARGE, LONG], ids=["small", "large", "long"])
 def test_a_bfloat16_cache_is_attended_as_its_rounded_values(lens, heads, window):
     """cache.kv_dtype bfloat16: the step's keys and values go in rounded, and torch's path and the

@@ -55,6 +55,9 @@ static inline v8f dots8(const float *q, const float *k, int64_t ks, int m, int D
 }
 
 #ifdef __AVX512F__
+/* The most query heads a KV head's in-place bfloat16 passes take at once (scores64_bf16, pv64_bf16):
+   their partial sums in registers. */
+#define PV_GROUP 4
 static inline v16f dot16(const float *q, const float *k, int D) {
     v16f c = (v16f){0};
     for (int d = 0; d < D; d += 16) c += LD16(q + d) * LD16(k + d);
@@ -92,6 +95,74 @@ static inline v16f dots16(const float *q, const float *k, int64_t ks, int m, int
                   fold16a(w[8], w[9]), fold16a(w[10], w[11]), fold16a(w[12], w[13]), fold16a(w[14], w[15]));
 }
 #undef PD_PAIR
+
+/* The scores (times `scale`) of the G query heads of one KV head (G <= PV_GROUP; head g's query at
+   q + 64 g) against n rows of a bfloat16 cache read in place (ks apart), head g's stored from
+   s + g * ls: each 16-value run of a row is widened once in registers (zero-extended, shifted to a
+   float's upper half: exact) for all G heads, where a widened copy cost a store and a load of every
+   value besides. Each head's products and folds are dots16's, in its order, so a score has the bits
+   it has from a float32 cache holding the same values. Rows of the next and the following block are
+   prefetched meanwhile, as pv64_bf16 does. */
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+static inline v16f widen16(const uint16_t *p) {
+    return (v16f)(__builtin_convertvector(*(const v16h *)p, v16i) << 16);
+}
+static inline __attribute__((always_inline)) void scores64_bf16(const int G, const float *q, const uint16_t *k,
+                                                                int64_t ks, int64_t n, float scale, float *s,
+                                                                int64_t ls, const uint16_t *next, int64_t nn,
+                                                                const uint16_t *after, int64_t na) {
+    for (int64_t c = 0; c < n; c += 16) {
+        const int m = n - c < 16 ? (int)(n - c) : 16;
+        v16f quad[PV_GROUP], half[PV_GROUP], pair[PV_GROUP];
+        for (int pr = 0; pr < 8; pr++) {
+            for (int64_t u = c + 2 * pr; u < c + 2 * pr + 2; u++) {
+                if (u < nn) __builtin_prefetch(next + u * ks, 0, 3), __builtin_prefetch(next + u * ks + 32, 0, 3);
+                if (u < na) __builtin_prefetch(after + u * ks, 0, 1), __builtin_prefetch(after + u * ks + 32, 0, 1);
+            }
+            const uint16_t *k0 = k + (c + 2 * pr) * ks, *k1 = k0 + ks;
+            v16f x[4], y[4];
+            for (int d = 0; d < 4; d++) {
+                x[d] = 2 * pr < m ? widen16(k0 + 16 * d) : (v16f){0};
+                y[d] = 2 * pr + 1 < m ? widen16(k1 + 16 * d) : (v16f){0};
+            }
+            for (int g = 0; g < G; g++) {
+                v16f a = (v16f){0}, b = (v16f){0};
+                if (2 * pr < m)
+                    for (int d = 0; d < 4; d++) a += LD16(q + g * 64 + 16 * d) * x[d];
+                if (2 * pr + 1 < m)
+                    for (int d = 0; d < 4; d++) b += LD16(q + g * 64 + 16 * d) * y[d];
+                const v16f w = fold16a(a, b);
+                if (pr % 2 == 0) {
+                    pair[g] = w;
+                    continue;
+                }
+                const v16f t = fold16b(pair[g], w);
+                if (pr == 1 || pr == 5) {
+                    half[g] = t;
+                } else if (pr == 3) {
+                    quad[g] = fold16c(half[g], t);
+                } else {
+                    const v16f f = fold16d(quad[g], fold16c(half[g], t));
+                    const v16f sc = __builtin_shufflevector(f, f, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15) * scale;
+                    float *sh = s + g * ls + c;
+                    if (m == 16)
+                        *(v16fu *)sh = sc;
+                    else
+                        for (int r = 0; r < m; r++) sh[r] = sc[r];
+                }
+            }
+        }
+    }
+}
+static void scores64_bf16_heads(int G, const float *q, const uint16_t *k, int64_t ks, int64_t n, float scale, float *s,
+                                int64_t ls, const uint16_t *next, int64_t nn, const uint16_t *after, int64_t na) {
+    switch (G) {   /* G as a constant: the partial folds stay in registers */
+    case 1: scores64_bf16(1, q, k, ks, n, scale, s, ls, next, nn, after, na); break;
+    case 2: scores64_bf16(2, q, k, ks, n, scale, s, ls, next, nn, after, na); break;
+    case 3: scores64_bf16(3, q, k, ks, n, scale, s, ls, next, nn, after, na); break;
+    default: scores64_bf16(4, q, k, ks, n, scale, s, ls, next, nn, after, na); break;
+    }
+}
 #endif
 
 /* Scores (times `scale`) of the query heads [0, nhg) at qb (D apart) against rows [0, n) of a block,
@@ -168,6 +239,53 @@ static inline void pv64x2(const float *pa, const float *va, float *acca, const f
     }
     oa[0] = a0, oa[1] = a1, oa[2] = a2, oa[3] = a3, ob[0] = b0, ob[1] = b1, ob[2] = b2, ob[3] = b3;
 }
+
+/* The value sums of the G query heads of one KV head (G <= PV_GROUP) over n rows of a bfloat16 cache,
+   read in place (vs apart): each row's 64 values are widened once in registers for all G heads, where
+   a widened copy cost a store and a load of every value besides. A 32-value load holds pairs: shifted
+   left 16 bits, its 32-bit lanes are the even values; masked to the upper half, the odd ones. So
+   acc_g holds its head's 64 sums as [evens 0-31, odds 0-31, evens 32-63, odds 32-63] (pv_order puts
+   them back); each element's sum is pv64's, in position order. Meanwhile row u of the next block
+   (`next`, nn rows) is prefetched into L1 and of the block after (`after`, na rows) into L2: the
+   blocks are scattered, so the hardware cannot guess them, and a block's prefetches issued at once
+   filled the core's line buffers. p: head g's weights at p + g * ps. */
+static inline __attribute__((always_inline)) void pv64_bf16(const int G, const float *p, int64_t ps, float *acc,
+                                                            const uint16_t *v, int64_t vs, int64_t n,
+                                                            const uint16_t *next, int64_t nn, const uint16_t *after,
+                                                            int64_t na) {
+    const v16i hi = (v16i){0} + (int32_t)0xffff0000;
+    v16f a[PV_GROUP][4];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) a[g][c] = LD16(acc + g * 64 + c * 16);
+    for (int64_t u = 0; u < n || u < nn || u < na; u++) {
+        if (u < nn) __builtin_prefetch(next + u * vs, 0, 3), __builtin_prefetch(next + u * vs + 32, 0, 3);
+        if (u < na) __builtin_prefetch(after + u * vs, 0, 1), __builtin_prefetch(after + u * vs + 32, 0, 1);
+        if (u >= n) continue;
+        const v16i x0 = *(const v16i *)(const void *)(v + u * vs), x1 = *(const v16i *)(const void *)(v + u * vs + 32);
+        const v16f e0 = (v16f)(x0 << 16), o0 = (v16f)(x0 & hi), e1 = (v16f)(x1 << 16), o1 = (v16f)(x1 & hi);
+        for (int g = 0; g < G; g++) {
+            const float w = p[g * ps + u];
+            a[g][0] += w * e0, a[g][1] += w * o0, a[g][2] += w * e1, a[g][3] += w * o1;
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) *(v16fu *)(acc + g * 64 + c * 16) = a[g][c];
+}
+static void pv64_bf16_heads(int G, const float *p, int64_t ps, float *acc, const uint16_t *v, int64_t vs, int64_t n,
+                            const uint16_t *next, int64_t nn, const uint16_t *after, int64_t na) {
+    switch (G) {   /* G as a constant: the accumulators stay in registers */
+    case 1: pv64_bf16(1, p, ps, acc, v, vs, n, next, nn, after, na); break;
+    case 2: pv64_bf16(2, p, ps, acc, v, vs, n, next, nn, after, na); break;
+    case 3: pv64_bf16(3, p, ps, acc, v, vs, n, next, nn, after, na); break;
+    default: pv64_bf16(4, p, ps, acc, v, vs, n, next, nn, after, na); break;
+    }
+}
+/* pv64_bf16's order of a head's 64 sums back to positions: out[32c + 2i] = acc[32c + i], out[32c + 2i +
+   1] = acc[32c + 16 + i]. */
+static inline void pv_order(const float *acc, float *out) {
+    for (int c = 0; c < 2; c++)
+        for (int i = 0; i < 16; i++) out[32 * c + 2 * i] = acc[32 * c + i], out[32 * c + 2 * i + 1] = acc[32 * c + 16 + i];
+}
 #endif
 
 /* The cache row of `pos` (its block from the table): slot * KVH * D floats into a layer's cache. */
@@ -226,7 +344,8 @@ static void widen_block(const void *c, int64_t rs, int64_t h0d, int64_t row, int
    own table does (pd_attend_task's runs). The context is walked a block at a time, and every head of
    the range and every row reads the same rows, so a task reads a block's keys (values) as one
    contiguous stretch (KVH = h1 - h0) or one head's slice of it, and widens a bfloat16 block once for
-   all its rows; the next block's rows are prefetched meanwhile (the blocks are scattered, so the
+   all its rows (into a copy, or in registers as it is read: scores64_bf16, pv64_bf16); the next
+   block's rows are prefetched meanwhile (the blocks are scattered, so the
    hardware cannot guess them). Each row's and head's arithmetic is the same whatever range and rows it
    is computed with and whichever thread runs it (its scores, softmax and sums over its own positions
    in position order): its outputs depend on its own inputs only. */
@@ -234,13 +353,23 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
                    int64_t lo, const int64_t *his, int r, float *out, int i, int H, int KVH, int D, int bs,
                    float scale, int h0, int h1) {
     const int G = H / KVH, vec = D % 8 == 0, nh = h1 - h0, nhg = nh * G, es = kvb ? 2 : 4;
+#ifdef __AVX512F__
+    /* a bfloat16 cache's values summed in place, a KV head's query heads at once (pv64_bf16) */
+    const int vgroup = kvb && D == 64 && G <= PV_GROUP;
+#else
+    const int vgroup = 0;
+#endif
     const int64_t rs = (int64_t)KVH * D, hi = his[r - 1];
-    /* row j's scores [nhg][len j] at s + soff[j], its sums [nhg][D] at acc + j * nhg * D */
-    int64_t lens[RUN_MAX], soff[RUN_MAX + 1];
+    /* row j's scores [nhg][len j] at s + soff[j], a head's lds[j] apart (len j rounded up to a
+       multiple of 16: every head's scores, the sums after them and the widened rows start on a cache
+       line, where vectors split across lines cost two accesses each), its sums [nhg][D] at
+       acc + j * nhg * D */
+    int64_t lens[RUN_MAX], lds[RUN_MAX], soff[RUN_MAX + 1];
     soff[0] = 0;
     for (int j = 0; j < r; j++) {
         lens[j] = his[j] > lo ? his[j] - lo : 0;
-        soff[j + 1] = soff[j] + lens[j] * nhg;
+        lds[j] = (lens[j] + 15) & ~(int64_t)15;
+        soff[j + 1] = soff[j] + lds[j] * nhg;
         if (!lens[j])
             for (int d = 0; d < nhg * D; d++) out[((int64_t)(i + j) * H + h0 * G) * D + d] = 0.0f;
     }
@@ -256,6 +385,25 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
         const int64_t off = pos % bs, stop = pos - off + bs < hi ? pos - off + bs : hi;
         /* the rows of this block from pos on, and the same rows of the next block (-1: none) */
         const int64_t row = row_of(table, pos, bs), next = stop < hi ? table[stop / bs] * bs + off : -1;
+#ifdef __AVX512F__
+        if (vgroup) {
+            int64_t ahead[2], counts[2];
+            blocks_ahead(table, pos, hi, bs, ahead, counts);
+            const uint16_t *kb = (const uint16_t *)kc;
+            for (int j = 0; j < r; j++) {
+                const int64_t end = his[j] < stop ? his[j] : stop, pf = j == r - 1;   /* the longest row */
+                const float *qj = q + (i + j) * q_row + (int64_t)h0 * G * D;
+                for (int h = h0; h < h1 && end > pos; h++) {
+                    const int64_t hd = (int64_t)h * D, hg = (int64_t)(h - h0) * G;
+                    scores64_bf16_heads(G, qj + hg * D, kb + row * rs + hd, rs, end - pos, scale,
+                                        s + soff[j] + hg * lds[j] + (pos - lo), lds[j], kb + ahead[0] * rs + hd,
+                                        pf ? counts[0] : 0, kb + ahead[1] * rs + hd, pf ? counts[1] : 0);
+                }
+            }
+            pos = stop;
+            continue;
+        }
+#endif
         if (kvb) widen_block(kc, rs, (int64_t)h0 * D, row, stop - pos, nh * D, wide, table, pos, hi, bs);
         const float *k = kvb ? wide : (const float *)kc + row * rs;
         if (vec) {
@@ -265,7 +413,7 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
                 const int64_t end = his[j] < stop ? his[j] : stop;
                 if (end > pos)
                     scores(q + (i + j) * q_row + (int64_t)h0 * G * D, k, ws, end - pos, nhg, G, h0 - hb, D, scale,
-                           s + soff[j] + (pos - lo), lens[j]);
+                           s + soff[j] + (pos - lo), lds[j]);
             }
             pos = stop;
             continue;
@@ -277,13 +425,13 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
                 const float *qb = q + (i + j) * q_row + (int64_t)h0 * G * D;
                 for (int h = h0; h < h1; h++) {
                     const float *qh = qb + (int64_t)(h - h0) * G * D, *kh = k + (int64_t)(h - hb) * D;
-                    float *sh = s + soff[j] + (int64_t)(h - h0) * G * lens[j] + (pos - lo);
+                    float *sh = s + soff[j] + (int64_t)(h - h0) * G * lds[j] + (pos - lo);
                     for (int g = 0; g < G; g++) {
                         const float *qg = qh + g * D;
                         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                         for (int d = 0; d < D; d++) dot += qg[d] * kh[d];
-                        sh[g * lens[j]] = dot * scale;
+                        sh[g * lds[j]] = dot * scale;
                     }
                 }
             }
@@ -292,7 +440,7 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
     for (int j = 0; j < r; j++) {
         const int64_t len = lens[j];
         for (int hg = 0; hg < nhg && len; hg++) {
-            float *sg = s + soff[j] + hg * len, m = sg[0], sum = 0.0f;
+            float *sg = s + soff[j] + hg * lds[j], m = sg[0], sum = 0.0f;
             int64_t t = 0;
             if (len >= 8) {   /* the maximum over eight lanes, where one chain of scalar maxima waited on each */
                 v8f mv = LD(sg);
@@ -328,12 +476,30 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
     for (int64_t pos = lo; pos < hi;) {
         const int64_t off = pos % bs, stop = pos - off + bs < hi ? pos - off + bs : hi;
         const int64_t row = row_of(table, pos, bs);
+#ifdef __AVX512F__
+        if (vgroup) {
+            int64_t ahead[2], counts[2];
+            blocks_ahead(table, pos, hi, bs, ahead, counts);
+            const uint16_t *vb = (const uint16_t *)vc;
+            for (int j = 0; j < r; j++) {
+                const int64_t n = (his[j] < stop ? his[j] : stop) - pos, pf = j == r - 1;   /* the longest row */
+                for (int h = h0; h < h1 && n > 0; h++) {
+                    const int64_t hd = (int64_t)h * D, hg = (int64_t)(h - h0) * G;
+                    pv64_bf16_heads(G, s + soff[j] + hg * lds[j] + (pos - lo), lds[j], acc + ((int64_t)j * nhg + hg) * D,
+                                    vb + row * rs + hd, rs, n, vb + ahead[0] * rs + hd, pf ? counts[0] : 0,
+                                    vb + ahead[1] * rs + hd, pf ? counts[1] : 0);
+                }
+            }
+            pos = stop;
+            continue;
+        }
+#endif
         if (kvb) widen_block(vc, rs, (int64_t)h0 * D, row, stop - pos, nh * D, wide, table, pos, hi, bs);
         const float *v = kvb ? wide : (const float *)vc + row * rs;
         if (stop < hi && !kvb)   /* the next block's rows, while this one's are summed */
             for (int64_t u = 0, nb = table[stop / bs] * bs; u < bs && stop + u < hi; u++) fetch_row(vc, es, nb + u, KVH, D, h0, h1);
         for (int j = 0; j < r; j++) {
-            const int64_t n = (his[j] < stop ? his[j] : stop) - pos, len = lens[j];
+            const int64_t n = (his[j] < stop ? his[j] : stop) - pos, len = lds[j];
             for (int hg = 0; hg < nhg && n > 0; hg++) {
                 const float *p = s + soff[j] + hg * len + (pos - lo), *vh = v + (int64_t)(h0 - hb + hg / G) * D;
                 float *a = acc + ((int64_t)j * nhg + hg) * D;
@@ -361,9 +527,17 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
         pos = stop;
     }
     for (int j = 0; j < r; j++)
-        if (lens[j])
+        if (lens[j]) {
+#ifdef __AVX512F__
+            if (vgroup) {
+                for (int hg = 0; hg < nhg; hg++)
+                    pv_order(acc + ((int64_t)j * nhg + hg) * D, out + ((int64_t)(i + j) * H + h0 * G + hg) * D);
+                continue;
+            }
+#endif
             for (int d = 0; d < nhg * D; d++)
                 out[((int64_t)(i + j) * H + h0 * G) * D + d] = acc[(int64_t)j * nhg * D + d];
+        }
 }
 
 /* How many KV heads a task covers: every head of a sequence when there are sequences enough to keep
