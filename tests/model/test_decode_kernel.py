@@ -239,7 +239,7 @@ def test_other_vector_builds_match_float64(tmp_path, name, flags, needs):
 
 @needs_kernel
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(9, 3), (8, 2)])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (14, 2)])
 @pytest.mark.parametrize("dim", [64, 128, 40])
 def test_the_avx2_build_gives_this_builds_bits(tmp_path, dim, heads, kv_dtype):
     """The 8-lane score folds are the 16-lane ones' tree (two chains over a row's even and odd eights,
@@ -316,8 +316,8 @@ def _rounded(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("window", [None, 40])
-# query heads a KV head: 3, 1, 2, 4 (read in place, a KV head's query heads at once) and 8 (widened)
-@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (4, 2), (8, 2), (8, 1)])
+# query heads a KV head: 1 to 4 (read in place, a KV head's query heads at once), 7 and 8 (in groups)
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (4, 2), (8, 2), (14, 2), (8, 1)])
 @pytest.mark.parametrize("lens", [SMALL, LARGE, LONG], ids=["small", "large", "long"])
 def test_a_bfloat16_cache_is_attended_as_its_rounded_values(lens, heads, window):
     """cache.kv_dtype bfloat16: the step's keys and values go in rounded, and torch's path and the

@@ -96,7 +96,7 @@ static inline v16f dots16(const float *q, const float *k, int64_t ks, int m, int
 }
 #undef PD_PAIR
 
-/* The scores (times `scale`) of the G query heads of one KV head (G <= PV_GROUP; head g's query at
+/* The scores (times `scale`) of G query heads of one KV head (G <= PV_GROUP; head g's query at
    q + 64 g) against n rows of a bfloat16 cache read in place (ks apart), head g's stored from
    s + g * ls: each 16-value run of a row is widened once in registers (zero-extended, shifted to a
    float's upper half: exact) for all G heads, where a widened copy cost a store and a load of every
@@ -154,13 +154,19 @@ static inline __attribute__((always_inline)) void scores64_bf16(const int G, con
         }
     }
 }
+/* scores64_bf16 for any G: more heads than PV_GROUP in groups, each reading the rows again (from L1),
+   the first prefetching. */
 static void scores64_bf16_heads(int G, const float *q, const uint16_t *k, int64_t ks, int64_t n, float scale, float *s,
                                 int64_t ls, const uint16_t *next, int64_t nn, const uint16_t *after, int64_t na) {
-    switch (G) {   /* G as a constant: the partial folds stay in registers */
-    case 1: scores64_bf16(1, q, k, ks, n, scale, s, ls, next, nn, after, na); break;
-    case 2: scores64_bf16(2, q, k, ks, n, scale, s, ls, next, nn, after, na); break;
-    case 3: scores64_bf16(3, q, k, ks, n, scale, s, ls, next, nn, after, na); break;
-    default: scores64_bf16(4, q, k, ks, n, scale, s, ls, next, nn, after, na); break;
+    for (int g0 = 0; g0 < G; g0 += PV_GROUP, nn = 0, na = 0) {
+        const float *qg = q + g0 * 64;
+        float *sg = s + g0 * ls;
+        switch (G - g0) {   /* the group's size as a constant: the partial folds stay in registers */
+        case 1: scores64_bf16(1, qg, k, ks, n, scale, sg, ls, next, nn, after, na); break;
+        case 2: scores64_bf16(2, qg, k, ks, n, scale, sg, ls, next, nn, after, na); break;
+        case 3: scores64_bf16(3, qg, k, ks, n, scale, sg, ls, next, nn, after, na); break;
+        default: scores64_bf16(4, qg, k, ks, n, scale, sg, ls, next, nn, after, na); break;
+        }
     }
 }
 #endif
@@ -240,7 +246,7 @@ static inline void pv64x2(const float *pa, const float *va, float *acca, const f
     oa[0] = a0, oa[1] = a1, oa[2] = a2, oa[3] = a3, ob[0] = b0, ob[1] = b1, ob[2] = b2, ob[3] = b3;
 }
 
-/* The value sums of the G query heads of one KV head (G <= PV_GROUP) over n rows of a bfloat16 cache,
+/* The value sums of G query heads of one KV head (G <= PV_GROUP) over n rows of a bfloat16 cache,
    read in place (vs apart): each row's 64 values are widened once in registers for all G heads, where
    a widened copy cost a store and a load of every value besides. A 32-value load holds pairs: shifted
    left 16 bits, its 32-bit lanes are the even values; masked to the upper half, the odd ones. So
@@ -271,13 +277,18 @@ static inline __attribute__((always_inline)) void pv64_bf16(const int G, const f
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) *(v16fu *)(acc + g * 64 + c * 16) = a[g][c];
 }
+/* pv64_bf16 for any G, as scores64_bf16_heads. */
 static void pv64_bf16_heads(int G, const float *p, int64_t ps, float *acc, const uint16_t *v, int64_t vs, int64_t n,
                             const uint16_t *next, int64_t nn, const uint16_t *after, int64_t na) {
-    switch (G) {   /* G as a constant: the accumulators stay in registers */
-    case 1: pv64_bf16(1, p, ps, acc, v, vs, n, next, nn, after, na); break;
-    case 2: pv64_bf16(2, p, ps, acc, v, vs, n, next, nn, after, na); break;
-    case 3: pv64_bf16(3, p, ps, acc, v, vs, n, next, nn, after, na); break;
-    default: pv64_bf16(4, p, ps, acc, v, vs, n, next, nn, after, na); break;
+    for (int g0 = 0; g0 < G; g0 += PV_GROUP, nn = 0, na = 0) {
+        const float *pg = p + g0 * ps;
+        float *ag = acc + g0 * 64;
+        switch (G - g0) {   /* the group's size as a constant: the accumulators stay in registers */
+        case 1: pv64_bf16(1, pg, ps, ag, v, vs, n, next, nn, after, na); break;
+        case 2: pv64_bf16(2, pg, ps, ag, v, vs, n, next, nn, after, na); break;
+        case 3: pv64_bf16(3, pg, ps, ag, v, vs, n, next, nn, after, na); break;
+        default: pv64_bf16(4, pg, ps, ag, v, vs, n, next, nn, after, na); break;
+        }
     }
 }
 /* pv64_bf16's order of a head's 64 sums back to positions: out[32c + 2i] = acc[32c + i], out[32c + 2i +
@@ -354,8 +365,8 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
                    float scale, int h0, int h1) {
     const int G = H / KVH, vec = D % 8 == 0, nh = h1 - h0, nhg = nh * G, es = kvb ? 2 : 4;
 #ifdef __AVX512F__
-    /* a bfloat16 cache's values summed in place, a KV head's query heads at once (pv64_bf16) */
-    const int vgroup = kvb && D == 64 && G <= PV_GROUP;
+    /* a bfloat16 cache read in place, a KV head's query heads at once (scores64_bf16, pv64_bf16) */
+    const int vgroup = kvb && D == 64;
 #else
     const int vgroup = 0;
 #endif
