@@ -104,6 +104,7 @@ static inline v16f dots16(const float *q, const float *k, int64_t ks, int m, int
    it has from a float32 cache holding the same values. Rows of the next and the following block are
    prefetched meanwhile, as pv64_bf16 does. */
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+typedef int32_t v16iu __attribute__((vector_size(64), aligned(2)));   /* a cache row's pairs: no alignment assumed */
 static inline v16f widen16(const uint16_t *p) {
     return (v16f)(__builtin_convertvector(*(const v16h *)p, v16i) << 16);
 }
@@ -267,7 +268,7 @@ static inline __attribute__((always_inline)) void pv64_bf16(const int G, const f
         if (u < nn) __builtin_prefetch(next + u * vs, 0, 3), __builtin_prefetch(next + u * vs + 32, 0, 3);
         if (u < na) __builtin_prefetch(after + u * vs, 0, 1), __builtin_prefetch(after + u * vs + 32, 0, 1);
         if (u >= n) continue;
-        const v16i x0 = *(const v16i *)(const void *)(v + u * vs), x1 = *(const v16i *)(const void *)(v + u * vs + 32);
+        const v16i x0 = *(const v16iu *)(const void *)(v + u * vs), x1 = *(const v16iu *)(const void *)(v + u * vs + 32);
         const v16f e0 = (v16f)(x0 << 16), o0 = (v16f)(x0 & hi), e1 = (v16f)(x1 << 16), o1 = (v16f)(x1 & hi);
         for (int g = 0; g < G; g++) {
             const float w = p[g * ps + u];
