@@ -26,7 +26,10 @@ sat about at the SLO, and the static 2:1 met 25, 13 and 0 of 45 in three runs: a
 
 SLOs: measured in the same run, as multiples (`--slo-x`) of an unloaded long prompt's TTFT and an
 unloaded reply's TPOT on the first deployment, each the median of `--calibrate` requests (the
-least of three moved with the shared machine: 323 / 297 / 248 ms TPOT SLOs in three runs).
+least of three moved with the shared machine: 323 / 297 / 248 ms TPOT SLOs in three runs). The
+generation phase's rate is derived there too (DECODE_WORKERS): a burst of BURST_PER_WORKER replies a
+decode worker gives the step's growth with its batch, and so how many streams one worker holds at
+the TPOT SLO (a fixed 3 req/s had stayed within one decode worker on a Zen 5 and an Intel Xeon).
 Goodput: requests meeting both SLOs per second of the whole run. Prints one JSON line: each
 deployment's goodput, requests meeting the SLOs per phase and each phase's wall seconds, failed
 requests and latencies, the controller's actions
@@ -65,6 +68,13 @@ from pdserve.utils.cpu import describe
 # phases, and 1.27 (4.5 req/s) gave 2:1 125 and 119 of 135, 1:2 19 and 18 (a Zen 4's fixed 2 req/s
 # at ~0.75 s was 1.5; on the Zen 5, 0.57, every split met every phase).
 PREFILL_WORKERS = 1.25
+# The generation phase's load in decode workers' worth at the TPOT SLO, for the same reason: past one
+# and within two. A fixed 3 req/s stayed within one decode worker on a Zen 5 and on an Intel Xeon
+# (every split met the whole phase), so no split was wrong there and no switch could pay.
+DECODE_WORKERS = 1.25
+# Concurrent replies a decode worker holds in the calibration burst that measures how a step grows with
+# its batch (from which one worker's streams at the TPOT SLO follow).
+BURST_PER_WORKER = 8
 
 
 def phases(args) -> list[tuple[str, list[Session], float]]:
@@ -148,6 +158,32 @@ async def calibrate(url: str, args) -> tuple[float, float, list[float], list[flo
     return statistics.median(ttft), statistics.median(tpot), ttft, tpot
 
 
+async def burst_tpot(url: str, args, decode_workers: int) -> float:
+    """TPOT s (median over the requests) of BURST_PER_WORKER replies a decode worker, all at once: the
+    step at that batch, for decode_rate."""
+    cfg = ClientConfig(url, api="completions", ignore_eos=True)
+    rng = random.Random("burst")
+    n = BURST_PER_WORKER * decode_workers
+    sessions = [
+        Session(i, [Turn(words(rng, args.short_prompt, sentences=False), min(args.long_reply, 64))])
+        for i in range(n)
+    ]
+    recs, _ = await run_load(cfg, sessions, concurrency=n)
+    tpots = [r.tpot for r in recs if r.ok and r.tpot]
+    if not tpots:
+        sys.exit("calibration burst failed")
+    return statistics.median(tpots)
+
+
+def decode_rate(tpot_1: float, tpot_b: float, batch: int, slo_s: float, reply: int) -> float:
+    """Requests/s one decode worker serves within the TPOT SLO: its step taken as growing linearly with
+    the batch through (1, tpot_1) and (batch, tpot_b), the batch where it reaches the SLO, and by
+    Little's law that many streams of `reply` tokens at the SLO's pace."""
+    slope = max(tpot_b - tpot_1, 1e-6) / max(batch - 1, 1)
+    streams = 1 + max(slo_s - tpot_1, 0.0) / slope
+    return streams / (reply * slo_s)
+
+
 async def run_phases(url: str, args, work) -> tuple[list[RequestRecord], list[float]]:
     """Every request's record, and each phase's wall seconds (its arrivals and then its tail)."""
     cfg = ClientConfig(url, api="completions", ignore_eos=True)
@@ -170,7 +206,12 @@ def main() -> None:
         help="requests/s in the prompt-heavy phases (default: PREFILL_WORKERS prefill workers' worth, from"
         " the unloaded long prompt's TTFT measured first)",
     )
-    ap.add_argument("--gen-rate", type=float, default=3.0, help="requests/s in the generation-heavy phase")
+    ap.add_argument(
+        "--gen-rate",
+        type=float,
+        help="requests/s in the generation-heavy phase (default: DECODE_WORKERS decode workers' worth at"
+        " the TPOT SLO, from the unloaded TPOT and a burst's measured first)",
+    )
     ap.add_argument("--long-prompt", type=int, default=300)
     ap.add_argument("--short-reply", type=int, default=4)
     ap.add_argument("--short-prompt", type=int, default=24)
@@ -206,14 +247,20 @@ def main() -> None:
     )
     args = ap.parse_args()
     n = args.workers
-    work = phases(args) if args.prompt_rate else None
+    work = phases(args) if args.prompt_rate and args.gen_rate else None
     tmp = Path(tempfile.mkdtemp(prefix="autoscale-"))
     splits = [(p, n - p) for p in range(1, n)]
     runs: dict[str, dict] = {}
     slo: dict = {}
     if args.slo_ms:
         t, g = (float(x) for x in args.slo_ms.split(","))
-        slo = {"ttft_ms": t, "tpot_ms": g, "given": True, "unloaded_ttft_ms": t / args.slo_x}
+        slo = {
+            "ttft_ms": t,
+            "tpot_ms": g,
+            "given": True,
+            "unloaded_ttft_ms": t / args.slo_x,
+            "unloaded_tpot_ms": g / args.slo_x,
+        }
     every = [(f"{p}P{d}D", p, d) for p, d in splits] + [("controller", 1, n - 1)]
     picked = args.deployments.split(",") if args.deployments else [name for name, _, _ in every]
     for name, p, d in [x for x in every if x[0] in picked]:
@@ -243,7 +290,19 @@ def main() -> None:
                     "unloaded_tpot_each_ms": [round(t * 1000, 1) for t in tpots],
                 }
             if work is None:
-                args.prompt_rate = round(PREFILL_WORKERS * 1000 / slo["unloaded_ttft_ms"], 2)
+                if not args.prompt_rate:
+                    args.prompt_rate = round(PREFILL_WORKERS * 1000 / slo["unloaded_ttft_ms"], 2)
+                if not args.gen_rate:
+                    burst = asyncio.run(burst_tpot(srv.url, args, d))
+                    slo["burst_tpot_ms"] = round(burst * 1000, 1)
+                    one = decode_rate(
+                        slo["unloaded_tpot_ms"] / 1000,
+                        burst,
+                        BURST_PER_WORKER,
+                        slo["tpot_ms"] / 1000,
+                        args.long_reply,
+                    )
+                    args.gen_rate = round(DECODE_WORKERS * one, 2)
                 work = phases(args)
             load_before = os.getloadavg()[0]
             records, durations = asyncio.run(run_phases(srv.url, args, work))
