@@ -32,7 +32,8 @@ decode worker gives the step's growth with its batch, and so how many streams on
 the TPOT SLO (a fixed 3 req/s had stayed within one decode worker on a Zen 5 and an Intel Xeon).
 Goodput: requests meeting both SLOs per second of the whole run. Prints one JSON line: each
 deployment's goodput, requests meeting the SLOs per phase and each phase's wall seconds, failed
-requests and latencies, the controller's actions
+requests and latencies, each worker's served step counters (its role at the end), the controller's
+actions
 (its whole decision log is written beside the servers' logs), the ratios controller / best static
 and controller / worst static, and the CPU. Phases are 30 s by default so that the three
 deployments (start-up, three phases and their tails each) take ~10 minutes on 2 cores; shorter
@@ -59,6 +60,7 @@ from pdserve.bench.client import ClientConfig, run_load
 from pdserve.bench.metrics import RequestRecord, meets_slo, summarize
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 from pdserve.bench.workloads import Session, Turn, words
+from pdserve.planner.serving import parse_step_counters
 from pdserve.utils.cpu import describe
 
 # The prompt-heavy phases' load in unloaded prefill workers' worth (one alone serves 1 / TTFT requests
@@ -182,6 +184,23 @@ def decode_rate(tpot_1: float, tpot_b: float, batch: int, slo_s: float, reply: i
     slope = max(tpot_b - tpot_1, 1e-6) / max(batch - 1, 1)
     streams = 1 + max(slo_s - tpot_1, 0.0) / slope
     return streams / (reply * slo_s)
+
+
+def worker_steps(url: str) -> list[dict]:
+    """Each registered worker's role and served step counters (protocol/stats.py) at the end of a
+    run: where a split's prefill or decode time went, worker by worker (a switched worker's too)."""
+    try:
+        listed = httpx.get(url + "/admin/workers", timeout=10).json().get("workers", [])
+    except (httpx.HTTPError, ValueError):
+        return []
+    out = []
+    for w in listed:
+        try:
+            steps = parse_step_counters(httpx.get(w["url"] + "/metrics", timeout=10).text) or {}
+        except (httpx.HTTPError, KeyError):
+            steps = {}
+        out.append({"id": w.get("id"), "role": w.get("role"), **{k: round(v, 2) for k, v in steps.items()}})
+    return out
 
 
 async def run_phases(url: str, args, work) -> tuple[list[RequestRecord], list[float]]:
@@ -331,6 +350,7 @@ def main() -> None:
                 # runs can outweigh any split's effect (compare before reading the ratios).
                 "loadavg": [round(load_before, 1), round(os.getloadavg()[0], 1)],
             }
+            runs[name]["workers"] = worker_steps(srv.url)
             if name == "controller":
                 decisions = httpx.get(srv.url + "/admin/controller", timeout=30).json()
                 runs[name]["actions"] = [
