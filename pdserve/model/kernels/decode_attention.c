@@ -54,6 +54,22 @@ static inline v8f dots8(const float *q, const float *k, int64_t ks, int m, int D
     return __builtin_shufflevector(x, x, 0, 4, 2, 6, 1, 5, 3, 7);
 }
 
+/* Prefetches every line of nbytes from p into L1, or into L2 only (l2). */
+static inline void fetch_lines(const void *p, int64_t nbytes, int l2) {
+    for (const char *b = (const char *)p, *e = b + nbytes; b < e; b += 64)
+        l2 ? __builtin_prefetch(b, 0, 1) : __builtin_prefetch(b, 0, 3);
+}
+
+/* Row r (nbytes of a bfloat16 cache row, rows rs values apart) of the next block's nn rows from `next`
+   into L1 and of the block after it (na rows from `after`) into L2; a count of 0: none. A walk over a
+   block prefetches a row of each as it reads a row: a block's prefetches issued all at once filled
+   the core's line buffers and stalled it on them. */
+static inline void fetch_ahead(const uint16_t *next, int64_t nn, const uint16_t *after, int64_t na, int64_t r,
+                               int64_t rs, int64_t nbytes) {
+    if (r < nn) fetch_lines(next + r * rs, nbytes, 0);
+    if (r < na) fetch_lines(after + r * rs, nbytes, 1);
+}
+
 #ifdef __AVX512F__
 /* The most query heads a KV head's in-place bfloat16 passes take at once (scores64_bf16, pv64_bf16):
    their partial sums in registers. */
@@ -116,10 +132,7 @@ static inline __attribute__((always_inline)) void scores64_bf16(const int G, con
         const int m = n - c < 16 ? (int)(n - c) : 16;
         v16f quad[PV_GROUP], half[PV_GROUP], pair[PV_GROUP];
         for (int pr = 0; pr < 8; pr++) {
-            for (int64_t u = c + 2 * pr; u < c + 2 * pr + 2; u++) {
-                if (u < nn) __builtin_prefetch(next + u * ks, 0, 3), __builtin_prefetch(next + u * ks + 32, 0, 3);
-                if (u < na) __builtin_prefetch(after + u * ks, 0, 1), __builtin_prefetch(after + u * ks + 32, 0, 1);
-            }
+            for (int64_t u = c + 2 * pr; u < c + 2 * pr + 2; u++) fetch_ahead(next, nn, after, na, u, ks, 128);
             const uint16_t *k0 = k + (c + 2 * pr) * ks, *k1 = k0 + ks;
             v16f x[4], y[4];
             for (int d = 0; d < 4; d++) {
@@ -265,8 +278,7 @@ static inline __attribute__((always_inline)) void pv64_bf16(const int G, const f
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) a[g][c] = LD16(acc + g * 64 + c * 16);
     for (int64_t u = 0; u < n || u < nn || u < na; u++) {
-        if (u < nn) __builtin_prefetch(next + u * vs, 0, 3), __builtin_prefetch(next + u * vs + 32, 0, 3);
-        if (u < na) __builtin_prefetch(after + u * vs, 0, 1), __builtin_prefetch(after + u * vs + 32, 0, 1);
+        fetch_ahead(next, nn, after, na, u, vs, 128);
         if (u >= n) continue;
         const v16i x0 = *(const v16iu *)(const void *)(v + u * vs), x1 = *(const v16iu *)(const void *)(v + u * vs + 32);
         const v16f e0 = (v16f)(x0 << 16), o0 = (v16f)(x0 & hi), e1 = (v16f)(x1 << 16), o1 = (v16f)(x1 & hi);
@@ -303,12 +315,6 @@ static inline void pv_order(const float *acc, float *out) {
 /* The cache row of `pos` (its block from the table): slot * KVH * D floats into a layer's cache. */
 static inline int64_t row_of(const int64_t *table, int64_t pos, int bs) { return table[pos / bs] * bs + pos % bs; }
 
-/* Prefetches every line of nbytes from p into L1, or into L2 only (l2). */
-static inline void fetch_lines(const void *p, int64_t nbytes, int l2) {
-    for (const char *b = (const char *)p, *e = b + nbytes; b < e; b += 64)
-        l2 ? __builtin_prefetch(b, 0, 1) : __builtin_prefetch(b, 0, 3);
-}
-
 /* Prefetches heads [h0, h1) of cache row r (every line of them) into L1; es: bytes a value. */
 static inline void fetch_row(const void *c, int es, int64_t r, int KVH, int D, int h0, int h1) {
     fetch_lines((const char *)c + (r * KVH + h0) * (int64_t)D * es, (int64_t)(h1 - h0) * D * es, 0);
@@ -316,14 +322,11 @@ static inline void fetch_row(const void *c, int es, int64_t r, int KVH, int D, i
 
 /* Rows [0, n) of a bfloat16 cache (rs apart), w values from each, as float32 rows w apart (the
    compiler vectorizes the loop at the build's width; written out eight-wide it ran slower). Meanwhile
-   the rows the walk reads next are prefetched, a row of each as a row is widened: the next block's nn
-   rows from `next` into L1, the block after it (na rows from `after`) into L2 (a count of 0: none). A
-   block's prefetches issued all at once filled the core's line buffers and stalled it on them. */
+   the rows the walk reads next are prefetched, a row of each as a row is widened (fetch_ahead). */
 static void widen_rows(const uint16_t *src, int64_t rs, int64_t n, int w, float *dst, const uint16_t *next,
                        int64_t nn, const uint16_t *after, int64_t na) {
     for (int64_t r = 0; r < n || r < nn || r < na; r++) {
-        if (r < nn) fetch_lines(next + r * rs, (int64_t)w * 2, 0);
-        if (r < na) fetch_lines(after + r * rs, (int64_t)w * 2, 1);
+        fetch_ahead(next, nn, after, na, r, rs, (int64_t)w * 2);
         if (r < n)
             for (int j = 0; j < w; j++) dst[r * w + j] = pd_from_bf16(src[r * rs + j]);
     }
@@ -386,8 +389,8 @@ static void attend(const float *q, int64_t q_row, const void *kc, const void *vc
             for (int d = 0; d < nhg * D; d++) out[((int64_t)(i + j) * H + h0 * G) * D + d] = 0.0f;
     }
     if (hi <= lo) return;
-    /* then (bfloat16) one block's rows of heads [h0, h1) widened */
-    float *s = scratch((size_t)(soff[r] + (int64_t)r * nhg * D + (kvb ? (int64_t)bs * nh * D : 0)));
+    /* then (a bfloat16 cache not read in place) one block's rows of heads [h0, h1) widened */
+    float *s = scratch((size_t)(soff[r] + (int64_t)r * nhg * D + (kvb && !vgroup ? (int64_t)bs * nh * D : 0)));
     float *acc = s + soff[r], *wide = acc + (int64_t)r * nhg * D;
     /* Where a block's rows are read: the cache itself (rs apart, heads at h * D), or their widened
        copy (nh * D apart, heads at (h - h0) * D). */
