@@ -60,7 +60,7 @@ from pdserve.bench.client import ClientConfig, run_load
 from pdserve.bench.metrics import RequestRecord, meets_slo, summarize
 from pdserve.bench.procs import ServerProcess, free_port, pdserve_cmd
 from pdserve.bench.workloads import Session, Turn, words
-from pdserve.planner.serving import parse_step_counters
+from pdserve.planner.serving import step_counters
 from pdserve.utils.cpu import describe
 
 # The prompt-heavy phases' load in unloaded prefill workers' worth (one alone serves 1 / TTFT requests
@@ -195,10 +195,7 @@ def worker_steps(url: str) -> list[dict]:
         return []
     out = []
     for w in listed:
-        try:
-            steps = parse_step_counters(httpx.get(w["url"] + "/metrics", timeout=10).text) or {}
-        except (httpx.HTTPError, KeyError):
-            steps = {}
+        steps = (step_counters(w["url"]) if w.get("url") else None) or {}
         out.append({"id": w.get("id"), "role": w.get("role"), **{k: round(v, 2) for k, v in steps.items()}})
     return out
 

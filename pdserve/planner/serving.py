@@ -51,7 +51,7 @@ def _serve(cmd_tail: list[str], tmp: Path, name: str):
 _STEP_KEYS = ("decode_steps", "decode_step_seconds", "prefill_steps", "prefill_step_seconds")
 
 
-def _step_counters(url: str) -> dict[str, float] | None:
+def step_counters(url: str) -> dict[str, float] | None:
     """A worker's served step counters (protocol/stats.py), None when its /metrics lacks them."""
     import httpx
 
@@ -95,7 +95,7 @@ def _one(
     from pdserve.bench.workloads import Session, Turn, words
 
     urls = set((steps_of or {}).values())  # a mixed server is both roles: read it once
-    before = {u: _step_counters(u) for u in urls}
+    before = {u: step_counters(u) for u in urls}
     cfg = ClientConfig(url, api="completions", ignore_eos=True)
     # sentences=False: n words of the list are n tokens for the default model's tokenizer
     recs, _ = asyncio.run(
@@ -106,7 +106,7 @@ def _one(
         raise RuntimeError(f"a calibration request failed: {r.error} {r.error_detail}")
     delta = {}
     for u in urls:
-        b, a = before[u], _step_counters(u)
+        b, a = before[u], step_counters(u)
         if b is not None and a is not None:
             delta[u] = {k: a[k] - b[k] for k in _STEP_KEYS}
     served = {role: delta[u] for role, u in (steps_of or {}).items() if u in delta}
