@@ -391,15 +391,18 @@ int pd_qgemm_invariant(int rows) {
 
 int pd_qgemm_invariant_at(int M) { return M <= __atomic_load_n(&invariant_rows, __ATOMIC_ACQUIRE); }
 
-/* One row of `nt` tiles (1 or 2, adjacent) under the bound, where a tile row is two vectors (AVX2, the
-   portable build): the dequantized block's sums exactly (each weight rounded once as dequant4 or
-   dequant8 rounds it, each output's chain over a block of KB input values in order from zero, the
-   blocks added to y in order), the weight widened in registers instead of through the buffer. At one
-   row the block's micro-kernel holds two chains of dependent FMAs and waits on their latency; two
-   tiles' chains interleaved here do not, and no element's order changes. */
-static inline __attribute__((always_inline)) void invariant1(int nt, int bits, const uint8_t *t4, const int8_t *t8,
-                                                             const uint16_t *td, const uint16_t *tm, const float *ts,
-                                                             const float *x, int K, float *y, int64_t left) {
+/* Up to INVARIANT_DIRECT rows of `nt` tiles (1 or 2, adjacent) under the bound, where a tile row is two
+   vectors (AVX2, the portable build): the dequantized block's sums exactly (each weight rounded once as
+   dequant4 or dequant8 rounds it, each output's chain over a block of KB input values in order from
+   zero, the blocks added to y in order), the weight widened in registers instead of through the
+   buffer. At one row the block's micro-kernel holds two chains of dependent FMAs and waits on their
+   latency; one row here runs two tiles' chains interleaved, and no element's order changes. */
+#define INVARIANT_DIRECT 4
+static inline __attribute__((always_inline)) void invariant_rows4(int mr, int nt, int bits, const uint8_t *t4,
+                                                                  const int8_t *t8, const uint16_t *td,
+                                                                  const uint16_t *tm, const float *ts, const float *x,
+                                                                  int64_t ldx, int K, float *y, int64_t ldy,
+                                                                  int64_t left) {
     const int64_t n4 = (int64_t)(K / 2) * NC, n8 = (int64_t)K * NC, ng = (int64_t)(K / 32) * NC; /* a tile's */
     const int ahead = bits == 4 ? pf_ahead(16 * NC) : pf_ahead(32 * NC);   /* in groups of 32 values */
     vf dc[2][NV];
@@ -408,9 +411,10 @@ static inline __attribute__((always_inline)) void invariant1(int nt, int bits, c
             for (int j = 0; j < NV; j++) dc[t][j] = LOAD(ts + t * NC + j * VW);
     for (int k0 = 0; k0 < K; k0 += KB) {
         const int k1 = k0 + KB < K ? k0 + KB : K;
-        vf acc[2][NV];
-        for (int t = 0; t < nt; t++)
-            for (int j = 0; j < NV; j++) acc[t][j] = (vf){0};
+        vf acc[4][2][NV];
+        for (int i = 0; i < mr; i++)
+            for (int t = 0; t < nt; t++)
+                for (int j = 0; j < NV; j++) acc[i][t][j] = (vf){0};
         for (int g = k0 / 32; g < k1 / 32; g++) {
             const int64_t p = (int64_t)(nt - 1) * (K / 32) + g + ahead;  /* the last tile's group ahead */
             if (p < left && bits == 4) prefetch_group(t4, td, tm, p);
@@ -420,39 +424,41 @@ static inline __attribute__((always_inline)) void invariant1(int nt, int bits, c
                 vf dg[2][NV], mg[2][NV];
                 for (int t = 0; t < nt; t++) halfs(td + t * ng + g * NC, dg[t]), halfs(tm + t * ng + g * NC, mg[t]);
                 for (int kp = 0; kp < 16; kp++) {
-                    const vf xa = splat(x + g * 32 + 2 * kp), xb = splat(x + g * 32 + 2 * kp + 1);
+                    const int k = g * 32 + 2 * kp;
                     for (int t = 0; t < nt; t++) {
-                        vf lo[NV], hi[NV];
+                        vf lo[NV], hi[NV], wl[NV], wh[NV];
                         nibbles(t4 + t * n4 + ((int64_t)g * 16 + kp) * NC, lo, hi);
-                        for (int j = 0; j < NV; j++) {
-                            const vf w = lo[j] * dg[t][j] + mg[t][j];
-                            acc[t][j] += xa * w;
+                        for (int j = 0; j < NV; j++) wl[j] = lo[j] * dg[t][j] + mg[t][j];
+                        for (int j = 0; j < NV; j++) wh[j] = hi[j] * dg[t][j] + mg[t][j];
+                        for (int i = 0; i < mr; i++) {
+                            const vf xa = splat(x + i * ldx + k);
+                            for (int j = 0; j < NV; j++) acc[i][t][j] += xa * wl[j];
                         }
-                        for (int j = 0; j < NV; j++) {
-                            const vf w = hi[j] * dg[t][j] + mg[t][j];
-                            acc[t][j] += xb * w;
+                        for (int i = 0; i < mr; i++) {
+                            const vf xb = splat(x + i * ldx + k + 1);
+                            for (int j = 0; j < NV; j++) acc[i][t][j] += xb * wh[j];
                         }
                     }
                 }
             } else {
-                for (int k = g * 32; k < g * 32 + 32; k++) {
-                    const vf xk = splat(x + k);
+                for (int k = g * 32; k < g * 32 + 32; k++)
                     for (int t = 0; t < nt; t++) {
-                        vf q[NV];
+                        vf q[NV], w[NV];
                         bytes(t8 + t * n8 + (int64_t)k * NC, q);
-                        for (int j = 0; j < NV; j++) {
-                            const vf w = q[j] * dc[t][j];
-                            acc[t][j] += xk * w;
+                        for (int j = 0; j < NV; j++) w[j] = q[j] * dc[t][j];
+                        for (int i = 0; i < mr; i++) {
+                            const vf xk = splat(x + i * ldx + k);
+                            for (int j = 0; j < NV; j++) acc[i][t][j] += xk * w[j];
                         }
                     }
-                }
             }
         }
-        for (int t = 0; t < nt; t++)
-            for (int j = 0; j < NV; j++) {
-                vfu *o = (vfu *)(y + t * NC + j * VW);
-                *o = k0 == 0 ? acc[t][j] : *o + acc[t][j];
-            }
+        for (int i = 0; i < mr; i++)
+            for (int t = 0; t < nt; t++)
+                for (int j = 0; j < NV; j++) {
+                    vfu *o = (vfu *)(y + i * ldy + t * NC + j * VW);
+                    *o = k0 == 0 ? acc[i][t][j] : *o + acc[i][t][j];
+                }
     }
 }
 
@@ -492,10 +498,15 @@ void pd_qgemm_tiles(int bits, const void *w, const void *d, const void *m, const
             direct(bits, M, t4, t8, td, tm, ts, x, ldx, K, sx, yt, ldy, t1 - t);
             continue;
         }
-        if (NV == 2 && M == 1) {   /* invariant (the register rows above took the rest of M <= DIRECT_ROWS) */
+        if (NV == 2 && M <= INVARIANT_DIRECT) {   /* invariant: the register rows above took the rest */
             const int64_t left = (int64_t)(t1 - t) * (K / 32);
-            if (t + 1 < t1) invariant1(2, bits, t4, t8, td, tm, ts, x, K, yt, left), t++;
-            else invariant1(1, bits, t4, t8, td, tm, ts, x, K, yt, left);
+#define INV(r, n) invariant_rows4(r, n, bits, t4, t8, td, tm, ts, x, ldx, K, yt, ldy, left)
+            if (M == 1 && t + 1 < t1) INV(1, 2), t++;
+            else if (M == 1) INV(1, 1);
+            else if (M == 2) INV(2, 1);
+            else if (M == 3) INV(3, 1);
+            else INV(4, 1);
+#undef INV
             continue;
         }
         float buf[KB * NC] __attribute__((aligned(64)));
