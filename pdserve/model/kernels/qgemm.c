@@ -116,6 +116,10 @@ static inline void halfs(const uint16_t *p, vf *o) {
 
 #define LOAD(p) (*(const vfu *)(p))
 
+/* An int4 weight as the products sum it: q * d + m, rounded once (one FMA where the build has it). The
+   dequantized block and the batch-invariant register rows both call this, so their bits agree. */
+static inline vf weight4(vf q, vf d, vf m) { return q * d + m; }
+
 /* The weight of one tile: its input values [k0, k1) into buf [k1 - k0][16]. */
 static void dequant4(const uint8_t *nib, const uint16_t *d, const uint16_t *m, int k0, int k1, float *buf) {
     for (int g = k0 / 32; g < k1 / 32; g++) {
@@ -125,8 +129,8 @@ static void dequant4(const uint8_t *nib, const uint16_t *d, const uint16_t *m, i
             float *o = buf + (g * 32 - k0 + 2 * kp) * NC;
             nibbles(nib + ((int64_t)g * 16 + kp) * NC, lo, hi);
             for (int j = 0; j < NV; j++) {
-                *(vf *)(o + j * VW) = lo[j] * dg[j] + mg[j];
-                *(vf *)(o + NC + j * VW) = hi[j] * dg[j] + mg[j];
+                *(vf *)(o + j * VW) = weight4(lo[j], dg[j], mg[j]);
+                *(vf *)(o + NC + j * VW) = weight4(hi[j], dg[j], mg[j]);
             }
         }
     }
@@ -243,6 +247,10 @@ static inline int pf_ahead(int unit) { return __atomic_load_n(&pf_bytes, __ATOMI
 static inline void prefetch_group(const uint8_t *nib, const uint16_t *d, const uint16_t *m, int64_t g) {
     for (int b = 0; b < 16 * NC; b += 64) __builtin_prefetch(nib + g * 16 * NC + b, 0, 2);
     if ((g & 1) == 0) __builtin_prefetch(d + g * NC, 0, 2), __builtin_prefetch(m + g * NC, 0, 2);  /* 2 groups a line */
+}
+/* The same for group g (32 input values) of an int8 tile. */
+static inline void prefetch_group8(const int8_t *q, int64_t g) {
+    for (int b = 0; b < 32 * NC; b += 64) __builtin_prefetch(q + g * 32 * NC + b, 0, 2);
 }
 /* Rows that skip the buffer. With one vector a tile row (AVX-512) up to 8 rows' accumulators fit the
    32 registers (2 a row and its output, one chain: the rows interleave instead). With two (AVX2's
@@ -418,8 +426,7 @@ static inline __attribute__((always_inline)) void invariant_rows4(int mr, int nt
         for (int g = k0 / 32; g < k1 / 32; g++) {
             const int64_t p = (int64_t)(nt - 1) * (K / 32) + g + ahead;  /* the last tile's group ahead */
             if (p < left && bits == 4) prefetch_group(t4, td, tm, p);
-            else if (p < left)
-                for (int b = 0; b < 32 * NC; b += 64) __builtin_prefetch(t8 + p * 32 * NC + b, 0, 2);
+            else if (p < left) prefetch_group8(t8, p);
             if (bits == 4) {
                 vf dg[2][NV], mg[2][NV];
                 for (int t = 0; t < nt; t++) halfs(td + t * ng + g * NC, dg[t]), halfs(tm + t * ng + g * NC, mg[t]);
@@ -428,8 +435,8 @@ static inline __attribute__((always_inline)) void invariant_rows4(int mr, int nt
                     for (int t = 0; t < nt; t++) {
                         vf lo[NV], hi[NV], wl[NV], wh[NV];
                         nibbles(t4 + t * n4 + ((int64_t)g * 16 + kp) * NC, lo, hi);
-                        for (int j = 0; j < NV; j++) wl[j] = lo[j] * dg[t][j] + mg[t][j];
-                        for (int j = 0; j < NV; j++) wh[j] = hi[j] * dg[t][j] + mg[t][j];
+                        for (int j = 0; j < NV; j++) wl[j] = weight4(lo[j], dg[t][j], mg[t][j]);
+                        for (int j = 0; j < NV; j++) wh[j] = weight4(hi[j], dg[t][j], mg[t][j]);
                         for (int i = 0; i < mr; i++) {
                             const vf xa = splat(x + i * ldx + k);
                             for (int j = 0; j < NV; j++) acc[i][t][j] += xa * wl[j];
