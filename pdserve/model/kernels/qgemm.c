@@ -220,9 +220,10 @@ static void rows_f32(int M, const float *x, int64_t ldx, const float *w, int kn,
 /* A few rows (DIRECT_ROWS): the weight is widened into registers and used at once. Within a group of 32 input
    values w = q * d + m, so sum x * w = d * sum x * q + m * sum x: the products take the nibbles as they
    are (no per-value dequantization), each group's sums are scaled once, and sx holds each row's sum of
-   x over each group (computed once per call). With one vector a tile row (AVX-512), two steps run
-   interleaved into separate accumulators: one chain of dependent FMAs would set the pace. */
-#define U (NV == 1 ? 2 : 1)
+   x over each group (computed once per call). Two steps run interleaved into separate accumulators
+   (UN) where the registers hold them, one row at any width and two with one vector a tile row
+   (AVX-512): with fewer chains of dependent FMAs their latency set the pace (docs/kernels.md). */
+#define UN(mr) ((mr) == 1 || (NV == 1 && (mr) == 2) ? 2 : 1)
 /* How far ahead of what they read the register rows (direct4, direct8) prefetch the weight, in bytes.
    A tile's groups follow each other and tiles follow each other, so the hardware prefetcher should
    find this stream, but a thread's chunks of tiles interleave with its peer's and each product of a
@@ -265,8 +266,8 @@ static inline __attribute__((always_inline)) void direct4(int mr, const uint8_t 
                                                           const uint16_t *m, const float *x, int64_t ldx, int K,
                                                           const float *sx, float *y, int64_t ldy, int64_t left,
                                                           int lut) {
-    const int un = mr <= 2 ? U : 1, split = NV == 1 || mr <= 2;
-    vf out[NV == 1 ? DIRECT_ROWS : 1][NV], a[DIRECT_ROWS][U][2][NV], lo[NV], hi[NV], dg[NV], mg[NV];
+    const int un = UN(mr), split = NV == 1 || mr <= 2;
+    vf out[NV == 1 ? DIRECT_ROWS : 1][NV], a[DIRECT_ROWS][2][2][NV], lo[NV], hi[NV], dg[NV], mg[NV];
     const int ahead = pf_ahead(16 * NC); /* never past `left` groups (the chunk's end): its peer's to read */
     if (NV == 1)
         for (int i = 0; i < mr; i++)
@@ -362,10 +363,13 @@ int pd_qgemm_lut_from(int rows) {
 }
 
 /* Up to DIRECT_ROWS rows of int4 or int8, each row count its own unrolled copy (and int4's with each
-   way of widening its nibbles). */
-static void direct(int bits, int M, const uint8_t *t4, const int8_t *t8, const uint16_t *td, const uint16_t *tm,
-                   const float *ts, const float *x, int64_t ldx, int K, const float *sx, float *y, int64_t ldy,
-                   int tiles_left) {
+   way of widening its nibbles). Not inlined into pd_qgemm_tiles: there the register allocator, sizing
+   the whole function with its 16 KB buffer, spilled a nibble vector and the mask of AVX2's one row to
+   the stack inside the loop. */
+static __attribute__((noinline)) void direct(int bits, int M, const uint8_t *t4, const int8_t *t8,
+                                             const uint16_t *td, const uint16_t *tm, const float *ts,
+                                             const float *x, int64_t ldx, int K, const float *sx, float *y,
+                                             int64_t ldy, int tiles_left) {
     const int lut = NIBBLE_LUT && M >= __atomic_load_n(&lut_from, __ATOMIC_RELAXED);
 #define ROWS(r) case r: if (bits == 4 && lut) direct4(r, t4, td, tm, x, ldx, K, sx, y, ldy, (int64_t)tiles_left * (K / 32), 1); \
                         else if (bits == 4) direct4(r, t4, td, tm, x, ldx, K, sx, y, ldy, (int64_t)tiles_left * (K / 32), 0); \
