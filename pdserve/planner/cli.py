@@ -176,6 +176,7 @@ def run_profile(argv: list[str]) -> int:
                     "decode": round(dec, 4),
                     "prefill": round(pre, 4),
                     "pd_decode_lent": round(serving.pd_decode_lent, 4),
+                    "pd_prefill_lent": round(serving.pd_prefill_lent, 4),
                 },
             },
         )

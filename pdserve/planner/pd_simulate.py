@@ -84,6 +84,7 @@ class PDFleet:
     # A decode step's time × this where every other worker is idle on the shared machine (cores set):
     # it borrows their cores (Serving.pd_decode_lent).
     decode_lent: float = 1.0
+    prefill_lent: float = 1.0  # the same for a step with prompt tokens (Serving.pd_prefill_lent)
 
     def describe(self) -> str:
         if self.mixed:
@@ -202,14 +203,15 @@ class _Sim:
 
     def _scaled(self, seconds: float, now: float, w: _Worker, prefill: bool) -> float:
         """A step's time on the shared machine: slower beside another busy worker (memory bandwidth,
-        measured), faster where a decode step has every other worker's cores to borrow (measured),
-        and shared out when more threads compute than there are cores."""
+        measured), faster where a step has every other worker's cores to borrow (measured for decode
+        steps and for steps with prompt tokens), and shared out when more threads compute than there
+        are cores."""
         seconds += self.fleet.step_overhead_s
         cores = self.fleet.cores
         if any(o is not w and o.busy_until > now for o in self.decode + self.prefill):
             seconds *= self.costs.contended_prefill if prefill else self.costs.contended_decode
-        elif cores and not prefill:
-            seconds *= self.fleet.decode_lent
+        elif cores and len(self.decode) + len(self.prefill) > 1:  # a lone worker has no peer to borrow from
+            seconds *= self.fleet.prefill_lent if prefill else self.fleet.decode_lent
         if not cores:
             return seconds
         return seconds * max(1.0, (self.busy_threads(now) + self.fleet.threads) / cores)

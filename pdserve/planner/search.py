@@ -85,6 +85,7 @@ def served(fleet: PDFleet, costs: StepCosts) -> PDFleet:
         remote_overhead_s=s.pd_remote_overhead_s,
         step_overhead_s=s.pd_step_s,
         decode_lent=s.pd_decode_lent,
+        prefill_lent=s.pd_prefill_lent,
     )
 
 

@@ -201,29 +201,37 @@ def overheads(
 
 def served_scales(
     costs: StepCosts, pd: dict[str, float], mixed: dict[str, float], short: int, long: int
-) -> tuple[float, float, float]:
-    """(decode, prefill, lent): the served workers' steps ÷ the profile's same steps, 1.0 where not
-    read. The profile times its steps in its own process; the served workers' steps of the same shape
-    have come out both faster and slower (three profiles of one day: a batch-1 decode step 20% slower
-    in the profile than served minutes later, and 4-7% faster), and the plan predicts served steps.
-    Decode is the mixed server's (its own threads; where unread, the PD workers'), and `lent` the PD
-    decode worker's step ÷ that: a PD worker on one machine borrows its idle peer's cores, so its
-    batch-1 step ran 0.5-0.7x the mixed server's on an Intel Xeon, and one scale between the two
-    predicted PD TPOTs 11-26% long and mixed ones 30% short (benchmarks/plan_accuracy.py)."""
+) -> tuple[float, float, float, float]:
+    """(decode, prefill, decode lent, prefill lent): the served workers' steps ÷ the profile's same
+    steps, 1.0 where not read. The profile times its steps in its own process; the served workers'
+    steps of the same shape have come out both faster and slower (three profiles of one day: a batch-1
+    decode step 20% slower in the profile than served minutes later, and 4-7% faster), and the plan
+    predicts served steps. Both scales are the mixed server's (its own threads; where unread, the PD
+    workers'), and each `lent` the PD workers' steps ÷ that: a PD worker on one machine borrows its
+    idle peer's cores, so its batch-1 decode step ran 0.5-0.7x the mixed server's on an Intel Xeon,
+    and one scale between the two predicted PD TPOTs 11-26% long and mixed ones 30% short
+    (benchmarks/plan_accuracy.py). Prefill steps borrow as well (the decode worker's local prompts,
+    the prefill worker's): one prefill scale over both deployments put an AMD EPYC's mixed TTFTs
+    22-33% short."""
     decode_1 = _profiled_decode_1(costs, short)
     pd_dec = pd["decode_step"] / decode_1 if "decode_step" in pd else None
     own = mixed["decode_step"] / decode_1 if "decode_step" in mixed else pd_dec
-    pre = [m["short_prefill"] / costs.prefill_s(short, 0) for m in (pd, mixed) if "short_prefill" in m]
+    pd_pre = [pd["short_prefill"] / costs.prefill_s(short, 0)] if "short_prefill" in pd else []
     if "long_prefill" in pd:
-        pre.append(pd["long_prefill"] / costs.prefill_s(long, 0))
+        pd_pre.append(pd["long_prefill"] / costs.prefill_s(long, 0))
+    pd_prefill = statistics.geometric_mean(pd_pre) if pd_pre else None
+    own_prefill = (
+        mixed["short_prefill"] / costs.prefill_s(short, 0) if "short_prefill" in mixed else pd_prefill
+    )
     lent = pd_dec / own if pd_dec is not None and own is not None else 1.0
-    return (own or 1.0, statistics.geometric_mean(pre) if pre else 1.0, lent)
+    prefill_lent = pd_prefill / own_prefill if pd_prefill is not None and own_prefill is not None else 1.0
+    return (own or 1.0, own_prefill or 1.0, lent, prefill_lent)
 
 
 def measure_serving(
     config: Config, config_file: str, costs: StepCosts, prefill_chunk: int, log: Callable[[str], None] = print
 ) -> tuple[Serving, tuple[float, float]]:
-    """The serving overheads (with served_scales' lent factor), and its (decode, prefill) for the
+    """The serving overheads (with served_scales' lent factors), and its (decode, prefill) for the
     profile's grids."""
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-profile-"))
     rng = random.Random(1)
@@ -245,9 +253,9 @@ def measure_serving(
         f"(+{s.pd_remote_overhead_s * 1000:.0f}); mixed TPOT {mixed['tpot'] * 1000:.1f} ms (+{s.mixed_step_s * 1000:.1f}), "
         f"TTFT {mixed['short'] * 1000:.0f} ms (+{s.mixed_overhead_s * 1000:.0f})"
     )
-    dec, pre, lent = served_scales(costs, pd, mixed, short, long)
+    dec, pre, lent, prefill_lent = served_scales(costs, pd, mixed, short, long)
     log(
         f"served steps ÷ profiled: decode x{dec:.2f}, prefill x{pre:.2f} (the grids are scaled by them); "
-        f"a PD decode step borrowing idle cores x{lent:.2f}"
+        f"a PD step borrowing idle cores: decode x{lent:.2f}, prefill x{prefill_lent:.2f}"
     )
-    return dataclasses.replace(s, pd_decode_lent=lent), (dec, pre)
+    return dataclasses.replace(s, pd_decode_lent=lent, pd_prefill_lent=prefill_lent), (dec, pre)

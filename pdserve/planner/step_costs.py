@@ -83,6 +83,9 @@ class Serving:
     # (the PD deployment's served batch-1 step ÷ the mixed server's, which has none to borrow; the grids
     # are scaled to the latter). 1.0 in profiles taken before it was measured.
     pd_decode_lent: float = 1.0
+    # The same for a PD worker's steps with prompt tokens (a prefill worker's, a decode worker's local
+    # prompts). 1.0 in profiles taken before it was measured.
+    pd_prefill_lent: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -234,6 +234,31 @@ def test_a_decode_step_with_every_other_worker_idle_borrows_their_cores():
     assert tpot(replace(apart, decode_lent=0.5), alone) == pytest.approx(tpot(apart, alone))
 
 
+def test_a_prompt_step_with_every_other_worker_idle_borrows_their_cores():
+    """A PD prefill worker's step (and a decode worker's local prompt) that starts while no other
+    worker computes takes the prefill lent factor; the decode steps keep theirs; a mixed server has
+    no peer to borrow from."""
+    fleet = PDFleet(
+        1,
+        1,
+        prefill_settings=RoleSettings(64, 512),
+        decode_settings=RoleSettings(64, 512),
+        threads=1,
+        cores=2,
+    )
+    remote = [PDRequest(0, 0.0, 1000, 1)]  # past local_prefill_max_tokens: the prefill worker's
+    local = [PDRequest(0, 0.0, 40, 1)]
+
+    def ttft(f: PDFleet, reqs: list[PDRequest]) -> float:
+        return next(r.ttft for r in simulate_pd(reqs, f, synthetic()))
+
+    for reqs in (remote, local):
+        assert ttft(replace(fleet, prefill_lent=0.5), reqs) < ttft(fleet, reqs)
+        assert ttft(replace(fleet, decode_lent=0.5), reqs) == pytest.approx(ttft(fleet, reqs))
+    mixed = PDFleet(0, 0, mixed=1, decode_settings=RoleSettings(64, 512), threads=1, cores=2)
+    assert ttft(mixed, local) == pytest.approx(ttft(replace(mixed, prefill_lent=0.5), local))
+
+
 def test_a_step_beside_a_busy_worker_runs_at_the_measured_contended_speed():
     # A local 20-token request decodes while a prefill worker computes a long prompt beside it.
     reqs = [PDRequest(0, 0.0, 20, 6), PDRequest(1, 0.0, 2000, 2)]
@@ -352,15 +377,28 @@ def test_the_profiles_grids_scale_to_the_served_steps():
         pytest.approx(1.2),
         pytest.approx(0.9),
         pytest.approx(1.0),
+        pytest.approx(1.0),
     )
-    assert served_scales(c, {"tpot": 0.03}, {"tpot": 0.03}, 32, 256) == (1.0, 1.0, 1.0)
-    # PD decode steps borrowing the idle peer's cores: the grid takes the mixed server's scale, the PD
-    # workers' ratio to it is the lent factor.
-    lent = dict(pd, decode_step=0.6 * decode_1)
+    assert served_scales(c, {"tpot": 0.03}, {"tpot": 0.03}, 32, 256) == (1.0, 1.0, 1.0, 1.0)
+    # PD steps borrowing the idle peer's cores: the grids take the mixed server's scales, the PD
+    # workers' ratios to them are the lent factors (prefill: both of its steps, geometric mean).
+    lent = dict(
+        pd,
+        decode_step=0.6 * decode_1,
+        short_prefill=0.72 * c.prefill_s(32, 0),
+        long_prefill=0.5 * c.prefill_s(256, 0),
+    )
     assert served_scales(c, lent, mixed, 32, 256) == (
         pytest.approx(1.2),
         pytest.approx(0.9),
         pytest.approx(0.5),
+        pytest.approx(0.6 / 0.9),
+    )
+    # Without the mixed server's prefill the PD workers' is the scale, and nothing is lent.
+    assert served_scales(c, lent, {"decode_step": 1.2 * decode_1}, 32, 256)[1:] == (
+        pytest.approx(0.6),
+        pytest.approx(0.5),
+        pytest.approx(1.0),
     )
     g = c.decode.scaled(1.2)
     assert g.at(3, 100) == pytest.approx(1.2 * c.decode.at(3, 100)) and c.decode.scaled(1.0) == c.decode
