@@ -15,6 +15,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from pdserve.common.gguf_file import GGUFFile
 from pdserve.common.paths import cache_root
 
 # llama.cpp pre-tokenizer names whose vocabularies split digits one by one before the GPT-2 regex.
@@ -195,15 +196,23 @@ def default_gguf_path() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def gguf_fields(reader) -> dict:
-    return {name: f.contents() for name, f in reader.fields.items()}
+@lru_cache(maxsize=1)
+def _code_digest() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 @lru_cache(maxsize=4)
 def load_gguf_tokenizer(path: str) -> TokenizerWrapper:
-    """The tokenizer alone, cached on disk: parsing a GGUF's token lists takes seconds."""
+    """The tokenizer alone, one per process (the router's and its encoders')."""
+    return gguf_tokenizer(path)
+
+
+def gguf_tokenizer(path: str, fields: dict[str, Any] | None = None) -> TokenizerWrapper:
+    """A GGUF file's tokenizer, cached on disk: building it from the token lists takes a second.
+    `fields`: the file's metadata where the caller has read it already (the model loader)."""
     st = os.stat(path)
-    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    # The file as it is now, and this module's code: a tokenizer built by older code is not reused.
+    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}:{_code_digest()}".encode()).hexdigest()[:16]
     cache = cache_root() / "tokenizers"
     tok_file, meta_file = cache / f"{key}.json", cache / f"{key}.meta.json"
     if tok_file.exists() and meta_file.exists():
@@ -215,10 +224,10 @@ def load_gguf_tokenizer(path: str) -> TokenizerWrapper:
             meta["eos"],
             meta["add_bos"],
         )
-    import gguf  # numpy: only on a cache miss, so a router with a warm cache never loads it
-
-    fields = {k: v for k, v in gguf_fields(gguf.GGUFReader(path)).items() if k.startswith("tokenizer.")}
-    tok = tokenizer_from_gguf_fields(fields)
+    if fields is None:
+        with GGUFFile(path) as gf:
+            fields = gf.fields
+    tok = tokenizer_from_gguf_fields({k: v for k, v in fields.items() if k.startswith("tokenizer.")})
     cache.mkdir(parents=True, exist_ok=True)
     tmp = tok_file.with_suffix(f".{os.getpid()}.tmp")
     tok.tok.save(str(tmp))

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import struct
 from pathlib import Path
-from typing import BinaryIO
 
+from pdserve.common.gguf_file import GGUFFile
 from pdserve.common.model_names import resolve_model
 from pdserve.model.arch import (
     SUPPORTED_ARCHITECTURES,
@@ -33,49 +32,10 @@ def default_gguf_path() -> Path:
 
 
 # GGUF value types: struct format of the scalars; 8 = string, 9 = array.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-def _read(f: BinaryIO, fmt: str):
-    size = struct.calcsize("<" + fmt)
-    data = f.read(size)
-    if len(data) != size:
-        raise ValueError("truncated GGUF header")
-    return struct.unpack("<" + fmt, data)[0]
-
-
-def _value(f: BinaryIO, vtype: int, keep: bool):
-    if vtype == 8:
-        n = _read(f, "Q")
-        if not keep:
-            f.seek(n, 1)
-            return None
-        return f.read(n).decode("utf-8", "replace")
-    if vtype == 9:
-        etype, n = _read(f, "I"), _read(f, "Q")
-        if etype in _SCALARS:  # skip fixed-size arrays in one seek
-            f.seek(n * struct.calcsize("<" + _SCALARS[etype]), 1)
-        else:
-            for _ in range(n):
-                _value(f, etype, False)
-        return n  # arrays: only their length is kept
-    if vtype not in _SCALARS:
-        raise ValueError(f"unknown GGUF value type {vtype}")
-    return _read(f, _SCALARS[vtype])
-
-
 def gguf_metadata(path: Path) -> dict:
     """The key-value metadata of a GGUF file (arrays as their length), read from its header only."""
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        _read(f, "I")  # version
-        _read(f, "Q")  # tensor count
-        out = {}
-        for _ in range(_read(f, "Q")):
-            key = f.read(_read(f, "Q")).decode("utf-8", "replace")
-            out[key] = _value(f, _read(f, "I"), keep=True)
-        return out
+    with GGUFFile(path, arrays=False) as gf:
+        return gf.fields
 
 
 def _gguf_arch(path: Path) -> ModelArch:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.common.gguf_file import GGUFFile
 from pdserve.common.model_names import not_found, resolve_model
 
 # The tokenizer half lives in the torch-free layer the router shares; re-exported for existing imports.
@@ -26,11 +27,11 @@ from pdserve.common.tokenizer import (  # noqa: F401
     DEFAULT_MODEL,
     TokenizerWrapper,
     default_gguf_path,
+    gguf_tokenizer,
     load_gguf_tokenizer,
     tokenizer_from_gguf_fields,
     tokenizer_from_hf_dir,
 )
-from pdserve.common.tokenizer import gguf_fields as _gguf_fields
 from pdserve.config import ModelConfig
 from pdserve.model import vlm
 from pdserve.model.arch import TINY_CONFIGS, ModelArch
@@ -86,18 +87,17 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
     """With quantization int4, the Q4_0 / Q4_1 tensors load as they are stored (quant.Staged), with no
     float copy; everything else is dequantized to float32 (and quantized again, if at all, by the model)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    fields = _gguf_fields(reader)
+    gf = GGUFFile(path)
+    fields = gf.fields
+    tensors = gf.tensors()
     arch_name = fields["general.architecture"]
     if arch_name not in ("llama", "qwen2", "mistral"):
         raise ValueError(f"GGUF architecture {arch_name!r} is not supported")
     p = arch_name + "."
     heads = int(fields[p + "attention.head_count"])
     hidden = int(fields[p + "embedding_length"])
-    tokenizer = tokenizer_from_gguf_fields(fields)
-    tensor_names = {t.name for t in reader.tensors}
+    tokenizer = gguf_tokenizer(str(path), fields)
+    tensor_names = {t.name for t in tensors}
     scaling = None
     if fields.get(p + "rope.scaling.type") not in (None, "none"):
         scaling = {
@@ -114,8 +114,8 @@ def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
             raise ValueError(
                 f"GGUF with both rope scaling {scaling['rope_type']!r} and rope_freqs is not supported"
             )
-        [freqs] = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
-        factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).astype(np.float64).ravel()
+        [freqs] = [t for t in tensors if t.name == "rope_freqs.weight"]
+        factors = dequantize(freqs).astype(np.float64).ravel()
         scaling = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
     arch = ModelArch(
         architecture=arch_name,
@@ -136,14 +136,10 @@ def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
         eos_token_ids=tokenizer.eos_token_ids,
     )
     weights: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in tensors:
         parts = t.name.split(".")
         keep_packed = quantization == "int4" and t.tensor_type.name in ("Q4_0", "Q4_1") and parts[0] == "blk"
-        data = (
-            None
-            if keep_packed
-            else gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        )
+        data = None if keep_packed else dequantize(t)
         if t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
         elif t.name == "output_norm.weight":
@@ -167,8 +163,38 @@ def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
         if keep_packed:
             weights[name] = from_gguf_blocks(t.data, t.tensor_type.name)
             continue
-        weights[name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+        if not data.flags.writeable or data.dtype != np.float32:  # a view of the file: copied
+            data = np.array(data, dtype=np.float32)
+        weights[name] = torch.from_numpy(data)
     return LoadedModel(str(path), arch, weights, tokenizer)
+
+
+def dequantize(t) -> np.ndarray:
+    """A GGUF tensor (gguf_file.Tensor) as float32, [rows, values]. Q4_0, Q4_1 and Q8_0, the types
+    llama.cpp's quantizer writes for these models, in torch (threaded; gguf.quants' numpy took
+    seconds of a worker's start), with gguf.quants' arithmetic: each value one float32 product
+    (Q4_1: then one sum), so the bits are its; the other types through gguf.quants."""
+    kind = t.tensor_type.name
+    if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+        import gguf
+
+        return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[kind]
+    rows = t.data.shape[0] if t.data.ndim > 1 else 1
+    b = torch.from_numpy(np.array(t.data)).view(rows, -1, head + (32 if kind == "Q8_0" else 16))
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, blocks, 1]
+    # One float32 buffer a tensor, changed in place: a fresh temporary of a tensor's size costs its
+    # page faults again (large blocks go back to the kernel when freed).
+    if kind == "Q8_0":
+        w = b[..., 2:].contiguous().view(torch.int8).float().mul_(d)
+    else:
+        qs = b[..., head:]
+        w = torch.cat([qs & 0x0F, qs >> 4], -1).float()  # the low nibbles are a block's first 16 values
+        if kind == "Q4_1":
+            w.mul_(d).add_(b[..., 2:4].contiguous().view(torch.float16).float())
+        else:
+            w.sub_(8).mul_(d)
+    return w.reshape(*t.data.shape[:-1], -1).numpy()
 
 
 # ---------------------------------------------------------------- Hugging Face directory

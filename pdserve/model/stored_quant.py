@@ -11,12 +11,14 @@ header, no tensor is mapped.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 
+from pdserve.common.gguf_file import GGUFFile
 from pdserve.common.model_names import resolve_model
 from pdserve.config import Config, derive
-from pdserve.model.describe import DEFAULT_MODEL, _read, _value, default_gguf_path
+from pdserve.model.describe import DEFAULT_MODEL, default_gguf_path
 
 AUTO = "auto"
 
@@ -49,24 +51,8 @@ _LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "f
 
 def gguf_tensor_types(path: Path) -> list[tuple[str, int, int]]:
     """(name, ggml type id, elements) of every tensor of a GGUF file, read from its header."""
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        _read(f, "I")  # version
-        n_tensors = _read(f, "Q")
-        for _ in range(_read(f, "Q")):  # the metadata, skipped
-            f.seek(_read(f, "Q"), 1)
-            _value(f, _read(f, "I"), keep=False)
-        out = []
-        for _ in range(n_tensors):
-            name = f.read(_read(f, "Q")).decode("utf-8", "replace")
-            elements = 1
-            for _ in range(_read(f, "I")):
-                elements *= _read(f, "Q")
-            ttype = _read(f, "I")
-            _read(f, "Q")  # offset
-            out.append((name, ttype, elements))
-        return out
+    with GGUFFile(path, arrays=False) as gf:
+        return [(t.name, t.type_id, math.prod(t.dims)) for t in gf.tensor_infos]
 
 
 def _mode_of(ttype: int) -> str:

@@ -123,9 +123,9 @@ def _write_llama_gguf(hf, path, rope_freqs: np.ndarray | None) -> None:
     per head), with the packaged model's tokenizer."""
     import gguf
 
-    from pdserve.common.tokenizer import gguf_fields
+    from pdserve.common.gguf_file import GGUFFile
 
-    tok = gguf_fields(gguf.GGUFReader(str(default_gguf_path())))
+    tok = GGUFFile(default_gguf_path()).fields
     c = hf.config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(c.max_position_embeddings)

@@ -53,8 +53,9 @@ def test_quantize_in_row_chunks_is_quantizing_whole(monkeypatch, mode):
 def test_gguf_q4_blocks_load_exactly():
     import gguf
 
-    reader = gguf.GGUFReader(str(default_gguf_path()))
-    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    from pdserve.common.gguf_file import GGUFFile  # read as gguf-py reads it: test_gguf_file.py
+
+    t = next(t for t in GGUFFile(default_gguf_path()).tensors() if t.name == "blk.0.ffn_down.weight")
     assert t.tensor_type.name == "Q4_1"
     want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
     st = from_gguf_blocks(t.data, "Q4_1")
