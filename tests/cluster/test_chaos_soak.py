@@ -39,7 +39,7 @@ def test_chaos_soak_short(tmp_path, capsys):
     soak = _soak_module()
     with timed("chaos soak (test_chaos_soak.py)"):
         rc = soak.main(
-            ["--duration", "100", "--seed", "7", "--capacity-s", "9", "--baseline-s", "25"]
+            ["--duration", "60", "--seed", "7", "--capacity-s", "9", "--baseline-s", "20"]
             + ["--workdir", str(tmp_path / "w"), "--out", str(tmp_path)]
         )
     out = capsys.readouterr().out
@@ -58,7 +58,7 @@ def test_chaos_soak_on_loopback_hosts(tmp_path, capsys):
     kinds = "kill9,sigstop,role_switch,redis_restart,hostile_clients,hostile_peer,rollback,link_down"
     with timed("chaos soak on loopback hosts (test_chaos_soak.py)"):
         rc = soak.main(
-            ["--hosts", "loopback", "--kinds", kinds, "--duration", "45", "--seed", "5"]
+            ["--hosts", "loopback", "--kinds", kinds, "--duration", "36", "--seed", "5"]
             + ["--capacity-s", "6", "--baseline-s", "12"]
             + ["--workdir", str(tmp_path / "w"), "--out", str(tmp_path)]
         )
