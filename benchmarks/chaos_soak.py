@@ -796,11 +796,18 @@ class Fault:
 
 
 def schedule(seed: int, duration: float, kinds: list[str]) -> list[Fault]:
-    """Every kind at least once, then more drawn at random: about one fault start per 12 s."""
+    """Every kind at least once, then more drawn at random: about one fault start per 12 s. The
+    whole fleet's kinds take the first slots, the rollback before the rollout: they take minutes
+    and one at a time, and a rollout is judged on the requests its window sees, so they start
+    while the load has the most of its time to run."""
     rng = random.Random(seed)
     workers = list(ROLES)
     n = max(len(kinds), int(duration / 12))
     picks = rng.sample(kinds, len(kinds)) + [rng.choice(kinds) for _ in range(n - len(kinds))]
+    fleet = [k for k in ("rollback", "rollout") if k in picks]
+    for k in fleet:
+        picks.remove(k)  # its first draw; a later one stays where it fell
+    picks = fleet + picks
     out = []
     span = duration * 0.85  # the last faults end before the chaos phase does
     for i, kind in enumerate(picks):
@@ -1079,13 +1086,14 @@ class Chaos:
         self._rollout(f, to, ["--slo-ttft-ms", "600000", "--slo-tpot-ms", "600000"])
 
     def rollback(self, f: Fault) -> None:
-        """A rollout whose SLO check no version passes: its first new worker is rolled back."""
+        """A rollout whose SLO check no version passes: its first new worker is rolled back (when a
+        request reaches the new version in its window; with none there is nothing to judge)."""
         self._rollout(f, self.c.other_version(), ["--slo-ttft-ms", "0.001"])
 
-    def _rollout(self, f: Fault, config: Path, slo: list[str]) -> None:
+    def _rollout(self, f: Fault, config: Path, flags: list[str]) -> None:
         cmd = pdserve_cmd() + ["rollout", "--config", str(config), "--router", self.c.router.url]
         cmd += ["--admin-key", ADMIN, "--window-s", "4", "--canary-weight", "0.5", "--max-error-rate", "1"]
-        cmd += ["--health-timeout-s", "240", "--drain-timeout-s", "5", *slo]
+        cmd += ["--health-timeout-s", "240", "--drain-timeout-s", "5", *flags]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
         lines = out.stdout.strip().splitlines()
         f.note = f"{config.stem}: rc {out.returncode}: {lines[-1] if lines else out.stderr.strip()[-200:]}"
