@@ -1,7 +1,7 @@
 """A GGUF file's metadata and tensor table, read in one pass over a memory map.
 
-gguf.GGUFReader builds a numpy view for every part of every metadata value: a vocabulary of 49,152
-tokens and as many merges took seconds of a worker's start before any weight was read. Here a
+gguf.GGUFReader builds a numpy view for every part of every metadata value: for a vocabulary of
+49,152 tokens and as many merges that was most of a worker's start, before any weight was read. Here a
 value is parsed with struct straight into Python objects (a string array is a loop over
 length-prefixed bytes), and a tensor is one numpy view of the mapped file, shaped as GGUFReader
 shapes it (quantized types as rows of bytes), so gguf.quants and the loaders take it unchanged.

@@ -208,7 +208,7 @@ def load_gguf_tokenizer(path: str) -> TokenizerWrapper:
 
 
 def gguf_tokenizer(path: str, fields: dict[str, Any] | None = None) -> TokenizerWrapper:
-    """A GGUF file's tokenizer, cached on disk: building it from the token lists takes a second.
+    """A GGUF file's tokenizer, cached on disk (built once from the token lists and merges).
     `fields`: the file's metadata where the caller has read it already (the model loader)."""
     st = os.stat(path)
     # The file as it is now, and this module's code: a tokenizer built by older code is not reused.

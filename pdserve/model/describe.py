@@ -31,7 +31,6 @@ def default_gguf_path() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-# GGUF value types: struct format of the scalars; 8 = string, 9 = array.
 def gguf_metadata(path: Path) -> dict:
     """The key-value metadata of a GGUF file (arrays as their length), read from its header only."""
     with GGUFFile(path, arrays=False) as gf:

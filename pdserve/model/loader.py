@@ -171,9 +171,10 @@ def load_gguf(path: Path, quantization: str = "none") -> LoadedModel:
 
 def dequantize(t) -> np.ndarray:
     """A GGUF tensor (gguf_file.Tensor) as float32, [rows, values]. Q4_0, Q4_1 and Q8_0, the types
-    llama.cpp's quantizer writes for these models, in torch (threaded; gguf.quants' numpy took
-    seconds of a worker's start), with gguf.quants' arithmetic: each value one float32 product
-    (Q4_1: then one sum), so the bits are its; the other types through gguf.quants."""
+    llama.cpp's quantizer writes for these models, in torch (threaded, one float32 buffer a tensor;
+    gguf.quants runs in numpy on one thread with a temporary per step), with gguf.quants'
+    arithmetic: each value one float32 product (Q4_1: then one sum), so the bits are its; the
+    other types through gguf.quants."""
     kind = t.tensor_type.name
     if kind not in ("Q4_0", "Q4_1", "Q8_0"):
         import gguf
