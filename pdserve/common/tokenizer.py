@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -13,10 +14,13 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
+import tokenizers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from pdserve.common.gguf_file import GGUFFile
 from pdserve.common.paths import cache_root
+
+log = logging.getLogger(__name__)
 
 # llama.cpp pre-tokenizer names whose vocabularies split digits one by one before the GPT-2 regex.
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"}
@@ -211,8 +215,10 @@ def gguf_tokenizer(path: str, fields: dict[str, Any] | None = None) -> Tokenizer
     """A GGUF file's tokenizer, cached on disk (built once from the token lists and merges).
     `fields`: the file's metadata where the caller has read it already (the model loader)."""
     st = os.stat(path)
-    # The file as it is now, and this module's code: a tokenizer built by older code is not reused.
-    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}:{_code_digest()}".encode()).hexdigest()[:16]
+    # The file as it is now, this module's code and the tokenizers library that wrote it: a
+    # tokenizer built by other code is not reused.
+    made_by = f"{_code_digest()}:{tokenizers.__version__}"
+    key = hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}:{made_by}".encode()).hexdigest()[:16]
     cache = cache_root() / "tokenizers"
     tok_file, meta_file = cache / f"{key}.json", cache / f"{key}.meta.json"
     if tok_file.exists() and meta_file.exists():
@@ -228,23 +234,23 @@ def gguf_tokenizer(path: str, fields: dict[str, Any] | None = None) -> Tokenizer
         with GGUFFile(path) as gf:
             fields = gf.fields
     tok = tokenizer_from_gguf_fields({k: v for k, v in fields.items() if k.startswith("tokenizer.")})
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        _save(tok, tok_file, meta_file)
+    except OSError as e:  # a cache that cannot be written costs the next start the build, nothing more
+        log.warning("tokenizer cache %s not written: %s", cache, e)
+    return tok
+
+
+def _save(tok: TokenizerWrapper, tok_file: Path, meta_file: Path) -> None:
+    """Written beside and renamed, the tokenizer before its meta: a reader needs both."""
+    tok_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = tok_file.with_suffix(f".{os.getpid()}.tmp")
     tok.tok.save(str(tmp))
     os.replace(tmp, tok_file)
     meta_tmp = meta_file.with_suffix(f".{os.getpid()}.tmp")
-    meta_tmp.write_text(
-        json.dumps(
-            {
-                "chat_template": tok.chat_template,
-                "bos": tok.bos_token_id,
-                "eos": tok.eos_token_ids,
-                "add_bos": tok.add_bos,
-            }
-        )
-    )
+    meta = {"chat_template": tok.chat_template, "bos": tok.bos_token_id, "eos": tok.eos_token_ids}
+    meta_tmp.write_text(json.dumps({**meta, "add_bos": tok.add_bos}))
     os.replace(meta_tmp, meta_file)
-    return tok
 
 
 def hf_special_ids(cfg: dict[str, Any]) -> tuple[list[int], int | None]:

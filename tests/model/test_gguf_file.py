@@ -109,3 +109,27 @@ def test_a_bad_file_is_refused_with_its_reason(tmp_path):
     bad.write_bytes(data[: header_end + 64])  # the tensor table whole, the tensors cut short
     with pytest.raises(GGUFFormatError, match="runs past the end of the file"):
         GGUFFile(bad).tensors()
+
+
+def test_the_tokenizer_cache_round_trips_and_an_unwritable_cache_only_costs_the_build(tmp_path, monkeypatch):
+    from pdserve.common.tokenizer import default_gguf_path, gguf_tokenizer
+
+    path = str(default_gguf_path())
+    text = "Hello world, 12345 <|im_start|>user\nhé ✓"
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    built = gguf_tokenizer(path)  # a miss: built from the file's lists, then written
+    assert len(list((tmp_path / "cache" / "tokenizers").glob("*.json"))) == 2
+    cached = gguf_tokenizer(path)  # a hit: read back
+    for tok in (built, cached):
+        assert tok.encode(text) == built.encode(text)
+        assert tok.decode(built.encode("hé ✓ 12345")) == "hé ✓ 12345"  # special tokens are left out
+    assert (cached.bos_token_id, cached.eos_token_ids, cached.add_bos, cached.chat_template) == (
+        built.bos_token_id,
+        built.eos_token_ids,
+        built.add_bos,
+        built.chat_template,
+    )
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("PDSERVE_CACHE", str(blocker / "cache"))  # no directory can be made there
+    assert gguf_tokenizer(path).encode(text) == built.encode(text)
