@@ -248,8 +248,16 @@ def _save(tok: TokenizerWrapper, tok_file: Path, meta_file: Path) -> None:
     tok.tok.save(str(tmp))
     os.replace(tmp, tok_file)
     meta_tmp = meta_file.with_suffix(f".{os.getpid()}.tmp")
-    meta = {"chat_template": tok.chat_template, "bos": tok.bos_token_id, "eos": tok.eos_token_ids}
-    meta_tmp.write_text(json.dumps({**meta, "add_bos": tok.add_bos}))
+    meta_tmp.write_text(
+        json.dumps(
+            {
+                "chat_template": tok.chat_template,
+                "bos": tok.bos_token_id,
+                "eos": tok.eos_token_ids,
+                "add_bos": tok.add_bos,
+            }
+        )
+    )
     os.replace(meta_tmp, meta_file)
 
 
