@@ -40,7 +40,7 @@ from pdserve.model.llama import LlamaModel
 from pdserve.model.mla import tiny_mla_weights
 from pdserve.model.moe import canonical_moe_weights
 from pdserve.model.moe_model import tiny_moe_weights
-from pdserve.model.quant import MODES, from_gguf_blocks
+from pdserve.model.quant import GROUP, MODES, from_gguf_blocks
 from pdserve.model.stored_quant import resolve_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -180,21 +180,20 @@ def dequantize(t) -> np.ndarray:
         import gguf
 
         return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[kind]
-    rows = t.data.shape[0] if t.data.ndim > 1 else 1
-    b = torch.from_numpy(np.array(t.data)).view(rows, -1, head + (32 if kind == "Q8_0" else 16))
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, blocks, 1]
+    raw = t.data.reshape(-1, t.data.shape[-1])  # [rows, bytes]
     # One float32 buffer a tensor, changed in place: a fresh temporary of a tensor's size costs its
     # page faults again (large blocks go back to the kernel when freed).
     if kind == "Q8_0":
+        b = torch.from_numpy(np.array(raw)).view(raw.shape[0], -1, 34)  # fp16 d, 32 int8 values
+        d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, blocks, 1]
         w = b[..., 2:].contiguous().view(torch.int8).float().mul_(d)
     else:
-        qs = b[..., head:]
-        w = torch.cat([qs & 0x0F, qs >> 4], -1).float()  # the low nibbles are a block's first 16 values
+        st = from_gguf_blocks(raw, kind)  # q in 0..15, scale d, zero m (Q4_0: -8d)
+        w = st.q.view(raw.shape[0], -1, GROUP).float()
         if kind == "Q4_1":
-            w.mul_(d).add_(b[..., 2:4].contiguous().view(torch.float16).float())
-        else:
-            w.sub_(8).mul_(d)
+            w.mul_(st.scale[..., None]).add_(st.zero[..., None])
+        else:  # d * (q - 8), as gguf.quants: q * d - 8d would give +0 where it gives -0
+            w.sub_(8).mul_(st.scale[..., None])
     return w.reshape(*t.data.shape[:-1], -1).numpy()
 
 
