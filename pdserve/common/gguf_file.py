@@ -12,6 +12,7 @@ Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (little-endian
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -83,15 +84,16 @@ class GGUFFile:
         self.close()
 
     def _unpack(self, fmt: str) -> tuple:
-        if self._pos + struct.calcsize(fmt) > len(self._map):
+        end = self._pos + struct.calcsize(fmt)
+        if end > len(self._map):
             raise GGUFFormatError(f"{self.path}: the header runs past the end of the file")
         out = struct.unpack_from(fmt, self._map, self._pos)
-        self._pos += struct.calcsize(fmt)
+        self._pos = end
         return out
 
     def _string(self) -> str:
-        (n,) = struct.unpack_from("<Q", self._map, self._pos)
-        start = self._pos + 8
+        (n,) = self._unpack("<Q")
+        start = self._pos
         self._pos = start + n
         if self._pos > len(self._map):
             raise GGUFFormatError(f"{self.path}: a string runs past the end of the file")
@@ -105,15 +107,16 @@ class GGUFFile:
         if vtype != _ARRAY:
             raise GGUFFormatError(f"{self.path}: metadata value type {vtype} is unknown")
         itype, count = self._unpack("<IQ")
-        if not self._arrays and itype in _SCALARS:
-            self._pos += count * struct.calcsize(_SCALARS[itype])
-            return count
-        if not self._arrays:
-            for _ in range(count):
-                if itype == _STRING:  # skipped, not decoded
-                    self._pos += 8 + self._unpack("<Q")[0]
-                else:
-                    self._value(itype)
+        if not self._arrays:  # its length only, its items skipped
+            if itype in _SCALARS:
+                self._pos += count * struct.calcsize(_SCALARS[itype])
+            else:
+                for _ in range(count):
+                    if itype == _STRING:  # not decoded
+                        (n,) = self._unpack("<Q")
+                        self._pos += n
+                    else:
+                        self._value(itype)
             return count
         if itype == _STRING:
             return [self._string() for _ in range(count)]
@@ -143,12 +146,9 @@ class GGUFFile:
             kind = GGMLQuantizationType(t.type_id)
             block, type_size = GGML_QUANT_SIZES[kind]
             shape = tuple(reversed(t.dims))
-            n = 1
-            for d in t.dims:
-                n *= d
             if t.dims and t.dims[0] % block:
                 raise GGUFFormatError(f"{self.path}: {t.name}'s rows are not whole {kind.name} blocks")
-            n_bytes = n // block * type_size
+            n_bytes = math.prod(t.dims) // block * type_size
             start = self.data_offset + t.offset
             if start + n_bytes > len(self._map):
                 raise GGUFFormatError(f"{self.path}: tensor {t.name} runs past the end of the file")
